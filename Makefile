@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make run` and `make test` (see README.md).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is installed first and pinned here, so pip never resolves a bare `torch` to a
+# multi-GB wheel by accident. On this project's CPU machines this takes the CPU wheel on
+# disk; on a Linux GPU machine, PyPI's torch==2.13.0 is a CUDA build. Override e.g.
+#   make TORCH_SPEC="torch==2.13.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+HOST ?= 127.0.0.1
+PORT ?= 8501
+
+.PHONY: run test bench lint install clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[app,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(PY) -m comera_engine.cli app --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed
+	$(PY) experiments/bench_tt_linear.py
+	$(PY) experiments/bench_tt_embedding.py
+	$(PY) experiments/bench_train_step.py
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,130 @@
+"""The one metrics sink interface the trainer writes through.
+
+The trainer calls a :class:`MetricsSink`; where the records go (a JSONL file in the run
+folder, the SQLite run store, both) is the sink's business. Records are plain JSON-able
+values so every sink can persist them without knowing the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    """What the trainer needs from a metrics destination.
+
+    - ``log_metrics(step, {"loss/task": 0.7, ...})``: scalar metrics at a step.
+    - ``log_ranks(step, {"encoder.0.attn.q": [12, 30, 30, 30, 12], ...})``: effective
+      bond ranks per TT layer.
+    - ``log_event(kind, text, step)``: e.g. ``rank_change``, ``checkpoint``, ``stage``,
+      ``error``, ``info``.
+    - ``log_artifact(kind, path)``: a file written for the run (checkpoint, export, log).
+    - ``set_status(status, error=None)``: lifecycle status (running, finished, stopped,
+      failed, diverged).
+    - ``flush()`` / ``close()``.
+    """
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
+    def log_ranks(self, step: int, ranks: dict[str, list[int]]) -> None: ...
+    def log_event(self, kind: str, text: str, step: int | None = None) -> None: ...
+    def log_artifact(self, kind: str, path: str) -> None: ...
+    def set_status(self, status: str, error: str | None = None) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class JSONLSink:
+    """Append-only JSON-lines file: one record per line, ``{"t": time, "type": ..., ...}``.
+
+    Lines are flushed at most ``flush_every`` seconds apart, and always on ``flush``/``close``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], flush_every: float = 0.5) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._flush_every = flush_every
+        self._last_flush = time.monotonic()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        record = {"t": time.time(), **record}
+        self._f.write(json.dumps(record) + "\n")
+        if time.monotonic() - self._last_flush >= self._flush_every:
+            self.flush()
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self._write({"type": "metrics", "step": int(step), "values": metrics})
+
+    def log_ranks(self, step: int, ranks: dict[str, list[int]]) -> None:
+        self._write({"type": "ranks", "step": int(step), "ranks": ranks})
+
+    def log_event(self, kind: str, text: str, step: int | None = None) -> None:
+        self._write({"type": "event", "kind": kind, "text": text, "step": step})
+
+    def log_artifact(self, kind: str, path: str) -> None:
+        self._write({"type": "artifact", "kind": kind, "path": str(path)})
+
+    def set_status(self, status: str, error: str | None = None) -> None:
+        self._write({"type": "status", "status": status, "error": error})
+
+    def flush(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            self._f.close()
+
+
+class MultiSink:
+    """Fan records out to several sinks."""
+
+    def __init__(self, *sinks: MetricsSink) -> None:
+        self.sinks = list(sinks)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        for s in self.sinks:
+            s.log_metrics(step, metrics)
+
+    def log_ranks(self, step: int, ranks: dict[str, list[int]]) -> None:
+        for s in self.sinks:
+            s.log_ranks(step, ranks)
+
+    def log_event(self, kind: str, text: str, step: int | None = None) -> None:
+        for s in self.sinks:
+            s.log_event(kind, text, step)
+
+    def log_artifact(self, kind: str, path: str) -> None:
+        for s in self.sinks:
+            s.log_artifact(kind, path)
+
+    def set_status(self, status: str, error: str | None = None) -> None:
+        for s in self.sinks:
+            s.set_status(status, error)
+
+    def flush(self) -> None:
+        for s in self.sinks:
+            s.flush()
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a JSONL sink file back, skipping a torn last line from a crash."""
+    out: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out
