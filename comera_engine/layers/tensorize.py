@@ -1,0 +1,198 @@
+"""Model-level helpers: ``tensorize``, ``truncate``, ``size_report``.
+
+``size_report`` is the one place model size is computed: the trainer's metrics, the
+dashboard and export all call it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .tt_embedding import TTEmbedding
+from .tt_linear import TTLinear
+
+__all__ = ["TT_LAYERS", "tensorize", "truncate", "size_report", "tt_layers"]
+
+TT_LAYERS = (TTLinear, TTEmbedding)
+
+
+def tt_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, layer)`` for every TT layer in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, TT_LAYERS)]
+
+
+def _matches(name: str, patterns: Iterable[str] | None) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in (patterns or ()))
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def tensorize(
+    model: nn.Module,
+    rank: int | Sequence[int] = 8,
+    include: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+    from_pretrained: bool = False,
+    min_features: int = 8,
+    d: int | None = None,
+    tau: float = 1e-2,
+) -> list[dict]:
+    """Replace ``nn.Linear`` / ``nn.Embedding`` modules by TT layers, in place.
+
+    Args:
+        rank: TT rank for every replaced layer.
+        include: glob patterns of qualified module names to replace (default: all).
+        exclude: glob patterns to keep dense (applied after ``include``).
+        from_pretrained: ``True`` initialises cores by TT-SVD of the existing weights
+            (rank cap ``rank``); ``False`` gives a fresh random init (training from scratch).
+        min_features: layers with a side smaller than this stay dense (e.g. a 3-way head).
+        d: factors per side (default: 3 for linears, 3/4 for embeddings).
+
+    Returns one report row per candidate layer: ``name``, ``kind``, ``shape``,
+    ``factors``, ``ranks``, ``params_before``, ``params_after``, ``replaced`` (and
+    ``reason`` when skipped).
+    """
+    report = []
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, (nn.Linear, nn.Embedding)) or isinstance(mod, TT_LAYERS):
+            continue
+        if include is not None and not _matches(name, include):
+            continue
+        row: dict = {"name": name}
+        if isinstance(mod, nn.Linear):
+            row.update(kind="linear", shape=[mod.in_features, mod.out_features],
+                       params_before=sum(p.numel() for p in mod.parameters()))
+            small = min(mod.in_features, mod.out_features) < min_features
+        else:
+            row.update(kind="embedding", shape=[mod.num_embeddings, mod.embedding_dim],
+                       params_before=mod.weight.numel())
+            small = min(mod.num_embeddings, mod.embedding_dim) < min_features
+        if _matches(name, exclude) or small:
+            row.update(replaced=False, params_after=row["params_before"],
+                       reason="excluded" if _matches(name, exclude) else
+                       f"smaller than min_features={min_features}")
+            report.append(row)
+            continue
+        w = mod.weight
+        if isinstance(mod, nn.Linear):
+            if from_pretrained:
+                new = TTLinear.from_linear(mod, rank=rank, d=d, tau=tau)
+            else:
+                new = TTLinear(mod.in_features, mod.out_features, rank=rank,
+                               bias=mod.bias is not None, d=d, tau=tau, dtype=w.dtype,
+                               device=w.device)
+            row["factors"] = [list(new.in_factors), list(new.out_factors)]
+        else:
+            if from_pretrained:
+                new = TTEmbedding.from_embedding(mod, rank=rank, d=d, tau=tau)
+            else:
+                new = TTEmbedding(mod.num_embeddings, mod.embedding_dim, rank=rank,
+                                  padding_idx=mod.padding_idx, d=d, tau=tau, dtype=w.dtype,
+                                  device=w.device)
+            row["factors"] = [list(new.vocab_factors), list(new.dim_factors)]
+        _set_module(model, name, new)
+        row.update(replaced=True, ranks=new.tt.ranks, params_after=new.num_params(False))
+        report.append(row)
+    return report
+
+
+def truncate(model: nn.Module) -> dict[str, list[tuple[int, int, int]]]:
+    """Physically slice every TT layer to its effective ranks, in place; outputs unchanged.
+
+    Returns ``{layer: [(bond, old, new), …]}`` for layers that shrank. Optimizer state is
+    not touched here; use ``comera_engine.rank.truncate_model_and_optimizer`` mid-training.
+    """
+    out = {}
+    for name, layer in tt_layers(model):
+        ch = layer.tt.truncate_()
+        if ch:
+            out[name] = [(c.bond, c.old, c.new) for c in ch]
+    return out
+
+
+def _bytes(p: torch.Tensor, n: int) -> int:
+    return n * p.element_size()
+
+
+def size_report(model: nn.Module) -> dict:
+    """Per-layer and whole-model sizes against the dense model.
+
+    For each TT layer: ``dense_params`` (the equivalent dense layer, bias included),
+    ``allocated_params`` (cores as stored + bias), ``effective_params`` (cores at the
+    effective ranks, i.e. after physical truncation, + bias), bytes of each, ranks, and
+    its compression ratio ``dense/effective``. Parameters outside TT layers (and not
+    gates) count the same in all three totals. Gate vectors are reported apart
+    (``gate_params``): they are training controls absorbed into the cores on export.
+
+    Totals: ``model`` (every parameter) and ``tensorized`` (the TT layers only), each
+    with ``dense_params``, ``allocated_params``, ``effective_params``, the ``*_bytes``
+    and ``compression`` (dense / effective) and ``compression_allocated``.
+    """
+    layers = []
+    tt_param_ids: set[int] = set()
+    tot = {"dense": 0, "alloc": 0, "eff": 0, "dense_b": 0, "alloc_b": 0, "eff_b": 0}
+    gate_params = 0
+    for name, layer in tt_layers(model):
+        core0 = layer.tt.cores[0]
+        for p in layer.parameters():
+            tt_param_ids.add(id(p))
+        gate_params += layer.tt.gate_params
+        dense = layer.dense_num_params()
+        alloc, eff = layer.num_params(False), layer.num_params(True)
+        row = {
+            "name": name,
+            "kind": "linear" if isinstance(layer, TTLinear) else "embedding",
+            "shape": ([layer.in_features, layer.out_features] if isinstance(layer, TTLinear)
+                      else [layer.num_embeddings, layer.embedding_dim]),
+            "factors": ([list(layer.in_factors), list(layer.out_factors)]
+                        if isinstance(layer, TTLinear)
+                        else [list(layer.vocab_factors), list(layer.dim_factors)]),
+            "allocated_ranks": layer.tt.ranks[1:-1],
+            "effective_ranks": layer.effective_ranks(),
+            "dense_params": dense,
+            "allocated_params": alloc,
+            "effective_params": eff,
+            "dense_bytes": _bytes(core0, dense),
+            "allocated_bytes": _bytes(core0, alloc),
+            "effective_bytes": _bytes(core0, eff),
+            "compression": dense / eff if eff else float("inf"),
+        }
+        layers.append(row)
+        tot["dense"] += dense
+        tot["alloc"] += alloc
+        tot["eff"] += eff
+        tot["dense_b"] += row["dense_bytes"]
+        tot["alloc_b"] += row["allocated_bytes"]
+        tot["eff_b"] += row["effective_bytes"]
+    other = other_b = 0
+    for p in model.parameters():
+        if id(p) not in tt_param_ids:
+            other += p.numel()
+            other_b += _bytes(p, p.numel())
+
+    def block(dn: int, al: int, ef: int, db: int, ab: int, eb: int) -> dict:
+        return {
+            "dense_params": dn, "allocated_params": al, "effective_params": ef,
+            "dense_bytes": db, "allocated_bytes": ab, "effective_bytes": eb,
+            "compression": dn / ef if ef else float("inf"),
+            "compression_allocated": dn / al if al else float("inf"),
+        }
+
+    return {
+        "layers": layers,
+        "tensorized": block(tot["dense"], tot["alloc"], tot["eff"], tot["dense_b"],
+                            tot["alloc_b"], tot["eff_b"]),
+        "model": block(tot["dense"] + other, tot["alloc"] + other, tot["eff"] + other,
+                       tot["dense_b"] + other_b, tot["alloc_b"] + other_b,
+                       tot["eff_b"] + other_b),
+        "other_params": other,
+        "gate_params": gate_params,
+    }

@@ -1,0 +1,126 @@
+"""``TTEmbedding``: a drop-in ``nn.Embedding`` stored as a gated TT-matrix (TTM)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..tensor.factorize import resolve_factors
+from ..tensor.lookup import split_point, ttm_lookup
+from ..tensor.tt import TTMCores
+
+__all__ = ["TTEmbedding"]
+
+
+class TTEmbedding(nn.Module):
+    """``E[ids]`` with ``E`` (num_embeddings × embedding_dim) in TTM format.
+
+    Lookup: unique ids, two merged half-tables, one batched GEMM (see
+    :func:`~comera_engine.tensor.lookup.ttm_lookup`). ``padding_idx`` behaves as in
+    ``nn.Embedding``: its row reads as zeros and receives no gradient.
+    Initialisation matches ``nn.Embedding`` (entries of variance 1).
+
+    Args:
+        num_embeddings, embedding_dim: table shape.
+        rank: TT rank (scalar, clamped) or the ``d-1`` internal ranks.
+        padding_idx: as ``nn.Embedding``.
+        vocab_factors, dim_factors: explicit factorisations (``∏ vocab_factors`` may exceed
+            ``num_embeddings``; ``∏ dim_factors`` may exceed ``embedding_dim``).
+        d: cores when factors are chosen automatically (default 4 for vocabularies of
+            at least 4096 rows, else 3).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        rank: int | Sequence[int] = 8,
+        padding_idx: int | None = None,
+        vocab_factors: Sequence[int] | None = None,
+        dim_factors: Sequence[int] | None = None,
+        d: int | None = None,
+        tau: float = 1e-2,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx: must be within num_embeddings, got {padding_idx}")
+            padding_idx %= num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        if d is None:
+            d = len(vocab_factors) if vocab_factors is not None else (
+                len(dim_factors) if dim_factors is not None else
+                (4 if num_embeddings >= 4096 else 3))
+        fv = resolve_factors(num_embeddings, vocab_factors, d, "vocab_factors")
+        fe = resolve_factors(embedding_dim, dim_factors, d, "dim_factors")
+        self.tt = TTMCores(fv.factors, fe.factors, rank, tau=tau, init_var=1.0, dtype=dtype,
+                           device=device)
+
+    @property
+    def vocab_factors(self) -> tuple[int, ...]:
+        return self.tt.row_factors
+
+    @property
+    def dim_factors(self) -> tuple[int, ...]:
+        return self.tt.col_factors
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids: expected an integer tensor, got {ids.dtype}")
+        ids = ids.long()
+        cores = self.tt.gated_cores()
+        h = split_point(self.vocab_factors, self.dim_factors, self.tt.ranks)
+        out = ttm_lookup(ids, cores, h)
+        if out.shape[-1] != self.embedding_dim:
+            out = out[..., : self.embedding_dim]
+        if self.padding_idx is not None:
+            keep = (ids != self.padding_idx).unsqueeze(-1).to(out.dtype)
+            out = out * keep
+        return out
+
+    def dense_weight(self) -> Tensor:
+        """The reconstructed table ``(num_embeddings, embedding_dim)`` (padding row zero)."""
+        E = self.tt.to_matrix()[: self.num_embeddings, : self.embedding_dim]
+        if self.padding_idx is not None:
+            mask = torch.ones(self.num_embeddings, 1, dtype=E.dtype, device=E.device)
+            mask[self.padding_idx] = 0
+            E = E * mask
+        return E
+
+    def effective_ranks(self) -> list[int]:
+        return self.tt.effective_ranks()
+
+    def num_params(self, effective: bool = True) -> int:
+        return self.tt.num_params(effective)
+
+    def dense_num_params(self) -> int:
+        return self.num_embeddings * self.embedding_dim
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, rank: int | Sequence[int] | None = None,
+                       tol: float | None = None, **kw) -> TTEmbedding:
+        """TT-SVD of a trained ``nn.Embedding`` table."""
+        layer = cls(emb.num_embeddings, emb.embedding_dim, rank=rank or 1,
+                    padding_idx=emb.padding_idx, dtype=emb.weight.dtype,
+                    device=emb.weight.device, **kw)
+        W = emb.weight.detach()
+        D = layer.tt.shape[1]
+        if D != W.shape[1]:
+            W = torch.nn.functional.pad(W, (0, D - W.shape[1]))
+        src = TTMCores.from_matrix(W, layer.vocab_factors, layer.dim_factors, max_rank=rank,
+                                   tol=tol, tau=layer.tt.tau)
+        layer.tt.load_cores_([c.detach() for c in src.cores])
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"factors={list(self.vocab_factors)}x{list(self.dim_factors)}, "
+                f"ranks={self.tt.ranks}, padding_idx={self.padding_idx}")

@@ -1,0 +1,381 @@
+"""Contraction planning for the TT-linear product ``Y = X · W``, ``X ∈ R^{B×N}``, ``W ∈ R^{N×M}``.
+
+``W`` is held as cores ``G_1..G_{2d}`` of shapes ``(r_{k-1}, s_k, r_k)`` with
+``s = (n_1..n_d, m_1..m_d)``. Three paths compute ``Y``:
+
+* ``halves``: ``L = G_1⋯G_d ∈ R^{N×r_d}``, ``R = G_{d+1}⋯G_{2d} ∈ R^{r_d×M}``,
+  ``Y = (X·L)·R``. Batch work ``B·r_d·(N+M)`` MACs; merges are batch independent.
+  Runs through :class:`TTLinearHalves`, a custom ``autograd.Function`` that saves only
+  the input, ``X·L`` and the merge prefixes/suffixes.
+* ``sweep``: contract ``X`` with one core at a time (no merged halves); cheapest when the
+  batch is small and the ranks are large.
+* ``dense``: reconstruct ``W`` and do one GEMM; wins only when ``r_d`` is close to full rank.
+
+A cost model (MACs and bytes moved, forward and backward, plus a per-kernel launch cost)
+estimates each path's time on the device and :func:`plan` picks the cheapest, caching the
+choice per (shapes, ranks, batch, device, dtype, training). :func:`explain` returns the
+numbers behind the choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "PATHS",
+    "DeviceModel",
+    "PathCost",
+    "TTLinearHalves",
+    "estimate",
+    "explain",
+    "merge_left",
+    "merge_right",
+    "plan",
+    "tt_linear",
+    "tt_linear_dense",
+    "tt_linear_halves",
+    "tt_linear_sweep",
+]
+
+PATHS = ("halves", "sweep", "dense")
+
+
+# ---------------------------------------------------------------------------- merges
+def merge_left(cores: Sequence[Tensor]) -> list[Tensor]:
+    """Prefixes of the input half: ``P_k = G_1⋯G_k`` as ``(n_1⋯n_k, r_k)`` matrices.
+
+    ``cores[k]`` has shape ``(r_{k-1}, n_k, r_k)``; returns ``[P_1, …, P_d]``, ``P_d = L``.
+    """
+    P = cores[0].reshape(-1, cores[0].shape[-1])
+    out = [P]
+    for G in cores[1:]:
+        r0, n, r1 = G.shape
+        P = (P @ G.reshape(r0, n * r1)).reshape(-1, r1)
+        out.append(P)
+    return out
+
+
+def merge_right(cores: Sequence[Tensor]) -> list[Tensor]:
+    """Suffixes of the output half: ``Q_j = G_j⋯G_{2d}`` as ``(r_{j-1}, m_j⋯m_d)``.
+
+    ``cores[j]`` has shape ``(r_{j-1}, m_j, r_j)``; returns ``[Q_1, …, Q_d]`` (first = R).
+    """
+    Q = cores[-1].reshape(cores[-1].shape[0], -1)
+    out = [Q]
+    for G in reversed(cores[:-1]):
+        r0, m, r1 = G.shape
+        Q = (G.reshape(r0 * m, r1) @ Q).reshape(r0, -1)
+        out.append(Q)
+    return out[::-1]
+
+
+# ---------------------------------------------------------------------------- halves
+class TTLinearHalves(torch.autograd.Function):
+    """``Y = (X·L)·R`` with ``L``/``R`` merged from the cores; any ``d >= 1``.
+
+    Saved for backward: ``X``, ``X·L``, the left prefixes ``P_1..P_d`` and right suffixes
+    ``Q_1..Q_d`` and the cores (views, no copies). Backward:
+    ``dXL = dY·Rᵀ``, ``dR = (XL)ᵀ·dY``, ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back
+    through the merge chains into each core.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, d: int, *cores: Tensor) -> Tensor:  # type: ignore[override]
+        left, right = cores[:d], cores[d:]
+        P = merge_left(left)
+        Q = merge_right(right)
+        XL = x @ P[-1]
+        y = XL @ Q[0]
+        ctx.d = d
+        ctx.save_for_backward(x, XL, *cores, *P, *Q)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        d = ctx.d
+        saved = ctx.saved_tensors
+        x, XL = saved[0], saved[1]
+        cores = saved[2 : 2 + 2 * d]
+        P = saved[2 + 2 * d : 2 + 3 * d]
+        Q = saved[2 + 3 * d : 2 + 4 * d]
+        L, R = P[-1], Q[0]
+        need_x = ctx.needs_input_grad[0]
+        need_cores = ctx.needs_input_grad[2:]
+        dXL = dy @ R.t()
+        dx = dXL @ L.t() if need_x else None
+        grads: list[Tensor | None] = [None] * (2 * d)
+        if any(need_cores):
+            # input half: P_k = P_{k-1} · G_k  (P_{k-1}: (a, r), G_k: (r, n·r'))
+            dP = x.t() @ dXL  # dL, (N, r_d)
+            for k in range(d - 1, 0, -1):
+                G = cores[k]
+                r0, n, r1 = G.shape
+                dPk = dP.reshape(-1, n * r1)
+                grads[k] = (P[k - 1].t() @ dPk).reshape(G.shape)
+                dP = dPk @ G.reshape(r0, n * r1).t()
+            grads[0] = dP.reshape(cores[0].shape)
+            # output half: Q_j = G_j · Q_{j+1}  (G_j: (r·m, r'), Q_{j+1}: (r', rest))
+            dQ = XL.t() @ dy  # dR, (r_d, M)
+            for j in range(d - 1):
+                G = cores[d + j]
+                r0, m, r1 = G.shape
+                dQj = dQ.reshape(r0 * m, -1)
+                grads[d + j] = (dQj @ Q[j + 1].t()).reshape(G.shape)
+                dQ = G.reshape(r0 * m, r1).t() @ dQj
+            grads[2 * d - 1] = dQ.reshape(cores[-1].shape)
+        grads = [g if need else None for g, need in zip(grads, need_cores)]
+        return (dx, None, *grads)
+
+
+def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
+    """Two-half path. ``x``: ``(B, N)``; returns ``(B, M)``."""
+    return TTLinearHalves.apply(x, d, *cores)
+
+
+# ---------------------------------------------------------------------------- sweep
+def tt_linear_sweep(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
+    """Core-by-core path (plain autograd). ``x``: ``(B, N)``; returns ``(B, M)``.
+
+    Input half: ``T (B, n_k, rest, r_{k-1}) × G_k (r_{k-1}, n_k, r_k) -> (B, rest, r_k)``;
+    output half: ``T (B, M_done, r) × G (r, m, r') -> (B, M_done·m, r')``.
+    """
+    B = x.shape[0]
+    T = x.reshape(B, -1, 1)  # (B, rest, r_0)
+    for G in cores[:d]:
+        r0, n, r1 = G.shape
+        T = T.reshape(B, n, -1, r0)
+        T = torch.einsum("bnqr,rns->bqs", T, G)
+    T = T.reshape(B, 1, -1)  # (B, M_done=1, r_d)
+    for G in cores[d:]:
+        r0, m, r1 = G.shape
+        T = (T.reshape(-1, r0) @ G.reshape(r0, m * r1)).reshape(B, -1, r1)
+    return T.reshape(B, -1)
+
+
+# ---------------------------------------------------------------------------- dense
+def tt_linear_dense(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
+    """Reconstruct ``W = L·R`` then one GEMM. ``x``: ``(B, N)``; returns ``(B, M)``."""
+    W = merge_left(cores[:d])[-1] @ merge_right(cores[d:])[0]
+    return x @ W
+
+
+_IMPL = {"halves": tt_linear_halves, "sweep": tt_linear_sweep, "dense": tt_linear_dense}
+
+
+# ---------------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
+class DeviceModel:
+    """Roofline-style device constants: MAC rate (MAC/s) for large GEMMs, memory
+    bandwidth (B/s), and a fixed cost per kernel/op (s). A GEMM whose smallest dimension
+    ``k`` is below ``full_eff_dim`` runs at ``k/full_eff_dim`` of the peak rate (skinny
+    GEMMs are bandwidth-limited)."""
+
+    name: str
+    mac_rate: float
+    bandwidth: float
+    op_overhead: float
+    full_eff_dim: int = 32
+
+    @staticmethod
+    def for_device(device: torch.device | str) -> DeviceModel:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            return DeviceModel("cuda", mac_rate=2.5e13, bandwidth=2.0e12, op_overhead=6e-6,
+                               full_eff_dim=64)
+        return DeviceModel("cpu", mac_rate=4.0e10, bandwidth=1.2e10, op_overhead=8e-6,
+                           full_eff_dim=16)
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """Estimated work of one path. MACs and bytes are totals for the direction(s)."""
+
+    path: str
+    macs_fwd: int
+    macs_bwd: int
+    bytes_fwd: int
+    bytes_bwd: int
+    ops_fwd: int
+    ops_bwd: int
+    seconds: float  # estimated (fwd, plus bwd when training)
+
+
+class _Acc:
+    """Accumulates GEMM-like ops: MACs, bytes, op count and modelled time."""
+
+    def __init__(self, dm: DeviceModel, elt: int) -> None:
+        self.dm, self.elt = dm, elt
+        self.macs = self.bytes = self.ops = 0
+        self.t = 0.0
+
+    def gemm(self, a: int, k: int, b: int, times: int = 1) -> None:
+        """``(a×k)·(k×b)``, ``times`` independent copies."""
+        macs = a * k * b * times
+        byts = (a * k + k * b + a * b) * self.elt * times
+        eff = min(1.0, max(1, min(a, k, b)) / self.dm.full_eff_dim)
+        self.macs += macs
+        self.bytes += byts
+        self.ops += 1
+        self.t += max(macs / (self.dm.mac_rate * eff), byts / self.dm.bandwidth)
+        self.t += self.dm.op_overhead
+
+    def copy(self, numel: int) -> None:
+        self.bytes += 2 * numel * self.elt
+        self.ops += 1
+        self.t += 2 * numel * self.elt / self.dm.bandwidth + self.dm.op_overhead
+
+
+def _merge_costs(acc: _Acc, ins: Sequence[int], outs: Sequence[int], r: Sequence[int]) -> None:
+    d = len(ins)
+    a = ins[0]
+    for k in range(1, d):
+        acc.gemm(a, r[k], ins[k] * r[k + 1])
+        a *= ins[k]
+    b = outs[-1]
+    for j in range(d - 2, -1, -1):
+        acc.gemm(r[d + j] * outs[j], r[d + j + 1], b)
+        b *= outs[j]
+
+
+def _path_cost(path: str, B: int, ins: Sequence[int], outs: Sequence[int], r: Sequence[int],
+               dm: DeviceModel, elt: int, training: bool, need_dx: bool) -> PathCost:
+    d = len(ins)
+    N, M, rd = math.prod(ins), math.prod(outs), r[d]
+    f, g = _Acc(dm, elt), _Acc(dm, elt)
+    for _ in range(len(r) - 2):  # gate scaling of each core (both paths pay it)
+        f.copy(0)
+    if path == "halves":
+        _merge_costs(f, ins, outs, r)
+        f.gemm(B, N, rd)
+        f.gemm(B, rd, M)
+        g.gemm(B, M, rd)  # dXL
+        g.gemm(rd, B, M)  # dR
+        if need_dx:
+            g.gemm(B, rd, N)
+        g.gemm(N, B, rd)  # dL
+        _merge_costs(g, ins, outs, r)
+        _merge_costs(g, ins, outs, r)
+    elif path == "sweep":
+        rest = N
+        for k in range(d):
+            rest //= ins[k]
+            f.copy(B * ins[k] * rest * r[k])  # einsum permute
+            f.gemm(B * rest, ins[k] * r[k], r[k + 1])
+            g.gemm(B * rest, r[k + 1], ins[k] * r[k])
+            g.gemm(ins[k] * r[k], B * rest, r[k + 1])
+            g.copy(B * ins[k] * rest * r[k])
+        done = 1
+        for j in range(d):
+            f.gemm(B * done, r[d + j], outs[j] * r[d + j + 1])
+            g.gemm(B * done, outs[j] * r[d + j + 1], r[d + j])
+            g.gemm(r[d + j], B * done, outs[j] * r[d + j + 1])
+            done *= outs[j]
+    elif path == "dense":
+        _merge_costs(f, ins, outs, r)
+        f.gemm(N, rd, M)
+        f.gemm(B, N, M)
+        g.gemm(N, B, M)  # dW
+        if need_dx:
+            g.gemm(B, M, N)
+        g.gemm(N, M, rd)
+        g.gemm(rd, N, M)
+        _merge_costs(g, ins, outs, r)
+        _merge_costs(g, ins, outs, r)
+    else:
+        raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}")
+    secs = f.t + (g.t if training else 0.0)
+    return PathCost(path, f.macs, g.macs, f.bytes, g.bytes, f.ops, g.ops, secs)
+
+
+@lru_cache(maxsize=8192)
+def _estimate_cached(B: int, ins: tuple[int, ...], outs: tuple[int, ...], r: tuple[int, ...],
+                     dm: DeviceModel, elt: int, training: bool, need_dx: bool
+                     ) -> tuple[PathCost, ...]:
+    return tuple(_path_cost(p, B, ins, outs, r, dm, elt, training, need_dx) for p in PATHS)
+
+
+def estimate(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
+             ranks: Sequence[int], device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.float32, training: bool = True,
+             need_dx: bool = True) -> dict[str, PathCost]:
+    """Cost of every path for batch ``B``; ``ranks`` is ``[1, r_1, …, r_{2d-1}, 1]``."""
+    if len(in_factors) != len(out_factors) or len(ranks) != 2 * len(in_factors) + 1:
+        raise ValueError(
+            f"ranks: need 2d+1 = {2 * len(in_factors) + 1} ranks for d = {len(in_factors)}, "
+            f"got {len(ranks)}"
+        )
+    dm = DeviceModel.for_device(device)
+    elt = torch.empty((), dtype=dtype).element_size()
+    costs = _estimate_cached(int(B), tuple(in_factors), tuple(out_factors), tuple(ranks), dm,
+                             elt, bool(training), bool(need_dx))
+    return {c.path: c for c in costs}
+
+
+@lru_cache(maxsize=8192)
+def _plan_cached(B: int, ins: tuple[int, ...], outs: tuple[int, ...], r: tuple[int, ...],
+                 dev: str, dtype: torch.dtype, training: bool, need_dx: bool) -> str:
+    costs = estimate(B, ins, outs, r, dev, dtype, training, need_dx)
+    if min(r) == 0:
+        return "halves"
+    return min(costs.values(), key=lambda c: c.seconds).path
+
+
+def plan(B: int, in_factors: Sequence[int], out_factors: Sequence[int], ranks: Sequence[int],
+         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         training: bool = True, need_dx: bool = True) -> str:
+    """The cheapest path name for these shapes (cached)."""
+    dev = torch.device(device).type
+    return _plan_cached(int(B), tuple(in_factors), tuple(out_factors), tuple(ranks), dev,
+                        dtype, bool(training), bool(need_dx))
+
+
+def explain(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
+            ranks: Sequence[int], device: torch.device | str = "cpu",
+            dtype: torch.dtype = torch.float32, training: bool = True) -> dict:
+    """What the planner sees: the chosen path and, per path, MACs, bytes and modelled
+    seconds; plus the dense ``nn.Linear`` reference MACs (``B·N·M`` forward)."""
+    costs = estimate(B, in_factors, out_factors, ranks, device, dtype, training)
+    N, M = math.prod(in_factors), math.prod(out_factors)
+    return {
+        "path": plan(B, in_factors, out_factors, ranks, device, dtype, training),
+        "batch": int(B),
+        "ranks": list(ranks),
+        "dense_linear_macs_fwd": B * N * M,
+        "dense_linear_macs_fwd_bwd": 3 * B * N * M,
+        "paths": {p: asdict(c) for p, c in costs.items()},
+    }
+
+
+# ---------------------------------------------------------------------------- entry
+def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = None) -> Tensor:
+    """``Y = X·W`` for the TT weight given by ``cores`` (gates already absorbed).
+
+    ``x``: ``(..., N)``; returns ``(..., M)``. ``path=None`` lets the planner choose.
+    """
+    if len(cores) != 2 * d:
+        raise ValueError(f"cores: expected 2d = {2 * d} cores, got {len(cores)}")
+    ins = tuple(int(c.shape[1]) for c in cores[:d])
+    outs = tuple(int(c.shape[1]) for c in cores[d:])
+    N = math.prod(ins)
+    if x.shape[-1] != N:
+        raise ValueError(f"x: last dimension {x.shape[-1]} != N = {N}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, N)
+    if path is None:
+        ranks = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
+        training = torch.is_grad_enabled() and (
+            x.requires_grad or any(c.requires_grad for c in cores))
+        path = plan(x2.shape[0], ins, outs, ranks, x.device, x.dtype, training,
+                    x.requires_grad)
+    try:
+        impl = _IMPL[path]
+    except KeyError:
+        raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}") from None
+    y = impl(x2, cores, d)
+    return y.reshape(*lead, -1)

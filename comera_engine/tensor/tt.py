@@ -1,0 +1,452 @@
+"""Gated tensor-train cores: the containers behind every TT layer.
+
+A tensor train of K cores ``G_k ∈ R^{r_{k-1} × (mode_k) × r_k}`` (``r_0 = r_K = 1``) with a
+rank-gate vector ``g_k ∈ R^{r_k}`` on each internal bond (initialised to 1):
+
+    T = G_1 · diag(g_1) · G_2 · diag(g_2) · … · diag(g_{K-1}) · G_K
+
+``mode_k`` is ``(s_k,)`` for a TT-linear weight (order 2d: ``s = (n_1..n_d, m_1..m_d)``)
+and ``(v_k, e_k)`` for a TTM embedding table. A gate entry is *alive* while ``|g| > tau``
+and it has never been pruned (a persistent ``alive`` mask); dead entries act exactly as a
+removed rank: they contribute zero and receive zero gradient. ``truncate_()`` then slices
+them out physically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "RankChange",
+    "TensorTrain",
+    "TTLinearCores",
+    "TTMCores",
+    "max_tt_ranks",
+    "tt_svd",
+]
+
+
+@dataclass(frozen=True)
+class RankChange:
+    """One bond changing its (effective or allocated) rank."""
+
+    bond: int
+    old: int
+    new: int
+
+
+def max_tt_ranks(mode_sizes: Sequence[int]) -> list[int]:
+    """Largest meaningful internal ranks: ``r_k <= min(∏_{j<=k} s_j, ∏_{j>k} s_j)``.
+
+    Returns a list of length ``K-1`` for ``K = len(mode_sizes)``.
+    """
+    out = []
+    for k in range(1, len(mode_sizes)):
+        out.append(min(math.prod(mode_sizes[:k]), math.prod(mode_sizes[k:])))
+    return out
+
+
+def _resolve_ranks(rank: int | Sequence[int], mode_sizes: Sequence[int]) -> list[int]:
+    """Internal ranks (length K-1) from a scalar (clamped to the maximal TT ranks) or a
+    list (validated: positive and at most the maximal TT rank of each bond). A list of
+    length K+1 with ones at both ends is also accepted."""
+    K = len(mode_sizes)
+    caps = max_tt_ranks(mode_sizes)
+    if isinstance(rank, (int, np.integer)) and not isinstance(rank, bool):
+        if rank < 1:
+            raise ValueError(f"rank: must be a positive integer, got {rank}")
+        return [min(int(rank), c) for c in caps]
+    ranks = [int(r) for r in rank]
+    if len(ranks) == K + 1:
+        if ranks[0] != 1 or ranks[-1] != 1:
+            raise ValueError(f"rank: boundary ranks must be 1, got {ranks}")
+        ranks = ranks[1:-1]
+    if len(ranks) != K - 1:
+        raise ValueError(f"rank: expected {K - 1} internal ranks for {K} cores, got {len(ranks)}")
+    for k, (r, c) in enumerate(zip(ranks, caps)):
+        if r < 1:
+            raise ValueError(f"rank: rank of bond {k} must be positive, got {r}")
+        if r > c:
+            raise ValueError(
+                f"rank: rank {r} of bond {k} exceeds the maximal TT rank {c} for modes "
+                f"{list(mode_sizes)}"
+            )
+    return ranks
+
+
+def tt_svd(
+    tensor: np.ndarray | Tensor, max_rank: int | Sequence[int] | None = None,
+    tol: float | None = None,
+) -> list[np.ndarray]:
+    """TT-SVD of an order-K tensor with tensorly (float64).
+
+    Either ``max_rank`` (scalar cap or internal rank list) or ``tol``: the relative
+    Frobenius error bound ``||T - T_tt|| <= tol·||T||`` (ranks chosen by the
+    Oseledets sweep with per-unfolding threshold ``tol·||T||/sqrt(K-1)``), or both.
+    Returns cores of shape ``(r_{k-1}, s_k, r_k)``.
+    """
+    from tensorly.decomposition import tensor_train
+
+    t = tensor.detach().cpu().double().numpy() if isinstance(tensor, Tensor) else np.asarray(
+        tensor, dtype=np.float64
+    )
+    sizes = list(t.shape)
+    K = len(sizes)
+    if K == 1:
+        return [t.reshape(1, sizes[0], 1)]
+    caps = max_tt_ranks(sizes)
+    if max_rank is None and tol is None:
+        ranks = caps
+    elif max_rank is not None:
+        ranks = _resolve_ranks(max_rank, sizes) if not isinstance(max_rank, int) else [
+            min(max_rank, c) for c in caps
+        ]
+    else:
+        ranks = caps
+    if tol is not None:
+        if tol < 0:
+            raise ValueError(f"tol: must be >= 0, got {tol}")
+        delta = tol * np.linalg.norm(t) / math.sqrt(K - 1)
+        chosen, c, r_prev = [], t, 1
+        for k in range(K - 1):
+            c = c.reshape(r_prev * sizes[k], -1)
+            u, s, vt = np.linalg.svd(c, full_matrices=False)
+            tail = np.sqrt(np.cumsum((s**2)[::-1]))[::-1]  # tail[i] = ||s[i:]||
+            r = int(np.sum(tail > delta)) or 1
+            r = min(r, ranks[k])
+            chosen.append(r)
+            c = s[:r, None] * vt[:r]
+            r_prev = r
+        ranks = chosen
+    tt = tensor_train(t, [1, *ranks, 1])
+    return [np.asarray(f) for f in tt]
+
+
+class TensorTrain(nn.Module):
+    """Gated tensor train with cores of shape ``(r_{k-1}, *mode_shapes[k], r_k)``.
+
+    Args:
+        mode_shapes: per core, its mode shape: ``(s_k,)`` or ``(v_k, e_k)``.
+        rank: scalar (clamped to the maximal TT ranks) or internal ranks (length K-1).
+        tau: gate threshold; entries with ``|g| <= tau`` are pruned.
+        init_var: variance of the reconstructed tensor's entries at initialisation
+            (cores i.i.d. normal with ``std = (init_var / ∏ r_k)^(1/(2K))``).
+    """
+
+    def __init__(
+        self,
+        mode_shapes: Sequence[Sequence[int]],
+        rank: int | Sequence[int],
+        tau: float = 1e-2,
+        init_var: float = 1.0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.mode_shapes = [tuple(int(x) for x in m) for m in mode_shapes]
+        if not self.mode_shapes or any(not m or min(m) < 1 for m in self.mode_shapes):
+            raise ValueError(f"mode_shapes: need non-empty positive shapes, got {mode_shapes}")
+        if tau < 0:
+            raise ValueError(f"tau: must be >= 0, got {tau}")
+        self.tau = float(tau)
+        ranks = _resolve_ranks(rank, self.mode_sizes)
+        full = [1, *ranks, 1]
+        K = len(self.mode_shapes)
+        std = (init_var / max(1, math.prod(ranks))) ** (1.0 / (2 * K))
+        self.cores = nn.ParameterList(
+            nn.Parameter(
+                torch.randn(full[k], *self.mode_shapes[k], full[k + 1], dtype=dtype,
+                            device=device) * std
+            )
+            for k in range(K)
+        )
+        self.gates = nn.ParameterList(
+            nn.Parameter(torch.ones(r, dtype=dtype, device=device)) for r in ranks
+        )
+        for k, r in enumerate(ranks):
+            self.register_buffer(f"alive_{k}", torch.ones(r, dtype=torch.bool, device=device))
+
+    # ----------------------------------------------------------------- structure
+    @property
+    def num_cores(self) -> int:
+        return len(self.mode_shapes)
+
+    @property
+    def mode_sizes(self) -> list[int]:
+        """``s_k = ∏ mode_shapes[k]``."""
+        return [math.prod(m) for m in self.mode_shapes]
+
+    @property
+    def ranks(self) -> list[int]:
+        """Allocated ranks ``[1, r_1, …, r_{K-1}, 1]``."""
+        return [1, *[int(g.shape[0]) for g in self.gates], 1]
+
+    def alive(self, k: int) -> Tensor:
+        return getattr(self, f"alive_{k}")
+
+    def masks(self) -> list[Tensor]:
+        """Per bond: boolean mask of active gate entries (alive and ``|g| > tau``)."""
+        return [self.alive(k) & (g.detach().abs() > self.tau) for k, g in enumerate(self.gates)]
+
+    def effective_ranks(self) -> list[int]:
+        """Effective internal ranks (length K-1): active gate entries per bond."""
+        return [int(m.sum()) for m in self.masks()]
+
+    def num_params(self, effective: bool = True) -> int:
+        """Core parameters. Allocated: ``Σ numel(G_k)``. Effective:
+        ``Σ s_k R_{k-1} R_k`` with effective ranks (0 if any bond has rank 0).
+        Gate vectors are training-only controls (absorbed into cores on export) and are
+        not counted; see ``gate_params``."""
+        if not effective:
+            return sum(c.numel() for c in self.cores)
+        R = [1, *self.effective_ranks(), 1]
+        if min(R) == 0:
+            return 0
+        return sum(s * R[k] * R[k + 1] for k, s in enumerate(self.mode_sizes))
+
+    @property
+    def gate_params(self) -> int:
+        return sum(g.numel() for g in self.gates)
+
+    # ----------------------------------------------------------------- math
+    def gated_cores(self) -> list[Tensor]:
+        """Cores with the masked gates absorbed into their right bond:
+        ``G_k · diag(g_k ⊙ mask_k)`` for ``k < K``, ``G_K`` as is. Differentiable in both
+        cores and gates; dead entries contribute (and receive) exactly zero."""
+        out = []
+        masks = self.masks()
+        for k, core in enumerate(self.cores):
+            if k < len(self.gates):
+                g = self.gates[k] * masks[k].to(self.gates[k].dtype)
+                core = core * g
+            out.append(core)
+        return out
+
+    def full_tensor(self) -> Tensor:
+        """Contract all (gated) cores: shape ``(*mode_shapes[0], *mode_shapes[1], …)``."""
+        cores = self.gated_cores()
+        acc = cores[0].reshape(-1, cores[0].shape[-1])  # (s_1, r_1)
+        for c in cores[1:]:
+            r = c.shape[0]
+            acc = (acc @ c.reshape(r, -1)).reshape(-1, c.shape[-1])
+        shape = [x for m in self.mode_shapes for x in m]
+        return acc.reshape(shape)
+
+    def to_dense(self) -> Tensor:
+        """The full tensor (same layout as tensorly's ``tt_to_tensor``)."""
+        return self.full_tensor()
+
+    # ----------------------------------------------------------------- pruning
+    @torch.no_grad()
+    def refresh_(self) -> list[RankChange]:
+        """Make pruning permanent: entries with ``|g| <= tau`` become dead for good and
+        are set to exactly 0. Call after each optimizer step. Returns bonds whose
+        effective rank changed."""
+        changes = []
+        for k, g in enumerate(self.gates):
+            alive = self.alive(k)
+            old = int(alive.sum())
+            alive &= g.abs() > self.tau
+            g.masked_fill_(~alive, 0.0)
+            new = int(alive.sum())
+            if new != old:
+                changes.append(RankChange(k, old, new))
+        return changes
+
+    @torch.no_grad()
+    def keep_indices(self) -> list[Tensor]:
+        """Per bond, the indices of active entries (what ``truncate_`` keeps)."""
+        return [torch.nonzero(m, as_tuple=False).flatten() for m in self.masks()]
+
+    @torch.no_grad()
+    def truncate_(self) -> list[RankChange]:
+        """Physically slice cores and gates to the effective ranks, in place.
+
+        The same ``nn.Parameter`` objects are kept (their ``.data`` replaced), so optimizer
+        parameter groups stay valid; optimizer state must be sliced with the same
+        indices (see ``comera_engine.rank``). The computed tensor is unchanged.
+        """
+        idx = self.keep_indices()
+        changes = []
+        for k, keep in enumerate(idx):
+            old = self.gates[k].shape[0]
+            if keep.numel() == old:
+                continue
+            left, right = self.cores[k], self.cores[k + 1]
+            left.data = left.data.index_select(left.dim() - 1, keep).contiguous()
+            right.data = right.data.index_select(0, keep).contiguous()
+            g = self.gates[k]
+            g.data = g.data.index_select(0, keep).contiguous()
+            setattr(self, f"alive_{k}", self.alive(k).index_select(0, keep).contiguous())
+            for p in (left, right, g):
+                p.grad = None
+            changes.append(RankChange(k, old, int(keep.numel())))
+        return changes
+
+    def resize_(self, ranks: Sequence[int]) -> None:
+        """Reallocate cores and gates at the given internal ranks (values lost): used to
+        rebuild a truncated layer before loading its checkpoint."""
+        ranks = [int(r) for r in ranks]
+        if len(ranks) != self.num_cores - 1 or min(ranks, default=1) < 0:
+            raise ValueError(f"ranks: need {self.num_cores - 1} non-negative ranks, got {ranks}")
+        full = [1, *ranks, 1]
+        with torch.no_grad():
+            for k, c in enumerate(self.cores):
+                c.data = c.data.new_zeros(full[k], *self.mode_shapes[k], full[k + 1])
+            for k, g in enumerate(self.gates):
+                g.data = g.data.new_ones(ranks[k])
+                setattr(self, f"alive_{k}", torch.ones(ranks[k], dtype=torch.bool,
+                                                        device=g.device))
+
+    @torch.no_grad()
+    def load_cores_(self, cores: Sequence[Tensor | np.ndarray]) -> None:
+        """Replace the cores by the given ones (any ranks); gates reset to 1, all alive."""
+        if len(cores) != self.num_cores:
+            raise ValueError(f"cores: expected {self.num_cores} cores, got {len(cores)}")
+        ref = self.cores[0]
+        ts = [torch.as_tensor(np.asarray(c) if not isinstance(c, Tensor) else c) for c in cores]
+        for k, t in enumerate(ts):
+            want = self.mode_shapes[k]
+            if tuple(t.shape[1:-1]) != want and t.shape[1:-1].numel() != math.prod(want):
+                raise ValueError(f"cores: core {k} has modes {tuple(t.shape[1:-1])}, want {want}")
+            if k and t.shape[0] != ts[k - 1].shape[-1]:
+                raise ValueError(f"cores: rank mismatch between cores {k - 1} and {k}")
+        for k, t in enumerate(ts):
+            self.cores[k].data = t.reshape(t.shape[0], *self.mode_shapes[k], t.shape[-1]).to(
+                dtype=ref.dtype, device=ref.device).contiguous()
+        for k, g in enumerate(self.gates):
+            r = ts[k].shape[-1]
+            g.data = g.data.new_ones(r)
+            setattr(self, f"alive_{k}", torch.ones(r, dtype=torch.bool, device=g.device))
+
+    def extra_repr(self) -> str:
+        return f"modes={self.mode_shapes}, ranks={self.ranks}, tau={self.tau}"
+
+
+class TTLinearCores(TensorTrain):
+    """Order-2d TT of a weight ``W ∈ R^{N×M}`` (``N = ∏ n_i`` inputs, ``M = ∏ m_i`` outputs):
+    cores ``(r_{k-1}, s_k, r_k)`` with ``s = (n_1..n_d, m_1..m_d)``, row-major unfolding."""
+
+    def __init__(
+        self,
+        in_factors: Sequence[int],
+        out_factors: Sequence[int],
+        rank: int | Sequence[int],
+        tau: float = 1e-2,
+        init_var: float = 1.0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.in_factors = tuple(int(x) for x in in_factors)
+        self.out_factors = tuple(int(x) for x in out_factors)
+        if len(self.in_factors) != len(self.out_factors):
+            raise ValueError(
+                f"out_factors: need as many factors as in_factors ({len(self.in_factors)}), "
+                f"got {len(self.out_factors)}"
+            )
+        modes = [(n,) for n in self.in_factors] + [(m,) for m in self.out_factors]
+        super().__init__(modes, rank, tau=tau, init_var=init_var, dtype=dtype, device=device)
+
+    @property
+    def d(self) -> int:
+        return len(self.in_factors)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, M)`` including padding."""
+        return math.prod(self.in_factors), math.prod(self.out_factors)
+
+    def to_matrix(self) -> Tensor:
+        """``W`` of shape ``(N, M)`` (inputs × outputs)."""
+        return self.full_tensor().reshape(self.shape)
+
+    @classmethod
+    def from_matrix(
+        cls, W: Tensor, in_factors: Sequence[int], out_factors: Sequence[int],
+        max_rank: int | Sequence[int] | None = None, tol: float | None = None, tau: float = 1e-2,
+    ) -> TTLinearCores:
+        """TT-SVD of ``W (N×M)`` (zero-padded to the factor products)."""
+        N, M = math.prod(in_factors), math.prod(out_factors)
+        if W.dim() != 2 or W.shape[0] > N or W.shape[1] > M:
+            raise ValueError(f"W: shape {tuple(W.shape)} does not fit factors {N}×{M}")
+        Wp = W.new_zeros(N, M)
+        Wp[: W.shape[0], : W.shape[1]] = W
+        cores = tt_svd(Wp.reshape(*in_factors, *out_factors), max_rank=max_rank, tol=tol)
+        obj = cls(in_factors, out_factors, [c.shape[-1] for c in cores[:-1]], tau=tau,
+                  dtype=W.dtype, device=W.device)
+        obj.load_cores_(cores)
+        return obj
+
+
+class TTMCores(TensorTrain):
+    """TT-matrix of a table ``E ∈ R^{V×D}``: cores ``(r_{k-1}, v_k, e_k, r_k)``,
+    ``V <= ∏ v_k``, ``D = ∏ e_k``. Row ``i`` unravels to ``(i_1..i_d)`` (row-major)."""
+
+    def __init__(
+        self,
+        row_factors: Sequence[int],
+        col_factors: Sequence[int],
+        rank: int | Sequence[int],
+        tau: float = 1e-2,
+        init_var: float = 1.0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.row_factors = tuple(int(x) for x in row_factors)
+        self.col_factors = tuple(int(x) for x in col_factors)
+        if len(self.row_factors) != len(self.col_factors):
+            raise ValueError(
+                f"col_factors: need as many factors as row_factors ({len(self.row_factors)}), "
+                f"got {len(self.col_factors)}"
+            )
+        modes = list(zip(self.row_factors, self.col_factors))
+        super().__init__(modes, rank, tau=tau, init_var=init_var, dtype=dtype, device=device)
+
+    @property
+    def d(self) -> int:
+        return len(self.row_factors)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return math.prod(self.row_factors), math.prod(self.col_factors)
+
+    def to_dense(self) -> Tensor:
+        """Full tensor ``(v_1..v_d, e_1..e_d)`` (tensorly's ``tt_matrix_to_tensor`` layout)."""
+        d = self.d
+        t = self.full_tensor()  # (v1, e1, v2, e2, ...)
+        perm = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
+        return t.permute(perm)
+
+    def to_matrix(self) -> Tensor:
+        """``E`` of shape ``(∏ v, ∏ e)`` (padded rows included)."""
+        return self.to_dense().reshape(self.shape)
+
+    @classmethod
+    def from_matrix(
+        cls, E: Tensor, row_factors: Sequence[int], col_factors: Sequence[int],
+        max_rank: int | Sequence[int] | None = None, tol: float | None = None, tau: float = 1e-2,
+    ) -> TTMCores:
+        """TT-SVD of ``E (V×D)`` in TTM format (rows zero-padded to ``∏ v``)."""
+        V, D = math.prod(row_factors), math.prod(col_factors)
+        if E.dim() != 2 or E.shape[0] > V or E.shape[1] != D:
+            raise ValueError(f"E: shape {tuple(E.shape)} does not fit factors {V}×{D}")
+        d = len(row_factors)
+        Ep = E.new_zeros(V, D)
+        Ep[: E.shape[0]] = E
+        t = Ep.reshape(*row_factors, *col_factors)
+        perm = [x for k in range(d) for x in (k, d + k)]
+        t = t.permute(perm).reshape([v * e for v, e in zip(row_factors, col_factors)])
+        cores = tt_svd(t, max_rank=max_rank, tol=tol)
+        obj = cls(row_factors, col_factors, [c.shape[-1] for c in cores[:-1]], tau=tau,
+                  dtype=E.dtype, device=E.device)
+        obj.load_cores_([
+            c.reshape(c.shape[0], v, e, c.shape[-1])
+            for c, v, e in zip(cores, row_factors, col_factors)
+        ])
+        return obj
