@@ -1,0 +1,370 @@
+"""Click-through data for DLRM: Criteo-format TSV and a synthetic generator.
+
+Criteo layout, one example a line, tab separated, no header::
+
+    label  I1 .. I13  C1 .. C26
+
+``label`` is 0/1, ``I*`` are integer counts (may be negative or empty = missing), ``C*``
+are 32-bit hashes written as 8 hex digits (empty = missing).
+
+Preprocessing (the usual DLRM recipe):
+* dense: ``log(1 + max(x, 0))``, missing -> 0, float32 [n, 13];
+* categorical feature ``j`` with ``B_j`` buckets (given by the caller): missing -> bucket 0,
+  value ``v`` -> ``1 + h(v) mod (B_j - 1)`` where ``h`` is the hex value (or a stable
+  BLAKE2b hash for non-hex strings); int64 [n, 26];
+* label float32 [n] in {0, 1}.
+
+The synthetic generator plants a low-rank pairwise interaction between a few categorical
+features (plus a weak dense effect) that decides the click probability, so a model with
+feature interactions (DLRM, factorisation machine) can learn it while a per-feature
+additive model cannot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+
+
+@dataclass
+class ClickData:
+    """Preprocessed clicks.
+
+    ``dense`` float32 [n, 13], ``sparse`` int64 [n, 26], ``labels`` float32 [n].
+    """
+
+    dense: torch.Tensor
+    sparse: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def subset(self, indices: np.ndarray | torch.Tensor | Sequence[int]) -> ClickData:
+        """Rows ``indices`` as a new ``ClickData``."""
+        idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+        return ClickData(self.dense[idx], self.sparse[idx], self.labels[idx])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """``{"dense", "sparse", "labels"}`` for a ``TensorDictDataset``."""
+        return {"dense": self.dense, "sparse": self.sparse, "labels": self.labels}
+
+
+def normalise_bucket_sizes(
+    bucket_sizes: int | Sequence[int], num_sparse: int = NUM_SPARSE
+) -> list[int]:
+    """One bucket count per categorical feature; an int means the same count for all.
+
+    Raises ``ValueError`` (message starts with ``bucket_sizes``) on a wrong length or a
+    count below 1.
+    """
+    if isinstance(bucket_sizes, (int, np.integer)) and not isinstance(bucket_sizes, bool):
+        sizes = [int(bucket_sizes)] * num_sparse
+    else:
+        sizes = [int(b) for b in bucket_sizes]
+    if len(sizes) != num_sparse:
+        raise ValueError(
+            f"bucket_sizes: need {num_sparse} counts (one per categorical feature) or one "
+            f"integer, got {len(sizes)}"
+        )
+    if min(sizes) < 1:
+        raise ValueError(f"bucket_sizes: every count must be >= 1, got {min(sizes)}")
+    return sizes
+
+
+def _token_hash(token: str) -> int:
+    """Integer value of a hex token; a stable 64-bit BLAKE2b hash for anything else."""
+    try:
+        return int(token, 16)
+    except ValueError:
+        return int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "little")
+
+
+def hash_category(token: str, buckets: int) -> int:
+    """Bucket of one categorical token: ``""`` -> 0, else ``1 + h(token) % (buckets - 1)``."""
+    if not token or buckets == 1:
+        return 0
+    return 1 + _token_hash(token) % (buckets - 1)
+
+
+def transform_dense(raw: np.ndarray) -> np.ndarray:
+    """``log(1 + max(x, 0))`` elementwise (missing values must already be 0)."""
+    return np.log1p(np.maximum(np.asarray(raw, dtype=np.float64), 0.0)).astype(np.float32)
+
+
+@dataclass
+class CriteoReadStats:
+    """What ``read_criteo_tsv`` saw: rows kept, malformed rows skipped, missing fractions."""
+
+    rows: int
+    malformed: int
+    missing_dense: float
+    missing_sparse: float
+    first_malformed_line: int | None = None
+
+
+def read_criteo_tsv(
+    path: str | Path,
+    bucket_sizes: int | Sequence[int],
+    max_rows: int | None = None,
+) -> tuple[ClickData, CriteoReadStats]:
+    """Parse a Criteo TSV into tensors (see the module docstring for the preprocessing).
+
+    Lines with a field count other than 40 or a label other than 0/1, or an integer field
+    that is not an integer, are skipped and counted as malformed. ``max_rows`` caps the
+    number of kept rows (reading stops there).
+    """
+    sizes = normalise_bucket_sizes(bucket_sizes)
+    n_fields = 1 + NUM_DENSE + NUM_SPARSE
+    labels: list[float] = []
+    dense_rows: list[list[float]] = []
+    sparse_rows: list[list[int]] = []
+    malformed, missing_dense, missing_sparse = 0, 0, 0
+    first_bad: int | None = None
+    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+        for number, line in enumerate(handle, start=1):
+            if max_rows is not None and len(labels) >= max_rows:
+                break
+            if not line.strip():
+                continue
+            fields = line.rstrip("\r\n").split("\t")
+            row = _parse_row(fields, sizes) if len(fields) == n_fields else None
+            if row is None:
+                malformed += 1
+                first_bad = first_bad or number
+                continue
+            label, dense, sparse, n_missing_dense, n_missing_sparse = row
+            labels.append(label)
+            dense_rows.append(dense)
+            sparse_rows.append(sparse)
+            missing_dense += n_missing_dense
+            missing_sparse += n_missing_sparse
+    n = len(labels)
+    data = ClickData(
+        dense=torch.from_numpy(
+            transform_dense(np.asarray(dense_rows, dtype=np.float64).reshape(n, NUM_DENSE))
+        ),
+        sparse=torch.tensor(sparse_rows, dtype=torch.long).reshape(n, NUM_SPARSE),
+        labels=torch.tensor(labels, dtype=torch.float32),
+    )
+    stats = CriteoReadStats(
+        rows=n,
+        malformed=malformed,
+        missing_dense=missing_dense / max(n * NUM_DENSE, 1),
+        missing_sparse=missing_sparse / max(n * NUM_SPARSE, 1),
+        first_malformed_line=first_bad,
+    )
+    return data, stats
+
+
+def _parse_row(
+    fields: list[str], sizes: list[int]
+) -> tuple[float, list[float], list[int], int, int] | None:
+    """(label, raw dense [13], buckets [26], #missing dense, #missing sparse) or ``None``."""
+    if fields[0] not in ("0", "1"):
+        return None
+    dense: list[float] = []
+    missing_dense = 0
+    for text in fields[1 : 1 + NUM_DENSE]:
+        if text == "":
+            dense.append(0.0)
+            missing_dense += 1
+            continue
+        try:
+            dense.append(float(int(text)))
+        except ValueError:
+            return None
+    tokens = fields[1 + NUM_DENSE :]
+    sparse = [hash_category(tok, b) for tok, b in zip(tokens, sizes)]
+    missing_sparse = sum(1 for tok in tokens if tok == "")
+    return float(fields[0]), dense, sparse, missing_dense, missing_sparse
+
+
+def write_criteo_tsv(
+    path: str | Path,
+    labels: np.ndarray | torch.Tensor,
+    dense_raw: np.ndarray | torch.Tensor,
+    categorical: Sequence[Sequence[str]],
+    dense_missing: np.ndarray | torch.Tensor | None = None,
+) -> Path:
+    """Write raw rows in Criteo layout.
+
+    Args:
+        labels: [n] 0/1. dense_raw: [n, 13] integers. categorical: n rows of 26 strings
+            (``""`` = missing). dense_missing: optional bool [n, 13]; ``True`` writes an
+            empty field.
+    """
+    labels_np = np.asarray(labels).astype(np.int64).reshape(-1)
+    dense_np = np.asarray(dense_raw).astype(np.int64)
+    missing_np = (
+        np.zeros(dense_np.shape, dtype=bool) if dense_missing is None else np.asarray(dense_missing)
+    )
+    path = Path(path)
+    with open(path, "w", encoding="utf-8", newline="\n") as handle:
+        for i, label in enumerate(labels_np):
+            dense_text = ["" if missing_np[i, j] else str(dense_np[i, j]) for j in range(NUM_DENSE)]
+            handle.write("\t".join([str(int(label)), *dense_text, *categorical[i]]) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+@dataclass
+class SyntheticClicks:
+    """Generated clicks plus the ground truth that produced them.
+
+    Attributes:
+        data: preprocessed tensors (what a model sees).
+        dense_raw: int64 [n, 13] raw counts (0 where missing).
+        dense_missing: bool [n, 13].
+        probability: float64 [n] true click probability.
+        planted_features: categorical feature indices whose pairwise interaction matters.
+        bucket_sizes: [26] bucket counts.
+        params: the generator settings.
+    """
+
+    data: ClickData
+    dense_raw: np.ndarray
+    dense_missing: np.ndarray
+    probability: np.ndarray
+    planted_features: tuple[int, ...]
+    bucket_sizes: list[int]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def categorical_tokens(self) -> list[list[str]]:
+        """Hex tokens that hash back (``hash_category``) to exactly ``data.sparse``."""
+        sparse = self.data.sparse.numpy()
+        return [["" if v == 0 else f"{v - 1:08x}" for v in row] for row in sparse.tolist()]
+
+    def write_tsv(self, path: str | Path) -> Path:
+        """Write as a Criteo TSV that ``read_criteo_tsv(path, bucket_sizes)`` reads back exactly."""
+        return write_criteo_tsv(
+            path,
+            self.data.labels.numpy(),
+            self.dense_raw,
+            self.categorical_tokens(),
+            self.dense_missing,
+        )
+
+
+def _zipf_buckets(rng: np.random.Generator, n: int, buckets: int, exponent: float) -> np.ndarray:
+    """[n] bucket ids in ``1..buckets-1`` with Zipf-like frequencies in a shuffled order."""
+    if buckets <= 1:
+        return np.zeros(n, dtype=np.int64)
+    ranks = np.arange(1, buckets, dtype=np.float64)
+    probs = ranks**-exponent
+    probs /= probs.sum()
+    ids = 1 + rng.permutation(buckets - 1)
+    return ids[rng.choice(buckets - 1, size=n, p=probs)].astype(np.int64)
+
+
+def _bias_for_rate(logits: np.ndarray, rate: float) -> float:
+    """Offset ``b`` with ``mean(sigmoid(logits + b)) == rate`` (bisection)."""
+    low, high = -30.0, 30.0
+    for _ in range(60):
+        mid = 0.5 * (low + high)
+        if np.mean(1.0 / (1.0 + np.exp(-(logits + mid)))) < rate:
+            low = mid
+        else:
+            high = mid
+    return 0.5 * (low + high)
+
+
+def generate_synthetic_clicks(
+    num_samples: int,
+    bucket_sizes: int | Sequence[int] = 50,
+    seed: int = 0,
+    planted_features: Sequence[int] = (0, 1, 2),
+    rank: int = 4,
+    signal: float = 1.5,
+    dense_signal: float = 0.3,
+    base_rate: float = 0.25,
+    missing_rate: float = 0.0,
+    zipf_exponent: float = 1.05,
+) -> SyntheticClicks:
+    """Generate Criteo-shaped clicks whose probability comes from a planted structure.
+
+    ``logit = b + signal * sum_{a<c in planted} <U_a[i_a], U_c[i_c]> + dense_signal * w . z``
+    with per-bucket factors ``U_f`` of rank ``rank`` (bucket 0 = missing has factor 0),
+    ``z`` the standardised transformed dense features and ``b`` chosen so the mean click
+    probability is ``base_rate``. Categorical buckets follow a Zipf-like law; each dense /
+    categorical value is missing with probability ``missing_rate``.
+
+    Returns:
+        ``SyntheticClicks`` with ``data.dense`` [n, 13], ``data.sparse`` [n, 26],
+        ``data.labels`` [n] and the true ``probability`` [n].
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
+    sizes = normalise_bucket_sizes(bucket_sizes)
+    planted = tuple(int(f) for f in planted_features)
+    if len(planted) < 2 or len(set(planted)) != len(planted):
+        raise ValueError(f"planted_features: need at least 2 distinct features, got {planted}")
+    if any(not 0 <= f < NUM_SPARSE for f in planted):
+        raise ValueError(f"planted_features: indices must be in 0..{NUM_SPARSE - 1}, got {planted}")
+    if any(sizes[f] < 2 for f in planted):
+        raise ValueError("bucket_sizes: planted features need at least 2 buckets")
+    if rank < 1:
+        raise ValueError(f"rank: must be >= 1, got {rank}")
+    if not 0.0 < base_rate < 1.0:
+        raise ValueError(f"base_rate: must be in (0, 1), got {base_rate}")
+    if not 0.0 <= missing_rate < 1.0:
+        raise ValueError(f"missing_rate: must be in [0, 1), got {missing_rate}")
+
+    rng = np.random.default_rng(seed)
+    n = num_samples
+    sparse = np.stack([_zipf_buckets(rng, n, b, zipf_exponent) for b in sizes], axis=1)
+    # Raw dense counts: log-normal with a per-feature scale, rounded down.
+    scales = rng.uniform(0.5, 4.0, size=NUM_DENSE)
+    dense_raw = np.floor(np.exp(rng.normal(0.0, 1.0, size=(n, NUM_DENSE)) * 0.8 + scales))
+    dense_raw = dense_raw.astype(np.int64)
+    dense_missing = rng.random((n, NUM_DENSE)) < missing_rate
+    dense_raw[dense_missing] = 0
+    sparse[rng.random((n, NUM_SPARSE)) < missing_rate] = 0
+
+    dense = transform_dense(dense_raw)
+    z = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6)
+    weights = rng.normal(0.0, 1.0, size=NUM_DENSE) / math.sqrt(NUM_DENSE)
+    factor_std = rank**-0.25  # each <u, v> then has unit variance
+    factors = {}
+    for f in planted:
+        table = rng.normal(0.0, factor_std, size=(sizes[f], rank))
+        table[0] = 0.0
+        factors[f] = table
+    interaction = np.zeros(n)
+    for a_pos, a in enumerate(planted):
+        for c in planted[a_pos + 1 :]:
+            interaction += np.einsum("nr,nr->n", factors[a][sparse[:, a]], factors[c][sparse[:, c]])
+    logits = signal * interaction + dense_signal * (z @ weights)
+    logits = logits + _bias_for_rate(logits, base_rate)
+    probability = 1.0 / (1.0 + np.exp(-logits))
+    labels = (rng.random(n) < probability).astype(np.float32)
+
+    data = ClickData(
+        dense=torch.from_numpy(dense),
+        sparse=torch.from_numpy(sparse.astype(np.int64)),
+        labels=torch.from_numpy(labels),
+    )
+    params = {
+        "num_samples": n,
+        "seed": seed,
+        "planted_features": list(planted),
+        "rank": rank,
+        "signal": signal,
+        "dense_signal": dense_signal,
+        "base_rate": base_rate,
+        "missing_rate": missing_rate,
+        "zipf_exponent": zipf_exponent,
+    }
+    return SyntheticClicks(data, dense_raw, dense_missing, probability, planted, sizes, params)

@@ -1,0 +1,75 @@
+"""scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes; shipped with sklearn).
+
+Pixels (0..16) are scaled to [0, 1] and then standardised per pixel with the *train*
+split's mean and standard deviation (pixels that are constant in train keep scale 1).
+The split is stratified by class and deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DigitsSplit:
+    """Train/test tensors: ``x_*`` float32 [n, 64], ``y_*`` int64 [n]; stats [64] each."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    train_index: np.ndarray
+    test_index: np.ndarray
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def stratified_split(
+    labels: np.ndarray, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-class deterministic split; returns sorted ``(train_idx, test_idx)`` into ``labels``.
+
+    Each class with ``c`` members puts ``round(c * test_fraction)`` of them (at least one
+    when ``c >= 2``, at most ``c - 1``) into the test part.
+    """
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for cls in np.unique(labels):
+        members = np.flatnonzero(labels == cls)
+        members = members[rng.permutation(len(members))]
+        n_test = int(round(len(members) * test_fraction))
+        if len(members) >= 2:
+            n_test = min(max(n_test, 1), len(members) - 1)
+        test.append(members[:n_test])
+        train.append(members[n_test:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> DigitsSplit:
+    """Load sklearn digits, split (stratified, by ``seed``) and normalise with train stats."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = np.asarray(bunch.data, dtype=np.float32) / 16.0  # [1797, 64]
+    y = np.asarray(bunch.target, dtype=np.int64)  # [1797]
+    train_idx, test_idx = stratified_split(y, test_fraction, seed)
+    mean = x[train_idx].mean(axis=0)
+    std = x[train_idx].std(axis=0)
+    std = np.where(std > 1e-6, std, 1.0).astype(np.float32)
+
+    def norm(rows: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(((x[rows] - mean) / std).astype(np.float32))
+
+    return DigitsSplit(
+        x_train=norm(train_idx),
+        y_train=torch.from_numpy(y[train_idx]),
+        x_test=norm(test_idx),
+        y_test=torch.from_numpy(y[test_idx]),
+        train_index=train_idx,
+        test_index=test_idx,
+        mean=torch.from_numpy(mean),
+        std=torch.from_numpy(std),
+    )

@@ -1,0 +1,202 @@
+"""WordPiece tokenizer trained offline with the ``tokenizers`` library.
+
+BERT-style pipeline: ``BertNormalizer`` (clean text, CJK spacing, optional lower-casing
+and accent stripping), ``BertPreTokenizer`` (split on whitespace and punctuation), a
+WordPiece model with ``##`` continuation pieces, and the template
+``[CLS] A [SEP] B [SEP]`` (type ids 0 for A and its separators, 1 for B). Special tokens
+have fixed ids: ``[PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4``. The whole tokenizer is
+one ``tokenizer.json`` file.
+
+``tokenizers`` is imported inside functions, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+PAD, UNK, CLS, SEP, MASK = SPECIAL_TOKENS
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class WordPieceTokenizer:
+    """A trained WordPiece tokenizer with fixed-length pair encoding to torch tensors."""
+
+    def __init__(self, backend: Any) -> None:
+        """Wrap a ``tokenizers.Tokenizer`` whose vocabulary holds the special tokens."""
+        self._tok = backend
+        ids = [backend.token_to_id(t) for t in SPECIAL_TOKENS]
+        if ids != list(range(len(SPECIAL_TOKENS))):
+            raise ValueError(
+                f"tokenizer: special tokens must have ids 0..4 in the order {SPECIAL_TOKENS}, "
+                f"got {dict(zip(SPECIAL_TOKENS, ids))}"
+            )
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = ids
+
+    # ------------------------------------------------------------------ build / persist
+
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int = 8000,
+        min_frequency: int = 2,
+        lowercase: bool = True,
+        limit_alphabet: int = 1000,
+    ) -> WordPieceTokenizer:
+        """Train a new tokenizer on ``texts`` (any iterable of strings)."""
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+        backend = Tokenizer(models.WordPiece(unk_token=UNK, continuing_subword_prefix="##"))
+        backend.normalizer = normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase
+        )
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        backend.decoder = decoders.WordPiece(prefix="##")
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            show_progress=False,
+            special_tokens=list(SPECIAL_TOKENS),
+            limit_alphabet=limit_alphabet,
+            continuing_subword_prefix="##",
+        )
+        backend.train_from_iterator(texts, trainer=trainer)
+        cls._set_template(backend)
+        return cls(backend)
+
+    @staticmethod
+    def _set_template(backend: Any) -> None:
+        """Install the ``[CLS] A [SEP] B [SEP]`` post-processor."""
+        from tokenizers import processors
+
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{CLS}:0 $A:0 {SEP}:0",
+            pair=f"{CLS}:0 $A:0 {SEP}:0 $B:1 {SEP}:1",
+            special_tokens=[(CLS, backend.token_to_id(CLS)), (SEP, backend.token_to_id(SEP))],
+        )
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``tokenizer.json``; ``path`` is the file, or a folder to write it into."""
+        target = Path(path)
+        if target.is_dir() or target.suffix != ".json":
+            target = target / TOKENIZER_FILE
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self._tok.save(str(target))
+        return target
+
+    @classmethod
+    def load(cls, path: str | Path) -> WordPieceTokenizer:
+        """Load from a ``tokenizer.json`` file or a folder that holds one."""
+        from tokenizers import Tokenizer
+
+        source = Path(path)
+        if source.is_dir():
+            source = source / TOKENIZER_FILE
+        if not source.is_file():
+            raise FileNotFoundError(f"path: no tokenizer file at {source}")
+        return cls(Tokenizer.from_file(str(source)))
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (special tokens included)."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """Ids of ``[PAD] [UNK] [CLS] [SEP] [MASK]`` (always ``0..4``)."""
+        return tuple(range(len(SPECIAL_TOKENS)))
+
+    @property
+    def backend(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    @property
+    def sha256(self) -> str:
+        """SHA-256 of the serialised tokenizer (vocabulary and pipeline settings).
+
+        The ``tokenizers`` trainer breaks ties between equally frequent merges in a
+        run-dependent order, so two trainings on the same text can differ in a few pieces
+        and in id order; record this digest (and reuse a saved ``tokenizer.json``) to know
+        which vocabulary a run used.
+        """
+        import hashlib
+
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        return hashlib.sha256(self._tok.to_str().encode()).hexdigest()
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of ``token`` or ``None`` if it is not in the vocabulary."""
+        return self._tok.token_to_id(token)
+
+    # ------------------------------------------------------------------ encoding
+
+    def tokenize(self, text: str) -> list[str]:
+        """WordPiece tokens of ``text`` without special tokens."""
+        return list(self._tok.encode(text, add_special_tokens=False).tokens)
+
+    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Variable-length ids of each text, no special tokens, no padding or truncation."""
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [list(e.ids) for e in encodings]
+
+    def encode_pairs(
+        self,
+        first: Sequence[str],
+        second: Sequence[str] | None = None,
+        seq_len: int = 128,
+    ) -> dict[str, torch.Tensor]:
+        """Encode texts (or text pairs) to a fixed length.
+
+        ``[CLS] a [SEP] b [SEP]`` padded with ``[PAD]`` / truncated (longest first) to
+        ``seq_len``.
+
+        Returns:
+            ``input_ids``, ``token_type_ids``, ``attention_mask``: int64 tensors [n, seq_len].
+        """
+        if seq_len < 4:
+            raise ValueError(f"seq_len: must be >= 4 to hold [CLS] a [SEP] b [SEP], got {seq_len}")
+        if second is not None and len(second) != len(first):
+            raise ValueError(
+                f"second: length {len(second)} differs from first's length {len(first)}"
+            )
+        inputs: list[Any] = list(first) if second is None else list(zip(first, second))
+        self._tok.enable_truncation(max_length=seq_len, strategy="longest_first")
+        self._tok.enable_padding(length=seq_len, pad_id=self.pad_id, pad_token=PAD)
+        try:
+            encodings = self._tok.encode_batch(inputs) if inputs else []
+        finally:
+            self._tok.no_padding()
+            self._tok.no_truncation()
+        n = len(encodings)
+        ids = np.zeros((n, seq_len), dtype=np.int64)
+        types = np.zeros((n, seq_len), dtype=np.int64)
+        mask = np.zeros((n, seq_len), dtype=np.int64)
+        for row, enc in enumerate(encodings):
+            ids[row] = enc.ids
+            types[row] = enc.type_ids
+            mask[row] = enc.attention_mask
+        return {
+            "input_ids": torch.from_numpy(ids),
+            "token_type_ids": torch.from_numpy(types),
+            "attention_mask": torch.from_numpy(mask),
+        }
+
+    def decode(self, ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (WordPiece pieces joined back into words)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
