@@ -246,13 +246,21 @@ class TensorTrain(nn.Module):
     @torch.no_grad()
     def refresh_(self) -> list[RankChange]:
         """Make pruning permanent: entries with ``|g| <= tau`` become dead for good and
-        are set to exactly 0. Call after each optimizer step. Returns bonds whose
+        are set to exactly 0; a bond keeps at least one entry (its strongest, held at
+        ``1.5·tau``). Call after each optimizer step. Returns bonds whose
         effective rank changed."""
         changes = []
         for k, g in enumerate(self.gates):
             alive = self.alive(k)
             old = int(alive.sum())
-            alive &= g.abs() > self.tau
+            survivors = alive & (g.abs() > self.tau)
+            if old > 0 and not bool(survivors.any()):
+                # never prune a bond to rank 0 (the layer would become the zero map): keep
+                # its strongest entry, held just above the threshold
+                j = int(torch.argmax(g.abs().masked_fill(~alive, -1.0)))
+                survivors[j] = True
+                g[j] = torch.where(g[j] < 0, -1.5 * self.tau, 1.5 * self.tau)
+            alive &= survivors
             g.masked_fill_(~alive, 0.0)
             new = int(alive.sum())
             if new != old:

@@ -1,0 +1,109 @@
+"""Optimizer parameter groups, gate refresh, rank events and truncation with AdamW state."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ..layers import tt_layers
+
+__all__ = ["RankEvent", "RankTracker", "param_groups", "refresh_gates",
+           "truncate_model_and_optimizer"]
+
+
+def param_groups(model: nn.Module, lr_cores: float = 1e-4, lr_gates: float = 1e-3,
+                 lr_dense: float = 5e-5, weight_decay: float = 0.0) -> list[dict]:
+    """Three AdamW groups: ``cores`` (TT cores), ``gates`` (rank gates, no weight decay)
+    and ``dense`` (everything else). Empty groups are dropped."""
+    cores, gates, ids = [], [], set()
+    for _, m in tt_layers(model):
+        cores.extend(m.tt.cores)
+        gates.extend(m.tt.gates)
+    ids = {id(p) for p in cores + gates}
+    dense = [p for p in model.parameters() if id(p) not in ids]
+    groups = [
+        {"name": "cores", "params": cores, "lr": lr_cores, "weight_decay": weight_decay},
+        {"name": "gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
+        {"name": "dense", "params": dense, "lr": lr_dense, "weight_decay": weight_decay},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+@dataclass(frozen=True)
+class RankEvent:
+    """A bond of a layer changed its effective rank at ``step``."""
+
+    step: int
+    layer: str
+    bond: int
+    old: int
+    new: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.layer} bond {self.bond}: rank {self.old} -> {self.new} (step {self.step})"
+
+
+def refresh_gates(model: nn.Module, step: int = 0) -> list[RankEvent]:
+    """After an optimizer step: make pruning permanent in every TT layer and return one
+    event per bond whose effective rank changed."""
+    events = []
+    for name, m in tt_layers(model):
+        for ch in m.tt.refresh_():
+            events.append(RankEvent(step, name, ch.bond, ch.old, ch.new))
+    return events
+
+
+class RankTracker:
+    """Remembers effective ranks per layer and reports changes between snapshots (also
+    catches changes not made through ``refresh_gates``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.last = self.snapshot()
+
+    def snapshot(self) -> dict[str, list[int]]:
+        return {name: m.effective_ranks() for name, m in tt_layers(self.model)}
+
+    def update(self, step: int) -> list[RankEvent]:
+        now = self.snapshot()
+        events = []
+        for name, ranks in now.items():
+            old = self.last.get(name, ranks)
+            for b, (o, n) in enumerate(zip(old, ranks)):
+                if o != n:
+                    events.append(RankEvent(step, name, b, o, n))
+        self.last = now
+        return events
+
+
+@torch.no_grad()
+def truncate_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None
+                                 ) -> dict[str, list[tuple[int, int, int]]]:
+    """Physically slice every TT layer to its effective ranks, and the optimizer state
+    (AdamW ``exp_avg``, ``exp_avg_sq``, any state tensor shaped like its parameter) with
+    the same indices, so training continues from the truncated state with unchanged
+    outputs. The ``nn.Parameter`` objects are kept, so parameter groups stay valid.
+    Returns ``{layer: [(bond, old, new), …]}``."""
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for name, m in tt_layers(model):
+        tt = m.tt
+        for k, idx in enumerate(tt.keep_indices()):
+            old = tt.gates[k].shape[0]
+            if idx.numel() == old:
+                continue
+            left, right, gate = tt.cores[k], tt.cores[k + 1], tt.gates[k]
+            for p, dim in ((left, left.dim() - 1), (right, 0), (gate, 0)):
+                st = optimizer.state.get(p) if optimizer is not None else None
+                for key, v in list((st or {}).items()):
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        st[key] = v.index_select(dim, idx.to(v.device)).contiguous()
+                p.data = p.data.index_select(dim, idx).contiguous()
+                p.grad = None
+            setattr(tt, f"alive_{k}", tt.alive(k).index_select(0, idx).contiguous())
+            out.setdefault(name, []).append((k, int(old), int(idx.numel())))
+    return out

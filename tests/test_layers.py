@@ -1,0 +1,139 @@
+"""Issue 3: TT layers against dense references (float64)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from comera_engine import TTEmbedding, TTLinear, size_report, tensorize, truncate
+from comera_engine.tensor.lookup import ttm_lookup, ttm_lookup_naive
+
+DT = torch.float64
+
+
+def test_ttlinear_matches_dense_layer_with_padding() -> None:
+    torch.manual_seed(0)
+    layer = TTLinear(30, 20, rank=4, dtype=DT)  # 30 and 20 both factor (maybe padded)
+    dense = nn.Linear(30, 20, dtype=DT)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dense_weight())
+        dense.bias.copy_(layer.bias)
+    x = torch.randn(3, 7, 30, dtype=DT, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (3, 7, 20)
+    assert torch.allclose(y, dense(x), atol=1e-12)
+    g = torch.randn_like(y)
+    gx = torch.autograd.grad((y * g).sum(), x)[0]
+    gx_ref = torch.autograd.grad((dense(x) * g).sum(), x)[0]
+    assert torch.allclose(gx, gx_ref, atol=1e-12)
+
+
+def test_ttlinear_padded_factors() -> None:
+    layer = TTLinear(10, 7, rank=3, in_factors=[3, 4], out_factors=[2, 4], dtype=DT)
+    x = torch.randn(5, 10, dtype=DT)
+    ref = x @ layer.dense_weight().t() + layer.bias
+    assert torch.allclose(layer(x), ref, atol=1e-12)
+    assert layer.dense_weight().shape == (7, 10)
+
+
+def test_init_variance_matches_dense_defaults() -> None:
+    torch.manual_seed(0)
+    for fin, fout in [(768, 768), (768, 3072)]:
+        w = TTLinear(fin, fout, rank=30).dense_weight().detach()
+        assert w.var().item() == pytest.approx(1.0 / (3 * fin), rel=0.2)
+    e = TTEmbedding(4096, 64, rank=16).dense_weight().detach()
+    assert e.var().item() == pytest.approx(1.0, rel=0.2)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_ttembedding_matches_dense_with_repeats_and_padding(d: int) -> None:
+    torch.manual_seed(d)
+    emb = TTEmbedding(500, 24, rank=4, padding_idx=3, d=d, dtype=DT)
+    ids = torch.tensor([[3, 7, 7, 499, 0], [7, 3, 12, 12, 12]])
+    out = emb(ids)
+    E = emb.dense_weight()
+    assert torch.allclose(out, E[ids], atol=1e-12)
+    assert torch.all(out[ids == 3] == 0)
+    # gradients: dense nn.Embedding grads mapped back through the reconstruction
+    w = torch.randn(*ids.shape, 24, dtype=DT)
+    core_grads = torch.autograd.grad((emb(ids) * w).sum(), list(emb.tt.cores))
+    ref = nn.Embedding(500, 24, padding_idx=3, dtype=DT)
+    with torch.no_grad():
+        ref.weight.copy_(E.detach())
+    (ref(ids) * w).sum().backward()
+    dense_grad = ref.weight.grad
+    assert torch.all(dense_grad[3] == 0)
+    mapped = torch.autograd.grad((emb.dense_weight() * dense_grad).sum(), list(emb.tt.cores))
+    for a, b in zip(core_grads, mapped):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_lookup_matches_naive_baseline() -> None:
+    torch.manual_seed(0)
+    emb = TTEmbedding(1000, 32, rank=5, d=3, dtype=DT)
+    ids = torch.randint(0, 1000, (64,))
+    cores = emb.tt.gated_cores()
+    assert torch.allclose(ttm_lookup(ids, cores), ttm_lookup_naive(ids, cores), atol=1e-12)
+
+
+def test_tensorize_random_and_pretrained() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(256, 16), nn.Flatten(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 4))
+    x = torch.randint(0, 256, (5, 4))
+    ref = model(x).detach()
+    # TT-SVD at full rank reproduces the trained model exactly
+    pre = tensorize(model, rank=64, from_pretrained=True)
+    assert [r["replaced"] for r in pre] == [True, True, False]
+    assert pre[2]["reason"].startswith("smaller than")
+    assert isinstance(model[0], TTEmbedding) and isinstance(model[2], TTLinear)
+    assert torch.allclose(model(x), ref, atol=1e-5)
+    m2 = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    rep = tensorize(m2, rank=4, exclude=["1"])
+    assert rep[0]["replaced"] and not rep[1]["replaced"] and rep[1]["reason"] == "excluded"
+    assert rep[0]["params_after"] < rep[0]["params_before"]
+
+
+def test_size_report_and_truncate() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(TTLinear(64, 64, rank=8, dtype=DT), nn.ReLU(),
+                          nn.Linear(64, 10, dtype=DT))
+    layer = model[0]
+    with torch.no_grad():
+        layer.tt.gates[2][:5] = 0.0
+    rep = size_report(model)
+    row = rep["layers"][0]
+    s = layer.tt.mode_sizes
+    R = [1, *layer.effective_ranks(), 1]
+    eff = sum(s[k] * R[k] * R[k + 1] for k in range(len(s))) + 64
+    assert row["effective_params"] == eff
+    assert row["allocated_params"] == sum(c.numel() for c in layer.tt.cores) + 64
+    other = 64 * 10 + 10
+    assert rep["model"]["effective_params"] == eff + other
+    assert rep["model"]["dense_params"] == 64 * 64 + 64 + other
+    assert rep["model"]["compression"] == pytest.approx((64 * 64 + 64 + other) / (eff + other))
+    assert rep["model"]["effective_bytes"] == 8 * (eff + other)
+    x = torch.randn(4, 64, dtype=DT)
+    before = model(x).detach()
+    changes = truncate(model)
+    assert changes == {"0": [(2, 8, 3)]}
+    assert torch.allclose(model(x), before, atol=1e-12)
+    after = size_report(model)
+    assert after["model"]["allocated_params"] == after["model"]["effective_params"] == eff + other
+
+
+def test_layer_bad_input() -> None:
+    with pytest.raises(ValueError, match="^in_features"):
+        TTLinear(0, 4)
+    with pytest.raises(ValueError, match="^in_factors"):
+        TTLinear(64, 64, in_factors=[4, 4, 3])
+    with pytest.raises(ValueError, match="^rank"):
+        TTLinear(64, 64, rank=-1)
+    with pytest.raises(ValueError, match="^padding_idx"):
+        TTEmbedding(10, 8, padding_idx=10)
+    with pytest.raises(ValueError, match="^x:"):
+        TTLinear(8, 8)(torch.randn(2, 9))
+    assert math.isfinite(TTLinear(8, 8).explain(16)["paths"]["halves"]["seconds"])

@@ -1,0 +1,260 @@
+"""Issue 2: the TT math against independent references (tensorly, dense products)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tensorly as tl
+import torch
+from tensorly.tt_matrix import tt_matrix_to_tensor
+
+from comera_engine.tensor import (
+    PATHS,
+    TTLinearCores,
+    TTMCores,
+    explain,
+    factorize,
+    plan,
+    resolve_factors,
+    tt_linear,
+)
+from comera_engine.tensor.contract import TTLinearHalves
+
+DT = torch.float64
+
+
+def _rand_linear_shapes(rng: np.random.Generator, d: int) -> tuple[list[int], list[int]]:
+    hi = 4 if d <= 3 else 3
+    return ([int(x) for x in rng.integers(2, hi + 1, d)],
+            [int(x) for x in rng.integers(2, hi + 1, d)])
+
+
+def _tensorly_dense(cores: list[torch.Tensor]) -> torch.Tensor:
+    """Reference reconstruction with tensorly's PyTorch backend (differentiable)."""
+    with tl.backend_context("pytorch"):
+        return tl.tt_to_tensor(list(cores))
+
+
+# ------------------------------------------------------------------ factorisation
+def test_factorize_paper_examples_and_padding() -> None:
+    assert factorize(768, 3).factors == (12, 8, 8)
+    assert factorize(3072, 3).factors == (16, 16, 12)
+    f = factorize(30522, 4)
+    assert f.padded >= 30522 and f.pad == f.padded - 30522 and f.pad > 0
+    assert math.prod(f.factors) == f.padded and len(f.factors) == 4
+    assert max(f.factors) / min(f.factors) <= 2.0
+    for n in range(1, 400):
+        for d in (1, 2, 3):
+            g = factorize(n, d)
+            assert len(g.factors) == d and math.prod(g.factors) >= n
+
+
+def test_explicit_factors_accepted_and_validated() -> None:
+    assert resolve_factors(30522, [16, 20, 10, 10], 4, "vocab_factors").padded == 32000
+    with pytest.raises(ValueError, match="vocab_factors"):
+        resolve_factors(30522, [16, 20, 10, 9], 4, "vocab_factors")  # product too small
+    with pytest.raises(ValueError, match="in_factors"):
+        resolve_factors(768, [12, 0, 64], None, "in_factors")
+    with pytest.raises(ValueError, match="in_factors"):
+        resolve_factors(768, [12, 8, 8], 2, "in_factors")
+    with pytest.raises(ValueError, match="^n:"):
+        factorize(0, 3)
+    with pytest.raises(ValueError, match="^d:"):
+        factorize(10, 0)
+
+
+# ------------------------------------------------------------------ reconstruction
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 5])
+def test_to_dense_matches_tensorly(d: int) -> None:
+    rng = np.random.default_rng(d)
+    ins, outs = _rand_linear_shapes(rng, d)
+    ranks = [int(x) for x in rng.integers(1, 5, 2 * d - 1)]
+    caps = [min(math.prod((ins + outs)[:k]), math.prod((ins + outs)[k:])) for k in
+            range(1, 2 * d)]
+    ranks = [min(r, c) for r, c in zip(ranks, caps)]
+    tt = TTLinearCores(ins, outs, ranks, dtype=DT)
+    with torch.no_grad():
+        for g in tt.gates:
+            g.uniform_(0.5, 1.5)  # non-trivial gates: absorbed into cores in the reference
+    ref = tl.tt_to_tensor([c.detach().numpy() for c in tt.gated_cores()])
+    np.testing.assert_allclose(tt.to_dense().detach().numpy(), ref, rtol=1e-12, atol=1e-12)
+    assert tt.to_matrix().shape == (math.prod(ins), math.prod(outs))
+
+    rows, cols = _rand_linear_shapes(rng, d)
+    ttm = TTMCores(rows, cols, [min(r, 3) for r in ranks[:d - 1]], dtype=DT)
+    ref_m = tt_matrix_to_tensor([c.detach().numpy() for c in ttm.gated_cores()])
+    np.testing.assert_allclose(ttm.to_dense().detach().numpy(), ref_m, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_tt_svd_roundtrip(d: int) -> None:
+    rng = np.random.default_rng(10 + d)
+    ins, outs = _rand_linear_shapes(rng, d)
+    src = TTLinearCores(ins, outs, 2, dtype=DT)
+    W = src.to_matrix().detach()
+    back = TTLinearCores.from_matrix(W, ins, outs, tol=1e-10)
+    assert torch.allclose(back.to_matrix(), W, atol=1e-10)
+    assert max(back.ranks) <= 2  # the planted rank is recovered, not exceeded
+    capped = TTLinearCores.from_matrix(torch.randn(12, 10, dtype=DT), [3, 4], [2, 5],
+                                       max_rank=2)
+    assert max(capped.ranks) <= 2
+
+
+# ------------------------------------------------------------------ contraction paths
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("path", PATHS)
+def test_paths_match_dense_values_and_gradients(d: int, path: str) -> None:
+    rng = np.random.default_rng(100 + d)
+    ins, outs = _rand_linear_shapes(rng, d)
+    if d == 5:
+        ins, outs = [2] * 5, [2] * 5
+    tt = TTLinearCores(ins, outs, 3, dtype=DT)
+    B = 5
+    x = torch.randn(B, math.prod(ins), dtype=DT, requires_grad=True)
+    cores = [c.detach().clone().requires_grad_() for c in tt.cores]
+    y = tt_linear(x, cores, d, path)
+    gy = torch.randn_like(y)
+    gx, *gc = torch.autograd.grad((y * gy).sum(), [x, *cores])
+
+    x_ref = x.detach().clone().requires_grad_()
+    cores_ref = [c.detach().clone().requires_grad_() for c in cores]
+    W = _tensorly_dense(cores_ref).reshape(math.prod(ins), math.prod(outs))
+    y_ref = x_ref @ W
+    gx_ref, *gc_ref = torch.autograd.grad((y_ref * gy).sum(), [x_ref, *cores_ref])
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).detach().norm() / b.detach().norm())
+
+    assert rel(y, y_ref) < 1e-10
+    assert rel(gx, gx_ref) < 1e-10
+    for a, b in zip(gc, gc_ref):
+        assert rel(a, b) < 1e-10
+    if d <= 3:
+        assert torch.autograd.gradcheck(lambda x_, *c: tt_linear(x_, c, d, path), (x, *cores))
+
+
+def test_halves_saves_only_input_xl_and_merges() -> None:
+    ins, outs, r = [4, 4, 4], [4, 4, 4], 6
+    tt = TTLinearCores(ins, outs, r, dtype=DT)
+    B = 50  # differs from N = 64, so only batch-sized tensors have B rows
+    x = torch.randn(B, 64, dtype=DT, requires_grad=True)
+    cores = [c.detach().clone().requires_grad_() for c in tt.cores]
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = TTLinearHalves.apply(x, 3, *cores)
+    rd = cores[2].shape[-1]
+    batch_sized = [t for t in saved if t.dim() == 2 and t.shape[0] == B]
+    # exactly two batch-sized tensors are kept: the input and X·L (not Y, not dY paths)
+    assert sorted(t.shape[1] for t in batch_sized) == sorted([64, rd])
+    core_numel = sum(c.numel() for c in cores)
+    assert sum(t.numel() for t in saved) <= B * 64 + B * rd + 3 * core_numel + 4 * 64 * rd
+    y.sum().backward()
+    assert x.grad is not None and all(c.grad is not None for c in cores)
+
+
+def test_planner_choices_and_explain() -> None:
+    ins, outs = (12, 8, 8), (8, 8, 12)
+    r30 = [1, 12, 30, 30, 30, 12, 1]
+    e = explain(4096, ins, outs, r30)
+    assert e["path"] == "halves"
+    h = e["paths"]["halves"]
+    assert h["macs_fwd"] < e["dense_linear_macs_fwd"] / 8
+    assert {"macs_fwd", "macs_bwd", "bytes_fwd", "bytes_bwd", "seconds"} <= set(h)
+    # a single row with large ranks: sweeping cores beats merging halves
+    assert plan(1, ins, outs, [1, 12, 96, 96, 96, 12, 1]) == "sweep"
+    # near full middle rank with a large batch: one dense GEMM is cheapest
+    big = [1, 12, 96, 768, 96, 12, 1]
+    assert plan(8192, ins, outs, big) == "dense"
+    # the choice is cached
+    before = plan.__wrapped__ if hasattr(plan, "__wrapped__") else None
+    assert before is None
+    from comera_engine.tensor.contract import _plan_cached
+
+    hits = _plan_cached.cache_info().hits
+    plan(4096, ins, outs, r30)
+    assert _plan_cached.cache_info().hits == hits + 1
+
+
+# ------------------------------------------------------------------ gates and truncation
+def test_gate_at_threshold_acts_as_removed_rank() -> None:
+    torch.manual_seed(0)
+    tt = TTLinearCores([3, 4], [4, 3], [3, 5, 3], tau=1e-2, dtype=DT)
+    k, j = 1, 2
+    with torch.no_grad():
+        tt.gates[k][j] = 1e-2  # exactly at tau: pruned
+    removed = TTLinearCores([3, 4], [4, 3], [3, 4, 3], dtype=DT)
+    keep = [i for i in range(5) if i != j]
+    with torch.no_grad():
+        for i, c in enumerate(tt.cores):
+            src = c
+            if i == k:
+                src = src[..., keep] * tt.gates[k][keep]
+            if i == k + 1:
+                src = src[keep]
+            if i == 0:
+                src = src * tt.gates[0]
+            if i == 2:
+                src = src * tt.gates[2]
+            removed.cores[i].copy_(src)
+    assert torch.equal(tt.to_matrix(), removed.to_matrix()) or torch.allclose(
+        tt.to_matrix(), removed.to_matrix(), rtol=0, atol=1e-14)
+    assert tt.effective_ranks() == [3, 4, 3]
+    # no gradient to the dead gate entry nor to the core slices it controls
+    x = torch.randn(7, 12, dtype=DT)
+    tt_linear(x, tt.gated_cores(), 2).pow(2).sum().backward()
+    assert tt.gates[k].grad[j] == 0
+    assert torch.all(tt.cores[k].grad[..., j] == 0)
+    assert torch.all(tt.cores[k + 1].grad[j] == 0)
+
+
+def test_truncate_keeps_outputs_and_counts() -> None:
+    torch.manual_seed(1)
+    tt = TTLinearCores([4, 3, 2], [2, 3, 4], 6, dtype=DT)
+    with torch.no_grad():
+        tt.gates[1][[0, 3]] = 0.0
+        tt.gates[2][1] = -0.005  # |g| <= tau
+        tt.gates[3][2:] = 1e-3
+    W = tt.to_matrix().detach()
+    eff = tt.num_params(effective=True)
+    assert tt.num_params(effective=False) > eff
+    changes = tt.truncate_()
+    assert {c.bond for c in changes} == {1, 2, 3}
+    assert (tt.to_matrix() - W).abs().max() <= 1e-12
+    assert tt.num_params(effective=False) == eff == tt.num_params(effective=True)
+    s = tt.mode_sizes
+    R = [1, *tt.effective_ranks(), 1]
+    assert eff == sum(s[k] * R[k] * R[k + 1] for k in range(len(s)))
+
+
+def test_refresh_makes_pruning_permanent() -> None:
+    tt = TTLinearCores([2, 2], [2, 2], 3, dtype=DT)
+    with torch.no_grad():
+        tt.gates[1][0] = 0.001
+    ch = tt.refresh_()
+    assert [(c.bond, c.old, c.new) for c in ch] == [(1, 3, 2)]
+    with torch.no_grad():
+        tt.gates[1][0] = 0.5  # an optimizer pushing it back cannot revive it
+    assert tt.effective_ranks()[1] == 2
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_input_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="^rank"):
+        TTLinearCores([2, 2], [2, 2], 0)
+    with pytest.raises(ValueError, match="^rank"):
+        TTLinearCores([2, 2], [2, 2], [2, -1, 2])
+    with pytest.raises(ValueError, match="^rank.*maximal TT rank"):
+        TTLinearCores([2, 2], [2, 2], [2, 5, 2])
+    with pytest.raises(ValueError, match="^out_factors"):
+        TTLinearCores([2, 2], [2, 2, 2], 2)
+    tt = TTLinearCores([2, 2], [2, 2], 2, dtype=DT)
+    with pytest.raises(ValueError, match="^x:"):
+        tt_linear(torch.randn(3, 5, dtype=DT), tt.gated_cores(), 2)
+    with pytest.raises(ValueError, match="^cores:"):
+        tt_linear(torch.randn(3, 4, dtype=DT), tt.gated_cores()[:3], 2)
+    with pytest.raises(ValueError, match="^path:"):
+        tt_linear(torch.randn(3, 4, dtype=DT), tt.gated_cores(), 2, "bogus")
+    with pytest.raises(ValueError, match="^W:"):
+        TTLinearCores.from_matrix(torch.randn(5, 4), [2, 2], [2, 2])
