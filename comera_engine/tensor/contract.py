@@ -76,9 +76,24 @@ def merge_right(cores: Sequence[Tensor]) -> list[Tensor]:
 
 
 # ---------------------------------------------------------------------------- halves
+_RANK_ALIGN = 8
+
+
+def _pad_middle(L: Tensor, R: Tensor) -> tuple[Tensor, Tensor]:
+    """Zero-pad the middle rank to a multiple of 8: BLAS/tensor-core GEMMs run up to 2×
+    faster on aligned widths, and the zero columns/rows add exact zeros to ``Y``."""
+    rd = L.shape[1]
+    rp = -(-rd // _RANK_ALIGN) * _RANK_ALIGN
+    if rp == rd or rd == 0:
+        return L, R
+    return (torch.nn.functional.pad(L, (0, rp - rd)),
+            torch.nn.functional.pad(R, (0, 0, 0, rp - rd)))
+
+
 class TTLinearHalves(torch.autograd.Function):
     """``Y = (X·L)·R`` with ``L``/``R`` merged from the cores; any ``d >= 1``.
 
+    The middle rank is zero-padded to a multiple of 8 for the two batch GEMMs (exact).
     Saved for backward: ``X``, ``X·L``, the left prefixes ``P_1..P_d`` and right suffixes
     ``Q_1..Q_d`` and the cores (views, no copies). Backward:
     ``dXL = dY·Rᵀ``, ``dR = (XL)ᵀ·dY``, ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back
@@ -90,8 +105,9 @@ class TTLinearHalves(torch.autograd.Function):
         left, right = cores[:d], cores[d:]
         P = merge_left(left)
         Q = merge_right(right)
-        XL = x @ P[-1]
-        y = XL @ Q[0]
+        Lp, Rp = _pad_middle(P[-1], Q[0])
+        XL = x @ Lp
+        y = XL @ Rp
         ctx.d = d
         ctx.save_for_backward(x, XL, *cores, *P, *Q)
         return y
@@ -104,15 +120,16 @@ class TTLinearHalves(torch.autograd.Function):
         cores = saved[2 : 2 + 2 * d]
         P = saved[2 + 2 * d : 2 + 3 * d]
         Q = saved[2 + 3 * d : 2 + 4 * d]
-        L, R = P[-1], Q[0]
+        rd = P[-1].shape[1]
+        Lp, Rp = _pad_middle(P[-1], Q[0])
         need_x = ctx.needs_input_grad[0]
         need_cores = ctx.needs_input_grad[2:]
-        dXL = dy @ R.t()
-        dx = dXL @ L.t() if need_x else None
+        dXL = dy @ Rp.t()
+        dx = dXL @ Lp.t() if need_x else None
         grads: list[Tensor | None] = [None] * (2 * d)
         if any(need_cores):
             # input half: P_k = P_{k-1} · G_k  (P_{k-1}: (a, r), G_k: (r, n·r'))
-            dP = x.t() @ dXL  # dL, (N, r_d)
+            dP = (x.t() @ dXL)[:, :rd]  # dL, (N, r_d)
             for k in range(d - 1, 0, -1):
                 G = cores[k]
                 r0, n, r1 = G.shape
@@ -121,7 +138,7 @@ class TTLinearHalves(torch.autograd.Function):
                 dP = dPk @ G.reshape(r0, n * r1).t()
             grads[0] = dP.reshape(cores[0].shape)
             # output half: Q_j = G_j · Q_{j+1}  (G_j: (r·m, r'), Q_{j+1}: (r', rest))
-            dQ = XL.t() @ dy  # dR, (r_d, M)
+            dQ = (XL.t() @ dy)[:rd]  # dR, (r_d, M)
             for j in range(d - 1):
                 G = cores[d + j]
                 r0, m, r1 = G.shape

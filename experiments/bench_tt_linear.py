@@ -1,0 +1,103 @@
+"""Benchmark: TT-linear forward+backward against ``nn.Linear`` at the paper's shapes.
+
+Shapes 768×768 ([12,8,8 | 8,8,12]), 768→3072 ([12,8,8 | 12,16,16]), 3072→768
+([16,16,12 | 8,8,12]); ranks {4, 8, 16, 30, 64}; tokens {32, 4096}; fp32. The input
+requires grad (a hidden layer). Prints a table (MAC ratio, measured time ratio, path the
+planner chose, peak-memory ratio) and writes experiments/results/bench_tt_linear.json.
+
+    python experiments/bench_tt_linear.py [--device cuda] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import machine, print_table, time_fn, training_bytes, write_json  # noqa: E402
+
+from comera_engine import TTLinear  # noqa: E402
+
+SHAPES = [
+    ("768x768", 768, 768, [12, 8, 8], [8, 8, 12]),
+    ("768x3072", 768, 3072, [12, 8, 8], [12, 16, 16]),
+    ("3072x768", 3072, 768, [16, 16, 12], [8, 8, 12]),
+]
+
+
+def fwd_bwd(module: nn.Module, x: torch.Tensor):  # noqa: ANN201
+    """A closure running one forward+backward of ``module`` on ``x``."""
+
+    def step() -> torch.Tensor:
+        y = module(x)
+        y.backward(torch.ones_like(y))
+        return y
+
+    return step
+
+
+def run(device: torch.device, ranks: list[int], tokens: list[int]) -> list[dict]:
+    rows = []
+    for name, fin, fout, inf, outf in SHAPES:
+        dense = nn.Linear(fin, fout, device=device)
+        for B in tokens:
+            x = torch.randn(B, fin, device=device, requires_grad=True)
+
+            t_dense = time_fn(fwd_bwd(dense, x), device)
+            m_dense = training_bytes(partial(dense, x), list(dense.parameters()), device)
+            for r in ranks:
+                tt = TTLinear(fin, fout, rank=r, in_factors=inf, out_factors=outf,
+                              device=device)
+                info = tt.explain(B)
+                path = info["path"]
+                c = info["paths"][path]
+
+                t_tt = time_fn(fwd_bwd(tt, x), device)
+                m_tt = training_bytes(partial(tt, x), list(tt.parameters()), device)
+                rows.append({
+                    "shape": name, "tokens": B, "rank": r, "path": path,
+                    "mac_ratio": info["dense_linear_macs_fwd_bwd"] / (c["macs_fwd"]
+                                                                      + c["macs_bwd"]),
+                    "dense_ms": t_dense * 1e3, "tt_ms": t_tt * 1e3,
+                    "speedup": t_dense / t_tt, "mem_ratio": m_dense / m_tt,
+                    "params_ratio": sum(p.numel() for p in dense.parameters())
+                    / tt.num_params(False),
+                })
+                print(f"  {name} B={B} r={r}: {path} {t_dense / t_tt:.2f}x", file=sys.stderr)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="ranks 8 and 30 only")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    ranks = [8, 30] if args.quick else [4, 8, 16, 30, 64]
+    rows = run(device, ranks, [32, 4096])
+    print(f"\nTT-linear vs nn.Linear, forward+backward, fp32, device={device.type}")
+    print_table(rows, [("shape", "shape", ""), ("tokens", "tokens", ""), ("rank", "rank", ""),
+                       ("path", "path", ""), ("mac_ratio", "MAC ratio", ".1f"),
+                       ("dense_ms", "dense ms", ".3f"), ("tt_ms", "TT ms", ".3f"),
+                       ("speedup", "speed-up", ".2f"), ("mem_ratio", "mem ratio", ".2f"),
+                       ("params_ratio", "params ratio", ".1f")])
+    worst = min(r["speedup"] for r in rows)
+    key = [r for r in rows if r["shape"] == "768x768" and r["tokens"] == 4096
+           and r["rank"] == 30]
+    summary = {"worst_speedup": worst,
+               "speedup_768_r30_4096": key[0]["speedup"] if key else None}
+    print(f"\nworst speed-up {worst:.2f}x (target >= 1/1.1 = 0.91x); "
+          f"768x768 r30 4096 tokens: {summary['speedup_768_r30_4096']}")
+    out = write_json(f"bench_tt_linear_{device.type}", {"machine": machine(), "rows": rows,
+                                                        "summary": summary})
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Shared helpers for the benchmark scripts: timing, memory, machine info, output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, min_time: float = 0.3,
+            warmup: int = 3, max_iters: int = 200) -> float:
+    """Median seconds per call over repeated runs (at least ``min_time`` in total)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start < min_time and len(times) < max_iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def training_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
+                   device: torch.device) -> int:
+    """Peak training memory of one forward+backward.
+
+    CUDA: ``max_memory_allocated`` over the step. CPU (no allocator statistics): bytes
+    of the tensors autograd saves for backward + the output + parameters and their
+    gradients (what a step must hold at its peak).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        y = fn()
+        y.sum().backward()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base + sum(
+            p.numel() * p.element_size() for p in params)
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn()
+    out = y.numel() * y.element_size()
+    y.sum().backward()
+    pbytes = sum(p.numel() * p.element_size() for p in params)
+    return sum(seen.values()) + out + 2 * pbytes
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
+    """``cols``: (key, header, format)."""
+    heads = [h for _, h, _ in cols]
+    cells = [[format(r[k], f) if f else str(r[k]) for k, _, f in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for c in cells:
+        print("| " + " | ".join(x.ljust(w) for x, w in zip(c, widths)) + " |")
