@@ -157,22 +157,23 @@ def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
 
 # ---------------------------------------------------------------------------- sweep
 def tt_linear_sweep(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
-    """Core-by-core path (plain autograd). ``x``: ``(B, N)``; returns ``(B, M)``.
+    """Core-by-core path (plain autograd, no permutes). ``x``: ``(B, N)``; returns ``(B, M)``.
 
-    Input half: ``T (B, n_k, rest, r_{k-1}) × G_k (r_{k-1}, n_k, r_k) -> (B, rest, r_k)``;
-    output half: ``T (B, M_done, r) × G (r, m, r') -> (B, M_done·m, r')``.
+    Input half, with ``T`` laid out ``(B, r_{k-1}·n_k, rest)``:
+    ``T_k = G_kᵀ (r_k × r_{k-1}n_k) · T`` batched over ``B`` -> ``(B, r_k, rest)``, which is
+    already ``(B, r_k·n_{k+1}, rest')`` for the next core. Output half:
+    ``T (B·M_done, r) · G (r, m·r') -> (B, M_done·m, r')``.
     """
     B = x.shape[0]
-    T = x.reshape(B, -1, 1)  # (B, rest, r_0)
+    T = x.reshape(B, 1, -1)  # (B, r_0·n_1, rest) with r_0 = 1 (n_1 folded into the view)
     for G in cores[:d]:
         r0, n, r1 = G.shape
-        T = T.reshape(B, n, -1, r0)
-        T = torch.einsum("bnqr,rns->bqs", T, G)
-    T = T.reshape(B, 1, -1)  # (B, M_done=1, r_d)
+        T = torch.matmul(G.reshape(r0 * n, r1).t(), T.reshape(B, r0 * n, -1))  # (B, r1, rest)
+    T = T.reshape(B, -1)  # (B, r_d)
     for G in cores[d:]:
         r0, m, r1 = G.shape
-        T = (T.reshape(-1, r0) @ G.reshape(r0, m * r1)).reshape(B, -1, r1)
-    return T.reshape(B, -1)
+        T = (T.reshape(-1, r0) @ G.reshape(r0, m * r1)).reshape(B, -1)
+    return T
 
 
 # ---------------------------------------------------------------------------- dense
@@ -236,6 +237,8 @@ class _Acc:
         macs = a * k * b * times
         byts = (a * k + k * b + a * b) * self.elt * times
         eff = min(1.0, max(1, min(a, k, b)) / self.dm.full_eff_dim)
+        if times > 1:  # a batch of small matrices: per-matrix dispatch cost
+            self.t += times * self.dm.op_overhead * 0.02
         self.macs += macs
         self.bytes += byts
         self.ops += 1
@@ -282,11 +285,10 @@ def _path_cost(path: str, B: int, ins: Sequence[int], outs: Sequence[int], r: Se
         rest = N
         for k in range(d):
             rest //= ins[k]
-            f.copy(B * ins[k] * rest * r[k])  # einsum permute
-            f.gemm(B * rest, ins[k] * r[k], r[k + 1])
-            g.gemm(B * rest, r[k + 1], ins[k] * r[k])
-            g.gemm(ins[k] * r[k], B * rest, r[k + 1])
-            g.copy(B * ins[k] * rest * r[k])
+            # batched over B: (r_k × r_{k-1}n_k) · (r_{k-1}n_k × rest)
+            f.gemm(r[k + 1], r[k] * ins[k], rest, times=B)
+            g.gemm(r[k] * ins[k], r[k + 1], rest, times=B)  # dT
+            g.gemm(r[k] * ins[k], rest, r[k + 1], times=B)  # dG (summed over B)
         done = 1
         for j in range(d):
             f.gemm(B * done, r[d + j], outs[j] * r[d + j + 1])
