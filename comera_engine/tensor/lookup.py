@@ -60,9 +60,14 @@ def merge_tables(cores: Sequence[Tensor], h: int) -> tuple[Tensor, Tensor]:
     return A, Bm.permute(1, 0, 2)
 
 
-def ttm_lookup(ids: Tensor, cores: Sequence[Tensor], h: int | None = None) -> Tensor:
+def ttm_lookup(ids: Tensor, cores: Sequence[Tensor], h: int | None = None,
+               dedup: bool | None = None) -> Tensor:
     """Rows ``E[ids]`` of the TTM table; ``ids`` any shape of int64, returns
-    ``(*ids.shape, ∏ e_k)``."""
+    ``(*ids.shape, ∏ e_k)``.
+
+    ``dedup`` (default: on, except while a CUDA graph is being captured) computes each
+    distinct id once; its output size depends on the data, so graph capture uses the
+    fixed-shape path (one small GEMM per token, same numbers)."""
     rows = [c.shape[1] for c in cores]
     cols = [c.shape[2] for c in cores]
     ranks = [1, *[c.shape[-1] for c in cores[:-1]], 1]
@@ -71,12 +76,19 @@ def ttm_lookup(ids: Tensor, cores: Sequence[Tensor], h: int | None = None) -> Te
     A, Bt = merge_tables(cores, h)
     Vb = math.prod(rows[h:])
     flat = ids.reshape(-1)
-    uniq, inv = torch.unique(flat, return_inverse=True)
+    if dedup is None:
+        dedup = not (flat.is_cuda and torch.cuda.is_current_stream_capturing())
+    if dedup:
+        uniq, inv = torch.unique(flat, return_inverse=True)
+    else:
+        uniq, inv = flat, None
     a = torch.div(uniq, Vb, rounding_mode="floor")
     b = uniq - a * Vb
     out = torch.bmm(A.index_select(0, a), Bt.index_select(0, b))  # (U, E_a, E_b)
     out = out.reshape(uniq.shape[0], -1)
-    return out.index_select(0, inv).reshape(*ids.shape, -1)
+    if inv is not None:
+        out = out.index_select(0, inv)
+    return out.reshape(*ids.shape, -1)
 
 
 def ttm_lookup_naive(ids: Tensor, cores: Sequence[Tensor]) -> Tensor:

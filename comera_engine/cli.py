@@ -1,0 +1,198 @@
+"""``comera`` command line: ``train`` here; ``launch``/``runs``/``logs``/``stop``/``resume``
+come from :mod:`comera_engine.launch.cli`.
+
+``comera train CONFIG.toml [--set section.key=value ...] [--print-config] [--run-dir DIR]
+[--resume] [--store DB --run-id ID]``
+
+Everything (config fields, data files, model/data fit, batch size vs data) is checked
+before anything is written; a bad input prints one line on stderr and exits with code 2.
+The run folder is ``--run-dir``, else the folder holding CONFIG when ``--run-id`` or
+``--resume`` is given (the launcher's layout, ``<run_dir>/config.toml``), else
+``runs/<timestamp>-<name>/``. It receives ``config.toml`` (the resolved config),
+``metrics.jsonl`` and ``checkpoints/``.
+
+Exit codes: 0 finished or stopped, 1 error during training, 2 bad input, 3 diverged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from comera_engine.errors import ConfigError
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 1, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"comera: error: {message}\n")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="comera", description="CoMERA: rank-adaptive tensor-train training")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("train", help="train a model from a TOML config")
+    p.add_argument("config", help="TOML config file (see experiments/configs/)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set train.batch_size=64 (value read as TOML)",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--run-dir", help="run folder (default: runs/<timestamp>-<name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--store", help="run store database to record into (with --run-id)")
+    p.add_argument("--run-id", help="run id in the store")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    try:
+        from comera_engine.launch import cli as launch_cli
+    except ImportError:
+        launch_cli = None
+    if launch_cli is not None and hasattr(launch_cli, "add_subparsers"):
+        launch_cli.add_subparsers(sub)
+    # TODO(lead): `export` and `app` subcommands.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        sys.stderr.write(f"comera: error: {exc}\n")
+        return EXIT_BAD_INPUT
+
+
+# -------------------------------------------------------------------------- train
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from comera_engine.train.config import load_config, to_toml
+
+    if bool(args.store) != bool(args.run_id):
+        raise ConfigError("--store", "give --store and --run-id together")
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        sys.stdout.write(to_toml(cfg))
+        return EXIT_OK
+
+    run_dir = _run_dir(args, cfg.name)
+    bundle = _prepare(cfg, run_dir, args.resume)  # validates data and model, writes nothing
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(run_dir, args.config, to_toml(cfg))
+    return _run(cfg, run_dir, bundle, args, is_main)
+
+
+def _run_dir(args: argparse.Namespace, name: str) -> Path:
+    if args.run_dir:
+        return Path(args.run_dir)
+    if args.run_id or args.resume:
+        return Path(args.config).resolve().parent
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+    return Path("runs") / f"{stamp}-{safe}"
+
+
+def _prepare(cfg: Any, run_dir: Path, resume: bool) -> Any:
+    """Build the dataset and a throwaway model: every ConfigError surfaces here."""
+    from comera_engine.data import build_dataset
+    from comera_engine.models import build_model
+    from comera_engine.train.loop import data_config
+
+    if resume and not (run_dir / "checkpoints").is_dir() and not run_dir.is_dir():
+        raise ConfigError("--resume", f"run folder {run_dir} does not exist")
+    bundle = build_dataset(data_config(cfg), base_dir=cfg.base_dir)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.train.batch_size * world > len(bundle.train):
+        raise ConfigError(
+            "train.batch_size",
+            f"a global batch of {cfg.train.batch_size * world} exceeds the "
+            f"{len(bundle.train)} training examples",
+        )
+    from comera_engine.train.tt import CoMERAState
+
+    CoMERAState(build_model(cfg.model, bundle), cfg.comera)  # e.g. an unreachable target
+    return bundle
+
+
+def _write_config(run_dir: Path, source: str, text: str) -> None:
+    target = run_dir / "config.toml"
+    if target.exists() and target.resolve() == Path(source).resolve():
+        if target.read_text(encoding="utf-8") == text:
+            return
+    tmp = target.with_suffix(".toml.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, target)
+
+
+def _run(cfg: Any, run_dir: Path, bundle: Any, args: argparse.Namespace, is_main: bool) -> int:
+    from comera_engine.metrics import JSONLSink, MultiSink
+    from comera_engine.train import checkpoint as ckpt
+    from comera_engine.train.loop import train
+
+    sink: Any = None
+    if is_main:
+        jsonl = run_dir / "metrics.jsonl"
+        if args.resume:
+            latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
+            rewind_jsonl(jsonl, int(latest.stem.split("_")[1]) if latest else 0)
+        sinks: list[Any] = [JSONLSink(jsonl)]
+        if args.store:
+            from comera_engine.store import StoreSink
+
+            sinks.append(StoreSink(args.store, args.run_id))
+        sink = MultiSink(*sinks)
+    try:
+        result = train(
+            cfg,
+            run_dir,
+            sink,
+            resume=args.resume,
+            bundle=bundle,
+            progress=not args.no_progress,
+        )
+    finally:
+        if sink is not None:
+            sink.close()
+    if is_main:
+        where = f"; checkpoint {result.checkpoint}" if result.checkpoint else ""
+        print(f"{result.status} at step {result.step}{where}", file=sys.stderr)
+    return EXIT_DIVERGED if result.status == "diverged" else EXIT_OK
+
+
+def rewind_jsonl(path: Path, step: int) -> None:
+    """Drop records of steps after ``step`` (left by an attempt that is being resumed)."""
+    if not path.exists():
+        return
+    import json
+
+    from comera_engine.metrics import read_jsonl
+
+    kept = [r for r in read_jsonl(path) if r.get("step") is None or r["step"] <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in kept:
+            f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Models: the paper's transformer (classifier and masked LM), DLRM and a TT MLP.
+
+:func:`build_model` turns a ``[model]`` config plus the dataset's shape information
+into a network; ``dense=True`` (or ``model.dense = true``) gives the dense baseline of
+the very same architecture, which is what "N x smaller" and "N x faster" are measured
+against. :class:`TaskModel` adds the task loss on top.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from comera_engine.errors import ConfigError
+from comera_engine.models import dlrm, mlp, transformer
+from comera_engine.models.common import DEFAULT_TT_LAYERS, LayerFactory
+from comera_engine.models.dlrm import DLRM
+from comera_engine.models.mlp import TTMLP
+from comera_engine.models.tasks import TaskModel, roc_auc
+from comera_engine.models.transformer import TransformerClassifier, TransformerMLM
+
+if TYPE_CHECKING:
+    from comera_engine.train.config import ModelConfig
+
+__all__ = [
+    "DLRM",
+    "TTMLP",
+    "LayerFactory",
+    "TaskModel",
+    "TransformerClassifier",
+    "TransformerMLM",
+    "build_model",
+    "roc_auc",
+    "MODEL_TASKS",
+]
+
+#: The dataset task each model trains on.
+MODEL_TASKS: dict[str, tuple[str, ...]] = {
+    "transformer_cls": ("nli",),
+    "transformer_mlm": ("mlm",),
+    "dlrm": ("ctr",),
+    "tt_mlp": ("classification",),
+}
+
+
+def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Module:
+    """Build the network of ``cfg`` for a dataset.
+
+    Args:
+        cfg: the ``[model]`` config.
+        data: a ``DataBundle`` (or anything with ``task``, ``num_classes``,
+            ``vocab_size``, ``seq_len`` and ``meta``: ``input_dim`` for images,
+            ``pad_id`` for text, ``num_dense``/``bucket_sizes`` for clicks).
+        dense: override ``cfg.dense`` (``True``: the dense baseline).
+
+    Raises:
+        ConfigError: the model does not fit the dataset's task, or a size field is bad.
+    """
+    task = getattr(data, "task", None)
+    if task not in MODEL_TASKS[cfg.name]:
+        raise ConfigError(
+            "model.name",
+            f"{cfg.name} trains on {'/'.join(MODEL_TASKS[cfg.name])} data, but the dataset "
+            f"'{getattr(data, 'name', '?')}' is a {task} task",
+        )
+    dense = cfg.dense if dense is None else dense
+    kinds = cfg.tt_layers if cfg.tt_layers is not None else DEFAULT_TT_LAYERS[cfg.name]
+    meta = dict(getattr(data, "meta", {}) or {})
+
+    if cfg.name in ("transformer_cls", "transformer_mlm"):
+        size = transformer.resolve_size(
+            cfg.preset,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            n_heads=cfg.n_heads,
+            d_ff=cfg.d_ff,
+            dropout=cfg.dropout,
+            rank=cfg.rank,
+            embedding_rank=cfg.embedding_rank,
+        )
+        factory = LayerFactory(kinds, size.rank, size.embedding_rank, dense=dense)
+        vocab, max_len = int(data.vocab_size), int(data.seq_len)
+        pad_id = meta.get("pad_id", 0)
+        if cfg.name == "transformer_cls":
+            return TransformerClassifier(
+                size, factory, vocab, max_len, int(data.num_classes), pad_id
+            )
+        return TransformerMLM(size, factory, vocab, max_len, pad_id)
+
+    if cfg.name == "dlrm":
+        base = dlrm.PRESETS[cfg.preset]
+        size = dlrm.DLRMSize(
+            embedding_dim=cfg.embedding_dim or base.embedding_dim,
+            bottom_mlp=tuple(cfg.bottom_mlp) if cfg.bottom_mlp is not None else base.bottom_mlp,
+            top_mlp=tuple(cfg.top_mlp) if cfg.top_mlp is not None else base.top_mlp,
+            rank=cfg.rank or base.rank,
+            embedding_rank=cfg.embedding_rank or base.embedding_rank,
+            tt_min_rows=cfg.tt_min_rows if cfg.tt_min_rows is not None else base.tt_min_rows,
+        )
+        factory = LayerFactory(kinds, size.rank, size.embedding_rank, dense=dense)
+        return DLRM(size, factory, int(meta["num_dense"]), list(meta["bucket_sizes"]))
+
+    base = mlp.PRESETS[cfg.preset]
+    size = mlp.MLPSize(
+        hidden=tuple(cfg.hidden) if cfg.hidden is not None else base.hidden,
+        rank=cfg.rank or base.rank,
+        dropout=cfg.dropout if cfg.dropout is not None else base.dropout,
+    )
+    factory = LayerFactory(kinds, size.rank, size.rank, dense=dense)
+    return TTMLP(size, factory, int(meta["input_dim"]), int(data.num_classes))

@@ -1,0 +1,184 @@
+"""Checkpoints: ``checkpoints/step_000123.safetensors`` plus a ``step_000123.json`` sidecar.
+
+The safetensors file holds every tensor (model state under ``model/``, AdamW state under
+``optim/<param index>/<key>``); the JSON sidecar holds everything else (step, stage,
+objective state, RNG states as lists, data position, config, per-layer shapes and ranks,
+optimizer hyper-parameters). Both are written to a temporary file and moved into place
+with ``os.replace``, tensors first: a sidecar exists only next to a complete tensor file,
+so the newest sidecar always names a usable checkpoint. Loading uses safetensors only
+(no pickle).
+
+TT layers can be physically truncated during training, so a fresh model may have bigger
+cores than the checkpoint. :func:`resize_to_shapes` gives every parameter and buffer the
+checkpoint's shape before ``load_state_dict``; the TT layers read their ranks from their
+core shapes, so they come back at the truncated ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+_NAME = re.compile(r"^step_(\d{6,})\.json$")
+
+
+def checkpoint_paths(ckpt_dir: str | Path, step: int) -> tuple[Path, Path]:
+    """``(tensors, sidecar)`` paths of the checkpoint after ``step`` steps."""
+    base = Path(ckpt_dir) / f"step_{step:06d}"
+    return base.with_suffix(".safetensors"), base.with_suffix(".json")
+
+
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    keep: int = 3,
+) -> Path:
+    """Write a checkpoint atomically and prune all but the ``keep`` newest; returns the
+    safetensors path."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tensor_path, meta_path = checkpoint_paths(ckpt_dir, step)
+
+    state = model.state_dict()
+    tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in state.items()}
+    opt = optimizer.state_dict()
+    opt_scalars: dict[str, dict[str, Any]] = {}
+    for pid, pstate in opt["state"].items():
+        for key, value in pstate.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{pid}/{key}"] = value
+            else:
+                opt_scalars.setdefault(str(pid), {})[key] = value
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+
+    sidecar = dict(meta)
+    sidecar["step"] = int(step)
+    sidecar["shapes"] = {k: list(v.shape) for k, v in state.items()}
+    sidecar["optimizer"] = {
+        "param_groups": [_jsonable(g) for g in opt["param_groups"]],
+        "scalars": _jsonable(opt_scalars),
+    }
+
+    tmp = tensor_path.with_suffix(".safetensors.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "comera-checkpoint", "step": str(step)})
+    os.replace(tmp, tensor_path)
+    tmp_meta = meta_path.with_suffix(".json.tmp")
+    tmp_meta.write_text(json.dumps(sidecar), encoding="utf-8")
+    os.replace(tmp_meta, meta_path)
+    _prune(ckpt_dir, keep, protect=step)
+    return tensor_path
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints as ``(step, sidecar path)``, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for path in ckpt_dir.iterdir():
+        match = _NAME.match(path.name)
+        if match and path.with_suffix(".safetensors").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """Sidecar path of the newest complete checkpoint, or ``None``."""
+    found = list_checkpoints(ckpt_dir)
+    return found[-1][1] if found else None
+
+
+def load_checkpoint(meta_path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(sidecar dict, tensors)`` of a checkpoint (tensors on the CPU)."""
+    meta_path = Path(meta_path)
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    tensors = load_file(str(meta_path.with_suffix(".safetensors")), device="cpu")
+    return meta, tensors
+
+
+def model_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model part of a checkpoint's tensors."""
+    return {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+
+
+def resize_to_shapes(model: nn.Module, shapes: dict[str, list[int]]) -> list[str]:
+    """Give every parameter/buffer named in ``shapes`` that shape (values are garbage until
+    ``load_state_dict``). Parameters keep their identity (only ``.data`` is replaced), as
+    in the TT layers' own truncation. Returns the names that changed."""
+    changed = []
+    with torch.no_grad():
+        for name, shape in shapes.items():
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            param = module._parameters.get(leaf)
+            if param is not None:
+                if list(param.shape) != list(shape):
+                    param.data = param.data.new_empty(shape)
+                    param.grad = None
+                    changed.append(name)
+                continue
+            buf = module._buffers.get(leaf)
+            if buf is not None and list(buf.shape) != list(shape):
+                module._buffers[leaf] = buf.new_empty(shape)
+                changed.append(name)
+    return changed
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Rebuild ``optimizer.state_dict()`` form from a checkpoint (for ``load_state_dict``)."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim/"):
+            _, pid, name = key.split("/", 2)
+            state.setdefault(int(pid), {})[name] = value
+    for pid, scalars in meta["optimizer"]["scalars"].items():
+        state.setdefault(int(pid), {}).update(scalars)
+    groups = meta["optimizer"]["param_groups"]
+    current = optimizer.state_dict()["param_groups"]
+    if len(groups) != len(current) or any(
+        len(a["params"]) != len(b["params"]) for a, b in zip(groups, current)
+    ):
+        raise ValueError("checkpoint: optimizer parameter groups do not match the model")
+    # keep the saved hyper-parameters, but with this optimizer's option types (betas tuple)
+    merged = []
+    for saved, now in zip(groups, current):
+        group = dict(now)
+        group.update({k: v for k, v in saved.items() if k in now and k != "params"})
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+        group["params"] = saved["params"]
+        merged.append(group)
+    return {"state": state, "param_groups": merged}
+
+
+def _prune(ckpt_dir: Path, keep: int, protect: int) -> None:
+    found = list_checkpoints(ckpt_dir)
+    for step, meta_path in found[:-keep] if keep > 0 else []:
+        if step == protect:
+            continue
+        meta_path.unlink(missing_ok=True)
+        meta_path.with_suffix(".safetensors").unlink(missing_ok=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

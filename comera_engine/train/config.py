@@ -1,0 +1,425 @@
+"""Run configuration: four plain dataclasses, loaded from TOML, overridden by ``--set``.
+
+A config file has a top-level ``name`` and four tables::
+
+    name = "digits-tt"
+
+    [model]     # ModelConfig: which network, its size preset, which layers are TT
+    [data]      # free-form table handed to comera_engine.data.build_dataset (it checks it)
+    [comera]    # CoMERAConfig: rank adaptivity, the two stages, AdamW learning rates
+    [train]     # TrainConfig: steps, batch size, eval/checkpoint cadence, device, precision
+
+Everything is validated up front by :func:`load_config` / :func:`config_from_dict`:
+unknown keys (with a "did you mean" suggestion), wrong types and out-of-range values
+raise :class:`~comera_engine.errors.ConfigError` whose message names the field, e.g.
+``train.batch_sise: unknown key (did you mean train.batch_size?)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from comera_engine.errors import ConfigError
+from comera_engine.models.common import TT_LAYER_KINDS
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
+    import tomli as tomllib  # type: ignore[no-redef]
+
+MODEL_NAMES = tuple(TT_LAYER_KINDS)
+PRESETS = ("paper", "small", "tiny")
+
+
+@dataclass
+class ModelConfig:
+    """Which network to build. ``None`` fields take the preset's value."""
+
+    name: str = "transformer_cls"  # transformer_cls | transformer_mlm | dlrm | tt_mlp
+    preset: str = "tiny"  # paper | small | tiny
+    dense: bool = False  # build the dense baseline (every layer nn.Linear / nn.Embedding)
+    tt_layers: list[str] | None = None  # layer kinds in TT form; None: the model's default
+    rank: int | None = None  # max TT rank of the linear layers
+    embedding_rank: int | None = None  # max TT rank of the embedding tables
+    # transformer (both variants)
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    d_ff: int | None = None
+    dropout: float | None = None
+    # tt_mlp
+    hidden: list[int] | None = None
+    # dlrm
+    embedding_dim: int | None = None
+    bottom_mlp: list[int] | None = None
+    top_mlp: list[int] | None = None
+    tt_min_rows: int | None = None  # tables with fewer rows stay dense
+
+
+@dataclass
+class CoMERAConfig:
+    """Rank-adaptive multi-objective training (method page, section 2) and the optimiser."""
+
+    enabled: bool = True  # false: plain task-loss training (ranks fixed)
+    gamma: float = 0.01  # early stage: weight of the size surrogate
+    gamma_warmup: int = 0  # steps over which gamma ramps up from 0
+    tau: float = 1e-2  # gate threshold: |g| <= tau prunes a rank for good
+    l2_cores: float = 0.0  # optional small l2 on TT cores (early stage)
+    target_compression: float | None = None  # late stage target (>1): dense / target size
+    target_scope: str = "tensorized"  # model | tensorized: what the ratio is measured on
+    # late stage after this many steps, "plateau", "never", or "auto" (plateau if a target)
+    switch: int | str = "auto"
+    plateau_patience: int = 200  # steps without improvement that count as a plateau
+    plateau_min_delta: float = 1e-3  # relative improvement that resets the patience
+    rho_f: float = 0.1  # late stage augmentation on the task loss
+    rho_s: float = 0.01  # late stage augmentation on the size surrogate
+    lr_cores: float = 1e-4
+    lr_gates: float = 1e-3
+    lr_dense: float = 5e-5
+    weight_decay: float = 0.01
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 1000
+    batch_size: int = 32  # per process; the global batch is batch_size * world size
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int | None = None  # cap on eval batches (None: the whole eval split)
+    ckpt_every: int = 500  # 0: only at stage changes and at the end
+    keep_checkpoints: int = 3  # newest checkpoints kept on disk
+    grad_clip: float = 1.0  # max gradient norm; 0 turns clipping off
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cuda_graph: bool = True  # capture the whole step into a CUDA graph (GPU only)
+    seed: int = 0
+    num_workers: int = 0  # background batch-building processes
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: dict[str, Any] = field(default_factory=dict)
+    comera: CoMERAConfig = field(default_factory=CoMERAConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    #: Folder that relative data paths are resolved from (not part of the file).
+    base_dir: str | None = field(default=None, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (the TOML tables), ``None`` values left out."""
+        out: dict[str, Any] = {"name": self.name}
+        for section in ("model", "data", "comera", "train"):
+            obj = getattr(self, section)
+            values = dict(obj) if isinstance(obj, dict) else dataclasses.asdict(obj)
+            out[section] = {k: v for k, v in values.items() if v is not None}
+        return out
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "comera": CoMERAConfig, "train": TrainConfig}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | None = None, base_dir: str | Path | None = None
+) -> Config:
+    """Read a TOML config, apply ``--set`` overrides, validate everything but the data.
+
+    Relative data paths are resolved from ``base_dir`` (default: the current folder).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", f"file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path.name} is not valid TOML ({exc})") from None
+    for item in overrides or []:
+        apply_override(raw, item)
+    cfg = config_from_dict(raw)
+    cfg.base_dir = str(Path(base_dir).resolve()) if base_dir else str(Path.cwd())
+    return cfg
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``section.key=value`` override to the raw dict (value read as TOML)."""
+    if "=" not in item:
+        raise ConfigError("--set", f"expected section.key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not all(parts) or len(parts) > 2:
+        raise ConfigError("--set", f"expected section.key=value, got {item!r}")
+    value = parse_value(text.strip())
+    if len(parts) == 1:
+        raw[parts[0]] = value
+        return
+    section = raw.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(parts[0], "is a value, not a table; cannot set a key inside it")
+    section[parts[1]] = value
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal (``64``, ``1e-3``, ``true``, ``"x"``, ``[1, 2]``); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from nested plain values (TOML tables)."""
+    allowed_top = {"name", "model", "data", "comera", "train"}
+    for key in raw:
+        if key not in allowed_top:
+            _unknown(key, sorted(allowed_top) + _all_field_names())
+    name = raw.get("name", "run")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError("name", f"must be a non-empty string, got {name!r}")
+    data = raw.get("data", {})
+    if not isinstance(data, dict):
+        raise ConfigError("data", "must be a table ([data])")
+    if "name" not in data:
+        raise ConfigError("data.name", "missing; name a dataset (e.g. digits, snli, code_mlm)")
+    sections = {}
+    for section, cls in SECTIONS.items():
+        values = raw.get(section, {})
+        if not isinstance(values, dict):
+            raise ConfigError(section, f"must be a table ([{section}])")
+        sections[section] = _build_section(section, cls, values)
+    cfg = Config(name=name.strip(), data=dict(data), **sections)
+    validate(cfg)
+    return cfg
+
+
+def _all_field_names() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str, candidates: list[str]) -> None:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise ConfigError(key, f"unknown key{hint}")
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        full = f"{section}.{key}"
+        if key not in names:
+            _unknown(full, [f"{section}.{n}" for n in names] + _all_field_names())
+        kwargs[key] = _coerce(full, value, hints[key])
+    return cls(**kwargs)
+
+
+def _coerce(full: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    ok, out = _match(value, tp)
+    if not ok:
+        raise ConfigError(full, f"must be {_describe(tp)}, got {value!r}")
+    return out
+
+
+def _match(value: Any, tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, out = _match(value, arg)
+            if ok:
+                return True, out
+        return False, None
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            return False, None
+        items = [_match(v, item_tp) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if tp is type(None):
+        return value is None, None
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, None
+        return True, float(value)
+    if tp is str:
+        return isinstance(value, str), value
+    return True, value
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(parts)
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Range and consistency checks (types were checked while building)."""
+    m, c, t = cfg.model, cfg.comera, cfg.train
+    _choice("model.name", m.name, MODEL_NAMES)
+    _choice("model.preset", m.preset, PRESETS)
+    for key, models in _MODEL_FIELDS.items():
+        if getattr(m, key) is not None and m.name not in models:
+            raise ConfigError(
+                f"model.{key}", f"does not apply to {m.name} (only to {', '.join(models)})"
+            )
+    if m.tt_layers is not None:
+        kinds = TT_LAYER_KINDS[m.name]
+        for kind in m.tt_layers:
+            if kind not in kinds:
+                raise ConfigError(
+                    "model.tt_layers",
+                    f"{kind!r} is not a layer kind of {m.name} (choose from {', '.join(kinds)})",
+                )
+    for key in ("rank", "embedding_rank", "d_model", "n_layers", "n_heads", "d_ff"):
+        _positive_int(f"model.{key}", getattr(m, key))
+    for key in ("embedding_dim",):
+        _positive_int(f"model.{key}", getattr(m, key))
+    for key in ("hidden", "bottom_mlp", "top_mlp"):
+        widths = getattr(m, key)
+        if widths is not None:
+            for w in widths:
+                if w < 1:
+                    raise ConfigError(f"model.{key}", f"widths must be positive, got {widths}")
+    if m.tt_min_rows is not None and m.tt_min_rows < 0:
+        raise ConfigError("model.tt_min_rows", f"must be >= 0, got {m.tt_min_rows}")
+    if m.dropout is not None and not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout", f"must be in [0, 1), got {m.dropout}")
+    if m.d_model is not None and m.n_heads is not None and m.d_model % m.n_heads:
+        raise ConfigError("model.n_heads", f"must divide d_model={m.d_model}, got {m.n_heads}")
+
+    _nonneg("comera.gamma", c.gamma)
+    if c.gamma_warmup < 0:
+        raise ConfigError("comera.gamma_warmup", f"must be >= 0, got {c.gamma_warmup}")
+    _nonneg("comera.l2_cores", c.l2_cores)
+    if not 0.0 <= c.tau < 1.0:
+        raise ConfigError("comera.tau", f"must be in [0, 1), got {c.tau}")
+    if c.target_compression is not None and not c.target_compression > 1.0:
+        raise ConfigError(
+            "comera.target_compression",
+            f"must be a ratio > 1 (e.g. 50 for 50x smaller), got {c.target_compression}",
+        )
+    _choice("comera.target_scope", c.target_scope, ("model", "tensorized"))
+    if isinstance(c.switch, str):
+        _choice("comera.switch", c.switch, ("auto", "plateau", "never"))
+    elif c.switch < 0:
+        raise ConfigError(
+            "comera.switch", f"must be a step >= 0, 'auto', 'plateau' or 'never', got {c.switch}"
+        )
+    if c.enabled and c.switch not in ("never", "auto") and c.target_compression is None:
+        raise ConfigError(
+            "comera.target_compression",
+            f"the late stage (comera.switch = {c.switch!r}) needs a target compression ratio; "
+            'set one or use comera.switch = "never"',
+        )
+    _positive_int("comera.plateau_patience", c.plateau_patience)
+    _nonneg("comera.plateau_min_delta", c.plateau_min_delta)
+    for key in ("rho_f", "rho_s", "weight_decay"):
+        _nonneg(f"comera.{key}", getattr(c, key))
+    for key in ("lr_cores", "lr_gates", "lr_dense"):
+        value = getattr(c, key)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"comera.{key}", f"must be a positive number, got {value}")
+
+    _positive_int("train.steps", t.steps)
+    _positive_int("train.batch_size", t.batch_size)
+    for key in ("eval_every", "ckpt_every", "num_workers"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}", f"must be >= 0, got {getattr(t, key)}")
+    _positive_int("train.eval_batches", t.eval_batches)
+    _positive_int("train.keep_checkpoints", t.keep_checkpoints)
+    _nonneg("train.grad_clip", t.grad_clip)
+    _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
+    if t.device not in ("auto", "cpu", "cuda") and not (
+        t.device.startswith("cuda:") and t.device[5:].isdigit()
+    ):
+        raise ConfigError("train.device", f"must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+_TRANSFORMERS = ("transformer_cls", "transformer_mlm")
+#: Model fields that only some models have.
+_MODEL_FIELDS: dict[str, tuple[str, ...]] = {
+    "d_model": _TRANSFORMERS,
+    "n_layers": _TRANSFORMERS,
+    "n_heads": _TRANSFORMERS,
+    "d_ff": _TRANSFORMERS,
+    "hidden": ("tt_mlp",),
+    "embedding_dim": ("dlrm",),
+    "bottom_mlp": ("dlrm",),
+    "top_mlp": ("dlrm",),
+    "tt_min_rows": ("dlrm",),
+    "embedding_rank": (*_TRANSFORMERS, "dlrm"),
+}
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(name, f"unknown value {value!r}{hint}; choose from {', '.join(choices)}")
+
+
+def _positive_int(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(name, f"must be a positive integer, got {value}")
+
+
+def _nonneg(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(name, f"must be a finite number >= 0, got {value}")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML text (what ``--print-config`` shows)."""
+    d = cfg.to_dict()
+    lines = [f"name = {_toml_value(d['name'])}"]
+    for section in ("model", "data", "comera", "train"):
+        lines += ["", f"[{section}]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in d[section].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} as TOML")

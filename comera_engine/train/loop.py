@@ -1,0 +1,580 @@
+"""The training recipe: ``train(cfg, run_dir, sink)``.
+
+Read top to bottom, one run is:
+
+1. join the process group when under torchrun; pick the device and precision;
+2. build the dataset, the model (TT or its dense baseline) and the task head;
+3. on ``resume``: rebuild the TT layers at the checkpoint's ranks and load it;
+4. AdamW with separate groups for TT cores, rank gates and dense parameters;
+5. loop over steps: deterministic batch -> one step (eager or CUDA graph) -> metrics;
+   rank-change events; the switch from the early to the late CoMERA stage (at a step or
+   on a loss plateau); evaluation every ``eval_every`` steps; checkpoints every
+   ``ckpt_every`` steps and at stage changes (physically truncating the TT cores and the
+   optimizer state first); stop on NaN/inf (status ``diverged``) or on SIGTERM / a stop
+   flag (checkpoint, status ``stopped``);
+6. a final evaluation and checkpoint (status ``finished``).
+
+Metrics per step (through the one :class:`~comera_engine.metrics.MetricsSink`):
+``loss/task``, ``loss/total``, ``acc/train``, ``grad_norm``, ``comera/*`` (objective
+terms), ``stage`` (0 early, 1 late; absent for plain training), ``lr/<group>``,
+``params/*``, ``bytes/*``, ``compression/*``, ``perf/step_time_s``,
+``perf/samples_per_s``, ``perf/tokens_per_s`` (text), ``mem/*`` (CUDA peak allocated /
+reserved and NVML device used / total on GPU, RSS on CPU), ``epoch``; every
+``eval_every`` steps also ``eval/loss``, ``eval/acc`` (and ``eval/auc`` for clicks,
+``eval/ppl`` for MLM). Effective ranks per TT layer go to ``log_ranks`` at the first
+step, whenever they change and at each evaluation (they are piecewise constant).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from comera_engine.errors import ConfigError
+from comera_engine.metrics import MetricsSink
+from comera_engine.models import TaskModel, build_model, roc_auc
+from comera_engine.train import checkpoint as ckpt
+from comera_engine.train.batches import BatchPlan, eval_batches, iterate_batches, mix_seed
+from comera_engine.train.config import Config
+from comera_engine.train.distributed import (
+    DistInfo,
+    all_reduce_values,
+    barrier,
+    init_distributed,
+    resolve_device,
+    shutdown,
+)
+from comera_engine.train.progress import ProgressBar
+from comera_engine.train.step import GraphedStep, TrainStep
+from comera_engine.train.sysinfo import MemoryMeter
+from comera_engine.train.tt import CoMERAState, tt_layers
+
+
+@dataclass
+class TrainResult:
+    """What a finished ``train`` call reports."""
+
+    status: str  # finished | stopped | diverged
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)  # last step's metrics (+ eval)
+    checkpoint: str | None = None
+    graph_reason: str | None = None  # why the CUDA graph path was off (None: it was on)
+
+
+class NullSink:
+    """Sink for processes that must not write (DDP ranks other than 0)."""
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
+    def log_ranks(self, step: int, ranks: dict[str, list[int]]) -> None: ...
+    def log_event(self, kind: str, text: str, step: int | None = None) -> None: ...
+    def log_artifact(self, kind: str, path: str) -> None: ...
+    def set_status(self, status: str, error: str | None = None) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def train(
+    cfg: Config,
+    run_dir: str | os.PathLike[str],
+    sink: MetricsSink | None = None,
+    *,
+    resume: bool = False,
+    stop_flag: threading.Event | None = None,
+    bundle: Any = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train the run described by ``cfg`` in ``run_dir`` (checkpoints under ``checkpoints/``).
+
+    Args:
+        cfg: a validated config (see :mod:`comera_engine.train.config`).
+        run_dir: the run folder; must exist.
+        sink: where metrics go (only rank 0 writes; ``None``: nowhere).
+        resume: continue from the newest checkpoint in ``run_dir`` (fresh start if none).
+        stop_flag: set it (or send SIGTERM) to stop after the current step with a
+            checkpoint and status ``stopped``.
+        bundle: an already built ``DataBundle`` (else built from ``cfg.data``).
+        progress: draw a progress bar on stderr (rank 0).
+    """
+    run_dir = Path(run_dir)
+    stop_flag = stop_flag or threading.Event()
+    device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    dist = init_distributed(device)
+    sink = sink if (sink is not None and dist.is_main) else NullSink()
+    restore_signals = _install_signal_handlers(stop_flag)
+    try:
+        run = _Run(cfg, run_dir, sink, dist, device, stop_flag, bundle, progress and dist.is_main)
+        try:
+            return run.fit(resume)
+        except Exception as exc:
+            sink.set_status("failed", f"{type(exc).__name__}: {exc}")
+            sink.flush()
+            raise
+    finally:
+        restore_signals()
+        shutdown(dist)
+
+
+class _Run:
+    """State of one training run (the pieces :func:`train` wires together)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        sink: MetricsSink,
+        dist: DistInfo,
+        device: torch.device,
+        stop_flag: threading.Event,
+        bundle: Any,
+        progress: bool,
+    ) -> None:
+        self.cfg, self.run_dir, self.sink, self.dist = cfg, run_dir, sink, dist
+        self.device, self.stop_flag, self.show_progress = device, stop_flag, progress
+        self.ckpt_dir = run_dir / "checkpoints"
+        t = cfg.train
+        if t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda"):
+            self.autocast_dtype: torch.dtype | None = torch.bfloat16
+        else:
+            self.autocast_dtype = None
+
+        if bundle is None:
+            from comera_engine.data import build_dataset
+
+            bundle = build_dataset(data_config(cfg), base_dir=cfg.base_dir)
+        self.bundle = bundle
+        _seed_everything(t.seed)
+        self.model = build_model(cfg.model, bundle)
+        self.task_model = TaskModel(self.model, bundle.task).to(device)
+        self.plan = BatchPlan(len(bundle.train), t.batch_size, t.seed, dist.rank, dist.world_size)
+        self.use_graph = t.cuda_graph and device.type == "cuda"
+        self.comera = CoMERAState(self.model, cfg.comera)
+        self.step = 0
+        self.ddp: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.stepper: GraphedStep | TrainStep | None = None
+        self.memory = MemoryMeter(device)
+        self.last_metrics: dict[str, float] = {}
+        self.last_ckpt: str | None = None
+        self._size_cache: dict[str, float] | None = None
+        self._ranks_cache: dict[str, list[int]] | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_optimizer(self) -> None:
+        self.optimizer = self.comera.make_optimizer(capturable=self.use_graph)
+
+    def _wrap(self) -> None:
+        """(Re)build the DDP wrapper and the step function (after setup or a truncation)."""
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DDP(self.task_model, device_ids=ids)
+        step = TrainStep(
+            self.ddp if self.ddp is not None else self.task_model,
+            self.optimizer,
+            self.comera.objective_fn(graph_safe=self.use_graph),
+            self.model.parameters(),
+            self.cfg.train.grad_clip,
+            self.autocast_dtype,
+            refresh=self.comera.refresh_fn() if self.use_graph else None,
+        )
+        if not self.use_graph:
+            self.stepper = step
+        elif isinstance(self.stepper, GraphedStep):
+            self.stepper.reset(step)
+        else:
+            self.stepper = GraphedStep(step, log=self._info)
+            if self.dist.enabled:
+                self.stepper.disable("DistributedDataParallel runs eagerly (no whole-step graph)")
+        self._size_cache = None
+
+    def _resume(self) -> bool:
+        path = ckpt.latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            self._info("resume: no checkpoint in the run folder; starting from step 0")
+            return False
+        meta, tensors = ckpt.load_checkpoint(path)
+        saved = meta.get("config", {})
+        if saved.get("model") != self.cfg.to_dict()["model"]:
+            raise ConfigError("model", "differs from the checkpoint's model config; cannot resume")
+        if meta["data"]["global_batch"] != self.plan.global_batch:
+            raise ConfigError(
+                "train.batch_size",
+                f"the checkpoint used a global batch of {meta['data']['global_batch']}, "
+                f"this run {self.plan.global_batch}; cannot resume identically",
+            )
+        ckpt.resize_to_shapes(self.model, meta["shapes"])
+        self.model.load_state_dict(ckpt.model_state(tensors))
+        self.model.to(self.device)
+        self._build_optimizer()
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(ckpt.optimizer_state(self.optimizer, meta, tensors))
+        self.comera.load_state_dict(meta["comera"])
+        _set_rng_state(meta["rng"])
+        self.step = int(meta["step"])
+        self.last_ckpt = str(path.with_suffix(".safetensors"))
+        self.sink.log_event("info", f"resumed from {path.name} (step {self.step})", self.step)
+        return True
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self, resume: bool) -> TrainResult:
+        t = self.cfg.train
+        self.sink.set_status("running")
+        resumed = self._resume() if resume else False
+        if not resumed:
+            self._build_optimizer()
+        self._wrap()
+        self._log_setup(resumed)
+
+        bar = ProgressBar(t.steps, self.step) if self.show_progress else None
+        status = "finished"
+        metrics: dict[str, float] = {}
+        batches = iterate_batches(
+            self.bundle.train,
+            self.plan,
+            self.step,
+            t.steps,
+            self.bundle.collate_fn,
+            t.num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
+        for index, batch in batches:
+            t0 = time.perf_counter()
+            torch.manual_seed(mix_seed(t.seed, index, self.dist.rank, 0x5EED))
+            self.comera.begin_step(index)
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            out = self.stepper(batch)  # type: ignore[misc]
+            self.step = index + 1
+            if "gate_counts" not in out:  # the reference gate refresh (reads on the host)
+                rank_events = self.comera.after_step(self.step)
+            raw, counts = _to_floats(out)  # one host sync
+            if counts is not None:  # the step refreshed the gates on the device
+                rank_events = self.comera.events_from_counts(self.step, counts)
+            step_time = time.perf_counter() - t0
+            raw = self._reduce(raw)
+
+            if not all(math.isfinite(raw[k]) for k in ("loss/task", "loss/total", "grad_norm")):
+                status = "diverged"
+                text = (
+                    f"non-finite loss or gradient at step {self.step} "
+                    f"(task {raw['loss/task']}, total {raw['loss/total']}, "
+                    f"grad norm {raw['grad_norm']}); last good checkpoint: {self.last_ckpt}"
+                )
+                self.sink.log_event("error", text, self.step)
+                self._info(text)
+                break
+
+            metrics = self._step_metrics(raw, step_time, batch)
+            for text in rank_events:
+                self.sink.log_event("rank_change", text, self.step)
+            self._log_ranks()
+            switched = self.comera.maybe_switch(self.step, raw["loss/task"])
+            if switched:
+                self.sink.log_event("stage", switched, self.step)
+                self._say(switched)
+            is_last = self.step == t.steps
+            if (t.eval_every and self.step % t.eval_every == 0) or is_last:
+                metrics.update(self.evaluate())
+                self._log_ranks(force=True)
+            self.sink.log_metrics(self.step, metrics)
+            self.last_metrics = metrics
+            if bar is not None:
+                bar.update(self.step, _bar_info(metrics, self.comera.stage_name))
+
+            stop = self._should_stop()
+            if stop:
+                status = "stopped"
+            if switched or stop or is_last or (t.ckpt_every and self.step % t.ckpt_every == 0):
+                self.save(_ckpt_reason(stop, is_last, bool(switched)))
+            if stop:
+                break
+        if bar is not None:
+            bar.close()
+        self.sink.set_status(status)
+        self.sink.flush()
+        graph_reason = self.stepper.reason if isinstance(self.stepper, GraphedStep) else None
+        if not self.use_graph:
+            graph_reason = (
+                "train.cuda_graph = false" if self.device.type == "cuda" else "not on a GPU"
+            )
+        return TrainResult(status, self.step, metrics, self.last_ckpt, graph_reason)
+
+    def _reduce(self, raw: dict[str, float]) -> dict[str, float]:
+        """Average the step's scalars over processes (counts are summed)."""
+        if not self.dist.enabled:
+            return raw
+        keys = list(raw)
+        summed = all_reduce_values(self.dist, [raw[k] for k in keys], "sum")
+        out = {k: v / self.dist.world_size for k, v in zip(keys, summed)}
+        for key in ("correct", "count"):  # totals over processes, not means
+            out[key] = summed[keys.index(key)]
+        return out
+
+    def _should_stop(self) -> bool:
+        """Stop requested (flag or SIGTERM) in any process: all processes agree."""
+        flag = float(self.stop_flag.is_set())
+        return all_reduce_values(self.dist, [flag], "max")[0] > 0
+
+    def _step_metrics(
+        self, raw: dict[str, float], step_time: float, batch: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
+        samples = self.plan.global_batch
+        m: dict[str, float] = {
+            "loss/task": raw["loss/task"],
+            "loss/total": raw["loss/total"],
+            "acc/train": raw["correct"] / max(raw["count"], 1.0),
+            "grad_norm": raw["grad_norm"],
+            "epoch": self.step / self.plan.steps_per_epoch,
+            "perf/step_time_s": step_time,
+            "perf/samples_per_s": samples / max(step_time, 1e-12),
+        }
+        if "input_ids" in batch:
+            tokens = batch["input_ids"].numel() * self.dist.world_size
+            m["perf/tokens_per_s"] = tokens / max(step_time, 1e-12)
+        m.update({k: v for k, v in raw.items() if k.startswith("comera/") and k != "comera/stage"})
+        if self.comera.enabled:
+            m["stage"] = float(self.comera.stage_name == "late")
+        assert self.optimizer is not None
+        for i, group in enumerate(self.optimizer.param_groups):
+            lr = group["lr"]
+            m[f"lr/{group.get('name', i)}"] = float(lr.item() if torch.is_tensor(lr) else lr)
+        if self._size_cache is None:
+            self._size_cache = self.comera.size_metrics()
+        m.update(self._size_cache)
+        m.update(self.memory.read())
+        return m
+
+    def _log_ranks(self, force: bool = False) -> None:
+        ranks = self.comera.effective_ranks()
+        if ranks and (force or ranks != self._ranks_cache):
+            self.sink.log_ranks(self.step, ranks)
+            if ranks != self._ranks_cache:
+                self._size_cache = None
+            self._ranks_cache = ranks
+
+    # ------------------------------------------------------------------ eval
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics on the eval split (rank 0 computes them; the others wait)."""
+        out: dict[str, float] = {}
+        if self.dist.is_main:
+            out = evaluate(
+                self.task_model,
+                self.bundle.eval,
+                self.cfg.train.batch_size,
+                self.device,
+                self.autocast_dtype,
+                self.cfg.train.eval_batches,
+            )
+        barrier(self.dist)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, reason: str) -> None:
+        """Truncate the TT cores to their effective ranks, then checkpoint (rank 0)."""
+        assert self.optimizer is not None
+        truncated = self.comera.truncate(self.optimizer)
+        if truncated:
+            self.sink.log_event("info", f"physically truncated: {truncated}", self.step)
+        if truncated or reason == "stage":
+            self._wrap()  # parameters or the objective changed: new DDP + re-capture
+        if self.dist.is_main:
+            meta = {
+                "format": 1,
+                "reason": reason,
+                "comera": self.comera.state_dict(),
+                "ranks": self.comera.effective_ranks(),
+                "rng": _rng_state(),
+                "data": {
+                    "seed": self.cfg.train.seed,
+                    "global_batch": self.plan.global_batch,
+                    "epoch": self.plan.epoch_of(self.step),
+                    "step_in_epoch": self.step % self.plan.steps_per_epoch,
+                },
+                "config": self.cfg.to_dict(),
+                "world_size": self.dist.world_size,
+                "metrics": self.last_metrics,
+            }
+            path = ckpt.save_checkpoint(
+                self.ckpt_dir,
+                self.step,
+                self.model,
+                self.optimizer,
+                meta,
+                keep=self.cfg.train.keep_checkpoints,
+            )
+            self.last_ckpt = str(path)
+            self.sink.log_artifact("checkpoint", str(path))
+            self.sink.log_event("checkpoint", f"{path.name} ({reason})", self.step)
+        barrier(self.dist)
+
+    # ------------------------------------------------------------------ logging
+
+    def _info(self, text: str) -> None:
+        self.sink.log_event("info", text, self.step)
+        self._say(text)
+
+    def _say(self, text: str) -> None:
+        if self.show_progress:
+            print(text, file=sys.stderr, flush=True)
+
+    def _log_setup(self, resumed: bool) -> None:
+        size = self.comera.size_metrics()
+        n_tt = len(tt_layers(self.model))
+        what = "dense baseline" if n_tt == 0 else f"{n_tt} TT layers"
+        self._info(
+            f"{self.cfg.model.name}/{self.cfg.model.preset} ({what}), "
+            f"{int(size.get('params/effective', 0)):,} effective params, "
+            f"{size.get('compression/model', 1.0):.1f}x vs dense; device {self.device}, "
+            f"{'bf16' if self.autocast_dtype else 'fp32'}, world {self.dist.world_size}"
+            + (", resumed" if resumed else "")
+        )
+
+
+# ---------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(
+    task_model: nn.Module,
+    dataset: Any,
+    batch_size: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    max_batches: int | None = None,
+) -> dict[str, float]:
+    """``eval/loss``, ``eval/acc`` (+ ``eval/auc`` for clicks, ``eval/ppl`` for MLM)."""
+    was_training = task_model.training
+    task_model.eval()
+    loss_sum = correct = count = 0.0
+    scores, targets = [], []
+    for batch in eval_batches(dataset, batch_size, max_batches):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if autocast_dtype is not None:
+            with torch.autocast(device.type, dtype=autocast_dtype):
+                out = task_model(batch)
+        else:
+            out = task_model(batch)
+        n = float(out["count"])
+        loss_sum += float(out["loss"]) * n
+        correct += float(out["correct"])
+        count += n
+        if out["scores"].numel():
+            scores.append(out["scores"].float().cpu())
+            targets.append(out["targets"].float().cpu())
+    task_model.train(was_training)
+    metrics = {"eval/loss": loss_sum / max(count, 1.0), "eval/acc": correct / max(count, 1.0)}
+    if scores:
+        metrics["eval/auc"] = roc_auc(torch.cat(scores), torch.cat(targets))
+    if getattr(task_model, "task", None) == "mlm":
+        metrics["eval/ppl"] = math.exp(min(metrics["eval/loss"], 50.0))
+    return metrics
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def data_config(cfg: Config) -> dict[str, Any]:
+    """The ``[data]`` table as ``build_dataset`` takes it (``seed`` defaults to train.seed)."""
+    data = dict(cfg.data)
+    data.setdefault("seed", cfg.train.seed)
+    return data
+
+
+def _to_floats(out: dict[str, Any]) -> tuple[dict[str, float], list[float] | None]:
+    """Step outputs (0-d tensors, floats, and the ``gate_counts`` vector if present) as
+    floats, with a single device sync."""
+    keys = [k for k, v in out.items() if torch.is_tensor(v) and k != "gate_counts"]
+    parts = [out[k].float().reshape(1) for k in keys]
+    if "gate_counts" in out:
+        parts.append(out["gate_counts"].float().reshape(-1))
+    values = torch.cat(parts).tolist() if parts else []
+    floats = {k: float(v) for k, v in out.items() if not torch.is_tensor(v)}
+    counts = values[len(keys) :] if "gate_counts" in out else None
+    return {**dict(zip(keys, values[: len(keys)])), **floats}, counts
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state().tolist(),
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *[float(x) for x in np_state[2:]]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), cached))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _install_signal_handlers(stop_flag: threading.Event):  # noqa: ANN202
+    """SIGTERM (and a first Ctrl-C) set ``stop_flag``; returns a function that undoes it."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and stop_flag.is_set():
+            raise KeyboardInterrupt
+        stop_flag.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, on_signal)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def _ckpt_reason(stop: bool, last: bool, switched: bool) -> str:
+    if stop:
+        return "stop"
+    if last:
+        return "final"
+    return "stage" if switched else "periodic"
+
+
+def _bar_info(metrics: dict[str, float], stage: str) -> dict[str, str | float]:
+    info: dict[str, str | float] = {"loss": metrics["loss/task"]}
+    if "eval/acc" in metrics:
+        info["eval acc"] = metrics["eval/acc"]
+    if "compression/model" in metrics:
+        info["smaller"] = f"{metrics['compression/model']:.1f}x"
+    info["stage"] = stage
+    return info

@@ -1,0 +1,71 @@
+"""A small terminal progress bar (stderr).
+
+On a terminal it redraws one line in place; when stderr is a file or pipe it prints a
+plain line every ``every`` seconds instead, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class ProgressBar:
+    """``bar.update(step, {"loss": 0.5, ...})``; ``bar.close()`` ends the line."""
+
+    def __init__(
+        self, total: int, start: int = 0, stream: TextIO | None = None, every: float = 10.0
+    ) -> None:
+        self.total = total
+        self.start = start
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every
+        self._t0 = time.monotonic()
+        self._last = 0.0
+
+    def update(self, step: int, info: dict[str, str | float]) -> None:
+        now = time.monotonic()
+        if self.tty and now - self._last < 0.1 and step < self.total:
+            return
+        if not self.tty and now - self._last < self.every and step < self.total:
+            return
+        self._last = now
+        done = step - self.start
+        rate = done / max(now - self._t0, 1e-9)
+        eta = (self.total - step) / rate if rate > 0 else float("inf")
+        frac = step / max(self.total, 1)
+        width = 24
+        filled = int(frac * width)
+        bar = "#" * filled + "." * (width - filled)
+        extras = " ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items()
+        )
+        line = f"[{bar}] {step}/{self.total} {extras} {rate:.1f} it/s eta {_fmt_time(eta)}"
+        if self.tty:
+            self.stream.write("\r" + line[:200].ljust(100))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def write(self, text: str) -> None:
+        """Print a message line without breaking the bar."""
+        if self.tty:
+            self.stream.write("\r" + " " * 100 + "\r")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

@@ -1,0 +1,193 @@
+"""One training step, run eagerly or replayed from a CUDA graph.
+
+:class:`TrainStep` is the step itself: forward through the task model, the CoMERA
+objective of the current stage, backward, gradient clipping and ``optimizer.step()``.
+It returns 0-d tensors (no host sync). On the graph path the gate refresh that makes
+pruning permanent is part of the step (device-side); otherwise the loop runs the
+reference refresh after it.
+
+:class:`GraphedStep` runs the same :class:`TrainStep` through a ``torch.cuda.CUDAGraph``:
+the first ``warmup`` steps run eagerly on a side stream (they are real training steps;
+they also create the optimizer state and let lazy CUDA initialisation happen), then the
+next step is captured with its batch copied into static buffers, and every later step
+copies its batch into those buffers and replays. The graph is dropped (:meth:`reset`)
+when the step function changes: at a stage change and after a physical truncation.
+When capture is impossible the step falls back to eager execution and remembers why.
+
+The graph and eager paths compute the same numbers; the graph only removes the
+per-kernel launch cost, which dominates TT training (many small kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+
+
+class TrainStep:
+    """Forward, objective, backward, clip, optimizer step (no host synchronisation).
+
+    ``refresh``: the gate refresh that makes pruning permanent, as device work returning
+    the alive count of every bond (``result["gate_counts"]``); ``None`` leaves the
+    refresh to the caller (the reference refresh reads gates on the host).
+    """
+
+    def __init__(
+        self,
+        task_model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        objective: Callable[[torch.Tensor], tuple[torch.Tensor, dict]] | None,
+        params: Iterable[nn.Parameter],
+        grad_clip: float,
+        autocast_dtype: torch.dtype | None,
+        refresh: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
+        self.task_model = task_model
+        self.optimizer = optimizer
+        self.objective = objective
+        self.params = [p for p in params if p.requires_grad]
+        self.grad_clip = grad_clip
+        self.autocast_dtype = autocast_dtype
+        self.refresh = refresh
+
+    def __call__(self, batch: Batch) -> dict[str, torch.Tensor | float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        device_type = next(iter(batch.values())).device.type
+        autocast = (
+            torch.autocast(device_type, dtype=self.autocast_dtype, cache_enabled=False)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            out = self.task_model(batch)
+        task_loss = out["loss"].float()
+        if self.objective is not None:
+            total, info = self.objective(task_loss)
+        else:
+            total, info = task_loss, {}
+        total.backward()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        elif grads:
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+            )
+        else:
+            grad_norm = task_loss.new_zeros(())
+        self.optimizer.step()
+        if self.refresh is not None:
+            gate_counts = self.refresh()
+        result: dict[str, torch.Tensor | float] = {
+            "loss/task": task_loss.detach(),
+            "loss/total": total.detach().float(),
+            "correct": out["correct"].detach().float(),
+            "count": out["count"].detach().float(),
+            "grad_norm": grad_norm.detach().float(),
+        }
+        if self.refresh is not None:
+            result["gate_counts"] = gate_counts
+        for key, value in info.items():  # tensors (graph-safe objective) or floats
+            if isinstance(value, torch.Tensor):
+                result[f"comera/{key}"] = value.detach().float().reshape(())
+            elif isinstance(value, (int, float)):
+                result[f"comera/{key}"] = float(value)
+        return result
+
+
+class GraphedStep:
+    """:class:`TrainStep` captured into a CUDA graph (see the module docstring).
+
+    Attributes:
+        reason: why the step runs eagerly (``None`` while the graph path is on).
+        captures: how many graphs were captured so far.
+    """
+
+    def __init__(self, step: TrainStep, warmup: int = 3, log: Callable[[str], None] = print):
+        self.step = step
+        self.warmup = warmup
+        self.log = log
+        self.reason: str | None = None
+        self.captures = 0
+        self._warm = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._static_in: Batch | None = None
+        self._static_out: dict[str, torch.Tensor] | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._graph is not None
+
+    def disable(self, reason: str) -> None:
+        """Run eagerly from now on, logging ``reason`` once."""
+        if self.reason is None:
+            self.reason = reason
+            self.log(f"CUDA graph off: {reason}")
+        self._drop()
+
+    def reset(self, step: TrainStep) -> None:
+        """New step function (stage change, truncation): re-warm and re-capture."""
+        self._drop()
+        self.step = step
+        self._warm = 0
+
+    def _drop(self) -> None:
+        self._graph = None
+        self._static_in = None
+        self._static_out = None
+        self.step.optimizer.zero_grad(set_to_none=True)  # grads lived in the graph's pool
+
+    def __call__(self, batch: Batch) -> dict[str, torch.Tensor]:
+        if self.reason is not None:
+            return self.step(batch)
+        if self._graph is None and self._warm < self.warmup:
+            self._warm += 1
+            return self._on_side_stream(batch)
+        if self._graph is None:
+            try:
+                return self._capture(batch)
+            except Exception as exc:  # noqa: BLE001 - any capture failure means eager
+                torch.cuda.synchronize()
+                self.disable(f"capture failed: {type(exc).__name__}: {_first_line(exc)}")
+                return self.step(batch)
+        assert self._static_in is not None and self._static_out is not None
+        for key, value in batch.items():
+            self._static_in[key].copy_(value, non_blocking=True)
+        self._graph.replay()
+        return self._static_out
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _on_side_stream(self, batch: Batch) -> dict[str, torch.Tensor]:
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = self.step(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def _capture(self, batch: Batch) -> dict[str, torch.Tensor]:
+        static_in = {k: v.clone() for k, v in batch.items()}
+        self.step.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=self._side_stream(), capture_error_mode="thread_local"):
+            static_out = self.step(static_in)
+        self._graph, self._static_in, self._static_out = graph, static_in, static_out
+        self.captures += 1
+        graph.replay()  # capture records only; this runs the step for this batch
+        return static_out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else ""

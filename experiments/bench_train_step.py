@@ -1,0 +1,300 @@
+"""Benchmark: one full training step of the paper's six-encoder transformer, CoMERA vs dense.
+
+A step is what the trainer runs: forward, the CoMERA objective (early stage; plain loss
+for the dense baseline), backward, gradient clipping, AdamW (cores / gates / dense
+groups) and the gate refresh, on a synthetic batch of token ids (sequence 128, BERT
+vocabulary 30522, 3 classes). Each configuration runs in a fresh subprocess so that
+peak memory is its own: ``torch.cuda.max_memory_allocated`` on GPU, peak RSS minus the
+RSS before the model was built on CPU.
+
+    python experiments/bench_train_step.py                      # defaults for this machine
+    python experiments/bench_train_step.py --presets small --batches 1 32 --steps 10
+
+Writes ``experiments/results/bench_train_step.json`` and replaces the section between
+the ``bench_train_step`` markers of ``docs/BENCHMARKS.md`` with a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "experiments" / "results" / "bench_train_step.json"
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+START, END = "<!-- bench_train_step:start -->", "<!-- bench_train_step:end -->"
+VOCAB, SEQ, CLASSES = 30522, 128, 3
+
+
+# ---------------------------------------------------------------------- one configuration
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Time ``spec["steps"]`` training steps of one configuration (runs in a child)."""
+    import psutil
+    import torch
+
+    from comera_engine.models import TaskModel, build_model
+    from comera_engine.train.config import CoMERAConfig, ModelConfig
+    from comera_engine.train.step import GraphedStep, TrainStep
+    from comera_engine.train.tt import CoMERAState
+
+    torch.manual_seed(0)
+    device = torch.device(spec["device"])
+    cuda = device.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(spec["threads"])
+    rss0 = psutil.Process().memory_info().rss
+
+    class Data:  # what build_model needs to know about the dataset
+        name, task, num_classes, vocab_size, seq_len, meta = "synthetic", "nli", 3, VOCAB, SEQ, {}
+
+    mcfg = ModelConfig(
+        name="transformer_cls", preset=spec["preset"], dense=spec["variant"] == "dense"
+    )
+    model = build_model(mcfg, Data())
+    task_model = TaskModel(model, "nli").to(device)
+    state = CoMERAState(model, CoMERAConfig())
+    optimizer = state.make_optimizer(capturable=spec["graph"])
+    step = TrainStep(
+        task_model,
+        optimizer,
+        state.objective_fn(graph_safe=spec["graph"]),
+        model.parameters(),
+        grad_clip=1.0,
+        autocast_dtype=torch.bfloat16 if cuda else None,
+        refresh=state.refresh_fn() if spec["graph"] else None,  # on the device, in the graph
+    )
+    runner = GraphedStep(step, log=lambda text: None) if spec["graph"] else step
+    b = spec["batch"]
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(1, VOCAB, (b, SEQ), generator=gen),
+        "token_type_ids": torch.zeros(b, SEQ, dtype=torch.long),
+        "attention_mask": torch.ones(b, SEQ, dtype=torch.long),
+        "labels": torch.randint(0, CLASSES, (b,), generator=gen),
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    for i in range(spec["warmup"]):
+        state.begin_step(i)
+        runner(batch)
+        if not spec["graph"]:
+            state.after_step(i + 1)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        state.begin_step(i)
+        out = runner(batch)
+        if not spec["graph"]:
+            state.after_step(i + 1)  # the reference gate refresh (reads gates on the host)
+        sync()
+        times.append(time.perf_counter() - t0)
+    loss = float(out["loss/task"])
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    size = state.size_metrics()
+    return {
+        **spec,
+        "step_ms_median": 1e3 * statistics.median(times),
+        "step_ms_min": 1e3 * min(times),
+        "peak_mem_mb": peak / 2**20,
+        "params": size["params/effective"],
+        "loss": loss,
+        "graph_reason": getattr(runner, "reason", None),
+    }
+
+
+def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(spec["threads"])}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        return {**spec, "error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------- the sweep
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["small", "paper"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128] if cuda else [1, 32])
+    parser.add_argument("--steps", type=int, default=20 if cuda else 3)
+    parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--no-docs", action="store_true", help="do not touch docs/BENCHMARKS.md")
+    parser.add_argument("--render", action="store_true", help="only re-render the last JSON")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(json.loads(args.one))))
+        return 0
+    if args.render:
+        table = markdown(json.loads(RESULTS.read_text()))
+        print(table)
+        if not args.no_docs:
+            write_doc(table)
+        return 0
+
+    device = "cuda" if cuda else "cpu"
+    graphs = [False, True] if cuda else [False]
+    rows = []
+    for preset in args.presets:
+        for batch in args.batches:
+            for graph in graphs:
+                for variant in ("dense", "comera"):
+                    spec = {
+                        "preset": preset,
+                        "batch": batch,
+                        "variant": variant,
+                        "graph": graph,
+                        "device": device,
+                        "steps": args.steps,
+                        "warmup": max(args.warmup, 4 if graph else 0),
+                        "threads": args.threads,
+                    }
+                    row = run_child(spec, args.timeout)
+                    rows.append(row)
+                    print(_row_text(row), flush=True)
+    result = {
+        "benchmark": "train_step",
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "cpu_threads": args.threads,
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": "python experiments/bench_train_step.py " + " ".join(argv or sys.argv[1:]),
+        "rows": rows,
+        "ratios": ratios(rows),
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    print()
+    print(table)
+    if not args.no_docs:
+        write_doc(table)
+    return 0
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Dense / CoMERA step time and peak memory for each (preset, batch, graph)."""
+    out = []
+    keyed = {
+        (r["preset"], r["batch"], r["graph"], r["variant"]): r for r in rows if "error" not in r
+    }
+    for (preset, batch, graph, variant), dense in sorted(keyed.items()):
+        if variant != "dense" or (preset, batch, graph, "comera") not in keyed:
+            continue
+        tt = keyed[(preset, batch, graph, "comera")]
+        out.append(
+            {
+                "preset": preset,
+                "batch": batch,
+                "graph": graph,
+                "dense_ms": dense["step_ms_median"],
+                "comera_ms": tt["step_ms_median"],
+                "speedup": dense["step_ms_median"] / tt["step_ms_median"],
+                "dense_mem_mb": dense["peak_mem_mb"],
+                "comera_mem_mb": tt["peak_mem_mb"],
+                "mem_ratio": dense["peak_mem_mb"] / max(tt["peak_mem_mb"], 1e-9),
+                "params_ratio": dense["params"] / tt["params"],
+            }
+        )
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    on_gpu = "cuda" in str(result["rows"][0].get("device"))
+    threads = "" if on_gpu else f", {result['cpu_threads']} CPU threads"
+    lines = [
+        f"Training step of the six-encoder transformer (seq 128, vocab 30522), CoMERA (TT, "
+        f"early stage) vs the dense baseline. Device: {result['device']}{threads}"
+        f"; torch {result['torch']}; {result['time']}. Command: `{result['command'].strip()}`.",
+        "",
+        "| preset | batch | CUDA graph | dense ms/step | CoMERA ms/step | speed-up | "
+        "dense peak MB | CoMERA peak MB | memory ratio | params ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["ratios"]:
+        lines.append(
+            f"| {r['preset']} | {r['batch']} | {'yes' if r['graph'] else 'no'} | "
+            f"{r['dense_ms']:.1f} | {r['comera_ms']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['dense_mem_mb']:.0f} | {r['comera_mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
+            f"{r['params_ratio']:.1f}x |"
+        )
+    lines += [
+        "",
+        "Median of the timed steps after warm-up; speed-up and memory ratio are dense / "
+        "CoMERA. Peak memory: `torch.cuda.max_memory_allocated` on GPU; on CPU the "
+        "process's peak RSS minus its RSS before the model was built (each configuration "
+        "runs in its own process). Params ratio: dense / CoMERA effective parameters.",
+    ]
+    if not on_gpu:
+        lines.append(
+            "CPU timings come from a shared machine and move with its load; "
+            "the GPU rows (with and without CUDA Graph) need a GPU run of this script."
+        )
+    errors = [r for r in result["rows"] if "error" in r]
+    for r in errors:
+        lines.append(f"\nFailed: {r['preset']} batch {r['batch']} {r['variant']}: {r['error']}")
+    return "\n".join(lines)
+
+
+def write_doc(table: str) -> None:
+    section = f"{START}\n## Training step: CoMERA vs dense\n\n{table}\n{END}"
+    text = DOC.read_text(encoding="utf-8") if DOC.exists() else "# Benchmarks\n"
+    if START in text and END in text:
+        before, rest = text.split(START, 1)
+        after = rest.split(END, 1)[1]
+        text = before + section + after
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text, encoding="utf-8")
+
+
+def _row_text(r: dict[str, Any]) -> str:
+    head = f"{r['preset']:>5} b={r['batch']:<4} {r['variant']:>6} graph={r['graph']!s:<5}"
+    if "error" in r:
+        return f"{head} ERROR {r['error']}"
+    extra = f" ({r['graph_reason']})" if r.get("graph_reason") else ""
+    return (
+        f"{head} {r['step_ms_median']:9.1f} ms  peak {r['peak_mem_mb']:8.0f} MB  "
+        f"params {r['params']:,.0f}{extra}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""`comera train` from a config: validation, --set, --print-config, bad input -> exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from comera_engine.cli import main
+from comera_engine.errors import ConfigError
+from comera_engine.train.config import Config, config_from_dict, load_config, parse_value, to_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "experiments" / "configs").glob("*.toml"))
+
+DIGITS = """
+name = "digits-test"
+[model]
+name = "tt_mlp"
+dense = true
+[data]
+name = "digits"
+[train]
+steps = 2
+batch_size = 16
+"""
+
+
+def write(tmp_path: Path, text: str = DIGITS, name: str = "cfg.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_every_example_config_validates() -> None:
+    assert len(CONFIGS) >= 8
+    for path in CONFIGS:
+        cfg = load_config(path)
+        assert cfg.model.name in ("transformer_cls", "transformer_mlm", "dlrm", "tt_mlp")
+    models = {load_config(p).model.name for p in CONFIGS}
+    assert models == {"transformer_cls", "transformer_mlm", "dlrm", "tt_mlp"}
+    presets = {(load_config(p).model.name, load_config(p).model.preset) for p in CONFIGS}
+    for model in models:  # each model at paper size and at a CPU size
+        assert (model, "paper") in presets
+        assert any(m == model and p != "paper" for m, p in presets)
+
+
+def test_set_overrides_and_print_config_round_trip(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg_path = write(tmp_path)
+    rc = main(
+        [
+            "train",
+            str(cfg_path),
+            "--print-config",
+            "--set",
+            "train.batch_size=64",
+            "--set",
+            "comera.switch=never",
+            "--set",
+            "model.hidden=[32, 16]",
+            "--set",
+            "comera.lr_cores=3e-3",
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    raw = tomllib.loads(text)
+    assert raw["train"]["batch_size"] == 64
+    assert raw["model"]["hidden"] == [32, 16]
+    again = config_from_dict(raw)
+    assert again.train.batch_size == 64 and again.comera.switch == "never"
+    assert again.comera.lr_cores == pytest.approx(3e-3)
+    assert not (tmp_path / "runs").exists()  # printing writes nothing
+
+
+def test_to_toml_round_trips_every_example() -> None:
+    for path in CONFIGS:
+        cfg = load_config(path)
+        back = config_from_dict(tomllib.loads(to_toml(cfg)))
+        assert back == cfg, path.name
+
+
+def test_parse_value_reads_toml_literals() -> None:
+    assert parse_value("64") == 64
+    assert parse_value("1e-3") == pytest.approx(1e-3)
+    assert parse_value("true") is True
+    assert parse_value('"x y"') == "x y"
+    assert parse_value("[1, 2]") == [1, 2]
+    assert parse_value("dlrm") == "dlrm"  # bare word -> string
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("model.name=gpt5", "model.name"),
+        ("model.rank=-3", "model.rank"),
+        ("comera.target_compression=0.5", "comera.target_compression"),
+        ("train.batch_size=0", "train.batch_size"),
+        ("train.batch_sise=32", "train.batch_sise"),
+        ("train.steps=ten", "train.steps"),
+        ("comera.target_scope=everything", "comera.target_scope"),
+        ("model.d_model=32", "model.d_model"),  # a transformer field on the TT MLP
+        ("comera.switch=100", "comera.target_compression"),  # late stage without a target
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, override, field) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path), [override])
+    assert str(info.value).startswith(field + ":")
+    assert "\n" not in str(info.value)
+
+
+def test_misspelt_key_suggests_the_right_one(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"did you mean train\.batch_size\?"):
+        load_config(write(tmp_path), ["train.batch_sise=32"])
+    with pytest.raises(ConfigError, match=r"did you mean comera\.gamma\?"):
+        load_config(write(tmp_path), ["comera.gama=0.1"])
+
+
+BAD_CASES = {
+    "unknown model": ["--set", "model.name=transformer_xl"],
+    "negative rank": ["--set", "model.rank=-1"],
+    "target compression 0.5": ["--set", "comera.target_compression=0.5"],
+    "missing data file": ["--set", "data.name=snli", "--set", "data.path=no/such/file.jsonl"],
+    "batch size 0": ["--set", "train.batch_size=0"],
+    "misspelt key": ["--set", "train.batch_sise=32"],
+    "batch larger than data": ["--set", "train.batch_size=100000"],
+    "model does not fit data": ["--set", "model.name=dlrm"],
+    "unreachable target": ["--set", "model.dense=false", "--set", "comera.target_compression=1e6"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_config_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capsys, case) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg_path = write(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    rc = main(["train", str(cfg_path), *BAD_CASES[case]])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("comera: error: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no runs/ folder
+
+
+def test_bad_config_in_a_real_process(tmp_path) -> None:
+    cfg_path = write(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "comera_engine.cli",
+            "train",
+            str(cfg_path),
+            "--set",
+            "train.batch_sise=8",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "comera: error: train.batch_sise: unknown key (did you mean train.batch_size?)"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.toml"]
+
+
+def test_missing_config_file_and_bad_toml(tmp_path, capsys) -> None:
+    assert main(["train", str(tmp_path / "nope.toml")]) == 2
+    assert "config: file not found" in capsys.readouterr().err
+    bad = write(tmp_path, "name = [unclosed", "bad.toml")
+    assert main(["train", str(bad)]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train"])
+    assert info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_train_writes_run_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg_path = write(tmp_path)
+    rc = main(["train", str(cfg_path), "--no-progress", "--run-dir", "out"])
+    assert rc == 0
+    run = tmp_path / "out"
+    assert (run / "metrics.jsonl").is_file()
+    assert (run / "checkpoints" / "step_000002.safetensors").is_file()
+    saved = load_config(run / "config.toml")
+    assert isinstance(saved, Config) and saved.train.steps == 2
+
+
+def test_cli_resume_continues_from_the_newest_checkpoint(tmp_path, monkeypatch) -> None:
+    from comera_engine.metrics import read_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    cfg_path = write(tmp_path)
+    args = ["train", str(cfg_path), "--no-progress", "--run-dir", "out",
+            "--set", "train.steps=6", "--set", "train.ckpt_every=2"]  # fmt: skip
+    assert main(args) == 0
+    run = tmp_path / "out"
+    first = [r["values"]["loss/task"] for r in read_jsonl(run / "metrics.jsonl")
+             if r["type"] == "metrics"]  # fmt: skip
+    # simulate a crash after step 4: the step-6 checkpoint never got written
+    for suffix in (".json", ".safetensors"):
+        (run / "checkpoints" / f"step_000006{suffix}").unlink()
+    assert main([*args, "--resume"]) == 0
+    records = read_jsonl(run / "metrics.jsonl")
+    steps = [r["step"] for r in records if r["type"] == "metrics"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # steps 5-6 of the first attempt were rewound
+    again = [r["values"]["loss/task"] for r in records if r["type"] == "metrics"]
+    assert again == first
+    assert any(r["type"] == "event" and "resumed from step_000004" in r["text"] for r in records)

@@ -1,0 +1,567 @@
+"""The trainer: learning on real data, checkpoints and resume, divergence, stop, DDP, CUDA graphs.
+
+All CPU except the CUDA-graph test (skipped without a GPU). Tiny presets throughout;
+single-threaded torch (tiny models are faster so on small shared CPUs).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from comera_engine.metrics import JSONLSink, read_jsonl
+from comera_engine.train import checkpoint as ckpt
+from comera_engine.train.config import config_from_dict, to_toml
+from comera_engine.train.loop import TrainResult, train
+
+ROOT = Path(__file__).resolve().parents[1]
+SNLI_DEV = ROOT.parent / "shared" / "data" / "snli" / "dev.jsonl"
+#: metric names that depend on wall-clock time or the machine, not on the numbers
+TIMING = ("perf/", "mem/")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def digits_cfg(**sections: dict[str, Any]) -> dict[str, Any]:
+    """A TT-MLP-on-digits config dict; ``sections`` update the tables."""
+    raw: dict[str, Any] = {
+        "name": "digits",
+        "model": {"name": "tt_mlp", "preset": "tiny", "tt_layers": ["hidden"]},
+        "data": {"name": "digits"},
+        "comera": {
+            "gamma": 0.01,
+            "switch": 150,
+            "target_compression": 60.0,
+            "target_scope": "tensorized",
+            "lr_cores": 3e-3,
+            "lr_gates": 1e-2,
+            "lr_dense": 3e-3,
+            "weight_decay": 0.0,
+        },
+        "train": {"steps": 500, "batch_size": 64, "eval_every": 100, "ckpt_every": 250},
+    }
+    for name, values in sections.items():
+        raw[name].update(values)
+    return raw
+
+
+class StopAt(JSONLSink):
+    """JSONL sink that raises the stop flag once ``step`` has been logged."""
+
+    def __init__(self, path: Path, step: int, flag: threading.Event) -> None:
+        super().__init__(path)
+        self.stop_step, self.flag = step, flag
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        super().log_metrics(step, metrics)
+        if step == self.stop_step:
+            self.flag.set()
+
+
+def run(
+    raw: dict[str, Any],
+    run_dir: Path,
+    resume: bool = False,
+    stop_at: int | None = None,
+) -> tuple[TrainResult, list[dict[str, Any]]]:
+    cfg = config_from_dict(copy.deepcopy(raw))
+    cfg.base_dir = str(ROOT)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    flag = threading.Event()
+    sink = (
+        StopAt(run_dir / "metrics.jsonl", stop_at, flag)
+        if stop_at
+        else JSONLSink(run_dir / "metrics.jsonl")
+    )
+    try:
+        result = train(cfg, run_dir, sink, resume=resume, stop_flag=flag, progress=False)
+    finally:
+        sink.close()
+    return result, read_jsonl(run_dir / "metrics.jsonl")
+
+
+def metric_rows(records: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """step -> metrics without the timing-dependent ones (last record per step wins)."""
+    rows: dict[int, dict[str, float]] = {}
+    for r in records:
+        if r["type"] == "metrics":
+            rows[r["step"]] = {k: v for k, v in r["values"].items() if not k.startswith(TIMING)}
+    return rows
+
+
+# ---------------------------------------------------------------------- learning
+
+
+def test_digits_tt_mlp_reaches_90_percent_in_under_60_s(tmp_path) -> None:
+    t0 = time.perf_counter()
+    result, records = run(digits_cfg(), tmp_path / "run")
+    elapsed = time.perf_counter() - t0
+    rows = metric_rows(records)
+    before, after = rows[150]["compression/tensorized"], rows[500]["compression/tensorized"]
+    print(
+        f"digits TT-MLP: eval acc {result.metrics['eval/acc']:.3f} in {elapsed:.1f} s; "
+        f"late stage: tensorized compression {before:.1f}x -> {after:.1f}x (target 60x)"
+    )
+    assert result.status == "finished" and result.step == 500
+    assert result.metrics["eval/acc"] >= 0.90
+    assert elapsed < 60.0
+    assert set(rows) == set(range(1, 501))  # a metrics record at every step
+    last = rows[500]
+    for key in (
+        "loss/task",
+        "loss/total",
+        "acc/train",
+        "grad_norm",
+        "params/effective",
+        "params/dense",
+        "compression/model",
+        "compression/tensorized",
+        "lr/cores",
+        "lr/gates",
+        "lr/dense",
+        "stage",
+        "comera/lambda",
+        "eval/loss",
+        "eval/acc",
+    ):
+        assert key in last, key  # fmt: skip
+    assert rows[150]["stage"] == 0.0 and rows[151]["stage"] == 1.0  # late stage after 150
+    # the late stage prunes ranks toward the target: the model gets smaller, for real
+    assert after > 1.3 * before
+    assert any(r["type"] == "event" and r["kind"] == "rank_change" for r in records)
+    raw_last = [r for r in records if r["type"] == "metrics"][-1]["values"]
+    assert raw_last["perf/step_time_s"] > 0 and raw_last["mem/rss_mb"] > 0
+    ranks = [r for r in records if r["type"] == "ranks"]
+    assert ranks[0]["step"] == 1 and set(ranks[0]["ranks"]) == {"body.0", "body.3"}
+    assert sum(map(sum, ranks[-1]["ranks"].values())) < sum(map(sum, ranks[0]["ranks"].values()))
+    assert [r["status"] for r in records if r["type"] == "status"] == ["running", "finished"]
+    # truncated checkpoints really are smaller than the cores were at the start
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_000500.json").read_text())
+    fresh = _fresh_shapes(digits_cfg())
+    n_ckpt = sum(math.prod(meta["shapes"][k]) for k in fresh if ".tt.cores." in k)
+    n_fresh = sum(math.prod(fresh[k]) for k in fresh if ".tt.cores." in k)
+    assert n_ckpt < n_fresh
+
+
+def test_code_mlm_loss_falls(tmp_path) -> None:
+    raw = {
+        "name": "mlm",
+        "model": {"name": "transformer_mlm", "preset": "tiny"},
+        "data": {"name": "code_mlm", "seq_len": 32, "max_files": 12, "vocab_size": 500},
+        "comera": {"switch": "never", "lr_cores": 3e-3, "lr_gates": 1e-2, "lr_dense": 2e-3},
+        "train": {"steps": 120, "batch_size": 16, "eval_every": 60, "eval_batches": 4,
+                  "ckpt_every": 0},
+    }  # fmt: skip
+    result, records = run(raw, tmp_path / "run")
+    rows = metric_rows(records)
+    first = sum(rows[s]["loss/task"] for s in range(1, 11)) / 10
+    last = sum(rows[s]["loss/task"] for s in range(111, 121)) / 10
+    ppl = result.metrics["eval/ppl"]
+    print(f"code MLM: train loss {first:.3f} -> {last:.3f}, eval ppl {ppl:.1f}")
+    assert last < first - 0.5
+    assert rows[60]["eval/loss"] > rows[120]["eval/loss"]
+
+
+def test_tiny_transformer_beats_chance_on_snli(tmp_path) -> None:
+    if not SNLI_DEV.is_file():
+        pytest.skip(f"SNLI dev file not found at {SNLI_DEV} (needs ../shared/data)")
+    raw = {
+        "name": "snli",
+        "model": {"name": "transformer_cls", "preset": "tiny", "dropout": 0.0},
+        "data": {"name": "snli", "path": str(SNLI_DEV), "split_fraction": 0.8, "seq_len": 32,
+                 "vocab_size": 2000},
+        "comera": {"switch": "never", "lr_cores": 1e-3, "lr_gates": 3e-3, "lr_dense": 1e-3},
+        "train": {"steps": 400, "batch_size": 32, "eval_every": 200, "ckpt_every": 0},
+    }  # fmt: skip
+    result, _ = run(raw, tmp_path / "run")
+    print(f"SNLI tiny transformer: eval acc {result.metrics['eval/acc']:.3f} (chance 0.333)")
+    assert result.metrics["eval/acc"] > 0.40
+
+
+@pytest.mark.parametrize(
+    "name", ["digits_tt_mlp", "snli_transformer_tiny", "code_mlm_tiny", "dlrm_synthetic_tiny"]
+)
+def test_cpu_example_configs_train(tmp_path, monkeypatch, name) -> None:
+    from comera_engine.train.config import load_config
+
+    if name.startswith("snli") and not SNLI_DEV.is_file():
+        pytest.skip(f"SNLI dev file not found at {SNLI_DEV} (needs ../shared/data)")
+    monkeypatch.chdir(ROOT)  # data paths in the configs are relative to the repository
+    overrides = [
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.eval_batches=2",
+        "train.ckpt_every=2",
+    ]
+    cfg = load_config(ROOT / "experiments" / "configs" / f"{name}.toml", overrides)
+    sink = JSONLSink(tmp_path / "metrics.jsonl")
+    result = train(cfg, tmp_path, sink, progress=False)
+    sink.close()
+    assert result.status == "finished" and result.step == 4
+    assert math.isfinite(result.metrics["eval/loss"])
+    if name.startswith("dlrm"):
+        assert 0.0 <= result.metrics["eval/auc"] <= 1.0
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "checkpoints")] == [2, 4]
+
+
+# ---------------------------------------------------------------------- checkpoints, resume
+
+
+def test_resume_gives_identical_metrics(tmp_path) -> None:
+    # Strong pruning so that ranks shrink and cores are physically truncated at the
+    # step-10 checkpoint; late stage from step 12; stop at 20 (a checkpoint of both runs).
+    raw = digits_cfg(
+        comera={"gamma": 0.5, "lr_gates": 5e-2, "switch": 12, "target_compression": 50.0},
+        train={"steps": 30, "batch_size": 32, "eval_every": 10, "ckpt_every": 10},
+        model={"dropout": 0.1},
+    )
+    full, full_records = run(raw, tmp_path / "full")
+    part, _ = run(raw, tmp_path / "part", stop_at=20)
+    assert part.status == "stopped" and part.step == 20
+    resumed, part_records = run(raw, tmp_path / "part", resume=True)
+    assert resumed.status == "finished" and resumed.step == 30
+
+    a, b = metric_rows(full_records), metric_rows(part_records)
+    assert sorted(a) == sorted(b) == list(range(1, 31))
+    for step in a:
+        assert a[step] == b[step], f"step {step}"
+    # the run shrank ranks and truncated before the stop, so resume rebuilt smaller cores
+    meta = json.loads((tmp_path / "part" / "checkpoints" / "step_000020.json").read_text())
+    fresh = _fresh_shapes(raw)
+    assert any(meta["shapes"][k] != fresh[k] for k in fresh), "no truncation happened"
+    # final weights are bit-identical
+    wa = _tensors(tmp_path / "full" / "checkpoints" / "step_000030.safetensors")
+    wb = _tensors(tmp_path / "part" / "checkpoints" / "step_000030.safetensors")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _fresh_shapes(raw: dict[str, Any]) -> dict[str, list[int]]:
+    from comera_engine.data import build_dataset
+    from comera_engine.models import build_model
+
+    cfg = config_from_dict(copy.deepcopy(raw))
+    model = build_model(cfg.model, build_dataset({"name": "digits"}))
+    return {k: list(v.shape) for k, v in model.state_dict().items()}
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_checkpoint_layout_and_atomic_files(tmp_path) -> None:
+    raw = digits_cfg(train={"steps": 6, "batch_size": 32, "ckpt_every": 2, "keep_checkpoints": 2})
+    result, records = run(raw, tmp_path / "run")
+    d = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in d.iterdir()) == [
+        "step_000004.json", "step_000004.safetensors", "step_000006.json",
+        "step_000006.safetensors",
+    ]  # fmt: skip
+    meta = json.loads((d / "step_000006.json").read_text())
+    for key in ("step", "comera", "rng", "data", "config", "ranks", "shapes", "optimizer"):
+        assert key in meta
+    assert meta["step"] == 6 and meta["config"]["train"]["steps"] == 6
+    assert isinstance(meta["rng"]["torch"], list)
+    tensors = _tensors(d / "step_000006.safetensors")
+    assert any(k.startswith("model/") for k in tensors)
+    assert any(k.startswith("optim/") and k.endswith("exp_avg") for k in tensors)
+    assert result.checkpoint == str(d / "step_000006.safetensors")
+    arts = [r for r in records if r["type"] == "artifact"]
+    assert [Path(a["path"]).name for a in arts][-1] == "step_000006.safetensors"
+
+
+def test_divergence_stops_with_status_diverged(tmp_path) -> None:
+    raw = digits_cfg(
+        model={"dense": True},
+        comera={"lr_dense": 1e30},
+        train={"steps": 50, "batch_size": 32, "ckpt_every": 1, "grad_clip": 0.0,
+               "keep_checkpoints": 100},
+    )  # fmt: skip
+    result, records = run(raw, tmp_path / "run")
+    assert result.status == "diverged"
+    assert [r["status"] for r in records if r["type"] == "status"][-1] == "diverged"
+    assert any(r["type"] == "event" and r["kind"] == "error" for r in records)
+    steps = [s for s, _ in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert steps and max(steps) < result.step  # nothing saved at or after the bad step
+    logged = metric_rows(records)
+    assert all(math.isfinite(v["loss/task"]) for v in logged.values())
+
+
+def test_stop_flag_checkpoints_and_reports_stopped(tmp_path) -> None:
+    raw = digits_cfg(train={"steps": 100, "batch_size": 32, "ckpt_every": 0})
+    result, records = run(raw, tmp_path / "run", stop_at=7)
+    assert result.status == "stopped" and result.step == 7
+    assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_000007.json"
+    assert [r["status"] for r in records if r["type"] == "status"][-1] == "stopped"
+
+
+def test_sigterm_stops_a_cli_run(tmp_path) -> None:
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(to_toml(config_from_dict(digits_cfg(train={"steps": 100000}))))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "comera_engine.cli", "train", str(cfg), "--run-dir",
+         str(tmp_path / "run"), "--no-progress"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        if metrics.exists() and '"metrics"' in metrics.read_text():
+            break
+        time.sleep(0.2)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    records = read_jsonl(metrics)
+    assert records[-1] == {**records[-1], "type": "status", "status": "stopped"}
+    last_step = max(r["step"] for r in records if r["type"] == "metrics")
+    latest = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert latest is not None and latest.name == f"step_{last_step:06d}.json"
+
+
+# ---------------------------------------------------------------------- objective
+
+
+@pytest.mark.parametrize("scope", ["tensorized", "model"])
+def test_graph_safe_objective_equals_the_reference(scope) -> None:
+    """The CUDA-graph objective (no host reads) gives the reference objective's loss,
+    lambda and gradients, in both stages and for both lambda outcomes."""
+    from types import SimpleNamespace
+
+    from comera_engine.models import build_model
+    from comera_engine.train.config import CoMERAConfig, ModelConfig
+    from comera_engine.train.tt import CoMERAState, gamma_ramp, graph_safe_objective, tt_layers
+
+    torch.manual_seed(0)
+    data = SimpleNamespace(name="x", task="classification", num_classes=10, meta={"input_dim": 64})
+    model = build_model(ModelConfig(name="tt_mlp", preset="tiny"), data)
+    target = 40.0 if scope == "tensorized" else 20.0  # not reached yet (33x, 15x now)
+    cfg = CoMERAConfig(
+        gamma=0.3, gamma_warmup=10, target_compression=target, target_scope=scope, l2_cores=1e-3
+    )
+    state = CoMERAState(model, cfg)
+    with torch.no_grad():  # kill a few ranks so that the masks matter
+        for layer in tt_layers(model).values():
+            layer.tt.gates[1][:3] = 0.0
+    state.after_step(0)
+    obj = state.objective
+
+    def both(f_value: float, step: int = 100) -> float:
+        results = []
+        for fn in (
+            lambda f: obj.objective(f, step=step),
+            lambda f: graph_safe_objective(obj, f, torch.tensor(gamma_ramp(10, step))),
+        ):
+            model.zero_grad()
+            f = torch.tensor(f_value, requires_grad=True)
+            total, info = fn(f)
+            total.backward()
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            results.append((float(total.detach()), float(info["lambda"]), f.grad.item(), grads))
+        (t1, l1, g1, p1), (t2, l2, g2, p2) = results
+        assert t2 == pytest.approx(t1, rel=1e-6) and l1 == l2 and g2 == pytest.approx(g1)
+        assert len(p1) == len(p2) and all(torch.allclose(a, b) for a, b in zip(p1, p2))
+        return l1
+
+    assert both(0.7, step=3) == 0.0  # early stage, gamma still warming up
+    assert both(0.7) == 0.0  # early stage
+    obj.switch_to_late(z_f=0.69)  # task loss near its target: size is further -> lambda 1
+    assert both(0.7) == 1.0
+    obj.z_f = -10.0  # task loss far above its target: lambda 0
+    assert both(0.7) == 0.0
+    obj.z_f, obj.target_size = 0.69, 1e9  # target reached: lambda 0, no size augmentation
+    assert both(0.7) == 0.0
+    size = float(graph_safe_objective(obj, torch.tensor(0.7))[1]["size"])
+    assert size == obj.sizes()["size"]
+
+
+def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
+    """The step the CUDA graph captures (graph-safe objective, no host reads) follows the
+    same trajectory as the eager step with the reference objective, through both stages
+    and gate pruning; run here on the CPU."""
+    from comera_engine.data import build_dataset
+    from comera_engine.models import TaskModel, build_model
+    from comera_engine.train.config import CoMERAConfig, ModelConfig
+    from comera_engine.train.step import TrainStep
+    from comera_engine.train.tt import CoMERAState
+
+    bundle = build_dataset({"name": "digits"})
+    x, y = bundle.train.tensors["x"], bundle.train.tensors["labels"]
+    cfg = CoMERAConfig(
+        gamma=0.5,
+        gamma_warmup=5,
+        target_compression=60.0,
+        target_scope="tensorized",
+        lr_cores=3e-3,
+        lr_gates=5e-2,
+        lr_dense=3e-3,
+    )
+    runs = []
+    for graph_safe in (False, True):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(name="tt_mlp", preset="tiny", dropout=0.0), bundle)
+        state = CoMERAState(model, cfg)
+        opt = state.make_optimizer()
+        step = TrainStep(
+            TaskModel(model, "classification"),
+            opt,
+            state.objective_fn(graph_safe=graph_safe),
+            model.parameters(),
+            1.0,
+            None,
+            refresh=state.refresh_fn() if graph_safe else None,  # device-side gate refresh
+        )
+        losses, events = [], []
+        for i in range(40):
+            if i == 20:
+                state.objective.switch_to_late(z_f=0.3)
+                step.objective = state.objective_fn(graph_safe=graph_safe)
+            state.begin_step(i)
+            out = step({"x": x[i * 32 : (i + 1) * 32], "labels": y[i * 32 : (i + 1) * 32]})
+            if graph_safe:
+                counts = out["gate_counts"].tolist()
+                events += state.events_from_counts(i + 1, counts)
+            else:
+                events += state.after_step(i + 1)
+            losses.append(float(out["loss/total"]))
+        runs.append((losses, events, state.effective_ranks()))
+    (l1, e1, r1), (l2, e2, r2) = runs
+    assert e1 == e2 and len(e1) > 0 and r1 == r2  # same rank-change events, same ranks
+    assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-6)
+
+
+def test_device_gate_refresh_equals_the_reference() -> None:
+    from types import SimpleNamespace
+
+    from comera_engine.models import build_model
+    from comera_engine.rank import refresh_gates
+    from comera_engine.train.config import ModelConfig
+    from comera_engine.train.tt import refresh_gates_on_device, tt_layers
+
+    data = SimpleNamespace(name="x", task="classification", num_classes=10, meta={"input_dim": 64})
+    torch.manual_seed(0)
+    a = build_model(ModelConfig(name="tt_mlp", preset="tiny"), data)
+    with torch.no_grad():
+        for layer in tt_layers(a).values():
+            for g in layer.tt.gates:
+                g.copy_(torch.randn(g.shape) * 0.02)  # many entries at or below tau = 0.01
+            layer.tt.gates[2].fill_(-0.004)  # a whole bond below tau: its strongest is kept
+            layer.tt.gates[2][1] = -0.009
+            layer.tt.alive(0)[0] = False  # an entry pruned earlier stays dead
+    b = copy.deepcopy(a)
+    events = refresh_gates(a)
+    counts = refresh_gates_on_device(b)
+    for la, lb in zip(tt_layers(a).values(), tt_layers(b).values()):
+        for k, (ga, gb) in enumerate(zip(la.tt.gates, lb.tt.gates)):
+            assert torch.equal(ga, gb) and torch.equal(la.tt.alive(k), lb.tt.alive(k))
+    ref = [int(m.tt.alive(k).sum()) for m in tt_layers(a).values() for k in range(5)]
+    assert counts.tolist() == ref
+    assert len(events) > 0 and any(e.new == 1 for e in events)
+    assert tt_layers(b)["body.0"].tt.gates[2][1].item() == pytest.approx(-0.015)
+
+
+# ---------------------------------------------------------------------- DDP
+
+
+def test_ddp_two_processes_match_one_process_with_the_global_batch(tmp_path) -> None:
+    """2 gloo processes with batch b train exactly like 1 process with batch 2b: same
+    examples per step (the global batch is split), gradients averaged."""
+    base = digits_cfg(
+        model={"dropout": 0.0},
+        comera={"switch": 8},
+        train={"steps": 16, "batch_size": 16, "eval_every": 8, "ckpt_every": 8},
+    )
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(to_toml(config_from_dict(base)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    ddp_dir = tmp_path / "ddp"
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "comera_engine.cli", "train", str(cfg), "--run-dir", str(ddp_dir), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    print(f"DDP run: {time.perf_counter() - t0:.1f} s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(ddp_dir / "metrics.jsonl")
+    steps = [r["step"] for r in records if r["type"] == "metrics"]
+    assert steps == list(range(1, 17))  # one stream: each step logged once
+    assert [r["status"] for r in records if r["type"] == "status"] == ["running", "finished"]
+    assert [s for s, _ in ckpt.list_checkpoints(ddp_dir / "checkpoints")] == [8, 16]
+
+    single = copy.deepcopy(base)
+    single["train"]["batch_size"] = 32
+    _, single_records = run(single, tmp_path / "single")
+    a, b = metric_rows(records), metric_rows(single_records)
+    for step in (1, 8, 16):
+        assert a[step]["loss/task"] == pytest.approx(b[step]["loss/task"], rel=1e-4, abs=1e-5)
+    assert a[16]["eval/acc"] == pytest.approx(b[16]["eval/acc"], abs=0.01)
+    wa = _tensors(ddp_dir / "checkpoints" / "step_000016.safetensors")
+    wb = _tensors(tmp_path / "single" / "checkpoints" / "step_000016.safetensors")
+    for key in wa:
+        if key.startswith("model/"):
+            torch.testing.assert_close(wa[key], wb[key], rtol=1e-3, atol=1e-4)
+
+
+# ---------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.gpu
+def test_cuda_graph_matches_eager_and_is_faster(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA-graph path needs a GPU")
+    torch.set_num_threads(4)
+    raw = {
+        "name": "graph",
+        "model": {"name": "transformer_cls", "preset": "tiny", "dropout": 0.0},
+        "data": {"name": "snli", "path": str(SNLI_DEV), "seq_len": 32, "vocab_size": 1000},
+        "comera": {"switch": 60, "lr_cores": 1e-3, "lr_gates": 1e-2, "lr_dense": 1e-3},
+        "train": {"steps": 120, "batch_size": 32, "eval_every": 0, "ckpt_every": 0,
+                  "precision": "fp32", "device": "cuda"},
+    }  # fmt: skip
+    if not SNLI_DEV.is_file():
+        raw["data"] = {"name": "digits"}
+        raw["model"] = {"name": "tt_mlp", "preset": "tiny", "dropout": 0.0}
+    graph, g_records = run(raw, tmp_path / "graph")
+    eager_raw = copy.deepcopy(raw)
+    eager_raw["train"]["cuda_graph"] = False
+    eager, e_records = run(eager_raw, tmp_path / "eager")
+    assert graph.graph_reason is None, graph.graph_reason
+    a, b = metric_rows(g_records), metric_rows(e_records)
+    for step in (1, 50, 100, 120):
+        assert a[step]["loss/task"] == pytest.approx(b[step]["loss/task"], rel=2e-3, abs=1e-4)
+
+    def median_step(records: list[dict[str, Any]]) -> float:
+        times = sorted(
+            r["values"]["perf/step_time_s"] for r in records
+            if r["type"] == "metrics" and r["step"] > 70  # after re-capture at the switch
+        )  # fmt: skip
+        return times[len(times) // 2]
+
+    ratio = median_step(e_records) / median_step(g_records)
+    print(f"CUDA graph speed-up per step (eager / graph): {ratio:.2f}x")
+    (ROOT / "experiments" / "results").mkdir(parents=True, exist_ok=True)
+    (ROOT / "experiments" / "results" / "cuda_graph_step_ratio.json").write_text(
+        json.dumps({"eager_over_graph": ratio, "device": torch.cuda.get_device_name()})
+    )
+    assert ratio > 1.0
