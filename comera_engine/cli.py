@@ -1,5 +1,6 @@
-"""``comera`` command line: ``train`` here; ``launch``/``runs``/``logs``/``stop``/``resume``
-come from :mod:`comera_engine.launch.cli`.
+"""``comera`` command line: ``train`` and ``app`` here; ``launch``/``runs``/``logs``/``stop``/
+``resume`` come from :mod:`comera_engine.launch.cli`, ``export`` from
+:mod:`comera_engine.export`.
 
 ``comera train CONFIG.toml [--set section.key=value ...] [--print-config] [--run-dir DIR]
 [--resume] [--store DB --run-id ID]``
@@ -65,8 +66,35 @@ def build_parser() -> argparse.ArgumentParser:
         launch_cli = None
     if launch_cli is not None and hasattr(launch_cli, "add_subparsers"):
         launch_cli.add_subparsers(sub)
-    # TODO(lead): `export` and `app` subcommands.
+    from comera_engine.export import add_subparsers as add_export
+
+    add_export(sub)
+
+    p = sub.add_parser("app", help="start the Streamlit dashboard (127.0.0.1:8501)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    p.add_argument("--store", help="run store folder or .db file (default: $COMERA_HOME "
+                   "or ./runs)")
+    p.set_defaults(func=cmd_app)
     return parser
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    """Exec ``streamlit run app/Home.py``; needs the ``app`` extra (streamlit, plotly)."""
+    try:
+        import streamlit  # noqa: F401
+    except ImportError:
+        raise ConfigError("app", "streamlit is not installed; pip install "
+                          "'comera-studio[app]' (or run `make run`)") from None
+    from app.launcher import run_app
+
+    try:
+        run_app(args.host, args.port, args.store)
+    except ValueError as exc:
+        field, _, problem = str(exc).partition(": ")
+        raise ConfigError(f"--{field}", problem) from None
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,3 +259,20 @@ def test_bad_input_names_the_argument() -> None:
         tt_linear(torch.randn(3, 4, dtype=DT), tt.gated_cores(), 2, "bogus")
     with pytest.raises(ValueError, match="^W:"):
         TTLinearCores.from_matrix(torch.randn(5, 4), [2, 2], [2, 2])
+
+
+def test_rank_zero_bond_is_the_zero_map() -> None:
+    from comera_engine import TTEmbedding, TTLinear
+
+    lin = TTLinear(16, 16, rank=3, dtype=DT)
+    emb = TTEmbedding(64, 8, rank=3, dtype=DT)
+    with torch.no_grad():
+        lin.tt.gates[1].zero_()
+        emb.tt.gates[0].zero_()
+    lin.tt.truncate_()
+    emb.tt.truncate_()
+    assert lin.effective_ranks()[1] == 0 and lin.num_params() == 16  # bias only
+    x = torch.randn(4, 16, dtype=DT)
+    assert torch.equal(lin(x), lin.bias.expand(4, 16))
+    assert torch.equal(lin.dense_weight(), torch.zeros(16, 16, dtype=DT))
+    assert torch.equal(emb(torch.tensor([1, 5])), torch.zeros(2, 8, dtype=DT))

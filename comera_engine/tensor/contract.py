@@ -386,6 +386,8 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
         raise ValueError(f"x: last dimension {x.shape[-1]} != N = {N}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, N)
+    if any(c.shape[-1] == 0 for c in cores[:-1]):  # a bond of rank 0: the zero map
+        return x.new_zeros(*lead, math.prod(outs))
     if path is None:
         ranks = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
         training = torch.is_grad_enabled() and (

@@ -71,6 +71,8 @@ def ttm_lookup(ids: Tensor, cores: Sequence[Tensor], h: int | None = None,
     rows = [c.shape[1] for c in cores]
     cols = [c.shape[2] for c in cores]
     ranks = [1, *[c.shape[-1] for c in cores[:-1]], 1]
+    if min(ranks) == 0:  # a bond of rank 0: every row is zero
+        return cores[0].new_zeros(*ids.shape, math.prod(cols))
     if h is None:
         h = split_point(rows, cols, ranks)
     A, Bt = merge_tables(cores, h)

@@ -231,11 +231,13 @@ class TensorTrain(nn.Module):
     def full_tensor(self) -> Tensor:
         """Contract all (gated) cores: shape ``(*mode_shapes[0], *mode_shapes[1], …)``."""
         cores = self.gated_cores()
+        shape = [x for m in self.mode_shapes for x in m]
+        if min(self.ranks) == 0:  # a bond of rank 0: the zero tensor
+            return cores[0].new_zeros(shape)
         acc = cores[0].reshape(-1, cores[0].shape[-1])  # (s_1, r_1)
         for c in cores[1:]:
             r = c.shape[0]
             acc = (acc @ c.reshape(r, -1)).reshape(-1, c.shape[-1])
-        shape = [x for m in self.mode_shapes for x in m]
         return acc.reshape(shape)
 
     def to_dense(self) -> Tensor:

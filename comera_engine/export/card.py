@@ -1,0 +1,192 @@
+"""The model card: a markdown file beside every export (``<file>.md``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["model_card"]
+
+
+def _bytes(n: float | int | None) -> str:
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"  # pragma: no cover
+
+
+def _ratio(x: Any) -> str:
+    if x is None:
+        return "?"
+    if isinstance(x, str) or not math.isfinite(float(x)):
+        return "∞ (all ranks pruned)"
+    return f"{float(x):,.1f}×"
+
+
+def _num(x: Any) -> str:
+    return f"{int(x):,}" if isinstance(x, (int, float)) else str(x)
+
+
+def _metric(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
+    name = result.path.name
+    fam = (doc.get("model") or {}).get("family")
+    onnx = doc.get("onnx") or {}
+    lines = ["## How to load it", ""]
+    if result.format == "onnx":
+        shapes, dtypes = onnx.get("input_shapes", {}), onnx.get("input_dtypes", {})
+        lines += ["Run it with onnxruntime (no PyTorch needed):", "", "```python",
+                  "import numpy as np", "import onnxruntime as ort", "",
+                  f'session = ort.InferenceSession("{name}")', "inputs = {"]
+        for n in onnx.get("inputs", []):
+            shp = shapes.get(n, [])
+            dt = "np.int64" if "int" in str(dtypes.get(n, "")) else "np.float32"
+            fill = "ones" if n == "attention_mask" else "zeros"
+            lines.append(f'    "{n}": np.{fill}({tuple(shp)}, dtype={dt}),')
+        lines += ["}", f"({', '.join(onnx.get('outputs', ['out']))},) = session.run(None, inputs)",
+                  "```", ""]
+        axes = onnx.get("dynamic_axes") or {}
+        if axes:
+            dyn = ", ".join(f"{k}: {sorted(v.values())}" for k, v in axes.items())
+            lines += [f"Dynamic axes: {dyn}.", ""]
+        if result.tokenizer is not None:
+            lines += ["Tokenizer (the `tokenizers` library):", "", "```python",
+                      "from tokenizers import Tokenizer", "",
+                      f'tok = Tokenizer.from_file("{result.tokenizer.name}")', "```", ""]
+        return lines
+    lines += ["```python", "import comera_engine", "",
+              f'model = comera_engine.load("{name}")  # safetensors only: no pickle',
+              "model.eval()"]
+    if fam in ("transformer_cls", "transformer_mlm"):
+        lines += ["logits = model(input_ids, token_type_ids, attention_mask)  # int64 [B, L]"]
+    elif fam == "dlrm":
+        lines += ["logit = model(dense, sparse)  # float [B, num_dense], int64 [B, num_sparse]"]
+    elif fam == "tt_mlp":
+        lines += ["logits = model(x)  # float [B, input_dim]"]
+    else:
+        lines += ["y = model(x)"]
+    lines += ["```", ""]
+    if result.format == "dense":
+        lines += ["The file is a plain `state_dict` (`nn.Linear`/`nn.Embedding` with the "
+                  "reconstructed TT weights) of the dense baseline of the same architecture; "
+                  "`safetensors.torch.load_file` reads it directly, and the JSON metadata "
+                  "(`safetensors.safe_open(...).metadata()['comera']`) holds the config.", ""]
+    else:
+        lines += ["TT layers come back as `TTLinear`/`TTEmbedding` at the exported ranks "
+                  "(gates absorbed, set to 1). `comera_engine.export.read_metadata(path)` "
+                  "returns this metadata without loading any tensor.", ""]
+    if result.tokenizer is not None:
+        lines += ["Tokenizer:", "", "```python",
+                  "from comera_engine.data.tokenizer import WordPieceTokenizer", "",
+                  f'tok = WordPieceTokenizer.load("{result.tokenizer.name}")', "```", ""]
+    return lines
+
+
+def model_card(result: Any, sha256: str) -> str:
+    """Markdown for an :class:`~comera_engine.export.core.ExportResult`."""
+    doc = result.metadata
+    sizes = doc.get("sizes") or {}
+    m, t = sizes.get("model") or {}, sizes.get("tensorized") or {}
+    recipe = doc.get("model") or {}
+    cfg = recipe.get("model_config") or {}
+    title = doc.get("name") or recipe.get("family") or "model"
+    lines = [f"# Model card: {title}", ""]
+    what = recipe.get("family") or "module tree (nn.Sequential)"
+    preset = f" (preset `{cfg['preset']}`)" if cfg.get("preset") else ""
+    lines += [
+        f"- **Model**: `{what}`{preset}",
+        f"- **Task**: {(recipe.get('data_spec') or {}).get('task', '?')}",
+        f"- **Format**: `{result.format}` ({doc.get('format')} v{doc.get('format_version')})",
+        f"- **File**: `{result.path.name}`, {_bytes(result.file_bytes)} "
+        f"({result.file_bytes:,} bytes), sha256 `{sha256}`",
+        f"- **Created**: {doc.get('created')} with comera-studio "
+        f"{(doc.get('library') or {}).get('version')} (torch "
+        f"{(doc.get('library') or {}).get('torch')})",
+        f"- **dtype**: {doc.get('dtype')}",
+        "",
+    ]
+    run = doc.get("run") or {}
+    if run:
+        bits = [f"{k} `{run[k]}`" for k in ("id", "name", "step", "checkpoint") if run.get(k)
+                is not None]
+        lines += [f"- **Run**: {', '.join(bits)}", ""]
+
+    lines += ["## Size", "",
+              "| | parameters | bytes |", "|---|---:|---:|",
+              f"| dense model | {_num(m.get('dense_params'))} | {_bytes(m.get('dense_bytes'))} |",
+              f"| compressed model (effective ranks) | {_num(m.get('effective_params'))} | "
+              f"{_bytes(m.get('effective_bytes'))} |",
+              f"| this file ({result.format}) | | {_bytes(result.file_bytes)} |", "",
+              f"Whole model: **{_ratio(m.get('compression'))} smaller** than dense "
+              f"({_ratio(m.get('compression_allocated'))} at the allocated ranks). "
+              f"TT layers alone: {_ratio(t.get('compression'))} "
+              f"({_num(t.get('dense_params'))} → {_num(t.get('effective_params'))} parameters).",
+              ""]
+    if result.format == "compressed":
+        lines += [f"The file holds {result.tensor_bytes:,} bytes of tensors, equal to "
+                  f"`size_report`'s effective size ({result.expected_bytes:,} bytes), plus a "
+                  f"{result.header_bytes:,}-byte header.", ""]
+    elif result.format == "onnx":
+        onnx = doc.get("onnx") or {}
+        diff = onnx.get("max_abs_diff")
+        check = (f"onnxruntime reproduces the PyTorch outputs to {diff:.2g} (max abs)"
+                 if diff is not None else "not checked with onnxruntime (not installed)")
+        lines += [f"TT layers are exported as their contractions (MatMuls over the cores); "
+                  f"initializers: {onnx.get('initializers')} tensors, "
+                  f"{_bytes(onnx.get('initializer_bytes'))}. {check}.", ""]
+
+    layers = getattr(result, "layers", None) or doc.get("tt_layers") or []
+    if layers:
+        lines += ["## Ranks per TT layer", "",
+                  "| layer | kind | shape | factors | allocated ranks | effective ranks | "
+                  "dense params | TT params | compression |",
+                  "|---|---|---|---|---|---|---:|---:|---:|"]
+        for r in layers:
+            f = r.get("factors") or [[], []]
+            lines.append(
+                f"| `{r.get('name')}` | {r.get('kind')} | {'×'.join(map(str, r.get('shape')))} "
+                f"| {f[0]} \\| {f[1]} | {r.get('allocated_ranks')} | {r.get('ranks')} "
+                f"| {_num(r.get('dense_params'))} | {_num(r.get('effective_params'))} "
+                f"| {_ratio(r.get('compression'))} |")
+        lines.append("")
+    else:
+        lines += ["No TT layers (a dense model).", ""]
+
+    metrics = doc.get("metrics") or {}
+    lines += ["## Accuracy and final metrics", ""]
+    if metrics:
+        keys = sorted(metrics, key=lambda k: (not k.startswith("eval/"), k))
+        shown = [k for k in keys if k.startswith(("eval/", "acc/", "loss/"))] or keys
+        lines += ["| metric | value |", "|---|---:|"]
+        lines += [f"| {k} | {_metric(metrics[k])} |" for k in shown[:24]]
+    else:
+        lines += ["No metrics were recorded with this export."]
+    lines.append("")
+
+    ds = doc.get("dataset") or {}
+    spec = recipe.get("data_spec") or {}
+    if ds or spec:
+        lines += ["## Data", ""]
+        if ds:
+            lines += [f"- dataset `{ds.get('name')}` from {ds.get('source')}, examples "
+                      f"{ds.get('num_examples')}, seed {ds.get('seed')}",
+                      f"- fingerprint `{ds.get('fingerprint')}`"]
+        if spec:
+            shape = {k: spec.get(k) for k in ("task", "num_classes", "vocab_size", "seq_len")
+                     if spec.get(k) is not None}
+            lines.append(f"- model inputs: {shape}")
+        tok = doc.get("tokenizer")
+        if tok:
+            lines.append(f"- tokenizer `{tok.get('file')}` (sha256 `{tok.get('sha256')}`)")
+        lines.append("")
+    lines += _usage(result, doc)
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,642 @@
+"""``export_model`` and ``load``: the compressed and dense formats (ONNX lives in
+:mod:`comera_engine.export.onnx_export`).
+
+compressed
+    One safetensors file: every TT layer's cores *physically truncated* to the effective
+    ranks with the rank gates absorbed (``G_k · diag(g_k)``, dead entries sliced out),
+    plus every other parameter and persistent buffer under its ``state_dict`` name. A
+    layer's cores are packed into one 1-D tensor ``<layer>.tt.cores``: core ``k`` of shape
+    ``(R_{k-1}, *modes_k, R_k)`` (``R`` = ``[1, *ranks, 1]`` from the layer's entry in
+    ``tt_layers``, modes from its ``factors``: ``(n_k,)``/``(m_k,)`` for a linear,
+    ``(v_k, e_k)`` for an embedding), flattened row-major, one after the other. One
+    tensor per layer keeps the header small: the tensor bytes equal
+    ``size_report(model)["model"]["effective_bytes"]`` exactly and the whole file stays
+    within 1% of it for the paper's model (the header is a few KiB). A layer whose rank
+    fell to 0 (the zero map) stores no core values.
+dense
+    The reconstructed model as the dense baseline of the same architecture
+    (``nn.Linear``/``nn.Embedding`` with the TT weights multiplied out): a plain
+    ``state_dict`` in safetensors.
+
+Both carry a JSON document under the safetensors metadata key ``comera``: the format, a
+recipe to rebuild the module tree (see :mod:`comera_engine.export.spec`), per TT layer
+its factors and ranks, sizes from ``size_report``, dataset identity, final metrics,
+tokenizer, run and library version. ``load`` checks the header, the recipe and every
+tensor's name, shape and dtype against the rebuilt model before reading any data.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from comera_engine.errors import ConfigError
+from comera_engine.export import spec as _spec
+from comera_engine.export.container import (
+    METADATA_KEY,
+    BadExportFile,
+    Header,
+    read_comera_metadata,
+    read_header,
+    write_atomic,
+)
+from comera_engine.layers import TTLinear, size_report, tt_layers
+from comera_engine.tensor.tt import max_tt_ranks
+
+__all__ = ["FORMATS", "ExportResult", "export_model", "load", "read_metadata"]
+
+FORMATS = ("compressed", "dense", "onnx")
+FORMAT_IDS = {"compressed": "comera-compressed", "dense": "comera-dense", "onnx": "comera-onnx"}
+FORMAT_VERSION = 1
+SUFFIX = {"compressed": ".safetensors", "dense": ".safetensors", "onnx": ".onnx"}
+DEFAULT_NAME = {"compressed": "model.safetensors", "dense": "model.dense.safetensors",
+                "onnx": "model.onnx"}
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote.
+
+    ``file_bytes`` is the size on disk of ``path``; ``tensor_bytes`` the bytes of tensor
+    data in it (for ONNX, of the initializers); ``expected_bytes`` what ``size_report``
+    says the format should hold (compressed: the effective size; dense: the dense size),
+    ``header_bytes`` the rest (safetensors header / ONNX graph and metadata).
+    """
+
+    format: str
+    path: Path
+    card: Path
+    tokenizer: Path | None
+    file_bytes: int
+    tensor_bytes: int
+    expected_bytes: int
+    sizes: dict[str, Any]
+    metadata: dict[str, Any] = field(repr=False, default_factory=dict)
+    onnx_max_abs_diff: float | None = None
+    layers: list[dict[str, Any]] = field(repr=False, default_factory=list)
+
+    @property
+    def header_bytes(self) -> int:
+        return self.file_bytes - self.tensor_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format, "path": str(self.path), "card": str(self.card),
+            "tokenizer": str(self.tokenizer) if self.tokenizer else None,
+            "file_bytes": self.file_bytes, "tensor_bytes": self.tensor_bytes,
+            "expected_bytes": self.expected_bytes, "header_bytes": self.header_bytes,
+            "onnx_max_abs_diff": self.onnx_max_abs_diff,
+            "compression": self.sizes.get("model", {}).get("compression"),
+        }
+
+
+# ------------------------------------------------------------------------ TT helpers
+def _tt_name_set(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return tt_layers(model)
+
+
+@torch.no_grad()
+def effective_cores(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """The layer's cores sliced to its effective ranks with the gates absorbed, and the
+    internal ranks. A layer with a rank-0 bond is the zero map: every internal rank is
+    then 0 (no parameters, as ``size_report`` counts it)."""
+    tt = layer.tt
+    keep = tt.keep_indices()
+    K = tt.num_cores
+    if any(k.numel() == 0 for k in keep):
+        ref = tt.cores[0]
+        full = [1] + [0] * (K - 1) + [1]
+        return ([ref.new_zeros(full[k], *tt.mode_shapes[k], full[k + 1]) for k in range(K)],
+                [0] * (K - 1))
+    cores = tt.gated_cores()
+    out = []
+    for k, c in enumerate(cores):
+        if k > 0:
+            c = c.index_select(0, keep[k - 1])
+        if k < K - 1:
+            c = c.index_select(c.dim() - 1, keep[k])
+        out.append(c.detach().contiguous().clone())
+    return out, [int(k.numel()) for k in keep]
+
+
+def _layer_info(name: str, layer: nn.Module, ranks: list[int]) -> dict[str, Any]:
+    if isinstance(layer, TTLinear):
+        return {"name": name, "kind": "linear",
+                "shape": [layer.in_features, layer.out_features],
+                "factors": [list(layer.in_factors), list(layer.out_factors)],
+                "bias": layer.bias is not None, "tau": layer.tt.tau, "ranks": ranks}
+    return {"name": name, "kind": "embedding",
+            "shape": [layer.num_embeddings, layer.embedding_dim],
+            "factors": [list(layer.vocab_factors), list(layer.dim_factors)],
+            "padding_idx": layer.padding_idx, "tau": layer.tt.tau, "ranks": ranks}
+
+
+def _persistent_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def _under(key: str, prefixes: list[str]) -> str | None:
+    for p in prefixes:
+        if key.startswith(p + "."):
+            return p
+    return None
+
+
+def _compressed_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    names = []
+    for name, layer in _tt_name_set(model):
+        cores, _ = effective_cores(layer)
+        tensors[f"{name}.tt.cores"] = torch.cat([c.reshape(-1) for c in cores])
+        names.append(name)
+    for key, value in _persistent_state(model).items():
+        owner = _under(key, names)
+        if owner is not None and key.startswith(owner + ".tt."):
+            continue  # cores (written above), gates (absorbed), alive masks (all alive)
+        tensors[key] = value
+    return tensors
+
+
+@torch.no_grad()
+def _dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    layers = dict(_tt_name_set(model))
+    names = list(layers)
+    for key, value in _persistent_state(model).items():
+        owner = _under(key, names)
+        if owner is None:
+            tensors[key] = value
+            continue
+        if key.startswith(owner + ".tt."):
+            if f"{owner}.weight" not in tensors:
+                tensors[f"{owner}.weight"] = layers[owner].dense_weight()
+            continue
+        tensors[key] = value
+    return tensors
+
+
+# ------------------------------------------------------------------------ expectations
+def _expected_state(skeleton: nn.Module, fmt: str, infos: list[dict] | None,
+                    where: str) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict]:
+    """Names, shapes and dtypes the file must hold for this skeleton (built on ``meta``),
+    and per TT layer name ``(validated ranks, core shapes)`` (compressed). A layer's cores
+    are stored packed: one 1-D tensor ``<layer>.tt.cores``, the row-major cores one after
+    the other."""
+    state = {k: (tuple(v.shape), v.dtype) for k, v in skeleton.state_dict().items()}
+    layers = dict(_tt_name_set(skeleton))
+    if fmt == "dense":
+        if layers:
+            raise ConfigError(where, "the dense rebuild still has TT layers")
+        return state, {}
+    if not isinstance(infos, list):
+        raise ConfigError(f"{where}.tt_layers", "must be a list")
+    given: dict[str, dict] = {}
+    for i, info in enumerate(infos):
+        if not isinstance(info, Mapping) or not isinstance(info.get("name"), str):
+            raise ConfigError(f"{where}.tt_layers[{i}]", "must be an object with a name")
+        if info["name"] in given:
+            raise ConfigError(f"{where}.tt_layers[{i}]", f"duplicate layer {info['name']!r}")
+        given[info["name"]] = dict(info)
+    extra = sorted(set(given) - set(layers))
+    missing = sorted(set(layers) - set(given))
+    if extra:
+        raise ConfigError(f"{where}.tt_layers", f"{extra[0]!r} is not a TT layer of the "
+                                                "model the recipe builds")
+    if missing:
+        raise ConfigError(f"{where}.tt_layers", f"TT layer {missing[0]!r} of the model is not "
+                                                "described")
+    ranks_of: dict[str, list[int]] = {}
+    for name, layer in layers.items():
+        info = given[name]
+        want = _layer_info(name, layer, [])["factors"]
+        if info.get("factors") != want:
+            raise ConfigError(f"{where}.tt_layers.{name}.factors",
+                              f"{info.get('factors')} disagree with the model's {want}")
+        ranks = info.get("ranks")
+        K = layer.tt.num_cores
+        if not isinstance(ranks, list) or len(ranks) != K - 1 or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
+        ):
+            raise ConfigError(f"{where}.tt_layers.{name}.ranks",
+                              f"need {K - 1} integers >= 0, got {ranks!r}")
+        caps = max_tt_ranks(layer.tt.mode_sizes)
+        for k, (r, cap) in enumerate(zip(ranks, caps)):
+            if r > cap:
+                raise ConfigError(f"{where}.tt_layers.{name}.ranks",
+                                  f"rank {r} of bond {k} exceeds the maximal TT rank {cap}")
+        if 0 in ranks and any(ranks):
+            raise ConfigError(f"{where}.tt_layers.{name}.ranks",
+                              f"a zero-rank layer must have every rank 0, got {ranks}")
+        full = [1, *ranks, 1]
+        shapes = [(full[k], *layer.tt.mode_shapes[k], full[k + 1]) for k in range(K)]
+        tau = info.get("tau", layer.tt.tau)
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 <= tau < 1:
+            raise ConfigError(f"{where}.tt_layers.{name}.tau", f"must be in [0, 1), got {tau!r}")
+        ranks_of[name] = (ranks, shapes, float(tau))
+        dtype = layer.tt.cores[0].dtype
+        for key in [k for k in state if k.startswith(name + ".tt.")]:
+            del state[key]
+        state[f"{name}.tt.cores"] = ((sum(math.prod(sh) for sh in shapes),), dtype)
+    return state, ranks_of
+
+
+def _check_tensors(path: Path, header: Header,
+                   expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    have = header.tensors
+    missing = [k for k in expected if k not in have]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise BadExportFile(path, f"tensor {missing[0]!r} is missing{more}")
+    extra = sorted(k for k in have if k not in expected)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise BadExportFile(path, f"unknown tensor {extra[0]!r}{more}: the metadata does not "
+                                  "describe it")
+    for name, (shape, dtype) in expected.items():
+        entry = have[name]
+        if entry.shape != tuple(shape):
+            raise BadExportFile(
+                path, f"tensor {name!r} has shape {list(entry.shape)} but the metadata "
+                f"(config, factors and ranks) says {list(shape)}")
+        if entry.dtype != _ST_DTYPES.get(dtype):
+            raise BadExportFile(path, f"tensor {name!r} has dtype {entry.dtype}, expected "
+                                      f"{_ST_DTYPES.get(dtype, dtype)}")
+
+
+# ------------------------------------------------------------------------ paths
+def resolve_out(out: str | os.PathLike[str], fmt: str) -> Path:
+    """The file an export writes: ``out`` itself, or ``out/<default name>`` when ``out``
+    is an existing folder or ends with a path separator."""
+    text = os.fspath(out)
+    if not text:
+        raise ConfigError("--out", "must be a file or folder path")
+    p = Path(text)
+    if p.is_dir() or text.endswith(("/", os.sep)):
+        p.mkdir(parents=True, exist_ok=True)
+        return p / DEFAULT_NAME[fmt]
+    if p.suffix != SUFFIX[fmt]:
+        raise ConfigError("--out", f"a {fmt} export is a {SUFFIX[fmt]} file, got {p.name!r} "
+                          f"(or give a folder)")
+    if not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def card_path(path: Path) -> Path:
+    return path.with_name(path.name + ".md")
+
+
+def tokenizer_path(path: Path) -> Path:
+    return path.with_name(path.name + ".tokenizer.json")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------ metadata
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "item"):
+        return _jsonable(value.item())
+    return str(value)
+
+
+def _sizes(model: nn.Module) -> dict[str, Any]:
+    """``size_report`` as JSON (the per-layer rows live in the ``tt_layers`` entries)."""
+    return _jsonable(size_report(model))
+
+
+def _layer_rows(model: nn.Module, sizes: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per TT layer, for the model card: name, kind, shape, factors, allocated and
+    exported (effective) ranks, and its sizes from ``size_report``."""
+    by_name = {r["name"]: r for r in sizes.get("layers", [])}
+    rows = []
+    for name, layer in _tt_name_set(model):
+        row = _layer_info(name, layer, effective_cores(layer)[1])
+        row["allocated_ranks"] = layer.tt.ranks[1:-1]
+        rep = by_name.get(name, {})
+        for key in ("dense_params", "effective_params", "compression"):
+            if key in rep:
+                row[key] = rep[key]
+        rows.append(row)
+    return rows
+
+
+_FILE_KEYS = ("name", "kind", "shape", "factors", "ranks", "tau", "bias", "padding_idx")
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _base_metadata(fmt: str, recipe: dict, metadata: Mapping[str, Any], model: nn.Module,
+                   sizes: dict, infos: list[dict]) -> dict[str, Any]:
+    import comera_engine
+
+    doc: dict[str, Any] = {
+        "format": FORMAT_IDS[fmt],
+        "format_version": FORMAT_VERSION,
+        "name": metadata.get("name") or (metadata.get("run") or {}).get("name") or
+        recipe.get("family") or "model",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "library": {"name": "comera-studio", "version": comera_engine.__version__,
+                    "torch": torch.__version__.split("+")[0]},
+        "model": recipe,
+        "dtype": str(_model_dtype(model)).replace("torch.", ""),
+        "tt_layers": [{k: r[k] for k in _FILE_KEYS if k in r} for r in infos],
+        "sizes": {k: v for k, v in sizes.items() if k != "layers"},
+    }
+    config = metadata.get("config")
+    if isinstance(config, Mapping):
+        doc["config"] = _jsonable(dict(config))
+    for key in ("dataset", "metrics", "run"):
+        if metadata.get(key) is not None:
+            if not isinstance(metadata[key], Mapping):
+                raise ConfigError(f"metadata.{key}", f"must be a dict, got "
+                                  f"{type(metadata[key]).__name__}")
+            doc[key] = _jsonable(metadata[key])
+    return doc
+
+
+def _stage_tokenizer(tok: Any, target: Path) -> tuple[Path | None, dict[str, Any] | None]:
+    """Write the tokenizer to a temporary file beside ``target``; returns it (moved into
+    place by the caller once the export itself is written) and its metadata entry."""
+    if tok is None:
+        return None, None
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if isinstance(tok, (str, os.PathLike)):
+        src = Path(tok)
+        if src.is_dir():
+            src = src / "tokenizer.json"
+        if not src.is_file():
+            raise ConfigError("metadata.tokenizer", f"file not found: {tok}")
+        shutil.copyfile(src, tmp)
+    elif hasattr(tok, "save"):
+        try:
+            written = Path(tok.save(tmp.with_name(tmp.name + ".json")))
+            os.replace(written, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    else:
+        raise ConfigError("metadata.tokenizer",
+                          f"must be a tokenizer.json path or a tokenizer, got {type(tok).__name__}")
+    return tmp, {"file": target.name, "sha256": _sha256(tmp)}
+
+
+# ------------------------------------------------------------------------ export
+def export_model(
+    model: nn.Module,
+    out_path: str | os.PathLike[str],
+    format: str = "compressed",  # noqa: A002 - the CLI flag's name
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    example_inputs: tuple[torch.Tensor, ...] | None = None,
+    verify: bool = True,
+) -> ExportResult:
+    """Export ``model`` as ``format`` (``compressed``, ``dense`` or ``onnx``) to
+    ``out_path`` (a file, or a folder that gets ``model.safetensors`` /
+    ``model.dense.safetensors`` / ``model.onnx``), with a model card beside it
+    (``<file>.md``). ``model`` itself is not modified.
+
+    ``metadata`` (all optional, JSON-able): ``config`` (the run config dict; its
+    ``model`` table is how a :mod:`comera_engine.models` family is rebuilt),
+    ``data_spec`` (:func:`~comera_engine.export.spec.data_spec_from_bundle`),
+    ``dataset`` (dataset identity), ``metrics`` (final metrics), ``tokenizer`` (a
+    ``tokenizer.json`` path or a tokenizer with ``save``; copied beside the export),
+    ``run`` (run id, dir, checkpoint, step), ``name``. Without ``config``, ``model``
+    must be an ``nn.Sequential`` of supported layers.
+
+    ``example_inputs`` (ONNX only) overrides the traced inputs; ``verify`` (ONNX) runs
+    onnxruntime when it is installed and compares with PyTorch.
+
+    Raises:
+        ConfigError: bad format/out path, or metadata that cannot rebuild ``model``.
+    """
+    if format not in FORMATS:
+        raise ConfigError("format", f"unknown format {format!r}; choose from {', '.join(FORMATS)}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", f"must be an nn.Module, got {type(model).__name__}")
+    metadata = dict(metadata or {})
+    recipe = _spec.describe(model, metadata)
+    path = resolve_out(out_path, format)
+    sizes = _sizes(model)
+    was_training = model.training
+    tok_tmp: Path | None = None
+    try:
+        model.eval()
+        infos = _layer_rows(model, sizes)
+        if format == "onnx":
+            from comera_engine.export import onnx_export
+
+            doc = _base_metadata(format, recipe, metadata, model, sizes, infos)
+            tok_tmp, doc["tokenizer"] = _stage_tokenizer(metadata.get("tokenizer"),
+                                                         tokenizer_path(path))
+            res = onnx_export.export_onnx(model, path, recipe, doc, example_inputs, verify)
+            tensor_bytes, diff = res["initializer_bytes"], res["max_abs_diff"]
+            expected = int(sizes["model"]["effective_bytes"])
+            doc["onnx"] = res
+        else:
+            if format == "compressed":
+                tensors = _compressed_tensors(model)
+                expected = int(sizes["model"]["effective_bytes"])
+            else:
+                tensors = _dense_tensors(model)
+                expected = int(sizes["model"]["dense_bytes"])
+            doc = _base_metadata(format, recipe, metadata, model, sizes, infos)
+            _self_check(recipe, format, tensors, infos)
+            tok_tmp, doc["tokenizer"] = _stage_tokenizer(metadata.get("tokenizer"),
+                                                         tokenizer_path(path))
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+            from safetensors.torch import save_file
+
+            meta_text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+            write_atomic(path, lambda tmp: save_file(tensors, str(tmp),
+                                                     metadata={METADATA_KEY: meta_text}))
+            tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            diff = None
+        if tok_tmp is not None:
+            os.replace(tok_tmp, tokenizer_path(path))
+            tok_tmp = None
+    finally:
+        model.train(was_training)
+        if tok_tmp is not None:
+            tok_tmp.unlink(missing_ok=True)
+    result = ExportResult(
+        format=format, path=path, card=card_path(path),
+        tokenizer=tokenizer_path(path) if doc.get("tokenizer") else None,
+        file_bytes=path.stat().st_size, tensor_bytes=int(tensor_bytes),
+        expected_bytes=expected, sizes=sizes, metadata=doc, onnx_max_abs_diff=diff,
+        layers=infos)
+    from comera_engine.export.card import model_card
+
+    text = model_card(result, _sha256(path))
+    write_atomic(result.card, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return result
+
+
+def _self_check(recipe: dict, fmt: str, tensors: dict[str, torch.Tensor],
+                infos: list[dict]) -> None:
+    """The recipe must rebuild a model that takes exactly these tensors (else the export
+    could not be loaded): checked on the ``meta`` device before anything is written."""
+    skeleton = _spec.build(recipe, dense=fmt == "dense", device="meta")
+    try:
+        expected, _ = _expected_state(skeleton, fmt, infos, "metadata")
+    except ConfigError as exc:
+        raise ConfigError("metadata.config", f"does not describe this model ({exc})") from None
+    names, shapes = set(expected), {k: tuple(v.shape) for k, v in tensors.items()}
+    problems = sorted(names ^ set(shapes))
+    if problems:
+        raise ConfigError("metadata.config", f"does not describe this model: parameter "
+                          f"{problems[0]!r} is in only one of the model and its rebuild")
+    for k, (shape, _) in expected.items():
+        if shapes[k] != tuple(shape):
+            raise ConfigError("metadata.config", f"does not describe this model: {k!r} has "
+                              f"shape {list(shapes[k])}, the rebuild {list(shape)}")
+
+
+# ------------------------------------------------------------------------ load
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The CoMERA metadata of an export (safetensors or ONNX) without loading tensors."""
+    p = Path(path)
+    if p.suffix == ".onnx":
+        from comera_engine.export.onnx_export import read_onnx_metadata
+
+        return read_onnx_metadata(p)
+    return read_comera_metadata(read_header(p))
+
+
+def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild an exported model (compressed or dense) without pickle, in eval mode.
+
+    Everything is checked before tensor data is read: the safetensors header, the JSON
+    metadata, the recipe, and every tensor's name, shape and dtype against the rebuilt
+    model. Bad, truncated or hostile files raise :class:`BadExportFile` (a
+    ``ConfigError``/``ValueError``) naming the file.
+    """
+    p = Path(path)
+    if p.suffix == ".onnx":
+        raise BadExportFile(p, "ONNX exports run with onnxruntime "
+                               "(onnxruntime.InferenceSession); load the .safetensors export")
+    header = read_header(p)
+    doc = read_comera_metadata(header)
+    fmt = doc.get("format")
+    if fmt not in (FORMAT_IDS["compressed"], FORMAT_IDS["dense"]):
+        raise BadExportFile(p, f"metadata.format: unknown export format {fmt!r}")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+        raise BadExportFile(p, f"metadata.format_version: {version!r} is not supported by this "
+                               f"version of comera (reads <= {FORMAT_VERSION})")
+    kind = "dense" if fmt == FORMAT_IDS["dense"] else "compressed"
+    dtype_name = doc.get("dtype", "float32")
+    if dtype_name not in _DTYPE_NAMES:
+        raise BadExportFile(p, f"metadata.dtype: unsupported dtype {dtype_name!r}")
+    dtype = _DTYPE_NAMES[dtype_name]
+    try:
+        recipe = _spec.validate_recipe(doc.get("model"))
+        if recipe["builder"] == "family":
+            # TT layers are resized to the file's ranks below: allocate them at rank 1, so
+            # that what the build allocates is bounded by the file's own tensors.
+            low = {"rank": 1}
+            if recipe["family"] != "tt_mlp":  # the TT MLP has no embedding rank
+                low["embedding_rank"] = 1
+            recipe = {**recipe, "model_config": {**recipe["model_config"], **low}}
+        skeleton = _spec.build(recipe, dense=kind == "dense", device="meta")
+        _cast_floating(skeleton, dtype)
+        expected, ranks_of = _expected_state(skeleton, kind, doc.get("tt_layers"), "metadata")
+    except ConfigError as exc:
+        raise BadExportFile(p, str(exc)) from None
+    _check_tensors(p, header, expected)
+    # Everything agrees: build for real (sizes are now bounded by the file's tensors).
+    try:
+        model = _spec.build(recipe, dense=kind == "dense")
+    except ConfigError as exc:
+        raise BadExportFile(p, str(exc)) from None
+    _cast_floating(model, dtype)
+    state = _read_tensors(p, list(expected))
+    layers = dict(_tt_name_set(model))
+    for name, (ranks, shapes, tau) in ranks_of.items():
+        tt = layers[name].tt
+        tt.tau = tau
+        packed = state.pop(f"{name}.tt.cores")
+        if 0 in ranks:
+            # The zero map. Physically rank-0 cores cannot run through the contraction,
+            # so it comes back as rank-1 bonds whose gates are pruned (effective rank 0).
+            ones = [1] * len(ranks)
+            tt.resize_(ones)
+            for k, shape in enumerate(tt.mode_shapes):
+                state[f"{name}.tt.cores.{k}"] = torch.zeros(1, *shape, 1, dtype=dtype)
+            for k in range(len(ranks)):
+                state[f"{name}.tt.gates.{k}"] = torch.zeros(1, dtype=dtype)
+                state[f"{name}.tt.alive_{k}"] = torch.zeros(1, dtype=torch.bool)
+            continue
+        tt.resize_(ranks)
+        pos = 0
+        for k, shape in enumerate(shapes):
+            n = math.prod(shape)
+            state[f"{name}.tt.cores.{k}"] = packed[pos: pos + n].reshape(shape)
+            pos += n
+        for k in range(len(ranks)):
+            state[f"{name}.tt.gates.{k}"] = torch.ones(ranks[k], dtype=dtype)
+            state[f"{name}.tt.alive_{k}"] = torch.ones(ranks[k], dtype=torch.bool)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # pragma: no cover - shapes were checked above
+        raise BadExportFile(p, f"tensors do not fit the rebuilt model: "
+                               f"{str(exc).splitlines()[0]}") from None
+    model.to(map_location)
+    model.eval()
+    return model
+
+
+def _cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point() and t.dtype != dtype:
+            t.data = t.data.to(dtype)
+
+
+def _read_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    try:
+        out = {}
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                out[name] = f.get_tensor(name)
+        return out
+    except Exception as exc:  # safetensors raises its own error types
+        raise BadExportFile(path, f"cannot read tensors ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''})") from None

@@ -1,0 +1,296 @@
+"""ONNX export: TT layers as their contractions, never as a reconstructed dense matrix.
+
+Each ``TTLinear`` / ``TTEmbedding`` of a copy of the model is swapped for an export
+module that holds the *effective* cores (truncated, gates absorbed) as its only
+parameters and computes with ONNX-friendly ops:
+
+* linear: ``L = G_1⋯G_d`` and ``R = G_{d+1}⋯G_{2d}`` merged in the graph from the cores
+  (small MatMul/Reshape), then ``y = (x·L)·R`` (+ bias): the two-half path.
+* embedding: the two TTM half-tables ``A`` and ``Bt`` merged in the graph, each id split
+  into ``(a, b) = divmod(id, V_b)``, two Gathers and one batched MatMul. (The tied MLM
+  decoder asks for the whole table, which is then multiplied out from the cores at run
+  time, exactly as in PyTorch.)
+
+Constant folding is off, so the file's initializers are the cores themselves: the test
+suite checks that no initializer has a dense weight's size. The graph is traced with the
+TorchScript exporter (``dynamo=False``), which needs no extra package; when onnxruntime
+is installed the export is run and compared with PyTorch before the file is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import json
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comera_engine.errors import ConfigError
+from comera_engine.export.container import METADATA_KEY, BadExportFile, write_atomic
+from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
+from comera_engine.tensor.contract import merge_left, merge_right
+from comera_engine.tensor.lookup import merge_tables, split_point
+
+__all__ = ["OnnxTTEmbedding", "OnnxTTLinear", "export_onnx", "onnx_export_copy",
+           "read_onnx_metadata"]
+
+OPSET = 17
+
+
+def _params(cores: list[torch.Tensor]) -> nn.ParameterList:
+    return nn.ParameterList(nn.Parameter(c.detach().clone(), requires_grad=False)
+                            for c in cores)
+
+
+class OnnxTTLinear(nn.Module):
+    """Export form of a :class:`TTLinear`: the two-half contraction on the cores."""
+
+    def __init__(self, layer: TTLinear) -> None:
+        super().__init__()
+        from comera_engine.export.core import effective_cores
+
+        cores, ranks = effective_cores(layer)
+        self.d = layer.tt.d
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.N, self.M = layer.tt.shape
+        self.zero = 0 in ranks
+        self.cores = _params([] if self.zero else cores)
+        self.bias = (nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+                     if layer.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero:
+            y = torch.zeros_like(x[..., :1]).expand(*x.shape[:-1], self.out_features)
+        else:
+            if self.N != self.in_features:
+                x = F.pad(x, (0, self.N - self.in_features))
+            cores = list(self.cores)
+            left = merge_left(cores[: self.d])[-1]  # (N, r_d)
+            right = merge_right(cores[self.d:])[0]  # (r_d, M)
+            y = torch.matmul(torch.matmul(x, left), right)
+            if self.M != self.out_features:
+                y = y[..., : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class OnnxTTEmbedding(nn.Module):
+    """Export form of a :class:`TTEmbedding`: gathers from the two merged half-tables."""
+
+    def __init__(self, layer: TTEmbedding) -> None:
+        super().__init__()
+        from comera_engine.export.core import effective_cores
+
+        cores, ranks = effective_cores(layer)
+        rows, cols = list(layer.vocab_factors), list(layer.dim_factors)
+        self.num_embeddings, self.embedding_dim = layer.num_embeddings, layer.embedding_dim
+        self.padding_idx = layer.padding_idx
+        self.zero = 0 in ranks
+        self.h = split_point(rows, cols, [1, *ranks, 1]) if not self.zero else 1
+        self.Va, self.Vb = math.prod(rows[: self.h]), math.prod(rows[self.h:])
+        self.cores = _params([] if self.zero else cores)
+
+    def _mask(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.padding_idx is None:
+            return out
+        return out * (ids != self.padding_idx).unsqueeze(-1).to(out.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.zero:
+            return torch.zeros_like(ids.unsqueeze(-1), dtype=torch.float32).expand(
+                *ids.shape, self.embedding_dim)
+        A, Bt = merge_tables(list(self.cores), self.h)  # (Va, Ea, r), (Vb, r, Eb)
+        a = torch.div(ids, self.Vb, rounding_mode="floor")
+        b = ids - a * self.Vb
+        out = torch.matmul(A[a], Bt[b]).flatten(-2)  # (*ids, Ea*Eb)
+        if out.shape[-1] != self.embedding_dim:
+            out = out[..., : self.embedding_dim]
+        return self._mask(ids, out)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The whole table, multiplied out from the cores (tied MLM decoders use it)."""
+        if self.zero:
+            return torch.zeros(self.num_embeddings, self.embedding_dim)
+        A, Bt = merge_tables(list(self.cores), self.h)
+        W = torch.matmul(A.unsqueeze(1), Bt.unsqueeze(0))  # (Va, Vb, Ea, Eb)
+        W = W.reshape(self.Va * self.Vb, -1)[: self.num_embeddings, : self.embedding_dim]
+        if self.padding_idx is not None:
+            keep = torch.ones(self.num_embeddings, 1, dtype=W.dtype)
+            keep[self.padding_idx] = 0
+            W = W * keep
+        return W
+
+
+def onnx_export_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` (eval mode) with every TT layer in its export form."""
+    clone = copy.deepcopy(model).eval()
+    for name, layer in tt_layers(clone):
+        new = OnnxTTLinear(layer) if isinstance(layer, TTLinear) else OnnxTTEmbedding(layer)
+        parent_name, _, child = name.rpartition(".")
+        parent = clone.get_submodule(parent_name) if parent_name else clone
+        setattr(parent, child, new)
+    for p in clone.parameters():
+        p.requires_grad_(False)
+    return clone
+
+
+def _dense_sizes(model: nn.Module) -> dict[str, int]:
+    out = {}
+    for name, layer in tt_layers(model):
+        if isinstance(layer, TTLinear):
+            out[name] = layer.in_features * layer.out_features
+        else:
+            out[name] = layer.num_embeddings * layer.embedding_dim
+    return out
+
+
+def _trace(module: nn.Module, args: tuple, names: list[str], outputs: list[str],
+           axes: dict[str, dict[int, str]]) -> bytes:
+    buf = io.BytesIO()
+    kwargs: dict[str, Any] = dict(
+        input_names=names, output_names=outputs, dynamic_axes=axes, opset_version=OPSET,
+        do_constant_folding=False, export_params=True)
+    if "dynamo" in inspect.signature(torch.onnx.export).parameters:
+        kwargs["dynamo"] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            torch.onnx.export(module, args, buf, **kwargs)
+    return buf.getvalue()
+
+
+def _variants(names: list[str], args: tuple, recipe: Mapping[str, Any]) -> list[tuple]:
+    """The traced example plus one with another batch size (and sequence length)."""
+    out = [args]
+    if recipe.get("builder") == "family" and recipe.get("family", "").startswith("transformer"):
+        L = args[0].shape[1]
+        short = max(2, L // 2)
+        out.append(tuple(torch.cat([a, a[:1]], 0)[:, :short].contiguous() for a in args))
+    else:
+        out.append(tuple(torch.cat([a, a[:1]], 0) for a in args))
+    return out
+
+
+def _run_onnxruntime(data: bytes, names: list[str], variants: list[tuple],
+                     model: nn.Module) -> float | None:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for args in variants:
+        with torch.no_grad():
+            ref = model(*args)
+        got = sess.run(None, {n: a.cpu().numpy() for n, a in zip(names, args)})[0]
+        got_t = torch.from_numpy(got)
+        if tuple(got_t.shape) != tuple(ref.shape):
+            raise ConfigError("format", f"onnx export gives shape {list(got_t.shape)} for "
+                              f"inputs where PyTorch gives {list(ref.shape)}")
+        worst = max(worst, float((got_t.double() - ref.double()).abs().max()))
+    return worst
+
+
+def export_onnx(
+    model: nn.Module,
+    path: Path,
+    recipe: Mapping[str, Any],
+    doc: dict[str, Any],
+    example_inputs: tuple[torch.Tensor, ...] | None,
+    verify: bool,
+) -> dict[str, Any]:
+    """Trace, check, verify and write the ONNX file; returns its summary for metadata."""
+    try:
+        import onnx
+    except ImportError:
+        raise ConfigError("format", "onnx export needs the onnx package (pip install onnx "
+                          "onnxruntime)") from None
+    from comera_engine.export.spec import example_inputs as default_inputs
+
+    if any(t.device.type != "cpu" for t in model.parameters()):
+        model = copy.deepcopy(model).cpu()  # traced and checked on the CPU
+    names, args, outputs, axes = default_inputs(recipe, model)
+    if example_inputs is not None:
+        args = tuple(a.cpu() for a in example_inputs)
+        if len(args) != len(names):
+            names = [f"input_{i}" for i in range(len(args))]
+            axes = {n: {0: "batch"} for n in names} | {outputs[0]: {0: "batch"}}
+    module = onnx_export_copy(model)
+    try:
+        data = _trace(module, args, names, outputs, axes)
+    except Exception as exc:
+        raise ConfigError("format", f"onnx export failed ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    proto = onnx.load_from_string(data)
+    inits = [(i.name, math.prod(i.dims), onnx.helper.tensor_dtype_to_np_dtype(i.data_type))
+             for i in proto.graph.initializer]
+    init_bytes = sum(n * dt.itemsize for _, n, dt in inits)
+    dense = _dense_sizes(model)
+    for init_name, n, _ in inits:
+        for layer, size in dense.items():
+            if n >= size and init_name.startswith(layer + "."):
+                raise ConfigError("format", f"onnx export of TT layer {layer!r} holds a "
+                                  f"dense-sized initializer {init_name!r}")
+    diff = None
+    if verify:
+        variants = _variants(names, args, recipe) if example_inputs is None else [args]
+        diff = _run_onnxruntime(data, names, variants, model)
+        if diff is not None:
+            with torch.no_grad():
+                scale = max(1.0, float(model(*args).abs().max()))
+            if not diff <= 1e-3 * scale:
+                raise ConfigError("format", f"onnx export does not reproduce the PyTorch "
+                                  f"outputs (max abs difference {diff:.3g})")
+    summary = {
+        "opset": OPSET, "inputs": names, "outputs": outputs,
+        "input_shapes": {n: list(a.shape) for n, a in zip(names, args)},
+        "input_dtypes": {n: str(a.dtype).replace("torch.", "") for n, a in zip(names, args)},
+        "dynamic_axes": {k: {str(i): v for i, v in d.items()} for k, d in axes.items()},
+        "initializers": len(inits), "initializer_bytes": int(init_bytes),
+        "largest_initializer": max((n for _, n, _ in inits), default=0),
+        "max_abs_diff": diff,
+    }
+    doc = dict(doc)
+    doc["onnx"] = summary
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = METADATA_KEY, json.dumps(doc, separators=(",", ":"),
+                                                      allow_nan=False)
+    proto.producer_name = "comera-studio"
+    onnx.checker.check_model(proto)
+    payload = proto.SerializeToString()
+    write_atomic(path, lambda tmp: tmp.write_bytes(payload))
+    return summary
+
+
+def read_onnx_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The CoMERA metadata stored in an exported ONNX file."""
+    import onnx
+
+    p = Path(path)
+    try:
+        proto = onnx.load(str(p), load_external_data=False)
+    except Exception as exc:
+        raise BadExportFile(p, f"not a readable ONNX file ({type(exc).__name__})") from None
+    for prop in proto.metadata_props:
+        if prop.key == METADATA_KEY:
+            try:
+                doc = json.loads(prop.value)
+            except ValueError:
+                raise BadExportFile(p, "metadata 'comera' is not valid JSON") from None
+            if not isinstance(doc, dict):
+                raise BadExportFile(p, "metadata 'comera' must be a JSON object")
+            return doc
+    raise BadExportFile(p, "not a CoMERA export: no 'comera' metadata")

@@ -1,0 +1,305 @@
+"""``export_run`` (a run folder or a run in the store -> an export) and ``comera export``.
+
+A run folder holds ``checkpoints/step_XXXXXX.safetensors`` + ``.json`` sidecars written
+by the trainer; the sidecar carries the run config and the final metrics. The model is
+rebuilt from the config, brought to the checkpoint's (truncated) shapes and loaded, then
+handed to :func:`~comera_engine.export.core.export_model`.
+
+What the model builder needs to know about the dataset (task, classes, vocabulary, sequence
+length, ``meta``) is read from the sidecar's ``data_spec`` (or ``<run>/data_spec.json``);
+when neither exists, the dataset is rebuilt from the config's ``[data]`` table, which also
+gives the dataset identity and tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from comera_engine.errors import ConfigError
+from comera_engine.export.container import BadExportFile, read_header
+from comera_engine.export.core import FORMATS, ExportResult, export_model
+from comera_engine.export.spec import data_spec_from_bundle
+
+__all__ = ["add_subparsers", "cmd_export", "export_run", "load_run_model", "resolve_checkpoint"]
+
+
+def _open_store(store: Any) -> Any:
+    from comera_engine.store import RunStore, StoreError
+
+    if store is not None and hasattr(store, "run_dir") and hasattr(store, "resolve"):
+        return store
+    try:
+        return RunStore(store, create=False)
+    except StoreError as exc:
+        raise ConfigError("--store", str(exc)) from None
+
+
+def _resolve_run(run: str | os.PathLike[str], store: Any) -> tuple[Path, str | None, Any]:
+    """``(run dir, run id or None, store or None)``."""
+    p = Path(run)
+    if p.is_dir():
+        run_id, st = None, None
+        if store is not None:
+            st = _open_store(store)
+            if st.get_run(p.name) is not None and st.run_dir(p.name).resolve() == p.resolve():
+                run_id = p.name
+        return p, run_id, st
+    if store is None and (os.sep in str(run) or str(run).startswith(".")):
+        raise ConfigError("run", f"run folder not found: {run}")
+    st = _open_store(store)
+    from comera_engine.store import StoreError
+
+    try:
+        rid = st.resolve(str(run))
+    except StoreError as exc:
+        text = str(exc).removeprefix("run: ")
+        raise ConfigError("run", f"{text} (give a run folder or a run id)") from None
+    d = st.run_dir(rid)
+    if not d.is_dir():
+        raise ConfigError("run", f"run {rid} has no folder ({d})")
+    return d, rid, st
+
+
+def resolve_checkpoint(run_dir: Path, checkpoint: str | int | os.PathLike[str] | None) -> Path:
+    """The sidecar (``.json``) of a run's checkpoint: newest when ``checkpoint`` is None;
+    else a step number, a ``step_XXXXXX`` name, or a path to the ``.json``/``.safetensors``."""
+    from comera_engine.train import checkpoint as ckpt
+
+    ckpt_dir = run_dir / "checkpoints"
+    found = ckpt.list_checkpoints(ckpt_dir)
+    if checkpoint is None:
+        if not found:
+            raise ConfigError("--checkpoint", f"no checkpoint in {ckpt_dir}")
+        return found[-1][1]
+    text = str(checkpoint)
+    if isinstance(checkpoint, int) or text.isdigit():
+        step = int(text)
+        for s, path in found:
+            if s == step:
+                return path
+        have = ", ".join(str(s) for s, _ in found) or "none"
+        raise ConfigError("--checkpoint", f"no checkpoint at step {step} (have: {have})")
+    cand = Path(text)
+    for c in (cand, ckpt_dir / cand, ckpt_dir / f"{text}.json"):
+        if c.suffix == ".safetensors":
+            c = c.with_suffix(".json")
+        if c.suffix == ".json" and c.is_file():
+            return c
+    raise ConfigError("--checkpoint", f"checkpoint not found: {text}")
+
+
+def _read_sidecar(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        raise BadExportFile(path, "checkpoint sidecar is not valid JSON") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise BadExportFile(path, "checkpoint sidecar must be a JSON object with a 'config'")
+    return meta
+
+
+def _data(cfg: Any, meta: dict[str, Any], run_dir: Path) -> tuple[dict, Any]:
+    """``(data spec, bundle or None)``; relative data paths are taken from
+    ``cfg.base_dir`` (the run's working folder), else the current folder."""
+    spec = meta.get("data_spec")
+    if not isinstance(spec, dict):
+        f = run_dir / "data_spec.json"
+        if f.is_file():
+            try:
+                spec = json.loads(f.read_text(encoding="utf-8"))
+            except ValueError:
+                raise BadExportFile(f, "not valid JSON") from None
+    if isinstance(spec, dict) and spec.get("task"):
+        return spec, None
+    from comera_engine.data import build_dataset
+    from comera_engine.train.loop import data_config
+
+    base = cfg.base_dir or os.getcwd()
+    try:
+        bundle = build_dataset(data_config(cfg), base_dir=base)
+    except ConfigError as exc:
+        raise ConfigError(exc.field, f"{exc.problem} (the checkpoint has no data_spec, so the "
+                          "dataset is rebuilt to learn its shape)") from None
+    return data_spec_from_bundle(bundle), bundle
+
+
+def _tokenizer(cfg: Any, run_dir: Path, bundle: Any) -> Any:
+    for cand in (run_dir / "tokenizer.json",):
+        if cand.is_file():
+            return cand
+    raw = (cfg.data or {}).get("tokenizer_path")
+    if raw:
+        p = Path(raw)
+        if not p.is_absolute():
+            p = Path(cfg.base_dir or os.getcwd()) / p
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if p.is_file():
+            return p
+    if bundle is None or getattr(bundle, "tokenizer", None) is None:
+        return None
+    notes = (getattr(bundle, "identity", None) or {}).get("notes") or {}
+    if notes.get("tokenizer_trained"):
+        # Retrained just now to rebuild the dataset: WordPiece training breaks ties in a
+        # run-dependent order, so it may not be the vocabulary the model was trained on.
+        return None
+    return bundle.tokenizer
+
+
+def load_run_model(
+    run_dir: str | os.PathLike[str], checkpoint: str | int | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The trained model of a run's checkpoint and the export metadata that describes it
+    (``config``, ``data_spec``, ``dataset``, ``metrics``, ``tokenizer``, ``run``).
+    ``base_dir``: the folder the run's relative data paths are relative to (the run's
+    working folder; default: the current folder)."""
+    from comera_engine.models import build_model
+    from comera_engine.train import checkpoint as ckpt
+    from comera_engine.train.config import config_from_dict
+
+    run_dir = Path(run_dir)
+    sidecar = resolve_checkpoint(run_dir, checkpoint)
+    meta = _read_sidecar(sidecar)
+    tensor_file = sidecar.with_suffix(".safetensors")
+    read_header(tensor_file)  # refuse a corrupt/hostile checkpoint before loading it
+    try:
+        cfg = config_from_dict(meta["config"])
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint config: {exc.field}", exc.problem) from None
+    if base_dir is not None:
+        cfg.base_dir = str(base_dir)
+    spec, bundle = _data(cfg, meta, run_dir)
+    from comera_engine.export.spec import _data_namespace
+
+    model = build_model(cfg.model, _data_namespace(spec))
+    _, tensors = ckpt.load_checkpoint(sidecar)
+    state = ckpt.model_state(tensors)
+    try:
+        ckpt.resize_to_shapes(model, {k: list(v.shape) for k, v in state.items()})
+        model.load_state_dict(state, strict=True)
+    except (AttributeError, RuntimeError) as exc:
+        raise BadExportFile(tensor_file, f"does not fit the model of its config "
+                                         f"({str(exc).splitlines()[0]})") from None
+    model.eval()
+    dataset = meta.get("dataset")
+    if dataset is None and bundle is not None:
+        dataset = {**bundle.identity, "rebuilt_for_export": True}
+    step = meta.get("step")
+    step = step if isinstance(step, int) and not isinstance(step, bool) else 0
+    metrics = meta.get("metrics")
+    metrics = {str(k): v for k, v in metrics.items() if isinstance(v, (int, float))} if (
+        isinstance(metrics, dict)) else {}
+    info = {
+        "config": meta["config"],
+        "data_spec": spec,
+        "dataset": dataset,
+        "metrics": metrics,
+        "tokenizer": _tokenizer(cfg, run_dir, bundle),
+        "run": {"name": meta["config"].get("name"), "dir": str(run_dir.resolve()),
+                "checkpoint": tensor_file.name, "step": step},
+        "name": meta["config"].get("name"),
+    }
+    return model, info
+
+
+def export_run(
+    run_dir_or_id: str | os.PathLike[str],
+    checkpoint: str | int | None = None,
+    format: str = "compressed",  # noqa: A002 - the CLI flag's name
+    out: str | os.PathLike[str] | None = None,
+    store: Any = None,
+    *,
+    verify: bool = True,
+) -> ExportResult:
+    """Export a run's checkpoint (newest by default).
+
+    Args:
+        run_dir_or_id: a run folder, or a run id / unique prefix / name in ``store``.
+        checkpoint: step number, ``step_XXXXXX``, or a checkpoint path.
+        format: ``compressed``, ``dense`` or ``onnx``.
+        out: file or folder (default: ``<run dir>/exports/step_XXXXXX/``).
+        store: a ``RunStore`` or its database path (default store when a run id is given);
+            the export and its card are logged there as artifacts of the run.
+    """
+    if format not in FORMATS:
+        raise ConfigError("--format", f"unknown format {format!r}; choose from "
+                          f"{', '.join(FORMATS)}")
+    run_dir, run_id, st = _resolve_run(run_dir_or_id, store)
+    base_dir = None
+    if st is not None and run_id is not None:
+        cwd = (st.get_run(run_id) or {}).get("cwd")
+        base_dir = cwd if cwd and os.path.isdir(cwd) else None
+    model, info = load_run_model(run_dir, checkpoint, base_dir)
+    if run_id is not None:
+        info["run"]["id"] = run_id
+    step = int(info["run"]["step"])
+    target = out if out is not None else str(run_dir / "exports" / f"step_{step:06d}") + os.sep
+    result = export_model(model, target, format, info, verify=verify)
+    if st is not None and run_id is not None:
+        st.log_artifact(run_id, f"export_{format}", str(result.path))
+        st.log_artifact(run_id, "model_card", str(result.card))
+        if result.tokenizer is not None:
+            st.log_artifact(run_id, "tokenizer", str(result.tokenizer))
+    return result
+
+
+# ------------------------------------------------------------------------ CLI
+def add_subparsers(subparsers: Any) -> None:
+    """Register ``comera export RUN [--checkpoint C] --format F --out PATH [--store DB]``."""
+    p = subparsers.add_parser(
+        "export", help="export a trained run: compressed / dense safetensors or ONNX",
+        description="Export a run's checkpoint. compressed: truncated TT cores + dense "
+        "parameters (load with comera_engine.load); dense: plain nn.Linear/nn.Embedding "
+        "state dict; onnx: TT layers as core contractions. A model card (<file>.md) is "
+        "written beside the export.")
+    p.add_argument("run", help="run folder, or a run id / name in the store")
+    p.add_argument("--checkpoint", default=None,
+                   help="step number, step_XXXXXX or a checkpoint path (default: newest)")
+    p.add_argument("--format", choices=FORMATS, default="compressed",
+                   help="compressed (default), dense or onnx")
+    p.add_argument("--out", required=True,
+                   help="output file (.safetensors / .onnx) or folder")
+    p.add_argument("--store", default=None, help="run store database (for run ids)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="onnx: skip the onnxruntime comparison")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Run ``comera export``; bad input prints one line on stderr and returns 2."""
+    try:
+        with torch.no_grad():
+            res = export_run(args.run, args.checkpoint, args.format, args.out, args.store,
+                             verify=not getattr(args, "no_verify", False))
+    except ValueError as exc:  # ConfigError, BadExportFile, StoreError: bad input
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        sys.stderr.write(f"comera: error: {msg}\n")
+        return 2
+    except OSError as exc:  # cannot write the output (permissions, disk full)
+        sys.stderr.write(f"comera: error: {exc}\n")
+        return 1
+    if getattr(args, "json", False):
+        print(json.dumps(res.to_dict()))
+        return 0
+    m = res.sizes.get("model", {})
+    print(f"wrote {res.path} ({res.format}, {res.file_bytes:,} bytes)")
+    print(f"model card {res.card}")
+    if res.tokenizer:
+        print(f"tokenizer {res.tokenizer}")
+    comp = m.get("compression")
+    comp_txt = f"{comp:.1f}x" if isinstance(comp, float) else str(comp)
+    print(f"dense {m.get('dense_bytes', 0):,} bytes -> compressed "
+          f"{m.get('effective_bytes', 0):,} bytes ({comp_txt})")
+    if res.onnx_max_abs_diff is not None:
+        print(f"onnxruntime max abs diff vs PyTorch: {res.onnx_max_abs_diff:.3g}")
+    return 0
