@@ -121,12 +121,36 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_OK
 
     run_dir = _run_dir(args, cfg.name)
+    saved_tok = run_dir / "tokenizer.json"
+    if saved_tok.is_file() and isinstance(cfg.data, dict) and "tokenizer_path" not in cfg.data:
+        # a resumed text run must reuse its own vocabulary (WordPiece training is not
+        # deterministic, so a retrained tokenizer would scramble the embedding ids)
+        cfg.data["tokenizer_path"] = str(saved_tok.resolve())
     bundle = _prepare(cfg, run_dir, args.resume)  # validates data and model, writes nothing
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_config(run_dir, args.config, to_toml(cfg))
+        _write_data_record(run_dir, bundle)
     return _run(cfg, run_dir, bundle, args, is_main)
+
+
+def _write_data_record(run_dir: Path, bundle: Any) -> None:
+    """Keep what the run was trained on beside it: the tokenizer, the data spec a model
+    builder needs and the dataset identity (export and resume read them back)."""
+    import json
+
+    from comera_engine.export.spec import data_spec_from_bundle
+
+    if getattr(bundle, "tokenizer", None) is not None and not (run_dir / "tokenizer.json").exists():
+        tmp = run_dir / "tokenizer.tmp.json"
+        bundle.tokenizer.save(tmp)
+        os.replace(tmp, run_dir / "tokenizer.json")
+    for name, payload in (("data_spec.json", data_spec_from_bundle(bundle)),
+                          ("dataset.json", bundle.identity)):
+        tmp = run_dir / f"{name}.tmp"
+        tmp.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
+        os.replace(tmp, run_dir / name)
 
 
 def _run_dir(args: argparse.Namespace, name: str) -> Path:

@@ -223,3 +223,36 @@ def test_cli_resume_continues_from_the_newest_checkpoint(tmp_path, monkeypatch) 
     again = [r["values"]["loss/task"] for r in records if r["type"] == "metrics"]
     assert again == first
     assert any(r["type"] == "event" and "resumed from step_000004" in r["text"] for r in records)
+
+
+def test_text_run_keeps_its_tokenizer_across_resume(tmp_path, monkeypatch) -> None:
+    """WordPiece training is not deterministic: a resumed text run must reload the
+    vocabulary it was trained with, and export needs it beside the run."""
+    import json
+
+    from comera_engine.data.tokenizer import WordPieceTokenizer
+    from comera_engine.metrics import read_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    cfg = ROOT / "experiments" / "configs" / "code_mlm_tiny.toml"
+    args = ["train", str(cfg), "--no-progress", "--run-dir", "out",
+            "--set", "train.steps=4", "--set", "train.ckpt_every=2",
+            "--set", "data.max_files=8", "--set", "train.eval_every=100",
+            "--set", "model.tt_layers=[\"attention\"]"]  # fmt: skip
+    assert main(args) == 0
+    run = tmp_path / "out"
+    tok = run / "tokenizer.json"
+    assert tok.is_file()
+    spec = json.loads((run / "data_spec.json").read_text())
+    assert spec["vocab_size"] == WordPieceTokenizer.load(tok).vocab_size
+    assert json.loads((run / "dataset.json").read_text())["name"] == "code_mlm"
+    first = [r["values"]["loss/task"] for r in read_jsonl(run / "metrics.jsonl")
+             if r["type"] == "metrics"]  # fmt: skip
+    before = tok.read_bytes()
+    for suffix in (".json", ".safetensors"):
+        (run / "checkpoints" / f"step_000004{suffix}").unlink()
+    assert main([*args, "--resume"]) == 0
+    assert tok.read_bytes() == before
+    again = [r["values"]["loss/task"] for r in read_jsonl(run / "metrics.jsonl")
+             if r["type"] == "metrics"]  # fmt: skip
+    assert again == first  # same ids, same batches, same losses

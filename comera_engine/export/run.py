@@ -191,6 +191,11 @@ def load_run_model(
                                          f"({str(exc).splitlines()[0]})") from None
     model.eval()
     dataset = meta.get("dataset")
+    if dataset is None and (run_dir / "dataset.json").is_file():
+        try:
+            dataset = json.loads((run_dir / "dataset.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            dataset = None
     if dataset is None and bundle is not None:
         dataset = {**bundle.identity, "rebuilt_for_export": True}
     step = meta.get("step")
