@@ -1,0 +1,1 @@
+"""Helpers shared by the dashboard pages: store access, presets, previews, plots."""

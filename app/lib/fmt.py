@@ -1,0 +1,111 @@
+"""Number, size, time and status formatting for the dashboard."""
+
+from __future__ import annotations
+
+import math
+import time
+
+STATUS_ICON = {
+    "queued": ":material/hourglass_top:",
+    "running": ":material/play_circle:",
+    "stopping": ":material/pending:",
+    "finished": ":material/check_circle:",
+    "stopped": ":material/stop_circle:",
+    "failed": ":material/error:",
+    "diverged": ":material/warning:",
+    "crashed": ":material/dangerous:",
+}
+STATUS_COLOR = {
+    "queued": "gray",
+    "running": "blue",
+    "stopping": "orange",
+    "finished": "green",
+    "stopped": "violet",
+    "failed": "red",
+    "diverged": "red",
+    "crashed": "red",
+}
+
+
+def is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def count(n: float | None) -> str:
+    """``1234567 -> "1.23M"``; ``None``/NaN -> ``"–"``."""
+    if not is_num(n):
+        return "–"
+    a = abs(float(n))
+    for div, suf in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if a >= div:
+            return f"{n / div:.3g}{suf}"
+    return f"{n:.0f}" if float(n).is_integer() else f"{n:.3g}"
+
+
+def nbytes(b: float | None) -> str:
+    if not is_num(b):
+        return "–"
+    b = float(b)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.3g} {unit}"
+        b /= 1024
+    return f"{b:.3g} TiB"  # pragma: no cover
+
+
+def mib(mb: float | None) -> str:
+    return nbytes(mb * 2**20) if is_num(mb) else "–"
+
+
+def ratio(x: float | None) -> str:
+    if x is not None and isinstance(x, float) and math.isinf(x):
+        return "∞×"
+    if not is_num(x):
+        return "–"
+    return f"{x:.1f}×" if x < 100 else f"{x:.0f}×"
+
+
+def pct(x: float | None) -> str:
+    return f"{100 * x:.1f}%" if is_num(x) else "–"
+
+
+def num(x: float | None, digits: int = 4) -> str:
+    return f"{x:.{digits}g}" if is_num(x) else "–"
+
+
+def duration(seconds: float | None) -> str:
+    if not is_num(seconds) or seconds < 0:
+        return "–"
+    s = int(seconds)
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h {m:02d}m"
+    if m:
+        return f"{m}m {s:02d}s"
+    return f"{s}s"
+
+
+def ago(t: float | None) -> str:
+    if not is_num(t):
+        return "–"
+    return duration(time.time() - float(t)) + " ago"
+
+
+def clock(t: float | None) -> str:
+    if not is_num(t):
+        return "–"
+    return time.strftime("%H:%M:%S", time.localtime(float(t)))
+
+
+def when(t: float | None) -> str:
+    if not is_num(t):
+        return "–"
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(float(t)))
+
+
+def status_badge(status: str) -> str:
+    """Markdown badge for a run status."""
+    color = STATUS_COLOR.get(status, "gray")
+    icon = STATUS_ICON.get(status, "")
+    return f":{color}-badge[{icon} {status}]"

@@ -1,0 +1,303 @@
+"""Plotly figures for the dashboard (one look across pages)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+COLORS = [
+    "#4F46E5",  # indigo
+    "#F97316",  # orange
+    "#10B981",  # emerald
+    "#E11D48",  # rose
+    "#0EA5E9",  # sky
+    "#A855F7",  # purple
+    "#84CC16",  # lime
+    "#64748B",  # slate
+]
+TARGET_COLOR = "#E11D48"
+STAGE_COLOR = "#94A3B8"
+
+
+def base_layout(fig: go.Figure, title: str | None = None, height: int = 300,
+                x_title: str | None = None, y_title: str | None = None) -> go.Figure:
+    fig.update_layout(
+        template="plotly_white",
+        title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15}} if title else None,
+        height=height,
+        margin={"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
+        colorway=COLORS,
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0,
+                "font": {"size": 11}},
+        hovermode="x unified",
+        font={"size": 12},
+    )
+    if x_title:
+        fig.update_xaxes(title_text=x_title)
+    if y_title:
+        fig.update_yaxes(title_text=y_title)
+    return fig
+
+
+def empty_figure(message: str, height: int = 300, title: str | None = None) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, font={"size": 13, "color": "#64748B"},
+                       xref="paper", yref="paper", x=0.5, y=0.5)
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return base_layout(fig, title, height)
+
+
+def add_stage_markers(fig: go.Figure, stages: Sequence[tuple[int, str]]) -> None:
+    for step, _text in stages:
+        fig.add_vline(x=step, line={"color": STAGE_COLOR, "dash": "dot", "width": 1.5},
+                      annotation_text="late stage", annotation_position="top left",
+                      annotation_font={"size": 10, "color": "#64748B"})
+
+
+def ema(values: Sequence[float | None], alpha: float) -> list[float | None]:
+    """Exponential moving average that skips missing values (bias-corrected start)."""
+    out: list[float | None] = []
+    acc = 0.0
+    weight = 0.0
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append(None)
+            continue
+        acc = (1 - alpha) * acc + alpha * v
+        weight = (1 - alpha) * weight + alpha
+        out.append(acc / weight)
+    return out
+
+
+def lines(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title: str,
+          y_title: str | None = None, x_title: str = "step", height: int = 300,
+          stages: Sequence[tuple[int, str]] = (), hline: tuple[float, str] | None = None,
+          log_y: bool = False, markers: bool = False, empty: str = "No data yet",
+          smooth: float | None = None, dashes: Sequence[str | None] = ()) -> go.Figure:
+    """Several ``(label, x, y)`` curves on one plot, with optional stage markers and a
+    horizontal reference line ``(y, label)``. ``smooth``: draw each curve faintly and an
+    exponential moving average (weight ``smooth``) over it. ``dashes``: line dash per
+    curve (e.g. ``[None, "dash"]``)."""
+    fig = go.Figure()
+    any_points = False
+    for i, (label, x, y) in enumerate(series):
+        if not len(x):
+            continue
+        any_points = True
+        color = COLORS[i % len(COLORS)]
+        ys = [v if v is not None and math.isfinite(v) else None for v in y]
+        few = len(x) < 3
+        if smooth and len(x) > 20:
+            fig.add_trace(go.Scatter(x=list(x), y=ys, name=label, mode="lines",
+                                     line={"width": 1, "color": color}, opacity=0.25,
+                                     showlegend=False, hoverinfo="skip"))
+            ys = ema(ys, smooth)
+        dash = dashes[i] if i < len(dashes) else None
+        fig.add_trace(go.Scatter(
+            x=list(x), y=ys, name=label, mode="lines+markers" if markers or few else "lines",
+            line={"width": 2, "color": color, "dash": dash},
+        ))
+    if not any_points:
+        return empty_figure(empty, height, title)
+    if hline is not None:
+        fig.add_hline(y=hline[0], line={"color": TARGET_COLOR, "dash": "dash", "width": 2},
+                      annotation_text=hline[1], annotation_position="bottom right",
+                      annotation_font={"color": TARGET_COLOR, "size": 11})
+    add_stage_markers(fig, stages)
+    if log_y:
+        pos = [v for _, _, y in series for v in y
+               if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+        if pos and math.log10(max(pos) / min(pos)) > 2.5:
+            fig.update_yaxes(type="log", dtick=1)  # decades only
+        else:
+            log_ticks(fig, "y")
+    xs = [v for _, x, _ in series for v in x if isinstance(v, (int, float))]
+    if x_title == "step" and xs and max(xs) - min(xs) < 10:
+        fig.update_xaxes(dtick=1)  # no half steps on a short run
+    return base_layout(fig, title, height, x_title, y_title)
+
+
+def legend_below(fig: go.Figure) -> go.Figure:
+    """Put the legend under the plot (for charts whose legend would hit the title)."""
+    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.5,
+                              "xanchor": "center"}, margin={"b": 10})
+    return fig
+
+
+def log_ticks(fig: go.Figure, axis: str = "x", suffix: str = "") -> None:
+    """A log axis labelled 1-2-5 per decade instead of every minor digit."""
+    vals = [m * 10**e for e in range(-4, 10) for m in (1, 2, 5)]
+    upd = {"type": "log", "tickvals": vals, "ticktext": [f"{fmt_tick(v)}{suffix}" for v in vals]}
+    (fig.update_xaxes if axis == "x" else fig.update_yaxes)(**upd)
+
+
+def fmt_tick(v: float) -> str:
+    for div, suf in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if v >= div:
+            return f"{v / div:g}{suf}"
+    return f"{v:g}"
+
+
+def rank_rows(
+    history: Sequence[Mapping[str, Any]], until: int | None = None,
+) -> tuple[list[str], list[int], list[list[float | None]]]:
+    """Heatmap data from rank snapshots: rows ``layer · bond k``; columns span the steps
+    from one snapshot to the next (ranks are piecewise constant), the last one up to
+    ``until`` (the run's current step). Returns ``(rows, edges, z)`` with
+    ``len(edges) == columns + 1``."""
+    steps = sorted({int(h["step"]) for h in history})
+    end = max(int(until), steps[-1] + 1) if until else steps[-1] + 1
+    edges = [*steps, end]
+    layers: dict[str, int] = {}
+    for h in history:
+        layers[h["layer"]] = max(layers.get(h["layer"], 0), len(h["ranks"]))
+    col = {s: i for i, s in enumerate(steps)}
+    grid: dict[tuple[str, int], list[float | None]] = {
+        (name, b): [None] * len(steps) for name, nb in layers.items() for b in range(nb)
+    }
+    for h in history:
+        for b, r in enumerate(h["ranks"]):
+            grid[(h["layer"], b)][col[int(h["step"])]] = float(r)
+    rows, z = [], []
+    for (name, b), vals in grid.items():
+        last = None
+        filled = []
+        for v in vals:
+            last = v if v is not None else last
+            filled.append(last)
+        rows.append(f"{name} · bond {b + 1}")
+        z.append(filled)
+    return rows, edges, z
+
+
+def rank_heatmap(history: Sequence[Mapping[str, Any]], title: str = "Effective ranks over steps",
+                 stages: Sequence[tuple[int, str]] = (), until: int | None = None) -> go.Figure:
+    """Layer × bond rows, steps across; ``until``: extend the last ranks to this step."""
+    if not history:
+        return empty_figure("No rank snapshots yet", 320, title)
+    rows, edges, z = rank_rows(history, until)
+    height = int(min(900, max(280, 60 + 16 * len(rows))))
+    fig = go.Figure(go.Heatmap(
+        z=z, x=edges, y=rows, colorscale="Viridis", colorbar={"title": {"text": "rank"}},
+        hovertemplate="%{y}<br>step %{x}: rank %{z}<extra></extra>", zmin=0, ygap=1,
+    ))
+    fig.update_yaxes(autorange="reversed", tickfont={"size": 10})
+    fig.update_xaxes(range=[edges[0], edges[-1]])
+    add_stage_markers(fig, stages)
+    fig = base_layout(fig, title, height, "step")
+    fig.update_layout(hovermode="closest")
+    return fig
+
+
+def rank_bars(latest: Mapping[str, Sequence[int]], allocated: Mapping[str, Sequence[int]] | None
+              = None, title: str = "Current ranks per layer") -> go.Figure:
+    """Grouped bars: one group per layer, one bar per bond."""
+    if not latest:
+        return empty_figure("No ranks yet", 300, title)
+    layers = list(latest)
+    nb = max(len(v) for v in latest.values())
+    fig = go.Figure()
+    for b in range(nb):
+        fig.add_trace(go.Bar(
+            x=layers, y=[latest[name][b] if b < len(latest[name]) else None for name in layers],
+            name=f"bond {b + 1}", marker_color=COLORS[b % len(COLORS)],
+        ))
+    fig.update_layout(barmode="group", bargap=0.25)
+    fig = base_layout(fig, title, 320, None, "effective rank")
+    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.15, "x": 0.5,
+                              "xanchor": "center"})
+    fig.update_xaxes(tickangle=-30 if len(layers) > 4 else 0, tickfont={"size": 10})
+    fig.update_layout(hovermode="closest")
+    return fig
+
+
+def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title: str,
+           y_title: str, title: str, log_x: bool = True, higher_x_better: bool = True,
+           x_include: Sequence[float] = ()) -> go.Figure:
+    """Scatter of runs with the Pareto front (best ``y`` for a given ``x``) and the dense
+    baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key}``."""
+    pts = [p for p in points
+           if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
+           and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
+    if not pts:
+        return empty_figure("No finished runs with these metrics yet", 360, title)
+    fig = go.Figure()
+    tt = [p for p in pts if not p.get("dense")]
+    dense = [p for p in pts if p.get("dense")]
+    # front: walk from the best x down, keep points that improve y
+    order = sorted(tt + dense, key=lambda p: p[x_key], reverse=higher_x_better)
+    front, best = [], -math.inf
+    for p in order:
+        if p[y_key] > best:
+            front.append(p)
+            best = p[y_key]
+    if len(front) > 1:
+        front = sorted(front, key=lambda p: p[x_key])
+        fig.add_trace(go.Scatter(
+            x=[p[x_key] for p in front], y=[p[y_key] for p in front], mode="lines",
+            name="Pareto front", line={"color": "#CBD5E1", "width": 2, "dash": "dash"},
+            hoverinfo="skip",
+        ))
+    if tt:
+        fig.add_trace(go.Scatter(
+            x=[p[x_key] for p in tt], y=[p[y_key] for p in tt], mode="markers+text",
+            name="CoMERA (TT)", text=[p["label"] for p in tt], textposition="top center",
+            textfont={"size": 10}, marker={"size": 12, "color": COLORS[0],
+                                           "line": {"width": 1, "color": "white"}},
+            hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
+            + ": %{y:.3g}<extra></extra>",
+        ))
+    if dense:
+        fig.add_trace(go.Scatter(
+            x=[p[x_key] for p in dense], y=[p[y_key] for p in dense], mode="markers+text",
+            name="dense baseline", text=[p["label"] for p in dense], textposition="bottom center",
+            textfont={"size": 10}, marker={"size": 18, "symbol": "star", "color": COLORS[1],
+                                           "line": {"width": 1, "color": "white"}},
+            hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
+            + ": %{y:.3g}<extra></extra>",
+        ))
+        for p in dense:
+            fig.add_hline(y=p[y_key], line={"color": COLORS[1], "dash": "dot", "width": 1})
+    xs = [p[x_key] for p in pts if p[x_key] > 0] + [x for x in x_include if x > 0]
+    if log_x and xs and max(xs) / min(xs) < 3:
+        log_x = False  # a narrow spread reads better on a linear axis
+    if not log_x and xs:
+        lo, hi = min(xs), max(xs)
+        pad = max((hi - lo) * 0.2, abs(hi) * 0.01, 1e-9)
+        fig.update_xaxes(range=[lo - pad, hi + pad])
+    if log_x:
+        log_ticks(fig, "x")
+        if xs:  # room for the labels at both ends
+            lo, hi = math.log10(min(xs)), math.log10(max(xs))
+            pad = max(0.15, 0.12 * (hi - lo))
+            fig.update_xaxes(range=[lo - pad, hi + pad])
+    ys = [p[y_key] for p in pts]
+    if all(0.0 <= y <= 1.0 for y in ys):  # accuracies: keep the axis honest, not 0..1.5
+        lo, hi = min(ys), max(ys)
+        pad = max(0.02, (hi - lo) * 0.15)
+        fig.update_yaxes(range=[max(0.0, lo - pad), min(1.0, hi + pad) + 0.01])
+    fig = base_layout(fig, title, 400, x_title.replace(", log", "") if not log_x else x_title,
+                      y_title)
+    legend_below(fig)
+    fig.update_layout(hovermode="closest")
+    return fig
+
+
+def hbar(labels: Sequence[str], values: Sequence[float], title: str, x_title: str,
+         colors: Sequence[str] | None = None, text: Sequence[str] | None = None,
+         log_x: bool = False, height: int | None = None) -> go.Figure:
+    fig = go.Figure(go.Bar(
+        y=list(labels), x=list(values), orientation="h",
+        marker_color=list(colors) if colors else COLORS[0],
+        text=list(text) if text else None, textposition="auto",
+    ))
+    if log_x:
+        log_ticks(fig, "x")
+    fig.update_yaxes(autorange="reversed")
+    fig = base_layout(fig, title, height or max(200, 40 + 28 * len(labels)), x_title)
+    fig.update_layout(hovermode="closest", showlegend=False)
+    return fig

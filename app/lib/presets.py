@@ -1,0 +1,128 @@
+"""Experiment presets: the embedded default plus every ``experiments/configs/*.toml``.
+
+Presets are read from the server's own folders only (the repository's
+``experiments/configs/``, the working directory's ``experiments/configs/`` and the
+package's ``comera_engine/configs/``); the browser picks one by name and never names a
+file.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.lib.defaults import DEFAULT_CONFIG_TOML, DEFAULT_PRESET, default_config
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Datasets each model can train on (the model's task decides).
+DATASETS_FOR_MODEL: dict[str, tuple[str, ...]] = {
+    "tt_mlp": ("digits",),
+    "transformer_cls": ("snli", "mnli", "nli"),
+    "transformer_mlm": ("code_mlm",),
+    "dlrm": ("clicks_synthetic", "clicks"),
+}
+
+MODEL_LABELS: dict[str, str] = {
+    "tt_mlp": "TT MLP (image classification)",
+    "transformer_cls": "Transformer classifier (NLI)",
+    "transformer_mlm": "Transformer masked LM (code)",
+    "dlrm": "DLRM (click-through rate)",
+}
+
+
+@dataclass
+class Preset:
+    """One launchable experiment template."""
+
+    key: str  # file stem, e.g. "digits_tt_mlp"
+    title: str  # the config's ``name``
+    description: str  # the comment lines at the top of the file
+    raw: dict[str, Any] = field(repr=False)
+    source: str = "built-in"  # "built-in" or the file name
+
+    @property
+    def model(self) -> str:
+        return str(self.raw.get("model", {}).get("name", "?"))
+
+    def config(self) -> dict[str, Any]:
+        """A fresh, mutable copy of the preset's config."""
+        return copy.deepcopy(self.raw)
+
+
+def _header(text: str) -> str:
+    lines = []
+    for line in text.splitlines():
+        s = line.strip()
+        if not s.startswith("#"):
+            break
+        lines.append(s.lstrip("#").strip())
+    return " ".join(x for x in lines if x)
+
+
+def config_dirs() -> list[Path]:
+    """Folders searched for ``*.toml`` presets, in order (existing ones only)."""
+    dirs = [
+        _REPO_ROOT / "experiments" / "configs",
+        Path.cwd() / "experiments" / "configs",
+        _REPO_ROOT / "comera_engine" / "configs",
+    ]
+    out: list[Path] = []
+    for d in dirs:
+        try:
+            r = d.resolve()
+        except OSError:
+            continue
+        if r.is_dir() and r not in out:
+            out.append(r)
+    return out
+
+
+def load_presets() -> dict[str, Preset]:
+    """``{key: Preset}``: the default first, then the config files sorted by name.
+
+    A file that does not parse is skipped (the New-experiment page validates the rest).
+    """
+    presets: dict[str, Preset] = {
+        DEFAULT_PRESET: Preset(
+            DEFAULT_PRESET,
+            str(default_config().get("name", DEFAULT_PRESET)),
+            _header(DEFAULT_CONFIG_TOML),
+            default_config(),
+        )
+    }
+    for d in config_dirs():
+        for path in sorted(d.glob("*.toml")):
+            if path.stem in presets and path.stem != DEFAULT_PRESET:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+                raw = tomllib.loads(text)
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+                continue
+            if not isinstance(raw.get("model"), dict) or not isinstance(raw.get("data"), dict):
+                continue
+            if path.stem == DEFAULT_PRESET:
+                # the repository copy of the default wins (it may have been tuned), but it
+                # keeps its place at the top of the list
+                presets[DEFAULT_PRESET] = Preset(
+                    DEFAULT_PRESET, str(raw.get("name", path.stem)), _header(text), raw, path.name
+                )
+                continue
+            presets[path.stem] = Preset(
+                path.stem, str(raw.get("name", path.stem)), _header(text), raw, path.name
+            )
+    return presets
+
+
+def preset_label(p: Preset) -> str:
+    """What the preset selectbox shows."""
+    tag = " · default" if p.key == DEFAULT_PRESET else ""
+    return f"{p.title}{tag}"

@@ -1,0 +1,410 @@
+"""Live preview of a config's tensorisation, before anything is launched.
+
+The model is built on PyTorch's ``meta`` device (shapes only, no memory, no data
+loaded) from the config's ``[model]`` table and the dataset's shape facts, then each
+TT layer is described: factors, dense → TT parameters (as allocated and at the target),
+MACs per token on the path the contraction planner picks, and a rough training-memory
+estimate. Everything here is arithmetic on shapes; nothing is trained.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DIGITS_EXAMPLES = 1797
+_FP32 = 4
+
+
+@dataclass
+class LayerPreview:
+    name: str
+    kind: str  # "linear" | "embedding"
+    shape: tuple[int, int]  # (in, out) or (rows, dim)
+    factors: tuple[tuple[int, ...], tuple[int, ...]]
+    mode_sizes: tuple[int, ...]
+    ranks: list[int]  # allocated, with the boundary ones
+    target_ranks: list[int]
+    bias: int
+    dense_params: int
+    tt_params: int
+    target_params: int
+    dense_macs: float  # per token, forward
+    tt_macs: float
+    target_macs: float
+    path: str  # planner path at the allocated ranks ("lookup" for embeddings)
+    target_path: str
+
+    @property
+    def compression(self) -> float:
+        return self.dense_params / self.tt_params if self.tt_params else float("inf")
+
+
+@dataclass
+class Preview:
+    layers: list[LayerPreview]
+    dense_model: bool  # the config trains the dense baseline
+    other_params: int  # parameters outside TT layers (dense linears, norms, biases of heads)
+    other_macs: float  # per token, dense linears outside TT layers
+    tokens_per_batch: int
+    token_unit: str  # "token" | "example"
+    target: float | None
+    scope: str
+    budget_params: float | None  # TT-layer parameter budget at the target
+    min_tt_params: int  # every bond at rank 1
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)  # tt / dense -> parts
+    notes: list[str] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)  # (field, message)
+
+    # totals -------------------------------------------------------------------------
+    @property
+    def dense_tt(self) -> int:
+        return sum(layer.dense_params for layer in self.layers)
+
+    @property
+    def alloc_tt(self) -> int:
+        return sum(layer.tt_params for layer in self.layers)
+
+    @property
+    def target_tt(self) -> int:
+        return sum(layer.target_params for layer in self.layers)
+
+    @property
+    def dense_total(self) -> int:
+        return self.dense_tt + self.other_params
+
+    @property
+    def alloc_total(self) -> int:
+        return self.alloc_tt + self.other_params
+
+    @property
+    def target_total(self) -> int:
+        return self.target_tt + self.other_params
+
+    def compression(self, which: str = "alloc", scope: str | None = None) -> float:
+        scope = scope or self.scope
+        num = self.dense_tt if scope == "tensorized" else self.dense_total
+        den = {
+            "alloc": self.alloc_tt if scope == "tensorized" else self.alloc_total,
+            "target": self.target_tt if scope == "tensorized" else self.target_total,
+        }[which]
+        return num / den if den else float("inf")
+
+    @property
+    def dense_macs(self) -> float:
+        return sum(layer.dense_macs for layer in self.layers) + self.other_macs
+
+    @property
+    def tt_macs(self) -> float:
+        return sum(layer.tt_macs for layer in self.layers) + self.other_macs
+
+    @property
+    def target_macs(self) -> float:
+        return sum(layer.target_macs for layer in self.layers) + self.other_macs
+
+
+# ------------------------------------------------------------------ dataset shape facts
+
+
+def data_shape(data: dict[str, Any]) -> types.SimpleNamespace:
+    """What ``build_model`` needs to know about a dataset, from its ``[data]`` table only
+    (no file is read, nothing is downloaded): task, classes, vocabulary, sequence length."""
+    name = str(data.get("name", ""))
+    if name == "digits":
+        return types.SimpleNamespace(
+            name=name, task="classification", num_classes=10, vocab_size=None, seq_len=None,
+            meta={"input_dim": 64},
+        )
+    if name in ("snli", "mnli", "nli"):
+        return types.SimpleNamespace(
+            name=name, task="nli", num_classes=3, vocab_size=int(data.get("vocab_size", 8000)),
+            seq_len=int(data.get("seq_len", 128)), meta={"pad_id": 0},
+        )
+    if name == "code_mlm":
+        return types.SimpleNamespace(
+            name=name, task="mlm", num_classes=None, vocab_size=int(data.get("vocab_size", 8000)),
+            seq_len=int(data.get("seq_len", 128)), meta={"pad_id": 0},
+        )
+    if name in ("clicks", "clicks_synthetic"):
+        from comera_engine.data.clicks import NUM_DENSE, normalise_bucket_sizes
+
+        default = 1000 if name == "clicks" else 50
+        sizes = normalise_bucket_sizes(data.get("bucket_sizes", default))
+        return types.SimpleNamespace(
+            name=name, task="ctr", num_classes=2, vocab_size=None, seq_len=None,
+            meta={"num_dense": NUM_DENSE, "bucket_sizes": sizes},
+        )
+    raise ValueError(f"data.name: unknown dataset {name!r}")
+
+
+def data_problems(data: dict[str, Any], batch_size: int, base_dir: str | Path | None = None
+                  ) -> tuple[list[str], list[str]]:
+    """``(errors, notes)`` about the dataset choice that can be told without loading it."""
+    errors: list[str] = []
+    notes: list[str] = []
+    base = Path(base_dir) if base_dir else Path.cwd()
+    for key in ("path", "eval_path"):
+        p = data.get(key)
+        if p is None or data.get("hub"):
+            continue
+        full = Path(p) if Path(p).is_absolute() else base / p
+        if not full.is_file():
+            errors.append(
+                f"data.{key}: {p} is not on this server; start the dashboard from the "
+                "repository root, or pick another dataset"
+            )
+    if data.get("hub"):
+        notes.append("Downloaded from the Hugging Face hub when the run starts (needs network).")
+    if data.get("name") in ("snli", "mnli", "nli") and data.get("path") is None and not data.get(
+        "hub"
+    ):
+        errors.append("data.path: this dataset needs a file or data.hub = true")
+    if data.get("name") == "digits":
+        frac = float(data.get("split_fraction", 0.8))
+        n_train = int(round(DIGITS_EXAMPLES * frac))
+        if batch_size > n_train:
+            errors.append(
+                f"train.batch_size: {batch_size} exceeds the {n_train} training images of digits"
+            )
+    return errors, notes
+
+
+# ------------------------------------------------------------------ arithmetic
+
+
+def tt_params(mode_sizes: tuple[int, ...], ranks: list[int]) -> int:
+    """``Σ r_{k-1}·s_k·r_k`` for ranks with the boundary ones."""
+    return sum(ranks[k] * s * ranks[k + 1] for k, s in enumerate(mode_sizes))
+
+
+def _max_ranks(mode_sizes: tuple[int, ...]) -> list[int]:
+    from comera_engine.tensor import max_tt_ranks
+
+    return max_tt_ranks(mode_sizes)
+
+
+def scaled_ranks(ranks: list[int], caps: list[int], s: float) -> list[int]:
+    """Allocated internal ranks scaled by ``s`` (at least 1, at most the cap)."""
+    inner = [max(1, min(c, int(round(r * s)))) for r, c in zip(ranks[1:-1], caps)]
+    return [1, *inner, 1]
+
+
+def linear_macs(batch: int, in_f: tuple[int, ...], out_f: tuple[int, ...], ranks: list[int],
+                device: str) -> tuple[float, str]:
+    """Forward MACs per row on the planner's path (merges amortised over the batch)."""
+    from comera_engine.tensor import explain
+
+    info = explain(batch, in_f, out_f, ranks, device, training=True)
+    path = info["path"]
+    return info["paths"][path]["macs_fwd"] / max(batch, 1), path
+
+
+def embedding_macs(vocab_f: tuple[int, ...], dim_f: tuple[int, ...], ranks: list[int]
+                   ) -> float:
+    """Per looked-up token: one ``E_a × r_h × E_b`` product of the two merged tables."""
+    from comera_engine.tensor.lookup import split_point
+
+    h = split_point(vocab_f, dim_f, ranks)
+    return float(math.prod(dim_f[:h]) * ranks[h] * math.prod(dim_f[h:]))
+
+
+# ------------------------------------------------------------------ the preview
+
+
+def build_meta_model(cfg: Any, shape: types.SimpleNamespace, dense: bool | None = None) -> Any:
+    import torch
+
+    from comera_engine.models import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg.model, shape, dense=dense)
+
+
+def make_preview(cfg: Any, device: str = "cpu") -> Preview:
+    """Preview of a validated ``comera_engine.train.config.Config`` on ``device``
+    (``"cpu"`` or ``"cuda"``)."""
+    from torch import nn
+
+    from comera_engine.layers import TTEmbedding, TTLinear
+
+    shape = data_shape(cfg.data)
+    model = build_meta_model(cfg, shape)
+    is_text = shape.seq_len is not None
+    tokens = cfg.train.batch_size * (shape.seq_len or 1)
+    unit = "token" if is_text else "example"
+
+    layers: list[LayerPreview] = []
+    tt_param_ids: set[int] = set()
+    other_macs = 0.0
+    for name, mod in model.named_modules():
+        if isinstance(mod, TTLinear):
+            tt_param_ids.update(id(p) for p in mod.parameters())
+            ranks = list(mod.tt.ranks)
+            bias = mod.bias.numel() if mod.bias is not None else 0
+            macs, path = linear_macs(tokens, mod.in_factors, mod.out_factors, ranks, device)
+            layers.append(LayerPreview(
+                name, "linear", (mod.in_features, mod.out_features),
+                (tuple(mod.in_factors), tuple(mod.out_factors)), tuple(mod.tt.mode_sizes),
+                ranks, ranks, bias, mod.dense_num_params(),
+                tt_params(tuple(mod.tt.mode_sizes), ranks) + bias, 0,
+                float(mod.in_features * mod.out_features), macs, macs, path, path,
+            ))
+        elif isinstance(mod, TTEmbedding):
+            tt_param_ids.update(id(p) for p in mod.parameters())
+            ranks = list(mod.tt.ranks)
+            vf, df = tuple(mod.vocab_factors), tuple(mod.dim_factors)
+            macs = embedding_macs(vf, df, ranks)
+            layers.append(LayerPreview(
+                name, "embedding", (mod.num_embeddings, mod.embedding_dim), (vf, df),
+                tuple(mod.tt.mode_sizes), ranks, ranks, 0, mod.dense_num_params(),
+                tt_params(tuple(mod.tt.mode_sizes), ranks), 0, 0.0, macs, macs, "lookup",
+                "lookup",
+            ))
+        elif isinstance(mod, nn.Linear):
+            other_macs += float(mod.in_features * mod.out_features)
+    gates = {id(p) for n, p in model.named_parameters() if ".gates." in f".{n}."}
+    other = sum(
+        p.numel() for p in model.parameters() if id(p) not in tt_param_ids and id(p) not in gates
+    )
+
+    c = cfg.comera
+    pv = Preview(
+        layers=layers,
+        dense_model=bool(cfg.model.dense),
+        other_params=int(other),
+        other_macs=other_macs,
+        tokens_per_batch=tokens,
+        token_unit=unit,
+        target=c.target_compression if c.enabled else None,
+        scope=c.target_scope,
+        budget_params=None,
+        min_tt_params=sum(tt_params(layer.mode_sizes, [1] * (len(layer.mode_sizes) + 1))
+                          + layer.bias for layer in layers),
+    )
+    if cfg.model.dense:
+        pv.notes.append("Dense baseline: every layer is nn.Linear / nn.Embedding; no ranks to "
+                        "learn. Train it to mark the baseline on the Compare page.")
+    elif not layers:
+        pv.notes.append("No layer is in TT form with these settings (model.tt_layers).")
+    _fit_target(pv, device, tokens)
+    pv.memory = _memory(cfg, model, pv, shape, device)
+    return pv
+
+
+def _fit_target(pv: Preview, device: str, tokens: int) -> None:
+    """Scale every layer's ranks by one factor so the TT layers fit the target budget."""
+    for layer in pv.layers:
+        layer.target_params = layer.tt_params
+    if pv.target is None or not pv.layers:
+        return
+    if pv.scope == "tensorized":
+        budget = pv.dense_tt / pv.target
+    else:
+        budget = pv.dense_total / pv.target - pv.other_params
+        if budget <= 0:
+            pv.errors.append((
+                "comera.target_compression",
+                f"{pv.target:g}× of the whole model is out of reach: the "
+                f"{pv.other_params:,} parameters that stay dense already exceed "
+                f"dense/{pv.target:g} = {pv.dense_total / pv.target:,.0f}. Lower the "
+                "target or measure it on the TT layers only.",
+            ))
+            return
+    pv.budget_params = budget
+    if pv.min_tt_params > budget:
+        best = (pv.dense_tt if pv.scope == "tensorized" else pv.dense_total) / (
+            pv.min_tt_params + (0 if pv.scope == "tensorized" else pv.other_params))
+        pv.errors.append((
+            "comera.target_compression",
+            f"{pv.target:g}× is beyond the smallest TT model (every rank 1 gives "
+            f"{best:.0f}×); choose at most {math.floor(best)}×.",
+        ))
+        return
+    if pv.alloc_tt <= budget:
+        pv.notes.append(
+            f"At the allocated ranks the TT layers are already "
+            f"{pv.compression('alloc'):.1f}× smaller than dense, past the {pv.target:g}× "
+            "target: the late stage has nothing to prune. Raise the target or the max rank."
+        )
+        return
+    caps = {id(layer): _max_ranks(layer.mode_sizes) for layer in pv.layers}
+
+    def total(s: float) -> int:
+        return sum(
+            tt_params(layer.mode_sizes, scaled_ranks(layer.ranks, caps[id(layer)], s))
+            + layer.bias
+            for layer in pv.layers
+        )
+
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if total(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    for layer in pv.layers:
+        r = scaled_ranks(layer.ranks, caps[id(layer)], lo)
+        layer.target_ranks = r
+        layer.target_params = tt_params(layer.mode_sizes, r) + layer.bias
+        if layer.kind == "linear":
+            layer.target_macs, layer.target_path = linear_macs(
+                tokens, layer.factors[0], layer.factors[1], r, device
+            )
+        else:
+            layer.target_macs = embedding_macs(layer.factors[0], layer.factors[1], r)
+
+
+def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, device: str
+            ) -> dict[str, dict[str, float]]:
+    """Rough training memory (bytes): fp32 weights, gradients and two AdamW moments per
+    parameter, plus activations saved for backward (inputs of every linear layer, the TT
+    halves' ``X·L``, attention scores when no fused kernel is used)."""
+    from torch import nn
+
+    from comera_engine.layers import TTEmbedding, TTLinear
+
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
+    act_b = 2 if precision == "bf16" else 4
+    tokens = pv.tokens_per_batch
+    B = cfg.train.batch_size
+    seq = shape.seq_len or 1
+
+    def estimate(tt: bool) -> dict[str, float]:
+        params = pv.alloc_total if tt else pv.dense_total
+        weights = params * _FP32
+        grads = params * _FP32
+        optim = params * 2 * _FP32
+        acts = 0.0
+        for mod in model.modules():
+            if isinstance(mod, TTLinear):
+                acts += tokens * mod.in_features * act_b  # saved input
+                acts += tokens * mod.out_features * act_b  # output (feeds the next op)
+                if tt:
+                    acts += tokens * mod.tt.ranks[mod.tt.d] * act_b  # X·L
+            elif isinstance(mod, nn.Linear):
+                acts += tokens * (mod.in_features + mod.out_features) * act_b
+            elif isinstance(mod, TTEmbedding):
+                acts += tokens * mod.embedding_dim * act_b
+                if tt:  # the two merged tables and their gradients
+                    vf, df, r = mod.vocab_factors, mod.dim_factors, mod.tt.ranks
+                    from comera_engine.tensor.lookup import split_point
+
+                    h = split_point(vf, df, r)
+                    tables = (math.prod(vf[:h]) * math.prod(df[:h])
+                              + math.prod(vf[h:]) * math.prod(df[h:])) * r[h]
+                    acts += 2 * tables * _FP32
+            elif isinstance(mod, nn.Embedding):
+                acts += tokens * mod.embedding_dim * act_b
+            heads = getattr(mod, "n_heads", None)
+            if heads and device != "cuda":  # CPU attention keeps the score matrix
+                acts += 2 * B * heads * seq * seq * act_b
+        return {"weights": weights, "gradients": grads, "optimizer": optim,
+                "activations": acts, "total": weights + grads + optim + acts}
+
+    return {"tt": estimate(True), "dense": estimate(False)}

@@ -1,0 +1,284 @@
+"""Run-store access for the dashboard: the store, a double-launch guard, run summaries.
+
+The store's location comes from the server's environment (``COMERA_HOME``, else
+``./runs``), never from the browser.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from comera_engine.store import (
+    ACTIVE_STATUSES,
+    FINAL_STATUSES,
+    RESUMABLE_STATUSES,
+    RunStore,
+    resolve_store_path,
+)
+
+__all__ = [
+    "ACTIVE_STATUSES",
+    "FINAL_STATUSES",
+    "RESUMABLE_STATUSES",
+    "checkpoints",
+    "config_diff",
+    "config_token",
+    "final_metrics",
+    "flatten",
+    "guarded_launch",
+    "is_live",
+    "open_store",
+    "peak_memory_mb",
+    "run_label",
+    "stage_steps",
+    "store_path",
+    "summary_rows",
+    "target_metric",
+]
+
+#: Store setting prefix that maps a launch token to the run it started.
+TOKEN_PREFIX = "launch_token:"
+_LOCK_NAME = ".launch.lock"
+_thread_lock = threading.Lock()
+
+
+def store_path() -> Path:
+    """The run store database the server uses (``$COMERA_HOME/comera.db``)."""
+    return resolve_store_path(None)
+
+
+def open_store() -> RunStore:
+    """Open (creating if needed) the server's run store."""
+    return RunStore(store_path())
+
+
+# ------------------------------------------------------------------ launching, once
+
+
+@contextlib.contextmanager
+def launch_lock(store: RunStore) -> Iterator[None]:
+    """Serialise launches across threads (browser sessions) and processes (servers)
+    sharing one store: a thread lock plus an exclusive ``flock`` on
+    ``<store dir>/.launch.lock``."""
+    with _thread_lock:
+        store.root.mkdir(parents=True, exist_ok=True)
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: the thread lock only
+            yield
+            return
+        with open(store.root / _LOCK_NAME, "a+") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def config_token(nonce: str, config: Mapping[str, Any], extra: Mapping[str, Any] | None = None
+                 ) -> str:
+    """Idempotency token of one form submission: the form's nonce plus a hash of what
+    would be launched (so a double click or a resubmission maps to the same token)."""
+    blob = json.dumps({"c": config, "x": dict(extra or {})}, sort_keys=True, default=str)
+    return f"{nonce}:{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def launched_run(store: RunStore, token: str) -> str | None:
+    """The run a token already started (and that still exists), else ``None``."""
+    rid = store.get_setting(TOKEN_PREFIX + token)
+    if rid and store.get_run(str(rid)) is not None:
+        return str(rid)
+    return None
+
+
+def guarded_launch(
+    store: RunStore,
+    config: Mapping[str, Any],
+    token: str,
+    *,
+    name: str | None = None,
+    gpus: str | None = None,
+) -> tuple[str, bool]:
+    """Launch ``config`` once per ``token``: returns ``(run_id, started_now)``.
+
+    The check-and-launch runs under :func:`launch_lock`, and the token is recorded in the
+    store, so a double click, a resubmitted form or two browser sessions pressing the same
+    button start one run; the second caller gets the first caller's run id.
+    """
+    from comera_engine.launch import launch
+
+    with launch_lock(store):
+        existing = launched_run(store, token)
+        if existing is not None:
+            return existing, False
+        rid = launch(dict(config), store=store, name=name, gpus=gpus)
+        store.set_setting(TOKEN_PREFIX + token, rid)
+        return rid, True
+
+
+# ------------------------------------------------------------------ run facts
+
+
+def is_live(run: Mapping[str, Any]) -> bool:
+    """Queued, running or stopping: a run whose page should keep refreshing."""
+    return run.get("status") in ("queued", *ACTIVE_STATUSES)
+
+
+def run_label(run: Mapping[str, Any]) -> str:
+    return f"{run['name']} · {run['id']} · {run['status']}"
+
+
+def total_steps(run: Mapping[str, Any]) -> int | None:
+    try:
+        return int(run["config"]["train"]["steps"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def target_of(run: Mapping[str, Any]) -> float | None:
+    try:
+        t = run["config"]["comera"].get("target_compression")
+        return float(t) if t is not None else None
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
+def is_dense(run: Mapping[str, Any]) -> bool:
+    try:
+        return bool(run["config"]["model"].get("dense", False))
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def target_metric(run: Mapping[str, Any]) -> str:
+    """The compression metric the run's target is measured on."""
+    try:
+        scope = run["config"]["comera"].get("target_scope", "tensorized")
+    except (KeyError, TypeError, AttributeError):
+        scope = "tensorized"
+    return "compression/model" if scope == "model" else "compression/tensorized"
+
+
+def final_metrics(store: RunStore, run_id: str) -> dict[str, float]:
+    """Each metric's value at its latest step."""
+    return {k: v for k, (_, v) in store.latest_metrics(run_id).items()}
+
+
+def peak_memory_mb(store: RunStore, run_id: str) -> tuple[float | None, str]:
+    """Peak training memory in MiB and what it measures (torch CUDA peak, else RSS)."""
+    for name, what in (("mem/cuda_max_allocated_mb", "torch peak"), ("mem/rss_mb", "RSS")):
+        s = store.series(run_id, name, max_points=500)
+        vals = [v for v in s["value"] if isinstance(v, float) and math.isfinite(v)]
+        if vals:
+            return max(vals), what
+    return None, ""
+
+
+def stage_steps(store: RunStore, run_id: str) -> list[tuple[int, str]]:
+    """``(step, text)`` of every stage switch (the trainer's ``stage`` events)."""
+    out = []
+    for e in store.events(run_id, kinds=["stage"]):
+        if e.get("step") is not None:
+            out.append((int(e["step"]), str(e["text"])))
+    return out
+
+
+def checkpoints(store: RunStore, run_id: str) -> list[dict[str, Any]]:
+    """Checkpoints of a run that still exist on disk, newest first:
+    ``{"step", "path", "size", "label"}``."""
+    seen: dict[str, dict[str, Any]] = {}
+    for a in store.artifacts(run_id, kind="checkpoint"):
+        if not a.get("exists"):
+            continue
+        p = Path(a["path"])
+        step = None
+        digits = "".join(ch for ch in p.stem if ch.isdigit())
+        if digits:
+            step = int(digits)
+        seen[str(p)] = {"step": step, "path": str(p), "size": a.get("size")}
+    try:
+        from comera_engine.launch import checkpoint_steps
+
+        run_dir = store.run_dir(run_id)
+        for s in checkpoint_steps(run_dir):
+            p = run_dir / "checkpoints" / f"step_{s:06d}.safetensors"
+            if str(p) not in seen and p.exists():
+                seen[str(p)] = {"step": s, "path": str(p), "size": p.stat().st_size}
+    except Exception:  # noqa: BLE001 - listing is best effort
+        pass
+    rows = sorted(seen.values(), key=lambda r: (r["step"] is None, -(r["step"] or 0)))
+    for r in rows:
+        r["label"] = f"step {r['step']}" if r["step"] is not None else Path(r["path"]).name
+    return rows
+
+
+def summary_rows(store: RunStore, runs: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One table row per run: status, progress and final metrics."""
+    rows = []
+    for r in runs:
+        m = final_metrics(store, r["id"])
+        steps = total_steps(r)
+        rows.append(
+            {
+                "run": r["id"],
+                "name": r["name"],
+                "status": r["status"],
+                "step": r.get("last_step") or 0,
+                "steps": steps,
+                "dense": is_dense(r),
+                "eval acc": m.get("eval/acc"),
+                "task loss": m.get("loss/task"),
+                "compression (model)": m.get("compression/model"),
+                "compression (TT layers)": m.get("compression/tensorized"),
+                "target": target_of(r),
+                "params": m.get("params/effective"),
+                "created": r.get("created_at"),
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------ configs
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"rank": 8}} -> {"model.rank": 8}`` (lists kept as values)."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_diff(configs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rows ``{"field", <label>: value, ...}`` for the fields whose values differ between
+    the given configs (a missing field counts as a difference)."""
+    flat = {label: flatten(c) for label, c in configs.items()}
+    keys = sorted({k for f in flat.values() for k in f})
+    rows = []
+    for k in keys:
+        vals = [json.dumps(f.get(k), sort_keys=True, default=str) for f in flat.values()]
+        if len(set(vals)) > 1:
+            row: dict[str, Any] = {"field": k}
+            for label, f in flat.items():
+                v = f.get(k)
+                row[label] = "—" if v is None else (v if isinstance(v, str) else json.dumps(v))
+            rows.append(row)
+    return rows
+
+
+def env_store_hint() -> str:
+    """Where the store is, for the sidebar."""
+    home = os.environ.get("COMERA_HOME")
+    return f"COMERA_HOME={home}" if home else "./runs (set COMERA_HOME to change)"

@@ -1,0 +1,185 @@
+"""Streamlit pieces shared by the pages: the cached store, empty states, navigation."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import streamlit as st
+
+from app.lib import runs
+from app.lib.defaults import default_config
+from comera_engine.store import RunStore
+
+HOME_PAGE = "views/overview.py"
+NEW_PAGE = "views/new_experiment.py"
+LIVE_PAGE = "views/live_run.py"
+COMPARE_PAGE = "views/compare.py"
+LEARN_PAGE = "views/learn.py"
+EXPORT_PAGE = "views/export.py"
+
+#: Token of the empty-state "launch the default experiment" button: shared by every
+#: session, so two sessions pressing it at once start one run.
+DEFAULT_LAUNCH_TOKEN = "empty-store:default-experiment"
+
+
+#: Session-state entry holding the New-experiment form's values between visits.
+FORM_VALUES = "_form_values"
+
+
+def restore_form(prefixes: tuple[str, ...] = ()) -> dict[str, object]:
+    """Put the saved values of the New-experiment widgets back before they are drawn
+    (Streamlit forgets the state of widgets that were not on the page just run).
+    Returns the saved-values dict to update with :func:`save_form`."""
+    saved: dict[str, object] = st.session_state.setdefault(FORM_VALUES, {})
+    for key, value in saved.items():
+        if key not in st.session_state:
+            st.session_state[key] = value
+    return saved
+
+
+def save_form(saved: dict[str, object], keys: set[str]) -> None:
+    for key in keys:
+        if key in st.session_state:
+            saved[key] = st.session_state[key]
+
+
+@st.cache_resource(show_spinner=False)
+def _store_for(path: str) -> RunStore:
+    return RunStore(path)
+
+
+def get_store() -> RunStore:
+    """The server's run store (one connection per store path, shared by sessions)."""
+    return _store_for(str(runs.store_path()))
+
+
+def require_store() -> RunStore:
+    """The store, or an explanation and a stopped page when it cannot be opened. Also
+    follows a launch made by a button callback to the live page."""
+    follow_launch()
+    try:
+        return get_store()
+    except Exception as e:  # noqa: BLE001 - foreign or corrupt file, permissions
+        st.error(
+            f"The run store cannot be opened: {e}\n\nSet `COMERA_HOME` to a folder for a "
+            "fresh store and restart the dashboard."
+        )
+        st.stop()
+        raise  # pragma: no cover - st.stop() raises
+
+
+def reap(store: RunStore, every: float = 5.0) -> None:
+    """Mark runs whose process vanished as crashed (at most every ``every`` seconds per
+    session)."""
+    now = time.monotonic()
+    last = st.session_state.get("_last_reap", 0.0)
+    if now - last >= every:
+        st.session_state["_last_reap"] = now
+        try:
+            store.reap()
+        except Exception:  # noqa: BLE001 - a busy store must not break a page
+            pass
+
+
+def go_live(run_id: str) -> None:
+    st.switch_page(LIVE_PAGE, query_params={"run": run_id})
+
+
+GO_LIVE = "_go_live"
+
+
+def _launch_default_clicked(store: RunStore) -> None:
+    """Button callback: runs before the next script run, so a second session's click is
+    honoured even though its page no longer shows the empty state."""
+    try:
+        rid, started = runs.guarded_launch(store, default_config(), DEFAULT_LAUNCH_TOKEN)
+    except Exception as e:  # noqa: BLE001 - shown on the page
+        st.session_state["_launch_error"] = str(e)
+        return
+    st.session_state[GO_LIVE] = rid
+    st.session_state["_launch_note"] = (
+        f"Launched the default experiment as run `{rid}`." if started else
+        f"The default experiment was already launched (run `{rid}`); showing it."
+    )
+
+
+def follow_launch() -> None:
+    """After a launch callback: go to the live page of its run (call before the page)."""
+    err = st.session_state.pop("_launch_error", None)
+    if err:
+        st.error(f"Launch failed: {err}")
+    rid = st.session_state.pop(GO_LIVE, None)
+    if rid:
+        go_live(rid)
+
+
+def launch_note() -> None:
+    note = st.session_state.pop("_launch_note", None)
+    if note:
+        st.toast(note, icon=":material/rocket_launch:")
+
+
+def empty_state(store: RunStore, what: str, key: str) -> None:
+    """The no-runs-yet panel: what to do, and a button that launches the default."""
+    with st.container(border=True):
+        st.markdown(f"#### :material/rocket_launch: No runs yet\n{what}")
+        st.markdown(
+            "Start with the **default experiment**: a tiny TT-MLP on scikit-learn's 8×8 "
+            "digits that trains on a CPU in well under a minute, learning its TT ranks "
+            "while it trains. Or design your own on **New experiment**."
+        )
+        c1, c2, _ = st.columns([1.3, 1, 2])
+        c1.button("Launch the default experiment", type="primary", key=f"{key}-default",
+                  icon=":material/play_arrow:", on_click=_launch_default_clicked,
+                  args=(store,))
+        if c2.button("Design an experiment", key=f"{key}-new", icon=":material/tune:"):
+            st.switch_page(NEW_PAGE)
+
+
+def sidebar(store: RunStore | None) -> None:
+    with st.sidebar:
+        if store is None:
+            return
+        try:
+            all_runs = store.list_runs()
+        except Exception as e:  # noqa: BLE001
+            st.error(f"Run store unavailable: {e}")
+            return
+        live = [r for r in all_runs if runs.is_live(r)]
+        st.caption(
+            f"**{len(all_runs)}** runs · **{len(live)}** live  \n"
+            f"Run store: `{runs.env_store_hint()}`"
+        )
+
+
+def page_header(title: str, subtitle: str, icon: str | None = None) -> None:
+    st.title(f"{icon} {title}" if icon else title, anchor=False)
+    st.caption(subtitle)
+
+
+def messages(msgs: dict[str, list[tuple[str, str]]], field: str) -> None:
+    """Errors / warnings / notes about one form field, right below it."""
+    for level, text in msgs.get(field, []):
+        if level == "error":
+            st.error(text, icon=":material/error:")
+        elif level == "warning":
+            st.warning(text, icon=":material/warning:")
+        else:
+            st.caption(f":material/info: {text}")
+
+
+def pick_run(store: RunStore, label: str, key: str, runs_list: list[dict[str, Any]],
+             default_id: str | None = None) -> dict[str, Any] | None:
+    """A run selectbox (newest first) that remembers the choice in ``?run=``."""
+    if not runs_list:
+        return None
+    ids = [r["id"] for r in runs_list]
+    wanted = default_id or st.query_params.get("run")
+    index = ids.index(wanted) if wanted in ids else 0
+    by_id = {r["id"]: r for r in runs_list}
+    rid = st.selectbox(label, ids, index=index, key=key,
+                       format_func=lambda i: f"{by_id[i]['name']} · {i}")
+    if st.query_params.get("run") != rid:
+        st.query_params["run"] = rid
+    return by_id[rid]

@@ -1,0 +1,141 @@
+"""Compare: overlaid curves, accuracy against compression and memory, final metrics,
+config diff."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from app.lib import fmt, plots, runs, ui
+
+store = ui.require_store()
+ui.reap(store)
+ui.page_header(
+    "Compare",
+    "Overlay runs, see which reach the best accuracy for their size, and what differs "
+    "between their configs.",
+    ":material/compare_arrows:",
+)
+
+all_runs = store.list_runs()
+if not all_runs:
+    ui.empty_state(store, "Compare needs runs: launch one (or several with different targets).",
+                   "compare")
+    st.stop()
+
+by_id = {r["id"]: r for r in all_runs}
+done = [r["id"] for r in all_runs if r["status"] in ("finished", "stopped")]
+default = (done or [r["id"] for r in all_runs])[:6]
+picked = st.multiselect("Runs", list(by_id), default=default, key="cmp-runs",
+                        format_func=lambda i: runs.run_label(by_id[i]),
+                        help="Finished and stopped runs are picked by default.")
+if not picked:
+    st.info("Pick at least one run above.", icon=":material/checklist:")
+    st.stop()
+sel = [by_id[i] for i in picked]
+
+
+def label(run: dict) -> str:
+    """Short, unique legend label."""
+    return f"{run['name']} ({run['id'][-4:]})"
+
+
+# ------------------------------------------------------------------ curves
+
+names = sorted({n for r in sel for n in store.metric_names(r["id"])})
+if not names:
+    st.info("The chosen runs have no metrics yet.")
+    st.stop()
+
+
+def _pick(default: str, key: str, title: str) -> str:
+    options = names
+    idx = options.index(default) if default in options else 0
+    return st.selectbox(title, options, index=idx, key=key)
+
+
+st.subheader("Curves", anchor=False)
+c1, c2 = st.columns(2)
+with c1:
+    m1 = _pick("loss/task", "cmp-m1", "Metric (left)")
+    series = [(label(r), *(lambda s: (s["step"], s["value"]))(store.series(r["id"], m1, 1000)))
+              for r in sel]
+    st.plotly_chart(plots.lines(series, m1, log_y=m1.startswith("loss"), smooth=0.1),
+                    width="stretch", key="cmp-c1")
+with c2:
+    default2 = "eval/acc" if "eval/acc" in names else "acc/train"
+    m2 = _pick(default2, "cmp-m2", "Metric (right)")
+    series = [(label(r), *(lambda s: (s["step"], s["value"]))(store.series(r["id"], m2, 1000)))
+              for r in sel]
+    st.plotly_chart(plots.lines(series, m2, markers=m2.startswith("eval")), width="stretch",
+                    key="cmp-c2")
+
+# ------------------------------------------------------------------ Pareto
+
+st.subheader("Accuracy for the size", anchor=False)
+points = []
+rows = []
+for r in sel:
+    m = runs.final_metrics(store, r["id"])
+    peak, what = runs.peak_memory_mb(store, r["id"])
+    acc = m.get("eval/acc", m.get("acc/train"))
+    comp = 1.0 if runs.is_dense(r) else m.get("compression/model")
+    points.append({"label": label(r), "dense": runs.is_dense(r), "acc": acc,
+                   "comp": comp, "mem": peak, "bytes": m.get("bytes/effective")})
+    rows.append({
+        "run": label(r),
+        "status": r["status"],
+        "dense": runs.is_dense(r),
+        "steps": r.get("last_step"),
+        "eval acc": m.get("eval/acc"),
+        "eval loss": m.get("eval/loss"),
+        "task loss": m.get("loss/task"),
+        "compression (model)": comp,
+        "compression (TT layers)": m.get("compression/tensorized"),
+        "target": runs.target_of(r),
+        "params": m.get("params/effective"),
+        "model size": fmt.nbytes(m.get("bytes/effective")),
+        f"peak memory ({what or 'n/a'})": fmt.mib(peak),
+        "samples/s": m.get("perf/samples_per_s"),
+    })
+if not any(p["dense"] for p in points):
+    st.caption(":material/info: No dense baseline among the chosen runs: launch the same preset "
+               "with **Dense baseline** on (New experiment) to mark it here. The dense model "
+               "is 1× by definition.")
+c1, c2 = st.columns(2)
+with c1:
+    fig = plots.pareto(points, "comp", "acc", "compression vs dense (×, log)", "accuracy",
+                       "Accuracy vs compression", x_include=[1.0])
+    fig.add_vline(x=1.0, line={"color": plots.COLORS[1], "dash": "dot", "width": 1},
+                  annotation_text="dense 1×", annotation_position="bottom right")
+    st.plotly_chart(fig, width="stretch", key="cmp-pareto")
+with c2:
+    st.plotly_chart(
+        plots.pareto(points, "mem", "acc", "peak training memory (MiB, log)", "accuracy",
+                     "Accuracy vs training memory", higher_x_better=False),
+        width="stretch", key="cmp-pareto-mem",
+    )
+
+st.subheader("Final metrics", anchor=False)
+st.dataframe(
+    rows, hide_index=True, width="stretch",
+    column_config={
+        "eval acc": st.column_config.NumberColumn(format="%.4f"),
+        "eval loss": st.column_config.NumberColumn(format="%.4f"),
+        "task loss": st.column_config.NumberColumn(format="%.4f"),
+        "compression (model)": st.column_config.NumberColumn(format="%.1f×"),
+        "compression (TT layers)": st.column_config.NumberColumn(format="%.1f×"),
+        "target": st.column_config.NumberColumn(format="%.0f×"),
+        "params": st.column_config.NumberColumn(format="compact"),
+        "samples/s": st.column_config.NumberColumn(format="%.0f"),
+    },
+)
+
+st.subheader("Config diff", anchor=False)
+if len(sel) < 2:
+    st.caption("Pick two or more runs to see how their configs differ.")
+else:
+    diff = runs.config_diff({label(r): r.get("config") or {} for r in sel})
+    if diff:
+        st.dataframe(diff, hide_index=True, width="stretch")
+    else:
+        st.caption("The configs are identical.")

@@ -1,0 +1,134 @@
+"""Export: pick a run and a checkpoint, a format, and download the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from app.lib import fmt, runs, ui
+
+FORMAT_HELP = {
+    "compressed": "Truncated TT cores + dense parameters (safetensors). The small model: "
+                  "load it with `comera_engine.load()`.",
+    "dense": "The same network with the TT weights multiplied out: a plain nn.Linear / "
+             "nn.Embedding state dict (safetensors) for tools that know no TT.",
+    "onnx": "ONNX graph with the TT layers as MatMuls over their cores (no dense weight "
+            "stored), checked against PyTorch with onnxruntime.",
+}
+
+store = ui.require_store()
+ui.reap(store)
+ui.page_header(
+    "Export",
+    "Turn a checkpoint into the file you ship: compressed TT, dense, or ONNX, with a model "
+    "card. Files are written inside the run store and downloaded through the browser.",
+    ":material/download:",
+)
+
+all_runs = store.list_runs()
+if not all_runs:
+    ui.empty_state(store, "Exports are made from run checkpoints.", "export")
+    st.stop()
+
+with_ckpt = [(r, runs.checkpoints(store, r["id"])) for r in all_runs]
+with_ckpt = [(r, c) for r, c in with_ckpt if c]
+if not with_ckpt:
+    st.info(
+        "No checkpoints yet. A run writes one every `ckpt_every` steps, at the stage switch, "
+        "when it is stopped and when it finishes. Watch a run on **Live run** and come back.",
+        icon=":material/hourglass_empty:",
+    )
+    if st.button("Open Live run", icon=":material/monitoring:"):
+        st.switch_page(ui.LIVE_PAGE)
+    st.stop()
+
+ckpts_of = {r["id"]: c for r, c in with_ckpt}
+run = ui.pick_run(store, "Run", "exp-run", [r for r, _ in with_ckpt])
+assert run is not None
+rid = run["id"]
+ckpts = ckpts_of[rid]
+
+try:
+    from comera_engine.export import FORMATS, export_run
+except ImportError as e:  # pragma: no cover - the export package is part of the engine
+    st.error(f"The export module is not available: {e}")
+    st.stop()
+
+c1, c2 = st.columns([1, 2])
+ck = c1.selectbox("Checkpoint", range(len(ckpts)), format_func=lambda i: (
+    f"{ckpts[i]['label']} · {fmt.nbytes(ckpts[i]['size'])}"), key="exp-ckpt",
+    help="Newest first.")
+fmt_name = c2.radio("Format", list(FORMATS), horizontal=True, key="exp-format",
+                    format_func=lambda f: {"compressed": "Compressed TT", "dense": "Dense",
+                                           "onnx": "ONNX"}.get(f, f))
+st.caption(FORMAT_HELP.get(fmt_name, ""))
+checkpoint = ckpts[ck]
+key = f"{rid}:{checkpoint['path']}:{fmt_name}"
+results: dict[str, Any] = st.session_state.setdefault("exports", {})
+
+
+def _inside_store(path: str | Path) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(store.root.resolve())
+    except (OSError, ValueError):
+        return False
+
+
+if st.button("Prepare export", type="primary", icon=":material/build:", key="exp-go"):
+    with st.status(f"Exporting {fmt_name}…", expanded=True) as status:
+        status.write(f"Loading checkpoint {checkpoint['label']} of `{rid}`")
+        try:
+            res = export_run(rid, checkpoint=checkpoint["step"] if checkpoint["step"] is not None
+                             else checkpoint["path"], format=fmt_name, store=store)
+        except (ValueError, OSError, RuntimeError) as e:
+            status.update(label="Export failed", state="error")
+            st.error(str(e))
+            st.stop()
+        status.write(f"Wrote {Path(res.path).name} ({fmt.nbytes(res.file_bytes)})")
+        if res.onnx_max_abs_diff is not None:
+            status.write(f"onnxruntime matches PyTorch (max |Δ| = {res.onnx_max_abs_diff:.2e})")
+        status.update(label="Export ready", state="complete")
+    results[key] = res
+
+res = results.get(key)
+if res is not None and _inside_store(res.path) and Path(res.path).is_file():
+    with st.container(border=True):
+        st.markdown(f"#### :material/check_circle: `{Path(res.path).name}`")
+        dense_b = res.sizes.get("model", {}).get("dense_bytes") if isinstance(res.sizes, dict) \
+            else None
+        k = st.columns(4)
+        k[0].metric("File size", fmt.nbytes(res.file_bytes))
+        k[1].metric("Tensor bytes", fmt.nbytes(res.tensor_bytes),
+                    delta=f"expected {fmt.nbytes(res.expected_bytes)}", delta_color="off",
+                    delta_arrow="off")
+        k[2].metric("Dense model", fmt.nbytes(dense_b))
+        k[3].metric("Smaller than dense",
+                    fmt.ratio(dense_b / res.file_bytes) if dense_b and res.file_bytes else "–")
+        d1, d2, _ = st.columns([1, 1, 2])
+        d1.download_button("Download model", data=Path(res.path).read_bytes,
+                           file_name=Path(res.path).name, type="primary",
+                           icon=":material/download:", key="dl-model",
+                           mime="application/octet-stream", on_click="ignore")
+        if res.card and Path(res.card).is_file() and _inside_store(res.card):
+            card = Path(res.card).read_text(encoding="utf-8", errors="replace")
+            d2.download_button("Download model card", data=card, file_name=Path(res.card).name,
+                               icon=":material/description:", key="dl-card",
+                               mime="text/markdown", on_click="ignore")
+            with st.expander("Model card"):
+                st.markdown(card)
+
+previous = [a for a in store.artifacts(rid) if str(a["kind"]).startswith("export_")
+            and a.get("exists") and _inside_store(a["path"])]
+if previous:
+    st.subheader("Earlier exports of this run", anchor=False)
+    for i, a in enumerate(reversed(previous[-10:])):
+        p = Path(a["path"])
+        c1, c2, c3 = st.columns([3, 1, 1])
+        c1.markdown(f"`{p.name}` · {a['kind'].removeprefix('export_')} · {fmt.when(a['time'])}")
+        c2.caption(fmt.nbytes(a.get("size")))
+        if p.is_file():
+            c3.download_button("Download", data=p.read_bytes, file_name=p.name,
+                               key=f"dl-prev-{i}", icon=":material/download:",
+                               on_click="ignore")

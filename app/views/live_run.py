@@ -1,0 +1,325 @@
+"""Live run: metrics, ranks, memory and events of one run, refreshed every second."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import streamlit as st
+
+from app.lib import fmt, plots, runs, ui
+from app.lib.devices import gpu_status
+from comera_engine.store import RunStore, StoreError
+
+REFRESH_S = 1.0
+MAX_POINTS = 800
+
+store = ui.require_store()
+ui.reap(store)
+ui.launch_note()
+ui.page_header(
+    "Live run",
+    "Loss, accuracy, compression against the target and the ranks the gates keep, "
+    "refreshed every second while the run lives.",
+    ":material/monitoring:",
+)
+
+all_runs = store.list_runs()
+if not all_runs:
+    ui.empty_state(store, "Launch a run and it appears here, updating every second.", "live")
+    st.stop()
+
+chosen = ui.pick_run(store, "Run", "live-run", all_runs)
+assert chosen is not None
+RID = chosen["id"]
+LIVE_AT_START = runs.is_live(chosen)
+
+
+def _series(store: RunStore, rid: str, name: str) -> tuple[list[int], list[float]]:
+    s = store.series(rid, name, max_points=MAX_POINTS)
+    return s["step"], s["value"]
+
+
+def _last(values: list[float]) -> float | None:
+    for v in reversed(values):
+        if v is not None and math.isfinite(v):
+            return v
+    return None
+
+
+def _nvml_index(run: dict[str, Any]) -> int | None:
+    """The physical GPU index NVML knows the run's (first) GPU by, or ``None`` on CPU."""
+    if run.get("gpus"):  # CUDA_VISIBLE_DEVICES of the run: its first entry
+        try:
+            return int(str(run["gpus"]).split(",")[0])
+        except ValueError:
+            return None
+    dev = str(run.get("device") or "")
+    if dev.startswith("cuda:"):
+        return int(dev.split(":")[1])
+    return 0 if dev == "cuda" else None
+
+
+def _device_text(run: dict[str, Any], latest: dict[str, float]) -> str:
+    if run.get("gpus"):
+        return f"GPU {run['gpus']}"
+    dev = str(run.get("device") or "auto")
+    if dev == "auto":
+        if "mem/rss_mb" in latest:
+            return "CPU"
+        if "mem/cuda_max_allocated_mb" in latest:
+            return "GPU"
+    return dev.upper() if dev == "cpu" else dev
+
+
+def controls(run: dict[str, Any]) -> None:
+    from comera_engine.launch import LaunchError, resume, stop
+
+    status = run["status"]
+    c1, c2, _ = st.columns([1, 1, 4])
+    can_stop = status in ("queued", "running")
+    if c1.button("Stop", key="stop", icon=":material/stop:", disabled=not can_stop,
+                 help="Graceful stop: the trainer writes a checkpoint and reports 'stopped'.",
+                 width="stretch"):
+        try:
+            new = stop(run["id"], store=store, wait=False)
+            st.toast(f"Stop requested ({new})", icon=":material/stop_circle:")
+        except (LaunchError, ValueError) as e:
+            st.error(str(e))
+    can_resume = status in runs.RESUMABLE_STATUSES
+    if c2.button("Resume", key="resume", icon=":material/play_arrow:", disabled=not can_resume,
+                 help="Continue a stopped or crashed run from its last checkpoint.",
+                 width="stretch"):
+        try:
+            resume(run["id"], store=store)
+            st.toast("Resuming from the last checkpoint", icon=":material/play_circle:")
+            st.rerun()  # the page switches back to live refreshing
+        except (LaunchError, ValueError) as e:
+            st.error(str(e))
+
+
+def header(run: dict[str, Any], latest: dict[str, float]) -> None:
+    total = runs.total_steps(run) or 0
+    step = int(run.get("last_step") or 0)
+    st.markdown(f"### {run['name']} &nbsp; {fmt.status_badge(run['status'])}")
+    started = run.get("started_at")
+    end = run.get("ended_at") or time.time()
+    elapsed = (end - started) if started else None
+    eta = None
+    if runs.is_live(run) and started and step > 0 and total:
+        eta = elapsed / step * (total - step) if elapsed else None
+    stage = latest.get("stage")
+    stage_txt = "" if stage is None else (" · late stage" if stage >= 0.5 else " · early stage")
+    st.caption(
+        f"`{run['id']}` · {_device_text(run, latest)}"
+        f" · started {fmt.clock(started)} · elapsed {fmt.duration(elapsed)}"
+        + (f" · ETA {fmt.duration(eta)}" if eta is not None else "") + stage_txt
+    )
+    st.progress(min(1.0, step / total) if total else 0.0, text=f"step {step:,} of {total:,}")
+
+
+def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float | None],
+         mem: tuple[str, str, str | None]) -> None:
+    total = runs.total_steps(run) or 0
+    step = int(run.get("last_step") or 0)
+    target = runs.target_of(run)
+    comp = latest.get(runs.target_metric(run))
+    if comp is None:
+        comp = latest.get("compression/model")
+    acc_name = "eval/acc" if "eval/acc" in latest else "acc/train"
+    c = st.columns(6)
+    c[0].metric("Step", f"{step:,} / {total:,}")
+    c[1].metric("Task loss", fmt.num(latest.get("loss/task")),
+                delta=f"total {fmt.num(latest.get('loss/total'))}", delta_color="off",
+                delta_arrow="off")
+    c[2].metric("Eval accuracy" if acc_name == "eval/acc" else "Train accuracy",
+                fmt.pct(latest.get(acc_name)))
+    c[3].metric("Compression", fmt.ratio(comp),
+                delta=f"target {fmt.ratio(target)}" if target else "no target",
+                delta_color="off", delta_arrow="off",
+                help="Dense / effective parameters, on the scope the target is measured on.")
+    c[4].metric(tput[0], fmt.count(tput[1]))
+    c[5].metric(mem[0], mem[1], delta=mem[2], delta_color="off", delta_arrow="off")
+
+
+def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
+    rid = run["id"]
+    stages = runs.stage_steps(store, rid)
+    c1, c2 = st.columns(2)
+    with c1:
+        s_task = _series(store, rid, "loss/task")
+        s_total = _series(store, rid, "loss/total")
+        st.plotly_chart(
+            plots.lines([("task loss", *s_task), ("total (objective)", *s_total)], "Loss",
+                        stages=stages, smooth=0.1, dashes=[None, "dash"]),
+            width="stretch", key="ch-loss",
+        )
+    with c2:
+        s_tr = _series(store, rid, "acc/train")
+        s_ev = _series(store, rid, "eval/acc")
+        st.plotly_chart(
+            plots.lines([("train", *s_tr), ("eval", *s_ev)], "Accuracy", stages=stages,
+                        smooth=0.1),
+            width="stretch", key="ch-acc",
+        )
+    c1, c2 = st.columns(2)
+    with c1:
+        target = runs.target_of(run)
+        metric = runs.target_metric(run)
+        series = [("whole model", *_series(store, rid, "compression/model"))]
+        if metric == "compression/tensorized" or "compression/tensorized" in latest:
+            series.append(("TT layers", *_series(store, rid, "compression/tensorized")))
+        st.plotly_chart(
+            plots.lines(series, "Compression vs dense", "× smaller", stages=stages,
+                        hline=(target, f"target {target:g}× "
+                               f"({'TT layers' if metric.endswith('tensorized') else 'model'})")
+                        if target else None),
+            width="stretch", key="ch-comp",
+        )
+    with c2:
+        name = "perf/tokens_per_s" if "perf/tokens_per_s" in latest else "perf/samples_per_s"
+        st.plotly_chart(
+            plots.lines([(name.split("/")[1].replace("_per_s", "/s"),
+                          *_series(store, rid, name))], "Throughput",
+                        "tokens/s" if "tokens" in name else "samples/s", stages=stages,
+                        smooth=0.05),
+            width="stretch", key="ch-tput",
+        )
+    history = store.rank_history(rid)
+    c1, c2 = st.columns([3, 2])
+    with c1:
+        st.plotly_chart(plots.rank_heatmap(history, stages=stages,
+                                           until=run.get("last_step")),
+                        width="stretch", key="ch-heat")
+    with c2:
+        st.plotly_chart(plots.rank_bars(store.latest_ranks(rid)), width="stretch",
+                        key="ch-bars")
+    c1, c2 = st.columns(2)
+    with c1:
+        if "mem/gpu_used_mb" in latest or "mem/cuda_max_allocated_mb" in latest:
+            series = [
+                ("device used (NVML)", *_series(store, rid, "mem/gpu_used_mb")),
+                ("torch peak allocated", *_series(store, rid, "mem/cuda_max_allocated_mb")),
+                ("torch peak reserved", *_series(store, rid, "mem/cuda_max_reserved_mb")),
+            ]
+            total = latest.get("mem/gpu_total_mb")
+            fig = plots.lines(series, "GPU memory", "MiB", stages=stages,
+                              hline=(total, f"device total {fmt.mib(total)}") if total else None)
+        else:
+            fig = plots.lines([("process RSS", *_series(store, rid, "mem/rss_mb"))],
+                              "Memory (CPU run: process RSS)", "MiB", stages=stages)
+        st.plotly_chart(fig, width="stretch", key="ch-mem")
+    with c2:
+        utilisation(run)
+
+
+def utilisation(run: dict[str, Any]) -> None:
+    idx = _nvml_index(run)
+    key = f"util:{run['id']}"
+    hist = st.session_state.setdefault(key, {"t": [], "util": [], "mem": []})
+    if idx is not None and runs.is_live(run):
+        s = gpu_status(idx)
+        if s is not None:
+            now = time.time()
+            if not hist["t"] or now - hist["t"][-1] >= 0.5:
+                hist["t"].append(now)
+                hist["util"].append(s["util_pct"])
+                hist["mem"].append(100.0 * s["mem_used_mb"] / max(s["mem_total_mb"], 1.0))
+                for k in hist:
+                    del hist[k][:-300]
+    if hist["t"]:
+        t0 = hist["t"][0]
+        x = [t - t0 for t in hist["t"]]
+        st.plotly_chart(
+            plots.lines([("GPU utilisation %", x, hist["util"]), ("memory used %", x,
+                         hist["mem"])], f"GPU {idx} utilisation (NVML, sampled here)", "%",
+                        x_title="seconds since this page opened"),
+            width="stretch", key="ch-util",
+        )
+    else:
+        msg = ("CPU run: no GPU to sample" if idx is None
+               else "GPU utilisation is sampled while the run lives")
+        st.plotly_chart(plots.empty_figure(msg, title="GPU utilisation"), width="stretch",
+                        key="ch-util")
+
+
+def events(run: dict[str, Any]) -> None:
+    evs = store.events(run["id"])
+    rows = [
+        {"time": fmt.clock(e["time"]),
+         "step": "" if e.get("step") is None else str(e["step"]),
+         "kind": str(e["kind"]).replace("_", " "), "text": e["text"]}
+        for e in reversed(evs[-300:])
+    ]
+    c1, c2 = st.columns([3, 2])
+    with c1:
+        st.markdown("**Event log** (rank changes, stages, checkpoints, errors)")
+        if rows:
+            st.dataframe(rows, hide_index=True, width="stretch", height=280,
+                         column_config={
+                             "time": st.column_config.TextColumn(width=70),
+                             "step": st.column_config.TextColumn(width=50),
+                             "kind": st.column_config.TextColumn(width=95),
+                             "text": st.column_config.TextColumn(width="large"),
+                         })
+        else:
+            st.caption("No events yet.")
+    with c2:
+        from comera_engine.launch import logs
+
+        st.markdown("**Trainer log** (last 30 lines)")
+        try:
+            tail = logs(run["id"], tail=30, store=store)
+        except Exception as e:  # noqa: BLE001
+            tail = f"(log unavailable: {e})"
+        st.code(tail or "(empty)", language=None, height=280)
+
+
+def view() -> None:
+    try:
+        _view()
+    except StoreError as e:  # a store locked for long: say so, the next refresh retries
+        st.warning(f"The run store is busy ({e}); retrying…", icon=":material/sync_problem:")
+
+
+def _view() -> None:
+    ui.reap(store)  # a trainer that vanished shows up as crashed while we watch
+    run = store.get_run(RID)
+    if run is None:
+        st.warning(f"Run {RID} is gone from the store.")
+        return
+    latest = runs.final_metrics(store, RID)
+    header(run, latest)
+    controls(run)
+    if run["status"] in ("failed", "crashed", "diverged") and run.get("error"):
+        err = str(run["error"])
+        first = err.strip().splitlines()[-1] if err.strip() else err
+        st.error(f"**{run['status']}**: {first}", icon=":material/error:")
+        with st.expander("Full error"):
+            st.code(err, language=None)
+    elif run["status"] == "queued":
+        st.info("Queued: the trainer is starting (building the dataset and the model)…",
+                icon=":material/hourglass_top:")
+    if "perf/tokens_per_s" in latest:
+        tput = ("Tokens / s", latest.get("perf/tokens_per_s"))
+    else:
+        tput = ("Samples / s", latest.get("perf/samples_per_s"))
+    if "mem/gpu_used_mb" in latest:
+        mem = ("GPU memory", fmt.mib(latest.get("mem/gpu_used_mb")),
+               f"of {fmt.mib(latest.get('mem/gpu_total_mb'))}; torch peak "
+               f"{fmt.mib(latest.get('mem/cuda_max_allocated_mb'))}")
+    elif "mem/cuda_max_allocated_mb" in latest:
+        mem = ("GPU memory (torch peak)", fmt.mib(latest.get("mem/cuda_max_allocated_mb")), None)
+    else:
+        mem = ("Memory (RSS)", fmt.mib(latest.get("mem/rss_mb")), None)
+    kpis(run, latest, tput, mem)
+    charts(run, latest)
+    events(run)
+    if LIVE_AT_START != runs.is_live(run):
+        st.rerun()  # the run started or ended: rebuild with(out) the 1 s refresh
+
+
+st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
+if LIVE_AT_START:
+    st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while the run lives.")

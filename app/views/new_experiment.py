@@ -1,0 +1,521 @@
+"""New experiment: pick a preset, tune it, preview the tensorisation, launch."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import plotly.graph_objects as go
+import streamlit as st
+
+from app.lib import fmt, plots, runs, ui
+from app.lib.defaults import DEFAULT_PRESET
+from app.lib.devices import list_gpus
+from app.lib.presets import DATASETS_FOR_MODEL, MODEL_LABELS, Preset, load_presets, preset_label
+from app.lib.preview import Preview, data_problems, make_preview
+from comera_engine.errors import ConfigError
+
+SIZES = ("tiny", "small", "paper")
+SCHEDULES = {
+    "step": "Early stage, then late stage from a step",
+    "plateau": "Early stage, then late stage when the loss plateaus",
+    "never": "Early stage only (no late stage)",
+}
+PRECISIONS = {
+    "auto": "auto",
+    "fp32": "fp32",
+    "bf16": "bf16 autocast",
+}
+
+store = ui.require_store()
+
+
+@st.cache_data(ttl=30, show_spinner=False)
+def _presets() -> dict[str, Preset]:
+    return load_presets()
+
+
+@st.cache_data(ttl=60, show_spinner=False)
+def _gpus() -> list[Any]:
+    return list_gpus()
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def _preview(raw_json: str, device: str) -> Preview:
+    from comera_engine.launch import resolve_config
+
+    return make_preview(resolve_config(json.loads(raw_json)), device)
+
+
+def _size_defaults(model: str, size: str) -> tuple[int, int]:
+    """(linear rank, embedding rank) of a model's size preset."""
+    if model == "tt_mlp":
+        from comera_engine.models.mlp import PRESETS as P
+
+        return P[size].rank, P[size].rank
+    if model == "dlrm":
+        from comera_engine.models.dlrm import PRESETS as D
+
+        return D[size].rank, D[size].embedding_rank
+    from comera_engine.models.transformer import PRESETS as T
+
+    return T[size].rank, T[size].embedding_rank
+
+
+def _dataset_options(presets: dict[str, Preset], chosen: Preset) -> list[tuple[str, dict]]:
+    """Data tables the chosen model can train on: its own first, then those of other
+    presets for the same task. Files come from presets only; the browser never types
+    a path."""
+    allowed = DATASETS_FOR_MODEL.get(chosen.model, ())
+    out: list[tuple[str, dict]] = []
+    seen: set[str] = set()
+    for p in [chosen, *presets.values()]:
+        data = dict(p.raw.get("data", {}))
+        if data.get("name") not in allowed:
+            continue
+        sig = json.dumps(data, sort_keys=True)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        out.append((_data_label(data), data))
+    return out
+
+
+def _data_label(data: dict) -> str:
+    name = data.get("name", "?")
+    if data.get("hub"):
+        return f"{name} · Hugging Face hub"
+    if data.get("path"):
+        return f"{name} · {data['path']}"
+    extras = {
+        "digits": "scikit-learn 8×8 digits (1,797 images)",
+        "code_mlm": f"Python stdlib code ({data.get('max_files', 200)} files)",
+        "clicks_synthetic": f"synthetic clicks ({data.get('num_samples', 20000):,} rows)",
+    }
+    return f"{name} · {extras.get(name, 'built in')}"
+
+
+ui.page_header(
+    "New experiment",
+    "Choose a model and how small it must become; the preview on the right shows what the "
+    "tensor-train version looks like before anything runs.",
+    ":material/add_circle:",
+)
+
+FORM_KEYS: set[str] = {"preset", "device"}
+SAVED = ui.restore_form()
+
+presets = _presets()
+gpus = _gpus()
+msgs: dict[str, list[tuple[str, str]]] = {}
+
+
+def say(field: str, level: str, text: str) -> None:
+    msgs.setdefault(field, []).append((level, text))
+
+
+left, right = st.columns([5, 7], gap="large")
+slots: dict[str, Any] = {}
+
+with left:
+    keys = list(presets)
+    pkey = st.selectbox(
+        "Model preset",
+        keys,
+        index=keys.index(DEFAULT_PRESET) if DEFAULT_PRESET in keys else 0,
+        format_func=lambda k: preset_label(presets[k]),
+        key="preset",
+        help="Templates from experiments/configs/. Every field below starts from the preset.",
+    )
+    preset = presets[pkey]
+    raw: dict[str, Any] = preset.config()
+    model_name = preset.model
+    st.caption(
+        f"{MODEL_LABELS.get(model_name, model_name)} · "
+        f"{preset.description or 'no description'} ({preset.source})"
+    )
+
+    def k(name: str) -> str:
+        key = f"{pkey}:{name}"
+        FORM_KEYS.add(key)
+        return key
+
+    options = _dataset_options(presets, preset)
+    ds = st.selectbox("Dataset", range(len(options)), format_func=lambda i: options[i][0],
+                      key=k("data"), help="Datasets this model's task can train on.")
+    data = dict(options[ds][1]) if options else dict(raw.get("data", {}))
+    slots["data"] = st.container()
+
+    m = raw.setdefault("model", {})
+    size = st.radio("Model size", SIZES, index=SIZES.index(m.get("preset", "tiny")),
+                    horizontal=True, key=k("size"),
+                    help="The architecture preset: tiny runs on a CPU, paper is the paper's "
+                         "size (GPU).")
+    dense = st.toggle("Dense baseline", value=bool(m.get("dense", False)), key=k("dense"),
+                      help="Train the same network with ordinary dense layers: the reference "
+                           "point for compression and accuracy on the Compare page.")
+
+    c = raw.setdefault("comera", {})
+    has_target = c.get("target_compression") is not None
+    use_target = st.toggle("Enforce a target compression", value=has_target,
+                           key=k("use_target"), disabled=dense,
+                           help="Off: no size target (ranks only shrink under the early "
+                                "stage's size penalty).")
+    c1, c2 = st.columns([1, 1])
+    target = c1.number_input(
+        "Target compression (×)", min_value=0.0, max_value=100000.0,
+        value=float(c.get("target_compression") or 20.0), step=5.0, format="%.1f",
+        key=k("target"), disabled=dense or not use_target,
+        help="How many times smaller than dense the late stage makes the model "
+             "(e.g. 2× – 500×).",
+    )
+    scope = c2.radio(
+        "Measured on", ("tensorized", "model"),
+        index=0 if c.get("target_scope", "tensorized") == "tensorized" else 1,
+        format_func=lambda s: "TT layers only" if s == "tensorized" else "whole model",
+        key=k("scope"), disabled=dense or not use_target,
+    )
+    slots["target"] = st.container()
+
+    rank_default, emb_default = _size_defaults(model_name, size)
+    tt_kinds = m.get("tt_layers")
+    if tt_kinds is None:
+        from comera_engine.train.config import DEFAULT_TT_LAYERS
+
+        tt_kinds = DEFAULT_TT_LAYERS.get(model_name, ())
+    has_emb = "embedding" in tt_kinds
+    c1, c2 = st.columns(2)
+    max_rank = c1.number_input(
+        "Max rank (linear layers)", min_value=0, max_value=512,
+        value=int(m.get("rank") or rank_default) if size == m.get("preset", "tiny")
+        else rank_default, step=1, key=k(f"rank:{size}"), disabled=dense,
+        help="TT ranks start here (clamped per bond to what the shapes allow) and are "
+             "pruned by the rank gates while training.",
+    )
+    emb_rank = None
+    if has_emb:
+        emb_rank = c2.number_input(
+            "Max rank (embeddings)", min_value=0, max_value=512,
+            value=int(m.get("embedding_rank") or emb_default)
+            if size == m.get("preset", "tiny") else emb_default,
+            step=1, key=k(f"erank:{size}"), disabled=dense,
+        )
+    slots["rank"] = st.container()
+
+    sw = c.get("switch", "plateau")
+    sched0 = "step" if isinstance(sw, int) else ("never" if sw == "never" else "plateau")
+    sched = st.selectbox("Stage schedule", list(SCHEDULES), index=list(SCHEDULES).index(sched0),
+                         format_func=SCHEDULES.get, key=k("schedule"), disabled=dense,
+                         help="Early stage: loss + γ·size (stable convergence). Late stage: "
+                              "drive the size to the target.")
+    t = raw.setdefault("train", {})
+    steps_default = int(t.get("steps", 1000))
+    switch_step = patience = None
+    if sched == "step":
+        switch_step = st.number_input(
+            "Late stage from step", min_value=0, max_value=10_000_000,
+            value=int(sw) if isinstance(sw, int) else max(1, steps_default // 2), step=50,
+            key=k("switch_step"), disabled=dense,
+        )
+    elif sched == "plateau":
+        patience = st.number_input(
+            "Plateau patience (steps)", min_value=1, max_value=1_000_000,
+            value=int(c.get("plateau_patience", 200)), step=50, key=k("patience"),
+            disabled=dense,
+            help="Steps without a relative loss improvement before the late stage starts.",
+        )
+    slots["schedule"] = st.container()
+
+    c1, c2 = st.columns(2)
+    devices = ["cpu"] + [f"cuda:{g.index}" for g in gpus]
+    glabels = {f"cuda:{g.index}": g.label for g in gpus}
+    device = c1.selectbox("Device", devices, key="device",
+                          format_func=lambda d: "CPU" if d == "cpu" else glabels[d],
+                          help="CPU, or one of the GPUs NVML reports on this machine.")
+    precision = c2.selectbox("Precision", list(PRECISIONS), format_func=PRECISIONS.get,
+                             index=list(PRECISIONS).index(t.get("precision", "auto")),
+                             key=k("precision"),
+                             help="auto: bf16 autocast on a GPU, fp32 on a CPU.")
+    slots["device"] = st.container()
+    c1, c2 = st.columns(2)
+    steps = c1.number_input("Steps", min_value=0, max_value=10_000_000, value=steps_default,
+                            step=100, key=k("steps"))
+    cuda_graph = c2.toggle("CUDA Graph", value=bool(t.get("cuda_graph", True)),
+                           key=k("cuda_graph"),
+                           help="Capture the whole training step once per stage and replay "
+                                "it (GPU only).")
+    slots["steps"] = st.container()
+
+    with st.expander("More settings"):
+        run_name = st.text_input("Run name", value=str(raw.get("name", pkey)), key=k("name"),
+                                 max_chars=80)
+        c1, c2 = st.columns(2)
+        batch = c1.number_input("Batch size", min_value=0, max_value=1_000_000,
+                                value=int(t.get("batch_size", 32)), step=16, key=k("batch"))
+        seed = c2.number_input("Seed", min_value=0, max_value=2**31 - 1,
+                               value=int(t.get("seed", 0)), key=k("seed"))
+        c1, c2 = st.columns(2)
+        eval_every = c1.number_input("Evaluate every (steps)", min_value=0, max_value=10**7,
+                                     value=int(t.get("eval_every", 100)), key=k("eval"))
+        ckpt_every = c2.number_input("Checkpoint every (steps)", min_value=0, max_value=10**7,
+                                     value=int(t.get("ckpt_every", 500)), key=k("ckpt"))
+    slots["advanced"] = st.container()
+
+ui.save_form(SAVED, FORM_KEYS)
+
+# ---------------------------------------------------------------- assemble and validate
+
+raw["name"] = run_name.strip() or str(raw.get("name", pkey))
+raw["data"] = data
+m["preset"] = size
+m["dense"] = bool(dense)
+m["rank"] = int(max_rank)
+if emb_rank is not None:
+    m["embedding_rank"] = int(emb_rank)
+if use_target and not dense:
+    c["target_compression"] = float(target)
+else:
+    c.pop("target_compression", None)
+c["target_scope"] = scope
+c["switch"] = int(switch_step) if sched == "step" else sched
+if dense:  # the baseline has no ranks to learn: plain training, no stages
+    c["switch"] = "never"
+if patience is not None:
+    c["plateau_patience"] = int(patience)
+t.update(
+    steps=int(steps), batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
+    ckpt_every=int(ckpt_every), precision=precision, cuda_graph=bool(cuda_graph),
+    device="cpu" if device == "cpu" else "cuda",
+)
+gpu_ids = None if device == "cpu" else device.split(":")[1]
+
+FIELD_SLOTS = {
+    "data": "data", "model.preset": "data", "model.name": "data",
+    "comera.target_compression": "target", "comera.target_scope": "target",
+    "model.rank": "rank", "model.embedding_rank": "rank", "comera.switch": "schedule",
+    "comera.plateau_patience": "schedule", "train.device": "device",
+    "train.precision": "device", "train.steps": "steps", "train.batch_size": "advanced",
+    "train.eval_every": "advanced", "train.ckpt_every": "advanced", "name": "advanced",
+}
+
+cfg = None
+try:
+    from comera_engine.launch import resolve_config
+
+    cfg = resolve_config(raw)
+except ConfigError as e:
+    field = e.field.split(".")[0] if e.field.startswith("data") else e.field
+    say(FIELD_SLOTS.get(field, "advanced"), "error", str(e))
+
+problems, data_notes = data_problems(data, int(batch))
+for p in problems:
+    say("advanced" if p.startswith("train.") else "data", "error", p)
+for n in data_notes:
+    say("data", "note", n)
+
+on_gpu = device != "cpu"
+if not dense:
+    if use_target and sched == "never":
+        say("schedule", "warning", "No late stage: the target is never enforced, only the "
+            "early stage's size penalty shrinks the ranks. Pick a late-stage schedule.")
+    if sched == "step" and switch_step is not None and steps and switch_step >= steps:
+        say("schedule", "warning", f"The late stage would start at step {switch_step}, after "
+            f"the run ends at step {steps}: the target is never pursued.")
+if precision == "bf16" and not on_gpu:
+    say("device", "warning", "bf16 autocast on a CPU is slow and rarely worth it; use fp32.")
+if cuda_graph and not on_gpu:
+    say("steps", "note", "CUDA Graphs need a GPU; this CPU run trains eagerly.")
+
+pv: Preview | None = None
+if cfg is not None:
+    try:
+        with st.spinner("Building the tensorisation preview…"):
+            pv = _preview(json.dumps(raw, sort_keys=True), "cuda" if on_gpu else "cpu")
+    except (ConfigError, ValueError) as e:
+        say("data", "error", str(e))
+if pv is not None:
+    for field, text in pv.errors:
+        say(FIELD_SLOTS.get(field, "target"), "error", text)
+    requested = {"linear": int(max_rank), "embedding": int(emb_rank or 0)}
+    clamped = [layer for layer in pv.layers if max(layer.ranks) < requested[layer.kind]]
+    if clamped and not dense:
+        ex = clamped[0]
+        say("rank", "note", f"Clamped per bond to what the shapes allow in {len(clamped)} "
+            f"layer(s), e.g. {ex.name}: ranks {'-'.join(map(str, ex.ranks[1:-1]))}.")
+    if on_gpu and gpus:
+        gpu = next(g for g in gpus if f"cuda:{g.index}" == device)
+        need = pv.memory["tt"]["total"] / 2**20
+        if need > 0.9 * gpu.memory_total_mb:
+            say("device", "error", f"Estimated training memory {fmt.mib(need)} exceeds 90% of "
+                f"{gpu.label}; lower the batch size or the model size.")
+
+for name, slot in slots.items():
+    with slot:
+        ui.messages(msgs, name)
+
+n_errors = sum(1 for v in msgs.values() for level, _ in v if level == "error")
+
+# ---------------------------------------------------------------- launch
+
+nonce = st.session_state.setdefault("form_nonce", uuid.uuid4().hex)
+token = runs.config_token(nonce, raw, {"gpus": gpu_ids})
+already = runs.launched_run(store, token)
+
+with left:
+    st.divider()
+    if n_errors:
+        st.error(f"Fix {n_errors} problem{'s' if n_errors > 1 else ''} above to launch.",
+                 icon=":material/block:")
+    if already:
+        st.info(f"This exact configuration was launched from this form as run `{already}`. "
+                "Launch opens it; **Launch another** starts a fresh copy.",
+                icon=":material/info:")
+    b1, b2 = st.columns([2, 1])
+    clicked = b1.button("Launch", type="primary", disabled=bool(n_errors), key="launch",
+                        icon=":material/rocket_launch:", width="stretch")
+    if already and b2.button("Launch another", key="launch_another", width="stretch"):
+        st.session_state["form_nonce"] = uuid.uuid4().hex
+        st.rerun()
+    if clicked and not n_errors:
+        with st.status("Launching…", expanded=True) as status:
+            status.write("Config validated")
+            try:
+                rid, started = runs.guarded_launch(store, raw, token, gpus=gpu_ids)
+            except (ConfigError, ValueError) as e:
+                status.update(label="Launch failed", state="error")
+                st.error(str(e))
+                st.stop()
+            status.write(f"Run `{rid}` queued; the trainer starts in the background"
+                         if started else f"Already launched as `{rid}`")
+            status.update(label="Launched", state="complete")
+        ui.go_live(rid)
+
+# ---------------------------------------------------------------- preview
+
+
+def _memory_chart(pv: Preview) -> None:
+    parts = ["weights", "gradients", "optimizer", "activations"]
+    fig = go.Figure()
+    for i, part in enumerate(parts):
+        fig.add_bar(y=["TT model", "dense model"],
+                    x=[pv.memory["tt"][part] / 2**20, pv.memory["dense"][part] / 2**20],
+                    name=part, orientation="h", marker_color=plots.COLORS[i])
+    fig.update_layout(barmode="stack")
+    plots.base_layout(fig, None, 220, "MiB (estimate)")
+    fig.update_layout(hovermode="closest")
+    st.plotly_chart(fig, width="stretch", key="pv-mem")
+
+
+with right:
+    st.subheader("Tensorisation preview", anchor=False)
+    if pv is None:
+        st.info("Fix the highlighted fields to see the preview.", icon=":material/visibility:")
+        st.stop()
+    unit = pv.token_unit
+    k1, k2, k3, k4 = st.columns(4)
+    k1.metric("Parameters", fmt.count(pv.alloc_total),
+              delta=f"dense {fmt.count(pv.dense_total)}", delta_color="off", delta_arrow="off",
+              help="Whole model at the allocated ranks (dense layers included).")
+    if pv.dense_model:
+        k2.metric("Compression", "1.0×", help="The dense baseline is the 1× reference.")
+    else:
+        k2.metric(
+            "Compression",
+            fmt.ratio(pv.compression("alloc")),
+            delta=(f"{fmt.ratio(pv.compression('target'))} at target" if pv.target else
+                   "no target"),
+            delta_color="off", delta_arrow="off",
+            help=f"Dense / TT parameters measured on "
+                 f"{'the TT layers' if pv.scope == 'tensorized' else 'the whole model'}.",
+        )
+    k3.metric(f"MACs / {unit}", fmt.count(pv.tt_macs),
+              delta=f"dense {fmt.count(pv.dense_macs)}", delta_color="off", delta_arrow="off",
+              help="Forward multiply-accumulates of the linear and embedding layers per "
+                   f"{unit}, on the path the planner picks at batch {pv.tokens_per_batch}.")
+    k4.metric("Train memory", fmt.nbytes(pv.memory["tt"]["total"]),
+              delta=f"dense {fmt.nbytes(pv.memory['dense']['total'])}", delta_color="off",
+              delta_arrow="off",
+              help="Estimated training memory: weights, gradients, AdamW moments and saved "
+                   "activations (a rough estimate, no framework overhead).")
+    for n in pv.notes:
+        st.caption(f":material/info: {n}")
+
+    if pv.layers:
+        rows = []
+        for layer in pv.layers:
+            a, b = layer.factors
+            rows.append({
+                "layer": layer.name,
+                "shape": f"{layer.shape[0]}×{layer.shape[1]}",
+                "factors": f"{'·'.join(map(str, a))} | {'·'.join(map(str, b))}",
+                "ranks": "-".join(map(str, layer.ranks[1:-1])),
+                "ranks at target": "-".join(map(str, layer.target_ranks[1:-1])),
+                "dense": layer.dense_params,
+                "TT": layer.tt_params,
+                "at target": layer.target_params,
+                "×": layer.compression,
+                f"dense MACs/{unit}": layer.dense_macs,
+                f"TT MACs/{unit}": layer.tt_macs,
+                "path": layer.path,
+            })
+        st.dataframe(
+            rows, hide_index=True, width="stretch", height=min(420, 40 + 35 * len(rows)),
+            column_config={
+                "dense": st.column_config.NumberColumn(
+                    format="compact", help="Parameters of the dense layer (bias included)."),
+                "TT": st.column_config.NumberColumn(
+                    format="compact", help="TT parameters at the allocated ranks."),
+                "at target": st.column_config.NumberColumn(
+                    format="compact", help="TT parameters at the predicted target ranks."),
+                "×": st.column_config.NumberColumn(format="%.1f×"),
+                f"dense MACs/{unit}": st.column_config.NumberColumn(format="compact"),
+                f"TT MACs/{unit}": st.column_config.NumberColumn(format="compact"),
+                "path": st.column_config.TextColumn(
+                    help="Contraction path the planner picks: halves (X·L)·R, a core-by-core "
+                         "sweep, dense reconstruction, or the TTM lookup for embeddings."),
+            },
+        )
+        if pv.target and not pv.dense_model:
+            st.caption("Ranks at target: every bond scaled by one factor until the TT layers "
+                       "fit the target; while training, the gates decide bond by bond.")
+        tab1, tab2, tab3 = st.tabs(["Parameters per layer", f"MACs per {unit}",
+                                    "Training memory"])
+        names = [layer.name for layer in pv.layers]
+        with tab1:
+            fig = go.Figure()
+            fig.add_bar(y=names, x=[layer.dense_params for layer in pv.layers], name="dense",
+                        orientation="h", marker_color=plots.COLORS[7])
+            fig.add_bar(y=names, x=[layer.tt_params for layer in pv.layers],
+                        name="TT (allocated)", orientation="h", marker_color=plots.COLORS[0])
+            if pv.target:
+                fig.add_bar(y=names, x=[layer.target_params for layer in pv.layers],
+                            name="TT at target", orientation="h", marker_color=plots.COLORS[2])
+            plots.log_ticks(fig, "x")
+            fig.update_yaxes(autorange="reversed")
+            fig.update_layout(barmode="group")
+            plots.base_layout(fig, None, max(260, 60 + 26 * len(names) * (2 + bool(pv.target))),
+                              "parameters (log)")
+            fig.update_layout(hovermode="closest")
+            st.plotly_chart(fig, width="stretch", key="pv-params")
+        with tab2:
+            fig = go.Figure()
+            fig.add_bar(y=names, x=[layer.dense_macs for layer in pv.layers], name="dense",
+                        orientation="h", marker_color=plots.COLORS[7])
+            fig.add_bar(y=names, x=[layer.tt_macs for layer in pv.layers], orientation="h",
+                        name="TT (allocated)", marker_color=plots.COLORS[0],
+                        text=[layer.path for layer in pv.layers], textposition="auto")
+            if pv.target:
+                fig.add_bar(y=names, x=[layer.target_macs for layer in pv.layers],
+                            name="TT at target", orientation="h", marker_color=plots.COLORS[2])
+            plots.log_ticks(fig, "x")
+            fig.update_yaxes(autorange="reversed")
+            fig.update_layout(barmode="group")
+            plots.base_layout(fig, None, max(260, 60 + 26 * len(names) * (2 + bool(pv.target))),
+                              f"MACs per {unit} (log); embeddings: dense lookup is free")
+            fig.update_layout(hovermode="closest")
+            st.plotly_chart(fig, width="stretch", key="pv-macs")
+        with tab3:
+            _memory_chart(pv)
+    else:
+        _memory_chart(pv)

@@ -1,0 +1,100 @@
+"""Overview: what CoMERA Studio does, and every run in the store at a glance."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from app.lib import fmt, runs, ui
+
+store = ui.require_store()
+ui.reap(store)
+
+ui.page_header(
+    "CoMERA Studio",
+    "Train networks directly in tensor-train form and let the ranks shrink while they "
+    "train (CoMERA, arXiv 2405.14377). Launch, watch, compare, learn and export.",
+    ":material/view_in_ar:",
+)
+
+all_runs = store.list_runs()
+if not all_runs:
+    ui.empty_state(store, "The run store is empty.", "overview")
+    st.divider()
+    c1, c2, c3 = st.columns(3)
+    with c1.container(border=True):
+        st.markdown("**:material/add_circle: New experiment**  \nPick a model, a target "
+                    "compression and a rank budget; see the tensorisation before launching.")
+    with c2.container(border=True):
+        st.markdown("**:material/monitoring: Live run**  \nLoss, accuracy, compression against "
+                    "the target and ranks per layer, updating every second.")
+    with c3.container(border=True):
+        st.markdown("**:material/school: Learn**  \nTT-SVD by hand: cores, ranks, gates and "
+                    "why the two-half contraction is cheap.")
+    st.stop()
+
+live = [r for r in all_runs if runs.is_live(r)]
+finished = [r for r in all_runs if r["status"] in ("finished", "stopped")]
+failed = [r for r in all_runs if r["status"] in ("failed", "crashed", "diverged")]
+c = st.columns(4)
+c[0].metric("Runs", len(all_runs))
+c[1].metric("Live now", len(live))
+c[2].metric("Finished / stopped", len(finished))
+c[3].metric("Failed / crashed", len(failed))
+
+if live:
+    st.subheader("Live now", anchor=False)
+    for r in live:
+        with st.container(border=True):
+            a, b, cc = st.columns([3, 2, 1])
+            a.markdown(f"**{r['name']}** · `{r['id']}` {fmt.status_badge(r['status'])}")
+            total = runs.total_steps(r) or 0
+            step = r.get("last_step") or 0
+            b.progress(min(1.0, step / total) if total else 0.0, text=f"step {step} / {total}")
+            if cc.button("Watch", key=f"watch-{r['id']}", icon=":material/monitoring:"):
+                ui.go_live(r["id"])
+
+st.subheader("All runs", anchor=False)
+st.caption("Select a row to open the run on **Live run**.")
+rows = runs.summary_rows(store, all_runs)
+table = [
+    {
+        "run id": row["run"],
+        "name": row["name"],
+        "status": row["status"],
+        "progress": min(1.0, row["step"] / row["steps"]) if row["steps"] else None,
+        "eval acc": row["eval acc"],
+        "compression": row["compression (model)"],
+        "TT layers": row["compression (TT layers)"],
+        "target": row["target"],
+        "params": row["params"],
+        "dense": row["dense"],
+        "created": fmt.when(row["created"]),
+    }
+    for row in rows
+]
+event = st.dataframe(
+    table,
+    hide_index=True,
+    width="stretch",
+    on_select="rerun",
+    selection_mode="single-row",
+    key="overview-runs",
+    column_config={
+        "progress": st.column_config.ProgressColumn(
+            "progress", format="percent", min_value=0.0, max_value=1.0
+        ),
+        "eval acc": st.column_config.NumberColumn(format="%.3f"),
+        "compression": st.column_config.NumberColumn(
+            "compression", format="%.1f×", help="Whole model, dense / effective parameters."
+        ),
+        "TT layers": st.column_config.NumberColumn(
+            "TT layers", format="%.1f×", help="Compression of the tensorised layers only."
+        ),
+        "target": st.column_config.NumberColumn(format="%.0f×"),
+        "params": st.column_config.NumberColumn(format="compact"),
+        "dense": st.column_config.CheckboxColumn("dense baseline"),
+    },
+)
+selected = event.selection.rows if event is not None else []
+if selected:
+    ui.go_live(table[selected[0]]["run id"])

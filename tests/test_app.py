@@ -1,0 +1,616 @@
+"""Dashboard pages under Streamlit's AppTest: widgets, validation messages, empty states,
+launch-once, stop, export; plus the preview arithmetic and the ``comera app`` launcher.
+
+Most tests seed a temporary run store through the store API; one module fixture trains a
+real (short) run through the launcher for the export page.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from comera_engine.store import RunStore  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HOME = str(ROOT / "app" / "Home.py")
+PAGES = {
+    "new": "views/new_experiment.py",
+    "live": "views/live_run.py",
+    "compare": "views/compare.py",
+    "learn": "views/learn.py",
+    "export": "views/export.py",
+}
+TIMEOUT = 120
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@pytest.fixture()
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty run store in ``COMERA_HOME``; the app runs from the repository root."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("COMERA_HOME", str(h))
+    monkeypatch.chdir(ROOT)
+    return h
+
+
+def store_at(home: Path) -> RunStore:
+    return RunStore(home / "comera.db")
+
+
+def app(page: str | None = None) -> AppTest:
+    at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+    if page is not None:
+        at.switch_page(PAGES[page]).run()
+    return at
+
+
+def no_exception(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def texts(at: AppTest) -> str:
+    parts = [m.value for m in at.markdown] + [c.value for c in at.caption]
+    parts += [e.value for e in at.error] + [w.value for w in at.warning]
+    parts += [i.value for i in at.info] + [s.value for s in at.subheader]
+    return "\n".join(str(p) for p in parts)
+
+
+def config(name: str = "digits-tt-mlp", steps: int = 600, target: float | None = 20.0,
+           dense: bool = False, rank: int = 8) -> dict:
+    comera = {"gamma": 0.01, "target_scope": "tensorized", "switch": 300}
+    if target is not None:
+        comera["target_compression"] = target
+    return {
+        "name": name,
+        "model": {"name": "tt_mlp", "preset": "tiny", "dense": dense, "rank": rank,
+                  "tt_layers": ["hidden"]},
+        "data": {"name": "digits", "split_fraction": 0.8},
+        "comera": comera,
+        "train": {"steps": steps, "batch_size": 64, "eval_every": 100, "ckpt_every": 300},
+    }
+
+
+def seed_run(st: RunStore, name: str = "digits-tt-mlp", status: str = "finished",
+             steps: int = 600, upto: int = 600, dense: bool = False, target: float = 20.0,
+             acc: float = 0.93, comp: float = 24.0) -> str:
+    """A run with metrics, rank snapshots, a stage switch and events, written through the
+    store API (what a trainer's StoreSink would have written)."""
+    rid = st.create_run(name, config(name, steps, target, dense), "running")
+    t = time.time()
+    rows = []
+    for s in range(1, upto + 1, 5):
+        frac = s / steps
+        rows += [
+            (s, "loss/task", 2.3 * (1 - frac) + 0.1, t),
+            (s, "loss/total", 2.3 * (1 - frac) + 0.12, t),
+            (s, "acc/train", min(1.0, acc * frac + 0.1), t),
+            (s, "compression/model", 1.0 if dense else comp * 0.6, t),
+            (s, "compression/tensorized", 1.0 if dense else comp, t),
+            (s, "perf/samples_per_s", 500.0 + s % 7, t),
+            (s, "mem/rss_mb", 400.0 + s / 100, t),
+            (s, "params/effective", 85000.0 if dense else 6000.0, t),
+            (s, "bytes/effective", 340000.0 if dense else 24000.0, t),
+            (s, "stage", 1.0 if s >= 300 else 0.0, t),
+        ]
+        if s % 100 == 1:
+            rows += [(s, "eval/acc", acc * frac, t), (s, "eval/loss", 1.0 - frac / 2, t)]
+    st.write_batch(rid, metrics=rows)
+    if not dense:
+        st.log_ranks(rid, 1, {"body.0": [4, 8, 8, 8, 8], "body.3": [8, 8, 8, 8, 8]})
+        if upto >= 350:
+            st.log_ranks(rid, 350, {"body.0": [4, 6, 5, 6, 8], "body.3": [8, 7, 6, 7, 8]})
+            st.log_event(rid, "rank_change", "body.0 bond 2: 8 -> 6", 350)
+    if upto >= 300:
+        st.log_event(rid, "stage", "late stage after step 300 (z_f = 0.12)", 300)
+        st.log_event(rid, "checkpoint", "step_000300.safetensors (stage)", 300)
+    if status != "running":
+        st.set_status(rid, status, "RuntimeError: boom" if status == "failed" else None)
+    else:
+        st.heartbeat(rid)
+    return rid
+
+
+# ------------------------------------------------------------------ every page: empty store
+
+
+@pytest.mark.parametrize("page", [None, "live", "compare", "export"])
+def test_empty_store_pages_offer_the_default_experiment(home: Path, page: str | None) -> None:
+    at = app(page)
+    no_exception(at)
+    assert "No runs yet" in texts(at)
+    labels = [b.label for b in at.button]
+    assert "Launch the default experiment" in labels
+    assert "Design an experiment" in labels
+
+
+def test_learn_page_widgets_and_live_numbers(home: Path) -> None:
+    at = app("learn")
+    no_exception(at)
+    assert len(at.tabs) == 4
+    assert {s.label for s in at.slider} >= {"TT rank", "Rank", "Allocated rank of the bond",
+                                              "Size pressure so far (γ × steps)"}
+    params = next(m for m in at.metric if m.label == "Parameters").value
+    at.slider(key="l-rank").set_value(32).run()
+    no_exception(at)
+    assert next(m for m in at.metric if m.label == "Parameters").value != params
+    at.selectbox(key="l-src").set_value("random").run()
+    no_exception(at)
+    assert any("random matrix" in i.value for i in at.info)
+    at.selectbox(key="l-lay").set_value("interleaved").run()
+    no_exception(at)
+    assert next(m for m in at.metric if m.label == "Planner picks").value in (
+        "halves", "sweep", "dense")
+    assert len(at.get("plotly_chart")) >= 7
+
+
+# ------------------------------------------------------------------ new experiment
+
+
+def test_new_experiment_widgets_and_preview(home: Path) -> None:
+    at = app("new")
+    no_exception(at)
+    assert at.selectbox(key="preset").value == "digits_tt_mlp"
+    labels = {w.label for w in [*at.selectbox, *at.number_input, *at.radio, *at.toggle]}
+    assert labels >= {
+        "Model preset", "Dataset", "Model size", "Dense baseline", "Target compression (×)",
+        "Max rank (linear layers)", "Stage schedule", "Late stage from step", "Device",
+        "Precision", "Steps", "CUDA Graph", "Enforce a target compression",
+    }
+    assert "cpu" in at.selectbox(key="device").options[0].lower()
+    metrics = {m.label: m.value for m in at.metric}
+    assert {"Parameters", "Compression", "MACs / example", "Train memory"} <= set(metrics)
+    assert metrics["Compression"].endswith("×")
+    table = at.dataframe[0].value
+    assert list(table["layer"]) == ["body.0", "body.3"]
+    assert set(table["path"]) <= {"halves", "sweep", "dense"}
+    launch = at.button(key="launch")
+    assert launch.label == "Launch" and not launch.disabled
+    assert len(at.get("plotly_chart")) == 3
+
+
+def test_new_experiment_validation_messages(home: Path) -> None:
+    at = app("new")
+    at.number_input(key="digits_tt_mlp:target").set_value(1.0).run()
+    no_exception(at)
+    errs = " ".join(e.value for e in at.error)
+    assert "comera.target_compression: must be a ratio > 1" in errs
+    assert at.button(key="launch").disabled
+
+    at.number_input(key="digits_tt_mlp:target").set_value(5000.0).run()
+    assert "beyond the smallest TT model" in " ".join(e.value for e in at.error)
+    assert at.button(key="launch").disabled
+
+    at.number_input(key="digits_tt_mlp:target").set_value(40.0).run()
+    at.number_input(key="digits_tt_mlp:steps").set_value(0).run()
+    assert "train.steps: must be a positive integer" in " ".join(e.value for e in at.error)
+
+    at.number_input(key="digits_tt_mlp:switch_step").set_value(300).run()
+    at.number_input(key="digits_tt_mlp:steps").set_value(200).run()
+    assert not at.error
+    assert "after the run ends at step 200" in " ".join(w.value for w in at.warning)
+    assert not at.button(key="launch").disabled
+
+    at.number_input(key="digits_tt_mlp:batch").set_value(5000).run()
+    assert "train.batch_size: 5000 exceeds" in " ".join(e.value for e in at.error)
+    at.number_input(key="digits_tt_mlp:batch").set_value(64).run()
+
+    at.selectbox(key="digits_tt_mlp:precision").set_value("bf16").run()
+    assert "bf16 autocast on a CPU" in " ".join(w.value for w in at.warning)
+
+    at.number_input(key="digits_tt_mlp:rank:tiny").set_value(0).run()
+    assert "model.rank: must be a positive integer" in " ".join(e.value for e in at.error)
+
+
+def test_new_experiment_every_preset_previews(home: Path) -> None:
+    at = app("new")
+    for key in at.selectbox(key="preset").options:
+        at.selectbox(key="preset").set_value(key).run()
+        no_exception(at)
+        assert any(s.value == "Tensorisation preview" for s in at.subheader)
+    # a preset whose data file is not on this machine says so beside the dataset
+    if "dlrm_criteo_paper" in at.selectbox(key="preset").options:
+        at.selectbox(key="preset").set_value("dlrm_criteo_paper").run()
+        assert any("data.path" in e.value and "not on this server" in e.value
+                   for e in at.error)
+        assert at.button(key="launch").disabled
+
+
+def test_dense_baseline_and_model_scope_target(home: Path) -> None:
+    at = app("new")
+    at.toggle(key="digits_tt_mlp:dense").set_value(True).run()
+    no_exception(at)
+    assert next(m for m in at.metric if m.label == "Compression").value == "1.0×"
+    at.toggle(key="digits_tt_mlp:dense").set_value(False).run()
+    at.radio(key="digits_tt_mlp:scope").set_value("model").run()
+    at.number_input(key="digits_tt_mlp:target").set_value(60.0).run()
+    assert any("out of reach" in e.value or "beyond the smallest" in e.value for e in at.error)
+
+
+class FakeLaunch:
+    """Stands in for ``comera_engine.launch.launch``: records the run, starts nothing."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls = 0
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def __call__(self, config, overrides=(), store=None, name=None, gpus=None, nproc=1,
+                 max_concurrent=None) -> str:
+        with self.lock:
+            self.calls += 1
+        time.sleep(self.delay)
+        return store.create_run(config["name"], config, "queued")
+
+
+def test_launch_from_form_is_idempotent(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeLaunch()
+    monkeypatch.setattr("comera_engine.launch.launch", fake)
+    at = app("new")
+    at.number_input(key="digits_tt_mlp:steps").set_value(1000).run()
+    at.button(key="launch").click().run()
+    no_exception(at)
+    st = store_at(home)
+    runs_ = st.list_runs()
+    assert fake.calls == 1 and len(runs_) == 1
+    assert runs_[0]["config"]["train"]["steps"] == 1000
+    # we are on the live page of that run
+    assert any(runs_[0]["name"] in m.value for m in at.markdown)
+    # the same submission again (double click / resubmitted form): no second run
+    at.switch_page(PAGES["new"]).run()
+    assert any("launched from this form" in i.value and runs_[0]["id"] in i.value
+               for i in at.info)
+    at.button(key="launch").click().run()
+    assert fake.calls == 1 and len(st.list_runs()) == 1
+    # "Launch another" is an explicit fresh submission
+    at.switch_page(PAGES["new"]).run()
+    at.button(key="launch_another").click().run()
+    at.button(key="launch").click().run()
+    assert fake.calls == 2 and len(st.list_runs()) == 2
+
+
+def test_guarded_launch_once_across_concurrent_sessions(home: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    from app.lib import runs as runs_lib
+    from app.lib.defaults import default_config
+
+    fake = FakeLaunch(delay=0.3)
+    monkeypatch.setattr("comera_engine.launch.launch", fake)
+    results: list[tuple[str, bool]] = []
+
+    def session() -> None:  # every session opens its own store connection
+        results.append(runs_lib.guarded_launch(store_at(home), default_config(), "tok-1"))
+
+    threads = [threading.Thread(target=session) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert fake.calls == 1
+    assert len({rid for rid, _ in results}) == 1
+    assert sorted(started for _, started in results) == [False, False, False, True]
+
+
+def test_empty_state_button_launches_default_once(home: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeLaunch()
+    monkeypatch.setattr("comera_engine.launch.launch", fake)
+    a, b = app(), app()  # two sessions that both saw the empty store
+    a.button(key="overview-default").click().run()
+    b.button(key="overview-default").click().run()
+    no_exception(a)
+    no_exception(b)
+    st = store_at(home)
+    assert fake.calls == 1 and len(st.list_runs()) == 1
+    rid = st.list_runs()[0]["id"]
+    assert st.list_runs()[0]["config"]["name"] == "digits-tt-mlp"
+    for at in (a, b):  # both landed on the live page of the same run
+        assert any(rid in c.value for c in at.caption)
+
+
+# ------------------------------------------------------------------ live run
+
+
+def test_live_page_shows_a_running_run(home: Path) -> None:
+    st = store_at(home)
+    seed_run(st, "older", "finished")
+    rid = seed_run(st, "digits-live", "running", upto=400)
+    at = app("live")
+    no_exception(at)
+    assert at.selectbox(key="live-run").value == rid
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Step"] == "396 / 600"
+    assert metrics["Compression"] == "24.0×"
+    assert "Samples / s" in metrics and "Memory (RSS)" in metrics
+    assert not at.button(key="stop").disabled
+    assert at.button(key="resume").disabled
+    charts = at.get("plotly_chart")
+    assert len(charts) == 8
+    body = texts(at)
+    assert "running" in body and "Refreshing every 1 s" in body
+    events = at.dataframe[0].value
+    assert {"stage", "checkpoint", "rank change"} <= set(events["kind"])
+
+
+def test_live_page_failed_run_shows_the_error(home: Path) -> None:
+    st = store_at(home)
+    seed_run(st, "broken", "failed", upto=100)
+    at = app("live")
+    no_exception(at)
+    assert any("RuntimeError: boom" in e.value for e in at.error)
+    assert at.button(key="stop").disabled
+
+
+def test_stop_button_stops_and_enables_resume(home: Path) -> None:
+    st = store_at(home)
+    rid = st.create_run("waiting", config("waiting"), "queued")
+    at = app("live")
+    assert at.selectbox(key="live-run").value == rid
+    assert not at.button(key="stop").disabled
+    at.button(key="stop").click().run()
+    no_exception(at)
+    assert st.get_run(rid)["status"] == "stopped"
+    at.run()
+    assert "stopped" in texts(at)
+    assert at.button(key="stop").disabled and not at.button(key="resume").disabled
+
+
+def test_resume_button_resumes_a_stopped_run(home: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    st = store_at(home)
+    rid = seed_run(st, "paused", "stopped", upto=200)
+    calls: list[str] = []
+
+    def fake_resume(run_id: str, store: RunStore | None = None) -> str:
+        calls.append(run_id)
+        store.set_status(run_id, "queued", only_from=("stopped",))
+        return run_id
+
+    monkeypatch.setattr("comera_engine.launch.resume", fake_resume)
+    at = app("live")
+    assert at.button(key="stop").disabled and not at.button(key="resume").disabled
+    at.button(key="resume").click().run()
+    no_exception(at)
+    assert calls == [rid] and st.get_run(rid)["status"] == "queued"
+    assert "Refreshing every 1 s" in texts(at)
+
+
+def test_live_page_on_a_gpu_run(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    st = store_at(home)
+    rid = st.create_run("gpu-run", config("gpu-run"), "running", device="cuda", gpus="1")
+    t = time.time()
+    st.write_batch(rid, metrics=[
+        (s, n, v, t) for s in range(1, 50) for n, v in (
+            ("loss/task", 1.0 / s), ("mem/gpu_used_mb", 9000.0 + s),
+            ("mem/gpu_total_mb", 81559.0), ("mem/cuda_max_allocated_mb", 2100.0),
+            ("mem/cuda_max_reserved_mb", 2600.0), ("perf/tokens_per_s", 1.2e5))
+    ])
+    st.heartbeat(rid)
+    seen: list[int] = []
+
+    def fake_status(index: int) -> dict[str, float]:
+        seen.append(index)
+        return {"util_pct": 87.0, "mem_used_mb": 9050.0, "mem_total_mb": 81559.0}
+
+    monkeypatch.setattr("app.lib.devices.gpu_status", fake_status)
+    at = app("live")
+    no_exception(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["GPU memory"] == "8.84 GiB" and "Tokens / s" in metrics
+    assert seen == [1]  # NVML index of the run's GPU (CUDA_VISIBLE_DEVICES=1)
+    assert "GPU 1" in texts(at) and "CPU run" not in texts(at)
+
+
+def test_new_experiment_lists_gpus_and_launches_on_one(home: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import streamlit as st_mod
+
+    from app.lib.devices import GPU
+
+    st_mod.cache_data.clear()
+    gpus = [GPU(0, "NVIDIA H100", 81559.0), GPU(1, "Tiny GPU", 0.1)]
+    monkeypatch.setattr("app.lib.devices.list_gpus", lambda: gpus)
+    fake = FakeLaunch()
+    seen: dict[str, object] = {}
+
+    def launch(config, overrides=(), store=None, name=None, gpus=None, **kw) -> str:
+        seen.update(gpus=gpus, device=config["train"]["device"])
+        return fake(config, store=store)
+
+    monkeypatch.setattr("comera_engine.launch.launch", launch)
+    try:
+        at = app("new")
+        assert at.selectbox(key="device").options == [
+            "CPU", "GPU 0: NVIDIA H100 (80 GiB)", "GPU 1: Tiny GPU (0 GiB)"]
+        at.selectbox(key="device").set_value("cuda:1").run()
+        assert any("exceeds 90% of GPU 1" in e.value for e in at.error)
+        assert at.button(key="launch").disabled
+        at.selectbox(key="device").set_value("cuda:0").run()
+        assert not at.error and not any("CUDA Graphs need a GPU" in c.value for c in at.caption)
+        at.button(key="launch").click().run()
+        no_exception(at)
+        assert seen == {"gpus": "0", "device": "cuda"}
+    finally:
+        st_mod.cache_data.clear()
+
+
+# ------------------------------------------------------------------ compare
+
+
+def test_compare_page(home: Path) -> None:
+    st = store_at(home)
+    seed_run(st, "tt-20x", target=20.0, acc=0.93, comp=24.0)
+    seed_run(st, "tt-50x", target=50.0, acc=0.90, comp=50.0)
+    seed_run(st, "dense", dense=True, acc=0.95)
+    at = app("compare")
+    no_exception(at)
+    assert len(at.multiselect(key="cmp-runs").value) == 3
+    assert len(at.get("plotly_chart")) == 4
+    final, diff = at.dataframe[0].value, at.dataframe[1].value
+    assert len(final) == 3 and bool(final["dense"].any())
+    assert {"model.dense", "comera.target_compression"} <= set(diff["field"])
+    assert "No dense baseline" not in texts(at)
+    at.selectbox(key="cmp-m1").set_value("compression/tensorized").run()
+    no_exception(at)
+
+
+# ------------------------------------------------------------------ export (real run)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A real 40-step digits run through the launcher (supervisor + trainer)."""
+    from app.lib.defaults import default_config
+    from comera_engine.launch import launch
+
+    h = tmp_path_factory.mktemp("trained") / "home"
+    st = RunStore(h / "comera.db")
+    cfg = default_config()
+    cfg["train"].update(steps=40, eval_every=20, ckpt_every=20)
+    cfg["comera"]["switch"] = 20
+    rid = launch(cfg, store=st)
+    deadline = time.time() + 150
+    while time.time() < deadline:
+        run = st.get_run(rid)
+        if run["status"] not in ("queued", "running", "stopping"):
+            break
+        time.sleep(0.5)
+    run = st.get_run(rid)
+    if run["status"] != "finished":
+        pytest.fail(f"training run ended {run['status']}: {run['error']}")
+    return h, rid
+
+
+def test_export_page_exports_a_real_checkpoint(trained: tuple[Path, str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    h, rid = trained
+    monkeypatch.setenv("COMERA_HOME", str(h))
+    monkeypatch.chdir(ROOT)
+    at = app("export")
+    no_exception(at)
+    assert at.selectbox(key="exp-run").value == rid
+    assert at.selectbox(key="exp-ckpt").options
+    assert set(at.radio(key="exp-format").options) >= {"Compressed TT", "Dense", "ONNX"}
+    assert not at.get("download_button")
+    at.button(key="exp-go").click().run()
+    no_exception(at)
+    downloads = at.get("download_button")
+    assert len(downloads) >= 2  # the model and its card
+    exports = RunStore(h / "comera.db").artifacts(rid, kind="export_compressed")
+    assert exports and exports[0]["exists"]
+    assert Path(exports[0]["path"]).resolve().is_relative_to(h.resolve())
+
+
+def test_live_and_compare_pages_on_a_real_run(trained: tuple[Path, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    h, rid = trained
+    monkeypatch.setenv("COMERA_HOME", str(h))
+    monkeypatch.chdir(ROOT)
+    at = app("live")
+    no_exception(at)
+    assert {m.label: m.value for m in at.metric}["Step"] == "40 / 40"
+    assert "finished" in texts(at)
+    at.switch_page(PAGES["compare"]).run()
+    no_exception(at)
+    at.switch_page(PAGES["export"]).run()
+    no_exception(at)
+
+
+# ------------------------------------------------------------------ library pieces
+
+
+def test_preview_matches_size_report() -> None:
+    import torch
+
+    from app.lib.preview import data_shape, make_preview
+    from comera_engine import size_report
+    from comera_engine.launch import resolve_config
+    from comera_engine.models import build_model
+
+    cfg = resolve_config(config(target=40.0))
+    pv = make_preview(cfg, "cpu")
+    torch.manual_seed(0)
+    rep = size_report(build_model(cfg.model, data_shape(cfg.data)))
+    by_name = {row["name"]: row for row in rep["layers"]}
+    assert [layer.name for layer in pv.layers] == list(by_name)
+    for layer in pv.layers:
+        assert layer.tt_params == by_name[layer.name]["allocated_params"]
+        assert layer.dense_params == by_name[layer.name]["dense_params"]
+    assert pv.alloc_total == rep["model"]["allocated_params"]
+    assert pv.dense_total == rep["model"]["dense_params"]
+    # at the target the TT layers fit the budget
+    assert pv.target_tt <= pv.dense_tt / 40.0
+    assert pv.compression("target") >= 40.0
+    assert pv.tt_macs < pv.dense_macs
+
+
+def test_presets_always_include_the_embedded_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.lib import presets
+    from app.lib.defaults import DEFAULT_CONFIG_TOML, DEFAULT_PRESET, default_config
+    from comera_engine.launch import resolve_config
+
+    monkeypatch.setattr(presets, "config_dirs", lambda: [])
+    found = presets.load_presets()
+    assert list(found) == [DEFAULT_PRESET]
+    assert resolve_config(default_config()).model.name == "tt_mlp"
+    repo_copy = ROOT / "experiments" / "configs" / f"{DEFAULT_PRESET}.toml"
+    if repo_copy.is_file():  # the embedded copy stays the repository's default
+        import tomllib
+
+        assert tomllib.loads(DEFAULT_CONFIG_TOML) == tomllib.loads(repo_copy.read_text())
+
+
+def test_config_diff_and_token() -> None:
+    from app.lib.runs import config_diff, config_token
+
+    a, b = config(target=20.0), config(target=50.0, dense=True)
+    fields = {row["field"] for row in config_diff({"a": a, "b": b})}
+    assert fields == {"comera.target_compression", "model.dense"}
+    assert config_token("n", a) == config_token("n", json.loads(json.dumps(a)))
+    assert config_token("n", a) != config_token("n", b) != config_token("m", b)
+
+
+def test_run_app_command_binds_localhost(tmp_path: Path) -> None:
+    from app import launcher
+
+    cmd = launcher.streamlit_command()
+    assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--server.port") + 1] == "8501"
+    assert cmd[cmd.index("run") + 1].endswith("app/Home.py")
+    with pytest.raises(ValueError, match="port"):
+        launcher.streamlit_command(port=0)
+    env = launcher.app_env(tmp_path / "store" / "comera.db")
+    assert env["COMERA_HOME"] == str((tmp_path / "store").resolve())
+    assert str(ROOT) in env["PYTHONPATH"].split(":")
+
+
+def test_streamlit_config_is_local_and_private() -> None:
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())
+    assert cfg["server"]["address"] == "127.0.0.1"
+    assert cfg["server"]["port"] == 8501
+    assert cfg["server"]["headless"] is True
+    assert cfg["browser"]["gatherUsageStats"] is False
+
+
+def test_rank_heatmap_rows_span_the_run() -> None:
+    from app.lib.plots import ema, rank_rows
+
+    hist = [{"step": 1, "layer": "a", "ranks": [4, 8]}, {"step": 10, "layer": "a", "ranks": [3, 8]},
+            {"step": 1, "layer": "b", "ranks": [8]}]
+    rows, edges, z = rank_rows(hist, until=30)
+    assert rows == ["a · bond 1", "a · bond 2", "b · bond 1"]
+    assert edges == [1, 10, 30]
+    assert z == [[4.0, 3.0], [8.0, 8.0], [8.0, 8.0]]  # b forward-filled
+    assert ema([1.0, None, 3.0], 0.5)[0] == 1.0 and ema([1.0, None, 3.0], 0.5)[1] is None

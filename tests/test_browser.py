@@ -1,0 +1,334 @@
+"""End to end in a real browser: Playwright drives Debian's headless Chromium against
+``streamlit run app/Home.py`` on a free local port with a temporary ``COMERA_HOME``.
+
+* launch the default tiny experiment from the New-experiment form, watch the live page's
+  step count rise and its plots update, press Stop and see the status become stopped;
+  tour Compare, Learn and Export; no Streamlit exception anywhere;
+* two browser sessions press "Launch the default experiment" at once: one run starts and
+  both sessions watch it.
+
+Screenshots of every page go to ``test-artifacts/`` (gitignored). Skips, saying why, when
+``/usr/bin/chromium`` or the playwright package is missing (``.ci/run`` installs chromium).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+VIEWPORT = {"width": 1440, "height": 2200}
+
+
+def _skip_reason() -> str | None:
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} is missing (apt-get install chromium; .ci/run does it)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed (pip install playwright)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    reason = _skip_reason()
+    if reason:
+        print(f"SKIP browser tests: {reason}")
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+# ------------------------------------------------------------------ the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``streamlit run app/Home.py`` on 127.0.0.1:<free port> with its own run store."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env["COMERA_HOME"] = str(home)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        self.log = open(home.parent / "streamlit.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "Home.py"),
+             "--server.port", str(self.port), "--server.address", "127.0.0.1",
+             "--server.headless", "true", "--browser.gatherUsageStats", "false",
+             "--server.fileWatcherType", "none"],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"streamlit exited: {self.logs()}")
+            try:
+                with urllib.request.urlopen(self.url + "/_stcore/health", timeout=2) as r:
+                    if r.read().strip() == b"ok":
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"streamlit did not come up: {self.logs()}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        return (self.home.parent / "streamlit.log").read_text(errors="replace")[-3000:]
+
+    def store(self) -> Any:
+        from comera_engine.store import RunStore
+
+        return RunStore(self.home / "comera.db")
+
+    def close(self) -> None:
+        from comera_engine.launch import stop
+
+        try:  # never leave a trainer behind
+            st = self.store()
+            for run in st.list_runs(status=("queued", "running", "stopping")):
+                with contextlib.suppress(Exception):
+                    stop(run["id"], store=st, timeout=20)
+        finally:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.log.close()
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[Server]:
+    srv = Server(tmp_path / "home")
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+# ------------------------------------------------------------------ page helpers
+
+
+def wait_until(fn: Callable[[], Any], timeout: float, what: str, every: float = 0.25) -> Any:
+    deadline = time.time() + timeout
+    last: Any = None
+    while time.time() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+
+
+def no_exception(page: Any, where: str) -> None:
+    n = page.locator('[data-testid="stException"]').count()
+    assert n == 0, f"{where}: {n} Streamlit exception(s): " + " | ".join(
+        page.locator('[data-testid="stException"]').all_inner_texts())
+
+
+def settle(page: Any, timeout: float = 30) -> None:
+    """Wait until the script run finished (no 'Running' indicator) and no element is
+    drawn as stale; best effort on pages that refresh every second."""
+    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
+    time.sleep(0.5)
+    status = page.locator('[data-testid="stStatusWidget"]')
+    stale = page.locator('[data-testid="stElementContainer"][data-stale="true"]')
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        running = status.count() > 0 and "Running" in status.first.inner_text()
+        if not running and stale.count() == 0:
+            return
+        time.sleep(0.2)
+
+
+def shot(page: Any, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+
+
+def nav(page: Any, title: str) -> None:
+    page.get_by_test_id("stSidebarNavLink").filter(has_text=title).first.click()
+
+
+def metric_text(page: Any, label: str) -> str:
+    loc = page.locator('[data-testid="stMetric"]').filter(
+        has=page.locator('[data-testid="stMetricLabel"]', has_text=re.compile(f"^{label}$")))
+    if loc.count() == 0:
+        return ""
+    return loc.first.locator('[data-testid="stMetricValue"]').inner_text()
+
+
+def current_step(page: Any) -> int:
+    m = re.match(r"\s*([\d,]+)\s*/", metric_text(page, "Step"))
+    return int(m.group(1).replace(",", "")) if m else -1
+
+
+def chart_points(page: Any, key: str) -> int:
+    loc = page.locator(f".st-key-{key} .js-plotly-plot")
+    if loc.count() == 0:
+        return -1
+    return int(loc.first.evaluate(
+        "el => (el.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0)"))
+
+
+def run_status_header(page: Any) -> str:
+    h = page.locator("h3").filter(has_text=re.compile(
+        r"queued|running|stopping|finished|stopped|failed|crashed|diverged"))
+    return h.first.inner_text() if h.count() else ""
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
+    ctx = browser.new_context(viewport=VIEWPORT)
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+
+    page.goto(server.url)
+    page.get_by_text("No runs yet").wait_for()
+    settle(page)
+    no_exception(page, "overview (empty)")
+    shot(page, "01-overview-empty")
+
+    nav(page, "New experiment")
+    page.get_by_text("Tensorisation preview", exact=True).wait_for()
+    page.locator(".js-plotly-plot").first.wait_for()
+    settle(page)
+    no_exception(page, "new experiment")
+    steps = page.get_by_label("Steps", exact=True)
+    steps.fill("3000")
+    steps.press("Enter")
+    wait_until(lambda: steps.input_value() == "3000", 30, "the steps field")
+    settle(page)
+    shot(page, "02-new-experiment")
+
+    page.get_by_role("button", name="Launch", exact=True).click()
+    page.wait_for_url(re.compile(r".*/live_run\?run=.+"), timeout=60_000)
+    rid = page.url.split("run=")[1].split("&")[0]
+    runs = server.store().list_runs()
+    assert [r["id"] for r in runs] == [rid]
+    assert runs[0]["config"]["train"]["steps"] == 3000
+
+    s1 = wait_until(lambda: current_step(page) > 0 and current_step(page), 150,
+                    "the first training steps on the live page")
+    n1 = chart_points(page, "ch-loss")
+    s2 = wait_until(lambda: current_step(page) > s1 and current_step(page), 60,
+                    "the step count to rise without a reload")
+    wait_until(lambda: chart_points(page, "ch-loss") > n1, 60, "the loss plot to update")
+    assert s2 > s1
+    assert "running" in run_status_header(page)
+    no_exception(page, "live (running)")
+    shot(page, "03-live-running")
+
+    page.get_by_role("button", name="Stop").click()
+    wait_until(lambda: "stopped" in run_status_header(page), 90,
+               "the status to become stopped")
+    assert server.store().get_run(rid)["status"] == "stopped"
+    settle(page)
+    no_exception(page, "live (stopped)")
+    assert page.get_by_role("button", name="Resume").is_enabled()
+    shot(page, "04-live-stopped")
+
+    nav(page, "Compare")
+    page.get_by_text("Accuracy for the size", exact=True).wait_for()
+    wait_until(lambda: page.locator(".js-plotly-plot").count() >= 4, 60, "compare charts")
+    settle(page)
+    no_exception(page, "compare")
+    shot(page, "05-compare")
+
+    nav(page, "Learn")
+    page.get_by_text("Relative error", exact=True).wait_for()
+    wait_until(lambda: page.locator(".js-plotly-plot").count() >= 3, 60, "learn charts")
+    settle(page)
+    no_exception(page, "learn")
+    shot(page, "06-learn-tt-svd")
+    for i, tab in enumerate(["768×768 → cores", "Rank gates", "Two halves are cheaper"]):
+        page.get_by_role("tab", name=re.compile(re.escape(tab))).click()
+        time.sleep(1.0)
+        no_exception(page, f"learn / {tab}")
+        shot(page, f"0{7 + i}-learn-{tab.split()[0].replace('×', 'x')}")
+
+    nav(page, "Export")
+    page.get_by_role("button", name="Prepare export").click()
+    page.get_by_role("button", name="Download model", exact=True).wait_for(timeout=120_000)
+    settle(page)
+    no_exception(page, "export")
+    shot(page, "10-export")
+
+    nav(page, "Overview")
+    page.get_by_text("All runs", exact=True).wait_for()
+    settle(page)
+    no_exception(page, "overview (runs)")
+    shot(page, "11-overview-runs")
+    ctx.close()
+
+
+def test_two_sessions_start_one_run_and_watch_it(browser: Any, server: Server) -> None:
+    a_ctx = browser.new_context(viewport=VIEWPORT)
+    b_ctx = browser.new_context(viewport=VIEWPORT)
+    a, b = a_ctx.new_page(), b_ctx.new_page()
+    for p in (a, b):
+        p.set_default_timeout(60_000)
+        p.goto(server.url)
+        p.get_by_text("No runs yet").wait_for()
+        settle(p)
+    buttons = [p.get_by_role("button", name="Launch the default experiment") for p in (a, b)]
+    for btn in buttons:  # both press it at (nearly) the same time
+        btn.click(no_wait_after=True)
+    for p in (a, b):
+        p.wait_for_url(re.compile(r".*/live_run\?run=.+"), timeout=60_000)
+    rid_a = a.url.split("run=")[1].split("&")[0]
+    rid_b = b.url.split("run=")[1].split("&")[0]
+    runs = server.store().list_runs()
+    assert len(runs) == 1, [r["id"] for r in runs]
+    assert rid_a == rid_b == runs[0]["id"]
+
+    for p in (a, b):  # both sessions watch the same run make progress
+        wait_until(lambda p=p: current_step(p) > 0, 150, "steps in both sessions")
+    shot(a, "12-two-sessions-a")
+    shot(b, "13-two-sessions-b")
+    if server.store().get_run(rid_a)["status"] in ("queued", "running"):
+        a.get_by_role("button", name="Stop").click()
+    final = wait_until(
+        lambda: server.store().get_run(rid_a)["status"] in ("stopped", "finished")
+        and server.store().get_run(rid_a)["status"], 90, "the run to end")
+    for p in (a, b):  # the other session sees it too, without a reload
+        wait_until(lambda p=p: final in run_status_header(p), 30, f"{final} in both sessions")
+        no_exception(p, "live (two sessions)")
+    assert len(server.store().list_runs()) == 1
+    a_ctx.close()
+    b_ctx.close()
