@@ -1,0 +1,439 @@
+"""Detached launcher: start, stop, resume and follow training runs.
+
+The dashboard never owns a training process. :func:`launch` validates the config, writes
+``<run_dir>/config.toml``, records the run as ``queued`` and starts a small detached
+supervisor (``python -m comera_engine.launch.supervisor``, its own session) that runs the
+trainer (``python -m comera_engine.cli train <run_dir>/config.toml --store DB --run-id ID
+[--resume]``, or the same through ``torchrun`` for several GPUs), with stdout/stderr
+appended to ``<run_dir>/train.log``. The supervisor records a trainer that exits without
+a final status as ``crashed`` (``failed`` for a Python traceback), escalates a stop to
+SIGKILL after its timeout, and starts queued runs when a slot frees up.
+
+Lifecycle: ``queued → running → (stopping →) finished | stopped | failed | diverged |
+crashed``; ``stopped`` and ``crashed`` runs can be resumed as the same run.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from comera_engine.errors import ConfigError
+from comera_engine.store import (
+    FINAL_STATUSES,
+    RESUMABLE_STATUSES,
+    RunStore,
+    pid_alive,
+)
+from comera_engine.store.db import new_run_id, read_log_tail, this_host
+
+__all__ = [
+    "LaunchError",
+    "checkpoint_steps",
+    "dispatch",
+    "housekeeping",
+    "launch",
+    "logs",
+    "open_store",
+    "resolve_config",
+    "resume",
+    "set_max_concurrent",
+    "stop",
+]
+
+#: Seconds a stop waits for the trainer's checkpoint before SIGKILL.
+DEFAULT_STOP_TIMEOUT = 60.0
+CONFIG_FILENAME = "config.toml"
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_CKPT_NAME = re.compile(r"^step_(\d{6,})\.json$")
+
+
+class LaunchError(ValueError):
+    """A launcher request that cannot be carried out (wrong status, other host, ...)."""
+
+
+def open_store(store: RunStore | str | os.PathLike[str] | None = None) -> RunStore:
+    """A :class:`RunStore` from a store, a path (file or folder) or ``None`` (default)."""
+    return store if isinstance(store, RunStore) else RunStore(store)
+
+
+def resolve_config(
+    config: Mapping[str, Any] | str | os.PathLike[str], overrides: Sequence[str] = ()
+) -> Any:
+    """Load and validate a run config (a TOML path or a dict of TOML tables) with
+    ``section.key=value`` overrides; returns a ``comera_engine.train.config.Config``.
+    Raises :class:`~comera_engine.errors.ConfigError` with a one-line message."""
+    from comera_engine.train import config as cfgmod
+
+    if isinstance(config, Mapping):
+        raw = copy.deepcopy(dict(config))
+        for item in overrides:
+            cfgmod.apply_override(raw, item)
+        cfg = cfgmod.config_from_dict(raw)
+        cfg.base_dir = str(Path.cwd())
+        return cfg
+    return cfgmod.load_config(config, list(overrides))
+
+
+def _check_gpus(gpus: str | None, nproc: int) -> str | None:
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ConfigError("nproc", f"must be a positive integer, got {nproc!r}")
+    if gpus is None or str(gpus).strip() == "":
+        return None
+    gpus = str(gpus).replace(" ", "")
+    ids = gpus.split(",")
+    if not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
+        raise ConfigError("gpus", f"must be GPU indices like 0 or 0,1, got {gpus!r}")
+    if nproc > len(ids):
+        raise ConfigError("nproc", f"{nproc} processes need {nproc} GPUs, got gpus={gpus}")
+    return gpus
+
+
+def launch(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    store: RunStore | str | os.PathLike[str] | None = None,
+    name: str | None = None,
+    gpus: str | None = None,
+    nproc: int = 1,
+    max_concurrent: int | None = None,
+) -> str:
+    """Queue a training run and start it in the background; returns the run id at once.
+
+    ``config``: a TOML path or a dict; ``overrides``: ``section.key=value`` items;
+    ``gpus``: ``CUDA_VISIBLE_DEVICES`` for the run (e.g. ``"1"`` or ``"0,1"``);
+    ``nproc > 1``: that many processes through ``torchrun``; ``max_concurrent``: set the
+    store's limit on runs at once (``0`` for none); further runs wait as ``queued``.
+    An invalid config raises :class:`ConfigError` and writes nothing.
+    """
+    from comera_engine.train.config import to_toml
+
+    cfg = resolve_config(config, overrides)
+    if name is not None:
+        if not str(name).strip():
+            raise ConfigError("name", "must be a non-empty string")
+        cfg.name = str(name).strip()
+    gpus = _check_gpus(gpus, nproc)
+    if max_concurrent is not None and (
+        not isinstance(max_concurrent, int) or max_concurrent < 0
+    ):
+        raise ConfigError("max_concurrent", f"must be an integer >= 0, got {max_concurrent!r}")
+    text = to_toml(cfg)
+
+    st = open_store(store)
+    device = cfg.train.device
+    if gpus is not None and device in ("auto", "cpu"):
+        device = "cuda" if device == "auto" else device
+    for _ in range(20):
+        rid = new_run_id()
+        run_dir = st.run_dir(rid)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            continue
+    else:  # pragma: no cover
+        raise LaunchError("launch: could not allocate a run folder")
+    try:
+        (run_dir / CONFIG_FILENAME).write_text(text, encoding="utf-8")
+        st.create_run(
+            cfg.name,
+            cfg.to_dict(),
+            "queued",
+            device=device,
+            gpus=gpus,
+            nproc=nproc,
+            cwd=cfg.base_dir or os.getcwd(),
+            run_id=rid,
+        )
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    st.log_event(rid, "launch", f"queued {cfg.name} (nproc={nproc}, gpus={gpus or 'default'})")
+    if max_concurrent is not None:
+        set_max_concurrent(st, max_concurrent)
+    dispatch(st)
+    return rid
+
+
+def set_max_concurrent(store: RunStore | str | os.PathLike[str] | None, limit: int | None) -> None:
+    """Limit the runs active at once in this store (``None``/``0``: no limit)."""
+    st = open_store(store)
+    st.set_setting("max_concurrent", int(limit) if limit else None)
+    dispatch(st)
+
+
+def dispatch(store: RunStore | str | os.PathLike[str] | None = None) -> list[str]:
+    """Start queued runs, oldest first, while the store's ``max_concurrent`` allows.
+    Returns the ids started."""
+    st = open_store(store)
+    limit = st.get_setting("max_concurrent")
+    started = []
+    while (rid := st.claim_queued(limit)) is not None:
+        try:
+            _spawn_supervisor(st, rid)
+        except OSError as e:
+            st.set_status(
+                rid, "failed", f"launch: could not start the supervisor: {e}", only_from=("queued",)
+            )
+        started.append(rid)
+    return started
+
+
+def housekeeping(store: RunStore | str | os.PathLike[str] | None = None) -> dict[str, list[str]]:
+    """What a poller (``comera runs``, the dashboard) should call now and then: mark dead
+    runs crashed (:meth:`RunStore.reap`) and start queued runs that fit
+    (:func:`dispatch`), e.g. after a reboot left no supervisor to do it."""
+    st = open_store(store)
+    return {"crashed": st.reap(), "started": dispatch(st)}
+
+
+def child_env(gpus: str | None = None) -> dict[str, str]:
+    """Environment for supervisor and trainer: unbuffered output, this package importable,
+    ``CUDA_VISIBLE_DEVICES`` when ``gpus`` is given."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _PACKAGE_ROOT not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *paths])
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return env
+
+
+def _spawn_supervisor(st: RunStore, rid: str) -> None:
+    run = st.get_run(rid)
+    assert run is not None
+    st.run_dir(rid).mkdir(parents=True, exist_ok=True)
+    cwd = run["cwd"] if run["cwd"] and os.path.isdir(run["cwd"]) else str(st.run_dir(rid))
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("supervise.py")),  # = -m ...launch.supervisor, no torch
+        "--store",
+        str(st.path),
+        "--run-id",
+        rid,
+    ]
+    with open(st.log_path(rid), "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=child_env(),
+            start_new_session=True,
+            close_fds=True,
+        )
+    # only set the pid if the supervisor has not registered itself yet
+    st.write(
+        lambda c: c.execute(
+            "UPDATE runs SET supervisor_pid = ?, host = ? WHERE id = ? AND supervisor_pid IS NULL",
+            (proc.pid, this_host(), rid),
+        )
+    )
+    # reap the child when it exits so a long-lived launcher (the dashboard) keeps no zombies
+    threading.Thread(target=proc.wait, name=f"reap-{rid}", daemon=True).start()
+
+
+def checkpoint_steps(run_dir: str | os.PathLike[str]) -> list[int]:
+    """Steps of the complete checkpoints in ``<run_dir>/checkpoints/``, oldest first."""
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    steps = []
+    for p in d.iterdir():
+        m = _CKPT_NAME.match(p.name)
+        if m and p.with_suffix(".safetensors").is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def signal_group(pid: int | None, sig: int) -> bool:
+    """Send ``sig`` to the process group led by ``pid`` (the trainer and its children).
+    Returns whether anything was signalled."""
+    if not pid:
+        return False
+    try:
+        os.killpg(int(pid), sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover
+        return False
+
+
+def send_stop_signal(pid: int | None, nproc: int = 1) -> bool:
+    """SIGTERM to the trainer: the process itself (its data-loader workers are its own
+    business), or with torchrun (``nproc > 1``) its worker processes, so that torchrun
+    sees them end cleanly. Returns whether anything was signalled."""
+    if not pid:
+        return False
+    if nproc > 1:
+        try:
+            import psutil
+
+            workers = psutil.Process(int(pid)).children()
+        except Exception:
+            workers = []
+        sent = False
+        for w in workers:
+            try:
+                w.send_signal(signal.SIGTERM)
+                sent = True
+            except Exception:
+                pass
+        if sent:
+            return True
+    try:
+        os.kill(int(pid), signal.SIGTERM)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def stop(
+    run_id: str,
+    timeout: float = DEFAULT_STOP_TIMEOUT,
+    store: RunStore | str | os.PathLike[str] | None = None,
+    wait: bool = True,
+) -> str:
+    """Stop a run gracefully: SIGTERM, the trainer writes a checkpoint and reports
+    ``stopped``; after ``timeout`` seconds it is killed (and recorded as ``crashed``).
+
+    A queued run that has not started becomes ``stopped`` at once. With ``wait`` this
+    returns the final status (or ``stopping`` if it could not be confirmed); without, it
+    returns right after the request (the supervisor enforces the timeout).
+    """
+    st = open_store(store)
+    rid = st.resolve(run_id)
+    st.reap()
+    run = st.get_run(rid)
+    assert run is not None
+    if run["status"] in FINAL_STATUSES:
+        return str(run["status"])
+    if run["status"] == "queued" and run["dispatched_at"] is None:
+        if st.set_status(rid, "stopped", None, only_from=("queued",), dispatched_at=None):
+            st.log_event(rid, "stop", "stopped while queued (never started)")
+            return "stopped"
+        run = st.get_run(rid)
+        assert run is not None
+    if run["host"] and run["host"] != this_host():
+        raise LaunchError(f"run: {rid} runs on host {run['host']}; stop it there")
+    deadline = time.time() + float(timeout)
+    if st.set_status(rid, "stopping", only_from=("queued", "running"), stop_deadline=deadline):
+        st.log_event(rid, "stop", f"stop requested (SIGTERM, kill after {timeout:g} s)")
+    run = st.get_run(rid)
+    assert run is not None
+    deadline = run["stop_deadline"] or deadline
+    if not pid_alive(run["supervisor_pid"]) and run["status"] == "stopping":
+        send_stop_signal(run["pid"], int(run["nproc"] or 1))  # no supervisor to do it
+    if not wait:
+        return str(run["status"])
+    killed = False
+    while True:
+        run = st.get_run(rid)
+        assert run is not None
+        if run["status"] in FINAL_STATUSES:
+            # confirmed; give the processes a moment to exit so a resume cannot overlap
+            _wait_gone(run, 10.0)
+            return str(run["status"])
+        now = time.time()
+        supervised = pid_alive(run["supervisor_pid"])
+        if now > deadline + 2.0 and not supervised and not killed:
+            signal_group(run["pid"], signal.SIGKILL)
+            killed = True
+            st.set_status(
+                rid,
+                "crashed",
+                f"stop: no checkpoint confirmed within {timeout:g} s; killed (SIGKILL)",
+                only_from=("stopping",),
+            )
+        if now > deadline + 15.0:
+            return str(run["status"])
+        time.sleep(0.1)
+
+
+def _processes_alive(run: Mapping[str, Any]) -> bool:
+    if run.get("host") and run["host"] != this_host():
+        return False
+    return pid_alive(run.get("pid"), run.get("pid_started")) or pid_alive(
+        run.get("supervisor_pid")
+    )
+
+
+def _wait_gone(run: Mapping[str, Any], timeout: float) -> bool:
+    """Wait until the run's trainer and supervisor processes have exited."""
+    t0 = time.monotonic()
+    while _processes_alive(run):
+        if time.monotonic() - t0 > timeout:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) -> str:
+    """Continue a ``stopped`` or ``crashed`` run from its last checkpoint as the same run
+    (step numbers continue; metrics the old attempt logged after that checkpoint are
+    replaced). Returns the run id; the run is queued and started like a new one."""
+    st = open_store(store)
+    rid = st.resolve(run_id)
+    st.reap()
+    run = st.get_run(rid)
+    assert run is not None
+    if run["status"] not in RESUMABLE_STATUSES:
+        raise LaunchError(
+            f"run: {rid} is {run['status']}; only stopped or crashed runs can be resumed"
+        )
+    if not _wait_gone(run, 10.0):
+        raise LaunchError(f"run: {rid} still has a live process (pid {run['pid']}); try again")
+    if not (st.run_dir(rid) / CONFIG_FILENAME).is_file():
+        raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {st.run_dir(rid)}")
+    now = time.time()
+    ok = st.set_status(
+        rid,
+        "queued",
+        None,
+        only_from=tuple(RESUMABLE_STATUSES),
+        queued_at=now,
+        dispatched_at=None,
+        ended_at=None,
+        exit_code=None,
+        stop_deadline=None,
+        resume_pending=1,
+    )
+    if not ok:
+        raise LaunchError(f"run: {rid} changed status while resuming; try again")
+    steps = checkpoint_steps(st.run_dir(rid))
+    where = f"checkpoint at step {steps[-1]}" if steps else "the start (no checkpoint)"
+    st.log_event(rid, "resume", f"resume requested from {where}")
+    dispatch(st)
+    return rid
+
+
+def logs(
+    run_id: str,
+    tail: int | None = None,
+    store: RunStore | str | os.PathLike[str] | None = None,
+) -> str:
+    """The run's log (``<run_dir>/train.log``), or its last ``tail`` lines."""
+    st = open_store(store)
+    rid = st.resolve(run_id)
+    path = st.log_path(rid)
+    if tail is not None:
+        return read_log_tail(path, lines=int(tail), max_bytes=max(65536, 400 * int(tail)))
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+

@@ -1,0 +1,267 @@
+"""``comera launch | runs | logs | stop | resume`` subcommands.
+
+``comera_engine.cli`` registers them with :func:`add_subparsers`; every subcommand sets
+``func`` on the parsed namespace, and ``args.func(args)`` returns the exit code. Errors
+(bad config, unknown run, foreign store, wrong status) print one line ``comera: error: ...`` on
+stderr and return 2. ``python -m comera_engine.launch.cli`` runs them standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from comera_engine.launch import (
+    DEFAULT_STOP_TIMEOUT,
+    housekeeping,
+    launch,
+    logs,
+    open_store,
+    resume,
+    stop,
+)
+from comera_engine.store import FINAL_STATUSES, RunStore, resolve_store_path
+
+__all__ = ["add_subparsers", "main"]
+
+
+def _add_store(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store",
+        default=None,
+        help="run store database file or folder (default: $COMERA_HOME/comera.db "
+        "or ./runs/comera.db)",
+    )
+
+
+def add_subparsers(subparsers: Any) -> None:
+    """Register ``launch``, ``runs``, ``logs``, ``stop`` and ``resume`` on an argparse
+    subparsers object."""
+    p = subparsers.add_parser(
+        "launch", help="start a training run in the background and print its id"
+    )
+    p.add_argument("config", help="TOML run config")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable), e.g. --set train.steps=500",
+    )
+    p.add_argument("--name", default=None, help="run name (default: the config's name)")
+    p.add_argument(
+        "--gpus", default=None, help="CUDA_VISIBLE_DEVICES for this run, e.g. 0 or 0,1"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=1, help="processes (GPUs) through torchrun (default 1)"
+    )
+    p.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        help="set the store's limit on runs at once (0: none); later runs wait queued",
+    )
+    p.add_argument("--json", action="store_true", help="print {run_id, run_dir, log} as JSON")
+    _add_store(p)
+    p.set_defaults(func=cmd_launch)
+
+    p = subparsers.add_parser("runs", help="list runs with their status")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--status", action="append", default=None, help="only this status")
+    p.add_argument("--name", default=None, help="only runs whose name contains this")
+    p.add_argument("--limit", type=int, default=None, help="at most this many (newest)")
+    _add_store(p)
+    p.set_defaults(func=cmd_runs)
+
+    p = subparsers.add_parser("logs", help="print a run's log")
+    p.add_argument("run", help="run id, unique id prefix or run name")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    p.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
+    _add_store(p)
+    p.set_defaults(func=cmd_logs)
+
+    p = subparsers.add_parser("stop", help="stop a run gracefully (checkpoint, then stop)")
+    p.add_argument("run", help="run id, unique id prefix or run name")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_STOP_TIMEOUT,
+        help="seconds to wait for the checkpoint before SIGKILL "
+        f"(default {DEFAULT_STOP_TIMEOUT:g})",
+    )
+    p.add_argument("--no-wait", action="store_true", help="return right after the request")
+    _add_store(p)
+    p.set_defaults(func=cmd_stop)
+
+    p = subparsers.add_parser("resume", help="resume a stopped or crashed run")
+    p.add_argument("run", help="run id, unique id prefix or run name")
+    _add_store(p)
+    p.set_defaults(func=cmd_resume)
+
+
+def _fail(e: BaseException) -> int:
+    print(f"comera: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _existing_store(path: str | None) -> RunStore:
+    return RunStore(path, create=False)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    try:
+        st = open_store(args.store)
+        rid = launch(
+            args.config,
+            args.overrides,
+            store=st,
+            name=args.name,
+            gpus=args.gpus,
+            nproc=args.nproc,
+            max_concurrent=args.max_concurrent,
+        )
+    except ValueError as e:
+        return _fail(e)
+    if args.json:
+        info = {"run_id": rid, "run_dir": str(st.run_dir(rid)), "log": str(st.log_path(rid))}
+        print(json.dumps(info))
+    else:
+        print(rid)
+    return 0
+
+
+def _fmt_time(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _fmt_duration(run: dict[str, Any]) -> str:
+    if not run["started_at"]:
+        return "-"
+    end = run["ended_at"] if run["status"] in FINAL_STATUSES and run["ended_at"] else time.time()
+    s = int(max(0.0, end - run["started_at"]))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    path = resolve_store_path(args.store)
+    if not path.exists():
+        print("[]" if args.json else f"no runs (no run store at {path})")
+        return 0
+    try:
+        st = _existing_store(args.store)
+        housekeeping(st)
+        runs = st.list_runs(status=args.status, name_like=args.name, limit=args.limit)
+    except ValueError as e:
+        return _fail(e)
+    if args.json:
+        print(json.dumps(runs, default=str, indent=1))
+        return 0
+    if not runs:
+        print("no runs")
+        return 0
+    header = ("ID", "NAME", "STATUS", "STEP", "STARTED", "TIME", "DEVICE", "ERROR")
+    rows = []
+    for r in runs:
+        err = (r["error"] or "").strip().splitlines()
+        rows.append(
+            (
+                r["id"],
+                r["name"],
+                r["status"],
+                "-" if r["last_step"] is None else str(r["last_step"]),
+                _fmt_time(r["started_at"] or r["created_at"]),
+                _fmt_duration(r),
+                (r["device"] or "-") + (f" [{r['gpus']}]" if r["gpus"] else ""),
+                (err[0][:60] if err else ""),
+            )
+        )
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    for row in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    try:
+        st = _existing_store(args.store)
+        rid = st.resolve(args.run)
+        if not args.follow:
+            text = logs(rid, tail=args.tail, store=st)
+            sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+            return 0
+        return _follow(st, rid, args.tail)
+    except ValueError as e:
+        return _fail(e)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _follow(st: RunStore, rid: str, tail: int | None) -> int:
+    path = st.log_path(rid)
+    if tail is not None:
+        text = logs(rid, tail=tail, store=st)
+        if text:
+            sys.stdout.write(text + "\n")
+        pos = path.stat().st_size if path.exists() else 0
+    else:
+        pos = 0
+    quiet_since: float | None = None
+    while True:
+        chunk = b""
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+        if chunk:
+            pos += len(chunk)
+            sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+            quiet_since = None
+        else:
+            run = st.get_run(rid)
+            st.reap()
+            if run is None or run["status"] in FINAL_STATUSES:
+                if quiet_since is None:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since > 1.0:  # the supervisor's last line
+                    return 0
+            time.sleep(0.25)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    try:
+        st = _existing_store(args.store)
+        rid = st.resolve(args.run)
+        status = stop(rid, timeout=args.timeout, store=st, wait=not args.no_wait)
+    except ValueError as e:
+        return _fail(e)
+    print(f"{rid}: {status}")
+    return 0 if status in FINAL_STATUSES or args.no_wait else 1
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    try:
+        st = _existing_store(args.store)
+        rid = resume(args.run, store=st)
+    except ValueError as e:
+        return _fail(e)
+    print(rid)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -m comera_engine.launch.cli``)."""
+    parser = argparse.ArgumentParser(prog="comera")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subparsers(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

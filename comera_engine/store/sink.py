@@ -1,0 +1,216 @@
+"""``StoreSink``: the trainer's batched metrics sink into the run store."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from comera_engine.store.db import (
+    FINAL_STATUSES,
+    RunNotFoundError,
+    RunStore,
+    _artifact_row,
+    _metric_value,
+    process_start_time,
+    this_host,
+)
+
+
+class StoreSink:
+    """A :class:`comera_engine.metrics.MetricsSink` that writes into a :class:`RunStore`.
+
+    Records are buffered in memory; a background thread writes them every ``flush_every``
+    seconds in one transaction together with the run's heartbeat, so a training step only
+    pays for a list append and a crash loses at most the last ``flush_every`` seconds.
+    ``set_status``, ``flush`` and ``close`` write synchronously. A failed write keeps the
+    records and tries again on the next flush.
+
+    The first step this sink logs rewinds the run: metrics and rank snapshots at that step
+    or later (left by an earlier attempt of a resumed run) are deleted in the same
+    transaction as the first insert, so a resumed run has exactly one row per
+    ``(step, name)``.
+    """
+
+    def __init__(
+        self,
+        store: RunStore | str | os.PathLike[str],
+        run_id: str,
+        flush_every: float = 0.5,
+        *,
+        heartbeat: bool = True,
+        rewind: bool = True,
+    ) -> None:
+        self._own_store = not isinstance(store, RunStore)
+        self.store = store if isinstance(store, RunStore) else RunStore(store, create=False)
+        if self.store.get_run(run_id) is None:
+            raise RunNotFoundError(f"run_id: no run {run_id!r} in {self.store.path}")
+        self.run_id = run_id
+        self.flush_every = float(flush_every)
+        self._heartbeat = heartbeat
+        self._rewind_pending = rewind
+        self._first_step: int | None = None
+        self._lock = threading.Lock()  # guards the buffers
+        self._flush_lock = threading.Lock()  # one flush at a time
+        self._metrics: list[tuple[int, str, float | None, float]] = []
+        self._ranks: list[tuple[int, str, str, float]] = []
+        self._events: list[tuple[float, int | None, str, str]] = []
+        self._artifacts: list[tuple[str, str, int | None, float]] = []
+        self._closed = False
+        self._warned = False
+        #: ``flushes``, ``rows`` written, ``flush_cpu_s`` (CPU time of the flushing thread
+        #: spent writing) and ``flush_wall_s``; for benchmarks and diagnostics.
+        self.stats: dict[str, float] = {
+            "flushes": 0,
+            "rows": 0,
+            "flush_cpu_s": 0.0,
+            "flush_wall_s": 0.0,
+        }
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"StoreSink-{run_id}", daemon=True
+        )
+        self._thread.start()
+
+    # ---- MetricsSink -------------------------------------------------------------------
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        t = time.time()
+        step = int(step)
+        try:
+            rows = [(step, k, float(v), t) for k, v in metrics.items()]
+        except (TypeError, ValueError):  # name the offending metric
+            rows = [(step, str(k), _metric_value(k, v), t) for k, v in metrics.items()]
+        with self._lock:
+            if self._first_step is None:
+                self._first_step = step
+            self._metrics.extend(rows)
+
+    def log_ranks(self, step: int, ranks: Mapping[str, Sequence[int]]) -> None:
+        t = time.time()
+        step = int(step)
+        rows = [(step, str(k), json.dumps([int(x) for x in v]), t) for k, v in ranks.items()]
+        with self._lock:
+            if self._first_step is None:
+                self._first_step = step
+            self._ranks.extend(rows)
+
+    def log_event(self, kind: str, text: str, step: int | None = None) -> None:
+        row = (time.time(), None if step is None else int(step), str(kind), str(text))
+        with self._lock:
+            self._events.append(row)
+
+    def log_artifact(self, kind: str, path: str | os.PathLike[str]) -> None:
+        """Record a file; a checkpoint is written through at once (with everything logged
+        before it), so the store is never far behind the newest checkpoint on disk."""
+        row = _artifact_row(kind, path)
+        with self._lock:
+            self._artifacts.append(row)
+        if kind == "checkpoint":
+            try:
+                self._flush()
+            except Exception:  # the background thread retries; never fail the trainer
+                pass
+
+    def set_status(self, status: str, error: str | None = None) -> None:
+        """Flush and set the status in one transaction.
+
+        ``running`` only applies to a queued or running run (a pending stop request
+        wins) and records this process's pid and host when none are known. A final status
+        applies unless another final status is already set (``crashed`` may be corrected
+        by the trainer itself).
+        """
+        if status == "running":
+            only: tuple[str, ...] = ("queued", "running")
+        elif status in FINAL_STATUSES:
+            only = ("queued", "running", "stopping", "crashed")
+        else:
+            only = ("queued", "running", "stopping")
+        self._flush(status=(status, error, only))
+        if status == "running":
+            run = self.store.get_run(self.run_id)
+            if run is not None and not run["pid"]:
+                pid = os.getpid()
+                self.store.update_run(
+                    self.run_id, pid=pid, pid_started=process_start_time(pid), host=this_host()
+                )
+
+    def flush(self) -> None:
+        self._flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=max(5.0, 2 * self.flush_every))
+        self._flush()
+        if self._own_store:
+            self.store.close()
+
+    def __enter__(self) -> StoreSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def pending(self) -> int:
+        """Number of buffered records not yet written."""
+        with self._lock:
+            return len(self._metrics) + len(self._ranks) + len(self._events) + len(self._artifacts)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.flush_every):
+            try:
+                self._flush(heartbeat=self._heartbeat)
+            except Exception as e:  # keep training; records stay buffered
+                if not self._warned:
+                    self._warned = True
+                    print(f"comera store: write failed, will retry: {e}", file=sys.stderr)
+
+    def _flush(
+        self,
+        heartbeat: bool = False,
+        status: tuple[str, str | None, tuple[str, ...] | None] | None = None,
+    ) -> None:
+        with self._flush_lock:
+            with self._lock:
+                metrics, self._metrics = self._metrics, []
+                ranks, self._ranks = self._ranks, []
+                events, self._events = self._events, []
+                artifacts, self._artifacts = self._artifacts, []
+                rewind = self._first_step if self._rewind_pending and (metrics or ranks) else None
+            if not (metrics or ranks or events or artifacts or heartbeat or status):
+                return
+            c0, w0 = time.thread_time(), time.perf_counter()
+            try:
+                self.store.write_batch(
+                    self.run_id,
+                    metrics=metrics,
+                    ranks=ranks,
+                    events=events,
+                    artifacts=artifacts,
+                    rewind_from=rewind,
+                    heartbeat=heartbeat or status is not None,
+                    status=status,
+                )
+            except BaseException:
+                with self._lock:  # put them back in front, in order
+                    self._metrics[:0] = metrics
+                    self._ranks[:0] = ranks
+                    self._events[:0] = events
+                    self._artifacts[:0] = artifacts
+                raise
+            if rewind is not None:
+                self._rewind_pending = False
+            st = self.stats
+            st["flushes"] += 1
+            st["rows"] += len(metrics) + len(ranks) + len(events) + len(artifacts)
+            st["flush_cpu_s"] += time.thread_time() - c0
+            st["flush_wall_s"] += time.perf_counter() - w0
+

@@ -1,0 +1,589 @@
+"""Run store: schema, sink batching, queries, crash reaping, concurrency, foreign files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from comera_engine.metrics import MetricsSink
+from comera_engine.store import (
+    SCHEMA_VERSION,
+    RunNotFoundError,
+    RunStore,
+    StoreError,
+    StoreSink,
+    default_store_path,
+)
+from comera_engine.store import db as dbmod
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> RunStore:
+    return RunStore(tmp_path / "comera.db")
+
+
+# ------------------------------------------------------------------------------ basics
+
+
+def test_default_path_follows_comera_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("COMERA_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert default_store_path() == Path("runs") / "comera.db"
+    st = RunStore()
+    assert st.path == tmp_path / "runs" / "comera.db" and st.path.is_file()
+    monkeypatch.setenv("COMERA_HOME", str(tmp_path / "home"))
+    st2 = RunStore()
+    assert st2.path == tmp_path / "home" / "comera.db"
+    assert st2.run_dir("abc") == tmp_path / "home" / "abc"
+    # a folder given as the store means <folder>/comera.db; so does a new suffix-less path
+    assert RunStore(tmp_path / "home").path == st2.path
+    assert RunStore(tmp_path / "fresh").path == tmp_path / "fresh" / "comera.db"
+    assert RunStore(tmp_path / "my.db").path == tmp_path / "my.db"
+
+
+def test_create_false_refuses_missing_store(tmp_path):
+    with pytest.raises(StoreError, match="no run store"):
+        RunStore(tmp_path / "nope.db", create=False)
+    assert not (tmp_path / "nope.db").exists()
+
+
+def test_schema_version_wal_and_marker(store):
+    con = sqlite3.connect(store.path)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert con.execute("PRAGMA application_id").fetchone()[0] == dbmod.APPLICATION_ID
+    assert [r[0] for r in con.execute("SELECT version FROM schema_version")] == [SCHEMA_VERSION]
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"runs", "metrics", "rank_snapshots", "events", "artifacts"} <= tables
+    con.close()
+
+
+def test_runs_crud_filters_and_resolve(store):
+    a = store.create_run("digits-tt", {"train": {"steps": 5}}, device="cpu")
+    b = store.create_run("snli-small", {"x": 1}, status="running")
+    c = store.create_run("digits-dense", {}, status="finished")
+    run = store.get_run(a)
+    assert run["config"] == {"train": {"steps": 5}} and run["status"] == "queued"
+    assert run["device"] == "cpu" and run["nproc"] == 1
+    assert store.get_run(b)["started_at"] is not None
+    store.update_run(a, device="cuda:0", config={"y": 2})
+    assert store.get_run(a)["device"] == "cuda:0" and store.get_run(a)["config"] == {"y": 2}
+    with pytest.raises(ValueError, match="bogus"):
+        store.update_run(a, bogus=1)
+    assert {r["id"] for r in store.list_runs()} == {a, b, c}
+    assert [r["id"] for r in store.list_runs(status="running")] == [b]
+    assert {r["id"] for r in store.list_runs(status=["queued", "finished"])} == {a, c}
+    assert {r["id"] for r in store.list_runs(name_like="DIGITS")} == {a, c}
+    assert len(store.list_runs(limit=2)) == 2
+    assert store.resolve(a) == a
+    assert store.resolve("snli-small") == b
+    assert store.resolve(c[:-1]) == c or len({a[:-1], b[:-1], c[:-1]}) < 3
+    with pytest.raises(RunNotFoundError):
+        store.resolve("no-such-run")
+    assert store.get_run("missing") is None
+    with pytest.raises(StoreError):
+        store.run_dir("../etc")
+
+
+def test_second_store_object_in_one_process_keeps_writes_visible(tmp_path):
+    """Closing any file descriptor drops all of a process's POSIX locks on that file. If a
+    second RunStore read the header while the first was connected, the first would lose
+    its SQLite lock, the next process to close its connection would think it was the last
+    one and delete the WAL, and the first's later writes would be invisible to others."""
+    path = tmp_path / "comera.db"
+    first = RunStore(path)
+    first.create_run("before", {})
+    second = RunStore(path)
+    second.list_runs()
+    code = (
+        "import sys; from comera_engine.store import RunStore; "
+        "st = RunStore(sys.argv[1], create=False); "
+        "print(st.get_run(sys.argv[2]) is not None if len(sys.argv) > 2 else 'open'); "
+        "st.close()"
+    )
+
+    def other_process(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", code, str(path), *args],
+            env=_env(), capture_output=True, text=True, check=True, timeout=60,
+        ).stdout.strip()
+
+    assert other_process() == "open"  # another process opens and closes the store
+    rid = first.create_run("after", {})
+    assert other_process(rid) == "True"
+    second.close()
+
+
+# ------------------------------------------------------------------------------ sink
+
+
+def test_store_sink_is_a_metrics_sink_and_counts_exactly(store, tmp_path):
+    rid = store.create_run("r", {})
+    ck = tmp_path / "ck.bin"
+    ck.write_bytes(b"x" * 1234)
+    with StoreSink(store, rid, flush_every=0.05) as sink:
+        assert isinstance(sink, MetricsSink)
+        sink.set_status("running")
+        for step in range(300):
+            sink.log_metrics(step, {"loss/task": 1.0 / (step + 1), "lr": 1e-3})
+            if step % 100 == 0:
+                sink.log_ranks(step, {"fc1": [1, 8, 8, 1], "fc2": [1, 4, 1]})
+        sink.log_event("rank_change", "fc1 8->6", step=150)
+        sink.log_artifact("checkpoint", ck)
+        sink.set_status("finished")
+    run = store.get_run(rid)
+    assert run["status"] == "finished" and run["ended_at"] and run["error"] is None
+    assert run["last_step"] == 299 and run["pid"] == os.getpid()
+    assert store.counts(rid) == {"metrics": 600, "rank_snapshots": 6, "events": 1, "artifacts": 1}
+    assert store.metric_names(rid) == ["loss/task", "lr"]
+    assert store.latest_metrics(rid)["loss/task"] == (299, pytest.approx(1 / 300))
+    assert store.latest_ranks(rid) == {"fc1": [1, 8, 8, 1], "fc2": [1, 4, 1]}
+    assert [h["step"] for h in store.rank_history(rid, "fc2")] == [0, 100, 200]
+    (ev,) = store.events(rid)
+    assert (ev["kind"], ev["text"], ev["step"]) == ("rank_change", "fc1 8->6", 150)
+    assert store.events(rid, since_id=ev["id"]) == []
+    (art,) = store.artifacts(rid)
+    assert art["size"] == 1234 and art["exists"] and art["path"] == str(ck)
+
+
+def test_sink_writes_in_background_within_flush_interval(store):
+    rid = store.create_run("r", {})
+    reader = RunStore(store.path)  # a second connection
+    sink = StoreSink(store, rid, flush_every=0.5)
+    try:
+        t0 = time.time()
+        sink.log_metrics(0, {"a": 1.0})
+        assert reader.count_metrics(rid) == 0  # buffered, not written per step
+        while reader.count_metrics(rid) == 0:
+            assert time.time() - t0 < 1.5, "not flushed within the flush interval"
+            time.sleep(0.02)
+        assert time.time() - t0 <= 0.5 + 0.3
+        hb = reader.get_run(rid)["heartbeat_at"]
+        assert hb is not None and hb >= t0
+        time.sleep(0.7)  # heartbeats continue without new records
+        assert reader.get_run(rid)["heartbeat_at"] > hb
+    finally:
+        sink.close()
+
+
+def test_a_checkpoint_artifact_writes_through(store, tmp_path):
+    rid = store.create_run("r", {})
+    reader = RunStore(store.path)
+    ck = tmp_path / "step_000002.safetensors"
+    ck.write_bytes(b"x")
+    with StoreSink(store, rid, flush_every=60) as sink:
+        sink.log_metrics(1, {"a": 1.0})
+        sink.log_metrics(2, {"a": 2.0})
+        sink.log_artifact("export", ck)  # not a checkpoint: stays buffered
+        assert reader.count_metrics(rid) == 0
+        sink.log_artifact("checkpoint", ck)
+        assert reader.count_metrics(rid) == 2 and len(reader.artifacts(rid)) == 2
+
+
+def test_sink_keeps_records_when_a_write_fails(store, monkeypatch):
+    rid = store.create_run("r", {})
+    sink = StoreSink(store, rid, flush_every=60)
+    sink.log_metrics(1, {"a": 1.0})
+    real = store.write_batch
+    def broken(*a: object, **k: object) -> None:
+        raise StoreError("x")
+
+    monkeypatch.setattr(store, "write_batch", broken)
+    with pytest.raises(StoreError):
+        sink.flush()
+    assert sink.pending() == 1
+    monkeypatch.setattr(store, "write_batch", real)
+    sink.log_metrics(2, {"a": 2.0})
+    sink.close()
+    assert [(r["step"], r["value"]) for r in store.metrics_since(rid)] == [(1, 1.0), (2, 2.0)]
+
+
+def test_nan_and_non_numeric_metrics(store):
+    rid = store.create_run("r", {})
+    with StoreSink(store, rid) as sink:
+        sink.log_metrics(0, {"loss": float("nan"), "inf": float("inf")})
+        with pytest.raises(ValueError, match="stage"):
+            sink.log_metrics(1, {"stage": "early"})
+    rows = {r["name"]: r["value"] for r in store.metrics_since(rid)}
+    assert math.isnan(rows["loss"]) and rows["inf"] == math.inf
+
+
+def test_status_rules(store):
+    rid = store.create_run("r", {})
+    with StoreSink(store, rid) as sink:
+        sink.set_status("running")
+        assert store.get_run(rid)["status"] == "running"
+        store.set_status(rid, "stopping")
+        sink.set_status("running")  # a pending stop wins over a late "running"
+        assert store.get_run(rid)["status"] == "stopping"
+        sink.set_status("stopped")
+        sink.set_status("running")  # final stays final
+        assert store.get_run(rid)["status"] == "stopped"
+    rid2 = store.create_run("r2", {}, status="running")
+    store.set_status(rid2, "crashed", "no heartbeat")
+    with StoreSink(store, rid2) as sink:  # the trainer itself may correct a crash verdict
+        sink.set_status("finished")
+    assert store.get_run(rid2)["status"] == "finished"
+    assert store.get_run(rid2)["error"] is None
+    with pytest.raises(ValueError, match="status"):
+        store.set_status(rid2, "exploded")
+
+
+def test_resumed_attempt_replaces_rows_from_its_first_step(store):
+    rid = store.create_run("r", {})
+    with StoreSink(store, rid) as s1:
+        for step in range(100):
+            s1.log_metrics(step, {"loss": 1.0, "acc": 0.5})
+        s1.log_ranks(90, {"fc": [1, 5, 1]})
+    # crash after step 99; the checkpoint was at step 60, so attempt 2 starts at 61
+    with StoreSink(store, rid) as s2:
+        for step in range(61, 120):
+            s2.log_metrics(step, {"loss": 2.0, "acc": 0.7})
+    rows = store.metrics_since(rid)
+    assert len(rows) == 240
+    assert len({(r["step"], r["name"]) for r in rows}) == 240
+    by_step = {(r["step"], r["name"]): r["value"] for r in rows}
+    assert by_step[(60, "loss")] == 1.0 and by_step[(61, "loss")] == 2.0
+    assert by_step[(99, "loss")] == 2.0
+    assert store.rank_history(rid) == []  # the snapshot at 90 came from the lost attempt
+
+
+# ------------------------------------------------------------------------------ queries
+
+
+def test_metrics_since_is_incremental(store):
+    rid = store.create_run("r", {})
+    with StoreSink(store, rid) as sink:
+        for step in range(10):
+            sink.log_metrics(step, {"a": step, "b": -step})
+    assert len(store.metrics_since(rid, -1)) == 20
+    assert [r["step"] for r in store.metrics_since(rid, 7)] == [8, 8, 9, 9]
+    assert [r["value"] for r in store.metrics_since(rid, 7, names=["b"])] == [-8, -9]
+    assert store.metrics_since(rid, 9) == []
+
+
+def test_series_downsampling_keeps_ends_and_extremes(store):
+    rid = store.create_run("r", {})
+    n = 50_000
+    with StoreSink(store, rid, flush_every=60) as sink:
+        for step in range(n):
+            v = math.sin(step / 500.0)
+            if step == 12_345:
+                v = 42.0  # a spike
+            if step == 33_333:
+                v = -17.0
+            sink.log_metrics(step, {"loss": v})
+        sink.log_metrics(0, {"short": 1.0})
+    s = store.series(rid, "loss", max_points=2000)
+    assert s["total"] == n and s["downsampled"]
+    assert 1000 < len(s["step"]) <= 2000
+    assert s["step"] == sorted(set(s["step"]))
+    assert s["step"][0] == 0 and s["step"][-1] == n - 1
+    assert max(s["value"]) == 42.0 and s["step"][s["value"].index(42.0)] == 12_345
+    assert min(s["value"]) == -17.0
+    small = store.series(rid, "loss", max_points=10)
+    assert len(small["step"]) <= 10 and 42.0 in small["value"] and -17.0 in small["value"]
+    assert store.series(rid, "short") == {
+        "step": [0], "value": [1.0], "total": 1, "downsampled": False
+    }
+    assert store.series(rid, "nothing")["step"] == []
+    with pytest.raises(ValueError, match="max_points"):
+        store.series(rid, "loss", max_points=2)
+
+
+def test_claim_queued_respects_the_limit(store):
+    a = store.create_run("a", {})
+    b = store.create_run("b", {})
+    assert store.claim_queued(max_active=1) == a
+    assert store.claim_queued(max_active=1) is None  # a is dispatched
+    store.set_status(a, "finished")
+    assert store.claim_queued(max_active=1) == b
+    assert store.claim_queued() is None
+
+
+# ------------------------------------------------------------------------------ reaping
+
+
+def test_reap_marks_a_dead_pid_on_this_host_with_its_log_tail(store):
+    rid = store.create_run("r", {}, status="running")
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    store.update_run(rid, pid=p.pid, host=dbmod.this_host(), heartbeat_at=time.time())
+    store.run_dir(rid).mkdir()
+    store.log_path(rid).write_text("step 10\nRuntimeError: CUDA out of memory\n")
+    alive = store.create_run("alive", {}, status="running")
+    store.update_run(alive, pid=os.getpid(), host=dbmod.this_host(), heartbeat_at=time.time() - 99)
+    assert store.reap() == [rid]
+    run = store.get_run(rid)
+    assert run["status"] == "crashed" and "CUDA out of memory" in run["error"]
+    assert store.get_run(alive)["status"] == "running"  # a live pid on this host is trusted
+    assert [e["kind"] for e in store.events(rid)] == ["crash"]
+    assert store.reap() == []
+
+
+def test_reap_uses_the_heartbeat_for_other_hosts(store):
+    old = store.create_run("old", {}, status="running")
+    fresh = store.create_run("fresh", {}, status="stopping")
+    store.update_run(old, host="elsewhere", pid=1, heartbeat_at=time.time() - 11)
+    store.update_run(fresh, host="elsewhere", pid=1, heartbeat_at=time.time() - 1)
+    assert store.reap() == [old]
+    assert store.get_run(old)["status"] == "crashed"
+    assert "heartbeat" in store.get_run(old)["error"]
+    assert store.get_run(fresh)["status"] == "stopping"
+
+
+# ------------------------------------------------------------------------------ migrations
+
+
+def test_migrations_upgrade_an_older_store_in_place(tmp_path, monkeypatch):
+    path = tmp_path / "comera.db"
+    st = RunStore(path)
+    rid = st.create_run("kept", {"a": 1})
+    st.close()
+
+    def to_2(c: sqlite3.Connection) -> None:
+        c.execute("ALTER TABLE runs ADD COLUMN tags TEXT")
+
+    monkeypatch.setattr(dbmod, "MIGRATIONS", [*dbmod.MIGRATIONS, (2, to_2)])
+    monkeypatch.setattr(dbmod, "SCHEMA_VERSION", 2)
+    st2 = RunStore(path)
+    assert st2.get_run(rid)["name"] == "kept" and "tags" in st2.get_run(rid)
+    versions = st2.read(lambda c: [r[0] for r in c.execute("SELECT version FROM schema_version")])
+    assert versions == [1, 2]
+
+
+def test_newer_schema_is_refused_untouched(tmp_path):
+    path = tmp_path / "comera.db"
+    RunStore(path).close()
+    con = sqlite3.connect(path)
+    con.execute("INSERT INTO schema_version VALUES (99, 0)")
+    con.commit()
+    con.close()
+    before = _sha(path)
+    with pytest.raises(StoreError, match="newer"):
+        RunStore(path)
+    assert _sha(path) == before
+
+
+# ------------------------------------------------------------------------------ foreign files
+
+
+def _foreign_sqlite(p: Path) -> None:
+    con = sqlite3.connect(p)
+    con.execute("CREATE TABLE customers (id INTEGER, name TEXT)")
+    con.execute("INSERT INTO customers VALUES (1, 'ada')")
+    con.commit()
+    con.close()
+
+
+def _other_app(p: Path) -> None:
+    con = sqlite3.connect(p)
+    con.execute("PRAGMA application_id = 1234")
+    con.execute("CREATE TABLE comera_meta (key TEXT, value TEXT)")
+    con.commit()
+    con.close()
+
+
+def _garbage(p: Path) -> None:
+    p.write_bytes(os.urandom(8192))
+
+
+def _text(p: Path) -> None:
+    p.write_text("name = 'this is a TOML file, not a database'\n" * 50)
+
+
+def _truncated(p: Path) -> None:
+    st = RunStore(p)
+    st.create_run("r", {})
+    st.close()
+    data = p.read_bytes()
+    p.write_bytes(data[:60])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (_garbage, "not a SQLite database"),
+        (_text, "not a SQLite database"),
+        (_truncated, "not a SQLite database"),
+        (_foreign_sqlite, "not a CoMERA run store"),
+        (_other_app, "another application"),
+    ],
+)
+def test_foreign_or_corrupt_file_is_refused_and_never_written(tmp_path, make, message):
+    path = tmp_path / "comera.db"
+    make(path)
+    before, size = _sha(path), path.stat().st_size
+    with pytest.raises(StoreError, match=message) as exc:
+        RunStore(path)
+    assert isinstance(exc.value, ValueError)
+    assert str(path) in str(exc.value)
+    assert _sha(path) == before and path.stat().st_size == size
+    assert not (tmp_path / "comera.db-wal").exists()
+
+
+def test_corrupt_pages_give_a_clear_error_and_file_is_untouched(tmp_path):
+    path = tmp_path / "comera.db"
+    st = RunStore(path)
+    rid = st.create_run("r", {})
+    with StoreSink(st, rid, flush_every=60) as sink:
+        for step in range(3000):
+            sink.log_metrics(step, {"loss": 1.0, "acc": 2.0})
+    st.read(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+    st.close()
+    data = bytearray(path.read_bytes())
+    page = 4096
+    assert len(data) > 10 * page
+    data[2 * page :] = os.urandom(len(data) - 2 * page)  # keep the header and the schema page
+    path.write_bytes(bytes(data))
+    before = _sha(path)
+    with pytest.raises(StoreError, match="corrupt"):
+        s2 = RunStore(path)
+        s2.metrics_since(rid)
+        s2.series(rid, "loss")
+        s2.list_runs()
+    assert _sha(path) == before
+
+
+# ------------------------------------------------------------------------------ processes
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from comera_engine.store import RunStore, StoreSink
+    path, rid, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    sink = StoreSink(RunStore(path), rid, flush_every=0.01)  # many small transactions
+    sink.set_status("running")
+    for step in range(steps):
+        sink.log_metrics(step, {"loss": 1.0 / (step + 1), "acc": step % 10, "lr": 1e-3})
+        if step % 10 == 0:
+            sink.log_ranks(step, {"fc1": [1, 8, 8, 1], "fc2": [1, 6, 1]})
+        if step % 100 == 0:
+            sink.log_event("info", f"step {step}", step)
+        if step % 50 == 0:
+            time.sleep(0.01)
+    sink.set_status("finished")
+    sink.close()
+    """
+)
+
+_READER = textwrap.dedent(
+    """
+    import json, sys, time
+    from comera_engine.store import RunStore, FINAL_STATUSES
+    path, ids = sys.argv[1], sys.argv[2].split(",")
+    st = RunStore(path, create=False)
+    seen = {rid: set() for rid in ids}
+    last = {rid: -1 for rid in ids}
+    dup = polls = 0
+    t0 = time.time()
+    while time.time() - t0 < 60:
+        polls += 1
+        runs = {r["id"]: r for r in st.list_runs()}
+        for rid in ids:
+            for r in st.metrics_since(rid, last[rid]):
+                key = (r["step"], r["name"])
+                dup += key in seen[rid]
+                seen[rid].add(key)
+                last[rid] = max(last[rid], r["step"])
+            st.series(rid, "loss", max_points=200)
+            st.latest_ranks(rid)
+        if all(runs[rid]["status"] in FINAL_STATUSES for rid in ids):
+            # one more pass after the final status: the last batch is committed with it
+            for rid in ids:
+                for r in st.metrics_since(rid, last[rid]):
+                    key = (r["step"], r["name"])
+                    dup += key in seen[rid]
+                    seen[rid].add(key)
+            break
+    print(json.dumps({"polls": polls, "dup": dup, "seen": {k: len(v) for k, v in seen.items()}}))
+    """
+)
+
+
+def test_three_writers_and_a_polling_reader_lose_and_duplicate_nothing(store):
+    steps = 2500
+    ids = [store.create_run(f"w{i}", {}) for i in range(3)]
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _READER, str(store.path), ",".join(ids)],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(store.path), rid, str(steps)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rid in ids
+    ]
+    outs = [w.communicate(timeout=90) for w in writers]
+    rout, rerr = reader.communicate(timeout=90)
+    for w, (_, err) in zip(writers, outs):
+        assert w.returncode == 0, err
+        assert "locked" not in err and "comera store" not in err, err
+    assert reader.returncode == 0, rerr
+    assert "locked" not in rerr
+    summary = json.loads(rout)
+    assert summary["dup"] == 0 and summary["polls"] >= 3
+    fresh = RunStore(store.path)
+    for rid in ids:
+        assert fresh.get_run(rid)["status"] == "finished"
+        assert fresh.counts(rid) == {
+            "metrics": 3 * steps,
+            "rank_snapshots": 2 * (steps // 10),
+            "events": steps // 100,
+            "artifacts": 0,
+        }
+        rows = fresh.metrics_since(rid)
+        assert len({(r["step"], r["name"]) for r in rows}) == 3 * steps
+        assert summary["seen"][rid] == 3 * steps  # the reader, polling, saw every row once
+
+
+def test_a_new_reader_process_sees_every_run_and_status(store):
+    expected = {}
+    for status in ("queued", "running", "stopping", "finished", "stopped", "failed",
+                   "diverged", "crashed"):
+        rid = store.create_run(f"run-{status}", {"s": status})
+        if status != "queued":
+            store.set_status(rid, status, "boom" if status == "failed" else None)
+        expected[rid] = status
+    code = (
+        "import json, sys; from comera_engine.store import RunStore; "
+        "st = RunStore(sys.argv[1], create=False); "
+        "print(json.dumps({r['id']: [r['status'], r['name'], r['error']] "
+        "for r in st.list_runs()}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(store.path)],
+        env=_env(), capture_output=True, text=True, check=True, timeout=60,
+    )
+    seen = json.loads(out.stdout)
+    assert {k: v[0] for k, v in seen.items()} == expected
+    failed = next(v for v in seen.values() if v[0] == "failed")
+    assert failed[2] == "boom"
