@@ -70,14 +70,16 @@ def require_store() -> RunStore:
 
 
 def reap(store: RunStore, every: float = 5.0) -> None:
-    """Mark runs whose process vanished as crashed (at most every ``every`` seconds per
-    session)."""
+    """Mark runs whose process vanished as crashed and start queued runs that fit (at most
+    every ``every`` seconds per session)."""
     now = time.monotonic()
     last = st.session_state.get("_last_reap", 0.0)
     if now - last >= every:
         st.session_state["_last_reap"] = now
         try:
-            store.reap()
+            from comera_engine.launch import housekeeping
+
+            housekeeping(store)
         except Exception:  # noqa: BLE001 - a busy store must not break a page
             pass
 

@@ -395,6 +395,7 @@ class _Run:
         if truncated or reason == "stage":
             self._wrap()  # parameters or the objective changed: new DDP + re-capture
         if self.dist.is_main:
+            self.sink.flush()  # every metric up to this step is durable before the checkpoint
             meta = {
                 "format": 1,
                 "reason": reason,
