@@ -70,16 +70,14 @@ def require_store() -> RunStore:
 
 
 def reap(store: RunStore, every: float = 5.0) -> None:
-    """Mark runs whose process vanished as crashed and start queued runs that fit (at most
-    every ``every`` seconds per session)."""
+    """Mark runs whose process vanished as crashed (at most every ``every`` seconds per
+    session)."""
     now = time.monotonic()
     last = st.session_state.get("_last_reap", 0.0)
     if now - last >= every:
         st.session_state["_last_reap"] = now
         try:
-            from comera_engine.launch import housekeeping
-
-            housekeeping(store)
+            store.reap()
         except Exception:  # noqa: BLE001 - a busy store must not break a page
             pass
 
