@@ -94,12 +94,15 @@ def test_tt_svd_roundtrip(d: int) -> None:
     ins, outs = _rand_linear_shapes(rng, d)
     src = TTLinearCores(ins, outs, 2, dtype=DT)
     W = src.to_matrix().detach()
-    back = TTLinearCores.from_matrix(W, ins, outs, tol=1e-10)
+    back = TTLinearCores.from_dense(W, ins, outs, tol=1e-10)
     assert torch.allclose(back.to_matrix(), W, atol=1e-10)
     assert max(back.ranks) <= 2  # the planted rank is recovered, not exceeded
-    capped = TTLinearCores.from_matrix(torch.randn(12, 10, dtype=DT), [3, 4], [2, 5],
-                                       max_rank=2)
+    capped = TTLinearCores.from_dense(torch.randn(12, 10, dtype=DT), [3, 4], [2, 5],
+                                      max_rank=2)
     assert max(capped.ranks) <= 2
+    E = TTMCores([3, 4], [2, 2], 3, dtype=DT).to_matrix().detach()
+    backm = TTMCores.from_dense(E, [3, 4], [2, 2], tol=1e-12)
+    assert torch.allclose(backm.to_matrix(), E, atol=1e-10) and max(backm.ranks) <= 3
 
 
 # ------------------------------------------------------------------ contraction paths

@@ -393,6 +393,8 @@ class TTLinearCores(TensorTrain):
         obj.load_cores_(cores)
         return obj
 
+    from_dense = from_matrix  # ``TTLinearCores.from_dense(W, in_factors, out_factors, …)``
+
 
 class TTMCores(TensorTrain):
     """TT-matrix of a table ``E ∈ R^{V×D}``: cores ``(r_{k-1}, v_k, e_k, r_k)``,
@@ -460,3 +462,5 @@ class TTMCores(TensorTrain):
             for c, v, e in zip(cores, row_factors, col_factors)
         ])
         return obj
+
+    from_dense = from_matrix  # ``TTMCores.from_dense(E, row_factors, col_factors, …)``
