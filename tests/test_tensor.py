@@ -136,6 +136,11 @@ def test_paths_match_dense_values_and_gradients(d: int, path: str) -> None:
         assert rel(a, b) < 1e-10
     if d <= 3:
         assert torch.autograd.gradcheck(lambda x_, *c: tt_linear(x_, c, d, path), (x, *cores))
+        b = torch.randn(math.prod(outs), dtype=DT, requires_grad=True)
+        yb = tt_linear(x, cores, d, path, bias=b)
+        assert torch.allclose(yb, y + b, atol=1e-12)
+        assert torch.autograd.gradcheck(lambda x_, b_, *c: tt_linear(x_, c, d, path, bias=b_),
+                                        (x, b, *cores))
 
 
 def test_halves_saves_only_input_xl_and_merges() -> None:
@@ -146,7 +151,7 @@ def test_halves_saves_only_input_xl_and_merges() -> None:
     cores = [c.detach().clone().requires_grad_() for c in tt.cores]
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = TTLinearHalves.apply(x, 3, *cores)
+        y = TTLinearHalves.apply(x, 3, None, *cores)
     rd = cores[2].shape[-1]
     rd_padded = -(-rd // 8) * 8  # X·L is kept at the 8-aligned middle rank
     batch_sized = [t for t in saved if t.dim() == 2 and t.shape[0] == B]

@@ -86,11 +86,12 @@ class TTLinear(nn.Module):
                              f"{self.in_features}")
         if N != self.in_features:
             x = F.pad(x, (0, N - self.in_features))
-        y = tt_linear(x, self.tt.gated_cores(), self.tt.d, self.path)
+        bias = self.bias
+        if bias is not None and M != self.out_features:
+            bias = F.pad(bias, (0, M - self.out_features))
+        y = tt_linear(x, self.tt.gated_cores(), self.tt.d, self.path, bias=bias)
         if M != self.out_features:
             y = y[..., : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
         return y
 
     def dense_weight(self) -> Tensor:

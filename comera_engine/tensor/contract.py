@@ -101,14 +101,16 @@ class TTLinearHalves(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, d: int, *cores: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
+                *cores: Tensor) -> Tensor:
         left, right = cores[:d], cores[d:]
         P = merge_left(left)
         Q = merge_right(right)
         Lp, Rp = _pad_middle(P[-1], Q[0])
         XL = x @ Lp
-        y = XL @ Rp
+        y = torch.addmm(bias, XL, Rp) if bias is not None else XL @ Rp
         ctx.d = d
+        ctx.has_bias = bias is not None
         ctx.save_for_backward(x, XL, *cores, *P, *Q)
         return y
 
@@ -123,7 +125,8 @@ class TTLinearHalves(torch.autograd.Function):
         rd = P[-1].shape[1]
         Lp, Rp = _pad_middle(P[-1], Q[0])
         need_x = ctx.needs_input_grad[0]
-        need_cores = ctx.needs_input_grad[2:]
+        need_cores = ctx.needs_input_grad[3:]
+        dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dXL = dy @ Rp.t()
         dx = dXL @ Lp.t() if need_x else None
         grads: list[Tensor | None] = [None] * (2 * d)
@@ -147,12 +150,14 @@ class TTLinearHalves(torch.autograd.Function):
                 dQ = G.reshape(r0 * m, r1).t() @ dQj
             grads[2 * d - 1] = dQ.reshape(cores[-1].shape)
         grads = [g if need else None for g, need in zip(grads, need_cores)]
-        return (dx, None, *grads)
+        return (dx, None, dbias, *grads)
 
 
-def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
-    """Two-half path. ``x``: ``(B, N)``; returns ``(B, M)``."""
-    return TTLinearHalves.apply(x, d, *cores)
+def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int,
+                     bias: Tensor | None = None) -> Tensor:
+    """Two-half path. ``x``: ``(B, N)``; returns ``(B, M)`` (``+ bias``, fused into the
+    last GEMM)."""
+    return TTLinearHalves.apply(x, d, bias, *cores)
 
 
 # ---------------------------------------------------------------------------- sweep
@@ -372,10 +377,12 @@ def explain(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
 
 
 # ---------------------------------------------------------------------------- entry
-def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = None) -> Tensor:
-    """``Y = X·W`` for the TT weight given by ``cores`` (gates already absorbed).
+def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = None,
+              bias: Tensor | None = None) -> Tensor:
+    """``Y = X·W (+ bias)`` for the TT weight given by ``cores`` (gates already absorbed).
 
-    ``x``: ``(..., N)``; returns ``(..., M)``. ``path=None`` lets the planner choose.
+    ``x``: ``(..., N)``; ``bias``: ``(M,)`` (the padded output width) or None; returns
+    ``(..., M)``. ``path=None`` lets the planner choose.
     """
     if len(cores) != 2 * d:
         raise ValueError(f"cores: expected 2d = {2 * d} cores, got {len(cores)}")
@@ -387,7 +394,8 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
     lead = x.shape[:-1]
     x2 = x.reshape(-1, N)
     if any(c.shape[-1] == 0 for c in cores[:-1]):  # a bond of rank 0: the zero map
-        return x.new_zeros(*lead, math.prod(outs))
+        y0 = x.new_zeros(*lead, math.prod(outs))
+        return y0 + bias if bias is not None else y0
     if path is None:
         ranks = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
         training = torch.is_grad_enabled() and (
@@ -398,5 +406,10 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
         impl = _IMPL[path]
     except KeyError:
         raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}") from None
-    y = impl(x2, cores, d)
+    if path == "halves":
+        y = tt_linear_halves(x2, cores, d, bias)
+    else:
+        y = impl(x2, cores, d)
+        if bias is not None:
+            y = y + bias
     return y.reshape(*lead, -1)
