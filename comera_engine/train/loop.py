@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from comera_engine.errors import ConfigError
-from comera_engine.metrics import MetricsSink
+from comera_engine.metrics import MetricsSink, NullSink
 from comera_engine.models import TaskModel, build_model, roc_auc
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train.batches import BatchPlan, eval_batches, iterate_batches, mix_seed
@@ -71,18 +71,6 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)  # last step's metrics (+ eval)
     checkpoint: str | None = None
     graph_reason: str | None = None  # why the CUDA graph path was off (None: it was on)
-
-
-class NullSink:
-    """Sink for processes that must not write (DDP ranks other than 0)."""
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
-    def log_ranks(self, step: int, ranks: dict[str, list[int]]) -> None: ...
-    def log_event(self, kind: str, text: str, step: int | None = None) -> None: ...
-    def log_artifact(self, kind: str, path: str) -> None: ...
-    def set_status(self, status: str, error: str | None = None) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
 
 
 def train(
