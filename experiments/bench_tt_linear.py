@@ -2,8 +2,10 @@
 
 Shapes 768×768 ([12,8,8 | 8,8,12]), 768→3072 ([12,8,8 | 12,16,16]), 3072→768
 ([16,16,12 | 8,8,12]); ranks {4, 8, 16, 30, 64}; tokens {32, 4096}; fp32. The input
-requires grad (a hidden layer). Prints a table (MAC ratio, measured time ratio, path the
-planner chose, peak-memory ratio) and writes experiments/results/bench_tt_linear.json.
+requires grad (a hidden layer). Dense and TT steps are timed in alternating rounds
+(``benchlib.time_pair``) so each ratio is measured side by side. Prints a table (MAC
+ratio, measured time ratio, path the planner chose, peak-memory ratio) and writes
+experiments/results/bench_tt_linear_<device>.json.
 
     python experiments/bench_tt_linear.py [--device cuda] [--quick]
 """
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, print_table, time_fn, training_bytes, write_json  # noqa: E402
+from benchlib import machine, print_table, time_pair, training_bytes, write_json  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
 
@@ -48,7 +50,6 @@ def run(device: torch.device, ranks: list[int], tokens: list[int]) -> list[dict]
         for B in tokens:
             x = torch.randn(B, fin, device=device, requires_grad=True)
 
-            t_dense = time_fn(fwd_bwd(dense, x), device)
             m_dense = training_bytes(partial(dense, x), list(dense.parameters()), device)
             for r in ranks:
                 tt = TTLinear(fin, fout, rank=r, in_factors=inf, out_factors=outf,
@@ -57,7 +58,7 @@ def run(device: torch.device, ranks: list[int], tokens: list[int]) -> list[dict]
                 path = info["path"]
                 c = info["paths"][path]
 
-                t_tt = time_fn(fwd_bwd(tt, x), device)
+                t_dense, t_tt = time_pair(fwd_bwd(dense, x), fwd_bwd(tt, x), device)
                 m_tt = training_bytes(partial(tt, x), list(tt.parameters()), device)
                 rows.append({
                     "shape": name, "tokens": B, "rank": r, "path": path,

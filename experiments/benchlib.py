@@ -59,6 +59,30 @@ def time_fn(fn: Callable[[], object], device: torch.device, min_time: float = 0.
     return statistics.median(times)
 
 
+def time_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], device: torch.device,
+              rounds: int = 7, min_time: float = 0.05, warmup: int = 3) -> tuple[float, float]:
+    """Median seconds per call of two functions timed in alternating rounds (a, b, a, b…),
+    so drifting machine load hits both alike: the ratio is measured side by side."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    sync(device)
+    ta: list[float] = []
+    tb: list[float] = []
+    for _ in range(rounds):
+        for fn, out in ((fn_a, ta), (fn_b, tb)):
+            n, start = 0, time.perf_counter()
+            while True:
+                fn()
+                n += 1
+                sync(device)
+                el = time.perf_counter() - start
+                if el >= min_time and n >= 3:
+                    break
+            out.append(el / n)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def training_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
                    device: torch.device) -> int:
     """Peak training memory of one forward+backward.
