@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from comera_engine.errors import ConfigError
 from comera_engine.metrics import JSONLSink, read_jsonl
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train.config import config_from_dict, to_toml
@@ -565,3 +566,33 @@ def test_cuda_graph_matches_eager_and_is_faster(tmp_path) -> None:
         json.dumps({"eager_over_graph": ratio, "device": torch.cuda.get_device_name()})
     )
     assert ratio > 1.0
+
+
+def test_stage_switch_by_epoch(tmp_path) -> None:
+    from comera_engine.train.batches import BatchPlan
+
+    raw = digits_cfg(comera={"switch": "auto", "switch_epoch": 1},
+                     train={"steps": 40, "eval_every": 0, "ckpt_every": 0})
+    result, records = run(raw, tmp_path / "run")
+    assert result.status == "finished"
+    stages = [r for r in records if r["type"] == "event" and r["kind"] == "stage"]
+    cfg = config_from_dict(copy.deepcopy(raw))
+    from comera_engine.data import build_dataset
+    from comera_engine.train.loop import data_config
+
+    n_train = len(build_dataset(data_config(cfg), base_dir=str(ROOT)).train)
+    per_epoch = BatchPlan(n_train, 64, cfg.train.seed, 0, 1).steps_per_epoch
+    assert 0 < per_epoch < 40
+    assert [r["step"] for r in stages] == [per_epoch]
+    rows = metric_rows(records)
+    assert rows[per_epoch - 1]["stage"] == 0 and rows[per_epoch + 1]["stage"] == 1
+
+
+def test_switch_epoch_validation() -> None:
+    for bad, field in (({"switch_epoch": -1}, "comera.switch_epoch"),
+                       ({"switch_epoch": 1, "switch": 100}, "comera.switch_epoch"),
+                       ({"switch_epoch": 1, "target_compression": None},
+                        "comera.target_compression")):
+        raw = digits_cfg(comera={"switch": "auto", **bad})
+        with pytest.raises(ConfigError, match=f"^{field}"):
+            config_from_dict(raw)

@@ -77,6 +77,7 @@ class CoMERAConfig:
     target_scope: str = "tensorized"  # model | tensorized: what the ratio is measured on
     # late stage after this many steps, "plateau", "never", or "auto" (plateau if a target)
     switch: int | str = "auto"
+    switch_epoch: int | None = None  # late stage after this many epochs (instead of steps)
     plateau_patience: int = 200  # steps without improvement that count as a plateau
     plateau_min_delta: float = 1e-3  # relative improvement that resets the patience
     rho_f: float = 0.1  # late stage augmentation on the task loss
@@ -333,6 +334,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             "comera.switch", f"must be a step >= 0, 'auto', 'plateau' or 'never', got {c.switch}"
         )
+    if c.switch_epoch is not None:
+        if isinstance(c.switch_epoch, bool) or not isinstance(c.switch_epoch, int) or (
+                c.switch_epoch < 0):
+            raise ConfigError("comera.switch_epoch",
+                              f"must be a whole number of epochs >= 0, got {c.switch_epoch!r}")
+        if c.switch not in ("auto",):
+            raise ConfigError("comera.switch_epoch",
+                              f"give either comera.switch ({c.switch!r}) or comera.switch_epoch, "
+                              "not both")
+        if c.enabled and c.target_compression is None:
+            raise ConfigError("comera.target_compression",
+                              "the late stage (comera.switch_epoch) needs a target compression "
+                              "ratio; set one or drop comera.switch_epoch")
     if c.enabled and c.switch not in ("never", "auto") and c.target_compression is None:
         raise ConfigError(
             "comera.target_compression",

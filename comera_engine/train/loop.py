@@ -148,6 +148,7 @@ class _Run:
         self.plan = BatchPlan(len(bundle.train), t.batch_size, t.seed, dist.rank, dist.world_size)
         self.use_graph = t.cuda_graph and device.type == "cuda"
         self.comera = CoMERAState(self.model, cfg.comera)
+        self.comera.steps_per_epoch = self.plan.steps_per_epoch
         self.step = 0
         self.ddp: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None

@@ -49,6 +49,7 @@ class CoMERAState:
         self.objective: Any = None
         self.plateau: Any = None
         self.step_index = 0  # 0-based index of the step being computed (drives γ warm-up)
+        self.steps_per_epoch = 0  # set by the loop; turns comera.switch_epoch into a step
         self._counts: list[int] | None = None  # alive count per bond (device refresh)
         self._ramp: Tensor | None = None  # the same warm-up factor, on the device (graphs)
         if self.has_tt:
@@ -170,6 +171,8 @@ class CoMERAState:
         if not self.enabled or self.objective.stage != "early":
             return None
         switch = self.cfg.switch
+        if self.cfg.switch_epoch is not None and self.steps_per_epoch:
+            switch = self.cfg.switch_epoch * self.steps_per_epoch
         if switch == "auto":
             switch = "plateau" if self.cfg.target_compression is not None else "never"
         plateaued = self.plateau.update(task_loss)
