@@ -89,21 +89,17 @@ def truncate_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimi
     the same indices, so training continues from the truncated state with unchanged
     outputs. The ``nn.Parameter`` objects are kept, so parameter groups stay valid.
     Returns ``{layer: [(bond, old, new), …]}``."""
+    state = optimizer.state if optimizer is not None else {}
+
+    def slice_state(p: nn.Parameter, dim: int, keep: torch.Tensor) -> None:
+        st = state.get(p)
+        for key, v in list((st or {}).items()):
+            if torch.is_tensor(v) and v.shape == p.shape:
+                st[key] = v.index_select(dim, keep.to(v.device)).contiguous()
+
     out: dict[str, list[tuple[int, int, int]]] = {}
     for name, m in tt_layers(model):
-        tt = m.tt
-        for k, idx in enumerate(tt.keep_indices()):
-            old = tt.gates[k].shape[0]
-            if idx.numel() == old:
-                continue
-            left, right, gate = tt.cores[k], tt.cores[k + 1], tt.gates[k]
-            for p, dim in ((left, left.dim() - 1), (right, 0), (gate, 0)):
-                st = optimizer.state.get(p) if optimizer is not None else None
-                for key, v in list((st or {}).items()):
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        st[key] = v.index_select(dim, idx.to(v.device)).contiguous()
-                p.data = p.data.index_select(dim, idx).contiguous()
-                p.grad = None
-            setattr(tt, f"alive_{k}", tt.alive(k).index_select(0, idx).contiguous())
-            out.setdefault(name, []).append((k, int(old), int(idx.numel())))
+        changes = m.tt.truncate_(on_slice=slice_state)
+        if changes:
+            out[name] = [(c.bond, c.old, c.new) for c in changes]
     return out

@@ -15,7 +15,7 @@ them out physically.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -275,27 +275,29 @@ class TensorTrain(nn.Module):
         return [torch.nonzero(m, as_tuple=False).flatten() for m in self.masks()]
 
     @torch.no_grad()
-    def truncate_(self) -> list[RankChange]:
+    def truncate_(
+        self, on_slice: Callable[[nn.Parameter, int, Tensor], None] | None = None,
+    ) -> list[RankChange]:
         """Physically slice cores and gates to the effective ranks, in place.
 
         The same ``nn.Parameter`` objects are kept (their ``.data`` replaced), so optimizer
-        parameter groups stay valid; optimizer state must be sliced with the same
-        indices (see ``comera_engine.rank``). The computed tensor is unchanged.
+        parameter groups stay valid. ``on_slice(param, dim, keep)`` is called before each
+        parameter is sliced along ``dim`` to the indices ``keep``: the hook through which
+        optimizer state is sliced the same way (see ``comera_engine.rank``). The computed
+        tensor is unchanged.
         """
-        idx = self.keep_indices()
         changes = []
-        for k, keep in enumerate(idx):
+        for k, keep in enumerate(self.keep_indices()):
             old = self.gates[k].shape[0]
             if keep.numel() == old:
                 continue
-            left, right = self.cores[k], self.cores[k + 1]
-            left.data = left.data.index_select(left.dim() - 1, keep).contiguous()
-            right.data = right.data.index_select(0, keep).contiguous()
-            g = self.gates[k]
-            g.data = g.data.index_select(0, keep).contiguous()
-            setattr(self, f"alive_{k}", self.alive(k).index_select(0, keep).contiguous())
-            for p in (left, right, g):
+            left, right, gate = self.cores[k], self.cores[k + 1], self.gates[k]
+            for p, dim in ((left, left.dim() - 1), (right, 0), (gate, 0)):
+                if on_slice is not None:
+                    on_slice(p, dim, keep)
+                p.data = p.data.index_select(dim, keep).contiguous()
                 p.grad = None
+            setattr(self, f"alive_{k}", self.alive(k).index_select(0, keep).contiguous())
             changes.append(RankChange(k, old, int(keep.numel())))
         return changes
 
