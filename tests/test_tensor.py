@@ -143,6 +143,32 @@ def test_paths_match_dense_values_and_gradients(d: int, path: str) -> None:
                                         (x, b, *cores))
 
 
+@pytest.mark.parametrize("rank", [7, 8])  # r_d + 1 fills the 8-block / needs a new one
+@pytest.mark.parametrize("needs", ["all", "x_only", "bias_only"])
+def test_halves_bias_in_padding_matches_dense(rank: int, needs: str) -> None:
+    """The bias rides in the padded middle rank: same output and gradients as ``x·W + b``
+    with the float64 reconstruction, whichever inputs need a gradient."""
+    cores = [c.detach().clone() for c in TTLinearCores([8, 2], [4, 4], rank, dtype=DT).cores]
+    assert cores[1].shape[-1] == rank  # the middle bond r_d
+    x = torch.randn(9, 16, dtype=DT, requires_grad=needs != "bias_only")
+    b = torch.randn(16, dtype=DT, requires_grad=True)
+    for c in cores:
+        c.requires_grad_(needs == "all")
+    y = TTLinearHalves.apply(x, 2, b, *cores)
+    W = _tensorly_dense([c.detach() for c in cores]).reshape(16, 16)
+    assert torch.allclose(y, x.detach() @ W + b.detach(), rtol=1e-12, atol=1e-12)
+    gy = torch.randn_like(y)
+    wrt = [t for t in (x, b, *cores) if t.requires_grad]
+    got = torch.autograd.grad((y * gy).sum(), wrt)
+    ib = next(i for i, t in enumerate(wrt) if t is b)
+    assert torch.allclose(got[ib], gy.sum(0), rtol=1e-12, atol=1e-12)
+    if x.requires_grad:
+        assert torch.allclose(got[0], gy @ W.t(), rtol=1e-12, atol=1e-12)
+    if needs == "all":
+        assert torch.autograd.gradcheck(lambda *t: TTLinearHalves.apply(t[0], 2, t[1], *t[2:]),
+                                        (x, b, *cores))
+
+
 def test_halves_saves_only_input_xl_and_merges() -> None:
     ins, outs, r = [4, 4, 4], [4, 4, 4], 6
     tt = TTLinearCores(ins, outs, r, dtype=DT)

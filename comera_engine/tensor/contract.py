@@ -79,25 +79,41 @@ def merge_right(cores: Sequence[Tensor]) -> list[Tensor]:
 _RANK_ALIGN = 8
 
 
-def _pad_middle(L: Tensor, R: Tensor) -> tuple[Tensor, Tensor]:
-    """Zero-pad the middle rank to a multiple of 8: BLAS/tensor-core GEMMs run up to 2×
-    faster on aligned widths, and the zero columns/rows add exact zeros to ``Y``."""
+def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Zero-pad the middle rank ``r_d`` to a multiple of 8 and fold the bias into ``R``.
+
+    ``L``: ``(N, r_d)``, ``R``: ``(r_d, M)``, ``bias``: ``(M,)`` or None. Returns ``Lp``
+    ``(N, r_p)`` and ``Rp`` ``(r_p, M)``. BLAS/tensor-core GEMMs run up to 2× faster on
+    aligned widths, and zero columns of ``Lp`` meet zero rows of ``Rp``: exact. With a
+    bias, ``r_p >= r_d + 1`` and row ``r_d`` of ``Rp`` is the bias: the caller sets column
+    ``r_d`` of ``X·Lp`` to ones, which adds the bias in the same GEMM, and the
+    same row of ``(X·Lp)ᵀ·dY`` is the bias gradient ``Σ_b dY``: no broadcast copy for
+    ``addmm`` and no separate reduction over the batch.
+    """
     rd = L.shape[1]
-    rp = -(-rd // _RANK_ALIGN) * _RANK_ALIGN
-    if rp == rd or rd == 0:
+    need = rd + (bias is not None)
+    rp = -(-need // _RANK_ALIGN) * _RANK_ALIGN
+    if rp == rd:
         return L, R
-    return (torch.nn.functional.pad(L, (0, rp - rd)),
-            torch.nn.functional.pad(R, (0, 0, 0, rp - rd)))
+    Lp = torch.nn.functional.pad(L, (0, rp - rd))
+    if bias is None:
+        return Lp, torch.nn.functional.pad(R, (0, 0, 0, rp - rd))
+    Rp = R.new_zeros(rp, R.shape[1])
+    Rp[:rd] = R
+    Rp[rd] = bias
+    return Lp, Rp
 
 
 class TTLinearHalves(torch.autograd.Function):
-    """``Y = (X·L)·R`` with ``L``/``R`` merged from the cores; any ``d >= 1``.
+    """``Y = (X·L)·R + b`` with ``L``/``R`` merged from the cores; any ``d >= 1``.
 
-    The middle rank is zero-padded to a multiple of 8 for the two batch GEMMs (exact).
-    Saved for backward: ``X``, ``X·L``, the left prefixes ``P_1..P_d`` and right suffixes
-    ``Q_1..Q_d`` and the cores (views, no copies). Backward:
-    ``dXL = dY·Rᵀ``, ``dR = (XL)ᵀ·dY``, ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back
-    through the merge chains into each core.
+    The middle rank is zero-padded to a multiple of 8 for the batch GEMMs (exact) and
+    the bias rides in that padding (:func:`_pad_middle`), so the forward is two GEMMs and
+    nothing else at batch size. Saved for backward: ``X``, ``X·L``, the left prefixes
+    ``P_1..P_{d-1}``, the right suffixes ``Q_2..Q_d``, the padded ``L``/``R`` and the
+    cores (views, no copies). Backward: ``dXL = dY·Rᵀ``, then ``dR = (XL)ᵀ·dY`` while
+    ``dY`` is still in cache (its bias row is ``db``), ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``,
+    then back through the merge chains into each core.
     """
 
     @staticmethod
@@ -106,30 +122,50 @@ class TTLinearHalves(torch.autograd.Function):
         left, right = cores[:d], cores[d:]
         P = merge_left(left)
         Q = merge_right(right)
-        Lp, Rp = _pad_middle(P[-1], Q[0])
+        rd = P[-1].shape[1]
+        Lp, Rp = _pad_middle(P[-1], Q[0], bias)
         XL = x @ Lp
-        y = torch.addmm(bias, XL, Rp) if bias is not None else XL @ Rp
-        ctx.d = d
+        if bias is not None:
+            XL[:, rd] = 1.0  # meets the bias row of Rp
+        y = XL @ Rp
+        ctx.d, ctx.rd = d, rd
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, XL, *cores, *P, *Q)
+        dev = x.device.type  # backward runs under the forward's autocast state (bf16)
+        ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+        ctx.save_for_backward(x, XL, Lp, Rp, *cores, *P[:-1], *Q[1:])
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # type: ignore[override]
-        d = ctx.d
+        if ctx.amp is None:
+            return TTLinearHalves._backward(ctx, dy)
+        with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
+            return TTLinearHalves._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        d, rd = ctx.d, ctx.rd
         saved = ctx.saved_tensors
-        x, XL = saved[0], saved[1]
-        cores = saved[2 : 2 + 2 * d]
-        P = saved[2 + 2 * d : 2 + 3 * d]
-        Q = saved[2 + 3 * d : 2 + 4 * d]
-        rd = P[-1].shape[1]
-        Lp, Rp = _pad_middle(P[-1], Q[0])
+        x, XL, Lp, Rp = saved[:4]
+        cores = saved[4 : 4 + 2 * d]
+        P = saved[4 + 2 * d : 3 + 3 * d]  # P_1..P_{d-1}
+        Q = (None, *saved[3 + 3 * d :])  # Q_2..Q_d at their own index
         need_x = ctx.needs_input_grad[0]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
         need_cores = ctx.needs_input_grad[3:]
-        dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        dXL = dy @ Rp.t()
-        dx = dXL @ Lp.t() if need_x else None
         grads: list[Tensor | None] = [None] * (2 * d)
+        dx = dbias = None
+        if not (need_x or any(need_cores)):
+            return (None, None, dy.sum(0) if need_b else None, *grads)
+        dXL = dy @ Rp.t()
+        if any(need_cores):
+            dRp = (dy.t() @ XL).t()  # while dY is hot; faster BLAS form than XLᵀ·dY
+            if need_b:
+                dbias = dRp[rd]
+        elif need_b:
+            dbias = dy.sum(0)
+        if need_x:
+            dx = dXL @ Lp.t()
         if any(need_cores):
             # input half: P_k = P_{k-1} · G_k  (P_{k-1}: (a, r), G_k: (r, n·r'))
             dP = (x.t() @ dXL)[:, :rd]  # dL, (N, r_d)
@@ -141,7 +177,7 @@ class TTLinearHalves(torch.autograd.Function):
                 dP = dPk @ G.reshape(r0, n * r1).t()
             grads[0] = dP.reshape(cores[0].shape)
             # output half: Q_j = G_j · Q_{j+1}  (G_j: (r·m, r'), Q_{j+1}: (r', rest))
-            dQ = (XL.t() @ dy)[:rd]  # dR, (r_d, M)
+            dQ = dRp[:rd]  # dR, (r_d, M)
             for j in range(d - 1):
                 G = cores[d + j]
                 r0, m, r1 = G.shape
@@ -411,5 +447,5 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
     else:
         y = impl(x2, cores, d)
         if bias is not None:
-            y = y + bias
+            y = y + bias.to(y.dtype)  # keeps autocast's dtype, as nn.Linear does
     return y.reshape(*lead, -1)
