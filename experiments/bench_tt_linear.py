@@ -32,12 +32,15 @@ SHAPES = [
 ]
 
 
-def fwd_bwd(module: nn.Module, x: torch.Tensor):  # noqa: ANN201
-    """A closure running one forward+backward of ``module`` on ``x``."""
+def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):  # noqa: ANN201
+    """A closure running one forward+backward of ``module`` on ``x`` as a hidden layer:
+    the upstream gradient ``dy`` is given, and ``dX`` is handed on (``x.grad`` is cleared
+    each step, so it is stored, not added into a running sum)."""
 
     def step() -> torch.Tensor:
+        x.grad = None
         y = module(x)
-        y.backward(torch.ones_like(y))
+        y.backward(dy)
         return y
 
     return step
@@ -49,6 +52,7 @@ def run(device: torch.device, ranks: list[int], tokens: list[int]) -> list[dict]
         dense = nn.Linear(fin, fout, device=device)
         for B in tokens:
             x = torch.randn(B, fin, device=device, requires_grad=True)
+            dy = torch.randn(B, fout, device=device)
 
             m_dense = training_bytes(partial(dense, x), list(dense.parameters()), device)
             for r in ranks:
@@ -58,7 +62,7 @@ def run(device: torch.device, ranks: list[int], tokens: list[int]) -> list[dict]
                 path = info["path"]
                 c = info["paths"][path]
 
-                t_dense, t_tt = time_pair(fwd_bwd(dense, x), fwd_bwd(tt, x), device)
+                t_dense, t_tt = time_pair(fwd_bwd(dense, x, dy), fwd_bwd(tt, x, dy), device)
                 m_tt = training_bytes(partial(tt, x), list(tt.parameters()), device)
                 rows.append({
                     "shape": name, "tokens": B, "rank": r, "path": path,
