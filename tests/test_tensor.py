@@ -20,7 +20,7 @@ from comera_engine.tensor import (
     resolve_factors,
     tt_linear,
 )
-from comera_engine.tensor.contract import TTLinearHalves
+from comera_engine.tensor.contract import TTLinearHalves, apply_gates
 
 DT = torch.float64
 
@@ -143,14 +143,15 @@ def test_paths_match_dense_values_and_gradients(d: int, path: str) -> None:
                                         (x, b, *cores))
 
 
-@pytest.mark.parametrize("rank", [7, 8])  # r_d + 1 fills the 8-block / needs a new one
+@pytest.mark.parametrize("rank", [7, 16])  # r_d + 1 fills the 16-wide block / needs more
 @pytest.mark.parametrize("needs", ["all", "x_only", "bias_only"])
-def test_halves_bias_in_padding_matches_dense(rank: int, needs: str) -> None:
+@pytest.mark.parametrize("B", [9, 130])  # unpadded (addmm) / padded with the bias inside
+def test_halves_bias_in_padding_matches_dense(rank: int, needs: str, B: int) -> None:
     """The bias rides in the padded middle rank: same output and gradients as ``x·W + b``
     with the float64 reconstruction, whichever inputs need a gradient."""
     cores = [c.detach().clone() for c in TTLinearCores([8, 2], [4, 4], rank, dtype=DT).cores]
     assert cores[1].shape[-1] == rank  # the middle bond r_d
-    x = torch.randn(9, 16, dtype=DT, requires_grad=needs != "bias_only")
+    x = torch.randn(B, 16, dtype=DT, requires_grad=needs != "bias_only")
     b = torch.randn(16, dtype=DT, requires_grad=True)
     for c in cores:
         c.requires_grad_(needs == "all")
@@ -164,22 +165,56 @@ def test_halves_bias_in_padding_matches_dense(rank: int, needs: str) -> None:
     assert torch.allclose(got[ib], gy.sum(0), rtol=1e-12, atol=1e-12)
     if x.requires_grad:
         assert torch.allclose(got[0], gy @ W.t(), rtol=1e-12, atol=1e-12)
-    if needs == "all":
+    if needs == "all" and B < 100:
         assert torch.autograd.gradcheck(lambda *t: TTLinearHalves.apply(t[0], 2, t[1], *t[2:]),
                                         (x, b, *cores))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gates_absorbed_inside_match_pre_gated_cores(path: str) -> None:
+    """Passing gates and masks to ``tt_linear`` (absorbed inside the halves Function) is
+    the same function, with the same gradients for x, bias, cores and gates, as gating
+    the cores first with plain autograd; masked gate entries get exactly zero gradient."""
+    torch.manual_seed(3)
+    d = 2
+    cores = [c.detach().clone().requires_grad_()
+             for c in TTLinearCores([4, 3], [2, 5], 3, dtype=DT).cores]
+    gates = [torch.randn(c.shape[-1], dtype=DT, requires_grad=True) for c in cores[:-1]]
+    masks = [torch.tensor([True, False, True][: c.shape[-1]]) for c in cores[:-1]]
+    x = torch.randn(7, 12, dtype=DT, requires_grad=True)
+    b = torch.randn(10, dtype=DT, requires_grad=True)
+    args = (x, b, *cores, *gates)
+
+    def fused(x_, b_, *t):  # noqa: ANN001, ANN202
+        return tt_linear(x_, t[: 2 * d], d, path, bias=b_, gates=t[2 * d :], masks=masks)
+
+    def reference(x_, b_, *t):  # noqa: ANN001, ANN202
+        gated = apply_gates(t[: 2 * d], t[2 * d :], masks)
+        return x_ @ _tensorly_dense(list(gated)).reshape(12, 10) + b_
+
+    y, y_ref = fused(*args), reference(*args)
+    assert torch.allclose(y, y_ref, atol=1e-12)
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad((y * gy).sum(), args)
+    ref = torch.autograd.grad((y_ref * gy).sum(), args)
+    for a, r in zip(got, ref):
+        assert torch.allclose(a, r, atol=1e-11)
+    for g, m in zip(got[2 + 2 * d :], masks):
+        assert torch.all(g[~m] == 0) and torch.all(g[m] != 0)
+    assert torch.autograd.gradcheck(fused, args)
 
 
 def test_halves_saves_only_input_xl_and_merges() -> None:
     ins, outs, r = [4, 4, 4], [4, 4, 4], 6
     tt = TTLinearCores(ins, outs, r, dtype=DT)
-    B = 50  # differs from N = 64, so only batch-sized tensors have B rows
+    B = 150  # differs from N = 64, so only batch-sized tensors have B rows; >= 128: padded
     x = torch.randn(B, 64, dtype=DT, requires_grad=True)
     cores = [c.detach().clone().requires_grad_() for c in tt.cores]
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = TTLinearHalves.apply(x, 3, None, *cores)
     rd = cores[2].shape[-1]
-    rd_padded = -(-rd // 8) * 8  # X·L is kept at the 8-aligned middle rank
+    rd_padded = max(16, -(-rd // 8) * 8)  # X·L is kept at the aligned middle rank
     batch_sized = [t for t in saved if t.dim() == 2 and t.shape[0] == B]
     # exactly two batch-sized tensors are kept: the input and X·L (not Y, not dY paths)
     assert sorted(t.shape[1] for t in batch_sized) == sorted([64, rd_padded])

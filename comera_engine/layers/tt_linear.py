@@ -89,7 +89,9 @@ class TTLinear(nn.Module):
         bias = self.bias
         if bias is not None and M != self.out_features:
             bias = F.pad(bias, (0, M - self.out_features))
-        y = tt_linear(x, self.tt.gated_cores(), self.tt.d, self.path, bias=bias)
+        tt = self.tt
+        y = tt_linear(x, list(tt.cores), tt.d, self.path, bias=bias, gates=list(tt.gates),
+                      masks=tt.masks())
         if M != self.out_features:
             y = y[..., : self.out_features]
         return y

@@ -29,6 +29,7 @@ from torch import Tensor
 
 __all__ = [
     "PATHS",
+    "apply_gates",
     "DeviceModel",
     "PathCost",
     "TTLinearHalves",
@@ -44,6 +45,19 @@ __all__ = [
 ]
 
 PATHS = ("halves", "sweep", "dense")
+
+
+# ---------------------------------------------------------------------------- gates
+def apply_gates(cores: Sequence[Tensor], gates: Sequence[Tensor],
+                masks: Sequence[Tensor]) -> list[Tensor]:
+    """Absorb masked rank gates into the cores' right bonds: ``G_k · diag(g_k ⊙ m_k)``.
+
+    ``cores[k]``: ``(r_{k-1}, …, r_k)`` for ``k < K``; ``gates[k]``, ``masks[k]`` (bool):
+    ``(r_k,)`` for the ``K-1`` internal bonds. The last core is returned as is.
+    Differentiable in cores and gates; masked entries give and get exactly zero.
+    """
+    out = [c * (g * m.to(g.dtype)) for c, g, m in zip(cores, gates, masks)]
+    return [*out, *cores[len(gates):]]
 
 
 # ---------------------------------------------------------------------------- merges
@@ -77,10 +91,13 @@ def merge_right(cores: Sequence[Tensor]) -> list[Tensor]:
 
 # ---------------------------------------------------------------------------- halves
 _RANK_ALIGN = 8
+_MIN_WIDTH = 16  # MKL runs (B×N)·(N×8) and its transposes several times slower than ×16
+_PAD_MIN_BATCH = 128  # below this the batch GEMMs are tiny: padding is pure overhead
 
 
 def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Zero-pad the middle rank ``r_d`` to a multiple of 8 and fold the bias into ``R``.
+    """Zero-pad the middle rank ``r_d`` to a multiple of 8 (at least 16) and fold the bias
+    into ``R``.
 
     ``L``: ``(N, r_d)``, ``R``: ``(r_d, M)``, ``bias``: ``(M,)`` or None. Returns ``Lp``
     ``(N, r_p)`` and ``Rp`` ``(r_p, M)``. BLAS/tensor-core GEMMs run up to 2× faster on
@@ -92,7 +109,7 @@ def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tenso
     """
     rd = L.shape[1]
     need = rd + (bias is not None)
-    rp = -(-need // _RANK_ALIGN) * _RANK_ALIGN
+    rp = max(_MIN_WIDTH, -(-need // _RANK_ALIGN) * _RANK_ALIGN)
     if rp == rd:
         return L, R
     Lp = torch.nn.functional.pad(L, (0, rp - rd))
@@ -107,32 +124,53 @@ def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tenso
 class TTLinearHalves(torch.autograd.Function):
     """``Y = (X·L)·R + b`` with ``L``/``R`` merged from the cores; any ``d >= 1``.
 
-    The middle rank is zero-padded to a multiple of 8 for the batch GEMMs (exact) and
-    the bias rides in that padding (:func:`_pad_middle`), so the forward is two GEMMs and
-    nothing else at batch size. Saved for backward: ``X``, ``X·L``, the left prefixes
-    ``P_1..P_{d-1}``, the right suffixes ``Q_2..Q_d``, the padded ``L``/``R`` and the
-    cores (views, no copies). Backward: ``dXL = dY·Rᵀ``, then ``dR = (XL)ᵀ·dY`` while
-    ``dY`` is still in cache (its bias row is ``db``), ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``,
-    then back through the merge chains into each core.
+    From 128 rows up, the middle rank is zero-padded to a multiple of 8 (at least 16)
+    for the batch GEMMs (exact) and the bias rides in that padding (:func:`_pad_middle`),
+    so the forward is two GEMMs and nothing else at batch size; smaller batches skip the
+    padding (it would cost more than it saves). Given gates and masks after the cores,
+    it absorbs them itself (see :meth:`_gate_grads`) instead of leaving an autograd node
+    per gate. Saved for backward: ``X``, ``X·L``, the left prefixes ``P_1..P_{d-1}``, the
+    right suffixes ``Q_2..Q_d``, the padded ``L``/``R`` and the (gated) cores. Backward:
+    ``dXL = dY·Rᵀ``, then ``dR = (XL)ᵀ·dY`` while ``dY`` is still in cache (its bias row
+    is ``db``), ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back through the merge chains
+    into each core.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
-                *cores: Tensor) -> Tensor:
+                *tensors: Tensor) -> Tensor:
+        # tensors: the 2d cores, optionally followed by 2d-1 gates and 2d-1 bool masks,
+        # which are then absorbed here (no autograd nodes per gate; see _gate_grads)
+        raw = tensors[: 2 * d]
+        ctx.gated = len(tensors) > 2 * d
+        if ctx.gated:
+            gates, masks = tensors[2 * d : 4 * d - 1], tensors[4 * d - 1 :]
+            cores = tuple(apply_gates(raw, gates, masks))
+            ctx.masks = [m.to(g.dtype) for g, m in zip(gates, masks)]
+            ctx.gm = [g * m for g, m in zip(gates, ctx.masks)]
+        else:
+            cores = raw
         left, right = cores[:d], cores[d:]
         P = merge_left(left)
         Q = merge_right(right)
         rd = P[-1].shape[1]
-        Lp, Rp = _pad_middle(P[-1], Q[0], bias)
+        ctx.bias_in_r = bias is not None and x.shape[0] >= _PAD_MIN_BATCH
+        if x.shape[0] >= _PAD_MIN_BATCH:
+            Lp, Rp = _pad_middle(P[-1], Q[0], bias)
+        else:
+            Lp, Rp = P[-1], Q[0]
         XL = x @ Lp
-        if bias is not None:
+        if ctx.bias_in_r:
             XL[:, rd] = 1.0  # meets the bias row of Rp
-        y = XL @ Rp
+            y = XL @ Rp
+        else:
+            y = torch.addmm(bias, XL, Rp) if bias is not None else XL @ Rp
         ctx.d, ctx.rd = d, rd
         ctx.has_bias = bias is not None
         dev = x.device.type  # backward runs under the forward's autocast state (bf16)
         ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
-        ctx.save_for_backward(x, XL, Lp, Rp, *cores, *P[:-1], *Q[1:])
+        ctx.save_for_backward(x, XL, Lp, Rp, *cores, *P[:-1], *Q[1:],
+                              *(raw if ctx.gated else ()))
         return y
 
     @staticmethod
@@ -161,7 +199,7 @@ class TTLinearHalves(torch.autograd.Function):
         if any(need_cores):
             dRp = (dy.t() @ XL).t()  # while dY is hot; faster BLAS form than XLᵀ·dY
             if need_b:
-                dbias = dRp[rd]
+                dbias = dRp[rd] if ctx.bias_in_r else dy.sum(0)
         elif need_b:
             dbias = dy.sum(0)
         if need_x:
@@ -185,8 +223,34 @@ class TTLinearHalves(torch.autograd.Function):
                 grads[d + j] = (dQj @ Q[j + 1].t()).reshape(G.shape)
                 dQ = G.reshape(r0 * m, r1).t() @ dQj
             grads[2 * d - 1] = dQ.reshape(cores[-1].shape)
+        if ctx.gated:
+            return (dx, None, dbias, *TTLinearHalves._gate_grads(ctx, grads, need_cores))
         grads = [g if need else None for g, need in zip(grads, need_cores)]
         return (dx, None, dbias, *grads)
+
+    @staticmethod
+    def _gate_grads(ctx, d_eff: list[Tensor | None],  # noqa: ANN001
+                    need: Sequence[bool]) -> list[Tensor | None]:
+        """From gradients of the gated cores ``E_k = G_k · diag(gm_k)`` to the raw cores
+        and gates: ``dG_k = dE_k · diag(gm_k)``, ``dg_k = m_k ⊙ Σ_{all but last} dE_k ⊙ G_k``.
+        Returns grads for (cores, gates, masks) in the order they were passed."""
+        K = len(d_eff)
+        raw = ctx.saved_tensors[-K:]
+        gm, n_g = ctx.gm, K - 1
+        d_cores: list[Tensor | None] = [None] * K
+        d_gates: list[Tensor | None] = [None] * n_g
+        for k in range(K):
+            dE = d_eff[k]
+            if dE is None:
+                continue
+            if k < n_g:
+                if need[k]:
+                    d_cores[k] = dE * gm[k]
+                if need[K + k]:
+                    d_gates[k] = (dE * raw[k]).reshape(-1, dE.shape[-1]).sum(0) * ctx.masks[k]
+            elif need[k]:
+                d_cores[k] = dE
+        return [*d_cores, *d_gates, *([None] * n_g)]
 
 
 def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int,
@@ -414,11 +478,15 @@ def explain(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
 
 # ---------------------------------------------------------------------------- entry
 def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = None,
-              bias: Tensor | None = None) -> Tensor:
-    """``Y = X·W (+ bias)`` for the TT weight given by ``cores`` (gates already absorbed).
+              bias: Tensor | None = None, gates: Sequence[Tensor] | None = None,
+              masks: Sequence[Tensor] | None = None) -> Tensor:
+    """``Y = X·W (+ bias)`` for the TT weight given by ``cores``.
 
     ``x``: ``(..., N)``; ``bias``: ``(M,)`` (the padded output width) or None; returns
-    ``(..., M)``. ``path=None`` lets the planner choose.
+    ``(..., M)``. ``path=None`` lets the planner choose. ``gates``/``masks`` (the ``2d-1``
+    rank gates and their bool masks) are absorbed as in :func:`apply_gates`; pass them
+    rather than pre-gated cores so the halves path absorbs them inside its
+    ``autograd.Function`` (fewer autograd nodes per step).
     """
     if len(cores) != 2 * d:
         raise ValueError(f"cores: expected 2d = {2 * d} cores, got {len(cores)}")
@@ -442,9 +510,14 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
         impl = _IMPL[path]
     except KeyError:
         raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}") from None
+    if gates is not None and len(gates) != 2 * d - 1:
+        raise ValueError(f"gates: expected 2d-1 = {2 * d - 1} gate vectors, got {len(gates)}")
     if path == "halves":
-        y = tt_linear_halves(x2, cores, d, bias)
+        extra = (*gates, *masks) if gates is not None else ()
+        y = TTLinearHalves.apply(x2, d, bias, *cores, *extra)
     else:
+        if gates is not None:
+            cores = apply_gates(cores, gates, masks)
         y = impl(x2, cores, d)
         if bias is not None:
             y = y + bias.to(y.dtype)  # keeps autocast's dtype, as nn.Linear does

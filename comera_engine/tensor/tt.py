@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .contract import apply_gates
+
 __all__ = [
     "RankChange",
     "TensorTrain",
@@ -219,14 +221,7 @@ class TensorTrain(nn.Module):
         """Cores with the masked gates absorbed into their right bond:
         ``G_k · diag(g_k ⊙ mask_k)`` for ``k < K``, ``G_K`` as is. Differentiable in both
         cores and gates; dead entries contribute (and receive) exactly zero."""
-        out = []
-        masks = self.masks()
-        for k, core in enumerate(self.cores):
-            if k < len(self.gates):
-                g = self.gates[k] * masks[k].to(self.gates[k].dtype)
-                core = core * g
-            out.append(core)
-        return out
+        return apply_gates(list(self.cores), list(self.gates), self.masks())
 
     def full_tensor(self) -> Tensor:
         """Contract all (gated) cores: shape ``(*mode_shapes[0], *mode_shapes[1], …)``."""
