@@ -197,6 +197,22 @@ def test_tiny_transformer_beats_chance_on_snli(tmp_path) -> None:
     assert result.metrics["eval/acc"] > 0.40
 
 
+def test_bf16_autocast_trains_like_fp32(tmp_path) -> None:
+    """precision=bf16 (the GPU default) through both stages: same learning as fp32 within
+    bf16 noise. The TT-linear backward once crashed here (fp32 input, bf16 gradient)."""
+    accs = {}
+    for prec in ("fp32", "bf16"):
+        raw = digits_cfg(train={"steps": 300, "batch_size": 64, "eval_every": 150,
+                                "ckpt_every": 300, "precision": prec})
+        result, records = run(raw, tmp_path / prec)
+        assert result.status == "finished" and result.step == 300
+        stages = {r["values"].get("stage") for r in records if r["type"] == "metrics"}
+        assert stages == {0.0, 1.0}, stages  # both stages ran (early = 0, late = 1)
+        accs[prec] = result.metrics["eval/acc"]
+    print(f"digits eval acc: fp32 {accs['fp32']:.3f}, bf16 {accs['bf16']:.3f}")
+    assert accs["bf16"] >= 0.8 and abs(accs["bf16"] - accs["fp32"]) <= 0.08
+
+
 @pytest.mark.parametrize(
     "name", ["digits_tt_mlp", "snli_transformer_tiny", "code_mlm_tiny", "dlrm_synthetic_tiny"]
 )
