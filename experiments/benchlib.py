@@ -8,6 +8,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,10 +60,22 @@ def time_fn(fn: Callable[[], object], device: torch.device, min_time: float = 0.
     return statistics.median(times)
 
 
+@dataclass(frozen=True)
+class PairTiming:
+    """Seconds per call of two functions timed in alternating rounds: the median round
+    and the best round of each (noise on a shared machine only ever adds time, so the
+    best round is what the code itself costs; the median is what a run sees)."""
+
+    a_median: float
+    b_median: float
+    a_best: float
+    b_best: float
+
+
 def time_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], device: torch.device,
-              rounds: int = 7, min_time: float = 0.05, warmup: int = 3) -> tuple[float, float]:
-    """Median seconds per call of two functions timed in alternating rounds (a, b, a, b…),
-    so drifting machine load hits both alike: the ratio is measured side by side."""
+              rounds: int = 9, min_time: float = 0.05, warmup: int = 3) -> PairTiming:
+    """Time two functions in alternating rounds (a, b, a, b…), so drifting machine load
+    hits both alike: the ratio is measured side by side."""
     for _ in range(warmup):
         fn_a()
         fn_b()
@@ -80,7 +93,7 @@ def time_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], device: to
                 if el >= min_time and n >= 3:
                     break
             out.append(el / n)
-    return statistics.median(ta), statistics.median(tb)
+    return PairTiming(statistics.median(ta), statistics.median(tb), min(ta), min(tb))
 
 
 def training_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
@@ -114,9 +127,11 @@ def training_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
     return sum(seen.values()) + out + 2 * pbytes
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_json(name: str, payload: dict, folder: Path | None = None) -> Path:
+    """Write ``payload`` to ``<folder or experiments/results>/<name>.json``."""
+    folder = RESULTS if folder is None else Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
 

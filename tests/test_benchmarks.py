@@ -1,0 +1,28 @@
+"""The benchmark scripts run end to end (a smoke test: no timing is asserted here;
+speed is measured by running the scripts, see docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_tt_linear_writes_table_and_json(tmp_path) -> None:
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear.py"), "--device", "cpu",
+           "--ranks", "4", "--tokens", "16", "--rounds", "1", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| shape" in out.stdout and "768x3072" in out.stdout
+    data = json.loads((tmp_path / "bench_tt_linear_cpu.json").read_text())
+    rows = data["rows"]
+    assert [(r["shape"], r["tokens"], r["rank"]) for r in rows] == [
+        ("768x768", 16, 4), ("768x3072", 16, 4), ("3072x768", 16, 4)]
+    for r in rows:
+        assert r["path"] in ("halves", "sweep", "dense")
+        assert r["dense_ms"] > 0 and r["tt_ms"] > 0 and r["speedup_best"] > 0
+        assert r["params_ratio"] > 100  # rank 4 at these shapes: hundreds of times smaller
+    assert data["summary"]["speedup_768_r30_4096"] is None  # that row was not asked for
