@@ -285,6 +285,33 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+@pytest.mark.parametrize("saved_capturable", [True, False])
+def test_resume_keeps_this_optimizers_implementation_flags(tmp_path, saved_capturable) -> None:
+    """A checkpoint of a CUDA-graph run (capturable AdamW) resumes into a CPU optimizer,
+    and a CPU checkpoint into a capturable one: hyper-parameters and moments come from
+    the checkpoint, ``capturable``/``foreach``/``fused`` from the optimizer resuming."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    saver = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05,
+                              capturable=saved_capturable, foreach=False)
+    if not saved_capturable:  # a CPU run: one real step, so there are moments to restore
+        model(torch.randn(5, 4)).sum().backward()
+        saver.step()
+    ckpt.save_checkpoint(tmp_path, 1, model, saver, {})
+    meta, tensors = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))
+    resumed = torch.optim.AdamW(model.parameters(), lr=1.0, capturable=not saved_capturable)
+    resumed.load_state_dict(ckpt.optimizer_state(resumed, meta, tensors))
+    group = resumed.param_groups[0]
+    assert group["capturable"] is (not saved_capturable)
+    assert group["lr"] == 3e-3 and group["weight_decay"] == 0.05 and group["foreach"] is None
+    if saved_capturable:  # resumed on the CPU: the next step must run
+        model(torch.randn(5, 4)).sum().backward()
+        resumed.step()
+    else:
+        torch.testing.assert_close(resumed.state[model.weight]["exp_avg"],
+                                   saver.state[model.weight]["exp_avg"])
+
+
 def test_checkpoint_layout_and_atomic_files(tmp_path) -> None:
     raw = digits_cfg(train={"steps": 6, "batch_size": 32, "ckpt_every": 2, "keep_checkpoints": 2})
     result, records = run(raw, tmp_path / "run")
@@ -543,22 +570,37 @@ def test_ddp_two_processes_match_one_process_with_the_global_batch(tmp_path) -> 
 # ---------------------------------------------------------------------- CUDA graphs
 
 
+def _graph_test_config(snli: bool) -> dict[str, Any]:
+    """The CUDA-graph test's run: both stages (a switch at step 60, so a re-capture)."""
+    raw = {
+        "name": "graph",
+        "model": {"name": "transformer_cls", "preset": "tiny", "dropout": 0.0},
+        "data": {"name": "snli", "path": str(SNLI_DEV), "seq_len": 32, "vocab_size": 1000},
+        "comera": {"switch": 60, "target_compression": 4.0, "lr_cores": 1e-3,
+                   "lr_gates": 1e-2, "lr_dense": 1e-3},
+        "train": {"steps": 120, "batch_size": 32, "eval_every": 0, "ckpt_every": 0,
+                  "precision": "fp32", "device": "cuda"},
+    }  # fmt: skip
+    if not snli:
+        raw["data"] = {"name": "digits"}
+        raw["model"] = {"name": "tt_mlp", "preset": "tiny", "dropout": 0.0}
+    return raw
+
+
+@pytest.mark.parametrize("snli", [True, False])
+def test_graph_test_config_is_valid(snli: bool) -> None:
+    """The GPU-only test below must not fail on its config before reaching the GPU (it
+    once lacked the target a stage switch needs)."""
+    cfg = config_from_dict(_graph_test_config(snli))
+    assert cfg.train.device == "cuda" and cfg.comera.target_compression == 4.0
+
+
 @pytest.mark.gpu
 def test_cuda_graph_matches_eager_and_is_faster(tmp_path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the CUDA-graph path needs a GPU")
     torch.set_num_threads(4)
-    raw = {
-        "name": "graph",
-        "model": {"name": "transformer_cls", "preset": "tiny", "dropout": 0.0},
-        "data": {"name": "snli", "path": str(SNLI_DEV), "seq_len": 32, "vocab_size": 1000},
-        "comera": {"switch": 60, "lr_cores": 1e-3, "lr_gates": 1e-2, "lr_dense": 1e-3},
-        "train": {"steps": 120, "batch_size": 32, "eval_every": 0, "ckpt_every": 0,
-                  "precision": "fp32", "device": "cuda"},
-    }  # fmt: skip
-    if not SNLI_DEV.is_file():
-        raw["data"] = {"name": "digits"}
-        raw["model"] = {"name": "tt_mlp", "preset": "tiny", "dropout": 0.0}
+    raw = _graph_test_config(SNLI_DEV.is_file())
     graph, g_records = run(raw, tmp_path / "graph")
     eager_raw = copy.deepcopy(raw)
     eager_raw["train"]["cuda_graph"] = False

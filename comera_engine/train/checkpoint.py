@@ -152,15 +152,21 @@ def optimizer_state(
     ):
         raise ValueError("checkpoint: optimizer parameter groups do not match the model")
     # keep the saved hyper-parameters, but with this optimizer's option types (betas tuple)
+    # and its implementation switches: a run saved with CUDA graphs (capturable=True) may
+    # resume on a CPU, and a CPU checkpoint may resume into a captured GPU step
     merged = []
     for saved, now in zip(groups, current):
         group = dict(now)
-        group.update({k: v for k, v in saved.items() if k in now and k != "params"})
+        group.update({k: v for k, v in saved.items()
+                      if k in now and k != "params" and k not in _IMPL_OPTIONS})
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
         group["params"] = saved["params"]
         merged.append(group)
     return {"state": state, "param_groups": merged}
+
+
+_IMPL_OPTIONS = frozenset({"capturable", "foreach", "fused", "differentiable"})
 
 
 def _prune(ckpt_dir: Path, keep: int, protect: int) -> None:
