@@ -520,6 +520,12 @@ def test_device_gate_refresh_equals_the_reference() -> None:
             assert torch.equal(ga, gb) and torch.equal(la.tt.alive(k), lb.tt.alive(k))
     ref = [int(m.tt.alive(k).sum()) for m in tt_layers(a).values() for k in range(5)]
     assert counts.tolist() == ref
+    # the loop logs ranks from these counts (no gate reads): same as reading the gates
+    from comera_engine.train.config import CoMERAConfig
+    from comera_engine.train.tt import CoMERAState
+
+    state = CoMERAState(b, CoMERAConfig())
+    assert state.effective_ranks(counts.tolist()) == state.effective_ranks()
     assert len(events) > 0 and any(e.new == 1 for e in events)
     assert tt_layers(b)["body.0"].tt.gates[2][1].item() == pytest.approx(-0.015)
 
@@ -654,3 +660,14 @@ def test_switch_epoch_validation() -> None:
         raw = digits_cfg(comera={"switch": "auto", **bad})
         with pytest.raises(ConfigError, match=f"^{field}"):
             config_from_dict(raw)
+
+
+def test_explicit_gpu_index_under_torchrun_is_refused(monkeypatch) -> None:
+    """``cuda:N`` with several torchrun processes would put them all on one GPU (NCCL
+    then fails on duplicate devices): refused up front, naming the field and the fix."""
+    from comera_engine.train.distributed import resolve_device
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^train\.device.*use 'cuda' or 'auto'"):
+        resolve_device("cuda:1", local_rank=1)
+    assert resolve_device("cpu", local_rank=1) == torch.device("cpu")

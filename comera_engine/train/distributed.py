@@ -35,6 +35,9 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """``auto`` -> ``cuda:<local_rank>`` when a GPU is there, else ``cpu``."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda:") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("train.device", f"{name} would put every torchrun process on one "
+                          "GPU; use 'cuda' or 'auto' (each process takes cuda:<LOCAL_RANK>)")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError("train.device", f"{name} asked for, but no CUDA device is available")

@@ -98,6 +98,8 @@ def train(
     run_dir = Path(run_dir)
     stop_flag = stop_flag or threading.Event()
     device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":  # streams, CUDA graphs and syncs act on the current device
+        torch.cuda.set_device(device)
     dist = init_distributed(device)
     sink = sink if (sink is not None and dist.is_main) else NullSink()
     restore_signals = _install_signal_handlers(stop_flag)
@@ -270,7 +272,7 @@ class _Run:
             metrics = self._step_metrics(raw, step_time, batch)
             for text in rank_events:
                 self.sink.log_event("rank_change", text, self.step)
-            self._log_ranks()
+            self._log_ranks(counts=counts)
             switched = self.comera.maybe_switch(self.step, raw["loss/task"])
             if switched:
                 self.sink.log_event("stage", switched, self.step)
@@ -278,7 +280,7 @@ class _Run:
             is_last = self.step == t.steps
             if (t.eval_every and self.step % t.eval_every == 0) or is_last:
                 metrics.update(self.evaluate())
-                self._log_ranks(force=True)
+                self._log_ranks(force=True, counts=counts)
             self.sink.log_metrics(self.step, metrics)
             self.last_metrics = metrics
             if bar is not None:
@@ -347,8 +349,8 @@ class _Run:
         m.update(self.memory.read())
         return m
 
-    def _log_ranks(self, force: bool = False) -> None:
-        ranks = self.comera.effective_ranks()
+    def _log_ranks(self, force: bool = False, counts: list[float] | None = None) -> None:
+        ranks = self.comera.effective_ranks(counts)
         if ranks and (force or ranks != self._ranks_cache):
             self.sink.log_ranks(self.step, ranks)
             if ranks != self._ranks_cache:

@@ -1,8 +1,10 @@
 """Memory readings for the per-step metrics.
 
 GPU: ``torch.cuda`` peak allocated / reserved bytes of this process, and the device's
-used / total memory from NVML (``pynvml``, if it loads). CPU: the process resident set.
-All values are MiB.
+used / total memory from NVML (``pynvml``), with the NVML device found by its UUID (NVML
+indices ignore ``CUDA_VISIBLE_DEVICES``, which the launcher sets). Without NVML, or when
+the UUID does not match, the CUDA runtime's ``mem_get_info`` gives used / total instead.
+CPU: the process resident set. All values are MiB.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ class MemoryMeter:
                 import pynvml
 
                 pynvml.nvmlInit()
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
-            except Exception:  # NVML missing or not permitted: torch numbers only
+                self._nvml = (pynvml, _nvml_handle(pynvml, device))
+            except Exception:  # NVML missing, not permitted, or no match: CUDA runtime
                 self._nvml = None
         else:
             import psutil
@@ -39,10 +40,27 @@ class MemoryMeter:
                 "mem/cuda_max_allocated_mb": torch.cuda.max_memory_allocated(self.device) / _MIB,
                 "mem/cuda_max_reserved_mb": torch.cuda.max_memory_reserved(self.device) / _MIB,
             }
-            if self._nvml is not None:
+            try:
+                if self._nvml is None:
+                    raise RuntimeError("no NVML handle")
                 pynvml, handle = self._nvml
                 info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                out["mem/gpu_used_mb"] = info.used / _MIB
-                out["mem/gpu_total_mb"] = info.total / _MIB
+                used, total = info.used, info.total
+            except Exception:  # noqa: BLE001 - a metric must never end the run
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+            out["mem/gpu_used_mb"] = used / _MIB
+            out["mem/gpu_total_mb"] = total / _MIB
             return out
         return {"mem/rss_mb": self._process.memory_info().rss / _MIB}
+
+
+def _nvml_handle(pynvml: object, device: torch.device) -> object:
+    """The NVML handle of ``device``, found by the UUID the CUDA runtime reports."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    for name in (uuid, f"GPU-{uuid}"):
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - try the other spelling
+            continue
+    raise RuntimeError(f"no NVML device with UUID {uuid}")

@@ -185,8 +185,19 @@ class CoMERAState:
 
     # ------------------------------------------------------------------ ranks and size
 
-    def effective_ranks(self) -> dict[str, list[int]]:
-        return {name: list(m.effective_ranks()) for name, m in tt_layers(self.model).items()}
+    def effective_ranks(self, counts: list[float] | None = None) -> dict[str, list[int]]:
+        """Effective ranks per TT layer. ``counts``: the bond counts a device refresh just
+        returned (after a refresh every alive entry is above ``tau``, so they are the
+        effective ranks): used as they are, without reading the gates from the device."""
+        layers = tt_layers(self.model)
+        if counts is None:
+            return {name: list(m.effective_ranks()) for name, m in layers.items()}
+        out, i = {}, 0
+        for name, m in layers.items():
+            n = len(m.tt.gates)
+            out[name] = [int(c) for c in counts[i : i + n]]
+            i += n
+        return out
 
     def size_metrics(self) -> dict[str, float]:
         """Parameters, bytes and compression vs the dense baseline (effective ranks)."""
