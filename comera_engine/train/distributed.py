@@ -61,10 +61,11 @@ def init_distributed(device: torch.device) -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, enabled=True)
 
 
-def shutdown(info: DistInfo) -> None:
-    """Leave the process group (after a final barrier)."""
+def shutdown(info: DistInfo, barrier: bool = True) -> None:
+    """Leave the process group (after a final barrier, unless this process failed)."""
     if info.enabled and dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

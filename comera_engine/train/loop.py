@@ -103,17 +103,22 @@ def train(
     dist = init_distributed(device)
     sink = sink if (sink is not None and dist.is_main) else NullSink()
     restore_signals = _install_signal_handlers(stop_flag)
+    finished = False
     try:
         run = _Run(cfg, run_dir, sink, dist, device, stop_flag, bundle, progress and dist.is_main)
         try:
-            return run.fit(resume)
+            result = run.fit(resume)
+            finished = True
+            return result
         except Exception as exc:
             sink.set_status("failed", f"{type(exc).__name__}: {exc}")
             sink.flush()
             raise
     finally:
         restore_signals()
-        shutdown(dist)
+        # after a failure the other processes are inside a step's collective: a barrier
+        # here would wait for them forever; leave, and torchrun ends the job
+        shutdown(dist, barrier=finished)
 
 
 class _Run:
