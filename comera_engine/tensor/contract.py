@@ -145,9 +145,9 @@ class TTLinearHalves(torch.autograd.Function):
         ctx.gated = len(tensors) > 2 * d
         if ctx.gated:
             gates, masks = tensors[2 * d : 4 * d - 1], tensors[4 * d - 1 :]
-            cores = tuple(apply_gates(raw, gates, masks))
             ctx.masks = [m.to(g.dtype) for g, m in zip(gates, masks)]
             ctx.gm = [g * m for g, m in zip(gates, ctx.masks)]
+            cores = (*(c * v for c, v in zip(raw, ctx.gm)), raw[-1])  # = apply_gates
         else:
             cores = raw
         left, right = cores[:d], cores[d:]
