@@ -573,6 +573,46 @@ def test_ddp_two_processes_match_one_process_with_the_global_batch(tmp_path) -> 
             torch.testing.assert_close(wa[key], wb[key], rtol=1e-3, atol=1e-4)
 
 
+_FAIL_ON_RANK_1 = """
+import os, sys
+from comera_engine.train import tt
+from comera_engine import cli
+
+_begin = tt.CoMERAState.begin_step
+
+
+def begin_step(self, index):
+    if os.environ["RANK"] == "1" and index == 3:
+        raise RuntimeError("injected failure on rank 1")
+    return _begin(self, index)
+
+
+tt.CoMERAState.begin_step = begin_step
+sys.exit(cli.main())
+"""
+
+
+def test_ddp_one_failing_process_ends_the_job(tmp_path) -> None:
+    """When one process raises mid-run, the job ends with an error (the failed process
+    leaves without the final barrier; torchrun then stops the other) instead of hanging
+    until the process-group timeout. The failure is injected by a test launcher."""
+    raw = digits_cfg(train={"steps": 50, "batch_size": 16, "eval_every": 0, "ckpt_every": 0})
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(to_toml(config_from_dict(raw)))
+    launcher = tmp_path / "fail_rank1.py"
+    launcher.write_text(_FAIL_ON_RANK_1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(launcher), "train", str(cfg), "--run-dir", str(tmp_path / "run"), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    print(f"failed DDP job ended after {time.perf_counter() - t0:.1f} s")
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr
+
+
 # ---------------------------------------------------------------------- CUDA graphs
 
 
