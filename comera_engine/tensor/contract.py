@@ -56,8 +56,12 @@ def apply_gates(cores: Sequence[Tensor], gates: Sequence[Tensor],
     ``(r_k,)`` for the ``K-1`` internal bonds. The last core is returned as is.
     Differentiable in cores and gates; masked entries give and get exactly zero.
     """
-    out = [c * (g * m.to(g.dtype)) for c, g, m in zip(cores, gates, masks)]
-    return [*out, *cores[len(gates):]]
+    return _scale_bonds(cores, [g * m.to(g.dtype) for g, m in zip(gates, masks)])
+
+
+def _scale_bonds(cores: Sequence[Tensor], vecs: Sequence[Tensor]) -> list[Tensor]:
+    """``G_k · diag(v_k)`` for the first ``len(vecs)`` cores; the rest as they are."""
+    return [*(c * v for c, v in zip(cores, vecs)), *cores[len(vecs):]]
 
 
 # ---------------------------------------------------------------------------- merges
@@ -147,15 +151,16 @@ class TTLinearHalves(torch.autograd.Function):
             gates, masks = tensors[2 * d : 4 * d - 1], tensors[4 * d - 1 :]
             ctx.masks = [m.to(g.dtype) for g, m in zip(gates, masks)]
             ctx.gm = [g * m for g, m in zip(gates, ctx.masks)]
-            cores = (*(c * v for c, v in zip(raw, ctx.gm)), raw[-1])  # = apply_gates
+            cores = _scale_bonds(raw, ctx.gm)
         else:
             cores = raw
         left, right = cores[:d], cores[d:]
         P = merge_left(left)
         Q = merge_right(right)
         rd = P[-1].shape[1]
-        ctx.bias_in_r = bias is not None and x.shape[0] >= _PAD_MIN_BATCH
-        if x.shape[0] >= _PAD_MIN_BATCH:
+        pad = x.shape[0] >= _PAD_MIN_BATCH
+        ctx.bias_in_r = bias is not None and pad
+        if pad:
             Lp, Rp = _pad_middle(P[-1], Q[0], bias)
         else:
             Lp, Rp = P[-1], Q[0]
@@ -192,16 +197,13 @@ class TTLinearHalves(torch.autograd.Function):
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         need_cores = ctx.needs_input_grad[3:]
         grads: list[Tensor | None] = [None] * (2 * d)
-        dx = dbias = None
-        if not (need_x or any(need_cores)):
-            return (None, None, dy.sum(0) if need_b else None, *grads)
-        dXL = dy @ Rp.t()
+        dx = dbias = dRp = None
+        if need_x or any(need_cores):
+            dXL = dy @ Rp.t()
         if any(need_cores):
             dRp = (dy.t() @ XL).t()  # while dY is hot; faster BLAS form than XLᵀ·dY
-            if need_b:
-                dbias = dRp[rd] if ctx.bias_in_r else dy.sum(0)
-        elif need_b:
-            dbias = dy.sum(0)
+        if need_b:
+            dbias = dRp[rd] if dRp is not None and ctx.bias_in_r else dy.sum(0)
         if need_x:
             dx = dXL @ Lp.t()
         if any(need_cores):
@@ -254,10 +256,11 @@ class TTLinearHalves(torch.autograd.Function):
 
 
 def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int,
-                     bias: Tensor | None = None) -> Tensor:
+                     bias: Tensor | None = None, gates: Sequence[Tensor] = (),
+                     masks: Sequence[Tensor] = ()) -> Tensor:
     """Two-half path. ``x``: ``(B, N)``; returns ``(B, M)`` (``+ bias``, fused into the
-    last GEMM)."""
-    return TTLinearHalves.apply(x, d, bias, *cores)
+    batch GEMMs). ``gates``/``masks`` (both or neither) are absorbed inside the Function."""
+    return TTLinearHalves.apply(x, d, bias, *cores, *gates, *masks)
 
 
 # ---------------------------------------------------------------------------- sweep
@@ -513,8 +516,7 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
     if gates is not None and len(gates) != 2 * d - 1:
         raise ValueError(f"gates: expected 2d-1 = {2 * d - 1} gate vectors, got {len(gates)}")
     if path == "halves":
-        extra = (*gates, *masks) if gates is not None else ()
-        y = TTLinearHalves.apply(x2, d, bias, *cores, *extra)
+        y = tt_linear_halves(x2, cores, d, bias, gates or (), masks or ())
     else:
         if gates is not None:
             cores = apply_gates(cores, gates, masks)

@@ -40,13 +40,15 @@ class MemoryMeter:
                 "mem/cuda_max_allocated_mb": torch.cuda.max_memory_allocated(self.device) / _MIB,
                 "mem/cuda_max_reserved_mb": torch.cuda.max_memory_reserved(self.device) / _MIB,
             }
-            try:
-                if self._nvml is None:
-                    raise RuntimeError("no NVML handle")
+            used = total = None
+            if self._nvml is not None:
                 pynvml, handle = self._nvml
-                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                used, total = info.used, info.total
-            except Exception:  # noqa: BLE001 - a metric must never end the run
+                try:
+                    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                    used, total = info.used, info.total
+                except Exception:  # noqa: BLE001 - a metric must never end the run
+                    pass
+            if used is None:
                 free, total = torch.cuda.mem_get_info(self.device)
                 used = total - free
             out["mem/gpu_used_mb"] = used / _MIB
