@@ -8,7 +8,12 @@ ratio of median rounds and of best rounds. Prints a table (MAC ratio, measured t
 ratio, path the planner chose, peak-memory ratio) and writes
 experiments/results/bench_tt_linear_<device>.json.
 
-    python experiments/bench_tt_linear.py [--device cuda] [--quick]
+    python experiments/bench_tt_linear.py [--device cuda] [--quick] [--cpu-gemm mkl]
+
+On CPU the TT layer's large ``a·wᵀ`` GEMMs run on oneDNN (``contract.CPU_GEMM``), which
+is also a little faster than MKL on dense shapes; so the summary also times a dense
+linear whose forward and ``dX`` GEMMs run on oneDNN too (``dW`` on MKL, as in the TT
+layer) and gives the TT speed-up against it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import machine, print_table, time_pair, training_bytes, write_json  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
+from comera_engine.tensor import contract  # noqa: E402
 
 SHAPES = [
     ("768x768", 768, 768, [12, 8, 8], [8, 8, 12]),
@@ -34,17 +40,63 @@ SHAPES = [
 
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):  # noqa: ANN201
-    """A closure running one forward+backward of ``module`` on ``x`` as a hidden layer:
-    the upstream gradient ``dy`` is given, and ``dX`` is handed on (``x.grad`` is cleared
-    each step, so it is stored, not added into a running sum)."""
+    """A closure running one forward+backward of ``module`` on ``x`` as a hidden layer in
+    a training step: the upstream gradient ``dy`` is given, ``dX`` is handed on, and the
+    gradients start empty as after ``optimizer.zero_grad(set_to_none=True)`` (the
+    trainer's call), so they are stored, not added into running sums."""
+    params = list(module.parameters())
 
     def step() -> torch.Tensor:
         x.grad = None
+        for p in params:
+            p.grad = None
         y = module(x)
         y.backward(dy)
         return y
 
     return step
+
+
+class _OneDNNDenseFn(torch.autograd.Function):
+    """``y = x·Wᵀ + b`` with the forward and ``dX`` GEMMs on oneDNN (``dW`` on MKL): the
+    same backend split as the TT layer's, for the backend check."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, w)
+        return contract._gemm_nt(x, w) + b
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, w = ctx.saved_tensors
+        return contract._gemm_nt(dy, w.t().contiguous()), dy.t() @ x, dy.sum(0)
+
+
+class _OneDNNDense(nn.Module):
+    def __init__(self, dense: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = dense.weight, dense.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OneDNNDenseFn.apply(x, self.weight, self.bias)
+
+
+def backend_check(rounds: int) -> dict:
+    """768×768 at rank 30 and 4096 tokens on CPU: ``nn.Linear``, the dense linear on the
+    TT layer's GEMM backends, and the TT layer, timed in alternating rounds."""
+    dense = nn.Linear(768, 768)
+    x = torch.randn(4096, 768, requires_grad=True)
+    dy = torch.randn(4096, 768)
+    tt = TTLinear(768, 768, rank=30, in_factors=[12, 8, 8], out_factors=[8, 8, 12])
+    onednn = _OneDNNDense(dense)
+    t1 = time_pair(fwd_bwd(dense, x, dy), fwd_bwd(onednn, x, dy), torch.device("cpu"),
+                   rounds=rounds)
+    t2 = time_pair(fwd_bwd(onednn, x, dy), fwd_bwd(tt, x, dy), torch.device("cpu"),
+                   rounds=rounds)
+    return {"linear_ms": t1.a_median * 1e3, "dense_onednn_ms": t1.b_median * 1e3,
+            "dense_onednn_speedup_over_linear": t1.a_median / t1.b_median,
+            "tt_ms": t2.b_median * 1e3, "tt_speedup_vs_dense_onednn": t2.a_median / t2.b_median,
+            "tt_speedup_vs_dense_onednn_best": t2.a_best / t2.b_best}
 
 
 def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int = 9
@@ -89,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 4096])
     ap.add_argument("--rounds", type=int, default=9, help="alternating timing rounds")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    ap.add_argument("--cpu-gemm", choices=["onednn", "mkl"], default=contract.CPU_GEMM,
+                    help="backend of the TT layer's large CPU GEMMs (default: %(default)s)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.cpu_gemm == "onednn" and contract._ONEDNN is None:
+        ap.error("--cpu-gemm: this PyTorch build has no oneDNN linear op; use --cpu-gemm mkl")
+    contract.CPU_GEMM = args.cpu_gemm
     ranks = args.ranks or ([8, 30] if args.quick else [4, 8, 16, 30, 64])
     rows = run(device, ranks, args.tokens, args.rounds)
     print(f"\nTT-linear vs nn.Linear, forward+backward, fp32, device={device.type}")
@@ -113,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     if key:
         print(f"768x768 r30 4096 tokens: {key[0]['speedup']:.2f}x median rounds, "
               f"{key[0]['speedup_best']:.2f}x best rounds (target >= 8x)")
+    summary["cpu_gemm"] = args.cpu_gemm if device.type == "cpu" else None
+    if device.type == "cpu" and args.cpu_gemm == "onednn" and key:
+        chk = backend_check(args.rounds)
+        summary["backend_check"] = chk
+        print(f"backend check (768x768 r30 4096 tokens): nn.Linear {chk['linear_ms']:.1f} ms, "
+              f"dense with oneDNN GEMMs {chk['dense_onednn_ms']:.1f} ms "
+              f"({chk['dense_onednn_speedup_over_linear']:.2f}x); TT {chk['tt_ms']:.2f} ms = "
+              f"{chk['tt_speedup_vs_dense_onednn']:.2f}x median, "
+              f"{chk['tt_speedup_vs_dense_onednn_best']:.2f}x best vs the oneDNN dense")
     out = write_json(f"bench_tt_linear_{device.type}", {"machine": machine(), "rows": rows,
                                                         "summary": summary}, args.out)
     print(f"wrote {out}")

@@ -345,3 +345,91 @@ def test_rank_zero_bond_is_the_zero_map() -> None:
     assert torch.equal(lin(x), lin.bias.expand(4, 16))
     assert torch.equal(lin.dense_weight(), torch.zeros(16, 16, dtype=DT))
     assert torch.equal(emb(torch.tensor([1, 5])), torch.zeros(2, 8, dtype=DT))
+
+
+# ------------------------------------------------------------------ GEMM backend, sweep
+@pytest.mark.parametrize("backend", ["onednn", "mkl"])
+@pytest.mark.parametrize("shape", [(4096, 768, 32), (130, 32, 768), (40, 768, 16)])
+def test_gemm_nt_matches_float64(monkeypatch, backend: str, shape: tuple[int, int, int]) -> None:
+    """``a·wᵀ`` through either CPU backend (oneDNN from 128 rows, ``torch.mm`` below) is
+    the float64 product to fp32 accuracy."""
+    from comera_engine.tensor import contract
+
+    if backend == "onednn" and contract._ONEDNN is None:
+        pytest.skip("this PyTorch build has no oneDNN linear op")
+    monkeypatch.setattr(contract, "CPU_GEMM", backend)
+    m, k, n = shape
+    a, w = torch.randn(m, k), torch.randn(n, k)
+    got = contract._gemm_nt(a, w)
+    ref = a.double() @ w.double().t()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
+
+
+def test_halves_layer_same_under_both_cpu_gemm_backends(monkeypatch) -> None:
+    """The padded halves step (bias inside, 4096 rows) gives the same output and gradients
+    whichever backend runs its batch GEMMs, and both match the float64 layer."""
+    from comera_engine import TTLinear
+    from comera_engine.tensor import contract
+
+    torch.manual_seed(0)
+    lin = TTLinear(96, 64, rank=10, in_factors=[4, 4, 6], out_factors=[4, 4, 4],
+                   path="halves")
+    ref = TTLinear(96, 64, rank=10, in_factors=[4, 4, 6], out_factors=[4, 4, 4],
+                   path="halves", dtype=DT)
+    ref.load_state_dict({k: v.double() for k, v in lin.state_dict().items()})
+    x = torch.randn(512, 96)
+    gy = torch.randn(512, 64)
+    xr = x.double().requires_grad_()
+    yr = ref(xr)
+    (yr * gy.double()).sum().backward()
+    for backend in ("onednn", "mkl"):
+        monkeypatch.setattr(contract, "CPU_GEMM", backend)
+        lin.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y = lin(xi)
+        (y * gy).sum().backward()
+        assert torch.allclose(y.double(), yr, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(xi.grad.double(), xr.grad, rtol=1e-4, atol=1e-5)
+        for p, pr in zip(lin.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad.double(), pr.grad, rtol=1e-3, atol=1e-5)
+
+
+def test_sweep_saves_no_merged_half_and_no_output() -> None:
+    """The sweep Function keeps ``Xᵀ`` and the batch × rank intermediates, never ``L``,
+    ``R`` or ``Y``; its gradients match the float64 dense product."""
+    from comera_engine.tensor.contract import TTLinearSweep
+
+    ins, outs, r = [4, 4, 4], [4, 4, 4], 6
+    cores = [c.detach().clone().requires_grad_() for c in TTLinearCores(ins, outs, r,
+                                                                        dtype=DT).cores]
+    B = 5
+    x = torch.randn(B, 64, dtype=DT, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = TTLinearSweep.apply(x, 3, None, *cores)
+    non_core = [t for t in saved if not any(t is c for c in cores)]
+    assert not any(t is y for t in saved)
+    assert max(t.numel() for t in non_core) == B * 64  # Xᵀ; everything else is smaller
+    assert sum(t.numel() for t in non_core) <= B * 64 + 2 * B * 16 * r + 2 * B * r
+    W = _tensorly_dense([c.detach() for c in cores]).reshape(64, 64)
+    assert torch.allclose(y, x.detach() @ W, atol=1e-12)
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad((y * gy).sum(), [x, *cores])
+    xr = x.detach().clone().requires_grad_()
+    cr = [c.detach().clone().requires_grad_() for c in cores]
+    yr = xr @ _tensorly_dense(cr).reshape(64, 64)
+    ref = torch.autograd.grad((yr * gy).sum(), [xr, *cr])
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, atol=1e-11)
+
+
+def test_planner_sweeps_small_batches_with_large_ranks() -> None:
+    """At 32 rows and rank 64 (768×768) merging the halves costs more than the batch work,
+    so the planner sweeps; at 4096 rows it merges."""
+    ins, outs = (12, 8, 8), (8, 8, 12)
+    r64 = [1, 12, 64, 64, 64, 12, 1]
+    e = explain(32, ins, outs, r64)
+    assert e["path"] == "sweep"
+    assert e["paths"]["sweep"]["macs_fwd"] < e["paths"]["halves"]["macs_fwd"]
+    assert plan(4096, ins, outs, r64) == "halves"

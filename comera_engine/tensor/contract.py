@@ -33,6 +33,7 @@ __all__ = [
     "DeviceModel",
     "PathCost",
     "TTLinearHalves",
+    "TTLinearSweep",
     "estimate",
     "explain",
     "merge_left",
@@ -125,68 +126,149 @@ def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tenso
     return Lp, Rp
 
 
-class TTLinearHalves(torch.autograd.Function):
+def _onednn_linear():  # noqa: ANN202
+    """oneDNN's fp32 matmul as PyTorch ships it (``a·wᵀ + b``), or None where absent."""
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN = _onednn_linear()
+CPU_GEMM = "onednn" if _ONEDNN is not None else "mkl"
+"""Backend for the batch-sized ``a·wᵀ`` GEMMs of the halves path on CPU: ``"onednn"``
+(default where PyTorch has it) or ``"mkl"`` (what ``torch.mm`` uses). For the skinny
+shapes of a TT layer (``4096×768 · 768×32``, ``4096×32 · 32×768``) oneDNN is 10-30%
+faster than MKL on the machines measured (docs/BENCHMARKS.md); the benchmarks switch it
+to compare."""
+
+
+def _gemm_nt(a: Tensor, w: Tensor) -> Tensor:
+    """``a · wᵀ`` for ``a``: ``(m, k)``, ``w``: ``(n, k)``; returns ``(m, n)``.
+
+    Large contiguous fp32 CPU products go through oneDNN (see :data:`CPU_GEMM`); small
+    ones (below 128 rows, where its per-call cost shows), other dtypes, devices and
+    autocast regions through ``torch.mm``."""
+    if (CPU_GEMM == "onednn" and _ONEDNN is not None and a.device.type == "cpu"
+            and a.dtype == torch.float32 and w.dtype == torch.float32
+            and a.shape[0] >= _PAD_MIN_BATCH and a.is_contiguous() and w.is_contiguous()
+            and not torch.is_autocast_enabled("cpu")):
+        return _ONEDNN(a, w, None, "none", [], "")
+    return a @ w.t()
+
+
+class _GatedFunction:
+    """Shared by the TT-linear ``autograd.Function``s: absorbing rank gates into the
+    cores inside the Function (no autograd node per gate) and running backward under the
+    forward's autocast state."""
+
+    @staticmethod
+    def _absorb(ctx, tensors: Sequence[Tensor], d: int) -> list[Tensor]:  # noqa: ANN001
+        """``tensors``: the 2d cores, optionally followed by the 2d-1 gates and their
+        2d-1 bool masks. Returns the gated cores ``E_k = G_k · diag(g_k ⊙ m_k)`` and keeps
+        what :meth:`_gate_grads` needs on ``ctx`` (the raw cores are saved last)."""
+        raw = list(tensors[: 2 * d])
+        ctx.gated = len(tensors) > 2 * d
+        if not ctx.gated:
+            return raw
+        gates, masks = tensors[2 * d : 4 * d - 1], tensors[4 * d - 1 :]
+        ctx.masks = masks
+        ctx.gm = [torch.where(m, g, 0.0) for g, m in zip(gates, masks)]
+        return _scale_bonds(raw, ctx.gm)
+
+    @staticmethod
+    def _gate_grads(ctx, d_eff: list[Tensor | None],  # noqa: ANN001
+                    need: Sequence[bool]) -> list[Tensor | None]:
+        """From gradients of the gated cores ``E_k = G_k · diag(gm_k)`` to the raw cores
+        and gates: ``dG_k = dE_k · diag(gm_k)``, ``dg_k = m_k ⊙ Σ_{all but last} dE_k ⊙ G_k``.
+        Returns grads for (cores, gates, masks) in the order they were passed; the raw
+        cores must be the last ``2d`` saved tensors."""
+        K = len(d_eff)
+        raw = ctx.saved_tensors[-K:]
+        gm, n_g = ctx.gm, K - 1
+        d_cores: list[Tensor | None] = [None] * K
+        d_gates: list[Tensor | None] = [None] * n_g
+        for k in range(K):
+            dE = d_eff[k]
+            if dE is None:
+                continue
+            if k < n_g:
+                if need[k]:
+                    d_cores[k] = dE * gm[k]
+                if need[K + k]:
+                    r = dE.shape[-1]
+                    s = torch.linalg.vecdot(dE.reshape(-1, r), raw[k].reshape(-1, r), dim=0)
+                    d_gates[k] = torch.where(ctx.masks[k], s, 0.0)
+            elif need[k]:
+                d_cores[k] = dE
+        return [*d_cores, *d_gates, *([None] * n_g)]
+
+    @staticmethod
+    def _keep_autocast(ctx, x: Tensor) -> None:  # noqa: ANN001
+        dev = x.device.type  # backward runs under the forward's autocast state (bf16)
+        ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+
+    @classmethod
+    def backward(cls, ctx, dy: Tensor):  # type: ignore[override]  # noqa: ANN001, ANN206
+        if ctx.amp is None:
+            return cls._backward(ctx, dy)
+        with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
+            return cls._backward(ctx, dy)
+
+    @classmethod
+    def _finish(cls, ctx, dx: Tensor | None, dbias: Tensor | None,  # noqa: ANN001
+                grads: list[Tensor | None]) -> tuple[Tensor | None, ...]:
+        need_cores = ctx.needs_input_grad[3:]
+        if ctx.gated:
+            return (dx, None, dbias, *cls._gate_grads(ctx, grads, need_cores))
+        return (dx, None, dbias, *(g if need else None for g, need in zip(grads, need_cores)))
+
+
+class TTLinearHalves(_GatedFunction, torch.autograd.Function):
     """``Y = (X·L)·R + b`` with ``L``/``R`` merged from the cores; any ``d >= 1``.
 
     From 128 rows up, the middle rank is zero-padded to a multiple of 8 (at least 16)
     for the batch GEMMs (exact) and the bias rides in that padding (:func:`_pad_middle`),
     so the forward is two GEMMs and nothing else at batch size; smaller batches skip the
     padding (it would cost more than it saves). Given gates and masks after the cores,
-    it absorbs them itself (see :meth:`_gate_grads`) instead of leaving an autograd node
+    it absorbs them itself (:class:`_GatedFunction`) instead of leaving an autograd node
     per gate. Saved for backward: ``X``, ``X·L``, the left prefixes ``P_1..P_{d-1}``, the
     right suffixes ``Q_2..Q_d``, the padded ``L``/``R`` and the (gated) cores. Backward:
     ``dXL = dY·Rᵀ``, then ``dR = (XL)ᵀ·dY`` while ``dY`` is still in cache (its bias row
     is ``db``), ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back through the merge chains
-    into each core.
+    into each core. The four ``a·wᵀ`` GEMMs go through :func:`_gemm_nt`.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
-        # tensors: the 2d cores, optionally followed by 2d-1 gates and 2d-1 bool masks,
-        # which are then absorbed here (no autograd nodes per gate; see _gate_grads)
-        raw = tensors[: 2 * d]
-        ctx.gated = len(tensors) > 2 * d
-        if ctx.gated:
-            gates, masks = tensors[2 * d : 4 * d - 1], tensors[4 * d - 1 :]
-            ctx.masks = [m.to(g.dtype) for g, m in zip(gates, masks)]
-            ctx.gm = [g * m for g, m in zip(gates, ctx.masks)]
-            cores = _scale_bonds(raw, ctx.gm)
-        else:
-            cores = raw
-        left, right = cores[:d], cores[d:]
-        P = merge_left(left)
-        Q = merge_right(right)
+        # tensors: the 2d cores, optionally followed by 2d-1 gates and 2d-1 bool masks
+        cores = TTLinearHalves._absorb(ctx, tensors, d)
+        P = merge_left(cores[:d])
+        Q = merge_right(cores[d:])
         rd = P[-1].shape[1]
         pad = x.shape[0] >= _PAD_MIN_BATCH
         ctx.bias_in_r = bias is not None and pad
         if pad:
             Lp, Rp = _pad_middle(P[-1], Q[0], bias)
+            XL = _gemm_nt(x, Lp.t().contiguous())
         else:
             Lp, Rp = P[-1], Q[0]
-        XL = x @ Lp
+            XL = x @ Lp
         if ctx.bias_in_r:
             XL[:, rd] = 1.0  # meets the bias row of Rp
-            y = XL @ Rp
+            y = _gemm_nt(XL, Rp.t().contiguous())
         else:
             y = torch.addmm(bias, XL, Rp) if bias is not None else XL @ Rp
         ctx.d, ctx.rd = d, rd
         ctx.has_bias = bias is not None
-        dev = x.device.type  # backward runs under the forward's autocast state (bf16)
-        ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+        TTLinearHalves._keep_autocast(ctx, x)
         ctx.save_for_backward(x, XL, Lp, Rp, *cores, *P[:-1], *Q[1:],
-                              *(raw if ctx.gated else ()))
+                              *(tensors[: 2 * d] if ctx.gated else ()))
         return y
 
     @staticmethod
-    def backward(ctx, dy: Tensor):  # type: ignore[override]
-        if ctx.amp is None:
-            return TTLinearHalves._backward(ctx, dy)
-        with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
-            return TTLinearHalves._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
+    def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
         d, rd = ctx.d, ctx.rd
         saved = ctx.saved_tensors
         x, XL, Lp, Rp = saved[:4]
@@ -195,18 +277,20 @@ class TTLinearHalves(torch.autograd.Function):
         Q = (None, *saved[3 + 3 * d :])  # Q_2..Q_d at their own index
         need_x = ctx.needs_input_grad[0]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
-        need_cores = ctx.needs_input_grad[3:]
+        need_cores = any(ctx.needs_input_grad[3:])
         grads: list[Tensor | None] = [None] * (2 * d)
         dx = dbias = dRp = None
-        if need_x or any(need_cores):
-            dXL = dy @ Rp.t()
-        if any(need_cores):
-            dRp = (dy.t() @ XL).t()  # while dY is hot; faster BLAS form than XLᵀ·dY
+        if need_x or need_cores:
+            dXL = _gemm_nt(dy, Rp)
+        if need_cores:
+            # while dY is hot. MKL runs (dYᵀ·XL)ᵀ faster when the width is a multiple of
+            # 16 (the padded case) and up to 5× slower otherwise (measured; BENCHMARKS.md)
+            dRp = (dy.t() @ XL).t() if XL.shape[1] % 16 == 0 else XL.t() @ dy
         if need_b:
             dbias = dRp[rd] if dRp is not None and ctx.bias_in_r else dy.sum(0)
         if need_x:
-            dx = dXL @ Lp.t()
-        if any(need_cores):
+            dx = _gemm_nt(dXL, Lp)
+        if need_cores:
             # input half: P_k = P_{k-1} · G_k  (P_{k-1}: (a, r), G_k: (r, n·r'))
             dP = (x.t() @ dXL)[:, :rd]  # dL, (N, r_d)
             for k in range(d - 1, 0, -1):
@@ -225,34 +309,7 @@ class TTLinearHalves(torch.autograd.Function):
                 grads[d + j] = (dQj @ Q[j + 1].t()).reshape(G.shape)
                 dQ = G.reshape(r0 * m, r1).t() @ dQj
             grads[2 * d - 1] = dQ.reshape(cores[-1].shape)
-        if ctx.gated:
-            return (dx, None, dbias, *TTLinearHalves._gate_grads(ctx, grads, need_cores))
-        grads = [g if need else None for g, need in zip(grads, need_cores)]
-        return (dx, None, dbias, *grads)
-
-    @staticmethod
-    def _gate_grads(ctx, d_eff: list[Tensor | None],  # noqa: ANN001
-                    need: Sequence[bool]) -> list[Tensor | None]:
-        """From gradients of the gated cores ``E_k = G_k · diag(gm_k)`` to the raw cores
-        and gates: ``dG_k = dE_k · diag(gm_k)``, ``dg_k = m_k ⊙ Σ_{all but last} dE_k ⊙ G_k``.
-        Returns grads for (cores, gates, masks) in the order they were passed."""
-        K = len(d_eff)
-        raw = ctx.saved_tensors[-K:]
-        gm, n_g = ctx.gm, K - 1
-        d_cores: list[Tensor | None] = [None] * K
-        d_gates: list[Tensor | None] = [None] * n_g
-        for k in range(K):
-            dE = d_eff[k]
-            if dE is None:
-                continue
-            if k < n_g:
-                if need[k]:
-                    d_cores[k] = dE * gm[k]
-                if need[K + k]:
-                    d_gates[k] = (dE * raw[k]).reshape(-1, dE.shape[-1]).sum(0) * ctx.masks[k]
-            elif need[k]:
-                d_cores[k] = dE
-        return [*d_cores, *d_gates, *([None] * n_g)]
+        return TTLinearHalves._finish(ctx, dx, dbias, grads)
 
 
 def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int,
@@ -264,24 +321,82 @@ def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int,
 
 
 # ---------------------------------------------------------------------------- sweep
-def tt_linear_sweep(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
-    """Core-by-core path (plain autograd, no permutes). ``x``: ``(B, N)``; returns ``(B, M)``.
+class TTLinearSweep(_GatedFunction, torch.autograd.Function):
+    """Core-by-core path: ``X`` meets one core at a time, ``L``/``R`` are never formed.
 
-    Input half, with ``T`` laid out ``(B, r_{k-1}·n_k, rest)``:
-    ``T_k = G_kᵀ (r_k × r_{k-1}n_k) · T`` batched over ``B`` -> ``(B, r_k, rest)``, which is
-    already ``(B, r_k·n_{k+1}, rest')`` for the next core. Output half:
-    ``T (B·M_done, r) · G (r, m·r') -> (B, M_done·m, r')``.
+    Input half, on ``T = Xᵀ`` laid out ``(r_{k-1}·n_k, rest·B)`` (the batch folded into
+    the columns, so each core is one plain GEMM):
+    ``T_k = G_kᵀ (r_k × r_{k-1}n_k) · T_{k-1}`` -> ``(r_k, rest·B)``, which is already
+    ``(r_k·n_{k+1}, rest'·B)`` for the next core; ``T_d = (X·L)ᵀ``. Output half, rows
+    ``(B, m_1…m_{j-1})``: ``S_j = S_{j-1} (·, r_{j-1}) · G_j (r_{j-1}, m_j·r_j)``. Batch work
+    ``B·Σ_k r_{k-1}n_k r_k·(rest)``: cheapest for small batches with large ranks, where
+    merging the halves would cost more than the batch GEMMs. Saves ``Xᵀ``, every
+    intermediate (all batch × rank sized) and the (gated) cores; gates as in
+    :class:`TTLinearHalves`.
     """
-    B = x.shape[0]
-    T = x.reshape(B, 1, -1)  # (B, r_0·n_1, rest) with r_0 = 1 (n_1 folded into the view)
-    for G in cores[:d]:
-        r0, n, r1 = G.shape
-        T = torch.matmul(G.reshape(r0 * n, r1).t(), T.reshape(B, r0 * n, -1))  # (B, r1, rest)
-    T = T.reshape(B, -1)  # (B, r_d)
-    for G in cores[d:]:
-        r0, m, r1 = G.shape
-        T = (T.reshape(-1, r0) @ G.reshape(r0, m * r1)).reshape(B, -1)
-    return T
+
+    @staticmethod
+    def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
+                *tensors: Tensor) -> Tensor:
+        cores = TTLinearSweep._absorb(ctx, tensors, d)
+        B = x.shape[0]
+        T = x.t().contiguous()  # (N, B)
+        ins = []
+        for G in cores[:d]:
+            r0, n, r1 = G.shape
+            T = T.reshape(r0 * n, -1)
+            ins.append(T)
+            T = G.reshape(r0 * n, r1).t() @ T  # (r1, rest·B)
+        S = T.t()  # (B, r_d)
+        for G in cores[d:]:
+            r0, m, r1 = G.shape
+            S = S.reshape(-1, r0)
+            ins.append(S)
+            S = S @ G.reshape(r0, m * r1)  # (B·m_1…m_j, r_j) once reshaped
+        y = S.reshape(B, -1)
+        if bias is not None:
+            y += bias
+        ctx.d, ctx.has_bias = d, bias is not None
+        TTLinearSweep._keep_autocast(ctx, x)
+        ctx.save_for_backward(*cores, *ins, *(tensors[: 2 * d] if ctx.gated else ()))
+        return y
+
+    @staticmethod
+    def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
+        d = ctx.d
+        saved = ctx.saved_tensors
+        cores, ins = saved[: 2 * d], saved[2 * d : 4 * d]
+        need_x = ctx.needs_input_grad[0]
+        need_cores = any(ctx.needs_input_grad[3:])
+        dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grads: list[Tensor | None] = [None] * (2 * d)
+        dS = dy
+        for k in range(2 * d - 1, d - 1, -1):  # output half, last core first
+            G, S = cores[k], ins[k]
+            r0, m, r1 = G.shape
+            dS = dS.reshape(-1, m * r1)
+            if need_cores:
+                grads[k] = (S.t() @ dS).reshape(G.shape)
+            dS = dS @ G.reshape(r0, m * r1).t()  # (rows, r0)
+        dT = dS.reshape(-1, cores[d].shape[0]).t()  # (r_d, B)
+        for k in range(d - 1, -1, -1):  # input half
+            G, T = cores[k], ins[k]
+            r0, n, r1 = G.shape
+            dT = dT.reshape(r1, -1)
+            if need_cores:
+                grads[k] = (T @ dT.t()).reshape(G.shape)
+            if k > 0 or need_x:
+                dT = G.reshape(r0 * n, r1) @ dT  # (r0·n, rest·B)
+        dx = dT.reshape(-1, dy.shape[0]).t() if need_x else None
+        return TTLinearSweep._finish(ctx, dx, dbias, grads)
+
+
+def tt_linear_sweep(x: Tensor, cores: Sequence[Tensor], d: int,
+                    bias: Tensor | None = None, gates: Sequence[Tensor] = (),
+                    masks: Sequence[Tensor] = ()) -> Tensor:
+    """Core-by-core path (:class:`TTLinearSweep`). ``x``: ``(B, N)``; returns ``(B, M)``
+    (``+ bias``). ``gates``/``masks`` (both or neither) are absorbed inside the Function."""
+    return TTLinearSweep.apply(x, d, bias, *cores, *gates, *masks)
 
 
 # ---------------------------------------------------------------------------- dense
@@ -390,13 +505,15 @@ def _path_cost(path: str, B: int, ins: Sequence[int], outs: Sequence[int], r: Se
         _merge_costs(g, ins, outs, r)
         _merge_costs(g, ins, outs, r)
     elif path == "sweep":
+        f.copy(B * N)  # Xᵀ
         rest = N
         for k in range(d):
             rest //= ins[k]
-            # batched over B: (r_k × r_{k-1}n_k) · (r_{k-1}n_k × rest)
-            f.gemm(r[k + 1], r[k] * ins[k], rest, times=B)
-            g.gemm(r[k] * ins[k], r[k + 1], rest, times=B)  # dT
-            g.gemm(r[k] * ins[k], rest, r[k + 1], times=B)  # dG (summed over B)
+            # the batch folded into the columns: (r_k × r_{k-1}n_k) · (r_{k-1}n_k × rest·B)
+            f.gemm(r[k + 1], r[k] * ins[k], rest * B)
+            if k > 0 or need_dx:
+                g.gemm(r[k] * ins[k], r[k + 1], rest * B)  # dT
+            g.gemm(r[k] * ins[k], rest * B, r[k + 1])  # dG
         done = 1
         for j in range(d):
             f.gemm(B * done, r[d + j], outs[j] * r[d + j + 1])
@@ -515,8 +632,8 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
         raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}") from None
     if gates is not None and len(gates) != 2 * d - 1:
         raise ValueError(f"gates: expected 2d-1 = {2 * d - 1} gate vectors, got {len(gates)}")
-    if path == "halves":
-        y = tt_linear_halves(x2, cores, d, bias, gates or (), masks or ())
+    if path in ("halves", "sweep"):
+        y = impl(x2, cores, d, bias, gates or (), masks or ())
     else:
         if gates is not None:
             cores = apply_gates(cores, gates, masks)

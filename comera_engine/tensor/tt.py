@@ -194,7 +194,13 @@ class TensorTrain(nn.Module):
 
     def masks(self) -> list[Tensor]:
         """Per bond: boolean mask of active gate entries (alive and ``|g| > tau``)."""
-        return [self.alive(k) & (g.detach().abs() > self.tau) for k, g in enumerate(self.gates)]
+        gates = list(self.gates)
+        if len(gates) < 2:
+            return [self.alive(k) & (g.detach().abs() > self.tau) for k, g in enumerate(gates)]
+        with torch.no_grad():  # one pass over all bonds: a handful of ops per forward
+            alive = torch.cat([self.alive(k) for k in range(len(gates))])
+            m = alive & (torch.cat(gates).abs() > self.tau)
+        return list(m.split([g.shape[0] for g in gates]))
 
     def effective_ranks(self) -> list[int]:
         """Effective internal ranks (length K-1): active gate entries per bond."""
