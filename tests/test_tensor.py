@@ -395,23 +395,25 @@ def test_halves_layer_same_under_both_cpu_gemm_backends(monkeypatch) -> None:
             assert torch.allclose(p.grad.double(), pr.grad, rtol=1e-3, atol=1e-5)
 
 
-def test_sweep_saves_no_merged_half_and_no_output() -> None:
-    """The sweep Function keeps ``Xᵀ`` and the batch × rank intermediates, never ``L``,
-    ``R`` or ``Y``; its gradients match the float64 dense product."""
-    from comera_engine.tensor.contract import TTLinearSweep
+@pytest.mark.parametrize("B", [1, 5])  # 1: plain sweep; 5: outermost cores merged first
+def test_sweep_saves_no_merged_half_and_no_output(B: int) -> None:
+    """The sweep Function keeps ``Xᵀ`` and the batch × rank intermediates (plus the merged
+    outer cores), never ``L``, ``R`` or ``Y``; values and gradients, gates and bias
+    included, match the float64 dense product."""
+    from comera_engine.tensor.contract import TTLinearSweep, _sweep_merges
 
     ins, outs, r = [4, 4, 4], [4, 4, 4], 6
-    cores = [c.detach().clone().requires_grad_() for c in TTLinearCores(ins, outs, r,
-                                                                        dtype=DT).cores]
-    B = 5
+    tt = TTLinearCores(ins, outs, r, dtype=DT)
+    assert _sweep_merges(B, ins, outs, tt.ranks) == ((True, True) if B == 5 else (False, False))
+    cores = [c.detach().clone().requires_grad_() for c in tt.cores]
     x = torch.randn(B, 64, dtype=DT, requires_grad=True)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = TTLinearSweep.apply(x, 3, None, *cores)
     non_core = [t for t in saved if not any(t is c for c in cores)]
     assert not any(t is y for t in saved)
-    assert max(t.numel() for t in non_core) == B * 64  # Xᵀ; everything else is smaller
-    assert sum(t.numel() for t in non_core) <= B * 64 + 2 * B * 16 * r + 2 * B * r
+    assert max(t.numel() for t in non_core) <= max(B * 64, 16 * r)  # Xᵀ or a merged core
+    assert sum(t.numel() for t in non_core) <= B * 64 + 2 * B * 16 * r + 2 * B * r + 32 * r
     W = _tensorly_dense([c.detach() for c in cores]).reshape(64, 64)
     assert torch.allclose(y, x.detach() @ W, atol=1e-12)
     gy = torch.randn_like(y)
@@ -422,6 +424,13 @@ def test_sweep_saves_no_merged_half_and_no_output() -> None:
     ref = torch.autograd.grad((yr * gy).sum(), [xr, *cr])
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, atol=1e-11)
+    gates = [torch.rand(c.shape[-1], dtype=DT, requires_grad=True) + 0.5 for c in cores[:-1]]
+    gates = [g.detach().requires_grad_() for g in gates]
+    masks = [torch.arange(g.shape[0]) != 1 for g in gates]
+    bias = torch.randn(64, dtype=DT, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x_, b_, *t: TTLinearSweep.apply(x_, 3, b_, *t[:6], *t[6:], *masks),
+        (x, bias, *cores, *gates))
 
 
 def test_planner_sweeps_small_batches_with_large_ranks() -> None:

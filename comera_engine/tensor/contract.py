@@ -321,6 +321,30 @@ def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int,
 
 
 # ---------------------------------------------------------------------------- sweep
+def _sweep_merges(B: int, ins: Sequence[int], outs: Sequence[int], r: Sequence[int]
+                  ) -> tuple[bool, bool]:
+    """Whether the sweep merges its two outermost cores on each side first.
+
+    Head: ``H = G_1·G_2`` (``n_1·r_1·n_2·r_2`` MACs, batch independent) replaces the
+    steps of ``G_1`` (``r_1·N·B``) and ``G_2`` (``r_2·r_1n_2·rest_2·B``) by one step of
+    ``r_2·n_1n_2·rest_2·B``; tail likewise with ``G_{2d-1}·G_{2d}``. Merged when that
+    costs no more MACs: one GEMM less per direction, and the first/last steps (inner
+    dimension ``n_1`` or output width ``m_d``, slow shapes for BLAS) are gone.
+    ``r``: ``[1, r_1, …, r_{2d-1}, 1]``."""
+    d = len(ins)
+    if d < 2:
+        return False, False
+    N, M = math.prod(ins), math.prod(outs)
+    rest2 = N // (ins[0] * ins[1])
+    head_merged = ins[0] * r[1] * ins[1] * r[2] + r[2] * ins[0] * ins[1] * rest2 * B
+    head_plain = r[1] * N * B + r[2] * r[1] * ins[1] * rest2 * B
+    rows = B * M // (outs[-2] * outs[-1])  # rows meeting G_{2d-1}
+    ra, rb = r[2 * d - 2], r[2 * d - 1]
+    tail_merged = ra * outs[-2] * rb * outs[-1] + rows * ra * outs[-2] * outs[-1]
+    tail_plain = rows * ra * outs[-2] * rb + rows * outs[-2] * rb * outs[-1]
+    return head_merged <= head_plain, tail_merged <= tail_plain
+
+
 class TTLinearSweep(_GatedFunction, torch.autograd.Function):
     """Core-by-core path: ``X`` meets one core at a time, ``L``/``R`` are never formed.
 
@@ -330,8 +354,9 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
     ``(r_k·n_{k+1}, rest'·B)`` for the next core; ``T_d = (X·L)ᵀ``. Output half, rows
     ``(B, m_1…m_{j-1})``: ``S_j = S_{j-1} (·, r_{j-1}) · G_j (r_{j-1}, m_j·r_j)``. Batch work
     ``B·Σ_k r_{k-1}n_k r_k·(rest)``: cheapest for small batches with large ranks, where
-    merging the halves would cost more than the batch GEMMs. Saves ``Xᵀ``, every
-    intermediate (all batch × rank sized) and the (gated) cores; gates as in
+    merging the halves would cost more than the batch GEMMs. The two outermost cores of
+    a side are merged first where that is cheaper (:func:`_sweep_merges`). Saves ``Xᵀ``,
+    every intermediate (all batch × rank sized) and the (gated) cores; gates as in
     :class:`TTLinearHalves`.
     """
 
@@ -340,15 +365,28 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
                 *tensors: Tensor) -> Tensor:
         cores = TTLinearSweep._absorb(ctx, tensors, d)
         B = x.shape[0]
+        r = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
+        ins_f = [int(c.shape[1]) for c in cores[:d]]
+        outs_f = [int(c.shape[1]) for c in cores[d:]]
+        ctx.head, ctx.tail = _sweep_merges(B, ins_f, outs_f, r)
+        left, right = list(cores[:d]), list(cores[d:])
+        if ctx.head:  # H = G_1·G_2 as one core (1, n_1·n_2, r_2)
+            G1, G2 = left[0], left[1]
+            H = G1.reshape(-1, G1.shape[-1]) @ G2.reshape(G2.shape[0], -1)
+            left = [H.reshape(1, G1.shape[1] * G2.shape[1], G2.shape[-1]), *left[2:]]
+        if ctx.tail:  # G_{2d-1}·G_{2d} as one core (r, m_{d-1}·m_d, 1)
+            Ga, Gb = right[-2], right[-1]
+            Tl = Ga.reshape(-1, Ga.shape[-1]) @ Gb.reshape(Gb.shape[0], -1)
+            right = [*right[:-2], Tl.reshape(Ga.shape[0], Ga.shape[1] * Gb.shape[1], 1)]
         T = x.t().contiguous()  # (N, B)
         ins = []
-        for G in cores[:d]:
+        for G in left:
             r0, n, r1 = G.shape
             T = T.reshape(r0 * n, -1)
             ins.append(T)
             T = G.reshape(r0 * n, r1).t() @ T  # (r1, rest·B)
         S = T.t()  # (B, r_d)
-        for G in cores[d:]:
+        for G in right:
             r0, m, r1 = G.shape
             S = S.reshape(-1, r0)
             ins.append(S)
@@ -356,38 +394,55 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
         y = S.reshape(B, -1)
         if bias is not None:
             y += bias
-        ctx.d, ctx.has_bias = d, bias is not None
+        ctx.d, ctx.nl, ctx.has_bias = d, len(left), bias is not None
         TTLinearSweep._keep_autocast(ctx, x)
-        ctx.save_for_backward(*cores, *ins, *(tensors[: 2 * d] if ctx.gated else ()))
+        ctx.save_for_backward(*cores, *left, *right, *ins,
+                              *(tensors[: 2 * d] if ctx.gated else ()))
         return y
 
     @staticmethod
     def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
-        d = ctx.d
+        d, nl = ctx.d, ctx.nl
         saved = ctx.saved_tensors
-        cores, ins = saved[: 2 * d], saved[2 * d : 4 * d]
+        cores = saved[: 2 * d]
+        ne = 2 * d - ctx.head - ctx.tail  # cores actually swept
+        eff, ins = saved[2 * d : 2 * d + ne], saved[2 * d + ne : 2 * d + 2 * ne]
         need_x = ctx.needs_input_grad[0]
         need_cores = any(ctx.needs_input_grad[3:])
         dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grads: list[Tensor | None] = [None] * (2 * d)
+        d_eff: list[Tensor | None] = [None] * ne
         dS = dy
-        for k in range(2 * d - 1, d - 1, -1):  # output half, last core first
-            G, S = cores[k], ins[k]
+        for k in range(ne - 1, nl - 1, -1):  # output half, last core first
+            G, S = eff[k], ins[k]
             r0, m, r1 = G.shape
             dS = dS.reshape(-1, m * r1)
             if need_cores:
-                grads[k] = (S.t() @ dS).reshape(G.shape)
+                d_eff[k] = S.t() @ dS  # (r0, m·r1)
             dS = dS @ G.reshape(r0, m * r1).t()  # (rows, r0)
-        dT = dS.reshape(-1, cores[d].shape[0]).t()  # (r_d, B)
-        for k in range(d - 1, -1, -1):  # input half
-            G, T = cores[k], ins[k]
+        dT = dS.reshape(-1, eff[nl].shape[0]).t()  # (r_d, B)
+        for k in range(nl - 1, -1, -1):  # input half
+            G, T = eff[k], ins[k]
             r0, n, r1 = G.shape
             dT = dT.reshape(r1, -1)
             if need_cores:
-                grads[k] = (T @ dT.t()).reshape(G.shape)
+                d_eff[k] = T @ dT.t()  # (r0·n, r1)
             if k > 0 or need_x:
                 dT = G.reshape(r0 * n, r1) @ dT  # (r0·n, rest·B)
         dx = dT.reshape(-1, dy.shape[0]).t() if need_x else None
+        grads: list[Tensor | None] = [None] * (2 * d)
+        if need_cores:
+            lg, rg = d_eff[:nl], d_eff[nl:]
+            if ctx.head:  # back through H = G_1·G_2: (n_1, r_1)·(r_1, n_2·r_2)
+                G1, G2 = cores[0], cores[1]
+                dH = lg[0].reshape(G1.shape[1], -1)
+                A, Bm = G1.reshape(-1, G1.shape[-1]), G2.reshape(G2.shape[0], -1)
+                lg = [dH @ Bm.t(), A.t() @ dH, *lg[1:]]
+            if ctx.tail:  # back through G_a·G_b: (r·m_a, r_a)·(r_a, m_b)
+                Ga, Gb = cores[-2], cores[-1]
+                dTl = rg[-1].reshape(Ga.shape[0] * Ga.shape[1], -1)
+                A, Bm = Ga.reshape(-1, Ga.shape[-1]), Gb.reshape(Gb.shape[0], -1)
+                rg = [*rg[:-1], dTl @ Bm.t(), A.t() @ dTl]
+            grads = [g.reshape(c.shape) for g, c in zip([*lg, *rg], cores)]
         return TTLinearSweep._finish(ctx, dx, dbias, grads)
 
 
@@ -505,21 +560,34 @@ def _path_cost(path: str, B: int, ins: Sequence[int], outs: Sequence[int], r: Se
         _merge_costs(g, ins, outs, r)
         _merge_costs(g, ins, outs, r)
     elif path == "sweep":
+        head, tail = _sweep_merges(B, ins, outs, r)
+        # the swept cores as (r_in, mode, r_out), after the merges of the outer ones
+        left = [(r[k], ins[k], r[k + 1]) for k in range(d)]
+        right = [(r[d + j], outs[j], r[d + j + 1]) for j in range(d)]
+        for on, side, a in ((head, left, 0), (tail, right, d - 2)):
+            if not on:
+                continue
+            b = a + 1
+            (ra, na, rm), (_, nb, rb) = side[a], side[b]
+            f.gemm(ra * na, rm, nb * rb)  # the merge, and its two backward GEMMs
+            g.gemm(ra * na, nb * rb, rm)
+            g.gemm(rm, ra * na, nb * rb)
+            side[a:b + 1] = [(ra, na * nb, rb)]
         f.copy(B * N)  # Xᵀ
         rest = N
-        for k in range(d):
-            rest //= ins[k]
+        for k, (r0, n, r1) in enumerate(left):
+            rest //= n
             # the batch folded into the columns: (r_k × r_{k-1}n_k) · (r_{k-1}n_k × rest·B)
-            f.gemm(r[k + 1], r[k] * ins[k], rest * B)
+            f.gemm(r1, r0 * n, rest * B)
             if k > 0 or need_dx:
-                g.gemm(r[k] * ins[k], r[k + 1], rest * B)  # dT
-            g.gemm(r[k] * ins[k], rest * B, r[k + 1])  # dG
+                g.gemm(r0 * n, r1, rest * B)  # dT
+            g.gemm(r0 * n, rest * B, r1)  # dG
         done = 1
-        for j in range(d):
-            f.gemm(B * done, r[d + j], outs[j] * r[d + j + 1])
-            g.gemm(B * done, outs[j] * r[d + j + 1], r[d + j])
-            g.gemm(r[d + j], B * done, outs[j] * r[d + j + 1])
-            done *= outs[j]
+        for r0, m, r1 in right:
+            f.gemm(B * done, r0, m * r1)
+            g.gemm(B * done, m * r1, r0)
+            g.gemm(r0, B * done, m * r1)
+            done *= m
     elif path == "dense":
         _merge_costs(f, ins, outs, r)
         f.gemm(N, rd, M)
