@@ -93,7 +93,18 @@ def backend_check(rounds: int) -> dict:
                    rounds=rounds)
     t2 = time_pair(fwd_bwd(onednn, x, dy), fwd_bwd(tt, x, dy), torch.device("cpu"),
                    rounds=rounds)
+    def on(backend: str, step):  # noqa: ANN001, ANN202
+        def run_step() -> torch.Tensor:
+            contract.CPU_GEMM = backend
+            return step()
+        return run_step
+
+    tt_step = fwd_bwd(tt, x, dy)
+    t3 = time_pair(on("mkl", tt_step), on("onednn", tt_step), torch.device("cpu"),
+                   rounds=rounds)
     return {"linear_ms": t1.a_median * 1e3, "dense_onednn_ms": t1.b_median * 1e3,
+            "tt_mkl_ms": t3.a_median * 1e3, "tt_onednn_ms": t3.b_median * 1e3,
+            "tt_onednn_speedup_over_mkl": t3.a_median / t3.b_median,
             "dense_onednn_speedup_over_linear": t1.a_median / t1.b_median,
             "tt_ms": t2.b_median * 1e3, "tt_speedup_vs_dense_onednn": t2.a_median / t2.b_median,
             "tt_speedup_vs_dense_onednn_best": t2.a_best / t2.b_best}
@@ -178,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
               f"dense with oneDNN GEMMs {chk['dense_onednn_ms']:.1f} ms "
               f"({chk['dense_onednn_speedup_over_linear']:.2f}x); TT {chk['tt_ms']:.2f} ms = "
               f"{chk['tt_speedup_vs_dense_onednn']:.2f}x median, "
-              f"{chk['tt_speedup_vs_dense_onednn_best']:.2f}x best vs the oneDNN dense")
+              f"{chk['tt_speedup_vs_dense_onednn_best']:.2f}x best vs the oneDNN dense; "
+              f"TT on MKL {chk['tt_mkl_ms']:.2f} ms vs on oneDNN {chk['tt_onednn_ms']:.2f} ms "
+              f"({chk['tt_onednn_speedup_over_mkl']:.2f}x)")
     out = write_json(f"bench_tt_linear_{device.type}", {"machine": machine(), "rows": rows,
                                                         "summary": summary}, args.out)
     print(f"wrote {out}")
