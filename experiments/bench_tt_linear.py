@@ -152,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 4096])
     ap.add_argument("--rounds", type=int, default=9, help="alternating timing rounds")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
-    ap.add_argument("--cpu-gemm", choices=["onednn", "mkl"], default=contract.CPU_GEMM,
+    ap.add_argument("--cpu-gemm", choices=["onednn", "mkl"],
+                    default="onednn" if contract.onednn_linear() is not None else "mkl",
                     help="backend of the TT layer's large CPU GEMMs (default: %(default)s)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if args.cpu_gemm == "onednn" and contract._ONEDNN is None:
+    if args.cpu_gemm == "onednn" and contract.onednn_linear() is None:
         ap.error("--cpu-gemm: this PyTorch build has no oneDNN linear op; use --cpu-gemm mkl")
     contract.CPU_GEMM = args.cpu_gemm
     ranks = args.ranks or ([8, 30] if args.quick else [4, 8, 16, 30, 64])

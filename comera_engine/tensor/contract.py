@@ -126,21 +126,28 @@ def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tenso
     return Lp, Rp
 
 
-def _onednn_linear():  # noqa: ANN202
-    """oneDNN's fp32 matmul as PyTorch ships it (``a·wᵀ + b``), or None where absent."""
+@lru_cache(maxsize=1)
+def onednn_linear():  # noqa: ANN201
+    """oneDNN's fp32 matmul as PyTorch ships it (``a·wᵀ + b``), or None where this build
+    lacks it or it fails a first exact check on small integers (looked up once, lazily,
+    so importing the package costs nothing)."""
     try:
-        return torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return None
+        op = torch.ops.mkldnn._linear_pointwise
+        a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+        if torch.equal(op(a, w, None, "none", [], ""), a @ w.t()):
+            return op
+    except Exception:  # noqa: BLE001 (absent op, unsupported CPU: fall back to torch.mm)
+        pass
+    return None
 
 
-_ONEDNN = _onednn_linear()
-CPU_GEMM = "onednn" if _ONEDNN is not None else "mkl"
+CPU_GEMM = "onednn"
 """Backend for the batch-sized ``a·wᵀ`` GEMMs of the halves path on CPU: ``"onednn"``
-(default where PyTorch has it) or ``"mkl"`` (what ``torch.mm`` uses). For the skinny
-shapes of a TT layer (``4096×768 · 768×32``, ``4096×32 · 32×768``) oneDNN is 10-30%
-faster than MKL on the machines measured (docs/BENCHMARKS.md); the benchmarks switch it
-to compare."""
+(the default; used where :func:`onednn_linear` finds it) or ``"mkl"`` (what ``torch.mm``
+uses). For the skinny shapes of a TT layer (``4096×768 · 768×32``, ``4096×32 · 32×768``)
+oneDNN is 10-30% faster than MKL timed alone, 0-15% inside the layer step, on the
+machine measured (docs/BENCHMARKS.md); the benchmark switches it to compare."""
 
 
 def _gemm_nt(a: Tensor, w: Tensor) -> Tensor:
@@ -149,11 +156,13 @@ def _gemm_nt(a: Tensor, w: Tensor) -> Tensor:
     Large contiguous fp32 CPU products go through oneDNN (see :data:`CPU_GEMM`); small
     ones (below 128 rows, where its per-call cost shows), other dtypes, devices and
     autocast regions through ``torch.mm``."""
-    if (CPU_GEMM == "onednn" and _ONEDNN is not None and a.device.type == "cpu"
-            and a.dtype == torch.float32 and w.dtype == torch.float32
-            and a.shape[0] >= _PAD_MIN_BATCH and a.is_contiguous() and w.is_contiguous()
+    if (CPU_GEMM == "onednn" and a.device.type == "cpu" and a.dtype == torch.float32
+            and w.dtype == torch.float32 and a.shape[0] >= _PAD_MIN_BATCH
+            and a.is_contiguous() and w.is_contiguous()
             and not torch.is_autocast_enabled("cpu")):
-        return _ONEDNN(a, w, None, "none", [], "")
+        op = onednn_linear()
+        if op is not None:
+            return op(a, w, None, "none", [], "")
     return a @ w.t()
 
 
