@@ -175,7 +175,15 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     assert set(table["path"]) <= {"halves", "sweep", "dense"}
     launch = at.button(key="launch")
     assert launch.label == "Launch" and not launch.disabled
-    assert len(at.get("plotly_chart")) == 3
+    charts = at.get("plotly_chart")
+    assert len(charts) == 3
+    # the per-layer bars carry the table's numbers: dense, TT as allocated, TT at target
+    params = json.loads(charts[0].proto.spec)["data"]
+    assert [t["name"] for t in params] == ["dense", "TT (allocated)", "TT at target"]
+    assert list(params[0]["x"]) == list(table["dense"])
+    assert list(params[2]["x"]) == list(table["at target"])
+    macs = json.loads(charts[1].proto.spec)["data"]
+    assert list(macs[1]["text"]) == list(table["path"])
 
 
 def test_new_experiment_validation_messages(home: Path) -> None:

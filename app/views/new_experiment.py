@@ -394,6 +394,28 @@ with left:
 # ---------------------------------------------------------------- preview
 
 
+def _layer_bars(pv: Preview, names: list[str], what: str, text: list[str] | None,
+                axis_title: str, key: str) -> None:
+    """Grouped horizontal bars per layer: dense, TT as allocated and, with a target, TT
+    at the target ranks (``what``: ``params`` or ``macs``; log axis)."""
+    fig = go.Figure()
+    fig.add_bar(y=names, x=[getattr(layer, f"dense_{what}") for layer in pv.layers],
+                name="dense", orientation="h", marker_color=plots.COLORS[7])
+    fig.add_bar(y=names, x=[getattr(layer, f"tt_{what}") for layer in pv.layers],
+                name="TT (allocated)", orientation="h", marker_color=plots.COLORS[0],
+                text=text, textposition="auto" if text else None)
+    if pv.target:
+        fig.add_bar(y=names, x=[getattr(layer, f"target_{what}") for layer in pv.layers],
+                    name="TT at target", orientation="h", marker_color=plots.COLORS[2])
+    plots.log_ticks(fig, "x")
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(barmode="group")
+    plots.base_layout(fig, None, max(260, 60 + 26 * len(names) * (2 + bool(pv.target))),
+                      axis_title)
+    fig.update_layout(hovermode="closest")
+    st.plotly_chart(fig, width="stretch", key=key)
+
+
 def _memory_chart(pv: Preview) -> None:
     parts = ["weights", "gradients", "optimizer", "activations"]
     fig = go.Figure()
@@ -483,38 +505,10 @@ with right:
                                     "Training memory"])
         names = [layer.name for layer in pv.layers]
         with tab1:
-            fig = go.Figure()
-            fig.add_bar(y=names, x=[layer.dense_params for layer in pv.layers], name="dense",
-                        orientation="h", marker_color=plots.COLORS[7])
-            fig.add_bar(y=names, x=[layer.tt_params for layer in pv.layers],
-                        name="TT (allocated)", orientation="h", marker_color=plots.COLORS[0])
-            if pv.target:
-                fig.add_bar(y=names, x=[layer.target_params for layer in pv.layers],
-                            name="TT at target", orientation="h", marker_color=plots.COLORS[2])
-            plots.log_ticks(fig, "x")
-            fig.update_yaxes(autorange="reversed")
-            fig.update_layout(barmode="group")
-            plots.base_layout(fig, None, max(260, 60 + 26 * len(names) * (2 + bool(pv.target))),
-                              "parameters (log)")
-            fig.update_layout(hovermode="closest")
-            st.plotly_chart(fig, width="stretch", key="pv-params")
+            _layer_bars(pv, names, "params", None, "parameters (log)", "pv-params")
         with tab2:
-            fig = go.Figure()
-            fig.add_bar(y=names, x=[layer.dense_macs for layer in pv.layers], name="dense",
-                        orientation="h", marker_color=plots.COLORS[7])
-            fig.add_bar(y=names, x=[layer.tt_macs for layer in pv.layers], orientation="h",
-                        name="TT (allocated)", marker_color=plots.COLORS[0],
-                        text=[layer.path for layer in pv.layers], textposition="auto")
-            if pv.target:
-                fig.add_bar(y=names, x=[layer.target_macs for layer in pv.layers],
-                            name="TT at target", orientation="h", marker_color=plots.COLORS[2])
-            plots.log_ticks(fig, "x")
-            fig.update_yaxes(autorange="reversed")
-            fig.update_layout(barmode="group")
-            plots.base_layout(fig, None, max(260, 60 + 26 * len(names) * (2 + bool(pv.target))),
-                              f"MACs per {unit} (log); embeddings: dense lookup is free")
-            fig.update_layout(hovermode="closest")
-            st.plotly_chart(fig, width="stretch", key="pv-macs")
+            _layer_bars(pv, names, "macs", [layer.path for layer in pv.layers],
+                        f"MACs per {unit} (log); embeddings: dense lookup is free", "pv-macs")
         with tab3:
             _memory_chart(pv)
     else:
