@@ -27,6 +27,7 @@ step, whenever they change and at each evaluation (they are piecewise constant).
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import random
@@ -116,6 +117,12 @@ def train(
             raise
     finally:
         restore_signals()
+        if dist.enabled:
+            # free the DDP model (its reducer and pending Gloo work hold tensors) while the
+            # interpreter is alive, so nothing of the process group is torn down during
+            # interpreter finalization (a known source of SIGABRT at exit)
+            run = None  # noqa: F841
+            gc.collect()
         # after a failure the other processes are inside a step's collective: a barrier
         # here would wait for them forever; leave, and torchrun ends the job
         shutdown(dist, barrier=finished)
