@@ -26,3 +26,19 @@ def test_bench_tt_linear_writes_table_and_json(tmp_path) -> None:
         assert r["dense_ms"] > 0 and r["tt_ms"] > 0 and r["speedup_best"] > 0
         assert r["params_ratio"] > 100  # rank 4 at these shapes: hundreds of times smaller
     assert data["summary"]["speedup_768_r30_4096"] is None  # that row was not asked for
+
+
+def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear_parts.py"),
+           "--rank", "8", "--tokens", "16", "--rounds", "1", "--reps", "1", "--device", "cpu",
+           "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "bench_tt_linear_parts_cpu.json").read_text())
+    assert [r["variant"] for r in data["rows"]] == [
+        "nn.Linear", "layer", "function, masks given", "function, no gates",
+        "function, no gates, no bias"]
+    assert all(r["ms"] > 0 for r in data["rows"]) and "| variant" in out.stdout
+    bad = subprocess.run([*cmd[:2], "--reps", "0"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--reps" in bad.stderr

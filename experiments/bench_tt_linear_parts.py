@@ -1,0 +1,127 @@
+"""Where a TT-linear step's time goes: the layer against its own parts, side by side.
+
+One row per variant, each a forward+backward as a hidden layer (given upstream gradient,
+``dX`` handed on, gradients starting empty), all timed in alternating rounds of repeated
+steps so the differences are measured side by side:
+
+* ``nn.Linear``: the dense reference;
+* ``layer``: ``TTLinear`` as the trainer calls it (masks, planner, gates, bias);
+* ``function, masks given``: the planner's contraction Function with the gates and bias,
+  masks computed once outside the loop (drops the mask pass and the layer wrapper);
+* ``function, no gates``: the same on the raw cores, with the bias (drops the gates);
+* ``function, no gates, no bias``: the bare contraction.
+
+Consecutive differences are the cost of that part. Prints a table and writes
+experiments/results/bench_tt_linear_parts_<device>.json.
+
+    python experiments/bench_tt_linear_parts.py [--rank 64] [--tokens 32] [--shape 768x768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tt_linear import SHAPES  # noqa: E402
+from benchlib import machine, print_table, sync, write_json  # noqa: E402
+
+from comera_engine import TTLinear  # noqa: E402
+from comera_engine.tensor.contract import tt_linear  # noqa: E402
+
+
+def _step(fn: Callable[[], torch.Tensor], x: torch.Tensor, dy: torch.Tensor,
+          params: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        fn().backward(dy)
+    return run
+
+
+def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
+        device: torch.device) -> list[dict]:
+    _, fin, fout, inf, outf = next(s for s in SHAPES if s[0] == shape)
+    torch.manual_seed(0)
+    x = torch.randn(tokens, fin, device=device, requires_grad=True)
+    dy = torch.randn(tokens, fout, device=device)
+    dense = nn.Linear(fin, fout, device=device)
+    layer = TTLinear(fin, fout, rank=rank, in_factors=inf, out_factors=outf, device=device)
+    tt = layer.tt
+    path = layer.explain(tokens)["path"]
+    cores = [c.detach().clone().requires_grad_() for c in tt.cores]
+    bias = layer.bias.detach().clone().requires_grad_()
+    masks = tt.masks()
+    variants = {
+        "nn.Linear": _step(lambda: dense(x), x, dy, list(dense.parameters())),
+        "layer": _step(lambda: layer(x), x, dy, list(layer.parameters())),
+        "function, masks given": _step(
+            lambda: tt_linear(x, list(tt.cores), tt.d, path, bias=layer.bias,
+                              gates=list(tt.gates), masks=masks),
+            x, dy, list(layer.parameters())),
+        "function, no gates": _step(lambda: tt_linear(x, cores, tt.d, path, bias=bias),
+                                    x, dy, [*cores, bias]),
+        "function, no gates, no bias": _step(lambda: tt_linear(x, cores, tt.d, path),
+                                             x, dy, cores),
+    }
+    for fn in variants.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, fn in variants.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync(device)
+            times[k].append((time.perf_counter() - t0) / reps)
+    ref_med = statistics.median(times["nn.Linear"])
+    ref_best = min(times["nn.Linear"])
+    rows = []
+    for k, ts in times.items():
+        med, best = statistics.median(ts), min(ts)
+        rows.append({"variant": k, "path": "dense" if k == "nn.Linear" else path,
+                     "ms": med * 1e3, "best_ms": best * 1e3,
+                     "speedup": ref_med / med, "speedup_best": ref_best / best})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="768x768", choices=[s[0] for s in SHAPES])
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds")
+    ap.add_argument("--reps", type=int, default=20, help="steps per round and variant")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    args = ap.parse_args(argv)
+    for name in ("rank", "tokens", "rounds", "reps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: must be a positive integer")
+    device = torch.device(args.device)
+    rows = run(args.shape, args.rank, args.tokens, args.rounds, args.reps, device)
+    print(f"\n{args.shape}, rank {args.rank}, {args.tokens} tokens, fp32, "
+          f"device={device.type}: the TT step against its parts")
+    print_table(rows, [("variant", "variant", ""), ("path", "path", ""),
+                       ("ms", "median ms", ".3f"), ("best_ms", "best ms", ".3f"),
+                       ("speedup", "vs nn.Linear (median)", ".2f"),
+                       ("speedup_best", "vs nn.Linear (best)", ".2f")])
+    out = write_json(f"bench_tt_linear_parts_{device.type}",
+                     {"machine": machine(), "shape": args.shape, "rank": args.rank,
+                      "tokens": args.tokens, "rows": rows}, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
