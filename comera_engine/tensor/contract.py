@@ -37,7 +37,9 @@ __all__ = [
     "estimate",
     "explain",
     "merge_left",
+    "merge_left_grads",
     "merge_right",
+    "merge_right_grads",
     "plan",
     "tt_linear",
     "tt_linear_dense",
@@ -92,6 +94,40 @@ def merge_right(cores: Sequence[Tensor]) -> list[Tensor]:
         Q = (G.reshape(r0 * m, r1) @ Q).reshape(r0, -1)
         out.append(Q)
     return out[::-1]
+
+
+def merge_left_grads(cores: Sequence[Tensor], P: Sequence[Tensor], dL: Tensor
+                     ) -> list[Tensor]:
+    """Backward of :func:`merge_left`: each core's gradient from ``dL`` (the gradient of
+    ``L = P_d``, ``n_1⋯n_d·r_d`` elements), given the prefixes ``P_1..P_{d-1}``.
+    ``P_k = P_{k-1}·G_k`` with ``P_{k-1}``: ``(a, r)``, ``G_k``: ``(r, n·r')``."""
+    grads: list = [None] * len(cores)  # every entry is filled below
+    dP = dL
+    for k in range(len(cores) - 1, 0, -1):
+        G = cores[k]
+        r0, n, r1 = G.shape
+        dPk = dP.reshape(-1, n * r1)
+        grads[k] = (P[k - 1].t() @ dPk).reshape(G.shape)
+        dP = dPk @ G.reshape(r0, n * r1).t()
+    grads[0] = dP.reshape(cores[0].shape)
+    return grads
+
+
+def merge_right_grads(cores: Sequence[Tensor], Q: Sequence[Tensor], dR: Tensor
+                      ) -> list[Tensor]:
+    """Backward of :func:`merge_right`: each core's gradient from ``dR`` (the gradient of
+    ``R = Q_1``, ``r_0·m_1⋯m_d`` elements), given the suffixes ``Q_2..Q_d``.
+    ``Q_j = G_j·Q_{j+1}`` with ``G_j``: ``(r·m, r')``, ``Q_{j+1}``: ``(r', rest)``."""
+    grads: list = [None] * len(cores)  # every entry is filled below
+    dQ = dR
+    for j in range(len(cores) - 1):
+        G = cores[j]
+        r0, m, r1 = G.shape
+        dQj = dQ.reshape(r0 * m, -1)
+        grads[j] = (dQj @ Q[j].t()).reshape(G.shape)
+        dQ = G.reshape(r0 * m, r1).t() @ dQj
+    grads[-1] = dQ.reshape(cores[-1].shape)
+    return grads
 
 
 # ---------------------------------------------------------------------------- halves
@@ -283,7 +319,7 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         x, XL, Lp, Rp = saved[:4]
         cores = saved[4 : 4 + 2 * d]
         P = saved[4 + 2 * d : 3 + 3 * d]  # P_1..P_{d-1}
-        Q = (None, *saved[3 + 3 * d :])  # Q_2..Q_d at their own index
+        Q = saved[3 + 3 * d :]  # Q_2..Q_d
         need_x = ctx.needs_input_grad[0]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         need_cores = any(ctx.needs_input_grad[3:])
@@ -300,24 +336,9 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         if need_x:
             dx = _gemm_nt(dXL, Lp)
         if need_cores:
-            # input half: P_k = P_{k-1} · G_k  (P_{k-1}: (a, r), G_k: (r, n·r'))
-            dP = (x.t() @ dXL)[:, :rd]  # dL, (N, r_d)
-            for k in range(d - 1, 0, -1):
-                G = cores[k]
-                r0, n, r1 = G.shape
-                dPk = dP.reshape(-1, n * r1)
-                grads[k] = (P[k - 1].t() @ dPk).reshape(G.shape)
-                dP = dPk @ G.reshape(r0, n * r1).t()
-            grads[0] = dP.reshape(cores[0].shape)
-            # output half: Q_j = G_j · Q_{j+1}  (G_j: (r·m, r'), Q_{j+1}: (r', rest))
-            dQ = dRp[:rd]  # dR, (r_d, M)
-            for j in range(d - 1):
-                G = cores[d + j]
-                r0, m, r1 = G.shape
-                dQj = dQ.reshape(r0 * m, -1)
-                grads[d + j] = (dQj @ Q[j + 1].t()).reshape(G.shape)
-                dQ = G.reshape(r0 * m, r1).t() @ dQj
-            grads[2 * d - 1] = dQ.reshape(cores[-1].shape)
+            dL = (x.t() @ dXL)[:, :rd]  # (N, r_d)
+            grads = [*merge_left_grads(cores[:d], P, dL),
+                     *merge_right_grads(cores[d:], Q, dRp[:rd])]
         return TTLinearHalves._finish(ctx, dx, dbias, grads)
 
 
@@ -380,13 +401,11 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
         ctx.head, ctx.tail = _sweep_merges(B, ins_f, outs_f, r)
         left, right = list(cores[:d]), list(cores[d:])
         if ctx.head:  # H = G_1·G_2 as one core (1, n_1·n_2, r_2)
-            G1, G2 = left[0], left[1]
-            H = G1.reshape(-1, G1.shape[-1]) @ G2.reshape(G2.shape[0], -1)
-            left = [H.reshape(1, G1.shape[1] * G2.shape[1], G2.shape[-1]), *left[2:]]
+            H = merge_left(left[:2])[-1]
+            left = [H.reshape(1, *H.shape), *left[2:]]
         if ctx.tail:  # G_{2d-1}·G_{2d} as one core (r, m_{d-1}·m_d, 1)
-            Ga, Gb = right[-2], right[-1]
-            Tl = Ga.reshape(-1, Ga.shape[-1]) @ Gb.reshape(Gb.shape[0], -1)
-            right = [*right[:-2], Tl.reshape(Ga.shape[0], Ga.shape[1] * Gb.shape[1], 1)]
+            Tl = merge_right(right[-2:])[0]
+            right = [*right[:-2], Tl.reshape(*Tl.shape, 1)]
         T = x.t().contiguous()  # (N, B)
         ins = []
         for G in left:
@@ -403,7 +422,7 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
         y = S.reshape(B, -1)
         if bias is not None:
             y += bias
-        ctx.d, ctx.nl, ctx.has_bias = d, len(left), bias is not None
+        ctx.d, ctx.has_bias = d, bias is not None
         TTLinearSweep._keep_autocast(ctx, x)
         ctx.save_for_backward(*cores, *left, *right, *ins,
                               *(tensors[: 2 * d] if ctx.gated else ()))
@@ -411,7 +430,8 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
-        d, nl = ctx.d, ctx.nl
+        d = ctx.d
+        nl = d - ctx.head  # input-side cores actually swept
         saved = ctx.saved_tensors
         cores = saved[: 2 * d]
         ne = 2 * d - ctx.head - ctx.tail  # cores actually swept
@@ -441,16 +461,14 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
         grads: list[Tensor | None] = [None] * (2 * d)
         if need_cores:
             lg, rg = d_eff[:nl], d_eff[nl:]
-            if ctx.head:  # back through H = G_1·G_2: (n_1, r_1)·(r_1, n_2·r_2)
-                G1, G2 = cores[0], cores[1]
-                dH = lg[0].reshape(G1.shape[1], -1)
-                A, Bm = G1.reshape(-1, G1.shape[-1]), G2.reshape(G2.shape[0], -1)
-                lg = [dH @ Bm.t(), A.t() @ dH, *lg[1:]]
-            if ctx.tail:  # back through G_a·G_b: (r·m_a, r_a)·(r_a, m_b)
-                Ga, Gb = cores[-2], cores[-1]
-                dTl = rg[-1].reshape(Ga.shape[0] * Ga.shape[1], -1)
-                A, Bm = Ga.reshape(-1, Ga.shape[-1]), Gb.reshape(Gb.shape[0], -1)
-                rg = [*rg[:-1], dTl @ Bm.t(), A.t() @ dTl]
+            if ctx.head:  # back through H = G_1·G_2 (prefix P_1 = G_1)
+                G1 = cores[0]
+                lg = [*merge_left_grads(cores[:2], [G1.reshape(-1, G1.shape[-1])], lg[0]),
+                      *lg[1:]]
+            if ctx.tail:  # back through G_a·G_b (suffix Q_2 = G_b)
+                Gb = cores[-1]
+                rg = [*rg[:-1],
+                      *merge_right_grads(cores[-2:], [Gb.reshape(Gb.shape[0], -1)], rg[-1])]
             grads = [g.reshape(c.shape) for g, c in zip([*lg, *rg], cores)]
         return TTLinearSweep._finish(ctx, dx, dbias, grads)
 
@@ -519,13 +537,11 @@ class _Acc:
         self.macs = self.bytes = self.ops = 0
         self.t = 0.0
 
-    def gemm(self, a: int, k: int, b: int, times: int = 1) -> None:
-        """``(a×k)·(k×b)``, ``times`` independent copies."""
-        macs = a * k * b * times
-        byts = (a * k + k * b + a * b) * self.elt * times
+    def gemm(self, a: int, k: int, b: int) -> None:
+        """``(a×k)·(k×b)``."""
+        macs = a * k * b
+        byts = (a * k + k * b + a * b) * self.elt
         eff = min(1.0, max(1, min(a, k, b)) / self.dm.full_eff_dim)
-        if times > 1:  # a batch of small matrices: per-matrix dispatch cost
-            self.t += times * self.dm.op_overhead * 0.02
         self.macs += macs
         self.bytes += byts
         self.ops += 1

@@ -195,8 +195,8 @@ class TensorTrain(nn.Module):
     def masks(self) -> list[Tensor]:
         """Per bond: boolean mask of active gate entries (alive and ``|g| > tau``)."""
         gates = list(self.gates)
-        if len(gates) < 2:
-            return [self.alive(k) & (g.detach().abs() > self.tau) for k, g in enumerate(gates)]
+        if not gates:
+            return []
         with torch.no_grad():  # one pass over all bonds: a handful of ops per forward
             alive = torch.cat([self.alive(k) for k in range(len(gates))])
             m = alive & (torch.cat(gates).abs() > self.tau)
