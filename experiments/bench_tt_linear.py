@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -39,22 +40,29 @@ SHAPES = [
 ]
 
 
-def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):  # noqa: ANN201
-    """A closure running one forward+backward of ``module`` on ``x`` as a hidden layer in
-    a training step: the upstream gradient ``dy`` is given, ``dX`` is handed on, and the
-    gradients start empty as after ``optimizer.zero_grad(set_to_none=True)`` (the
-    trainer's call), so they are stored, not added into running sums."""
-    params = list(module.parameters())
+def hidden_step(forward: Callable[[], torch.Tensor], x: torch.Tensor, dy: torch.Tensor,
+                params: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A closure running ``forward()`` (which reads ``x``) and its backward as a hidden
+    layer in a training step: the upstream gradient ``dy`` is given, ``dX`` is handed on,
+    and the gradients of ``x`` and ``params`` start empty as after
+    ``optimizer.zero_grad(set_to_none=True)`` (the trainer's call), so they are stored,
+    not added into running sums."""
 
     def step() -> torch.Tensor:
         x.grad = None
         for p in params:
             p.grad = None
-        y = module(x)
+        y = forward()
         y.backward(dy)
         return y
 
     return step
+
+
+def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+            ) -> Callable[[], torch.Tensor]:
+    """:func:`hidden_step` of ``module(x)`` over the module's parameters."""
+    return hidden_step(lambda: module(x), x, dy, list(module.parameters()))
 
 
 class _OneDNNDenseFn(torch.autograd.Function):

@@ -23,28 +23,17 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tt_linear import SHAPES  # noqa: E402
+from bench_tt_linear import SHAPES, fwd_bwd, hidden_step  # noqa: E402
 from benchlib import machine, print_table, sync, write_json  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.tensor.contract import tt_linear  # noqa: E402
-
-
-def _step(fn: Callable[[], torch.Tensor], x: torch.Tensor, dy: torch.Tensor,
-          params: list[torch.Tensor]) -> Callable[[], None]:
-    def run() -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
-        fn().backward(dy)
-    return run
 
 
 def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
@@ -61,15 +50,15 @@ def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
     bias = layer.bias.detach().clone().requires_grad_()
     masks = tt.masks()
     variants = {
-        "nn.Linear": _step(lambda: dense(x), x, dy, list(dense.parameters())),
-        "layer": _step(lambda: layer(x), x, dy, list(layer.parameters())),
-        "function, masks given": _step(
+        "nn.Linear": fwd_bwd(dense, x, dy),
+        "layer": fwd_bwd(layer, x, dy),
+        "function, masks given": hidden_step(
             lambda: tt_linear(x, list(tt.cores), tt.d, path, bias=layer.bias,
                               gates=list(tt.gates), masks=masks),
             x, dy, list(layer.parameters())),
-        "function, no gates": _step(lambda: tt_linear(x, cores, tt.d, path, bias=bias),
+        "function, no gates": hidden_step(lambda: tt_linear(x, cores, tt.d, path, bias=bias),
                                     x, dy, [*cores, bias]),
-        "function, no gates, no bias": _step(lambda: tt_linear(x, cores, tt.d, path),
+        "function, no gates, no bias": hidden_step(lambda: tt_linear(x, cores, tt.d, path),
                                              x, dy, cores),
     }
     for fn in variants.values():
