@@ -5,9 +5,10 @@ One row per variant, each a forward+backward as a hidden layer (given upstream g
 steps so the differences are measured side by side:
 
 * ``nn.Linear``: the dense reference;
-* ``layer``: ``TTLinear`` as the trainer calls it (masks, planner, gates, bias);
-* ``function, masks given``: the planner's contraction Function with the gates and bias,
-  masks computed once outside the loop (drops the mask pass and the layer wrapper);
+* ``layer``: ``TTLinear`` as the trainer calls it (planner, gates and their masks, bias);
+* ``function, gates given``: the planner's contraction Function with the gates (masks
+  computed inside) and the bias, its argument lists built once outside the loop (drops
+  the layer wrapper);
 * ``function, no gates``: the same on the raw cores, with the bias (drops the gates);
 * ``function, no gates, no bias``: the bare contraction.
 
@@ -48,13 +49,13 @@ def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
     path = layer.explain(tokens)["path"]
     cores = [c.detach().clone().requires_grad_() for c in tt.cores]
     bias = layer.bias.detach().clone().requires_grad_()
-    masks = tt.masks()
+    t_cores, t_gates, t_alive = tt.parts()
     variants = {
         "nn.Linear": fwd_bwd(dense, x, dy),
         "layer": fwd_bwd(layer, x, dy),
-        "function, masks given": hidden_step(
-            lambda: tt_linear(x, list(tt.cores), tt.d, path, bias=layer.bias,
-                              gates=list(tt.gates), masks=masks),
+        "function, gates given": hidden_step(
+            lambda: tt_linear(x, t_cores, tt.d, path, bias=layer.bias, gates=t_gates,
+                              tau=tt.tau, alive=t_alive),
             x, dy, list(layer.parameters())),
         "function, no gates": hidden_step(lambda: tt_linear(x, cores, tt.d, path, bias=bias),
                                     x, dy, [*cores, bias]),

@@ -36,7 +36,7 @@ def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads((tmp_path / "bench_tt_linear_parts_cpu.json").read_text())
     assert [r["variant"] for r in data["rows"]] == [
-        "nn.Linear", "layer", "function, masks given", "function, no gates",
+        "nn.Linear", "layer", "function, gates given", "function, no gates",
         "function, no gates, no bias"]
     assert all(r["ms"] > 0 for r in data["rows"]) and "| variant" in out.stdout
     bad = subprocess.run([*cmd[:2], "--reps", "0"], capture_output=True, text=True,

@@ -20,7 +20,7 @@ from comera_engine.tensor import (
     resolve_factors,
     tt_linear,
 )
-from comera_engine.tensor.contract import TTLinearHalves, apply_gates
+from comera_engine.tensor.contract import TTLinearHalves, gate_masks
 
 DT = torch.float64
 
@@ -171,26 +171,40 @@ def test_halves_bias_in_padding_matches_dense(rank: int, needs: str, B: int) -> 
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_gates_absorbed_inside_match_pre_gated_cores(path: str) -> None:
-    """Passing gates and masks to ``tt_linear`` (absorbed inside the halves Function) is
-    the same function, with the same gradients for x, bias, cores and gates, as gating
-    the cores first with plain autograd; masked gate entries get exactly zero gradient."""
+@pytest.mark.parametrize("d", [2, 3])
+def test_gates_absorbed_inside_match_pre_gated_cores(path: str, d: int) -> None:
+    """Passing gates, alive vectors and tau to ``tt_linear`` (absorbed inside the halves
+    and sweep Functions, input-half bonds on the right of their core, output-half bonds on
+    the left of the next) is the same function, with the same gradients for x, bias,
+    cores and gates, as gating the cores first with plain autograd; entries that are dead
+    or at/below tau get exactly zero gradient."""
     torch.manual_seed(3)
-    d = 2
+    ins, outs = ([4, 3], [2, 5]) if d == 2 else ([2, 3, 2], [3, 2, 2])
+    N, M = math.prod(ins), math.prod(outs)
     cores = [c.detach().clone().requires_grad_()
-             for c in TTLinearCores([4, 3], [2, 5], 3, dtype=DT).cores]
-    gates = [torch.randn(c.shape[-1], dtype=DT, requires_grad=True) for c in cores[:-1]]
-    masks = [torch.tensor([True, False, True][: c.shape[-1]]) for c in cores[:-1]]
-    x = torch.randn(7, 12, dtype=DT, requires_grad=True)
-    b = torch.randn(10, dtype=DT, requires_grad=True)
+             for c in TTLinearCores(ins, outs, 3, dtype=DT).cores]
+    tau = 0.05
+    gates = []
+    for c in cores[:-1]:
+        g = torch.randn(c.shape[-1], dtype=DT).abs() + 0.1
+        g[0] *= -1
+        if c.shape[-1] > 2:
+            g[2] = 0.5 * tau  # below the threshold: masked by tau, not by alive
+        gates.append(g.requires_grad_())
+    alive = [torch.tensor([True, False, True][: c.shape[-1]]) for c in cores[:-1]]
+    masks = [a & (g.detach().abs() > tau) for a, g in zip(alive, gates)]
+    assert all(torch.equal(m, r) for m, r in zip(gate_masks(gates, tau, alive), masks))
+    x = torch.randn(7, N, dtype=DT, requires_grad=True)
+    b = torch.randn(M, dtype=DT, requires_grad=True)
     args = (x, b, *cores, *gates)
 
     def fused(x_, b_, *t):  # noqa: ANN001, ANN202
-        return tt_linear(x_, t[: 2 * d], d, path, bias=b_, gates=t[2 * d :], masks=masks)
+        return tt_linear(x_, t[: 2 * d], d, path, bias=b_, gates=t[2 * d :], tau=tau,
+                         alive=alive)
 
     def reference(x_, b_, *t):  # noqa: ANN001, ANN202
-        gated = apply_gates(t[: 2 * d], t[2 * d :], masks)
-        return x_ @ _tensorly_dense(list(gated)).reshape(12, 10) + b_
+        gated = [c * (g * m.to(DT)) for c, g, m in zip(t[: 2 * d - 1], t[2 * d :], masks)]
+        return x_ @ _tensorly_dense([*gated, t[2 * d - 1]]).reshape(N, M) + b_
 
     y, y_ref = fused(*args), reference(*args)
     assert torch.allclose(y, y_ref, atol=1e-12)
@@ -429,10 +443,10 @@ def test_sweep_saves_no_merged_half_and_no_output(B: int) -> None:
         assert torch.allclose(a, b, atol=1e-11)
     gates = [torch.rand(c.shape[-1], dtype=DT, requires_grad=True) + 0.5 for c in cores[:-1]]
     gates = [g.detach().requires_grad_() for g in gates]
-    masks = [torch.arange(g.shape[0]) != 1 for g in gates]
+    alive = [torch.arange(g.shape[0]) != 1 for g in gates]
     bias = torch.randn(64, dtype=DT, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x_, b_, *t: TTLinearSweep.apply(x_, 3, b_, *t[:6], *t[6:], *masks),
+        lambda x_, b_, *t: TTLinearSweep.apply(x_, 3, b_, *t[:6], *t[6:], *alive, 0.0),
         (x, bias, *cores, *gates))
 
 

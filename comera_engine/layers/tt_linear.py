@@ -90,8 +90,9 @@ class TTLinear(nn.Module):
         if bias is not None and M != self.out_features:
             bias = F.pad(bias, (0, M - self.out_features))
         tt = self.tt
-        y = tt_linear(x, list(tt.cores), tt.d, self.path, bias=bias, gates=list(tt.gates),
-                      masks=tt.masks())
+        cores, gates, alive = tt.parts()
+        y = tt_linear(x, cores, tt.d, self.path, bias=bias, gates=gates, tau=tt.tau,
+                      alive=alive)
         if M != self.out_features:
             y = y[..., : self.out_features]
         return y

@@ -30,6 +30,7 @@ from torch import Tensor
 __all__ = [
     "PATHS",
     "apply_gates",
+    "gate_masks",
     "DeviceModel",
     "PathCost",
     "TTLinearHalves",
@@ -65,6 +66,36 @@ def apply_gates(cores: Sequence[Tensor], gates: Sequence[Tensor],
 def _scale_bonds(cores: Sequence[Tensor], vecs: Sequence[Tensor]) -> list[Tensor]:
     """``G_k · diag(v_k)`` for the first ``len(vecs)`` cores; the rest as they are."""
     return [*(c * v for c, v in zip(cores, vecs)), *cores[len(vecs):]]
+
+
+@lru_cache(maxsize=16)
+def _gate_plan(d: int) -> tuple[tuple[int, bool], ...]:
+    """Where each bond ``k`` (0-based, between cores ``k`` and ``k+1`` of ``2d``) is
+    absorbed inside the Functions: ``(k, True)``, the right bond of core ``k``, on the
+    input half and for the middle bond; ``(k+1, False)``, the left bond of core ``k+1``,
+    on the output half (the outer, smaller core of the two)."""
+    return tuple((k, True) if k < d else (k + 1, False) for k in range(2 * d - 1))
+
+
+def _flat_mask(g: Tensor, tau: float, alive: Sequence[Tensor] = ()) -> Tensor:
+    """``alive & (|g| > tau)`` over the concatenated gates ``g`` (bool, same length)."""
+    m = g.abs() > tau
+    if alive:
+        m &= torch.cat(list(alive))
+    return m
+
+
+def gate_masks(gates: Sequence[Tensor], tau: float,
+               alive: Sequence[Tensor] | None = None) -> list[Tensor]:
+    """Per bond, the active gate entries: ``alive_k & (|g_k| > tau)`` (bool ``(r_k,)``).
+
+    ``gates``: the ``K-1`` gate vectors; ``alive``: matching bool vectors (entries pruned
+    for good are False) or None for all alive. One pass over all bonds."""
+    if not gates:
+        return []
+    with torch.no_grad():
+        m = _flat_mask(torch.cat(list(gates)), tau, alive or ())
+    return list(m.split([int(g.shape[0]) for g in gates]))
 
 
 # ---------------------------------------------------------------------------- merges
@@ -205,48 +236,69 @@ def _gemm_nt(a: Tensor, w: Tensor) -> Tensor:
 class _GatedFunction:
     """Shared by the TT-linear ``autograd.Function``s: absorbing rank gates into the
     cores inside the Function (no autograd node per gate) and running backward under the
-    forward's autocast state."""
+    forward's autocast state.
+
+    Bond ``k`` (between cores ``k`` and ``k+1``, 0-based) is absorbed on its outer side:
+    into the right bond of core ``k`` on the input half (``k < d``, the middle bond
+    included) and into the left bond of core ``k+1`` on the output half. TT ranks grow
+    towards the middle, so the outer core is the smaller one (the two outermost cores are
+    ``n_1·r_1`` and ``r_{2d-1}·m_d``), and each core carries at most one gate."""
 
     @staticmethod
     def _absorb(ctx, tensors: Sequence[Tensor], d: int) -> list[Tensor]:  # noqa: ANN001
-        """``tensors``: the 2d cores, optionally followed by the 2d-1 gates and their
-        2d-1 bool masks. Returns the gated cores ``E_k = G_k · diag(g_k ⊙ m_k)`` and keeps
-        what :meth:`_gate_grads` needs on ``ctx`` (the raw cores are saved last)."""
+        """``tensors``: the 2d cores, optionally followed by the 2d-1 gates, the 2d-1
+        bool ``alive`` vectors and the threshold ``tau`` (a float). Returns the gated
+        cores and keeps what :meth:`_gate_grads` needs on ``ctx`` (the raw cores are
+        saved last). The masks ``alive_k & (|g_k| > tau)`` are computed here, in one pass
+        over all bonds: no mask tensors are built outside the step."""
         raw = list(tensors[: 2 * d])
         ctx.gated = len(tensors) > 2 * d
         if not ctx.gated:
             return raw
-        gates, masks = tensors[2 * d : 4 * d - 1], tensors[4 * d - 1 :]
-        ctx.masks = masks
-        ctx.gm = [torch.where(m, g, 0.0) for g, m in zip(gates, masks)]
-        return _scale_bonds(raw, ctx.gm)
+        n_g = 2 * d - 1
+        gates, alive, tau = tensors[2 * d : 2 * d + n_g], tensors[2 * d + n_g : -1], tensors[-1]
+        # g where |g| > tau, else 0 (hardshrink: one op), then the dead entries zeroed
+        gm = torch.nn.functional.hardshrink(torch.cat(gates), tau)
+        if alive:
+            gm = torch.where(torch.cat(alive), gm, 0.0)
+        ctx.m = gm != 0  # the mask: alive and |g| > tau (> 0, so never a kept zero)
+        ctx.sizes = [int(v.shape[0]) for v in gates]
+        # per gate, its vector shaped to broadcast over its core: (r,) on the right bond,
+        # (r, 1, 1) on the left
+        ctx.gv = [v if right else v.view(-1, 1, 1)
+                  for v, (_, right) in zip(gm.split(ctx.sizes), _gate_plan(d))]
+        eff = list(raw)
+        for v, (j, _) in zip(ctx.gv, _gate_plan(d)):
+            eff[j] = raw[j] * v
+        return eff
 
     @staticmethod
-    def _gate_grads(ctx, d_eff: list[Tensor | None],  # noqa: ANN001
-                    need: Sequence[bool]) -> list[Tensor | None]:
-        """From gradients of the gated cores ``E_k = G_k · diag(gm_k)`` to the raw cores
-        and gates: ``dG_k = dE_k · diag(gm_k)``, ``dg_k = m_k ⊙ Σ_{all but last} dE_k ⊙ G_k``.
-        Returns grads for (cores, gates, masks) in the order they were passed; the raw
-        cores must be the last ``2d`` saved tensors."""
+    def _gate_grads(ctx, d_eff: list[Tensor | None], need: Sequence[bool],  # noqa: ANN001
+                    raw: Sequence[Tensor]) -> list[Tensor | None]:
+        """From gradients of the gated cores to the raw cores ``raw`` and the gates. For a
+        gate on the right bond, ``E = G · diag(gm)``: ``dG = dE · diag(gm)`` and
+        ``dg = m ⊙ Σ_{all but last} dE ⊙ G``; on the left bond the same over all but the
+        first axis. Returns grads for (cores, gates, alive, tau) in the order they were
+        passed."""
         K = len(d_eff)
-        raw = ctx.saved_tensors[-K:]
-        gm, n_g = ctx.gm, K - 1
-        d_cores: list[Tensor | None] = [None] * K
-        d_gates: list[Tensor | None] = [None] * n_g
-        for k in range(K):
-            dE = d_eff[k]
-            if dE is None:
+        n_g = K - 1
+        d_cores: list[Tensor | None] = [dE if need[k] else None for k, dE in enumerate(d_eff)]
+        want_g = any(need[K : K + n_g])
+        sums: list[Tensor] = []
+        for v, (j, right) in zip(ctx.gv, _gate_plan(K // 2)):
+            dE = d_eff[j]
+            if dE is None:  # no gradient reached this core: zero for its gate
+                sums.append(v.new_zeros(v.shape[0]))
                 continue
-            if k < n_g:
-                if need[k]:
-                    d_cores[k] = dE * gm[k]
-                if need[K + k]:
-                    r = dE.shape[-1]
-                    s = torch.linalg.vecdot(dE.reshape(-1, r), raw[k].reshape(-1, r), dim=0)
-                    d_gates[k] = torch.where(ctx.masks[k], s, 0.0)
-            elif need[k]:
-                d_cores[k] = dE
-        return [*d_cores, *d_gates, *([None] * n_g)]
+            if need[j]:
+                d_cores[j] = dE * v
+            if want_g:
+                sums.append((dE * raw[j]).sum((0, 1) if right else (1, 2)))
+        d_gates: list[Tensor | None] = [None] * n_g
+        if want_g:
+            flat = torch.where(ctx.m, torch.cat(sums), 0.0).split(ctx.sizes)
+            d_gates = [g if need[K + k] else None for k, g in enumerate(flat)]
+        return [*d_cores, *d_gates, *([None] * n_g), None]
 
     @staticmethod
     def _keep_autocast(ctx, x: Tensor) -> None:  # noqa: ANN001
@@ -262,10 +314,14 @@ class _GatedFunction:
 
     @classmethod
     def _finish(cls, ctx, dx: Tensor | None, dbias: Tensor | None,  # noqa: ANN001
-                grads: list[Tensor | None]) -> tuple[Tensor | None, ...]:
+                grads: list[Tensor | None], saved: Sequence[Tensor]
+                ) -> tuple[Tensor | None, ...]:
+        """The Function's return value; ``saved``: ``ctx.saved_tensors``, the raw cores
+        last when gated."""
         need_cores = ctx.needs_input_grad[3:]
         if ctx.gated:
-            return (dx, None, dbias, *cls._gate_grads(ctx, grads, need_cores))
+            return (dx, None, dbias,
+                    *cls._gate_grads(ctx, grads, need_cores, saved[-len(grads):]))
         return (dx, None, dbias, *(g if need else None for g, need in zip(grads, need_cores)))
 
 
@@ -275,10 +331,11 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
     From 128 rows up, the middle rank is zero-padded to a multiple of 8 (at least 16)
     for the batch GEMMs (exact) and the bias rides in that padding (:func:`_pad_middle`),
     so the forward is two GEMMs and nothing else at batch size; smaller batches skip the
-    padding (it would cost more than it saves). Given gates and masks after the cores,
-    it absorbs them itself (:class:`_GatedFunction`) instead of leaving an autograd node
-    per gate. Saved for backward: ``X``, ``X·L``, the left prefixes ``P_1..P_{d-1}``, the
-    right suffixes ``Q_2..Q_d``, the padded ``L``/``R`` and the (gated) cores. Backward:
+    padding (it would cost more than it saves). Given gates, alive vectors and ``tau``
+    after the cores, it absorbs them itself (:class:`_GatedFunction`) instead of leaving
+    an autograd node per gate. Saved for backward: ``X``, ``X·L``, the left prefixes
+    ``P_1..P_{d-1}``, the right suffixes ``Q_2..Q_d``, the padded ``L``/``R`` and the
+    (gated) cores. Backward:
     ``dXL = dY·Rᵀ``, then ``dR = (XL)ᵀ·dY`` while ``dY`` is still in cache (its bias row
     is ``db``), ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back through the merge chains
     into each core. The four ``a·wᵀ`` GEMMs go through :func:`_gemm_nt`.
@@ -287,7 +344,7 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
-        # tensors: the 2d cores, optionally followed by 2d-1 gates and 2d-1 bool masks
+        # tensors: the 2d cores, optionally followed by 2d-1 gates, 2d-1 alive vectors, tau
         cores = TTLinearHalves._absorb(ctx, tensors, d)
         P = merge_left(cores[:d])
         Q = merge_right(cores[d:])
@@ -339,15 +396,28 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
             dL = (x.t() @ dXL)[:, :rd]  # (N, r_d)
             grads = [*merge_left_grads(cores[:d], P, dL),
                      *merge_right_grads(cores[d:], Q, dRp[:rd])]
-        return TTLinearHalves._finish(ctx, dx, dbias, grads)
+        return TTLinearHalves._finish(ctx, dx, dbias, grads, saved)
+
+
+def _gate_args(gates: Sequence[Tensor], tau: float, alive: Sequence[Tensor]) -> tuple:
+    """The trailing Function arguments for gates: ``(*gates, *alive, tau)``, alive
+    defaulting to all True; nothing without gates."""
+    if not gates:
+        return ()
+    if not alive:
+        alive = [torch.ones(g.shape, dtype=torch.bool, device=g.device) for g in gates]
+    elif len(alive) != len(gates):
+        raise ValueError(f"alive: expected {len(gates)} vectors (one per gate), got {len(alive)}")
+    return (*gates, *alive, float(tau))
 
 
 def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int,
                      bias: Tensor | None = None, gates: Sequence[Tensor] = (),
-                     masks: Sequence[Tensor] = ()) -> Tensor:
+                     tau: float = 0.0, alive: Sequence[Tensor] = ()) -> Tensor:
     """Two-half path. ``x``: ``(B, N)``; returns ``(B, M)`` (``+ bias``, fused into the
-    batch GEMMs). ``gates``/``masks`` (both or neither) are absorbed inside the Function."""
-    return TTLinearHalves.apply(x, d, bias, *cores, *gates, *masks)
+    batch GEMMs). ``gates`` (with ``tau`` and optional ``alive``, as in :func:`tt_linear`)
+    are absorbed inside the Function."""
+    return TTLinearHalves.apply(x, d, bias, *cores, *_gate_args(gates, tau, alive))
 
 
 # ---------------------------------------------------------------------------- sweep
@@ -375,6 +445,13 @@ def _sweep_merges(B: int, ins: Sequence[int], outs: Sequence[int], r: Sequence[i
     return head_merged <= head_plain, tail_merged <= tail_plain
 
 
+@lru_cache(maxsize=4096)
+def _sweep_plan(B: int, shapes: tuple[torch.Size, ...], d: int) -> tuple[bool, bool]:
+    """:func:`_sweep_merges` for the cores of these ``shapes`` (cached per step shape)."""
+    r = (1, *(int(s[-1]) for s in shapes[:-1]), 1)
+    return _sweep_merges(B, [int(s[1]) for s in shapes[:d]], [int(s[1]) for s in shapes[d:]], r)
+
+
 class TTLinearSweep(_GatedFunction, torch.autograd.Function):
     """Core-by-core path: ``X`` meets one core at a time, ``L``/``R`` are never formed.
 
@@ -395,10 +472,7 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
                 *tensors: Tensor) -> Tensor:
         cores = TTLinearSweep._absorb(ctx, tensors, d)
         B = x.shape[0]
-        r = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
-        ins_f = [int(c.shape[1]) for c in cores[:d]]
-        outs_f = [int(c.shape[1]) for c in cores[d:]]
-        ctx.head, ctx.tail = _sweep_merges(B, ins_f, outs_f, r)
+        ctx.head, ctx.tail = _sweep_plan(B, tuple(c.shape for c in cores), d)
         left, right = list(cores[:d]), list(cores[d:])
         if ctx.head:  # H = G_1·G_2 as one core (1, n_1·n_2, r_2)
             H = merge_left(left[:2])[-1]
@@ -470,15 +544,16 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
                 rg = [*rg[:-1],
                       *merge_right_grads(cores[-2:], [Gb.reshape(Gb.shape[0], -1)], rg[-1])]
             grads = [g.reshape(c.shape) for g, c in zip([*lg, *rg], cores)]
-        return TTLinearSweep._finish(ctx, dx, dbias, grads)
+        return TTLinearSweep._finish(ctx, dx, dbias, grads, saved)
 
 
 def tt_linear_sweep(x: Tensor, cores: Sequence[Tensor], d: int,
                     bias: Tensor | None = None, gates: Sequence[Tensor] = (),
-                    masks: Sequence[Tensor] = ()) -> Tensor:
+                    tau: float = 0.0, alive: Sequence[Tensor] = ()) -> Tensor:
     """Core-by-core path (:class:`TTLinearSweep`). ``x``: ``(B, N)``; returns ``(B, M)``
-    (``+ bias``). ``gates``/``masks`` (both or neither) are absorbed inside the Function."""
-    return TTLinearSweep.apply(x, d, bias, *cores, *gates, *masks)
+    (``+ bias``). ``gates`` (with ``tau`` and optional ``alive``, as in :func:`tt_linear`)
+    are absorbed inside the Function."""
+    return TTLinearSweep.apply(x, d, bias, *cores, *_gate_args(gates, tau, alive))
 
 
 # ---------------------------------------------------------------------------- dense
@@ -690,31 +765,41 @@ def explain(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
 
 
 # ---------------------------------------------------------------------------- entry
+@lru_cache(maxsize=4096)
+def _layout(shapes: tuple[torch.Size, ...], d: int
+            ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Input factors, output factors and ranks ``(1, r_1, …, r_{2d-1}, 1)`` of cores with
+    these shapes (cached: read every forward)."""
+    ins = tuple(int(s[1]) for s in shapes[:d])
+    outs = tuple(int(s[1]) for s in shapes[d:])
+    return ins, outs, (1, *(int(s[-1]) for s in shapes[:-1]), 1)
+
+
 def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = None,
               bias: Tensor | None = None, gates: Sequence[Tensor] | None = None,
-              masks: Sequence[Tensor] | None = None) -> Tensor:
+              tau: float = 0.0, alive: Sequence[Tensor] | None = None) -> Tensor:
     """``Y = X·W (+ bias)`` for the TT weight given by ``cores``.
 
     ``x``: ``(..., N)``; ``bias``: ``(M,)`` (the padded output width) or None; returns
-    ``(..., M)``. ``path=None`` lets the planner choose. ``gates``/``masks`` (the ``2d-1``
-    rank gates and their bool masks) are absorbed as in :func:`apply_gates`; pass them
-    rather than pre-gated cores so the halves path absorbs them inside its
-    ``autograd.Function`` (fewer autograd nodes per step).
+    ``(..., M)``. ``path=None`` lets the planner choose. ``gates``: the ``2d-1`` rank
+    gates; entry ``i`` of bond ``k`` is active where ``alive[k][i]`` (bool vectors,
+    default all True) and ``|g_k[i]| > tau``, and inactive entries act as removed ranks
+    (:func:`gate_masks`, :func:`apply_gates`). Pass the raw gates rather than pre-gated
+    cores: the halves and sweep Functions absorb them inside, masks included, with no
+    autograd node per gate.
     """
     if len(cores) != 2 * d:
         raise ValueError(f"cores: expected 2d = {2 * d} cores, got {len(cores)}")
-    ins = tuple(int(c.shape[1]) for c in cores[:d])
-    outs = tuple(int(c.shape[1]) for c in cores[d:])
+    ins, outs, ranks = _layout(tuple(c.shape for c in cores), d)
     N = math.prod(ins)
     if x.shape[-1] != N:
         raise ValueError(f"x: last dimension {x.shape[-1]} != N = {N}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, N)
-    if any(c.shape[-1] == 0 for c in cores[:-1]):  # a bond of rank 0: the zero map
+    if min(ranks) == 0:  # a bond of rank 0: the zero map
         y0 = x.new_zeros(*lead, math.prod(outs))
         return y0 + bias if bias is not None else y0
     if path is None:
-        ranks = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
         training = torch.is_grad_enabled() and (
             x.requires_grad or any(c.requires_grad for c in cores))
         path = plan(x2.shape[0], ins, outs, ranks, x.device, x.dtype, training,
@@ -726,10 +811,10 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
     if gates is not None and len(gates) != 2 * d - 1:
         raise ValueError(f"gates: expected 2d-1 = {2 * d - 1} gate vectors, got {len(gates)}")
     if path in ("halves", "sweep"):
-        y = impl(x2, cores, d, bias, gates or (), masks or ())
+        y = impl(x2, cores, d, bias, gates or (), tau, alive or ())
     else:
         if gates is not None:
-            cores = apply_gates(cores, gates, masks)
+            cores = apply_gates(cores, gates, gate_masks(gates, tau, alive))
         y = impl(x2, cores, d)
         if bias is not None:
             y = y + bias.to(y.dtype)  # keeps autocast's dtype, as nn.Linear does
