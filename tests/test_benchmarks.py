@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,3 +44,24 @@ def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
     bad = subprocess.run([*cmd[:2], "--reps", "0"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--reps" in bad.stderr
+    bad = subprocess.run([*cmd, "--ref", "no-such-revision"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--ref" in bad.stderr
+
+
+def test_bench_tt_linear_parts_times_a_git_revision_side_by_side(tmp_path) -> None:
+    """``--ref REV`` adds the layer as it was at that commit (here HEAD, so the same code
+    through a second import) after checking both compute the same outputs."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: --ref needs the repository's history")
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear_parts.py"),
+           "--rank", "8", "--tokens", "16", "--rounds", "1", "--reps", "1", "--device", "cpu",
+           "--out", str(tmp_path), "--ref", "HEAD"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "bench_tt_linear_parts_cpu.json").read_text())
+    names = [r["variant"] for r in data["rows"]]
+    assert names[:3] == ["nn.Linear", "layer", "layer @ HEAD"] and data["ref"] == "HEAD"
+    same = {r["variant"]: r["path"] for r in data["rows"]}
+    assert same["layer"] == same["layer @ HEAD"]
