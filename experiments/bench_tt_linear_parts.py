@@ -2,7 +2,7 @@
 
 One row per variant, each a forward+backward as a hidden layer (given upstream gradient,
 ``dX`` handed on, gradients starting empty), all timed in alternating rounds of repeated
-steps so the differences are measured side by side:
+steps, in a new random order each round, so the differences are measured side by side:
 
 * ``nn.Linear``: the dense reference;
 * ``layer``: ``TTLinear`` as the trainer calls it (planner, gates and their masks, bias);
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import random
 import statistics
 import subprocess
 import sys
@@ -112,8 +113,14 @@ def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
         for _ in range(3):
             fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
+    # a new order every round: what ran just before a variant changes its caches and
+    # clocks (measured: the same code timed right after nn.Linear ran ~10% slower at
+    # 4096 tokens than after another TT variant), so no variant always follows another
+    order, shuffle = list(variants), random.Random(0).shuffle
     for _ in range(rounds):
-        for k, fn in variants.items():
+        shuffle(order)
+        for k in order:
+            fn = variants[k]
             sync(device)
             t0 = time.perf_counter()
             for _ in range(reps):
