@@ -795,7 +795,7 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
     if x.shape[-1] != N:
         raise ValueError(f"x: last dimension {x.shape[-1]} != N = {N}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, N)
+    x2 = x if x.dim() == 2 else x.reshape(-1, N)  # a no-op view is still an autograd node
     if min(ranks) == 0:  # a bond of rank 0: the zero map
         y0 = x.new_zeros(*lead, math.prod(outs))
         return y0 + bias if bias is not None else y0
@@ -818,4 +818,4 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
         y = impl(x2, cores, d)
         if bias is not None:
             y = y + bias.to(y.dtype)  # keeps autocast's dtype, as nn.Linear does
-    return y.reshape(*lead, -1)
+    return y if x.dim() == 2 else y.reshape(*lead, -1)
