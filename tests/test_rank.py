@@ -166,3 +166,36 @@ def test_bad_targets_are_refused() -> None:
         CoMERAObjective(m, RankConfig(target_compression=10_000, target_scope="model"))
     with pytest.raises(ValueError, match="^target_scope"):
         CoMERAObjective(m, RankConfig(target_scope="all"))
+
+
+def test_surrogate_size_in_one_pass_matches_the_per_layer_sum() -> None:
+    """The model-wide surrogate (one pass over all gates) equals the sum of the per-layer
+    reference, value and gradients, in float64: with dead entries, entries below tau,
+    per-layer taus, a TTM embedding and a truncated layer, before and after the model's
+    structure changes."""
+    from comera_engine.layers import TTEmbedding
+    from comera_engine.rank.size import layer_size_surrogate
+
+    torch.manual_seed(0)
+    m = nn.Sequential(TTEmbedding(300, 24, rank=4, dtype=torch.float64),
+                      TTLinear(24, 64, rank=5, dtype=torch.float64),
+                      TTLinear(64, 32, rank=[2, 3, 4, 3, 2], tau=0.2, dtype=torch.float64))
+    with torch.no_grad():
+        for layer in (m[0], m[1], m[2]):
+            for g in layer.tt.gates:
+                g.copy_(torch.rand_like(g) * 2 - 1)  # some |g| <= tau: masked
+        m[1].tt.alive(1)[0] = False  # pruned earlier: masked whatever its value
+        m[2].tt.gates[0][1] = 0.1  # below this layer's tau (0.2), above the others'
+
+    def check() -> None:
+        params = [g for layer in (m[0], m[1], m[2]) for g in layer.tt.gates]
+        got = surrogate_size(m)
+        ref = sum(layer_size_surrogate(layer) for layer in (m[0], m[1], m[2]))
+        assert torch.allclose(got, ref, rtol=1e-12)
+        for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(ref, params)):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+
+    check()
+    m[2].tt.refresh_()
+    m[2].tt.truncate_()  # new gate sizes: a new plan
+    check()

@@ -12,6 +12,8 @@ Non-tensorised parameters add a constant to ``S``.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import Tensor, nn
 
@@ -39,11 +41,56 @@ def layer_size(layer: TTLinear | TTEmbedding) -> int:
 
 
 def surrogate_size(model: nn.Module) -> Tensor:
-    """``Σ Ŝ_layer`` over the TT layers of ``model``."""
-    parts = [layer_size_surrogate(m) for _, m in tt_layers(model)]
-    if not parts:
+    """``Σ Ŝ_layer`` over the TT layers of ``model`` (as :func:`layer_size_surrogate`
+    per layer, summed), in one pass over all gates of the model.
+
+    Called every training step: per layer and bond it would be a few dozen small ops for
+    a model of 37 TT layers, ~20 ms a step on CPU. Instead, with ``g`` all gate entries
+    concatenated: ``a = |g|`` where active else 0; bond norms ``R`` by one ``index_add``
+    over the entries' bond ids; then ``Σ s · R[left] · R[right]`` over every core of every
+    layer, the bond ids (``R[0] = 1`` for the outer bonds) built once per model structure
+    (:func:`_surrogate_plan`)."""
+    layers = [m for _, m in tt_layers(model)]
+    if not layers:
         return torch.zeros(())
-    return torch.stack(parts).sum()
+    parts = [m.tt.parts() for m in layers]
+    gates = [g for _, gs, _ in parts for g in gs]
+    if not gates:
+        return torch.stack([layer_size_surrogate(m) for m in layers]).sum()
+    g = torch.cat(gates)
+    alive = torch.cat([a for _, _, al in parts for a in al])
+    key = tuple((tuple(int(v.shape[0]) for v in gs), tuple(m.tt.mode_sizes), m.tt.tau)
+                for m, (_, gs, _) in zip(layers, parts))
+    seg, tau, li, ri, sizes = _surrogate_plan(key, g.device, g.dtype)
+    a = g.abs()
+    a = torch.where(alive & (a > tau), a, 0.0)
+    R = torch.cat([g.new_ones(1), g.new_zeros(len(gates)).index_add(0, seg, a)])
+    return (sizes * R[li] * R[ri]).sum()
+
+
+@lru_cache(maxsize=64)
+def _surrogate_plan(key: tuple, device: torch.device, dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Index tensors for :func:`surrogate_size`. ``key``: per layer (gate sizes, mode
+    sizes, tau). Returns per gate entry its bond id and tau; per core the indices of its
+    left and right bond norms in ``[1, R_1, …]`` (0: an outer bond, norm 1) and its mode
+    size."""
+    seg, tau, li, ri, sizes = [], [], [], [], []
+    bond = 0
+    for gsizes, modes, t in key:
+        first = bond + 1  # position of this layer's first bond norm in [1, R...]
+        for k, r in enumerate(gsizes):
+            seg += [bond + k] * r
+            tau += [t] * r
+        K = len(modes)
+        for k, s in enumerate(modes):
+            li.append(first + k - 1 if k > 0 else 0)
+            ri.append(first + k if k < K - 1 else 0)
+            sizes.append(float(s))
+        bond += len(gsizes)
+    return tuple(torch.tensor(v, dtype=dt, device=device)  # type: ignore[return-value]
+                 for v, dt in ((seg, torch.long), (tau, dtype), (li, torch.long),
+                               (ri, torch.long), (sizes, dtype)))
 
 
 def _other_params(model: nn.Module) -> int:

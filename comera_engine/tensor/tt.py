@@ -256,6 +256,9 @@ class TensorTrain(nn.Module):
         are set to exactly 0; a bond keeps at least one entry (its strongest, held at
         ``1.5·tau``). Call after each optimizer step. Returns bonds whose
         effective rank changed."""
+        _, gates, alive = self.parts()
+        if gates and bool((torch.cat(alive) & (torch.cat(gates).abs() > self.tau)).all()):
+            return []  # every entry alive and above tau: nothing to prune or to zero
         changes = []
         for k, g in enumerate(self.gates):
             alive = self.alive(k)

@@ -82,7 +82,12 @@ class CoMERAState:
     # ------------------------------------------------------------------ optimizer
 
     def make_optimizer(self, capturable: bool = False) -> torch.optim.Optimizer:
-        """AdamW with groups ``cores``, ``gates`` and ``dense`` (each its own lr)."""
+        """AdamW with groups ``cores``, ``gates`` and ``dense`` (each its own lr).
+
+        On CPU the fused AdamW kernel: a TT model has hundreds of small parameters
+        (cores and gates of every layer), and the default per-parameter loop costs more
+        than the update itself (small six-encoder preset, batch 1, one thread: 42 → 7 ms
+        of a ~190 ms step). Elsewhere torch's default (``foreach`` on CUDA)."""
         c = self.cfg
         if self.has_tt:
             from comera_engine import rank
@@ -94,6 +99,11 @@ class CoMERAState:
             params = [p for p in self.model.parameters() if p.requires_grad]
             groups = [{"name": "dense", "params": params, "lr": c.lr_dense}]
             groups[0]["weight_decay"] = c.weight_decay
+        params = [p for g in groups for p in g["params"]]
+        cpu = bool(params) and all(p.device.type == "cpu" and p.is_floating_point()
+                                   for p in params)
+        if cpu and not capturable:
+            return torch.optim.AdamW(groups, fused=True)
         return torch.optim.AdamW(groups, capturable=capturable)
 
     # ------------------------------------------------------------------ step
