@@ -165,6 +165,7 @@ def merge_right_grads(cores: Sequence[Tensor], Q: Sequence[Tensor], dR: Tensor
 _RANK_ALIGN = 8
 _MIN_WIDTH = 16  # MKL runs (B×N)·(N×8) and its transposes several times slower than ×16
 _PAD_MIN_BATCH = 128  # below this the batch GEMMs are tiny: padding is pure overhead
+_ONEDNN_MIN_ROWS = 1024  # oneDNN's per-call cost: MKL is 1.1-2.4x faster at 128-512 rows
 
 
 def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -214,17 +215,19 @@ CPU_GEMM = "onednn"
 (the default; used where :func:`onednn_linear` finds it) or ``"mkl"`` (what ``torch.mm``
 uses). For the skinny shapes of a TT layer (``4096×768 · 768×32``, ``4096×32 · 32×768``)
 oneDNN is 10-30% faster than MKL timed alone, 0-15% inside the layer step, on the
-machine measured (docs/BENCHMARKS.md); the benchmark switches it to compare."""
+machine measured (docs/BENCHMARKS.md); the benchmark switches it to compare. Below
+1024 rows MKL is used either way: there oneDNN's per-call cost made it 1.1-2.4x slower
+(128-512 rows, widths 16-32, one and two threads)."""
 
 
 def _gemm_nt(a: Tensor, w: Tensor) -> Tensor:
     """``a · wᵀ`` for ``a``: ``(m, k)``, ``w``: ``(n, k)``; returns ``(m, n)``.
 
-    Large contiguous fp32 CPU products go through oneDNN (see :data:`CPU_GEMM`); small
-    ones (below 128 rows, where its per-call cost shows), other dtypes, devices and
+    Large contiguous fp32 CPU products go through oneDNN (see :data:`CPU_GEMM`); smaller
+    ones (below 1024 rows, where its per-call cost shows), other dtypes, devices and
     autocast regions through ``torch.mm``."""
     if (CPU_GEMM == "onednn" and a.device.type == "cpu" and a.dtype == torch.float32
-            and w.dtype == torch.float32 and a.shape[0] >= _PAD_MIN_BATCH
+            and w.dtype == torch.float32 and a.shape[0] >= _ONEDNN_MIN_ROWS
             and a.is_contiguous() and w.is_contiguous()
             and not torch.is_autocast_enabled("cpu")):
         op = onednn_linear()
