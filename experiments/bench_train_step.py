@@ -42,7 +42,9 @@ VOCAB, SEQ, CLASSES = 30522, 128, 3
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """Time ``spec["steps"]`` training steps of one configuration (runs in a child)."""
+    """Time at least ``spec["steps"]`` training steps of one configuration, and more
+    (up to 200) until ``spec["min_seconds"]`` have been timed: a fast step on a shared
+    machine needs many samples for a stable median (runs in a child)."""
     import psutil
     import torch
 
@@ -101,7 +103,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
+    i = spec["warmup"]
+    while len(times) < spec["steps"] or (
+            sum(times) < spec.get("min_seconds", 0.0) and len(times) < 200):
         t0 = time.perf_counter()
         state.begin_step(i)
         out = runner(batch)
@@ -109,6 +113,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             state.after_step(i + 1)  # the reference gate refresh (reads gates on the host)
         sync()
         times.append(time.perf_counter() - t0)
+        i += 1
     loss = float(out["loss/task"])
     if cuda:
         peak = torch.cuda.max_memory_allocated()
@@ -119,6 +124,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         **spec,
         "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_min": 1e3 * min(times),
+        "steps_timed": len(times),
         "peak_mem_mb": peak / 2**20,
         "params": size["params/effective"],
         "loss": loss,
@@ -152,17 +158,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128] if cuda else [1, 32])
     parser.add_argument("--steps", type=int, default=20 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
+    parser.add_argument("--min-seconds", type=float, default=3.0,
+                        help="keep timing steps (up to 200) until this many seconds")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--no-docs", action="store_true", help="do not touch docs/BENCHMARKS.md")
     parser.add_argument("--render", action="store_true", help="only re-render the last JSON")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file (default experiments/results/bench_train_step.json)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    out_json = args.out or RESULTS
+    for name in ("steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: must be a positive integer")
+    if args.warmup < 0 or args.min_seconds < 0:
+        parser.error("--warmup/--min-seconds: must be >= 0")
     if args.one:
         print(json.dumps(measure(json.loads(args.one))))
         return 0
     if args.render:
-        table = markdown(json.loads(RESULTS.read_text()))
+        table = markdown(json.loads(out_json.read_text()))
         print(table)
         if not args.no_docs:
             write_doc(table)
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                         "graph": graph,
                         "device": device,
                         "steps": args.steps,
+                        "min_seconds": args.min_seconds,
                         "warmup": max(args.warmup, 4 if graph else 0),
                         "threads": args.threads,
                     }
@@ -198,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "ratios": ratios(rows),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(result, indent=2))
     table = markdown(result)
     print()
     print(table)
@@ -256,7 +273,9 @@ def markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Median of the timed steps after warm-up; speed-up and memory ratio are dense / "
+        "Median of the timed steps after warm-up (at least `--steps`, more until "
+        "`--min-seconds` of steps were timed, at most 200); speed-up and memory ratio are "
+        "dense / "
         "CoMERA. Peak memory: `torch.cuda.max_memory_allocated` on GPU; on CPU the "
         "process's peak RSS minus its RSS before the model was built (each configuration "
         "runs in its own process). Params ratio: dense / CoMERA effective parameters.",
