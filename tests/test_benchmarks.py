@@ -88,3 +88,21 @@ def test_bench_train_step_times_until_min_seconds_and_writes_json(tmp_path) -> N
     bad = subprocess.run([*cmd, "--steps", "0"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
     assert bad.returncode != 0 and "--steps" in bad.stderr
+
+
+def test_bench_step_overheads_writes_table_and_json(tmp_path) -> None:
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_step_overheads.py"),
+           "--preset", "tiny", "--rounds", "1", "--reps", "1", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "bench_step_overheads_cpu.json").read_text())
+    got = {(r["part"], r["model"], r["variant"]) for r in data["rows"]}
+    for model in ("comera", "dense"):
+        for impl in ("per-parameter", "foreach", "fused"):
+            assert ("AdamW step", model, impl) in got
+    assert ("size surrogate", "comera", "one pass") in got
+    assert ("gate refresh", "comera", "refresh_gates") in got
+    assert all(r["ms"] > 0 for r in data["rows"]) and "| part" in out.stdout
+    bad = subprocess.run([*cmd, "--reps", "0"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert bad.returncode != 0 and "--reps" in bad.stderr

@@ -1,0 +1,127 @@
+"""The parts of a CoMERA training step that are not the model: optimizer and bookkeeping.
+
+For the six-encoder transformer (``--preset``), CoMERA and dense, one thread by default:
+
+* ``AdamW step``: per-parameter loop (torch's CPU default), ``foreach`` and ``fused``
+  kernels, on random gradients; a TT model has hundreds of small parameter tensors
+  (cores and gates of every layer), where the per-parameter loop costs most;
+* ``size surrogate``: ``rank.surrogate_size`` (one pass over all gates of the model)
+  against the per-layer reference ``Σ layer_size_surrogate`` (a few dozen small ops per
+  layer);
+* ``gate refresh``: ``rank.refresh_gates`` after an optimizer step.
+
+Each row is the median of alternating rounds (the variants of a group take turns), in
+milliseconds per call. Prints a table and writes
+experiments/results/bench_step_overheads_<device>.json.
+
+    python experiments/bench_step_overheads.py [--preset paper] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import machine, print_table, write_json  # noqa: E402
+
+
+def _model(preset: str, dense: bool) -> torch.nn.Module:
+    from comera_engine.models import build_model
+    from comera_engine.train.config import ModelConfig
+
+    class Data:  # what build_model needs to know about the dataset
+        name, task, num_classes, vocab_size, seq_len, meta = "synthetic", "nli", 3, 30522, 128, {}
+
+    torch.manual_seed(0)
+    return build_model(ModelConfig(name="transformer_cls", preset=preset, dense=dense), Data())
+
+
+def _rounds(fns: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
+    """Median ms per call of each function, timed in alternating rounds."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[k].append((time.perf_counter() - t0) / reps * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
+    """Size surrogate (one pass against the per-layer sum) and gate refresh."""
+    from comera_engine.layers import tt_layers
+    from comera_engine.rank import refresh_gates, surrogate_size
+    from comera_engine.rank.size import layer_size_surrogate
+
+    layers = [m for _, m in tt_layers(model)]
+    times = _rounds({
+        "one pass": lambda: surrogate_size(model),
+        "per-layer sum": lambda: torch.stack([layer_size_surrogate(m) for m in layers]).sum(),
+    }, rounds, reps)
+    times |= _rounds({"refresh_gates": lambda: refresh_gates(model)}, rounds, reps)
+    return [{"part": "gate refresh" if name == "refresh_gates" else "size surrogate",
+             "model": "comera", "variant": name, "ms": ms, "tensors": len(layers),
+             "params": None} for name, ms in times.items()]
+
+
+def run(preset: str, rounds: int, reps: int) -> list[dict]:
+    from comera_engine.train.config import CoMERAConfig
+    from comera_engine.train.tt import CoMERAState
+
+    rows = []
+    for variant in ("comera", "dense"):
+        model = _model(preset, dense=variant == "dense")
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        groups = CoMERAState(model, CoMERAConfig()).make_optimizer().param_groups
+        opts = {}
+        for impl in ("per-parameter", "foreach", "fused"):
+            opt = torch.optim.AdamW([{k: v for k, v in g.items()
+                                      if k not in ("foreach", "fused")} for g in groups],
+                                    foreach=impl == "foreach", fused=impl == "fused")
+            opts[impl] = opt.step
+        for impl, ms in _rounds(opts, rounds, reps).items():
+            rows.append({"part": "AdamW step", "model": variant, "variant": impl, "ms": ms,
+                         "tensors": len(params), "params": sum(p.numel() for p in params)})
+        if variant == "comera":
+            rows += _bookkeeping(model, rounds, reps)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="paper", choices=["paper", "small", "tiny"])
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating timing rounds")
+    ap.add_argument("--reps", type=int, default=5, help="calls per round and variant")
+    ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    args = ap.parse_args(argv)
+    for name in ("threads", "rounds", "reps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: must be a positive integer")
+    torch.set_num_threads(args.threads)
+    rows = run(args.preset, args.rounds, args.reps)
+    print(f"\nstep overheads, transformer preset {args.preset}, CPU, {args.threads} thread(s)")
+    print_table(rows, [("part", "part", ""), ("model", "model", ""),
+                       ("variant", "variant", ""), ("ms", "ms per call", ".2f"),
+                       ("tensors", "tensors / TT layers", "")])
+    out = write_json("bench_step_overheads_cpu",
+                     {"machine": machine(), "preset": args.preset, "threads": args.threads,
+                      "rows": rows}, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
