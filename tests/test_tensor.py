@@ -366,9 +366,9 @@ def test_rank_zero_bond_is_the_zero_map() -> None:
 @pytest.mark.parametrize("shape", [(4096, 768, 32), (1030, 32, 768), (130, 32, 768),
                                    (40, 768, 16)])
 def test_gemm_nt_matches_float64(monkeypatch, backend: str, shape: tuple[int, int, int]) -> None:
-    """``a·wᵀ`` through either CPU backend (oneDNN from 1024 rows, ``torch.mm`` below), or
-    with oneDNN asked for but absent from the build, is the float64 product to fp32
-    accuracy."""
+    """``a·wᵀ`` and ``a·b`` through either CPU backend (oneDNN from 1024 rows, ``torch.mm``
+    below), or with oneDNN asked for but absent from the build, are the float64 product to
+    fp32 accuracy."""
     from comera_engine.tensor import contract
 
     if backend == "onednn" and contract.onednn_linear() is None:
@@ -378,10 +378,11 @@ def test_gemm_nt_matches_float64(monkeypatch, backend: str, shape: tuple[int, in
     monkeypatch.setattr(contract, "CPU_GEMM", backend.split("-")[0])
     m, k, n = shape
     a, w = torch.randn(m, k), torch.randn(n, k)
-    got = contract._gemm_nt(a, w)
     ref = a.double() @ w.double().t()
-    assert got.dtype == torch.float32 and got.shape == (m, n)
-    assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
+    for got in (contract._gemm_nt(a, w), contract._gemm_nn(a, w.t().contiguous()),
+                contract._gemm_nn(a, w.t())):  # a·wᵀ, and a·b with b contiguous or a view
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
 
 
 def test_halves_layer_same_under_both_cpu_gemm_backends(monkeypatch) -> None:

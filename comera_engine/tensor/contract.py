@@ -220,20 +220,35 @@ machine measured (docs/BENCHMARKS.md); the benchmark switches it to compare. Bel
 (128-512 rows, widths 16-32, one and two threads)."""
 
 
+def _onednn_for(a: Tensor, w: Tensor):  # noqa: ANN202
+    """oneDNN's op where it runs ``a · wᵀ`` (large contiguous ``a``, fp32 CPU, no autocast,
+    see :data:`CPU_GEMM`), else None."""
+    if (CPU_GEMM == "onednn" and a.device.type == "cpu" and a.dtype == torch.float32
+            and w.dtype == torch.float32 and a.shape[0] >= _ONEDNN_MIN_ROWS
+            and a.is_contiguous() and not torch.is_autocast_enabled("cpu")):
+        return onednn_linear()
+    return None
+
+
 def _gemm_nt(a: Tensor, w: Tensor) -> Tensor:
     """``a · wᵀ`` for ``a``: ``(m, k)``, ``w``: ``(n, k)``; returns ``(m, n)``.
 
     Large contiguous fp32 CPU products go through oneDNN (see :data:`CPU_GEMM`); smaller
     ones (below 1024 rows, where its per-call cost shows), other dtypes, devices and
     autocast regions through ``torch.mm``."""
-    if (CPU_GEMM == "onednn" and a.device.type == "cpu" and a.dtype == torch.float32
-            and w.dtype == torch.float32 and a.shape[0] >= _ONEDNN_MIN_ROWS
-            and a.is_contiguous() and w.is_contiguous()
-            and not torch.is_autocast_enabled("cpu")):
-        op = onednn_linear()
-        if op is not None:
-            return op(a, w, None, "none", [], "")
+    op = _onednn_for(a, w)
+    if op is not None:
+        return op(a, w.contiguous(), None, "none", [], "")
     return a @ w.t()
+
+
+def _gemm_nn(a: Tensor, b: Tensor) -> Tensor:
+    """``a · b`` for ``b``: ``(k, n)``, as :func:`_gemm_nt` of ``bᵀ``: the transpose is
+    copied only where oneDNN runs it (it wants ``w = bᵀ`` contiguous)."""
+    op = _onednn_for(a, b)
+    if op is not None:
+        return op(a, b.t().contiguous(), None, "none", [], "")
+    return a @ b
 
 
 class _GatedFunction:
@@ -356,13 +371,13 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         ctx.bias_in_r = bias is not None and pad
         if pad:
             Lp, Rp = _pad_middle(P[-1], Q[0], bias)
-            XL = _gemm_nt(x, Lp.t().contiguous())
+            XL = _gemm_nn(x, Lp)
         else:
             Lp, Rp = P[-1], Q[0]
             XL = x @ Lp
         if ctx.bias_in_r:
             XL[:, rd] = 1.0  # meets the bias row of Rp
-            y = _gemm_nt(XL, Rp.t().contiguous())
+            y = _gemm_nn(XL, Rp)
         else:
             y = torch.addmm(bias, XL, Rp) if bias is not None else XL @ Rp
         ctx.d, ctx.rd = d, rd
