@@ -466,8 +466,7 @@ def _sweep_merges(B: int, ins: Sequence[int], outs: Sequence[int], r: Sequence[i
 @lru_cache(maxsize=4096)
 def _sweep_plan(B: int, shapes: tuple[torch.Size, ...], d: int) -> tuple[bool, bool]:
     """:func:`_sweep_merges` for the cores of these ``shapes`` (cached per step shape)."""
-    r = (1, *(int(s[-1]) for s in shapes[:-1]), 1)
-    return _sweep_merges(B, [int(s[1]) for s in shapes[:d]], [int(s[1]) for s in shapes[d:]], r)
+    return _sweep_merges(B, *_layout(shapes, d))
 
 
 class TTLinearSweep(_GatedFunction, torch.autograd.Function):
