@@ -10,8 +10,8 @@ For the six-encoder transformer (``--preset``), CoMERA and dense, one thread by 
   layer);
 * ``gate refresh``: ``rank.refresh_gates`` after an optimizer step.
 
-Each row is the median of alternating rounds (the variants of a group take turns), in
-milliseconds per call. Prints a table and writes
+Each row is the median of alternating rounds (the variants of a group take turns, in a
+new random order each round), in milliseconds per call. Prints a table and writes
 experiments/results/bench_step_overheads_<device>.json.
 
     python experiments/bench_step_overheads.py [--preset paper] [--threads 1]
@@ -22,39 +22,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, print_table, write_json  # noqa: E402
-
-
-def _model(preset: str, dense: bool) -> torch.nn.Module:
-    from comera_engine.models import build_model
-    from comera_engine.train.config import ModelConfig
-
-    class Data:  # what build_model needs to know about the dataset
-        name, task, num_classes, vocab_size, seq_len, meta = "synthetic", "nli", 3, 30522, 128, {}
-
-    torch.manual_seed(0)
-    return build_model(ModelConfig(name="transformer_cls", preset=preset, dense=dense), Data())
+from bench_train_step import build_transformer  # noqa: E402
+from benchlib import machine, print_table, time_rounds, write_json  # noqa: E402
 
 
 def _rounds(fns: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
-    """Median ms per call of each function, timed in alternating rounds."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            times[k].append((time.perf_counter() - t0) / reps * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median ms per call of each function (:func:`benchlib.time_rounds`)."""
+    times = time_rounds(fns, torch.device("cpu"), rounds, reps)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
@@ -80,7 +61,8 @@ def run(preset: str, rounds: int, reps: int) -> list[dict]:
 
     rows = []
     for variant in ("comera", "dense"):
-        model = _model(preset, dense=variant == "dense")
+        torch.manual_seed(0)
+        model = build_transformer(preset, dense=variant == "dense")
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             p.grad = torch.randn_like(p)

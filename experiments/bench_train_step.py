@@ -41,6 +41,19 @@ VOCAB, SEQ, CLASSES = 30522, 128, 3
 # ---------------------------------------------------------------------- one configuration
 
 
+def build_transformer(preset: str, dense: bool) -> Any:
+    """The six-encoder classifier (CoMERA or its dense baseline) for synthetic NLI
+    batches: vocabulary 30522, sequence 128, 3 classes."""
+    from comera_engine.models import build_model
+    from comera_engine.train.config import ModelConfig
+
+    class Data:  # what build_model needs to know about the dataset
+        name, task, meta = "synthetic", "nli", {}
+        num_classes, vocab_size, seq_len = CLASSES, VOCAB, SEQ
+
+    return build_model(ModelConfig(name="transformer_cls", preset=preset, dense=dense), Data())
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Time at least ``spec["steps"]`` training steps of one configuration, and more
     (up to 200) until ``spec["min_seconds"]`` have been timed: a fast step on a shared
@@ -48,8 +61,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     import psutil
     import torch
 
-    from comera_engine.models import TaskModel, build_model
-    from comera_engine.train.config import CoMERAConfig, ModelConfig
+    from comera_engine.models import TaskModel
+    from comera_engine.train.config import CoMERAConfig
     from comera_engine.train.step import GraphedStep, TrainStep
     from comera_engine.train.tt import CoMERAState
 
@@ -60,13 +73,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(spec["threads"])
     rss0 = psutil.Process().memory_info().rss
 
-    class Data:  # what build_model needs to know about the dataset
-        name, task, num_classes, vocab_size, seq_len, meta = "synthetic", "nli", 3, VOCAB, SEQ, {}
-
-    mcfg = ModelConfig(
-        name="transformer_cls", preset=spec["preset"], dense=spec["variant"] == "dense"
-    )
-    model = build_model(mcfg, Data())
+    model = build_transformer(spec["preset"], dense=spec["variant"] == "dense")
     task_model = TaskModel(model, "nli").to(device)
     state = CoMERAState(model, CoMERAConfig())
     optimizer = state.make_optimizer(capturable=spec["graph"])

@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
-import random
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -42,7 +40,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tt_linear import SHAPES, fwd_bwd, hidden_step  # noqa: E402
-from benchlib import machine, print_table, sync, write_json  # noqa: E402
+from benchlib import machine, print_table, time_rounds, write_json  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.tensor.contract import tt_linear  # noqa: E402
@@ -109,24 +107,7 @@ def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
         "function, no gates, no bias": hidden_step(lambda: tt_linear(x, cores, tt.d, path),
                                              x, dy, cores),
     }
-    for fn in variants.values():
-        for _ in range(3):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    # a new order every round: what ran just before a variant changes its caches and
-    # clocks (measured: the same code timed right after nn.Linear ran ~10% slower at
-    # 4096 tokens than after another TT variant), so no variant always follows another
-    order, shuffle = list(variants), random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(order)
-        for k in order:
-            fn = variants[k]
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            sync(device)
-            times[k].append((time.perf_counter() - t0) / reps)
+    times = time_rounds(variants, device, rounds, reps, warmup=3)
     ref_med = statistics.median(times["nn.Linear"])
     ref_best = min(times["nn.Linear"])
     rows = []
