@@ -176,7 +176,8 @@ def test_code_mlm_loss_falls(tmp_path) -> None:
     first = sum(rows[s]["loss/task"] for s in range(1, 11)) / 10
     last = sum(rows[s]["loss/task"] for s in range(111, 121)) / 10
     ppl = result.metrics["eval/ppl"]
-    print(f"code MLM: train loss {first:.3f} -> {last:.3f}, eval ppl {ppl:.1f}")
+    print(f"code MLM: train loss {first:.3f} -> {last:.3f}, eval loss "
+          f"{rows[60]['eval/loss']:.3f} -> {rows[120]['eval/loss']:.3f}, eval ppl {ppl:.1f}")
     assert last < first - 0.5
     assert rows[60]["eval/loss"] > rows[120]["eval/loss"]
 

@@ -24,6 +24,24 @@ PAD, UNK, CLS, SEP, MASK = SPECIAL_TOKENS
 TOKENIZER_FILE = "tokenizer.json"
 
 
+def continuation_alphabet(backend: Any, texts: Sequence[str], limit_alphabet: int) -> list[str]:
+    """The ``##c`` pieces a WordPiece trainer creates for ``texts``, sorted: one for
+    each alphabet character that follows another in a word (after ``backend``'s
+    normalizer and pre-tokenizer).
+
+    Found by a trainer that stops before its first merge (``vocab_size=1``): it counts
+    the words and builds the alphabet and these pieces, nothing else (a fraction of a
+    full training; a Python pass over the words was 3x slower than the training)."""
+    from tokenizers import Tokenizer, trainers
+
+    probe = Tokenizer.from_str(backend.to_str())  # the same pipeline, trained apart
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=1, show_progress=False, special_tokens=list(SPECIAL_TOKENS),
+        limit_alphabet=limit_alphabet, continuing_subword_prefix="##")
+    probe.train_from_iterator(texts, trainer=trainer)
+    return sorted(t for t in probe.get_vocab(with_added_tokens=False) if t.startswith("##"))
+
+
 class WordPieceTokenizer:
     """A trained WordPiece tokenizer with fixed-length pair encoding to torch tensors."""
 
@@ -49,24 +67,44 @@ class WordPieceTokenizer:
         lowercase: bool = True,
         limit_alphabet: int = 1000,
     ) -> WordPieceTokenizer:
-        """Train a new tokenizer on ``texts`` (any iterable of strings)."""
+        """Train a new tokenizer on ``texts`` (any iterable of strings).
+
+        Deterministic: the same texts and settings give the same vocabulary and ids in
+        every process. ``tokenizers``' trainer on its own is not (it numbers the ``##``
+        continuation characters in hash-map order, and those ids break ties between
+        equally frequent merges); here every continuation character of the alphabet is
+        numbered up front, in sorted order (:func:`continuation_alphabet`), so nothing is
+        left to that order.
+        """
+        import json
+
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+        texts = list(texts)  # read twice: the alphabet pass, then training
         backend = Tokenizer(models.WordPiece(unk_token=UNK, continuing_subword_prefix="##"))
         backend.normalizer = normalizers.BertNormalizer(
             clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase
         )
         backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         backend.decoder = decoders.WordPiece(prefix="##")
+        pieces = continuation_alphabet(backend, texts, limit_alphabet)
         trainer = trainers.WordPieceTrainer(
             vocab_size=vocab_size,
             min_frequency=min_frequency,
             show_progress=False,
-            special_tokens=list(SPECIAL_TOKENS),
+            # numbered in this order before training starts; only the first five stay
+            # special tokens (below)
+            special_tokens=[*SPECIAL_TOKENS, *pieces],
             limit_alphabet=limit_alphabet,
             continuing_subword_prefix="##",
         )
         backend.train_from_iterator(texts, trainer=trainer)
+        # the continuation pieces are ordinary vocabulary entries: drop them from the added
+        # (never split, skipped on decode) tokens, keeping their ids in the model
+        spec = json.loads(backend.to_str())
+        spec["added_tokens"] = [t for t in spec["added_tokens"]
+                                if t["content"] in SPECIAL_TOKENS]
+        backend = Tokenizer.from_str(json.dumps(spec))
         cls._set_template(backend)
         return cls(backend)
 
@@ -125,10 +163,10 @@ class WordPieceTokenizer:
     def sha256(self) -> str:
         """SHA-256 of the serialised tokenizer (vocabulary and pipeline settings).
 
-        The ``tokenizers`` trainer breaks ties between equally frequent merges in a
-        run-dependent order, so two trainings on the same text can differ in a few pieces
-        and in id order; record this digest (and reuse a saved ``tokenizer.json``) to know
-        which vocabulary a run used.
+        :meth:`train` gives the same digest for the same texts and settings in any
+        process; tokenizers trained by other code, or with another ``tokenizers``
+        version, may differ: record this digest (and reuse a saved ``tokenizer.json``)
+        to know which vocabulary a run used.
         """
         import hashlib
 

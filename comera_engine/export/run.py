@@ -148,8 +148,9 @@ def _tokenizer(cfg: Any, run_dir: Path, bundle: Any) -> Any:
         return None
     notes = (getattr(bundle, "identity", None) or {}).get("notes") or {}
     if notes.get("tokenizer_trained"):
-        # Retrained just now to rebuild the dataset: WordPiece training breaks ties in a
-        # run-dependent order, so it may not be the vocabulary the model was trained on.
+        # Retrained just now to rebuild the dataset: the run kept no tokenizer.json, and
+        # a run trained before WordPiece training was made reproducible (or with another
+        # ``tokenizers`` version) may have used another vocabulary: export none.
         return None
     return bundle.tokenizer
 
