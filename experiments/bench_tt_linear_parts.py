@@ -12,7 +12,9 @@ steps, in a new random order each round, so the differences are measured side by
 * ``function, no gates``: the same on the raw cores, with the bias (drops the gates);
 * ``function, no gates, no bias``: the bare contraction.
 
-Consecutive differences are the cost of that part. With ``--ref REV``, a row
+Consecutive differences are the cost of that part. ``--shape 8x8`` (cores
+``[2,2,2 | 2,2,2]``, arithmetic negligible) measures the fixed cost of a step: Python,
+dispatch and autograd per op, what bounds small batches. With ``--ref REV``, a row
 ``layer @ REV`` adds the same layer (same initial values, outputs checked equal) built
 from ``comera_engine`` as it was at git revision ``REV``: a before/after comparison
 timed side by side in one process, where separate runs on a shared machine differ by
@@ -20,7 +22,7 @@ more than most changes. Prints a table and writes
 experiments/results/bench_tt_linear_parts_<device>.json.
 
     python experiments/bench_tt_linear_parts.py [--rank 64] [--tokens 32] [--shape 768x768]
-        [--ref HEAD~1]
+        [--path sweep] [--threads 1] [--ref HEAD~1]
 """
 
 from __future__ import annotations
@@ -64,10 +66,14 @@ def layer_class_at(rev: str, folder: Path) -> type:
     return importlib.import_module("comera_at_ref.layers.tt_linear").TTLinear
 
 
+# the paper's shapes, and one whose arithmetic is negligible: the fixed cost of a step
+PART_SHAPES = [*SHAPES, ("8x8", 8, 8, [2, 2, 2], [2, 2, 2])]
+
+
 def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
-        device: torch.device, ref: str | None = None, ref_dir: Path | None = None
-        ) -> list[dict]:
-    _, fin, fout, inf, outf = next(s for s in SHAPES if s[0] == shape)
+        device: torch.device, ref: str | None = None, ref_dir: Path | None = None,
+        path: str | None = None) -> list[dict]:
+    _, fin, fout, inf, outf = next(s for s in PART_SHAPES if s[0] == shape)
     torch.manual_seed(0)
     x = torch.randn(tokens, fin, device=device, requires_grad=True)
     dy = torch.randn(tokens, fout, device=device)
@@ -79,7 +85,8 @@ def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
 
     layer = build(TTLinear)
     tt = layer.tt
-    path = layer.explain(tokens)["path"]
+    layer.path = path  # None: the planner's choice
+    path = path or layer.explain(tokens)["path"]
     cores = [c.detach().clone().requires_grad_() for c in tt.cores]
     bias = layer.bias.detach().clone().requires_grad_()
     t_cores, t_gates, t_alive = tt.parts()
@@ -90,13 +97,14 @@ def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
     }
     if ref is not None:
         old = build(layer_class_at(ref, ref_dir))
+        old.path = layer.path
         with torch.no_grad():
             y, y_old = layer(x), old(x)
         if not torch.allclose(y, y_old, rtol=1e-4, atol=1e-5):
             raise SystemExit(f"--ref: the layer at {ref} computes another function "
                              f"(max difference {float((y - y_old).abs().max()):.3g})")
         variants[f"layer @ {ref}"] = fwd_bwd(old, x, dy)
-        paths[f"layer @ {ref}"] = old.explain(tokens)["path"]
+        paths[f"layer @ {ref}"] = old.path or old.explain(tokens)["path"]
     variants |= {
         "function, gates given": hidden_step(
             lambda: tt_linear(x, t_cores, tt.d, path, bias=layer.bias, gates=t_gates,
@@ -121,11 +129,15 @@ def run(shape: str, rank: int, tokens: int, rounds: int, reps: int,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="768x768", choices=[s[0] for s in SHAPES])
+    ap.add_argument("--shape", default="768x768", choices=[s[0] for s in PART_SHAPES])
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds")
     ap.add_argument("--reps", type=int, default=20, help="steps per round and variant")
+    ap.add_argument("--path", default=None, choices=["halves", "sweep"],
+                    help="contraction path (default: the planner's)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads (default 0: torch's default)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
     ap.add_argument("--ref", default=None, metavar="REV",
@@ -134,19 +146,25 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rank", "tokens", "rounds", "reps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name}: must be a positive integer")
+    if args.threads < 0:
+        ap.error("--threads: must be 0 (torch's default) or a positive integer")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         rows = run(args.shape, args.rank, args.tokens, args.rounds, args.reps, device,
-                   args.ref, Path(tmp))
+                   args.ref, Path(tmp), args.path)
     print(f"\n{args.shape}, rank {args.rank}, {args.tokens} tokens, fp32, "
-          f"device={device.type}: the TT step against its parts")
+          f"device={device.type}, {torch.get_num_threads()} threads: the TT step "
+          "against its parts")
     print_table(rows, [("variant", "variant", ""), ("path", "path", ""),
                        ("ms", "median ms", ".3f"), ("best_ms", "best ms", ".3f"),
                        ("speedup", "vs nn.Linear (median)", ".2f"),
                        ("speedup_best", "vs nn.Linear (best)", ".2f")])
     out = write_json(f"bench_tt_linear_parts_{device.type}",
                      {"machine": machine(), "shape": args.shape, "rank": args.rank,
-                      "tokens": args.tokens, "ref": args.ref, "rows": rows}, args.out)
+                      "tokens": args.tokens, "ref": args.ref, "path": args.path,
+                      "threads": torch.get_num_threads(), "rows": rows}, args.out)
     print(f"wrote {out}")
     return 0
 

@@ -49,6 +49,22 @@ def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
     assert bad.returncode != 0 and "--ref" in bad.stderr
 
 
+def test_bench_tt_linear_parts_fixed_cost_shape_path_and_threads(tmp_path) -> None:
+    """``--shape 8x8`` (negligible arithmetic), a forced ``--path`` and ``--threads``
+    reach the layer and the JSON; a bad thread count is refused by name."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear_parts.py"),
+           "--shape", "8x8", "--rank", "2", "--tokens", "4", "--rounds", "1", "--reps", "1",
+           "--path", "sweep", "--threads", "1", "--device", "cpu", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "bench_tt_linear_parts_cpu.json").read_text())
+    assert data["threads"] == 1 and data["path"] == "sweep" and data["shape"] == "8x8"
+    assert {r["path"] for r in data["rows"] if r["variant"] != "nn.Linear"} == {"sweep"}
+    bad = subprocess.run([*cmd, "--threads", "-1"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--threads" in bad.stderr
+
+
 def test_bench_tt_linear_parts_times_a_git_revision_side_by_side(tmp_path) -> None:
     """``--ref REV`` adds the layer as it was at that commit (here HEAD, so the same code
     through a second import) after checking both compute the same outputs."""
