@@ -131,7 +131,7 @@ def test_truncation_mid_training_keeps_next_loss() -> None:
         loss.backward()
         o.step()
         refresh_gates(m)
-        return float(loss)
+        return float(loss.detach())
 
     batches = [tr[torch.randint(0, len(tr), (64,))] for _ in range(60)]
     for b in batches[:50]:
