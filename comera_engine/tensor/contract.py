@@ -99,6 +99,16 @@ def gate_masks(gates: Sequence[Tensor], tau: float,
 
 
 # ---------------------------------------------------------------------------- merges
+def _left_mat(G: Tensor) -> Tensor:
+    """A core ``(r0, n, r1)`` as the ``(r0·n, r1)`` matrix (a view when contiguous)."""
+    return G.reshape(-1, G.shape[-1])
+
+
+def _right_mat(G: Tensor) -> Tensor:
+    """A core ``(r0, n, r1)`` as the ``(r0, n·r1)`` matrix (a view when contiguous)."""
+    return G.reshape(G.shape[0], -1)
+
+
 def merge_left(cores: Sequence[Tensor]) -> list[Tensor]:
     """Prefixes of the input half: ``P_k = G_1⋯G_k`` as ``(n_1⋯n_k, r_k)`` matrices.
 
@@ -480,8 +490,9 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
     ``B·Σ_k r_{k-1}n_k r_k·(rest)``: cheapest for small batches with large ranks, where
     merging the halves would cost more than the batch GEMMs. The two outermost cores of
     a side are merged first where that is cheaper (:func:`_sweep_merges`). Saves ``Xᵀ``,
-    every intermediate (all batch × rank sized) and the (gated) cores; gates as in
-    :class:`TTLinearHalves`.
+    every intermediate (all batch × rank sized), the (gated) cores and the swept
+    matrices (views of the cores, or the merged outer pairs), so backward reshapes
+    nothing but the running gradient; gates as in :class:`TTLinearHalves`.
     """
 
     @staticmethod
@@ -490,77 +501,75 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
         cores = TTLinearSweep._absorb(ctx, tensors, d)
         B = x.shape[0]
         ctx.head, ctx.tail = _sweep_plan(B, tuple(c.shape for c in cores), d)
-        left, right = list(cores[:d]), list(cores[d:])
-        if ctx.head:  # H = G_1·G_2 as one core (1, n_1·n_2, r_2)
-            H = merge_left(left[:2])[-1]
-            left = [H.reshape(1, *H.shape), *left[2:]]
-        if ctx.tail:  # G_{2d-1}·G_{2d} as one core (r, m_{d-1}·m_d, 1)
-            Tl = merge_right(right[-2:])[0]
-            right = [*right[:-2], Tl.reshape(*Tl.shape, 1)]
+        # the swept cores as matrices: input half (r0·n, r1), output half (r0, m·r1);
+        # views, built once and saved for backward (no reshapes there)
+        ml = [_left_mat(c) for c in cores[:d]]
+        mr = [_right_mat(c) for c in cores[d:]]
+        if ctx.head:  # H = G_1·G_2, one (n_1·n_2, r_2) matrix
+            ml[:2] = [torch.mm(ml[0], _right_mat(cores[1])).view(-1, ml[1].shape[1])]
+        if ctx.tail:  # G_{2d-1}·G_{2d}, one (r, m_{d-1}·m_d) matrix
+            mr[-2:] = [torch.mm(_left_mat(cores[-2]), mr[-1]).view(mr[-2].shape[0], -1)]
         T = x.t().contiguous()  # (N, B)
-        ins = []
-        for G in left:
-            r0, n, r1 = G.shape
-            T = T.reshape(r0 * n, -1)
+        ins: list[Tensor] = []
+        for A in ml:
+            T = T.view(A.shape[0], -1)
             ins.append(T)
-            T = G.reshape(r0 * n, r1).t() @ T  # (r1, rest·B)
+            T = torch.mm(A.t(), T)  # (r1, rest·B)
         S = T.t()  # (B, r_d)
-        for G in right:
-            r0, m, r1 = G.shape
-            S = S.reshape(-1, r0)
+        for A in mr:
+            S = S.reshape(-1, A.shape[0])  # a view: S is T.t() or a GEMM's output
             ins.append(S)
-            S = S @ G.reshape(r0, m * r1)  # (B·m_1…m_j, r_j) once reshaped
-        y = S.reshape(B, -1)
+            S = torch.mm(S, A)  # (B·m_1…m_j, r_j) once reshaped
+        y = S.view(B, -1)
         if bias is not None:
             y += bias
-        ctx.d, ctx.has_bias = d, bias is not None
+        ctx.d, ctx.has_bias, ctx.nl = d, bias is not None, len(ml)
         TTLinearSweep._keep_autocast(ctx, x)
-        ctx.save_for_backward(*cores, *left, *right, *ins,
+        ctx.save_for_backward(*cores, *ml, *mr, *ins,
                               *(tensors[: 2 * d] if ctx.gated else ()))
         return y
 
     @staticmethod
     def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
-        d = ctx.d
-        nl = d - ctx.head  # input-side cores actually swept
+        d, nl = ctx.d, ctx.nl  # nl: input-side matrices actually swept
+        ne = 2 * d - ctx.head - ctx.tail  # matrices swept in all
         saved = ctx.saved_tensors
         cores = saved[: 2 * d]
-        ne = 2 * d - ctx.head - ctx.tail  # cores actually swept
-        eff, ins = saved[2 * d : 2 * d + ne], saved[2 * d + ne : 2 * d + 2 * ne]
+        mats, ins = saved[2 * d : 2 * d + ne], saved[2 * d + ne : 2 * d + 2 * ne]
         need_x = ctx.needs_input_grad[0]
         need_cores = any(ctx.needs_input_grad[3:])
         dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        d_eff: list[Tensor | None] = [None] * ne
+        d_mat: list[Tensor | None] = [None] * ne
         dS = dy
         for k in range(ne - 1, nl - 1, -1):  # output half, last core first
-            G, S = eff[k], ins[k]
-            r0, m, r1 = G.shape
-            dS = dS.reshape(-1, m * r1)
+            A = mats[k]
+            dS = dS.reshape(-1, A.shape[1])
             if need_cores:
-                d_eff[k] = S.t() @ dS  # (r0, m·r1)
-            dS = dS @ G.reshape(r0, m * r1).t()  # (rows, r0)
-        dT = dS.reshape(-1, eff[nl].shape[0]).t()  # (r_d, B)
+                d_mat[k] = torch.mm(ins[k].t(), dS)  # (r0, m·r1)
+            dS = torch.mm(dS, A.t())  # (rows, r0)
+        dT = dS.t()  # (r_d, B)
         for k in range(nl - 1, -1, -1):  # input half
-            G, T = eff[k], ins[k]
-            r0, n, r1 = G.shape
-            dT = dT.reshape(r1, -1)
+            A = mats[k]
+            dT = dT.reshape(A.shape[1], -1)  # a view: dT is dS.t() or a GEMM's output
             if need_cores:
-                d_eff[k] = T @ dT.t()  # (r0·n, r1)
+                d_mat[k] = torch.mm(ins[k], dT.t())  # (r0·n, r1)
             if k > 0 or need_x:
-                dT = G.reshape(r0 * n, r1) @ dT  # (r0·n, rest·B)
-        dx = dT.reshape(-1, dy.shape[0]).t() if need_x else None
+                dT = torch.mm(A, dT)  # (r0·n, rest·B)
+        dx = dT.view(-1, dy.shape[0]).t() if need_x else None
         grads: list[Tensor | None] = [None] * (2 * d)
         if need_cores:
-            lg, rg = d_eff[:nl], d_eff[nl:]
-            if ctx.head:  # back through H = G_1·G_2 (prefix P_1 = G_1)
-                G1 = cores[0]
-                lg = [*merge_left_grads(cores[:2], [G1.reshape(-1, G1.shape[-1])], lg[0]),
-                      *lg[1:]]
-            if ctx.tail:  # back through G_a·G_b (suffix Q_2 = G_b)
-                Gb = cores[-1]
-                rg = [*rg[:-1],
-                      *merge_right_grads(cores[-2:], [Gb.reshape(Gb.shape[0], -1)], rg[-1])]
-            grads = [g.reshape(c.shape) for g, c in zip([*lg, *rg], cores)]
+            lg, rg = d_mat[:nl], d_mat[nl:]
+            if ctx.head:  # back through H = G_1·G_2 = P_1·G_2 (P_1 = G_1 as a matrix)
+                G1, G2 = cores[0], cores[1]
+                dH = lg[0].view(-1, G2.shape[1] * G2.shape[2])  # (n_1, n_2·r_2)
+                P1 = _left_mat(G1)
+                lg = [torch.mm(dH, _right_mat(G2).t()), torch.mm(P1.t(), dH), *lg[1:]]
+            if ctx.tail:  # back through G_a·G_b = G_a·Q_b (Q_b = G_b as a matrix)
+                Ga, Gb = cores[-2], cores[-1]
+                dT2 = rg[-1].view(-1, Gb.shape[1])  # (r_a·m_a, m_b)
+                Qb = _right_mat(Gb)
+                rg = [*rg[:-1], torch.mm(dT2, Qb.t()), torch.mm(_left_mat(Ga).t(), dT2)]
+            grads = [g.view(c.shape) for g, c in zip([*lg, *rg], cores)]
         return TTLinearSweep._finish(ctx, dx, dbias, grads, saved)
 
 
