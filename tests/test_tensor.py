@@ -16,11 +16,12 @@ from comera_engine.tensor import (
     TTMCores,
     explain,
     factorize,
+    native,
     plan,
     resolve_factors,
     tt_linear,
 )
-from comera_engine.tensor.contract import TTLinearHalves, gate_masks
+from comera_engine.tensor.contract import TTLinearHalves, TTLinearSweep, gate_masks
 
 DT = torch.float64
 
@@ -170,9 +171,21 @@ def test_halves_bias_in_padding_matches_dense(rank: int, needs: str, B: int) -> 
                                         (x, b, *cores))
 
 
+@pytest.fixture(params=["native", "pytorch"])
+def sweep_impl(request, monkeypatch) -> str:
+    """Runs a test on the C++ sweep (tensor/native.py) and on the PyTorch one."""
+    if request.param == "pytorch":
+        monkeypatch.setenv("COMERA_NATIVE", "0")
+    elif native.load() is None:
+        pytest.skip("native TT ops not built here (no C++ compiler or ninja): the PyTorch "
+                    "path is tested alone")
+    return request.param
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("d", [2, 3])
-def test_gates_absorbed_inside_match_pre_gated_cores(path: str, d: int) -> None:
+def test_gates_absorbed_inside_match_pre_gated_cores(path: str, d: int, sweep_impl: str
+                                                     ) -> None:
     """Passing gates, alive vectors and tau to ``tt_linear`` (absorbed inside the halves
     and sweep Functions, input-half bonds on the right of their core, output-half bonds on
     the left of the next) is the same function, with the same gradients for x, bias,
@@ -415,11 +428,11 @@ def test_halves_layer_same_under_both_cpu_gemm_backends(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("B", [1, 5])  # 1: plain sweep; 5: outermost cores merged first
-def test_sweep_saves_no_merged_half_and_no_output(B: int) -> None:
+def test_sweep_saves_no_merged_half_and_no_output(B: int, sweep_impl: str) -> None:
     """The sweep Function keeps ``Xᵀ`` and the batch × rank intermediates (plus the merged
     outer cores), never ``L``, ``R`` or ``Y``; values and gradients, gates and bias
     included, match the float64 dense product."""
-    from comera_engine.tensor.contract import TTLinearSweep, _sweep_merges
+    from comera_engine.tensor.contract import _sweep_merges
 
     ins, outs, r = [4, 4, 4], [4, 4, 4], 6
     tt = TTLinearCores(ins, outs, r, dtype=DT)
@@ -452,6 +465,69 @@ def test_sweep_saves_no_merged_half_and_no_output(B: int) -> None:
     assert torch.autograd.gradcheck(
         lambda x_, b_, *t: TTLinearSweep.apply(x_, 3, b_, *t[:6], *t[6:], *alive, 0.0),
         (x, bias, *cores, *gates))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("ins", "outs", "B"), [
+    ([6], [5], 3),                 # d = 1
+    ([4, 3], [2, 5], 2),           # d = 2, no merges
+    ([4, 3], [2, 5], 40),          # d = 2, outer pairs merged
+    ([2, 3, 2], [3, 2, 2], 7),     # d = 3
+])
+def test_native_sweep_matches_the_pytorch_sweep(ins, outs, B, dtype, monkeypatch) -> None:
+    """The C++ sweep computes what the PyTorch Function does: outputs and every gradient
+    (x, bias, cores, gates; dead and tau-masked gate entries get zero), with and without
+    gates and bias, with x or only some cores needing gradients."""
+    mod = native.load()
+    if mod is None:
+        pytest.skip("native TT ops not built here (no C++ compiler or ninja)")
+    torch.manual_seed(5)
+    d = len(ins)
+    N, M = math.prod(ins), math.prod(outs)
+    base = [c.detach().to(dtype) for c in TTLinearCores(ins, outs, 4, dtype=DT).cores]
+    tau = 0.05
+    gates0 = [torch.randn(c.shape[-1], dtype=dtype).abs() + 0.1 for c in base[:-1]]
+    for g in gates0:
+        g[-1] = 0.5 * tau  # masked by tau
+    alive = [torch.arange(g.shape[0]) != 0 for g in gates0]  # entry 0 dead
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == DT else dict(rtol=1e-4, atol=1e-5)
+    for gated, with_bias, need_x, core_req in [(True, True, True, None),
+                                               (False, True, True, None),
+                                               (True, False, False, None),
+                                               (True, True, True, [1, 2 * d - 1])]:
+        runs = []
+        for impl in ("native", "pytorch"):
+            monkeypatch.setenv("COMERA_NATIVE", "1" if impl == "native" else "0")
+            cores = [c.clone().requires_grad_(core_req is None or k in core_req)
+                     for k, c in enumerate(base)]
+            gates = [g.clone().requires_grad_() for g in gates0] if gated else []
+            x = torch.randn(B, N, dtype=dtype, generator=torch.Generator().manual_seed(1))
+            x.requires_grad_(need_x)
+            b = (torch.randn(M, dtype=dtype, generator=torch.Generator().manual_seed(3))
+                 .requires_grad_() if with_bias else None)
+            extra = (*gates, *alive, tau) if gated else ()
+            y = TTLinearSweep.apply(x, d, b, *cores, *extra)
+            assert (y.grad_fn.native is not None) == (impl == "native")
+            wrt = [t for t in (x, b, *cores, *gates) if t is not None and t.requires_grad]
+            gy = torch.randn(y.shape, dtype=dtype, generator=torch.Generator().manual_seed(2))
+            runs.append((y.detach(), torch.autograd.grad((y * gy).sum(), wrt)))
+        (y_n, g_n), (y_p, g_p) = runs
+        assert torch.allclose(y_n, y_p, **tol)
+        assert len(g_n) == len(g_p)
+        for a, r in zip(g_n, g_p):
+            assert torch.allclose(a, r, **tol)
+        if gated:
+            for g in g_n[-len(gates0):]:
+                assert g[0] == 0 and g[-1] == 0  # dead, and at/below tau
+
+
+def test_native_ops_can_be_switched_off(monkeypatch) -> None:
+    """``COMERA_NATIVE=0`` keeps every call on the PyTorch Function (and builds nothing)."""
+    monkeypatch.setenv("COMERA_NATIVE", "0")
+    assert not native.enabled()
+    cores = list(TTLinearCores([4, 3], [2, 5], 3, dtype=DT).cores)
+    y = TTLinearSweep.apply(torch.randn(2, 12, dtype=DT), 2, None, *cores)
+    assert y.grad_fn.native is None
 
 
 def test_planner_sweeps_small_batches_with_large_ranks() -> None:

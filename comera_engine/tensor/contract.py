@@ -27,6 +27,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from . import native as native_ops
+
 __all__ = [
     "PATHS",
     "apply_gates",
@@ -498,6 +500,9 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
+        ctx.native = native_ops.usable(x, tensors)
+        if ctx.native is not None:
+            return TTLinearSweep._native_forward(ctx, x, d, bias, tensors)
         cores = TTLinearSweep._absorb(ctx, tensors, d)
         B = x.shape[0]
         ctx.head, ctx.tail = _sweep_plan(B, tuple(c.shape for c in cores), d)
@@ -530,7 +535,46 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
         return y
 
     @staticmethod
+    def _native_forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # noqa: ANN001
+                        tensors: Sequence[Tensor]) -> Tensor:
+        """The same forward in C++ (:mod:`.native`): one call instead of ~30 Python-level
+        ops. Saves the raw cores, the gated ones, the swept matrices, their inputs and,
+        when gated, the gate values and mask."""
+        n_g = 2 * d - 1
+        raw = list(tensors[: 2 * d])
+        ctx.gated = len(tensors) > 2 * d
+        gates = list(tensors[2 * d : 2 * d + n_g]) if ctx.gated else []
+        alive = list(tensors[2 * d + n_g : -1]) if ctx.gated else []
+        tau = float(tensors[-1]) if ctx.gated else 0.0
+        ctx.head, ctx.tail = _sweep_plan(x.shape[0], tuple(c.shape for c in raw), d)
+        out = ctx.native.sweep_forward(x, raw, gates, alive, tau, bias, d, ctx.head, ctx.tail)
+        ctx.d, ctx.nl, ctx.has_bias, ctx.amp = d, d - ctx.head, bias is not None, None
+        ctx.save_for_backward(*raw, *out[3:], *(out[1:3] if ctx.gated else ()))
+        return out[0]
+
+    @staticmethod
+    def _native_backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
+        d, n_g = ctx.d, 2 * ctx.d - 1
+        ne = 2 * d - ctx.head - ctx.tail
+        s = ctx.saved_tensors
+        raw, eff = s[: 2 * d], s[2 * d : 4 * d]
+        mats, ins = s[4 * d : 4 * d + ne], s[4 * d + ne : 4 * d + 2 * ne]
+        gm, m = s[4 * d + 2 * ne :] if ctx.gated else (None, None)
+        need = ctx.needs_input_grad
+        need_gates = ctx.gated and any(need[3 + 2 * d : 3 + 2 * d + n_g])
+        g = ctx.native.sweep_backward(
+            dy, list(raw), list(eff), list(mats), list(ins), gm, m, d, ctx.nl, ctx.head,
+            ctx.tail, need[0], ctx.has_bias and need[2], any(need[3 : 3 + 2 * d]), need_gates)
+        cores = [gc if need[3 + k] else None for k, gc in enumerate(g[2 : 2 + 2 * d])]
+        if not ctx.gated:
+            return (g[0], None, g[1], *cores)
+        gates = [gg if need[3 + 2 * d + b] else None for b, gg in enumerate(g[2 + 2 * d :])]
+        return (g[0], None, g[1], *cores, *gates, *([None] * n_g), None)
+
+    @staticmethod
     def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
+        if ctx.native is not None:
+            return TTLinearSweep._native_backward(ctx, dy)
         d, nl = ctx.d, ctx.nl  # nl: input-side matrices actually swept
         ne = 2 * d - ctx.head - ctx.tail  # matrices swept in all
         saved = ctx.saved_tensors

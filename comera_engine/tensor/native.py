@@ -1,0 +1,77 @@
+"""Native (C++) TT-linear ops for the CPU: built once per machine, optional.
+
+At small batches a TT-linear step is bound by per-op cost, not arithmetic: the sweep
+path runs ~70 small ATen ops a step, and the Python between them cost more than its
+GEMMs (docs/BENCHMARKS.md). ``csrc/tt_sweep.cpp`` runs the same ops in the same order
+from C++. It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja)
+the first time it is needed, about a minute, and cached per machine under
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); ``make install``
+builds it ahead. Without a compiler, or with ``COMERA_NATIVE=0``, everything runs on
+the PyTorch Functions in ``contract.py``, which are the reference the tests compare
+it with.
+
+    python -c "from comera_engine.tensor.native import main; main()"   # build now
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["enabled", "load", "usable"]
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "tt_sweep.cpp"
+_NAME = "comera_tt_native"
+
+
+def enabled() -> bool:
+    """False when ``COMERA_NATIVE=0`` (then :func:`load` builds nothing)."""
+    return os.environ.get("COMERA_NATIVE", "1").strip() not in ("0", "false", "no", "off")
+
+
+@lru_cache(maxsize=1)
+def load() -> ModuleType | None:
+    """The compiled module, building it on first use; None (with one warning) where it
+    cannot be built, or when disabled."""
+    if not enabled():
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        return build(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                     verbose=False)
+    except Exception as exc:  # noqa: BLE001 (no compiler or ninja, build error: fall back)
+        first = str(exc).strip().splitlines()[:1]
+        warnings.warn(f"comera_engine: native TT ops unavailable ({type(exc).__name__}: "
+                      f"{first[0] if first else ''}); using the PyTorch path "
+                      "(set COMERA_NATIVE=0 to skip the build)", RuntimeWarning,
+                      stacklevel=2)
+        return None
+
+
+def usable(x: torch.Tensor, tensors: tuple[torch.Tensor | float, ...]) -> ModuleType | None:
+    """The native module where it runs this call: CPU, float32/float64, no autocast,
+    every tensor argument on the CPU; else None (the PyTorch path)."""
+    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
+            or torch.is_autocast_enabled("cpu") or not enabled()):
+        return None
+    return load()
+
+
+def main() -> int:
+    """Build (or find) the module and say whether it is in use; 0 either way: the
+    PyTorch path works without it."""
+    mod = load()
+    if mod is None:
+        print("native TT ops: not in use, the PyTorch path runs instead"
+              + (" (COMERA_NATIVE=0)" if not enabled() else " (build failed; see above)"),
+              file=sys.stderr)
+    else:
+        print(f"native TT ops: built and in use ({mod.__file__})")
+    return 0
