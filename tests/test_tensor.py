@@ -530,6 +530,24 @@ def test_native_ops_can_be_switched_off(monkeypatch) -> None:
     assert y.grad_fn.native is None
 
 
+def test_native_build_clears_only_a_stale_lock(tmp_path) -> None:
+    """A build killed half-way leaves torch's lock file, on which the next build would
+    wait forever: one older than the limit is removed, a fresh one (a build running in
+    another process) is kept."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    native._clear_stale_lock(tmp_path, max_age_s=600)
+    assert lock.exists()
+    old = time.time() - 601
+    os.utime(lock, (old, old))
+    native._clear_stale_lock(tmp_path, max_age_s=600)
+    assert not lock.exists()
+    native._clear_stale_lock(tmp_path, max_age_s=600)  # no lock: nothing to do
+
+
 def test_planner_sweeps_small_batches_with_large_ranks() -> None:
     """At 32 rows and rank 64 (768×768) merging the halves costs more than the batch work,
     so the planner sweeps; at 4096 rows it merges."""

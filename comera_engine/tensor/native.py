@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -42,8 +43,10 @@ def load() -> ModuleType | None:
     if not enabled():
         return None
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as build
 
+        _clear_stale_lock(Path(_get_build_directory(_NAME, verbose=False)))
         return build(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"],
                      verbose=False)
     except Exception as exc:  # noqa: BLE001 (no compiler or ninja, build error: fall back)
@@ -53,6 +56,17 @@ def load() -> ModuleType | None:
                       "(set COMERA_NATIVE=0 to skip the build)", RuntimeWarning,
                       stacklevel=2)
         return None
+
+
+def _clear_stale_lock(folder: Path, max_age_s: float = 600.0) -> None:
+    """Remove a build lock older than ``max_age_s``: a build killed half-way leaves its
+    lock file behind, and torch then waits for it forever (a build takes ~1 minute)."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+    except OSError:  # no lock (the usual case), or removed meanwhile
+        pass
 
 
 def usable(x: torch.Tensor, tensors: tuple[torch.Tensor | float, ...]) -> ModuleType | None:
