@@ -46,7 +46,11 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as build
 
-        _clear_stale_lock(Path(_get_build_directory(_NAME, verbose=False)))
+        folder = Path(_get_build_directory(_NAME, verbose=False))
+        _clear_stale_lock(folder)
+        if not any(folder.glob("*.so")) and not any(folder.glob("*.pyd")):
+            print("comera_engine: building the native TT ops (once per machine, about a "
+                  f"minute; cached in {folder})", file=sys.stderr, flush=True)
         return build(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"],
                      verbose=False)
     except Exception as exc:  # noqa: BLE001 (no compiler or ninja, build error: fall back)
