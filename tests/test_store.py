@@ -106,6 +106,34 @@ def test_runs_crud_filters_and_resolve(store):
         store.run_dir("../etc")
 
 
+def test_many_sessions_opening_a_new_store_together_all_succeed(tmp_path):
+    """Eight threads open a store that does not exist yet, forty times over. SQLite may
+    refuse ``PRAGMA journal_mode = WAL`` at once (no busy wait) while another connection
+    creates the schema; the store retries it like ``BEGIN IMMEDIATE`` (before: about one
+    trial in sixty failed under CPU load, one session getting 'database is locked')."""
+    import threading
+
+    for trial in range(40):
+        path = tmp_path / f"t{trial}" / "comera.db"
+        path.parent.mkdir()
+        errors: list[BaseException] = []
+
+        def open_store(p: Path = path, errs: list[BaseException] = errors) -> None:
+            try:
+                RunStore(p).list_runs()
+            except BaseException as e:  # noqa: BLE001 (collected and asserted below)
+                errs.append(e)
+
+        threads = [threading.Thread(target=open_store) for _ in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, f"trial {trial}: {errors[0]!r}"
+        with sqlite3.connect(path) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
 def test_second_store_object_in_one_process_keeps_writes_visible(tmp_path):
     """Closing any file descriptor drops all of a process's POSIX locks on that file. If a
     second RunStore read the header while the first was connected, the first would lose

@@ -219,6 +219,25 @@ def _is_busy(e: sqlite3.Error) -> bool:
     return "locked" in msg or "busy" in msg
 
 
+def _execute_when_free(conn: sqlite3.Connection, sql: str, timeout: float) -> None:
+    """Run ``sql``, retrying while the database is busy, for up to ``timeout`` seconds.
+
+    For statements SQLite may refuse at once instead of calling the busy handler
+    (``BEGIN IMMEDIATE`` while another connection writes; ``PRAGMA journal_mode = WAL``
+    while another one creates the schema: seen as a first-open failure of one of four
+    sessions opening a new store together)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn.execute(sql)
+            return
+        except sqlite3.OperationalError as e:
+            if _is_busy(e) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            raise
+
+
 def _nan(v: Any) -> float:
     return float("nan") if v is None else float(v)
 
@@ -398,7 +417,7 @@ class RunStore:
             try:
                 conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
                 self._open_schema(conn)
-                conn.execute("PRAGMA journal_mode = WAL")
+                _execute_when_free(conn, "PRAGMA journal_mode = WAL", self.busy_timeout)
                 conn.execute("PRAGMA synchronous = NORMAL")
             except sqlite3.Error as e:
                 conn.close()
@@ -422,16 +441,7 @@ class RunStore:
         if version == SCHEMA_VERSION:
             return
         # new (empty) database or an older schema: migrate under a write lock
-        deadline = time.monotonic() + self.busy_timeout
-        while True:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                break
-            except sqlite3.OperationalError as e:
-                if _is_busy(e) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                raise
+        _execute_when_free(conn, "BEGIN IMMEDIATE", self.busy_timeout)
         try:
             tables = {
                 r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
