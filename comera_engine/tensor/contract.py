@@ -275,18 +275,28 @@ class _GatedFunction:
     ``n_1·r_1`` and ``r_{2d-1}·m_d``), and each core carries at most one gate."""
 
     @staticmethod
+    def _split(ctx, tensors: Sequence[Tensor], d: int  # noqa: ANN001
+               ) -> tuple[list[Tensor], list[Tensor], list[Tensor], float]:
+        """The Function's trailing arguments as (cores, gates, alive, tau): the 2d cores,
+        then, when gated, the 2d-1 gates, the 2d-1 ``alive`` vectors and ``tau``
+        (else empty lists and 0). Sets ``ctx.gated``."""
+        n_g = 2 * d - 1
+        ctx.gated = len(tensors) > 2 * d
+        if not ctx.gated:
+            return list(tensors[: 2 * d]), [], [], 0.0
+        return (list(tensors[: 2 * d]), list(tensors[2 * d : 2 * d + n_g]),
+                list(tensors[2 * d + n_g : -1]), float(tensors[-1]))
+
+    @staticmethod
     def _absorb(ctx, tensors: Sequence[Tensor], d: int) -> list[Tensor]:  # noqa: ANN001
         """``tensors``: the 2d cores, optionally followed by the 2d-1 gates, the 2d-1
         bool ``alive`` vectors and the threshold ``tau`` (a float). Returns the gated
         cores and keeps what :meth:`_gate_grads` needs on ``ctx`` (the raw cores are
         saved last). The masks ``alive_k & (|g_k| > tau)`` are computed here, in one pass
         over all bonds: no mask tensors are built outside the step."""
-        raw = list(tensors[: 2 * d])
-        ctx.gated = len(tensors) > 2 * d
+        raw, gates, alive, tau = _GatedFunction._split(ctx, tensors, d)
         if not ctx.gated:
             return raw
-        n_g = 2 * d - 1
-        gates, alive, tau = tensors[2 * d : 2 * d + n_g], tensors[2 * d + n_g : -1], tensors[-1]
         # g where |g| > tau, else 0 (hardshrink: one op), then the dead entries zeroed
         gm = torch.nn.functional.hardshrink(torch.cat(gates), tau)
         if alive:
@@ -500,7 +510,7 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
-        ctx.native = native_ops.usable(x, tensors)
+        ctx.native = native_ops.usable(x)
         if ctx.native is not None:
             return TTLinearSweep._native_forward(ctx, x, d, bias, tensors)
         cores = TTLinearSweep._absorb(ctx, tensors, d)
@@ -540,15 +550,11 @@ class TTLinearSweep(_GatedFunction, torch.autograd.Function):
         """The same forward in C++ (:mod:`.native`): one call instead of ~30 Python-level
         ops. Saves the raw cores, the gated ones, the swept matrices, their inputs and,
         when gated, the gate values and mask."""
-        n_g = 2 * d - 1
-        raw = list(tensors[: 2 * d])
-        ctx.gated = len(tensors) > 2 * d
-        gates = list(tensors[2 * d : 2 * d + n_g]) if ctx.gated else []
-        alive = list(tensors[2 * d + n_g : -1]) if ctx.gated else []
-        tau = float(tensors[-1]) if ctx.gated else 0.0
+        raw, gates, alive, tau = TTLinearSweep._split(ctx, tensors, d)
         ctx.head, ctx.tail = _sweep_plan(x.shape[0], tuple(c.shape for c in raw), d)
         out = ctx.native.sweep_forward(x, raw, gates, alive, tau, bias, d, ctx.head, ctx.tail)
-        ctx.d, ctx.nl, ctx.has_bias, ctx.amp = d, d - ctx.head, bias is not None, None
+        ctx.d, ctx.nl, ctx.has_bias = d, d - ctx.head, bias is not None
+        TTLinearSweep._keep_autocast(ctx, x)
         ctx.save_for_backward(*raw, *out[3:], *(out[1:3] if ctx.gated else ()))
         return out[0]
 

@@ -73,9 +73,9 @@ def _clear_stale_lock(folder: Path, max_age_s: float = 600.0) -> None:
         pass
 
 
-def usable(x: torch.Tensor, tensors: tuple[torch.Tensor | float, ...]) -> ModuleType | None:
-    """The native module where it runs this call: CPU, float32/float64, no autocast,
-    every tensor argument on the CPU; else None (the PyTorch path)."""
+def usable(x: torch.Tensor) -> ModuleType | None:
+    """The native module where it runs a call on input ``x``: CPU, float32/float64, no
+    autocast; else None (the PyTorch path)."""
     if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
             or torch.is_autocast_enabled("cpu") or not enabled()):
         return None
