@@ -134,6 +134,45 @@ def test_many_sessions_opening_a_new_store_together_all_succeed(tmp_path):
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+def test_a_connection_collected_while_the_count_lock_is_held_does_not_deadlock(tmp_path):
+    """sqlite3 connections sit in a reference cycle (the statement cache wraps the
+    connection), so the finalizer that drops a connection's per-file count runs inside the
+    garbage collector, in whichever thread allocates: possibly one that holds the count's
+    lock, as RunStore.__init__ does while it reads the header. Here the collector runs
+    under that lock on purpose; the count must still come back to zero and later stores
+    open (before: the thread deadlocked on itself and every later store in the process
+    hung, which stalled CI in test_store)."""
+    code = textwrap.dedent(
+        """
+        import faulthandler, gc, sys
+        from pathlib import Path
+        from comera_engine.store import RunStore, db
+
+        faulthandler.dump_traceback_later(30, exit=True)
+        path = Path(sys.argv[1])
+        gc.disable()
+        store = RunStore(path)
+        store.list_runs()
+        key = db._file_key(path)
+        with db._LIVE_LOCK:
+            assert db._live_count(key) == 1
+        del store  # its connection is now cyclic garbage, still counted
+        with db._LIVE_LOCK:
+            assert gc.collect() > 0
+            assert db._live_count(key) == 0
+        RunStore(path).create_run("after", {})
+        print("count", db._live_count(key))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "comera.db")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "count" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_second_store_object_in_one_process_keeps_writes_visible(tmp_path):
     """Closing any file descriptor drops all of a process's POSIX locks on that file. If a
     second RunStore read the header while the first was connected, the first would lose

@@ -19,6 +19,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -305,8 +306,17 @@ def extract_traceback(text: str) -> str | None:
 # on it, including SQLite's. So the database header is read with Python only while this
 # process has no open connection to that file; connections are counted per file here.
 
+#
+# A connection's count is dropped by a weakref finalizer. sqlite3 connections sit in a
+# reference cycle (their statement cache wraps the connection), so the finalizer runs in
+# the garbage collector: in any thread, at any allocation, including one made while that
+# thread holds _LIVE_LOCK. The finalizer therefore takes no lock: it queues the file's key
+# (deque.append is atomic) and whoever takes _LIVE_LOCK next applies the queue (taking the
+# lock there deadlocked a thread against itself: CI hung in test_store).
+
 _LIVE_LOCK = threading.Lock()
 _LIVE: dict[tuple[int, int], int] = {}
+_RELEASED: deque[tuple[int, int]] = deque()
 
 
 def _file_key(path: Path) -> tuple[int, int] | None:
@@ -322,12 +332,31 @@ class _Connection(sqlite3.Connection):
 
 
 def _release(key: tuple[int, int]) -> None:
-    with _LIVE_LOCK:
-        n = _LIVE.get(key, 0) - 1
+    """Finalizer of a counted connection: queue ``key``; never blocks (see above)."""
+    _RELEASED.append(key)
+
+
+def _live_count(key: tuple[int, int] | None, add: int = 0) -> int:
+    """This process's open connections to the file ``key``, after applying the queued
+    releases and adding ``add``. The caller holds ``_LIVE_LOCK``."""
+    while True:
+        try:
+            done = _RELEASED.popleft()
+        except IndexError:
+            break
+        n = _LIVE.get(done, 0) - 1
         if n > 0:
-            _LIVE[key] = n
+            _LIVE[done] = n
         else:
-            _LIVE.pop(key, None)
+            _LIVE.pop(done, None)
+    if key is None:
+        return 0
+    n = _LIVE.get(key, 0) + add
+    if n > 0:
+        _LIVE[key] = n
+    else:
+        _LIVE.pop(key, None)
+    return n
 
 
 class RunStore:
@@ -357,8 +386,7 @@ class RunStore:
                 raise StoreError(f"store: no run store at {self.path}")
             self.path.parent.mkdir(parents=True, exist_ok=True)
         with _LIVE_LOCK:
-            key = _file_key(self.path)
-            if key is None or not _LIVE.get(key):
+            if not _live_count(_file_key(self.path)):
                 self._check_header()
         self._connection()  # validate schema now, not at first query
 
@@ -430,7 +458,7 @@ class RunStore:
             key = _file_key(self.path)
             if key is not None:
                 with _LIVE_LOCK:
-                    _LIVE[key] = _LIVE.get(key, 0) + 1
+                    _live_count(key, add=1)
                 self._finalizer = weakref.finalize(conn, _release, key)
             return conn
 
