@@ -172,8 +172,8 @@ def test_halves_bias_in_padding_matches_dense(rank: int, needs: str, B: int) -> 
 
 
 @pytest.fixture(params=["native", "pytorch"])
-def sweep_impl(request, monkeypatch) -> str:
-    """Runs a test on the C++ sweep (tensor/native.py) and on the PyTorch one."""
+def native_impl(request, monkeypatch) -> str:
+    """Runs a test with the C++ ops (tensor/native.py) and with the PyTorch Functions."""
     if request.param == "pytorch":
         monkeypatch.setenv("COMERA_NATIVE", "0")
     elif native.load() is None:
@@ -184,7 +184,7 @@ def sweep_impl(request, monkeypatch) -> str:
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("d", [2, 3])
-def test_gates_absorbed_inside_match_pre_gated_cores(path: str, d: int, sweep_impl: str
+def test_gates_absorbed_inside_match_pre_gated_cores(path: str, d: int, native_impl: str
                                                      ) -> None:
     """Passing gates, alive vectors and tau to ``tt_linear`` (absorbed inside the halves
     and sweep Functions, input-half bonds on the right of their core, output-half bonds on
@@ -231,7 +231,7 @@ def test_gates_absorbed_inside_match_pre_gated_cores(path: str, d: int, sweep_im
     assert torch.autograd.gradcheck(fused, args)
 
 
-def test_halves_saves_only_input_xl_and_merges() -> None:
+def test_halves_saves_only_input_xl_and_merges(native_impl: str) -> None:
     ins, outs, r = [4, 4, 4], [4, 4, 4], 6
     tt = TTLinearCores(ins, outs, r, dtype=DT)
     B = 150  # differs from N = 64, so only batch-sized tensors have B rows; >= 128: padded
@@ -428,7 +428,7 @@ def test_halves_layer_same_under_both_cpu_gemm_backends(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("B", [1, 5])  # 1: plain sweep; 5: outermost cores merged first
-def test_sweep_saves_no_merged_half_and_no_output(B: int, sweep_impl: str) -> None:
+def test_sweep_saves_no_merged_half_and_no_output(B: int, native_impl: str) -> None:
     """The sweep Function keeps ``Xᵀ`` and the batch × rank intermediates (plus the merged
     outer cores), never ``L``, ``R`` or ``Y``; values and gradients, gates and bias
     included, match the float64 dense product."""
@@ -468,16 +468,21 @@ def test_sweep_saves_no_merged_half_and_no_output(B: int, sweep_impl: str) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize(("ins", "outs", "B"), [
-    ([6], [5], 3),                 # d = 1
-    ([4, 3], [2, 5], 2),           # d = 2, no merges
-    ([4, 3], [2, 5], 40),          # d = 2, outer pairs merged
-    ([2, 3, 2], [3, 2, 2], 7),     # d = 3
-])
-def test_native_sweep_matches_the_pytorch_sweep(ins, outs, B, dtype, monkeypatch) -> None:
-    """The C++ sweep computes what the PyTorch Function does: outputs and every gradient
-    (x, bias, cores, gates; dead and tau-masked gate entries get zero), with and without
-    gates and bias, with x or only some cores needing gradients."""
+@pytest.mark.parametrize(("fn", "ins", "outs", "B"), [
+    (TTLinearSweep, [6], [5], 3),                 # d = 1
+    (TTLinearSweep, [4, 3], [2, 5], 2),           # d = 2, no merges
+    (TTLinearSweep, [4, 3], [2, 5], 40),          # d = 2, outer pairs merged
+    (TTLinearSweep, [2, 3, 2], [3, 2, 2], 7),     # d = 3
+    (TTLinearHalves, [6], [5], 3),                # d = 1
+    (TTLinearHalves, [4, 3], [2, 5], 7),          # d = 2, middle rank not padded
+    (TTLinearHalves, [4, 3], [2, 5], 130),        # d = 2, padded, the bias in R
+    (TTLinearHalves, [2, 3, 2], [3, 2, 2], 150),  # d = 3, padded
+], ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_native_ops_match_the_pytorch_functions(fn, ins, outs, B, dtype, monkeypatch) -> None:
+    """The C++ sweep, and the halves Function with its merges and gates in C++, compute
+    what the PyTorch Functions do: outputs and every gradient (x, bias, cores, gates;
+    dead and tau-masked gate entries get zero), with and without gates and bias, with x
+    or only some cores needing gradients, or only x."""
     mod = native.load()
     if mod is None:
         pytest.skip("native TT ops not built here (no C++ compiler or ninja)")
@@ -494,19 +499,21 @@ def test_native_sweep_matches_the_pytorch_sweep(ins, outs, B, dtype, monkeypatch
     for gated, with_bias, need_x, core_req in [(True, True, True, None),
                                                (False, True, True, None),
                                                (True, False, False, None),
-                                               (True, True, True, [1, 2 * d - 1])]:
+                                               (True, True, True, [1, 2 * d - 1]),
+                                               (True, True, True, [])]:
         runs = []
         for impl in ("native", "pytorch"):
             monkeypatch.setenv("COMERA_NATIVE", "1" if impl == "native" else "0")
             cores = [c.clone().requires_grad_(core_req is None or k in core_req)
                      for k, c in enumerate(base)]
-            gates = [g.clone().requires_grad_() for g in gates0] if gated else []
+            gates = ([g.clone().requires_grad_(core_req != []) for g in gates0]
+                     if gated else [])
             x = torch.randn(B, N, dtype=dtype, generator=torch.Generator().manual_seed(1))
             x.requires_grad_(need_x)
             b = (torch.randn(M, dtype=dtype, generator=torch.Generator().manual_seed(3))
                  .requires_grad_() if with_bias else None)
             extra = (*gates, *alive, tau) if gated else ()
-            y = TTLinearSweep.apply(x, d, b, *cores, *extra)
+            y = fn.apply(x, d, b, *cores, *extra)
             assert (y.grad_fn.native is not None) == (impl == "native")
             wrt = [t for t in (x, b, *cores, *gates) if t is not None and t.requires_grad]
             gy = torch.randn(y.shape, dtype=dtype, generator=torch.Generator().manual_seed(2))
@@ -516,7 +523,7 @@ def test_native_sweep_matches_the_pytorch_sweep(ins, outs, B, dtype, monkeypatch
         assert len(g_n) == len(g_p)
         for a, r in zip(g_n, g_p):
             assert torch.allclose(a, r, **tol)
-        if gated:
+        if gated and core_req != []:
             for g in g_n[-len(gates0):]:
                 assert g[0] == 0 and g[-1] == 0  # dead, and at/below tau
 

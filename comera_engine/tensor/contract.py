@@ -385,18 +385,24 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
         # tensors: the 2d cores, optionally followed by 2d-1 gates, 2d-1 alive vectors, tau
-        cores = TTLinearHalves._absorb(ctx, tensors, d)
-        P = merge_left(cores[:d])
-        Q = merge_right(cores[d:])
-        rd = P[-1].shape[1]
         pad = x.shape[0] >= _PAD_MIN_BATCH
-        ctx.bias_in_r = bias is not None and pad
-        if pad:
-            Lp, Rp = _pad_middle(P[-1], Q[0], bias)
-            XL = _gemm_nn(x, Lp)
+        ctx.native = native_ops.usable(x)
+        if ctx.native is not None:  # gates, merges and padding in one C++ call
+            raw, gates, alive, tau = TTLinearHalves._split(ctx, tensors, d)
+            out = ctx.native.halves_prepare(raw, gates, alive, tau, bias if pad else None,
+                                            d, pad, _RANK_ALIGN, _MIN_WIDTH)
+            Lp, Rp = out[0], out[1]
+            rd = out[4 + d - 1].shape[-1]  # r_d: the last input-half core's right rank
+            keep = [*out[4:], *((*raw, *out[2:4]) if ctx.gated else ())]
         else:
-            Lp, Rp = P[-1], Q[0]
-            XL = x @ Lp
+            cores = TTLinearHalves._absorb(ctx, tensors, d)
+            P = merge_left(cores[:d])
+            Q = merge_right(cores[d:])
+            rd = P[-1].shape[1]
+            Lp, Rp = _pad_middle(P[-1], Q[0], bias) if pad else (P[-1], Q[0])
+            keep = [*cores, *P[:-1], *Q[1:], *(tensors[: 2 * d] if ctx.gated else ())]
+        ctx.bias_in_r = bias is not None and pad
+        XL = _gemm_nn(x, Lp) if pad else x @ Lp
         if ctx.bias_in_r:
             XL[:, rd] = 1.0  # meets the bias row of Rp
             y = _gemm_nn(XL, Rp)
@@ -405,8 +411,7 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         ctx.d, ctx.rd = d, rd
         ctx.has_bias = bias is not None
         TTLinearHalves._keep_autocast(ctx, x)
-        ctx.save_for_backward(x, XL, Lp, Rp, *cores, *P[:-1], *Q[1:],
-                              *(tensors[: 2 * d] if ctx.gated else ()))
+        ctx.save_for_backward(x, XL, Lp, Rp, *keep)
         return y
 
     @staticmethod
@@ -414,14 +419,10 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         d, rd = ctx.d, ctx.rd
         saved = ctx.saved_tensors
         x, XL, Lp, Rp = saved[:4]
-        cores = saved[4 : 4 + 2 * d]
-        P = saved[4 + 2 * d : 3 + 3 * d]  # P_1..P_{d-1}
-        Q = saved[3 + 3 * d :]  # Q_2..Q_d
         need_x = ctx.needs_input_grad[0]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         need_cores = any(ctx.needs_input_grad[3:])
-        grads: list[Tensor | None] = [None] * (2 * d)
-        dx = dbias = dRp = None
+        dx = dbias = dRp = dL = None
         if need_x or need_cores:
             dXL = _gemm_nt(dy, Rp)
         if need_cores:
@@ -434,9 +435,43 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
             dx = _gemm_nt(dXL, Lp)
         if need_cores:
             dL = (x.t() @ dXL)[:, :rd]  # (N, r_d)
+        if ctx.native is not None:
+            return TTLinearHalves._native_grads(ctx, dx, dbias, dL, dRp, saved[4:])
+        cores = saved[4 : 4 + 2 * d]
+        P = saved[4 + 2 * d : 3 + 3 * d]  # P_1..P_{d-1}
+        Q = saved[3 + 3 * d : 2 + 4 * d]  # Q_2..Q_d
+        grads: list[Tensor | None] = [None] * (2 * d)
+        if need_cores:
             grads = [*merge_left_grads(cores[:d], P, dL),
                      *merge_right_grads(cores[d:], Q, dRp[:rd])]
         return TTLinearHalves._finish(ctx, dx, dbias, grads, saved)
+
+    @staticmethod
+    def _native_grads(ctx, dx: Tensor | None, dbias: Tensor | None,  # noqa: ANN001
+                      dL: Tensor | None, dRp: Tensor | None, saved: Sequence[Tensor]
+                      ) -> tuple[Tensor | None, ...]:
+        """The Function's return value from the batch gradients, the core and gate
+        gradients in one C++ call. ``saved``: the (gated) cores, ``P_1..P_{d-1}``,
+        ``Q_2..Q_d``, then, when gated, the raw cores, the gate values and their mask."""
+        d, n_g = ctx.d, 2 * ctx.d - 1
+        need = ctx.needs_input_grad
+        n_cores = 2 * d + n_g if ctx.gated else 2 * d
+        if dL is None:
+            return (dx, None, dbias, *([None] * n_cores),
+                    *(([None] * (n_g + 1)) if ctx.gated else ()))
+        eff = saved[: 2 * d]
+        P, Q = saved[2 * d : 3 * d - 1], saved[3 * d - 1 : 4 * d - 2]
+        raw = saved[4 * d - 2 : 6 * d - 2] if ctx.gated else eff
+        gm, m = saved[6 * d - 2 :] if ctx.gated else (None, None)
+        need_gates = ctx.gated and any(need[3 + 2 * d : 3 + 2 * d + n_g])
+        g = ctx.native.halves_core_grads(dL, dRp[: ctx.rd], list(raw), list(eff), list(P),
+                                         list(Q), gm, m, d, any(need[3 : 3 + 2 * d]),
+                                         need_gates)
+        cores = [gc if need[3 + k] else None for k, gc in enumerate(g[: 2 * d])]
+        if not ctx.gated:
+            return (dx, None, dbias, *cores)
+        gates = [gg if need[3 + 2 * d + b] else None for b, gg in enumerate(g[2 * d :])]
+        return (dx, None, dbias, *cores, *gates, *([None] * n_g), None)
 
 
 def _gate_args(gates: Sequence[Tensor], tau: float, alive: Sequence[Tensor]) -> tuple:

@@ -2,9 +2,12 @@
 
 At small batches a TT-linear step is bound by per-op cost, not arithmetic: the sweep
 path runs ~70 small ATen ops a step, and the Python between them cost more than its
-GEMMs (docs/BENCHMARKS.md). ``csrc/tt_sweep.cpp`` runs the same ops in the same order
-from C++. It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja)
-the first time it is needed, about a minute, and cached per machine under
+GEMMs (docs/BENCHMARKS.md). ``csrc/`` runs the same ops in the same order from C++:
+the sweep path whole (``tt_sweep.cpp``), the halves path's gates, merges and core
+gradients (``tt_halves.cpp``; its batch GEMMs stay in Python, which picks their
+backend), gate helpers shared by both (``tt_common.cpp``). It is compiled with
+``torch.utils.cpp_extension`` (a C++ compiler and ninja) the first time it is needed,
+about a minute, and cached per machine under
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); ``make install``
 builds it ahead. Without a compiler, or with ``COMERA_NATIVE=0``, everything runs on
 the PyTorch Functions in ``contract.py``, which are the reference the tests compare
@@ -27,7 +30,8 @@ import torch
 
 __all__ = ["enabled", "load", "usable"]
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "tt_sweep.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("tt_common.cpp", "tt_sweep.cpp", "tt_halves.cpp", "module.cpp")
 _NAME = "comera_tt_native"
 
 
@@ -51,7 +55,8 @@ def load() -> ModuleType | None:
         if not any(folder.glob("*.so")) and not any(folder.glob("*.pyd")):
             print("comera_engine: building the native TT ops (once per machine, about a "
                   f"minute; cached in {folder})", file=sys.stderr, flush=True)
-        return build(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"],
+        return build(name=_NAME, sources=[str(_CSRC / f) for f in _SOURCES],
+                     extra_cflags=["-O2"], extra_include_paths=[str(_CSRC)],
                      verbose=False)
     except Exception as exc:  # noqa: BLE001 (no compiler or ninja, build error: fall back)
         first = str(exc).strip().splitlines()[:1]

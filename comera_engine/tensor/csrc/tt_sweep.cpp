@@ -2,26 +2,9 @@
 // step runs its ~70 small ops without the Python interpreter between them: at 32 rows
 // the Python bodies cost more than the GEMMs. Same math, same op order, same saved
 // tensors as the Python Function, which stays the reference (tests compare the two).
-//
-// Layout (see contract.py): cores G_k (r_{k-1}, s_k, r_k), k < 2d; gates g_b for the
-// 2d-1 bonds, bond b absorbed on the right of core b for b < d and on the left of core
-// b+1 otherwise; masks alive_b & (|g_b| > tau) computed in one flat pass.
-#include <torch/extension.h>
+#include "tt_common.h"
 
-#include <vector>
-
-using at::Tensor;
-
-namespace {
-
-// Core j carrying bond b's gate, and whether on its right bond.
-inline int64_t gate_core(int64_t b, int64_t d) { return b < d ? b : b + 1; }
-inline bool gate_right(int64_t b, int64_t d) { return b < d; }
-
-Tensor left_mat(const Tensor& G) { return G.reshape({-1, G.size(-1)}); }   // (r0·n, r1)
-Tensor right_mat(const Tensor& G) { return G.reshape({G.size(0), -1}); }  // (r0, n·r1)
-
-}  // namespace
+namespace comera {
 
 // Returns [y, gm, m, eff_0..eff_{2d-1}, mats..., ins...]; gm and m are undefined
 // without gates. mats: the swept matrices (input half (r0·n, r1), output half
@@ -32,21 +15,8 @@ std::vector<Tensor> sweep_forward(const Tensor& x, const std::vector<Tensor>& co
                                   const c10::optional<Tensor>& bias, int64_t d, bool head,
                                   bool tail) {
   at::AutoDispatchBelowADInplaceOrView guard;  // inside a Function: no autograd here
-  std::vector<Tensor> eff(cores.begin(), cores.end());
   Tensor gm, m;
-  if (!gates.empty()) {
-    gm = at::hardshrink(at::cat(gates), tau);
-    if (!alive.empty()) gm = at::where(at::cat(alive), gm, 0.0);
-    m = gm.ne(0);
-    int64_t off = 0;
-    for (int64_t b = 0; b < 2 * d - 1; ++b) {
-      int64_t r = gates[b].size(0);
-      Tensor v = gm.narrow(0, off, r);
-      off += r;
-      int64_t j = gate_core(b, d);
-      eff[j] = gate_right(b, d) ? cores[j] * v : cores[j] * v.view({-1, 1, 1});
-    }
-  }
+  std::vector<Tensor> eff = absorb_gates(cores, gates, alive, tau, d, gm, m);
   std::vector<Tensor> ml, mr;
   for (int64_t k = 0; k < d; ++k) ml.push_back(left_mat(eff[k]));
   for (int64_t k = d; k < 2 * d; ++k) mr.push_back(right_mat(eff[k]));
@@ -149,43 +119,9 @@ std::vector<Tensor> sweep_backward(const Tensor& dy, const std::vector<Tensor>& 
     const Tensor& g = k < static_cast<int64_t>(lg.size()) ? lg[k] : rg[k - lg.size()];
     d_eff.push_back(g.view(eff[k].sizes()));
   }
-  if (!gated) {
-    out.insert(out.end(), d_eff.begin(), d_eff.end());
-    return out;
-  }
-  // from the gated cores to the raw cores and the gates: E = G·diag(v) (right bond) or
-  // diag(v)·G (left): dG = dE·v, dg = m ⊙ Σ dE ⊙ G over the core's other axes
-  std::vector<Tensor> d_raw(d_eff.begin(), d_eff.end()), sums;
-  int64_t off = 0;
-  for (int64_t b = 0; b < 2 * d - 1; ++b) {
-    const int64_t r = raw[gate_core(b, d)].size(gate_right(b, d) ? -1 : 0);
-    Tensor v = gm.narrow(0, off, r);
-    off += r;
-    const int64_t j = gate_core(b, d);
-    const bool right = gate_right(b, d);
-    const Tensor& dE = d_eff[j];
-    if (need_cores) d_raw[j] = right ? dE * v : dE * v.view({-1, 1, 1});
-    if (need_gates) {
-      sums.push_back(right ? (dE * raw[j]).sum(at::IntArrayRef{0, 1})
-                           : (dE * raw[j]).sum(at::IntArrayRef{1, 2}));
-    }
-  }
-  for (auto& g : d_raw) out.push_back(need_cores ? g : Tensor());
-  if (need_gates) {
-    Tensor flat = at::where(m, at::cat(sums), 0.0);
-    int64_t o = 0;
-    for (int64_t b = 0; b < 2 * d - 1; ++b) {
-      const int64_t r = raw[gate_core(b, d)].size(gate_right(b, d) ? -1 : 0);
-      out.push_back(flat.narrow(0, o, r));
-      o += r;
-    }
-  } else {
-    out.resize(out.size() + 2 * d - 1);
-  }
+  std::vector<Tensor> g = gate_grads(d_eff, raw, gm, m, d, need_cores, need_gates);
+  out.insert(out.end(), g.begin(), g.end());
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("sweep_forward", &sweep_forward, "TT-linear sweep forward (see contract.py)");
-  mod.def("sweep_backward", &sweep_backward, "TT-linear sweep backward (see contract.py)");
-}
+}  // namespace comera

@@ -1,0 +1,13 @@
+// The Python module of the native TT-linear ops (loaded by comera_engine/tensor/native.py).
+#include <torch/extension.h>
+
+#include "tt_common.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("sweep_forward", &comera::sweep_forward, "TT-linear sweep forward (contract.py)");
+  mod.def("sweep_backward", &comera::sweep_backward, "TT-linear sweep backward (contract.py)");
+  mod.def("halves_prepare", &comera::halves_prepare,
+          "TT-linear halves: gates, merges, padded L and R (contract.py)");
+  mod.def("halves_core_grads", &comera::halves_core_grads,
+          "TT-linear halves: core and gate gradients from dL and dR (contract.py)");
+}

@@ -1,0 +1,70 @@
+// Shared by the native TT-linear ops (tt_sweep.cpp, tt_halves.cpp); see contract.py for
+// the math they mirror.
+//
+// Layout: cores G_k (r_{k-1}, s_k, r_k), k < 2d; gates g_b for the 2d-1 bonds, bond b
+// absorbed on the right of core b for b < d and on the left of core b+1 otherwise; masks
+// alive_b & (|g_b| > tau) computed in one flat pass.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace comera {
+
+using at::Tensor;
+
+// Core carrying bond b's gate, and whether on its right bond.
+inline int64_t gate_core(int64_t b, int64_t d) { return b < d ? b : b + 1; }
+inline bool gate_right(int64_t b, int64_t d) { return b < d; }
+
+inline Tensor left_mat(const Tensor& G) { return G.reshape({-1, G.size(-1)}); }   // (r0·n, r1)
+inline Tensor right_mat(const Tensor& G) { return G.reshape({G.size(0), -1}); }  // (r0, n·r1)
+
+// The gated cores (the raw ones where there are no gates); sets gm (the masked gate
+// values, flat) and m (their mask) when gated, else leaves them undefined.
+std::vector<Tensor> absorb_gates(const std::vector<Tensor>& cores,
+                                 const std::vector<Tensor>& gates,
+                                 const std::vector<Tensor>& alive, double tau, int64_t d,
+                                 Tensor& gm, Tensor& m);
+
+// From gradients of the gated cores d_eff to [d_raw_0..d_raw_{2d-1}, d_gate_0..] (the
+// raw cores' and, when gated, the gates'; undefined where not asked for).
+std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
+                               const std::vector<Tensor>& raw, const Tensor& gm,
+                               const Tensor& m, int64_t d, bool need_cores,
+                               bool need_gates);
+
+// The sweep path (TTLinearSweep).
+std::vector<Tensor> sweep_forward(const Tensor& x, const std::vector<Tensor>& cores,
+                                  const std::vector<Tensor>& gates,
+                                  const std::vector<Tensor>& alive, double tau,
+                                  const c10::optional<Tensor>& bias, int64_t d, bool head,
+                                  bool tail);
+std::vector<Tensor> sweep_backward(const Tensor& dy, const std::vector<Tensor>& raw,
+                                   const std::vector<Tensor>& eff,
+                                   const std::vector<Tensor>& mats,
+                                   const std::vector<Tensor>& ins,
+                                   const c10::optional<Tensor>& gm_opt,
+                                   const c10::optional<Tensor>& m_opt, int64_t d, int64_t nl,
+                                   bool head, bool tail, bool need_x, bool need_bias,
+                                   bool need_cores, bool need_gates);
+
+// The halves path's batch-independent parts (TTLinearHalves; its batch GEMMs stay in
+// Python, where the GEMM backend is chosen).
+std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
+                                   const std::vector<Tensor>& gates,
+                                   const std::vector<Tensor>& alive, double tau,
+                                   const c10::optional<Tensor>& bias, int64_t d, bool pad,
+                                   int64_t align, int64_t min_width);
+std::vector<Tensor> halves_core_grads(const Tensor& dL, const Tensor& dR,
+                                      const std::vector<Tensor>& raw,
+                                      const std::vector<Tensor>& eff,
+                                      const std::vector<Tensor>& P,
+                                      const std::vector<Tensor>& Q,
+                                      const c10::optional<Tensor>& gm_opt,
+                                      const c10::optional<Tensor>& m_opt, int64_t d,
+                                      bool need_cores, bool need_gates);
+
+}  // namespace comera

@@ -1,0 +1,92 @@
+// The batch-independent parts of the TT-linear halves path (TTLinearHalves in
+// contract.py) as two ATen functions: gates, the merge chains L = G_1⋯G_d and
+// R = G_{d+1}⋯G_{2d}, the padded middle rank with the bias row, and back from dL, dR to
+// every core and gate. A step then calls C++ twice instead of running ~40 small
+// Python-level ops; its batch GEMMs stay in Python, which picks their backend. Same
+// math and op order as the Python Function, which stays the reference (tests compare).
+#include "tt_common.h"
+
+namespace comera {
+
+// Returns [Lp, Rp, gm, m, eff_0..eff_{2d-1}, P_1..P_{d-1}, Q_2..Q_d]: L and R (padded
+// when pad, the bias in row r_d of Rp), the gate values and mask (undefined without
+// gates), the gated cores, the left prefixes P_k = G_1⋯G_k as (n_1⋯n_k, r_k) and the
+// right suffixes Q_j = G_j⋯G_{2d} as (r_{j-1}, m_j⋯m_d).
+std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
+                                   const std::vector<Tensor>& gates,
+                                   const std::vector<Tensor>& alive, double tau,
+                                   const c10::optional<Tensor>& bias, int64_t d, bool pad,
+                                   int64_t align, int64_t min_width) {
+  at::AutoDispatchBelowADInplaceOrView guard;  // inside a Function: no autograd here
+  Tensor gm, m;
+  std::vector<Tensor> eff = absorb_gates(cores, gates, alive, tau, d, gm, m);
+  std::vector<Tensor> P{left_mat(eff[0])};
+  for (int64_t k = 1; k < d; ++k) {
+    const Tensor& G = eff[k];
+    P.push_back(at::mm(P.back(), right_mat(G)).reshape({-1, G.size(2)}));
+  }
+  std::vector<Tensor> Q{right_mat(eff[2 * d - 1])};  // built last to first
+  for (int64_t j = 2 * d - 2; j >= d; --j) {
+    const Tensor& G = eff[j];
+    Q.push_back(at::mm(left_mat(G), Q.back()).reshape({G.size(0), -1}));
+  }
+  std::reverse(Q.begin(), Q.end());
+  Tensor Lp = P.back(), Rp = Q.front();
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (pad) {  // zero-pad r_d to a multiple of align (at least min_width); bias in row r_d
+    const int64_t rd = Lp.size(1), need = rd + (has_bias ? 1 : 0);
+    const int64_t rp = std::max(min_width, (need + align - 1) / align * align);
+    if (rp != rd) {
+      Lp = at::constant_pad_nd(Lp, {0, rp - rd}, 0);
+      if (!has_bias) {
+        Rp = at::constant_pad_nd(Rp, {0, 0, 0, rp - rd}, 0);
+      } else {
+        Tensor R = Rp;
+        Rp = at::zeros({rp, R.size(1)}, R.options());
+        Rp.narrow(0, 0, rd).copy_(R);
+        Rp.select(0, rd).copy_(*bias);
+      }
+    }
+  }
+  std::vector<Tensor> out{Lp, Rp, gm, m};
+  out.insert(out.end(), eff.begin(), eff.end());
+  out.insert(out.end(), P.begin(), P.end() - 1);
+  out.insert(out.end(), Q.begin() + 1, Q.end());
+  return out;
+}
+
+// From dL (the gradient of L, (N, r_d)) and dR ((r_d, M)) back through the merge chains
+// to [d_core_0..d_core_{2d-1}, d_gate_0..d_gate_{2d-2}] (the raw cores' and gates';
+// undefined where not asked for). P: P_1..P_{d-1}; Q: Q_2..Q_d.
+std::vector<Tensor> halves_core_grads(const Tensor& dL, const Tensor& dR,
+                                      const std::vector<Tensor>& raw,
+                                      const std::vector<Tensor>& eff,
+                                      const std::vector<Tensor>& P,
+                                      const std::vector<Tensor>& Q,
+                                      const c10::optional<Tensor>& gm_opt,
+                                      const c10::optional<Tensor>& m_opt, int64_t d,
+                                      bool need_cores, bool need_gates) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  std::vector<Tensor> d_eff(2 * d);
+  Tensor dP = dL;  // P_k = P_{k-1}·G_k, P_{k-1}: (a, r), G_k: (r, n·r')
+  for (int64_t k = d - 1; k > 0; --k) {
+    const Tensor& G = eff[k];
+    Tensor dPk = dP.reshape({-1, G.size(1) * G.size(2)});
+    d_eff[k] = at::mm(P[k - 1].t(), dPk).view(G.sizes());
+    dP = at::mm(dPk, right_mat(G).t());
+  }
+  d_eff[0] = dP.reshape(eff[0].sizes());
+  Tensor dQ = dR;  // Q_j = G_j·Q_{j+1}, G_j: (r·m, r'), Q_{j+1}: (r', rest)
+  for (int64_t j = 0; j < d - 1; ++j) {
+    const Tensor& G = eff[d + j];
+    Tensor dQj = dQ.reshape({G.size(0) * G.size(1), -1});
+    d_eff[d + j] = at::mm(dQj, Q[j].t()).view(G.sizes());
+    dQ = at::mm(left_mat(G).t(), dQj);
+  }
+  d_eff[2 * d - 1] = dQ.reshape(eff[2 * d - 1].sizes());
+  const Tensor gm = gm_opt.has_value() ? *gm_opt : Tensor();
+  const Tensor m = m_opt.has_value() ? *m_opt : Tensor();
+  return gate_grads(d_eff, raw, gm, m, d, need_cores, need_gates);
+}
+
+}  // namespace comera
