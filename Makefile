@@ -32,6 +32,7 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) experiments/bench_tt_linear.py
 	$(PY) experiments/bench_tt_linear_parts.py
+	$(PY) experiments/bench_gemm_backends.py
 	$(PY) experiments/bench_tt_embedding.py
 	$(PY) experiments/bench_train_step.py
 	$(PY) experiments/bench_step_overheads.py

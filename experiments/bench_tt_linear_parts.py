@@ -42,7 +42,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tt_linear import SHAPES, fwd_bwd, hidden_step  # noqa: E402
-from benchlib import machine, print_table, time_rounds, write_json  # noqa: E402
+from benchlib import (  # noqa: E402
+    add_threads_arg,
+    check_args,
+    machine,
+    print_table,
+    time_rounds,
+    write_json,
+)
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.tensor.contract import tt_linear  # noqa: E402
@@ -136,20 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="steps per round and variant")
     ap.add_argument("--path", default=None, choices=["halves", "sweep"],
                     help="contraction path (default: the planner's)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="CPU threads (default 0: torch's default)")
+    add_threads_arg(ap)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
     ap.add_argument("--ref", default=None, metavar="REV",
                     help="also time the layer as it was at this git revision (e.g. HEAD~1)")
     args = ap.parse_args(argv)
-    for name in ("rank", "tokens", "rounds", "reps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name}: must be a positive integer")
-    if args.threads < 0:
-        ap.error("--threads: must be 0 (torch's default) or a positive integer")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_args(ap, args, ("rank", "tokens", "rounds", "reps"))
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         rows = run(args.shape, args.rank, args.tokens, args.rounds, args.reps, device,

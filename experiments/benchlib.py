@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -150,6 +151,25 @@ def training_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
     y.sum().backward()
     pbytes = sum(p.numel() * p.element_size() for p in params)
     return sum(seen.values()) + out + 2 * pbytes
+
+
+def add_threads_arg(ap: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch CPU threads (0, the default: torch's own choice)."""
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads (default 0: torch's default)")
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace,
+               positive: tuple[str, ...]) -> None:
+    """Exit with a one-line usage error naming the flag when one of ``positive`` is below
+    1 or ``--threads`` is negative; then apply ``--threads``."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: must be a positive integer")
+    if args.threads < 0:
+        ap.error("--threads: must be 0 (torch's default) or a positive integer")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
 
 def write_json(name: str, payload: dict, folder: Path | None = None) -> Path:

@@ -49,6 +49,29 @@ def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
     assert bad.returncode != 0 and "--ref" in bad.stderr
 
 
+def test_bench_gemm_backends_writes_table_and_json(tmp_path) -> None:
+    """The halves step's four batch GEMMs on MKL and oneDNN, and which one the layer
+    picks: oneDNN from 1024 rows, MKL below."""
+    from comera_engine.tensor.contract import onednn_linear
+
+    if onednn_linear() is None:
+        pytest.skip("this PyTorch build has no oneDNN linear op")
+    for tokens, chosen in (("1024", "onednn"), ("512", "mkl")):
+        cmd = [sys.executable, str(ROOT / "experiments" / "bench_gemm_backends.py"),
+               "--rank", "30", "--tokens", tokens, "--rounds", "1", "--out", str(tmp_path)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        data = json.loads((tmp_path / "bench_gemm_backends_cpu.json").read_text())
+        rows = data["rows"]
+        assert [(r["k"], r["n"]) for r in rows] == [(768, 32), (768, 32), (32, 768), (32, 768)]
+        assert all(r["m"] == int(tokens) and r["mkl_ms"] > 0 and r["onednn_ms"] > 0
+                   for r in rows)
+        assert {r["chosen"] for r in rows} == {chosen} and "| product" in out.stdout
+    bad = subprocess.run([*cmd[:2], "--rank", "0"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--rank" in bad.stderr
+
+
 def test_bench_tt_linear_parts_fixed_cost_shape_path_and_threads(tmp_path) -> None:
     """``--shape 8x8`` (negligible arithmetic), a forced ``--path`` and ``--threads``
     reach the layer and the JSON; a bad thread count is refused by name."""

@@ -7,11 +7,10 @@ the sweep path whole (``tt_sweep.cpp``), the halves path's gates, merges and cor
 gradients (``tt_halves.cpp``; its batch GEMMs stay in Python, which picks their
 backend), gate helpers shared by both (``tt_common.cpp``). It is compiled with
 ``torch.utils.cpp_extension`` (a C++ compiler and ninja) the first time it is needed,
-about a minute, and cached per machine under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); ``make install``
-builds it ahead. Without a compiler, or with ``COMERA_NATIVE=0``, everything runs on
-the PyTorch Functions in ``contract.py``, which are the reference the tests compare
-it with.
+about a minute, and cached per machine under ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``); ``make install`` builds it ahead. Without a compiler,
+or with ``COMERA_NATIVE=0``, everything runs on the PyTorch Functions in
+``contract.py``, which are the reference the tests compare it with.
 
     python -c "from comera_engine.tensor.native import main; main()"   # build now
 """
@@ -56,7 +55,7 @@ def load() -> ModuleType | None:
             print("comera_engine: building the native TT ops (once per machine, about a "
                   f"minute; cached in {folder})", file=sys.stderr, flush=True)
         return build(name=_NAME, sources=[str(_CSRC / f) for f in _SOURCES],
-                     extra_cflags=["-O2"], extra_include_paths=[str(_CSRC)],
+                     extra_cflags=["-O2"],
                      verbose=False)
     except Exception as exc:  # noqa: BLE001 (no compiler or ninja, build error: fall back)
         first = str(exc).strip().splitlines()[:1]
