@@ -24,7 +24,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import add_threads_arg, check_args, machine, print_table, write_json  # noqa: E402
+from benchlib import (  # noqa: E402
+    add_threads_arg,
+    check_args,
+    keep_freed_memory_as_training_does,
+    machine,
+    print_table,
+    write_json,
+)
 
 from comera_engine.tensor import contract  # noqa: E402
 
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     add_threads_arg(ap)
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
     args = ap.parse_args(argv)
+    keep_freed_memory_as_training_does()
     check_args(ap, args, ("rank", "tokens", "rounds"))
     rows = run(args.shape, args.rank, args.tokens, args.rounds)
     print(f"\n{args.shape}, rank {args.rank} (padded {padded_rank(args.rank)}), "

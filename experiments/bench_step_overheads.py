@@ -29,7 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import build_transformer  # noqa: E402
-from benchlib import machine, print_table, time_rounds, write_json  # noqa: E402
+from benchlib import (  # noqa: E402
+    keep_freed_memory_as_training_does,
+    machine,
+    print_table,
+    time_rounds,
+    write_json,
+)
 
 
 def _rounds(fns: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="calls per round and variant")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
     args = ap.parse_args(argv)
+    keep_freed_memory_as_training_does()
     for name in ("threads", "rounds", "reps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name}: must be a positive integer")

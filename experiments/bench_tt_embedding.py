@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, print_table, time_fn, training_bytes, write_json  # noqa: E402
+from benchlib import (  # noqa: E402
+    keep_freed_memory_as_training_does,
+    machine,
+    print_table,
+    time_fn,
+    training_bytes,
+    write_json,
+)
 
 from comera_engine import TTEmbedding  # noqa: E402
 from comera_engine.tensor.lookup import ttm_lookup_naive  # noqa: E402
@@ -54,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", type=int, nargs="+", default=[4096, 20480, 40960])
     args = ap.parse_args(argv)
+    keep_freed_memory_as_training_does()
     device = torch.device(args.device)
     torch.manual_seed(0)
     emb = TTEmbedding(V, D, rank=32, vocab_factors=[16, 20, 10, 10], dim_factors=[4, 4, 8, 6],

@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, print_table, time_pair, training_bytes, write_json  # noqa: E402
+from benchlib import (  # noqa: E402
+    keep_freed_memory_as_training_does,
+    machine,
+    print_table,
+    time_pair,
+    training_bytes,
+    write_json,
+)
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.tensor import contract  # noqa: E402
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                     default="onednn" if contract.onednn_linear() is not None else "mkl",
                     help="backend of the TT layer's large CPU GEMMs (default: %(default)s)")
     args = ap.parse_args(argv)
+    keep_freed_memory_as_training_does()
     device = torch.device(args.device)
     if args.cpu_gemm == "onednn" and contract.onednn_linear() is None:
         ap.error("--cpu-gemm: this PyTorch build has no oneDNN linear op; use --cpu-gemm mkl")

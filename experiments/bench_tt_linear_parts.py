@@ -45,6 +45,7 @@ from bench_tt_linear import SHAPES, fwd_bwd, hidden_step  # noqa: E402
 from benchlib import (  # noqa: E402
     add_threads_arg,
     check_args,
+    keep_freed_memory_as_training_does,
     machine,
     print_table,
     time_rounds,
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref", default=None, metavar="REV",
                     help="also time the layer as it was at this git revision (e.g. HEAD~1)")
     args = ap.parse_args(argv)
+    keep_freed_memory_as_training_does()
     check_args(ap, args, ("rank", "tokens", "rounds", "reps"))
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,7 +15,21 @@ from pathlib import Path
 
 import torch
 
+from comera_engine.train.cpu_memory import keep_freed_memory
+
 RESULTS = Path(__file__).resolve().parent / "results"
+_KEPT: int | None = None  # what keep_freed_memory_as_training_does() set
+
+
+def keep_freed_memory_as_training_does() -> int:
+    """What ``train`` does for CPU runs (:mod:`comera_engine.train.cpu_memory`): freed
+    heap memory stays with the process, so a step's tensors reuse pages instead of
+    faulting in new ones, and timings do not depend on what glibc happened to hand back
+    before. ``COMERA_KEEP_FREED_MEMORY=0`` measures without. Returns the mmap threshold
+    set (0: unchanged); :func:`machine` reports it."""
+    global _KEPT
+    _KEPT = keep_freed_memory()
+    return _KEPT
 
 
 def machine() -> dict:
@@ -38,6 +52,8 @@ def machine() -> dict:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+    if _KEPT is not None:
+        info["malloc_mmap_threshold"] = _KEPT
     return info
 
 

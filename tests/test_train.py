@@ -334,6 +334,18 @@ def test_checkpoint_layout_and_atomic_files(tmp_path) -> None:
     assert [Path(a["path"]).name for a in arts][-1] == "step_000006.safetensors"
 
 
+def test_a_cpu_run_keeps_freed_memory(tmp_path, monkeypatch) -> None:
+    """train sets glibc's thresholds (cpu_memory.keep_freed_memory) before a CPU run's
+    first step, so its steps reuse freed pages."""
+    from comera_engine.train import loop
+
+    calls: list[int] = []
+    monkeypatch.setattr(loop, "keep_freed_memory", lambda: calls.append(1) or 0)
+    result, _ = run(digits_cfg(train={"steps": 2, "batch_size": 16, "ckpt_every": 0}),
+                    tmp_path / "run")
+    assert result.status == "finished" and calls == [1]
+
+
 def test_divergence_stops_with_status_diverged(tmp_path) -> None:
     raw = digits_cfg(
         model={"dense": True},

@@ -49,6 +49,7 @@ from comera_engine.models import TaskModel, build_model, roc_auc
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train.batches import BatchPlan, eval_batches, iterate_batches, mix_seed
 from comera_engine.train.config import Config
+from comera_engine.train.cpu_memory import keep_freed_memory
 from comera_engine.train.distributed import (
     DistInfo,
     all_reduce_values,
@@ -101,6 +102,8 @@ def train(
     device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":  # streams, CUDA graphs and syncs act on the current device
         torch.cuda.set_device(device)
+    else:  # a step's tensors reuse the last step's pages instead of faulting in new ones
+        keep_freed_memory()
     dist = init_distributed(device)
     sink = sink if (sink is not None and dist.is_main) else NullSink()
     restore_signals = _install_signal_handlers(stop_flag)
