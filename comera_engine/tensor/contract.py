@@ -378,7 +378,10 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
     (gated) cores. Backward:
     ``dXL = dY·Rᵀ``, then ``dR = (XL)ᵀ·dY`` while ``dY`` is still in cache (its bias row
     is ``db``), ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back through the merge chains
-    into each core. The four ``a·wᵀ`` GEMMs go through :func:`_gemm_nt`.
+    into each core. The four ``a·wᵀ`` GEMMs go through :func:`_gemm_nt`. On CPU tensors
+    (fp32/fp64, no autocast) the batch-independent parts (gates, merge chains, padding,
+    and back from ``dL``, ``dR`` to cores and gates) run as one C++ call each way
+    (``csrc/tt_halves.cpp`` through :mod:`.native`); the batch GEMMs stay here.
     """
 
     @staticmethod
