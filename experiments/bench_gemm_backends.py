@@ -38,16 +38,10 @@ from comera_engine.tensor import contract  # noqa: E402
 SHAPES = {"768x768": (768, 768), "768x3072": (768, 3072), "3072x768": (3072, 768)}
 
 
-def padded_rank(rank: int, bias: bool = True) -> int:
-    """The middle rank the halves path runs its batch GEMMs at (``_pad_middle``)."""
-    need = rank + bias
-    return max(contract._MIN_WIDTH, -(-need // contract._RANK_ALIGN) * contract._RANK_ALIGN)
-
-
 def products(n: int, m: int, rank: int, tokens: int) -> dict[str, tuple[torch.Tensor, ...]]:
     """Per product ``a·wᵀ``: ``(a, w)`` as the halves step has them (fp32, contiguous)."""
     g = torch.Generator().manual_seed(0)
-    rp = padded_rank(rank)
+    rp = contract._padded_width(rank, bias=True)
     x, dy = torch.randn(tokens, n, generator=g), torch.randn(tokens, m, generator=g)
     lp, rp_ = torch.randn(n, rp, generator=g) / n**0.5, torch.randn(rp, m, generator=g) / rp**0.5
     xl, dxl = x @ lp, dy @ rp_.t()
@@ -66,8 +60,8 @@ def run(shape: str, rank: int, tokens: int, rounds: int) -> list[dict]:
     n, m = SHAPES[shape]
     evict = torch.ones(16 * 2**20)  # 64 MiB, twice this CPU's L3
 
-    calls = {}
-    for name, (a, w) in products(n, m, rank, tokens).items():
+    calls, prods = {}, products(n, m, rank, tokens)
+    for name, (a, w) in prods.items():
         calls[(name, "mkl")] = lambda a=a, w=w: torch.mm(a, w.t())
         calls[(name, "onednn")] = lambda a=a, w=w: op(a, w, None, "none", [], "")
     for fn in calls.values():  # warm-up: oneDNN builds its primitives on first use
@@ -82,7 +76,7 @@ def run(shape: str, rank: int, tokens: int, rounds: int) -> list[dict]:
             calls[key]()
             times[key].append(time.perf_counter() - t0)
     rows = []
-    for name, (a, w) in products(n, m, rank, tokens).items():
+    for name, (a, w) in prods.items():
         mk, dn = times[(name, "mkl")], times[(name, "onednn")]
         rows.append({
             "product": name, "m": a.shape[0], "k": a.shape[1], "n": w.shape[0],
@@ -106,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory_as_training_does()
     check_args(ap, args, ("rank", "tokens", "rounds"))
     rows = run(args.shape, args.rank, args.tokens, args.rounds)
-    print(f"\n{args.shape}, rank {args.rank} (padded {padded_rank(args.rank)}), "
+    width = contract._padded_width(args.rank, bias=True)
+    print(f"\n{args.shape}, rank {args.rank} (padded {width}), "
           f"{args.tokens} tokens, fp32, {torch.get_num_threads()} threads, caches evicted "
           "before each call: the halves step's batch GEMMs on MKL and oneDNN")
     print_table(rows, [("product", "product a·wᵀ", ""), ("m", "m", ""), ("k", "k", ""),

@@ -336,27 +336,26 @@ def _release(key: tuple[int, int]) -> None:
     _RELEASED.append(key)
 
 
-def _live_count(key: tuple[int, int] | None, add: int = 0) -> int:
-    """This process's open connections to the file ``key``, after applying the queued
-    releases and adding ``add``. The caller holds ``_LIVE_LOCK``."""
-    while True:
-        try:
-            done = _RELEASED.popleft()
-        except IndexError:
-            break
-        n = _LIVE.get(done, 0) - 1
-        if n > 0:
-            _LIVE[done] = n
-        else:
-            _LIVE.pop(done, None)
-    if key is None:
-        return 0
-    n = _LIVE.get(key, 0) + add
+def _bump(key: tuple[int, int], delta: int) -> int:
+    """Add ``delta`` to the count of ``key`` (dropped at zero); returns the new count.
+    The caller holds ``_LIVE_LOCK``."""
+    n = _LIVE.get(key, 0) + delta
     if n > 0:
         _LIVE[key] = n
     else:
         _LIVE.pop(key, None)
     return n
+
+
+def _live_count(key: tuple[int, int] | None, add: int = 0) -> int:
+    """This process's open connections to the file ``key``, after applying the queued
+    releases and adding ``add``. The caller holds ``_LIVE_LOCK``."""
+    while True:
+        try:
+            _bump(_RELEASED.popleft(), -1)
+        except IndexError:
+            break
+    return 0 if key is None else _bump(key, add)
 
 
 class RunStore:

@@ -180,6 +180,12 @@ _PAD_MIN_BATCH = 128  # below this the batch GEMMs are tiny: padding is pure ove
 _ONEDNN_MIN_ROWS = 1024  # oneDNN's per-call cost: MKL is 1.1-2.4x faster at 128-512 rows
 
 
+def _padded_width(rd: int, bias: bool) -> int:
+    """The middle rank ``r_d`` (plus one for a bias row) rounded up to a multiple of 8,
+    at least 16: the width of the halves path's batch GEMMs from 128 rows."""
+    return max(_MIN_WIDTH, -(-(rd + bias) // _RANK_ALIGN) * _RANK_ALIGN)
+
+
 def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Zero-pad the middle rank ``r_d`` to a multiple of 8 (at least 16) and fold the bias
     into ``R``.
@@ -193,8 +199,7 @@ def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tenso
     ``addmm`` and no separate reduction over the batch.
     """
     rd = L.shape[1]
-    need = rd + (bias is not None)
-    rp = max(_MIN_WIDTH, -(-need // _RANK_ALIGN) * _RANK_ALIGN)
+    rp = _padded_width(rd, bias is not None)
     if rp == rd:
         return L, R
     Lp = torch.nn.functional.pad(L, (0, rp - rd))
@@ -392,10 +397,11 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         ctx.native = native_ops.usable(x)
         if ctx.native is not None:  # gates, merges and padding in one C++ call
             raw, gates, alive, tau = TTLinearHalves._split(ctx, tensors, d)
+            rd = raw[d - 1].shape[-1]  # the middle rank: the last input-half core's right
+            rp = _padded_width(rd, bias is not None) if pad else 0
             out = ctx.native.halves_prepare(raw, gates, alive, tau, bias if pad else None,
-                                            d, pad, _RANK_ALIGN, _MIN_WIDTH)
+                                            d, rp)
             Lp, Rp = out[0], out[1]
-            rd = out[4 + d - 1].shape[-1]  # r_d: the last input-half core's right rank
             keep = [*out[4:], *((*raw, *out[2:4]) if ctx.gated else ())]
         else:
             cores = TTLinearHalves._absorb(ctx, tensors, d)

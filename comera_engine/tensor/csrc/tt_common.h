@@ -56,8 +56,8 @@ std::vector<Tensor> sweep_backward(const Tensor& dy, const std::vector<Tensor>& 
 std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
                                    const std::vector<Tensor>& gates,
                                    const std::vector<Tensor>& alive, double tau,
-                                   const c10::optional<Tensor>& bias, int64_t d, bool pad,
-                                   int64_t align, int64_t min_width);
+                                   const c10::optional<Tensor>& bias, int64_t d,
+                                   int64_t rp);
 std::vector<Tensor> halves_core_grads(const Tensor& dL, const Tensor& dR,
                                       const std::vector<Tensor>& raw,
                                       const std::vector<Tensor>& eff,

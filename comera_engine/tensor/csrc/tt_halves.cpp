@@ -8,15 +8,16 @@
 
 namespace comera {
 
-// Returns [Lp, Rp, gm, m, eff_0..eff_{2d-1}, P_1..P_{d-1}, Q_2..Q_d]: L and R (padded
-// when pad, the bias in row r_d of Rp), the gate values and mask (undefined without
+// Returns [Lp, Rp, gm, m, eff_0..eff_{2d-1}, P_1..P_{d-1}, Q_2..Q_d]: L and R (zero-
+// padded to width rp when rp > 0, which contract._padded_width gives, with the bias in
+// row r_d of Rp), the gate values and mask (undefined without
 // gates), the gated cores, the left prefixes P_k = G_1⋯G_k as (n_1⋯n_k, r_k) and the
 // right suffixes Q_j = G_j⋯G_{2d} as (r_{j-1}, m_j⋯m_d).
 std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
                                    const std::vector<Tensor>& gates,
                                    const std::vector<Tensor>& alive, double tau,
-                                   const c10::optional<Tensor>& bias, int64_t d, bool pad,
-                                   int64_t align, int64_t min_width) {
+                                   const c10::optional<Tensor>& bias, int64_t d,
+                                   int64_t rp) {
   at::AutoDispatchBelowADInplaceOrView guard;  // inside a Function: no autograd here
   Tensor gm, m;
   std::vector<Tensor> eff = absorb_gates(cores, gates, alive, tau, d, gm, m);
@@ -33,19 +34,16 @@ std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
   std::reverse(Q.begin(), Q.end());
   Tensor Lp = P.back(), Rp = Q.front();
   const bool has_bias = bias.has_value() && bias->defined();
-  if (pad) {  // zero-pad r_d to a multiple of align (at least min_width); bias in row r_d
-    const int64_t rd = Lp.size(1), need = rd + (has_bias ? 1 : 0);
-    const int64_t rp = std::max(min_width, (need + align - 1) / align * align);
-    if (rp != rd) {
-      Lp = at::constant_pad_nd(Lp, {0, rp - rd}, 0);
-      if (!has_bias) {
-        Rp = at::constant_pad_nd(Rp, {0, 0, 0, rp - rd}, 0);
-      } else {
-        Tensor R = Rp;
-        Rp = at::zeros({rp, R.size(1)}, R.options());
-        Rp.narrow(0, 0, rd).copy_(R);
-        Rp.select(0, rd).copy_(*bias);
-      }
+  const int64_t rd = Lp.size(1);
+  if (rp > 0 && rp != rd) {  // zero-pad r_d to rp; the bias in row r_d
+    Lp = at::constant_pad_nd(Lp, {0, rp - rd}, 0);
+    if (!has_bias) {
+      Rp = at::constant_pad_nd(Rp, {0, 0, 0, rp - rd}, 0);
+    } else {
+      Tensor R = Rp;
+      Rp = at::zeros({rp, R.size(1)}, R.options());
+      Rp.narrow(0, 0, rd).copy_(R);
+      Rp.select(0, rd).copy_(*bias);
     }
   }
   std::vector<Tensor> out{Lp, Rp, gm, m};
