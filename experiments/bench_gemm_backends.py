@@ -1,13 +1,15 @@
-"""The halves path's four batch GEMMs on the two CPU GEMM backends: MKL against oneDNN.
+"""The halves path's six batch GEMMs, each both ways it can run, and the way the layer takes.
 
-A TT-linear step on the halves path runs four batch-sized ``a·wᵀ`` products (plus two
-reductions over the batch, which stay on MKL): ``X·L`` and ``dY·Rᵀ`` contract the wide
-feature axis (``k`` = 768 or 3072: "reducing"), ``XL·R`` and ``dXL·Lᵀ`` expand the
-padded middle rank (``k`` = 32: "expanding"). ``contract._onednn_for`` picks the backend
-per product; this script measures each product on both, with the CPU caches evicted
-before every call (a 64 MiB pass), as inside a step, where the batch tensors (12.6 MB
-each at 4096×768) do not stay in cache from one GEMM to the next. Calls run in shuffled
-rounds so that host load hits both backends alike.
+A TT-linear step on the halves path runs six batch-sized products
+(``comera_engine.tensor.gemm``): ``X·L`` and ``dY·Rᵀ`` contract the wide feature axis
+(``k`` = 768 or 3072: "reducing"), ``XL·R`` and ``dXL·Lᵀ`` expand the padded middle
+rank (``k`` = 32: "expanding"); each runs on MKL or oneDNN. ``XLᵀ·dY`` and ``Xᵀ·dXL``
+sum over the batch; each runs as ``aᵀ·b`` or ``(bᵀ·a)ᵀ`` on MKL. This script measures
+every product both ways, with the CPU caches evicted before every call (a 64 MiB pass),
+as inside a step, where the batch tensors (12.6 MB each at 4096×768) do not stay in
+cache from one GEMM to the next, and prints the way the layer takes on this machine
+(``gemm.CPU_GEMM = "auto"``: timed once per machine, hot, on the layer's operands).
+Calls run in shuffled rounds so that host load hits both ways alike.
 
     python experiments/bench_gemm_backends.py [--shape 768x768] [--rank 30] [--tokens 4096]
 """
@@ -19,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,40 +36,45 @@ from benchlib import (  # noqa: E402
     write_json,
 )
 
-from comera_engine.tensor import contract  # noqa: E402
+from comera_engine.tensor import contract, gemm  # noqa: E402
 
 SHAPES = {"768x768": (768, 768), "768x3072": (768, 3072), "3072x768": (3072, 768)}
 
 
-def products(n: int, m: int, rank: int, tokens: int) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Per product ``a·wᵀ``: ``(a, w)`` as the halves step has them (fp32, contiguous)."""
+def products(n: int, m: int, rank: int, tokens: int
+             ) -> dict[str, tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """Per product: ``(kind, a, b, default)`` as the halves step passes them to ``gemm``
+    (fp32, contiguous; ``default``: the ``aᵀ·b`` form of the fixed rule)."""
     g = torch.Generator().manual_seed(0)
     rp = contract._padded_width(rank, bias=True)
     x, dy = torch.randn(tokens, n, generator=g), torch.randn(tokens, m, generator=g)
     lp, rp_ = torch.randn(n, rp, generator=g) / n**0.5, torch.randn(rp, m, generator=g) / rp**0.5
     xl, dxl = x @ lp, dy @ rp_.t()
     return {
-        "X·L (reducing)": (x, lp.t().contiguous()),
-        "dY·Rᵀ (reducing)": (dy, rp_),
-        "XL·R (expanding)": (xl, rp_.t().contiguous()),
-        "dXL·Lᵀ (expanding)": (dxl, lp),
+        "X·L (reducing)": ("nn", x, lp, 0),
+        "XL·R (expanding)": ("nn", xl, rp_, 0),
+        "dY·Rᵀ (reducing)": ("nt", dy, rp_, 0),
+        "XLᵀ·dY (batch sum)": ("tn", xl, dy, int(rp % 16 == 0)),  # as TTLinearHalves
+        "dXL·Lᵀ (expanding)": ("nt", dxl, lp, 0),
+        "Xᵀ·dXL (batch sum)": ("tn", x, dxl, 0),
     }
 
 
 def run(shape: str, rank: int, tokens: int, rounds: int) -> list[dict]:
-    op = contract.onednn_linear()
-    if op is None:
+    if gemm.onednn_linear() is None:
         raise SystemExit("this PyTorch build has no oneDNN linear op: nothing to compare")
     n, m = SHAPES[shape]
-    evict = torch.ones(16 * 2**20)  # 64 MiB, twice this CPU's L3
+    evict = torch.ones(16 * 2**20)  # 64 MiB
+    gemm.CPU_GEMM = "auto"
 
     calls, prods = {}, products(n, m, rank, tokens)
-    for name, (a, w) in prods.items():
-        calls[(name, "mkl")] = lambda a=a, w=w: torch.mm(a, w.t())
-        calls[(name, "onednn")] = lambda a=a, w=w: op(a, w, None, "none", [], "")
+    for name, (kind, a, b, default) in prods.items():
+        for way in (0, 1):
+            calls[(name, way)] = partial(gemm._run, kind, way, a, b)
+        gemm._product(kind, a, b, default)  # the layer's first call: tunes where it would
     for fn in calls.values():  # warm-up: oneDNN builds its primitives on first use
         fn()
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in calls}
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in calls}
     order, shuffle = list(calls), random.Random(0).shuffle
     for _ in range(rounds):
         shuffle(order)
@@ -76,14 +84,18 @@ def run(shape: str, rank: int, tokens: int, rounds: int) -> list[dict]:
             calls[key]()
             times[key].append(time.perf_counter() - t0)
     rows = []
-    for name, (a, w) in prods.items():
-        mk, dn = times[(name, "mkl")], times[(name, "onednn")]
+    for name, (kind, a, b, default) in prods.items():
+        t0, t1 = times[(name, 0)], times[(name, 1)]
         rows.append({
-            "product": name, "m": a.shape[0], "k": a.shape[1], "n": w.shape[0],
-            "mkl_ms": statistics.median(mk) * 1e3, "onednn_ms": statistics.median(dn) * 1e3,
-            "mkl_best_ms": min(mk) * 1e3, "onednn_best_ms": min(dn) * 1e3,
-            "onednn_speedup": statistics.median(mk) / statistics.median(dn),
-            "chosen": "onednn" if contract._onednn_for(a, w) is not None else "mkl",
+            "product": name, "kind": kind,
+            "m": a.shape[1] if kind == "tn" else a.shape[0],
+            "k": a.shape[0] if kind == "tn" else a.shape[1],
+            "n": b.shape[0] if kind == "nt" else b.shape[1],
+            "way0": gemm._KINDS[kind][0], "way1": gemm._KINDS[kind][1],
+            "way0_ms": statistics.median(t0) * 1e3, "way1_ms": statistics.median(t1) * 1e3,
+            "way0_best_ms": min(t0) * 1e3, "way1_best_ms": min(t1) * 1e3,
+            "way1_speedup": statistics.median(t0) / statistics.median(t1),
+            "chosen": gemm.way_for(kind, a, b, default),
         })
     return rows
 
@@ -103,13 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     width = contract._padded_width(args.rank, bias=True)
     print(f"\n{args.shape}, rank {args.rank} (padded {width}), "
           f"{args.tokens} tokens, fp32, {torch.get_num_threads()} threads, caches evicted "
-          "before each call: the halves step's batch GEMMs on MKL and oneDNN")
-    print_table(rows, [("product", "product a·wᵀ", ""), ("m", "m", ""), ("k", "k", ""),
-                       ("n", "n", ""), ("mkl_ms", "MKL ms", ".3f"),
-                       ("onednn_ms", "oneDNN ms", ".3f"), ("mkl_best_ms", "MKL best", ".3f"),
-                       ("onednn_best_ms", "oneDNN best", ".3f"),
-                       ("onednn_speedup", "oneDNN speed-up", ".2f"),
+          "before each call: the halves step's batch GEMMs both ways (MKL | oneDNN; "
+          "ab = aᵀ·b | ba = (bᵀ·a)ᵀ)")
+    print_table(rows, [("product", "product", ""), ("m", "m", ""), ("k", "k", ""),
+                       ("n", "n", ""), ("way0", "way 0", ""), ("way0_ms", "ms", ".3f"),
+                       ("way0_best_ms", "best", ".3f"), ("way1", "way 1", ""),
+                       ("way1_ms", "ms", ".3f"), ("way1_best_ms", "best", ".3f"),
+                       ("way1_speedup", "way 1 speed-up", ".2f"),
                        ("chosen", "layer uses", "")])
+    print(f"the layer's choices on this machine: {gemm.choices_path()}")
     out = write_json("bench_gemm_backends_cpu",
                      {"machine": machine(), "shape": args.shape, "rank": args.rank,
                       "tokens": args.tokens, "rounds": args.rounds,

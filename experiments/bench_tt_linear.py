@@ -10,10 +10,12 @@ experiments/results/bench_tt_linear_<device>.json.
 
     python experiments/bench_tt_linear.py [--device cuda] [--quick] [--cpu-gemm mkl]
 
-On CPU the TT layer's large ``a·wᵀ`` GEMMs run on oneDNN (``contract.CPU_GEMM``), which
-is also a little faster than MKL on dense shapes; so the summary also times a dense
-linear whose forward and ``dX`` GEMMs run on oneDNN too (``dW`` on MKL, as in the TT
-layer) and gives the TT speed-up against it.
+On CPU each of the TT layer's batch GEMMs runs the faster of two ways on this machine
+(MKL or oneDNN; ``aᵀ·b`` or ``(bᵀ·a)ᵀ``: ``comera_engine.tensor.gemm``, ``--cpu-gemm``
+forces one backend). Either way may also beat ``nn.Linear``'s own choice on the dense
+shapes, so the summary also times a dense linear whose three GEMMs go through the same
+choice (``dense, tuned GEMMs``) and gives the TT speed-up against it, and TT with the
+choice against TT on MKL alone and on oneDNN alone.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from benchlib import (  # noqa: E402
 )
 
 from comera_engine import TTLinear  # noqa: E402
-from comera_engine.tensor import contract  # noqa: E402
+from comera_engine.tensor import gemm  # noqa: E402
 
 SHAPES = [
     ("768x768", 768, 768, [12, 8, 8], [8, 8, 12]),
@@ -72,57 +74,62 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor
     return hidden_step(lambda: module(x), x, dy, list(module.parameters()))
 
 
-class _OneDNNDenseFn(torch.autograd.Function):
-    """``y = x·Wᵀ + b`` with the forward and ``dX`` GEMMs on oneDNN (``dW`` on MKL): the
-    same backend split as the TT layer's, for the backend check."""
+class _TunedDenseFn(torch.autograd.Function):
+    """``y = x·Wᵀ + b`` with its three GEMMs through ``gemm`` (each the faster way on this
+    machine, as in the TT layer), for the backend check."""
 
     @staticmethod
     def forward(ctx, x, w, b):  # noqa: ANN001, ANN205
         ctx.save_for_backward(x, w)
-        return contract._gemm_nt(x, w) + b
+        return gemm.nt(x, w) + b
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
-        return contract._gemm_nt(dy, w.t().contiguous()), dy.t() @ x, dy.sum(0)
+        return gemm.nn(dy, w), gemm.tn(dy, x), dy.sum(0)
 
 
-class _OneDNNDense(nn.Module):
+class _TunedDense(nn.Module):
     def __init__(self, dense: nn.Linear) -> None:
         super().__init__()
         self.weight, self.bias = dense.weight, dense.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _OneDNNDenseFn.apply(x, self.weight, self.bias)
+        return _TunedDenseFn.apply(x, self.weight, self.bias)
 
 
 def backend_check(rounds: int) -> dict:
-    """768×768 at rank 30 and 4096 tokens on CPU: ``nn.Linear``, the dense linear on the
-    TT layer's GEMM backends, and the TT layer, timed in alternating rounds."""
+    """768×768 at rank 30 and 4096 tokens on CPU: ``nn.Linear`` against the dense linear
+    with tuned GEMMs, that against the TT layer, and the TT layer with the tuned choice
+    against TT on MKL alone and on oneDNN alone, each pair in alternating rounds."""
     dense = nn.Linear(768, 768)
     x = torch.randn(4096, 768, requires_grad=True)
     dy = torch.randn(4096, 768)
     tt = TTLinear(768, 768, rank=30, in_factors=[12, 8, 8], out_factors=[8, 8, 12])
-    onednn = _OneDNNDense(dense)
-    t1 = time_pair(fwd_bwd(dense, x, dy), fwd_bwd(onednn, x, dy), torch.device("cpu"),
-                   rounds=rounds)
-    t2 = time_pair(fwd_bwd(onednn, x, dy), fwd_bwd(tt, x, dy), torch.device("cpu"),
-                   rounds=rounds)
+    tuned = _TunedDense(dense)
+    cpu = torch.device("cpu")
+
     def on(backend: str, step):  # noqa: ANN001, ANN202
         def run_step() -> torch.Tensor:
-            contract.CPU_GEMM = backend
+            gemm.CPU_GEMM = backend
             return step()
         return run_step
 
-    tt_step = fwd_bwd(tt, x, dy)
-    t3 = time_pair(on("mkl", tt_step), on("onednn", tt_step), torch.device("cpu"),
+    t1 = time_pair(fwd_bwd(dense, x, dy), on("auto", fwd_bwd(tuned, x, dy)), cpu,
                    rounds=rounds)
-    return {"linear_ms": t1.a_median * 1e3, "dense_onednn_ms": t1.b_median * 1e3,
-            "tt_mkl_ms": t3.a_median * 1e3, "tt_onednn_ms": t3.b_median * 1e3,
-            "tt_onednn_speedup_over_mkl": t3.a_median / t3.b_median,
-            "dense_onednn_speedup_over_linear": t1.a_median / t1.b_median,
-            "tt_ms": t2.b_median * 1e3, "tt_speedup_vs_dense_onednn": t2.a_median / t2.b_median,
-            "tt_speedup_vs_dense_onednn_best": t2.a_best / t2.b_best}
+    t2 = time_pair(on("auto", fwd_bwd(tuned, x, dy)), on("auto", fwd_bwd(tt, x, dy)), cpu,
+                   rounds=rounds)
+    tt_step = fwd_bwd(tt, x, dy)
+    t3 = time_pair(on("mkl", tt_step), on("auto", tt_step), cpu, rounds=rounds)
+    t4 = time_pair(on("onednn", tt_step), on("auto", tt_step), cpu, rounds=rounds)
+    gemm.CPU_GEMM = "auto"
+    return {"linear_ms": t1.a_median * 1e3, "dense_tuned_ms": t1.b_median * 1e3,
+            "dense_tuned_speedup_over_linear": t1.a_median / t1.b_median,
+            "tt_ms": t2.b_median * 1e3, "tt_speedup_vs_dense_tuned": t2.a_median / t2.b_median,
+            "tt_speedup_vs_dense_tuned_best": t2.a_best / t2.b_best,
+            "tt_mkl_ms": t3.a_median * 1e3, "tt_tuned_speedup_over_mkl": t3.a_median / t3.b_median,
+            "tt_onednn_ms": t4.a_median * 1e3,
+            "tt_tuned_speedup_over_onednn": t4.a_median / t4.b_median}
 
 
 def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int = 9
@@ -167,15 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 4096])
     ap.add_argument("--rounds", type=int, default=9, help="alternating timing rounds")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
-    ap.add_argument("--cpu-gemm", choices=["onednn", "mkl"],
-                    default="onednn" if contract.onednn_linear() is not None else "mkl",
-                    help="backend of the TT layer's large CPU GEMMs (default: %(default)s)")
+    ap.add_argument("--cpu-gemm", choices=["auto", "onednn", "mkl"], default="auto",
+                    help="how the TT layer's batch GEMMs reach BLAS on CPU: the faster of "
+                    "two ways per product on this machine (auto, the default), or one "
+                    "backend for all")
     args = ap.parse_args(argv)
     keep_freed_memory_as_training_does()
     device = torch.device(args.device)
-    if args.cpu_gemm == "onednn" and contract.onednn_linear() is None:
+    if args.cpu_gemm == "onednn" and gemm.onednn_linear() is None:
         ap.error("--cpu-gemm: this PyTorch build has no oneDNN linear op; use --cpu-gemm mkl")
-    contract.CPU_GEMM = args.cpu_gemm
+    gemm.CPU_GEMM = args.cpu_gemm
     ranks = args.ranks or ([8, 30] if args.quick else [4, 8, 16, 30, 64])
     rows = run(device, ranks, args.tokens, args.rounds)
     print(f"\nTT-linear vs nn.Linear, forward+backward, fp32, device={device.type}")
@@ -199,16 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"768x768 r30 4096 tokens: {key[0]['speedup']:.2f}x median rounds, "
               f"{key[0]['speedup_best']:.2f}x best rounds (target >= 8x)")
     summary["cpu_gemm"] = args.cpu_gemm if device.type == "cpu" else None
-    if device.type == "cpu" and args.cpu_gemm == "onednn" and key:
+    if (device.type == "cpu" and args.cpu_gemm == "auto" and key
+            and gemm.onednn_linear() is not None):
         chk = backend_check(args.rounds)
         summary["backend_check"] = chk
         print(f"backend check (768x768 r30 4096 tokens): nn.Linear {chk['linear_ms']:.1f} ms, "
-              f"dense with oneDNN GEMMs {chk['dense_onednn_ms']:.1f} ms "
-              f"({chk['dense_onednn_speedup_over_linear']:.2f}x); TT {chk['tt_ms']:.2f} ms = "
-              f"{chk['tt_speedup_vs_dense_onednn']:.2f}x median, "
-              f"{chk['tt_speedup_vs_dense_onednn_best']:.2f}x best vs the oneDNN dense; "
-              f"TT on MKL {chk['tt_mkl_ms']:.2f} ms vs on oneDNN {chk['tt_onednn_ms']:.2f} ms "
-              f"({chk['tt_onednn_speedup_over_mkl']:.2f}x)")
+              f"dense with tuned GEMMs {chk['dense_tuned_ms']:.1f} ms "
+              f"({chk['dense_tuned_speedup_over_linear']:.2f}x); TT {chk['tt_ms']:.2f} ms = "
+              f"{chk['tt_speedup_vs_dense_tuned']:.2f}x median, "
+              f"{chk['tt_speedup_vs_dense_tuned_best']:.2f}x best vs the tuned dense; "
+              f"TT tuned vs on MKL alone {chk['tt_tuned_speedup_over_mkl']:.2f}x "
+              f"({chk['tt_mkl_ms']:.2f} ms), vs on oneDNN alone "
+              f"{chk['tt_tuned_speedup_over_onednn']:.2f}x ({chk['tt_onednn_ms']:.2f} ms)")
     out = write_json(f"bench_tt_linear_{device.type}", {"machine": machine(), "rows": rows,
                                                         "summary": summary}, args.out)
     print(f"wrote {out}")

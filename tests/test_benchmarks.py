@@ -4,6 +4,7 @@ speed is measured by running the scripts, see docs/BENCHMARKS.md)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,25 +51,40 @@ def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
 
 
 def test_bench_gemm_backends_writes_table_and_json(tmp_path) -> None:
-    """The halves step's four batch GEMMs on MKL and oneDNN, and which one the layer
-    picks: oneDNN from 1024 rows, MKL below."""
-    from comera_engine.tensor.contract import onednn_linear
+    """The halves step's six batch GEMMs both ways, and the way the layer takes: the one
+    saved in the machine's choices file from 1024 rows (timed there by the script's first
+    call), the fixed rule (MKL, and the caller's ``aᵀ·b`` form) below."""
+    from comera_engine.tensor.gemm import onednn_linear
 
     if onednn_linear() is None:
         pytest.skip("this PyTorch build has no oneDNN linear op")
-    for tokens, chosen in (("1024", "onednn"), ("512", "mkl")):
+    env = {**os.environ, "COMERA_CACHE_DIR": str(tmp_path / "cache")}
+    kinds = ["nn", "nn", "nt", "tn", "nt", "tn"]
+    for tokens in ("1024", "512"):
         cmd = [sys.executable, str(ROOT / "experiments" / "bench_gemm_backends.py"),
                "--rank", "30", "--tokens", tokens, "--rounds", "1", "--out", str(tmp_path)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                             env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         data = json.loads((tmp_path / "bench_gemm_backends_cpu.json").read_text())
         rows = data["rows"]
-        assert [(r["k"], r["n"]) for r in rows] == [(768, 32), (768, 32), (32, 768), (32, 768)]
-        assert all(r["m"] == int(tokens) and r["mkl_ms"] > 0 and r["onednn_ms"] > 0
-                   for r in rows)
-        assert {r["chosen"] for r in rows} == {chosen} and "| product" in out.stdout
+        assert [r["kind"] for r in rows] == kinds
+        assert [(r["m"], r["k"], r["n"]) for r in rows] == [
+            (int(tokens), 768, 32), (int(tokens), 32, 768), (int(tokens), 768, 32),
+            (32, int(tokens), 768), (int(tokens), 32, 768), (768, int(tokens), 32)]
+        assert all(r["way0_ms"] > 0 and r["way1_ms"] > 0 for r in rows)
+        assert "| product" in out.stdout
+        files = list((tmp_path / "cache").glob("gemm-choices-*.json"))
+        if tokens == "1024":
+            saved = json.loads(files[0].read_text())["choices"]
+            for r in rows:
+                key = f"{r['kind']}|{r['m']}x{r['k']}x{r['n']}|{data['threads']}"
+                assert r["chosen"] == saved[key]
+        else:  # not timed: MKL; dR as (bᵀ·a)ᵀ at the padded width 32, dL as aᵀ·b
+            assert [r["chosen"] for r in rows] == ["mkl", "mkl", "mkl", "ba", "mkl", "ab"]
+            assert len(json.loads(files[0].read_text())["choices"]) == 6  # no new entry
     bad = subprocess.run([*cmd[:2], "--rank", "0"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+                         timeout=120, cwd=ROOT, env=env)
     assert bad.returncode != 0 and "--rank" in bad.stderr
 
 
@@ -145,3 +161,25 @@ def test_bench_step_overheads_writes_table_and_json(tmp_path) -> None:
     bad = subprocess.run([*cmd, "--reps", "0"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
     assert bad.returncode != 0 and "--reps" in bad.stderr
+
+
+def test_bench_tt_linear_key_row_and_backend_check(tmp_path) -> None:
+    """The 768×768 rank-30 4096-token row gets its summary line, and on CPU the backend
+    check times TT with the tuned GEMM choice against MKL alone and oneDNN alone."""
+    from comera_engine.tensor.gemm import onednn_linear
+
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear.py"), "--device", "cpu",
+           "--ranks", "30", "--tokens", "4096", "--rounds", "1", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "bench_tt_linear_cpu.json").read_text())["summary"]
+    assert summary["speedup_768_r30_4096"] > 0 and summary["cpu_gemm"] == "auto"
+    assert "768x768 r30 4096 tokens" in out.stdout
+    if onednn_linear() is None:
+        assert "backend_check" not in summary
+        return
+    chk = summary["backend_check"]
+    assert all(chk[k] > 0 for k in ("linear_ms", "dense_tuned_ms", "tt_ms", "tt_mkl_ms",
+                                    "tt_onednn_ms", "tt_tuned_speedup_over_mkl",
+                                    "tt_tuned_speedup_over_onednn"))
+    assert "backend check" in out.stdout

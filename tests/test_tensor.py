@@ -375,34 +375,47 @@ def test_rank_zero_bond_is_the_zero_map() -> None:
 
 
 # ------------------------------------------------------------------ GEMM backend, sweep
-@pytest.mark.parametrize("backend", ["onednn", "mkl", "onednn-absent"])
+@pytest.mark.parametrize("backend", ["onednn", "mkl", "auto", "onednn-absent"])
 @pytest.mark.parametrize("shape", [(4096, 768, 32), (1030, 32, 768), (130, 32, 768),
                                    (40, 768, 16)])
-def test_gemm_nt_matches_float64(monkeypatch, backend: str, shape: tuple[int, int, int]) -> None:
-    """``a·wᵀ`` and ``a·b`` through either CPU backend (oneDNN from 1024 rows, ``torch.mm``
-    below), or with oneDNN asked for but absent from the build, are the float64 product to
-    fp32 accuracy."""
-    from comera_engine.tensor import contract
+def test_gemm_products_match_float64(monkeypatch, tmp_path, backend: str,
+                                     shape: tuple[int, int, int]) -> None:
+    """``a·wᵀ``, ``a·b`` and ``aᵀ·b`` through either CPU backend (oneDNN from 1024 rows,
+    ``torch.mm`` below), the tuned choice, or with oneDNN asked for but absent from the
+    build, are the float64 product to fp32 accuracy."""
+    from comera_engine.tensor import gemm
 
-    if backend == "onednn" and contract.onednn_linear() is None:
+    if backend == "onednn" and gemm.onednn_linear() is None:
         pytest.skip("this PyTorch build has no oneDNN linear op")
     if backend == "onednn-absent":
-        monkeypatch.setattr(contract, "onednn_linear", lambda: None)
-    monkeypatch.setattr(contract, "CPU_GEMM", backend.split("-")[0])
+        monkeypatch.setattr(gemm, "onednn_linear", lambda: None)
+    monkeypatch.setenv("COMERA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm, "_choices", None)
+    monkeypatch.setattr(gemm, "CPU_GEMM", backend.split("-")[0])
     m, k, n = shape
     a, w = torch.randn(m, k), torch.randn(n, k)
     ref = a.double() @ w.double().t()
-    for got in (contract._gemm_nt(a, w), contract._gemm_nn(a, w.t().contiguous()),
-                contract._gemm_nn(a, w.t())):  # a·wᵀ, and a·b with b contiguous or a view
+    for got in (gemm.nt(a, w), gemm.nn(a, w.t().contiguous()),
+                gemm.nn(a, w.t())):  # a·wᵀ, and a·b with b contiguous or a view
         assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
+    b = torch.randn(m, n)  # aᵀ·b, a sum over the m rows, in both forms
+    ref = a.double().t() @ b.double()
+    for default in (0, 1):
+        got = gemm.tn(a, b, default=default)
+        assert got.shape == (k, n)
         assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
 
 
-def test_halves_layer_same_under_both_cpu_gemm_backends(monkeypatch) -> None:
-    """The padded halves step (bias inside, 4096 rows) gives the same output and gradients
-    whichever backend runs its batch GEMMs, and both match the float64 layer."""
+def test_halves_layer_same_under_every_cpu_gemm_setting(monkeypatch, tmp_path) -> None:
+    """The padded halves step (bias inside, 1024 rows: the tuned size) gives the same
+    output and gradients whichever way runs its batch GEMMs, and all match the float64
+    layer."""
     from comera_engine import TTLinear
-    from comera_engine.tensor import contract
+    from comera_engine.tensor import gemm
+
+    monkeypatch.setenv("COMERA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm, "_choices", None)
 
     torch.manual_seed(0)
     lin = TTLinear(96, 64, rank=10, in_factors=[4, 4, 6], out_factors=[4, 4, 4],
@@ -410,13 +423,13 @@ def test_halves_layer_same_under_both_cpu_gemm_backends(monkeypatch) -> None:
     ref = TTLinear(96, 64, rank=10, in_factors=[4, 4, 6], out_factors=[4, 4, 4],
                    path="halves", dtype=DT)
     ref.load_state_dict({k: v.double() for k, v in lin.state_dict().items()})
-    x = torch.randn(512, 96)
-    gy = torch.randn(512, 64)
+    x = torch.randn(1024, 96)
+    gy = torch.randn(1024, 64)
     xr = x.double().requires_grad_()
     yr = ref(xr)
     (yr * gy.double()).sum().backward()
-    for backend in ("onednn", "mkl"):
-        monkeypatch.setattr(contract, "CPU_GEMM", backend)
+    for backend in ("onednn", "mkl", "auto", "auto"):  # auto: tuning, then the choices
+        monkeypatch.setattr(gemm, "CPU_GEMM", backend)
         lin.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
         y = lin(xi)

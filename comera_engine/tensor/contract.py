@@ -27,6 +27,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from . import gemm
 from . import native as native_ops
 
 __all__ = [
@@ -177,7 +178,6 @@ def merge_right_grads(cores: Sequence[Tensor], Q: Sequence[Tensor], dR: Tensor
 _RANK_ALIGN = 8
 _MIN_WIDTH = 16  # MKL runs (B×N)·(N×8) and its transposes several times slower than ×16
 _PAD_MIN_BATCH = 128  # below this the batch GEMMs are tiny: padding is pure overhead
-_ONEDNN_MIN_ROWS = 1024  # oneDNN's per-call cost: MKL is 1.1-2.4x faster at 128-512 rows
 
 
 def _padded_width(rd: int, bias: bool) -> int:
@@ -209,63 +209,6 @@ def _pad_middle(L: Tensor, R: Tensor, bias: Tensor | None = None) -> tuple[Tenso
     Rp[:rd] = R
     Rp[rd] = bias
     return Lp, Rp
-
-
-@lru_cache(maxsize=1)
-def onednn_linear():  # noqa: ANN201
-    """oneDNN's fp32 matmul as PyTorch ships it (``a·wᵀ + b``), or None where this build
-    lacks it or it fails a first exact check on small integers (looked up once, lazily,
-    so importing the package costs nothing)."""
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-        w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
-        if torch.equal(op(a, w, None, "none", [], ""), a @ w.t()):
-            return op
-    except Exception:  # noqa: BLE001 (absent op, unsupported CPU: fall back to torch.mm)
-        pass
-    return None
-
-
-CPU_GEMM = "onednn"
-"""Backend for the batch-sized ``a·wᵀ`` GEMMs of the halves path on CPU: ``"onednn"``
-(the default; used where :func:`onednn_linear` finds it) or ``"mkl"`` (what ``torch.mm``
-uses). For the skinny shapes of a TT layer (``4096×768 · 768×32``, ``4096×32 · 32×768``)
-oneDNN is 10-30% faster than MKL timed alone, 0-15% inside the layer step, on the
-machine measured (docs/BENCHMARKS.md); the benchmark switches it to compare. Below
-1024 rows MKL is used either way: there oneDNN's per-call cost made it 1.1-2.4x slower
-(128-512 rows, widths 16-32, one and two threads)."""
-
-
-def _onednn_for(a: Tensor, w: Tensor):  # noqa: ANN202
-    """oneDNN's op where it runs ``a · wᵀ`` (large contiguous ``a``, fp32 CPU, no autocast,
-    see :data:`CPU_GEMM`), else None."""
-    if (CPU_GEMM == "onednn" and a.device.type == "cpu" and a.dtype == torch.float32
-            and w.dtype == torch.float32 and a.shape[0] >= _ONEDNN_MIN_ROWS
-            and a.is_contiguous() and not torch.is_autocast_enabled("cpu")):
-        return onednn_linear()
-    return None
-
-
-def _gemm_nt(a: Tensor, w: Tensor) -> Tensor:
-    """``a · wᵀ`` for ``a``: ``(m, k)``, ``w``: ``(n, k)``; returns ``(m, n)``.
-
-    Large contiguous fp32 CPU products go through oneDNN (see :data:`CPU_GEMM`); smaller
-    ones (below 1024 rows, where its per-call cost shows), other dtypes, devices and
-    autocast regions through ``torch.mm``."""
-    op = _onednn_for(a, w)
-    if op is not None:
-        return op(a, w.contiguous(), None, "none", [], "")
-    return a @ w.t()
-
-
-def _gemm_nn(a: Tensor, b: Tensor) -> Tensor:
-    """``a · b`` for ``b``: ``(k, n)``, as :func:`_gemm_nt` of ``bᵀ``: the transpose is
-    copied only where oneDNN runs it (it wants ``w = bᵀ`` contiguous)."""
-    op = _onednn_for(a, b)
-    if op is not None:
-        return op(a, b.t().contiguous(), None, "none", [], "")
-    return a @ b
 
 
 class _GatedFunction:
@@ -383,10 +326,11 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
     (gated) cores. Backward:
     ``dXL = dY·Rᵀ``, then ``dR = (XL)ᵀ·dY`` while ``dY`` is still in cache (its bias row
     is ``db``), ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back through the merge chains
-    into each core. The four ``a·wᵀ`` GEMMs go through :func:`_gemm_nt`. On CPU tensors
-    (fp32/fp64, no autocast) the batch-independent parts (gates, merge chains, padding,
-    and back from ``dL``, ``dR`` to cores and gates) run as one C++ call each way
-    (``csrc/tt_halves.cpp`` through :mod:`.native`); the batch GEMMs stay here.
+    into each core. The six batch GEMMs go through :mod:`.gemm`, each the faster of two
+    ways on this CPU. On CPU tensors (fp32/fp64, no autocast) the batch-independent parts
+    (gates, merge chains, padding, and back from ``dL``, ``dR`` to cores and gates) run
+    as one C++ call each way (``csrc/tt_halves.cpp`` through :mod:`.native`); the batch
+    GEMMs stay here.
     """
 
     @staticmethod
@@ -411,10 +355,10 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
             Lp, Rp = _pad_middle(P[-1], Q[0], bias) if pad else (P[-1], Q[0])
             keep = [*cores, *P[:-1], *Q[1:], *(tensors[: 2 * d] if ctx.gated else ())]
         ctx.bias_in_r = bias is not None and pad
-        XL = _gemm_nn(x, Lp) if pad else x @ Lp
+        XL = gemm.nn(x, Lp) if pad else x @ Lp
         if ctx.bias_in_r:
             XL[:, rd] = 1.0  # meets the bias row of Rp
-            y = _gemm_nn(XL, Rp)
+            y = gemm.nn(XL, Rp)
         else:
             y = torch.addmm(bias, XL, Rp) if bias is not None else XL @ Rp
         ctx.d, ctx.rd = d, rd
@@ -433,17 +377,18 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         need_cores = any(ctx.needs_input_grad[3:])
         dx = dbias = dRp = dL = None
         if need_x or need_cores:
-            dXL = _gemm_nt(dy, Rp)
+            dXL = gemm.nt(dy, Rp)
         if need_cores:
-            # while dY is hot. MKL runs (dYᵀ·XL)ᵀ faster when the width is a multiple of
-            # 16 (the padded case) and up to 5× slower otherwise (measured; BENCHMARKS.md)
-            dRp = (dy.t() @ XL).t() if XL.shape[1] % 16 == 0 else XL.t() @ dy
+            # while dY is hot. Fixed rule (small batches): MKL runs (dYᵀ·XL)ᵀ faster when
+            # the width is a multiple of 16 (the padded case) and up to 5× slower
+            # otherwise on Zen 4 (BENCHMARKS.md); large ones take the faster on this CPU
+            dRp = gemm.tn(XL, dy, default=int(XL.shape[1] % 16 == 0))
         if need_b:
             dbias = dRp[rd] if dRp is not None and ctx.bias_in_r else dy.sum(0)
         if need_x:
-            dx = _gemm_nt(dXL, Lp)
+            dx = gemm.nt(dXL, Lp)
         if need_cores:
-            dL = (x.t() @ dXL)[:, :rd]  # (N, r_d)
+            dL = gemm.tn(x, dXL)[:, :rd]  # (N, r_d)
         if ctx.native is not None:
             return TTLinearHalves._native_grads(ctx, dx, dbias, dL, dRp, saved[4:])
         cores = saved[4 : 4 + 2 * d]
