@@ -55,7 +55,7 @@ def load() -> ModuleType | None:
             print("comera_engine: building the native TT ops (once per machine, about a "
                   f"minute; cached in {folder})", file=sys.stderr, flush=True)
         return build(name=_NAME, sources=[str(_CSRC / f) for f in _SOURCES],
-                     extra_cflags=["-O2"], verbose=False)
+                     extra_cflags=["-O3"], verbose=False)
     except Exception as exc:  # noqa: BLE001 (no compiler or ninja, build error: fall back)
         first = str(exc).strip().splitlines()[:1]
         warnings.warn(f"comera_engine: native TT ops unavailable ({type(exc).__name__}: "

@@ -33,7 +33,7 @@ std::vector<Tensor> sweep_forward(const Tensor& x, const std::vector<Tensor>& co
   }
   const int64_t B = x.size(0);
   std::vector<Tensor> ins;
-  Tensor T = x.t().contiguous();  // (N, B)
+  Tensor T = transposed(x);  // (N, B)
   for (const auto& A : ml) {
     T = T.view({A.size(0), -1});
     ins.push_back(T);
@@ -88,7 +88,9 @@ std::vector<Tensor> sweep_backward(const Tensor& dy, const std::vector<Tensor>& 
     if (want_w) dm[k] = at::mm(ins[k], dT.t());  // (r0·n, r1)
     if (k > 0 || need_x) dT = at::mm(A, dT);     // (r0·n, rest·B)
   }
-  Tensor dx = need_x ? dT.view({-1, dy.size(0)}).t() : Tensor();
+  // dX laid out (B, N), as x is: AccumulateGrad and the layer below would copy a
+  // transposed view anyway, and this copy is faster than theirs
+  Tensor dx = need_x ? transposed(dT.view({-1, dy.size(0)})) : Tensor();
   std::vector<Tensor> out{dx, dbias};
   if (!want_w) {
     out.resize(2 + 2 * d + (gated ? 2 * d - 1 : 0));
