@@ -154,3 +154,23 @@ def test_an_unwritable_cache_folder_keeps_the_choice_in_this_process(fresh, monk
         got = gemm.tn(a, b)
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
     assert gemm.way_for("tn", a, b) in ("ab", "ba")
+
+
+def test_a_way_that_fails_is_never_chosen(fresh, monkeypatch) -> None:
+    """oneDNN refusing an operand (a RuntimeError from way 1) leaves the product on
+    torch.mm, recorded as the choice; an error of torch.mm itself is not hidden."""
+    real = gemm._run
+
+    def run(kind, way, a, b):  # noqa: ANN001, ANN202
+        if way == 1:
+            raise RuntimeError("could not create a primitive")
+        return real(kind, way, a, b)
+
+    monkeypatch.setattr(gemm, "_run", run)
+    a, b, ref = _operands("tn")
+    got = gemm.tn(a, b)
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
+    assert gemm.way_for("tn", a, b) == "ab"
+    monkeypatch.setattr(gemm, "_run", lambda *args: (_ for _ in ()).throw(RuntimeError("mm")))
+    with pytest.raises(RuntimeError, match="mm"):
+        gemm.tn(torch.randn(2048, 8), torch.randn(2048, 4))

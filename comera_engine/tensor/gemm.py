@@ -38,7 +38,6 @@ import os
 import platform
 import time
 import warnings
-from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -213,30 +212,41 @@ def _key(kind: str, a: Tensor, b: Tensor) -> str:
     return f"{kind}|{m}x{k}x{n}|{torch.get_num_threads()}"
 
 
-def _tune(kind: str, key: str, a: Tensor, b: Tensor,
-          clock: Callable[[], float] = time.perf_counter) -> tuple[int, Tensor]:
+def _tune(kind: str, key: str, a: Tensor, b: Tensor) -> Tensor:
     """Time both ways on these operands (alternating, :data:`_ROUNDS` calls each, the
-    best call kept), record the faster and return it with its last product."""
+    best call kept), record the faster and return its last product. A way 1 that fails
+    on these operands (oneDNN refusing a layout, say) is never chosen."""
     best = [float("inf"), float("inf")]
     out: list[Tensor | None] = [None, None]
     for _ in range(_ROUNDS):
         for way in (0, 1):
-            t0 = clock()
-            out[way] = _run(kind, way, a, b)
-            best[way] = min(best[way], clock() - t0)
+            t0 = time.perf_counter()
+            try:
+                out[way] = _run(kind, way, a, b)
+            except RuntimeError:
+                if way == 0:  # torch.mm itself: not ours to hide
+                    raise
+                best[1] = float("inf")
+                break
+            best[way] = min(best[way], time.perf_counter() - t0)
     way = int(best[1] < best[0])
     choices()[key] = _KINDS[kind][way]
     _save(key, _KINDS[kind][way])
-    return way, out[way]  # type: ignore[return-value]
+    return out[way]  # type: ignore[return-value]
+
+
+def _tuned(kind: str, a: Tensor, b: Tensor) -> bool:
+    """Whether this product takes the per-machine choice (else the fixed rule)."""
+    return CPU_GEMM == "auto" and tuning_enabled() and _eligible(kind, a, b)
 
 
 def _product(kind: str, a: Tensor, b: Tensor, default: int = 0) -> Tensor:
-    if CPU_GEMM != "auto" or not tuning_enabled() or not _eligible(kind, a, b):
+    if not _tuned(kind, a, b):
         return _run(kind, _fixed(kind, a, b, default), a, b)
     key = _key(kind, a, b)
     way = choices().get(key)
     if way is None:
-        return _tune(kind, key, a, b)[1]
+        return _tune(kind, key, a, b)
     return _run(kind, _KINDS[kind].index(way), a, b)
 
 
@@ -244,7 +254,7 @@ def way_for(kind: str, a: Tensor, b: Tensor, default: int = 0) -> str:
     """The way a product of these operands runs now (``"mkl"``/``"onednn"`` for ``nn`` and
     ``nt``, ``"ab"``/``"ba"`` for ``tn``), or ``"untuned"`` where ``auto`` has not timed
     this shape yet: for the benchmarks' tables."""
-    if CPU_GEMM != "auto" or not tuning_enabled() or not _eligible(kind, a, b):
+    if not _tuned(kind, a, b):
         return _KINDS[kind][_fixed(kind, a, b, default)]
     return choices().get(_key(kind, a, b), "untuned")
 
