@@ -486,6 +486,7 @@ def test_sweep_saves_no_merged_half_and_no_output(B: int, native_impl: str) -> N
     (TTLinearSweep, [4, 3], [2, 5], 2),           # d = 2, no merges
     (TTLinearSweep, [4, 3], [2, 5], 40),          # d = 2, outer pairs merged
     (TTLinearSweep, [2, 3, 2], [3, 2, 2], 7),     # d = 3
+    (TTLinearSweep, [4, 3], [2, 5], 11000),       # X, dX over 2^17 entries: ATen transposes
     (TTLinearHalves, [6], [5], 3),                # d = 1
     (TTLinearHalves, [4, 3], [2, 5], 7),          # d = 2, middle rank not padded
     (TTLinearHalves, [4, 3], [2, 5], 130),        # d = 2, padded, the bias in R
