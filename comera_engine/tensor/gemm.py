@@ -237,10 +237,12 @@ def _tune(kind: str, key: str, a: Tensor, b: Tensor) -> Tensor:
 
 def _tuned(kind: str, a: Tensor, b: Tensor) -> bool:
     """Whether this product takes the per-machine choice (else the fixed rule)."""
-    return CPU_GEMM == "auto" and tuning_enabled() and _eligible(kind, a, b)
+    return CPU_GEMM == "auto" and _eligible(kind, a, b) and tuning_enabled()
 
 
 def _product(kind: str, a: Tensor, b: Tensor, default: int = 0) -> Tensor:
+    if a.shape[0] < TUNE_MIN_ROWS or a.device.type != "cpu":  # the common small case
+        return _run(kind, default if kind == "tn" else 0, a, b)
     if not _tuned(kind, a, b):
         return _run(kind, _fixed(kind, a, b, default), a, b)
     key = _key(kind, a, b)
