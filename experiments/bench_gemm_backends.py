@@ -9,7 +9,10 @@ every product both ways, with the CPU caches evicted before every call (a 64 MiB
 as inside a step, where the batch tensors (12.6 MB each at 4096×768) do not stay in
 cache from one GEMM to the next, and prints the way the layer takes on this machine
 (``gemm.CPU_GEMM = "auto"``: timed once per machine, hot, on the layer's operands).
-Calls run in shuffled rounds so that host load hits both ways alike.
+Beside them, two floors: *stream*, one pass over the product's batch-sized tensors (read
+the inputs, write the output) under the same eviction, and *MAC-bound*, its MACs at the
+rate of the dense GEMM of the layer's shape (what ``nn.Linear`` runs at). Calls run in
+shuffled rounds so that host load hits all alike.
 
     python experiments/bench_gemm_backends.py [--shape 768x768] [--rank 30] [--tokens 4096]
 """
@@ -60,6 +63,28 @@ def products(n: int, m: int, rank: int, tokens: int
     }
 
 
+def stream(reads: list[torch.Tensor], write: torch.Tensor | None) -> None:
+    """One pass over a product's batch-sized tensors: read its inputs, write its output
+    (a floor for the product itself, whatever its arithmetic)."""
+    for t in reads:
+        t.sum()
+    if write is not None:
+        write.fill_(1.0)
+
+
+def mac_rate(tokens: int, n: int, m: int) -> float:
+    """MACs per second of the dense ``(tokens×n)·(n×m)`` GEMM (hot, best of 5): the rate
+    the TT products would run at if they were compute-bound like ``nn.Linear``."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(tokens, n, generator=g), torch.randn(n, m, generator=g)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        torch.mm(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return tokens * n * m / best
+
+
 def run(shape: str, rank: int, tokens: int, rounds: int) -> list[dict]:
     if gemm.onednn_linear() is None:
         raise SystemExit("this PyTorch build has no oneDNN linear op: nothing to compare")
@@ -68,13 +93,18 @@ def run(shape: str, rank: int, tokens: int, rounds: int) -> list[dict]:
     gemm.CPU_GEMM = "auto"
 
     calls, prods = {}, products(n, m, rank, tokens)
+    wide = tokens * min(n, m)  # a batch-sized tensor (the rank-wide ones are 24x smaller)
     for name, (kind, a, b, default) in prods.items():
         for way in (0, 1):
             calls[(name, way)] = partial(gemm._run, kind, way, a, b)
-        gemm._product(kind, a, b, default)  # the layer's first call: tunes where it would
+        out = gemm._product(kind, a, b, default)  # the layer's first call: tunes if it would
+        calls[(name, "stream")] = partial(
+            stream, [t for t in (a, b) if t.numel() >= wide],
+            torch.empty_like(out) if out.numel() >= wide else None)
     for fn in calls.values():  # warm-up: oneDNN builds its primitives on first use
         fn()
-    times: dict[tuple[str, int], list[float]] = {k: [] for k in calls}
+    rate = mac_rate(tokens, n, m)
+    times: dict[tuple[str, int | str], list[float]] = {k: [] for k in calls}
     order, shuffle = list(calls), random.Random(0).shuffle
     for _ in range(rounds):
         shuffle(order)
@@ -86,11 +116,13 @@ def run(shape: str, rank: int, tokens: int, rounds: int) -> list[dict]:
     rows = []
     for name, (kind, a, b, default) in prods.items():
         t0, t1 = times[(name, 0)], times[(name, 1)]
+        dims = (a.shape[1] if kind == "tn" else a.shape[0],
+                a.shape[0] if kind == "tn" else a.shape[1],
+                b.shape[0] if kind == "nt" else b.shape[1])
         rows.append({
-            "product": name, "kind": kind,
-            "m": a.shape[1] if kind == "tn" else a.shape[0],
-            "k": a.shape[0] if kind == "tn" else a.shape[1],
-            "n": b.shape[0] if kind == "nt" else b.shape[1],
+            "product": name, "kind": kind, "m": dims[0], "k": dims[1], "n": dims[2],
+            "stream_ms": statistics.median(times[(name, "stream")]) * 1e3,
+            "mac_bound_ms": dims[0] * dims[1] * dims[2] / rate * 1e3,
             "way0": gemm._KINDS[kind][0], "way1": gemm._KINDS[kind][1],
             "way0_ms": statistics.median(t0) * 1e3, "way1_ms": statistics.median(t1) * 1e3,
             "way0_best_ms": min(t0) * 1e3, "way1_best_ms": min(t1) * 1e3,
@@ -122,7 +154,17 @@ def main(argv: list[str] | None = None) -> int:
                        ("way0_best_ms", "best", ".3f"), ("way1", "way 1", ""),
                        ("way1_ms", "ms", ".3f"), ("way1_best_ms", "best", ".3f"),
                        ("way1_speedup", "way 1 speed-up", ".2f"),
-                       ("chosen", "layer uses", "")])
+                       ("chosen", "layer uses", ""), ("stream_ms", "stream ms", ".3f"),
+                       ("mac_bound_ms", "MAC-bound ms", ".3f")])
+    print("stream: reading the product's batch-sized inputs and writing its batch-sized "
+          "output once, caches evicted (sum / fill_); MAC-bound: its MACs at the dense "
+          f"{args.tokens}x{SHAPES[args.shape][0]}x{SHAPES[args.shape][1]} GEMM's rate")
+    steps = {k.split("|")[0]: v for k, v in gemm.choices().items()
+             if k.startswith("halves-") and k.split("|")[1].startswith(
+                 f"{args.tokens}x{SHAPES[args.shape][0]}x")}
+    print("the layer's whole step on this machine (row-blocked in C++, or the products "
+          "above one by one): " + (", ".join(f"{k} {v}" for k, v in sorted(steps.items()))
+                                   or "not timed yet (its first step at this shape does)"))
     print(f"the layer's choices on this machine: {gemm.choices_path()}")
     out = write_json("bench_gemm_backends_cpu",
                      {"machine": machine(), "shape": args.shape, "rank": args.rank,

@@ -578,3 +578,98 @@ def test_planner_sweeps_small_batches_with_large_ranks() -> None:
     assert e["path"] == "sweep"
     assert e["paths"]["sweep"]["macs_fwd"] < e["paths"]["halves"]["macs_fwd"]
     assert plan(4096, ins, outs, r64) == "halves"
+
+
+# ------------------------------------------------------------------ row-blocked batch step
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("B", "block"), [(1100, 512), (1024, 256), (700, 1024), (37, 8)])
+def test_native_blocked_batch_step_matches_float64(B: int, block: int, threads: int) -> None:
+    """The row-blocked batch GEMMs of the halves step (C++) are the float64 products:
+    forward with and without the ones column, backward with every combination of
+    gradients asked for, blocks that do not divide the batch, one and two threads
+    (per-thread partial sums)."""
+    mod = native.load()
+    if mod is None:
+        pytest.skip("native TT ops not built here (no C++ compiler or ninja)")
+    g = torch.Generator().manual_seed(B)
+    N, M, rp = 96, 80, 16
+    x, dy = torch.randn(B, N, generator=g), torch.randn(B, M, generator=g)
+    Lp, Rp = torch.randn(N, rp, generator=g), torch.randn(rp, M, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for ones_col in (-1, 5):
+            y, XL = mod.halves_batch_forward(x, Lp, Rp, ones_col, block)
+            XLr = x.double() @ Lp.double()
+            if ones_col >= 0:
+                XLr[:, ones_col] = 1.0
+            assert torch.allclose(XL.double(), XLr, rtol=1e-5, atol=1e-4)
+            assert torch.allclose(y.double(), XLr @ Rp.double(), rtol=1e-5, atol=1e-3)
+        dXLr = dy.double() @ Rp.double().t()
+        for need_x, need_w in ((True, True), (True, False), (False, True)):
+            dx, dL, dR, dXL = mod.halves_batch_backward(dy, x, XL, Lp, Rp, need_x, need_w,
+                                                        block)
+            assert torch.allclose(dXL.double(), dXLr, rtol=1e-5, atol=1e-4)
+            if need_x:
+                assert torch.allclose(dx.double(), dXLr @ Lp.double().t(), rtol=1e-5, atol=1e-3)
+            else:
+                assert dx is None
+            if need_w:
+                assert dL.shape == (N, rp) and dR.shape == (rp, M)
+                assert torch.allclose(dL.double(), x.double().t() @ dXLr, rtol=1e-4, atol=1e-2)
+                assert torch.allclose(dR.double(), XL.double().t() @ dy.double(),
+                                      rtol=1e-4, atol=1e-2)
+            else:
+                assert dL is None and dR is None
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("way", [0, 1])
+def test_halves_layer_blocked_and_plain_batch_steps_match_float64(monkeypatch, way: int
+                                                                   ) -> None:
+    """The layer with its batch GEMMs one by one (way 0) or row-blocked in C++ (way 1),
+    whichever this machine would choose: outputs and every gradient as the float64
+    layer's, gates and bias included, and with only x or only the parameters needing
+    gradients."""
+    from comera_engine import TTLinear
+    from comera_engine.tensor import gemm
+
+    if way == 1 and native.load() is None:
+        pytest.skip("native TT ops not built here (no C++ compiler or ninja)")
+    picked: list[str] = []
+
+    def forced(kind, key, run):  # noqa: ANN001, ANN202
+        picked.append(kind)
+        return run(way)
+
+    monkeypatch.setattr(gemm, "choose", forced)
+    monkeypatch.setattr(gemm, "tuning_enabled", lambda: True)
+    monkeypatch.setattr(gemm, "CPU_GEMM", "auto")
+    torch.manual_seed(0)
+    kw = dict(rank=10, in_factors=[4, 4, 6], out_factors=[4, 4, 4], path="halves")
+    lin = TTLinear(96, 64, **kw)
+    ref = TTLinear(96, 64, **kw, dtype=DT)
+    ref.load_state_dict({k: v.double() for k, v in lin.state_dict().items()})
+    with torch.no_grad():  # some gates below tau and one dead entry
+        for gate in lin.tt.gates[:2]:
+            gate[0] = 0.5 * lin.tt.tau
+        for gate in ref.tt.gates[:2]:
+            gate[0] = 0.5 * ref.tt.tau
+    x, gy = torch.randn(1030, 96), torch.randn(1030, 64)
+    xr = x.double().requires_grad_()
+    (ref(xr) * gy.double()).sum().backward()
+    for x_grad, w_grad in ((True, True), (True, False), (False, True)):
+        lin.zero_grad(set_to_none=True)
+        for p in lin.parameters():
+            p.requires_grad_(w_grad)
+        xi = x.clone().requires_grad_(x_grad)
+        y = lin(xi)
+        (y * gy).sum().backward()
+        assert torch.allclose(y.double(), ref(xr).detach(), rtol=1e-4, atol=1e-4)
+        if x_grad:
+            assert torch.allclose(xi.grad.double(), xr.grad, rtol=1e-4, atol=1e-4)
+        if w_grad:
+            for p, pr in zip(lin.parameters(), ref.parameters()):
+                assert torch.allclose(p.grad.double(), pr.grad, rtol=1e-3, atol=1e-3)
+    assert "halves-fwd" in picked and "halves-bwd" in picked

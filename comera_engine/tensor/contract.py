@@ -355,11 +355,10 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
             Lp, Rp = _pad_middle(P[-1], Q[0], bias) if pad else (P[-1], Q[0])
             keep = [*cores, *P[:-1], *Q[1:], *(tensors[: 2 * d] if ctx.gated else ())]
         ctx.bias_in_r = bias is not None and pad
-        XL = gemm.nn(x, Lp) if pad else x @ Lp
-        if ctx.bias_in_r:
-            XL[:, rd] = 1.0  # meets the bias row of Rp
-            y = gemm.nn(XL, Rp)
+        if pad:  # the bias, if any, rides in the padding: column rd of XL is ones
+            y, XL = _batch_forward(x, Lp, Rp, rd if ctx.bias_in_r else -1, ctx.native)
         else:
+            XL = x @ Lp
             y = torch.addmm(bias, XL, Rp) if bias is not None else XL @ Rp
         ctx.d, ctx.rd = d, rd
         ctx.has_bias = bias is not None
@@ -377,18 +376,11 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         need_cores = any(ctx.needs_input_grad[3:])
         dx = dbias = dRp = dL = None
         if need_x or need_cores:
-            dXL = gemm.nt(dy, Rp)
-        if need_cores:
-            # while dY is hot. Fixed rule (small batches): MKL runs (dYᵀ·XL)ᵀ faster when
-            # the width is a multiple of 16 (the padded case) and up to 5× slower
-            # otherwise on Zen 4 (BENCHMARKS.md); large ones take the faster on this CPU
-            dRp = gemm.tn(XL, dy, default=int(XL.shape[1] % 16 == 0))
+            dx, dL, dRp = _batch_backward(dy, x, XL, Lp, Rp, need_x, need_cores, ctx.native)
+            if dL is not None:
+                dL = dL[:, :rd]  # (N, r_d)
         if need_b:
             dbias = dRp[rd] if dRp is not None and ctx.bias_in_r else dy.sum(0)
-        if need_x:
-            dx = gemm.nt(dXL, Lp)
-        if need_cores:
-            dL = gemm.tn(x, dXL)[:, :rd]  # (N, r_d)
         if ctx.native is not None:
             return TTLinearHalves._native_grads(ctx, dx, dbias, dL, dRp, saved[4:])
         cores = saved[4 : 4 + 2 * d]
@@ -426,6 +418,59 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
             return (dx, None, dbias, *cores)
         gates = [gg if need[3 + 2 * d + b] else None for b, gg in enumerate(g[2 * d :])]
         return (dx, None, dbias, *cores, *gates, *([None] * n_g), None)
+
+
+_BLOCK_ROWS = 512  # rows per block of the row-blocked batch step (3.35-3.41 ms at 256-1024)
+
+
+def _batch_forward(x: Tensor, Lp: Tensor, Rp: Tensor, ones_col: int,
+                   native) -> tuple[Tensor, Tensor]:  # noqa: ANN001
+    """The halves forward's batch GEMMs: ``XL = X·Lp`` (column ``ones_col`` set to one
+    where ``>= 0``), ``Y = XL·Rp``; returns ``(Y, XL)``. Way 0: the two products through
+    :mod:`.gemm`; way 1: row-blocked in C++ (``csrc/tt_halves_batch.cpp``). Where both
+    can run, the faster on this machine (:func:`.gemm.choose`)."""
+
+    def run(way: int) -> tuple[Tensor, Tensor]:
+        if way == 1:
+            y, XL = native.halves_batch_forward(x, Lp, Rp, ones_col, _BLOCK_ROWS)
+            return y, XL
+        XL = gemm.nn(x, Lp)
+        if ones_col >= 0:
+            XL[:, ones_col] = 1.0  # meets the bias row of Rp
+        return gemm.nn(XL, Rp), XL
+
+    if native is None or not gemm.step_tunable(x):
+        return run(0)
+    key = gemm.step_key("halves-fwd", *x.shape, *Rp.shape, int(ones_col >= 0))
+    return gemm.choose("halves-fwd", key, run)
+
+
+def _batch_backward(dy: Tensor, x: Tensor, XL: Tensor, Lp: Tensor, Rp: Tensor,
+                    need_x: bool, need_w: bool, native  # noqa: ANN001
+                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The halves backward's batch GEMMs: ``dXL = dY·Rpᵀ``, then ``dX = dXL·Lpᵀ`` (if
+    ``need_x``), ``dRp = XLᵀ·dY`` and ``dLp = Xᵀ·dXL`` (``(N, r_p)``, if ``need_w``);
+    returns ``(dX, dLp, dRp)``, None where not asked for. Ways as in
+    :func:`_batch_forward`."""
+
+    def run(way: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if way == 1:
+            dx, dL, dR, _ = native.halves_batch_backward(dy, x, XL, Lp, Rp, need_x, need_w,
+                                                         _BLOCK_ROWS)
+            return dx, dL, dR
+        dXL = gemm.nt(dy, Rp)
+        # dR while dY is hot. Fixed rule (small batches): MKL runs (dYᵀ·XL)ᵀ faster when
+        # the width is a multiple of 16 (the padded case) and up to 5× slower otherwise
+        # on Zen 4 (BENCHMARKS.md); large ones take the faster on this CPU
+        dR = gemm.tn(XL, dy, default=int(XL.shape[1] % 16 == 0)) if need_w else None
+        dx = gemm.nt(dXL, Lp) if need_x else None
+        dL = gemm.tn(x, dXL) if need_w else None
+        return dx, dL, dR
+
+    if native is None or not gemm.step_tunable(x):
+        return run(0)
+    key = gemm.step_key("halves-bwd", *x.shape, *Rp.shape, int(need_x), int(need_w))
+    return gemm.choose("halves-bwd", key, run)
 
 
 def _gate_args(gates: Sequence[Tensor], tau: float, alive: Sequence[Tensor]) -> tuple:

@@ -38,14 +38,18 @@ import os
 import platform
 import time
 import warnings
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["CPU_GEMM", "TUNE_MIN_ROWS", "choices", "choices_path", "nn", "nt",
-           "onednn_linear", "tn", "tuning_enabled", "way_for"]
+__all__ = ["CPU_GEMM", "TUNE_MIN_ROWS", "choices", "choices_path", "choose", "nn", "nt",
+           "onednn_linear", "step_key", "step_tunable", "tn", "tuning_enabled", "way_for"]
+
+T = TypeVar("T")
 
 CPU_GEMM = "auto"
 """How the halves path's batch GEMMs reach the CPU's BLAS: ``"auto"`` (the default: the
@@ -58,7 +62,10 @@ TUNE_MIN_ROWS = 1024
 timed: they take microseconds, and oneDNN's per-call cost made it 1.1-2.4× slower than
 MKL at 128-512 rows on both machines measured."""
 
-_KINDS = {"nn": ("mkl", "onednn"), "nt": ("mkl", "onednn"), "tn": ("ab", "ba")}
+_KINDS = {"nn": ("mkl", "onednn"), "nt": ("mkl", "onednn"), "tn": ("ab", "ba"),
+          # a whole halves step's batch GEMMs: one by one through nn/nt/tn, or row-blocked
+          # in C++ (native tt_halves_batch.cpp)
+          "halves-fwd": ("gemms", "blocked"), "halves-bwd": ("gemms", "blocked")}
 _ROUNDS = 3
 _ENV_TUNE = "COMERA_GEMM_TUNE"
 _ENV_DIR = "COMERA_CACHE_DIR"
@@ -212,19 +219,19 @@ def _key(kind: str, a: Tensor, b: Tensor) -> str:
     return f"{kind}|{m}x{k}x{n}|{torch.get_num_threads()}"
 
 
-def _tune(kind: str, key: str, a: Tensor, b: Tensor) -> Tensor:
-    """Time both ways on these operands (alternating, :data:`_ROUNDS` calls each, the
-    best call kept), record the faster and return its last product. A way 1 that fails
+def _tune(kind: str, key: str, run: Callable[[int], T]) -> T:
+    """Time both ways of ``run`` (alternating, :data:`_ROUNDS` calls each, the best call
+    kept), record the faster under ``key`` and return its last result. A way 1 that fails
     on these operands (oneDNN refusing a layout, say) is never chosen."""
     best = [float("inf"), float("inf")]
-    out: list[Tensor | None] = [None, None]
+    out: list = [None, None]
     for _ in range(_ROUNDS):
         for way in (0, 1):
             t0 = time.perf_counter()
             try:
-                out[way] = _run(kind, way, a, b)
+                out[way] = run(way)
             except RuntimeError:
-                if way == 0:  # torch.mm itself: not ours to hide
+                if way == 0:  # the plain way itself: not ours to hide
                     raise
                 best[1] = float("inf")
                 break
@@ -232,7 +239,31 @@ def _tune(kind: str, key: str, a: Tensor, b: Tensor) -> Tensor:
     way = int(best[1] < best[0])
     choices()[key] = _KINDS[kind][way]
     _save(key, _KINDS[kind][way])
-    return out[way]  # type: ignore[return-value]
+    return out[way]
+
+
+def choose(kind: str, key: str, run: Callable[[int], T]) -> T:
+    """``run(way)`` for the way this machine takes for ``key`` (made by :func:`step_key`
+    for a whole step, way 0 its plain form): the saved choice, else both timed now."""
+    way = choices().get(key)
+    if way is None:
+        return _tune(kind, key, run)
+    return run(_KINDS[kind].index(way))
+
+
+def step_tunable(x: Tensor) -> bool:
+    """Whether a step on batch input ``x`` takes a per-machine choice between its plain
+    and its blocked form (CPU fp32, contiguous, from :data:`TUNE_MIN_ROWS` rows, ``auto``
+    and tuning on)."""
+    return (x.shape[0] >= TUNE_MIN_ROWS and x.device.type == "cpu"
+            and x.dtype == torch.float32 and x.is_contiguous() and CPU_GEMM == "auto"
+            and not torch.is_autocast_enabled("cpu") and tuning_enabled())
+
+
+def step_key(kind: str, *dims: object) -> str:
+    """The choices-file key of a step of ``kind`` (``"halves-fwd"``, ``"halves-bwd"``)
+    with these dimensions and flags, at this thread count."""
+    return f"{kind}|{'x'.join(str(d) for d in dims)}|{torch.get_num_threads()}"
 
 
 def _tuned(kind: str, a: Tensor, b: Tensor) -> bool:
@@ -245,11 +276,7 @@ def _product(kind: str, a: Tensor, b: Tensor, default: int = 0) -> Tensor:
         return _run(kind, default if kind == "tn" else 0, a, b)
     if not _tuned(kind, a, b):
         return _run(kind, _fixed(kind, a, b, default), a, b)
-    key = _key(kind, a, b)
-    way = choices().get(key)
-    if way is None:
-        return _tune(kind, key, a, b)
-    return _run(kind, _KINDS[kind].index(way), a, b)
+    return choose(kind, _key(kind, a, b), lambda way: _run(kind, way, a, b))
 
 
 def way_for(kind: str, a: Tensor, b: Tensor, default: int = 0) -> str:

@@ -30,7 +30,12 @@ import torch
 __all__ = ["enabled", "load", "usable"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("tt_common.cpp", "tt_sweep.cpp", "tt_halves.cpp", "module.cpp")
+_SOURCES = ("tt_common.cpp", "tt_sweep.cpp", "tt_halves.cpp", "tt_halves_batch.cpp",
+            "module.cpp")
+# OpenMP for at::parallel_for in tt_halves_batch.cpp: without it the header's parallel_for
+# runs serially in an extension. On Linux the extension then shares torch's libgomp (same
+# soname, already loaded), so BLAS calls inside a parallel region run single-threaded.
+_OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _NAME = "comera_tt_native"
 
 
@@ -55,7 +60,7 @@ def load() -> ModuleType | None:
             print("comera_engine: building the native TT ops (once per machine, about a "
                   f"minute; cached in {folder})", file=sys.stderr, flush=True)
         return build(name=_NAME, sources=[str(_CSRC / f) for f in _SOURCES],
-                     extra_cflags=["-O3"], verbose=False)
+                     extra_cflags=["-O3", *_OPENMP], extra_ldflags=_OPENMP, verbose=False)
     except Exception as exc:  # noqa: BLE001 (no compiler or ninja, build error: fall back)
         first = str(exc).strip().splitlines()[:1]
         warnings.warn(f"comera_engine: native TT ops unavailable ({type(exc).__name__}: "

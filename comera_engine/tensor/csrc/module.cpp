@@ -10,4 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "TT-linear halves: gates, merges, padded L and R (contract.py)");
   mod.def("halves_core_grads", &comera::halves_core_grads,
           "TT-linear halves: core and gate gradients from dL and dR (contract.py)");
+  mod.def("halves_batch_forward", &comera::halves_batch_forward,
+          "TT-linear halves: the batch GEMMs of the forward, row-blocked (contract.py)");
+  mod.def("halves_batch_backward", &comera::halves_batch_backward,
+          "TT-linear halves: the batch GEMMs of the backward, row-blocked (contract.py)");
 }

@@ -72,4 +72,14 @@ std::vector<Tensor> halves_core_grads(const Tensor& dL, const Tensor& dR,
                                       const c10::optional<Tensor>& m_opt, int64_t d,
                                       bool need_cores, bool need_gates);
 
+// The halves path's batch GEMMs, row-blocked (tt_halves_batch.cpp): forward returns
+// [y, XL]; backward [dx, dL (N, rp), dR (rp, M), dXL] (dx undefined unless need_x, dL and
+// dR unless need_w).
+std::vector<Tensor> halves_batch_forward(const Tensor& x, const Tensor& Lp, const Tensor& Rp,
+                                         int64_t ones_col, int64_t block);
+std::vector<Tensor> halves_batch_backward(const Tensor& dy, const Tensor& x,
+                                          const Tensor& XL, const Tensor& Lp,
+                                          const Tensor& Rp, bool need_x, bool need_w,
+                                          int64_t block);
+
 }  // namespace comera
