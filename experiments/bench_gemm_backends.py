@@ -159,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     print("stream: reading the product's batch-sized inputs and writing its batch-sized "
           "output once, caches evicted (sum / fill_); MAC-bound: its MACs at the dense "
           f"{args.tokens}x{SHAPES[args.shape][0]}x{SHAPES[args.shape][1]} GEMM's rate")
+    n, m = SHAPES[args.shape]
     steps = {k.split("|")[0]: v for k, v in gemm.choices().items()
              if k.startswith("halves-") and k.split("|")[1].startswith(
-                 f"{args.tokens}x{SHAPES[args.shape][0]}x")}
+                 f"{args.tokens}x{n}x{width}x{m}x")}
     print("the layer's whole step on this machine (row-blocked in C++, or the products "
           "above one by one): " + (", ".join(f"{k} {v}" for k, v in sorted(steps.items()))
                                    or "not timed yet (its first step at this shape does)"))

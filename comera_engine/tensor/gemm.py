@@ -23,6 +23,10 @@ timing: the two ways round differently in the last bits, and seeded runs stay
 identical across processes on one machine. Two processes tuning one shape for the first
 time at the same moment may each keep their own choice; the file keeps one of them.
 
+:func:`choose` makes the same kind of choice for a whole step: the halves Function's
+batch GEMMs one by one through this module (way 0) or row-blocked in C++ (way 1,
+``csrc/tt_halves_batch.cpp``), keyed by :func:`step_key`.
+
 Below :data:`TUNE_MIN_ROWS` rows, for other dtypes and devices, under autocast, with
 ``COMERA_GEMM_TUNE=0`` or ``CPU_GEMM`` set to ``"mkl"``/``"onednn"``, a fixed rule
 applies: the backend asked for (MKL below 1024 rows, where oneDNN's per-call cost

@@ -4,8 +4,9 @@ At small batches a TT-linear step is bound by per-op cost, not arithmetic: the s
 path runs ~70 small ATen ops a step, and the Python between them cost more than its
 GEMMs (docs/BENCHMARKS.md). ``csrc/`` runs the same ops in the same order from C++:
 the sweep path whole (``tt_sweep.cpp``), the halves path's gates, merges and core
-gradients (``tt_halves.cpp``; its batch GEMMs stay in Python, which picks their
-backend), gate helpers shared by both (``tt_common.cpp``). It is compiled with
+gradients (``tt_halves.cpp``), its batch GEMMs row-blocked (``tt_halves_batch.cpp``,
+used where :mod:`.gemm` finds it faster than the products one by one), gate helpers
+shared by all (``tt_common.cpp``). It is compiled with
 ``torch.utils.cpp_extension`` (a C++ compiler and ninja) the first time it is needed,
 about a minute, and cached per machine under ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``); ``make install`` builds it ahead. Without a compiler,

@@ -56,8 +56,8 @@ std::vector<Tensor> sweep_backward(const Tensor& dy, const std::vector<Tensor>& 
                                    bool head, bool tail, bool need_x, bool need_bias,
                                    bool need_cores, bool need_gates);
 
-// The halves path's batch-independent parts (TTLinearHalves; its batch GEMMs stay in
-// Python, where the GEMM backend is chosen).
+// The halves path's batch-independent parts (TTLinearHalves; its batch GEMMs are chosen
+// in Python: one by one through gemm.py, or row-blocked below).
 std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
                                    const std::vector<Tensor>& gates,
                                    const std::vector<Tensor>& alive, double tau,

@@ -2,7 +2,7 @@
 // contract.py) as two ATen functions: gates, the merge chains L = G_1⋯G_d and
 // R = G_{d+1}⋯G_{2d}, the padded middle rank with the bias row, and back from dL, dR to
 // every core and gate. A step then calls C++ twice instead of running ~40 small
-// Python-level ops; its batch GEMMs stay in Python, which picks their backend. Same
+// Python-level ops; its batch GEMMs are chosen in Python (tt_halves_batch.cpp). Same
 // math and op order as the Python Function, which stays the reference (tests compare).
 #include "tt_common.h"
 
