@@ -326,11 +326,12 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
     (gated) cores. Backward:
     ``dXL = dY·Rᵀ``, then ``dR = (XL)ᵀ·dY`` while ``dY`` is still in cache (its bias row
     is ``db``), ``dX = dXL·Lᵀ``, ``dL = Xᵀ·dXL``, then back through the merge chains
-    into each core. The six batch GEMMs go through :mod:`.gemm`, each the faster of two
-    ways on this CPU. On CPU tensors (fp32/fp64, no autocast) the batch-independent parts
-    (gates, merge chains, padding, and back from ``dL``, ``dR`` to cores and gates) run
-    as one C++ call each way (``csrc/tt_halves.cpp`` through :mod:`.native`); the batch
-    GEMMs stay here.
+    into each core. The six batch GEMMs run one by one through :mod:`.gemm` (each the
+    faster of two ways on this CPU) or, where that is faster still, row-blocked in C++
+    (:func:`_batch_forward`, :func:`_batch_backward`). On CPU tensors (fp32/fp64, no
+    autocast) the batch-independent parts (gates, merge chains, padding, and back from
+    ``dL``, ``dR`` to cores and gates) run as one C++ call each way
+    (``csrc/tt_halves.cpp`` through :mod:`.native`).
     """
 
     @staticmethod
@@ -420,7 +421,8 @@ class TTLinearHalves(_GatedFunction, torch.autograd.Function):
         return (dx, None, dbias, *cores, *gates, *([None] * n_g), None)
 
 
-_BLOCK_ROWS = 512  # rows per block of the row-blocked batch step (3.35-3.41 ms at 256-1024)
+_BLOCK_ROWS = 512  # rows per block of the row-blocked batch step; at 768x768, rank 30,
+# 4096 rows, blocks of 256-1024 rows timed within 0.1 ms of each other (BENCHMARKS.md)
 
 
 def _batch_forward(x: Tensor, Lp: Tensor, Rp: Tensor, ones_col: int,
