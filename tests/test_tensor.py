@@ -581,16 +581,21 @@ def test_planner_sweeps_small_batches_with_large_ranks() -> None:
 
 
 # ------------------------------------------------------------------ row-blocked batch step
+@pytest.mark.parametrize("blas", ["direct", "aten"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("B", "block"), [(1100, 512), (1024, 256), (700, 1024), (37, 8)])
-def test_native_blocked_batch_step_matches_float64(B: int, block: int, threads: int) -> None:
+def test_native_blocked_batch_step_matches_float64(B: int, block: int, threads: int,
+                                                   blas: str) -> None:
     """The row-blocked batch GEMMs of the halves step (C++) are the float64 products:
     forward with and without the ones column, backward with every combination of
     gradients asked for, blocks that do not divide the batch, one and two threads
-    (per-thread partial sums)."""
+    (per-thread partial sums), BLAS called directly and through ATen (the fallback)."""
     mod = native.load()
     if mod is None:
         pytest.skip("native TT ops not built here (no C++ compiler or ninja)")
+    if blas == "direct" and not mod.halves_batch_blas(-1):
+        pytest.skip("this torch build links no sgemm_: the ATen path is the only one")
+    mod.halves_batch_blas(int(blas == "direct"))
     g = torch.Generator().manual_seed(B)
     N, M, rp = 96, 80, 16
     x, dy = torch.randn(B, N, generator=g), torch.randn(B, M, generator=g)
@@ -623,6 +628,7 @@ def test_native_blocked_batch_step_matches_float64(B: int, block: int, threads: 
                 assert dL is None and dR is None
     finally:
         torch.set_num_threads(before)
+        mod.halves_batch_blas(1)
 
 
 @pytest.mark.parametrize("way", [0, 1])

@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "TT-linear halves: core and gate gradients from dL and dR (contract.py)");
   mod.def("halves_batch_forward", &comera::halves_batch_forward,
           "TT-linear halves: the batch GEMMs of the forward, row-blocked (contract.py)");
+  mod.def("halves_batch_blas", &comera::halves_batch_blas,
+          "TT-linear halves: whether the blocked step calls BLAS directly (-1 asks, 0/1 sets)");
   mod.def("halves_batch_backward", &comera::halves_batch_backward,
           "TT-linear halves: the batch GEMMs of the backward, row-blocked (contract.py)");
 }

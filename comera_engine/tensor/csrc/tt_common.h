@@ -77,6 +77,9 @@ std::vector<Tensor> halves_core_grads(const Tensor& dL, const Tensor& dR,
 // dR unless need_w).
 std::vector<Tensor> halves_batch_forward(const Tensor& x, const Tensor& Lp, const Tensor& Rp,
                                          int64_t ones_col, int64_t block);
+// Whether the blocked step calls BLAS (sgemm_) directly rather than through ATen; use 0
+// or 1 sets it (the ATen path is the fallback where sgemm_ is not linked), -1 only asks.
+bool halves_batch_blas(int64_t use);
 std::vector<Tensor> halves_batch_backward(const Tensor& dy, const Tensor& x,
                                           const Tensor& XL, const Tensor& Lp,
                                           const Tensor& Rp, bool need_x, bool need_w,

@@ -26,11 +26,13 @@ namespace comera {
 
 namespace {
 
+bool g_blas_direct = true;  // off: the ATen path even where sgemm_ is linked (tests)
+
 // Row-major C (m×n, ldc) = op(A)·op(B) + beta·C, op(A) (m×k), op(B) (k×n); ta/tb: the
 // stored matrix is the transpose. BLAS is column-major: C^T = op(B)^T·op(A)^T.
 void gemm_rm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* A,
              int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (sgemm_ != nullptr) {
+  if (g_blas_direct && sgemm_ != nullptr) {
     const char a = ta ? 'T' : 'N', b = tb ? 'T' : 'N';
     const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
     const int LA = static_cast<int>(ldb), LB = static_cast<int>(lda), LC = static_cast<int>(ldc);
@@ -56,6 +58,11 @@ void check(const Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+bool halves_batch_blas(int64_t use) {
+  if (use >= 0) g_blas_direct = use != 0;
+  return g_blas_direct && sgemm_ != nullptr;
+}
 
 std::vector<Tensor> halves_batch_forward(const Tensor& x, const Tensor& Lp, const Tensor& Rp,
                                          int64_t ones_col, int64_t block) {
