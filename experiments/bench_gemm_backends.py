@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
     add_threads_arg,
     check_args,
+    halves_step_choices,
     keep_freed_memory_as_training_does,
     machine,
     print_table,
@@ -160,11 +161,9 @@ def main(argv: list[str] | None = None) -> int:
           "output once, caches evicted (sum / fill_); MAC-bound: its MACs at the dense "
           f"{args.tokens}x{SHAPES[args.shape][0]}x{SHAPES[args.shape][1]} GEMM's rate")
     n, m = SHAPES[args.shape]
-    steps = {k.split("|")[0]: v for k, v in gemm.choices().items()
-             if k.startswith("halves-") and k.split("|")[1].startswith(
-                 f"{args.tokens}x{n}x{width}x{m}x")}
+    steps = halves_step_choices(args.tokens, n, width, m)
     print("the layer's whole step on this machine (row-blocked in C++, or the products "
-          "above one by one): " + (", ".join(f"{k} {v}" for k, v in sorted(steps.items()))
+          "above one by one): " + (", ".join(f"{k} {v}" for k, v in steps.items())
                                    or "not timed yet (its first step at this shape does)"))
     print(f"the layer's choices on this machine: {gemm.choices_path()}")
     out = write_json("bench_gemm_backends_cpu",

@@ -31,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
+    halves_step_choices,
     keep_freed_memory_as_training_does,
     machine,
     print_table,
@@ -123,9 +124,7 @@ def backend_check(rounds: int) -> dict:
     t3 = time_pair(on("mkl", tt_step), on("auto", tt_step), cpu, rounds=rounds)
     t4 = time_pair(on("onednn", tt_step), on("auto", tt_step), cpu, rounds=rounds)
     gemm.CPU_GEMM = "auto"
-    dims = f"4096x768x{contract._padded_width(30, bias=True)}x768x"  # this row's step
-    steps = {k: v for k, v in gemm.choices().items()
-             if k.startswith("halves-") and k.split("|")[1].startswith(dims)}
+    steps = halves_step_choices(4096, 768, contract._padded_width(30, bias=True), 768)
     return {"steps": steps, "linear_ms": t1.a_median * 1e3, "dense_tuned_ms": t1.b_median * 1e3,
             "dense_tuned_speedup_over_linear": t1.a_median / t1.b_median,
             "tt_ms": t2.b_median * 1e3, "tt_speedup_vs_dense_tuned": t2.a_median / t2.b_median,
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({chk['tt_mkl_ms']:.2f} ms), vs on oneDNN alone "
               f"{chk['tt_tuned_speedup_over_onednn']:.2f}x ({chk['tt_onednn_ms']:.2f} ms); "
               "the step's batch GEMMs on this machine: "
-              + ", ".join(f"{k.split('|')[0]} {v}" for k, v in chk["steps"].items()))
+              + ", ".join(f"{k} {v}" for k, v in chk["steps"].items()))
     out = write_json(f"bench_tt_linear_{device.type}", {"machine": machine(), "rows": rows,
                                                         "summary": summary}, args.out)
     print(f"wrote {out}")

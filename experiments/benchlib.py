@@ -169,6 +169,17 @@ def training_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
     return sum(seen.values()) + out + 2 * pbytes
 
 
+def halves_step_choices(tokens: int, n: int, width: int, m: int) -> dict[str, str]:
+    """The halves step's saved ways (``gemm.choose``: ``gemms`` or ``blocked``) for
+    ``tokens`` rows of an ``n``→``m`` layer of padded middle width ``width``, by kind
+    (``halves-fwd``, ``halves-bwd``)."""
+    from comera_engine.tensor import gemm
+
+    dims = f"{tokens}x{n}x{width}x{m}x"
+    return {k.split("|")[0]: v for k, v in sorted(gemm.choices().items())
+            if k.startswith("halves-") and k.split("|")[1].startswith(dims)}
+
+
 def add_threads_arg(ap: argparse.ArgumentParser) -> None:
     """``--threads N``: torch CPU threads (0, the default: torch's own choice)."""
     ap.add_argument("--threads", type=int, default=0,

@@ -425,6 +425,15 @@ _BLOCK_ROWS = 512  # rows per block of the row-blocked batch step; at 768x768, r
 # 4096 rows, blocks of 256-1024 rows timed within 0.1 ms of each other (BENCHMARKS.md)
 
 
+def _step_way(kind: str, x: Tensor, native, run, *dims: int):  # noqa: ANN001, ANN202
+    """``run(0)`` (the products one by one) where the blocked way cannot run (no native
+    module, or not a large contiguous fp32 CPU batch), else ``run`` the way this machine
+    takes for a step of ``kind`` with these dimensions (:func:`.gemm.choose`)."""
+    if native is None or not gemm.step_tunable(x):
+        return run(0)
+    return gemm.choose(kind, gemm.step_key(kind, *dims), run)
+
+
 def _batch_forward(x: Tensor, Lp: Tensor, Rp: Tensor, ones_col: int,
                    native) -> tuple[Tensor, Tensor]:  # noqa: ANN001
     """The halves forward's batch GEMMs: ``XL = X·Lp`` (column ``ones_col`` set to one
@@ -441,10 +450,7 @@ def _batch_forward(x: Tensor, Lp: Tensor, Rp: Tensor, ones_col: int,
             XL[:, ones_col] = 1.0  # meets the bias row of Rp
         return gemm.nn(XL, Rp), XL
 
-    if native is None or not gemm.step_tunable(x):
-        return run(0)
-    key = gemm.step_key("halves-fwd", *x.shape, *Rp.shape, int(ones_col >= 0))
-    return gemm.choose("halves-fwd", key, run)
+    return _step_way("halves-fwd", x, native, run, *x.shape, *Rp.shape, int(ones_col >= 0))
 
 
 def _batch_backward(dy: Tensor, x: Tensor, XL: Tensor, Lp: Tensor, Rp: Tensor,
@@ -469,10 +475,8 @@ def _batch_backward(dy: Tensor, x: Tensor, XL: Tensor, Lp: Tensor, Rp: Tensor,
         dL = gemm.tn(x, dXL) if need_w else None
         return dx, dL, dR
 
-    if native is None or not gemm.step_tunable(x):
-        return run(0)
-    key = gemm.step_key("halves-bwd", *x.shape, *Rp.shape, int(need_x), int(need_w))
-    return gemm.choose("halves-bwd", key, run)
+    return _step_way("halves-bwd", x, native, run, *x.shape, *Rp.shape, int(need_x),
+                     int(need_w))
 
 
 def _gate_args(gates: Sequence[Tensor], tau: float, alive: Sequence[Tensor]) -> tuple:

@@ -109,11 +109,18 @@ def _run(kind: str, way: int, a: Tensor, b: Tensor) -> Tensor:
     return onednn_linear()(a, w, None, "none", [], "")
 
 
+def _large_cpu_fp32(a: Tensor) -> bool:
+    """Whether ``a`` is a batch operand worth a choice: from :data:`TUNE_MIN_ROWS` rows,
+    fp32 on the CPU, outside autocast (rows first: the common small case returns at
+    once)."""
+    return (a.shape[0] >= TUNE_MIN_ROWS and a.device.type == "cpu"
+            and a.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+
+
 def _eligible(kind: str, a: Tensor, b: Tensor) -> bool:
-    """Whether both ways can run this product (CPU fp32, no autocast, contiguous ``a``
-    for oneDNN) and it is large enough to be worth a choice."""
-    if (a.device.type != "cpu" or a.dtype != torch.float32 or b.dtype != torch.float32
-            or a.shape[0] < TUNE_MIN_ROWS or torch.is_autocast_enabled("cpu")):
+    """Whether both ways can run this product (contiguous ``a`` and the op present for
+    oneDNN) and it is large enough to be worth a choice."""
+    if not _large_cpu_fp32(a) or b.dtype != torch.float32:
         return False
     return kind == "tn" or (a.is_contiguous() and onednn_linear() is not None)
 
@@ -259,9 +266,8 @@ def step_tunable(x: Tensor) -> bool:
     """Whether a step on batch input ``x`` takes a per-machine choice between its plain
     and its blocked form (CPU fp32, contiguous, from :data:`TUNE_MIN_ROWS` rows, ``auto``
     and tuning on)."""
-    return (x.shape[0] >= TUNE_MIN_ROWS and x.device.type == "cpu"
-            and x.dtype == torch.float32 and x.is_contiguous() and CPU_GEMM == "auto"
-            and not torch.is_autocast_enabled("cpu") and tuning_enabled())
+    return (_large_cpu_fp32(x) and x.is_contiguous() and CPU_GEMM == "auto"
+            and tuning_enabled())
 
 
 def step_key(kind: str, *dims: object) -> str:
@@ -276,8 +282,6 @@ def _tuned(kind: str, a: Tensor, b: Tensor) -> bool:
 
 
 def _product(kind: str, a: Tensor, b: Tensor, default: int = 0) -> Tensor:
-    if a.shape[0] < TUNE_MIN_ROWS or a.device.type != "cpu":  # the common small case
-        return _run(kind, default if kind == "tn" else 0, a, b)
     if not _tuned(kind, a, b):
         return _run(kind, _fixed(kind, a, b, default), a, b)
     return choose(kind, _key(kind, a, b), lambda way: _run(kind, way, a, b))
