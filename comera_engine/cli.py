@@ -38,20 +38,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from comera_engine.launch import cli as launch_cli
+
     parser = _Parser(prog="comera", description="CoMERA: rank-adaptive tensor-train training")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("config", help="TOML config file (see experiments/configs/)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field, e.g. --set train.batch_size=64 (value read as TOML)",
-    )
+    launch_cli.add_override_option(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--run-dir", help="run folder (default: runs/<timestamp>-<name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
@@ -60,12 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
-    try:
-        from comera_engine.launch import cli as launch_cli
-    except ImportError:
-        launch_cli = None
-    if launch_cli is not None and hasattr(launch_cli, "add_subparsers"):
-        launch_cli.add_subparsers(sub)
+    launch_cli.add_subparsers(sub)
     from comera_engine.export import add_subparsers as add_export
 
     add_export(sub)
@@ -208,9 +198,10 @@ def _run(cfg: Any, run_dir: Path, bundle: Any, args: argparse.Namespace, is_main
             rewind_jsonl(jsonl, int(latest.stem.split("_")[1]) if latest else 0)
         sinks: list[Any] = [JSONLSink(jsonl)]
         if args.store:
+            from comera_engine.launch.liveness import this_process
             from comera_engine.store import StoreSink
 
-            sinks.append(StoreSink(args.store, args.run_id))
+            sinks.append(StoreSink(args.store, args.run_id, process=this_process()))
         sink = MultiSink(*sinks)
     try:
         result = train(

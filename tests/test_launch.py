@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,13 +26,20 @@ from comera_engine.launch import (
     child_env,
     launch,
     logs,
+    reap,
     resolve_config,
     resume,
     stop,
 )
+from comera_engine.launch.liveness import (
+    pid_alive,
+    process_start_time,
+    this_host,
+    this_process,
+)
 from comera_engine.launch.supervisor import trainer_command
 from comera_engine.metrics import read_jsonl
-from comera_engine.store import FINAL_STATUSES, RunStore, pid_alive
+from comera_engine.store import FINAL_STATUSES, RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
@@ -140,6 +148,56 @@ def test_resolve_config_from_a_dict_applies_overrides():
         resolve_config(raw, ["comera.tau=2.0"])
 
 
+# ------------------------------------------------------------------------------ reaping
+# (stores whose runs hold made-up pids: never the `store` fixture, which kills run pids)
+
+
+@pytest.fixture()
+def bare_store(tmp_path: Path) -> RunStore:
+    return RunStore(tmp_path / "comera.db")
+
+
+def test_reap_marks_a_dead_pid_on_this_host_with_its_log_tail(bare_store):
+    rid = bare_store.create_run("r", {}, status="running")
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    bare_store.update_run(rid, pid=p.pid, host=this_host(), heartbeat_at=time.time())
+    bare_store.run_dir(rid).mkdir()
+    bare_store.log_path(rid).write_text("step 10\nRuntimeError: CUDA out of memory\n")
+    alive = bare_store.create_run("alive", {}, status="running")
+    bare_store.update_run(alive, pid=os.getpid(), host=this_host(), heartbeat_at=time.time() - 99)
+    assert reap(bare_store) == [rid]
+    run = bare_store.get_run(rid)
+    assert run["status"] == "crashed" and "CUDA out of memory" in run["error"]
+    assert bare_store.get_run(alive)["status"] == "running"  # a live pid on this host is trusted
+    assert [e["kind"] for e in bare_store.events(rid)] == ["crash"]
+    assert reap(bare_store) == []
+
+
+def test_reap_uses_the_heartbeat_for_other_hosts(bare_store):
+    old = bare_store.create_run("old", {}, status="running")
+    fresh = bare_store.create_run("fresh", {}, status="stopping")
+    bare_store.update_run(old, host="elsewhere", pid=1, heartbeat_at=time.time() - 11)
+    bare_store.update_run(fresh, host="elsewhere", pid=1, heartbeat_at=time.time() - 1)
+    assert reap(bare_store) == [old]
+    assert bare_store.get_run(old)["status"] == "crashed"
+    assert "heartbeat" in bare_store.get_run(old)["error"]
+    assert bare_store.get_run(fresh)["status"] == "stopping"
+
+
+def test_this_process_identifies_this_process_and_not_a_reused_pid():
+    import psutil
+
+    me = this_process()
+    assert me["pid"] == os.getpid() and me["host"] == this_host()
+    assert me["pid_started"] == pytest.approx(psutil.Process().create_time(), abs=1e-3)
+    assert pid_alive(me["pid"], me["pid_started"])
+    assert not pid_alive(me["pid"], me["pid_started"] - 60)  # same pid, another process
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert not pid_alive(p.pid) and process_start_time(p.pid) is None
+
+
 def test_resume_and_stop_refuse_wrong_states(store):
     rid = store.create_run("r", {}, status="finished")
     with pytest.raises(LaunchError, match="only stopped or crashed"):
@@ -244,7 +302,7 @@ def test_kill9_crash_then_resume_stop_and_reap(store):
     os.kill(run["supervisor_pid"], signal.SIGKILL)
     os.kill(run["pid"], signal.SIGKILL)
     t_kill = time.time()
-    wait_for(lambda: rid in st.reap(), 10, "reap to mark the run crashed")
+    wait_for(lambda: rid in reap(st), 10, "reap to mark the run crashed")
     assert time.time() - t_kill < 10
     run = st.get_run(rid)
     assert run["status"] == "crashed" and "process is gone" in run["error"]

@@ -1,4 +1,4 @@
-"""Run store: schema, sink batching, queries, crash reaping, concurrency, foreign files."""
+"""Run store: schema, sink batching, queries, concurrency, foreign files."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from comera_engine.store import (
     StoreError,
     StoreSink,
     default_store_path,
+    schema,
 )
-from comera_engine.store import db as dbmod
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_create_false_refuses_missing_store(tmp_path):
 def test_schema_version_wal_and_marker(store):
     con = sqlite3.connect(store.path)
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert con.execute("PRAGMA application_id").fetchone()[0] == dbmod.APPLICATION_ID
+    assert con.execute("PRAGMA application_id").fetchone()[0] == schema.APPLICATION_ID
     assert [r[0] for r in con.execute("SELECT version FROM schema_version")] == [SCHEMA_VERSION]
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"runs", "metrics", "rank_snapshots", "events", "artifacts"} <= tables
@@ -146,7 +146,7 @@ def test_a_connection_collected_while_the_count_lock_is_held_does_not_deadlock(t
         """
         import faulthandler, gc, sys
         from pathlib import Path
-        from comera_engine.store import RunStore, db
+        from comera_engine.store import RunStore, connection as db
 
         faulthandler.dump_traceback_later(30, exit=True)
         path = Path(sys.argv[1])
@@ -232,6 +232,39 @@ def test_store_sink_is_a_metrics_sink_and_counts_exactly(store, tmp_path):
     assert store.events(rid, since_id=ev["id"]) == []
     (art,) = store.artifacts(rid)
     assert art["size"] == 1234 and art["exists"] and art["path"] == str(ck)
+
+
+def test_sink_records_the_process_it_is_given_only_when_no_pid_is_known(store):
+    rid = store.create_run("r", {})
+    me = {"pid": 4242, "pid_started": 1234.5, "host": "trainer-host"}
+    with StoreSink(store, rid, process=me) as sink:
+        sink.set_status("running")
+    run = store.get_run(rid)
+    assert {k: run[k] for k in me} == me
+    other = store.create_run("supervised", {})
+    store.update_run(other, pid=77, pid_started=9.0, host="h")  # the supervisor's record
+    with StoreSink(store, other, process=me) as sink:
+        sink.set_status("running")
+    run = store.get_run(other)
+    assert (run["pid"], run["pid_started"], run["host"]) == (77, 9.0, "h")
+
+
+def test_the_store_imports_neither_psutil_nor_the_launcher():
+    """Process liveness is the launcher's: the store (and its sink) load without psutil and
+    without comera_engine.launch (which imports the store: no cycle)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import comera_engine.store
+        print(sorted(m for m in sys.modules if m == "psutil" or m.startswith(
+            ("comera_engine.launch", "torch"))))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_sink_writes_in_background_within_flush_interval(store):
@@ -389,37 +422,6 @@ def test_claim_queued_respects_the_limit(store):
     assert store.claim_queued() is None
 
 
-# ------------------------------------------------------------------------------ reaping
-
-
-def test_reap_marks_a_dead_pid_on_this_host_with_its_log_tail(store):
-    rid = store.create_run("r", {}, status="running")
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    store.update_run(rid, pid=p.pid, host=dbmod.this_host(), heartbeat_at=time.time())
-    store.run_dir(rid).mkdir()
-    store.log_path(rid).write_text("step 10\nRuntimeError: CUDA out of memory\n")
-    alive = store.create_run("alive", {}, status="running")
-    store.update_run(alive, pid=os.getpid(), host=dbmod.this_host(), heartbeat_at=time.time() - 99)
-    assert store.reap() == [rid]
-    run = store.get_run(rid)
-    assert run["status"] == "crashed" and "CUDA out of memory" in run["error"]
-    assert store.get_run(alive)["status"] == "running"  # a live pid on this host is trusted
-    assert [e["kind"] for e in store.events(rid)] == ["crash"]
-    assert store.reap() == []
-
-
-def test_reap_uses_the_heartbeat_for_other_hosts(store):
-    old = store.create_run("old", {}, status="running")
-    fresh = store.create_run("fresh", {}, status="stopping")
-    store.update_run(old, host="elsewhere", pid=1, heartbeat_at=time.time() - 11)
-    store.update_run(fresh, host="elsewhere", pid=1, heartbeat_at=time.time() - 1)
-    assert store.reap() == [old]
-    assert store.get_run(old)["status"] == "crashed"
-    assert "heartbeat" in store.get_run(old)["error"]
-    assert store.get_run(fresh)["status"] == "stopping"
-
-
 # ------------------------------------------------------------------------------ migrations
 
 
@@ -432,8 +434,8 @@ def test_migrations_upgrade_an_older_store_in_place(tmp_path, monkeypatch):
     def to_2(c: sqlite3.Connection) -> None:
         c.execute("ALTER TABLE runs ADD COLUMN tags TEXT")
 
-    monkeypatch.setattr(dbmod, "MIGRATIONS", [*dbmod.MIGRATIONS, (2, to_2)])
-    monkeypatch.setattr(dbmod, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (2, to_2)])
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
     st2 = RunStore(path)
     assert st2.get_run(rid)["name"] == "kept" and "tags" in st2.get_run(rid)
     versions = st2.read(lambda c: [r[0] for r in c.execute("SELECT version FROM schema_version")])
@@ -456,20 +458,26 @@ def test_newer_schema_is_refused_untouched(tmp_path):
 # ------------------------------------------------------------------------------ foreign files
 
 
-def _foreign_sqlite(p: Path) -> None:
+def _sqlite_file(p: Path, *statements: str) -> None:
     con = sqlite3.connect(p)
-    con.execute("CREATE TABLE customers (id INTEGER, name TEXT)")
-    con.execute("INSERT INTO customers VALUES (1, 'ada')")
+    for sql in statements:
+        con.execute(sql)
     con.commit()
     con.close()
+
+
+def _foreign_sqlite(p: Path) -> None:
+    _sqlite_file(
+        p,
+        "CREATE TABLE customers (id INTEGER, name TEXT)",
+        "INSERT INTO customers VALUES (1, 'ada')",
+    )
 
 
 def _other_app(p: Path) -> None:
-    con = sqlite3.connect(p)
-    con.execute("PRAGMA application_id = 1234")
-    con.execute("CREATE TABLE comera_meta (key TEXT, value TEXT)")
-    con.commit()
-    con.close()
+    _sqlite_file(
+        p, "PRAGMA application_id = 1234", "CREATE TABLE comera_meta (key TEXT, value TEXT)"
+    )
 
 
 def _garbage(p: Path) -> None:

@@ -9,6 +9,7 @@ import streamlit as st
 
 from app.lib import runs
 from app.lib.defaults import default_config
+from comera_engine.launch import reap as reap_dead_runs
 from comera_engine.store import RunStore
 
 HOME_PAGE = "views/overview.py"
@@ -77,7 +78,7 @@ def reap(store: RunStore, every: float = 5.0) -> None:
     if now - last >= every:
         st.session_state["_last_reap"] = now
         try:
-            store.reap()
+            reap_dead_runs(store)
         except Exception:  # noqa: BLE001 - a busy store must not break a page
             pass
 

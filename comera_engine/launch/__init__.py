@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -29,13 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.errors import ConfigError
+from comera_engine.launch.liveness import pid_alive, processes_alive, reap, this_host
 from comera_engine.store import (
     FINAL_STATUSES,
     RESUMABLE_STATUSES,
     RunStore,
-    pid_alive,
+    list_checkpoints,
+    new_run_id,
+    read_log_tail,
 )
-from comera_engine.store.db import new_run_id, read_log_tail, this_host
 
 __all__ = [
     "LaunchError",
@@ -45,6 +46,7 @@ __all__ = [
     "launch",
     "logs",
     "open_store",
+    "reap",
     "resolve_config",
     "resume",
     "set_max_concurrent",
@@ -55,7 +57,9 @@ __all__ = [
 DEFAULT_STOP_TIMEOUT = 60.0
 CONFIG_FILENAME = "config.toml"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-_CKPT_NAME = re.compile(r"^step_(\d{6,})\.json$")
+#: What a requeued run (a resume) starts afresh; ``queued_at`` and ``resume_pending`` are
+#: set beside these.
+_REQUEUE_CLEARS = dict.fromkeys(("dispatched_at", "ended_at", "exit_code", "stop_deadline"))
 
 
 class LaunchError(ValueError):
@@ -192,10 +196,10 @@ def dispatch(store: RunStore | str | os.PathLike[str] | None = None) -> list[str
 
 def housekeeping(store: RunStore | str | os.PathLike[str] | None = None) -> dict[str, list[str]]:
     """What a poller (``comera runs``, the dashboard) should call now and then: mark dead
-    runs crashed (:meth:`RunStore.reap`) and start queued runs that fit
+    runs crashed (:func:`~comera_engine.launch.liveness.reap`) and start queued runs that fit
     (:func:`dispatch`), e.g. after a reboot left no supervisor to do it."""
     st = open_store(store)
-    return {"crashed": st.reap(), "started": dispatch(st)}
+    return {"crashed": reap(st), "started": dispatch(st)}
 
 
 def child_env(gpus: str | None = None) -> dict[str, str]:
@@ -248,15 +252,7 @@ def _spawn_supervisor(st: RunStore, rid: str) -> None:
 
 def checkpoint_steps(run_dir: str | os.PathLike[str]) -> list[int]:
     """Steps of the complete checkpoints in ``<run_dir>/checkpoints/``, oldest first."""
-    d = Path(run_dir) / "checkpoints"
-    if not d.is_dir():
-        return []
-    steps = []
-    for p in d.iterdir():
-        m = _CKPT_NAME.match(p.name)
-        if m and p.with_suffix(".safetensors").is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return [step for step, _ in list_checkpoints(Path(run_dir) / "checkpoints")]
 
 
 def signal_group(pid: int | None, sig: int) -> bool:
@@ -317,7 +313,7 @@ def stop(
     """
     st = open_store(store)
     rid = st.resolve(run_id)
-    st.reap()
+    reap(st)
     run = st.get_run(rid)
     assert run is not None
     if run["status"] in FINAL_STATUSES:
@@ -364,18 +360,10 @@ def stop(
         time.sleep(0.1)
 
 
-def _processes_alive(run: Mapping[str, Any]) -> bool:
-    if run.get("host") and run["host"] != this_host():
-        return False
-    return pid_alive(run.get("pid"), run.get("pid_started")) or pid_alive(
-        run.get("supervisor_pid")
-    )
-
-
 def _wait_gone(run: Mapping[str, Any], timeout: float) -> bool:
     """Wait until the run's trainer and supervisor processes have exited."""
     t0 = time.monotonic()
-    while _processes_alive(run):
+    while processes_alive(run):
         if time.monotonic() - t0 > timeout:
             return False
         time.sleep(0.05)
@@ -388,7 +376,7 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     replaced). Returns the run id; the run is queued and started like a new one."""
     st = open_store(store)
     rid = st.resolve(run_id)
-    st.reap()
+    reap(st)
     run = st.get_run(rid)
     assert run is not None
     if run["status"] not in RESUMABLE_STATUSES:
@@ -399,18 +387,14 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
         raise LaunchError(f"run: {rid} still has a live process (pid {run['pid']}); try again")
     if not (st.run_dir(rid) / CONFIG_FILENAME).is_file():
         raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {st.run_dir(rid)}")
-    now = time.time()
     ok = st.set_status(
         rid,
         "queued",
         None,
         only_from=tuple(RESUMABLE_STATUSES),
-        queued_at=now,
-        dispatched_at=None,
-        ended_at=None,
-        exit_code=None,
-        stop_deadline=None,
+        queued_at=time.time(),
         resume_pending=1,
+        **_REQUEUE_CLEARS,
     )
     if not ok:
         raise LaunchError(f"run: {rid} changed status while resuming; try again")

@@ -20,12 +20,13 @@ from comera_engine.launch import (
     launch,
     logs,
     open_store,
+    reap,
     resume,
     stop,
 )
 from comera_engine.store import FINAL_STATUSES, RunStore, resolve_store_path
 
-__all__ = ["add_subparsers", "main"]
+__all__ = ["add_override_option", "add_subparsers", "main"]
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,20 @@ def _add_store(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_override_option(p: argparse.ArgumentParser) -> None:
+    """``--set SECTION.KEY=VALUE`` (repeatable) into ``args.overrides``, for every command
+    that reads a run config (``comera train``, ``comera launch``)."""
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable; the value is read as TOML), "
+        "e.g. --set train.steps=500",
+    )
+
+
 def add_subparsers(subparsers: Any) -> None:
     """Register ``launch``, ``runs``, ``logs``, ``stop`` and ``resume`` on an argparse
     subparsers object."""
@@ -44,14 +59,7 @@ def add_subparsers(subparsers: Any) -> None:
         "launch", help="start a training run in the background and print its id"
     )
     p.add_argument("config", help="TOML run config")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable), e.g. --set train.steps=500",
-    )
+    add_override_option(p)
     p.add_argument("--name", default=None, help="run name (default: the config's name)")
     p.add_argument(
         "--gpus", default=None, help="CUDA_VISIBLE_DEVICES for this run, e.g. 0 or 0,1"
@@ -223,7 +231,7 @@ def _follow(st: RunStore, rid: str, tail: int | None) -> int:
             quiet_since = None
         else:
             run = st.get_run(rid)
-            st.reap()
+            reap(st)
             if run is None or run["status"] in FINAL_STATUSES:
                 if quiet_since is None:
                     quiet_since = time.monotonic()

@@ -28,8 +28,8 @@ from comera_engine.launch import (
     send_stop_signal,
     signal_group,
 )
-from comera_engine.store import FINAL_STATUSES, RunStore, StoreError
-from comera_engine.store.db import extract_traceback, process_start_time, this_host
+from comera_engine.launch.liveness import process_start_time, this_host
+from comera_engine.store import FINAL_STATUSES, RunStore, StoreError, extract_traceback
 
 POLL_S = 0.1
 STATUS_EVERY_S = 0.3

@@ -1,5 +1,13 @@
 """SQLite run store (WAL), the batched :class:`StoreSink` and the dashboard's query API.
 
+Modules: ``layout`` (where the file and the run folders are, reading a run's log and
+checkpoints), ``schema`` (tables, migrations, recognising a store file), ``connection``
+(WAL, busy retries, the per-file connection count), ``runs`` (run rows and status
+transitions), ``metrics`` (what a run logs, batched writes, reads for plots),
+``run_store`` (:class:`RunStore`, made of those) and ``sink`` (:class:`StoreSink`).
+Whether a run's process is alive, and marking dead runs crashed, is the launcher's
+(:mod:`comera_engine.launch.liveness`).
+
 >>> store = RunStore()                       # $COMERA_HOME/comera.db or ./runs/comera.db
 >>> rid = store.create_run("digits", {"model": {"kind": "tt_mlp"}})
 >>> with StoreSink(store, rid) as sink:      # a comera_engine.metrics.MetricsSink
@@ -12,25 +20,26 @@
 
 from __future__ import annotations
 
-from comera_engine.store.db import (
-    ACTIVE_STATUSES,
+from comera_engine.store.errors import RunNotFoundError, StoreError
+from comera_engine.store.layout import (
     DB_FILENAME,
-    FINAL_STATUSES,
-    HEARTBEAT_TIMEOUT_S,
     LOG_FILENAME,
-    MIGRATIONS,
-    RESUMABLE_STATUSES,
-    SCHEMA_VERSION,
-    STATUSES,
-    RunNotFoundError,
-    RunStore,
-    StoreError,
     default_store_path,
     extract_traceback,
-    pid_alive,
+    list_checkpoints,
     read_log_tail,
     resolve_store_path,
 )
+from comera_engine.store.run_store import RunStore
+from comera_engine.store.runs import (
+    ACTIVE_STATUSES,
+    FINAL_STATUSES,
+    HEARTBEAT_TIMEOUT_S,
+    RESUMABLE_STATUSES,
+    STATUSES,
+    new_run_id,
+)
+from comera_engine.store.schema import MIGRATIONS, SCHEMA_VERSION
 from comera_engine.store.sink import StoreSink
 
 __all__ = [
@@ -49,7 +58,8 @@ __all__ = [
     "StoreSink",
     "default_store_path",
     "extract_traceback",
-    "pid_alive",
+    "list_checkpoints",
+    "new_run_id",
     "read_log_tail",
     "resolve_store_path",
 ]

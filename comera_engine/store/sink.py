@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from comera_engine.store.db import (
-    FINAL_STATUSES,
-    RunNotFoundError,
-    RunStore,
-    _artifact_row,
-    _metric_value,
-    process_start_time,
-    this_host,
-)
+from comera_engine.store.errors import RunNotFoundError
+from comera_engine.store.metrics import artifact_row, metric_value
+from comera_engine.store.run_store import RunStore
+from comera_engine.store.runs import FINAL_STATUSES
 
 
 class StoreSink:
@@ -33,6 +30,12 @@ class StoreSink:
     or later (left by an earlier attempt of a resumed run) are deleted in the same
     transaction as the first insert, so a resumed run has exactly one row per
     ``(step, name)``.
+
+    ``process``: the run columns that identify this process (``pid``, and ``host``,
+    ``pid_started`` if known), recorded with ``running`` when the run has no pid yet, so
+    the launcher can tell whether it is alive; by default this process's pid and host (the
+    trainer passes :func:`comera_engine.launch.liveness.this_process`, which adds the
+    start time).
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class StoreSink:
         *,
         heartbeat: bool = True,
         rewind: bool = True,
+        process: Mapping[str, Any] | None = None,
     ) -> None:
         self._own_store = not isinstance(store, RunStore)
         self.store = store if isinstance(store, RunStore) else RunStore(store, create=False)
@@ -51,6 +55,7 @@ class StoreSink:
         self.run_id = run_id
         self.flush_every = float(flush_every)
         self._heartbeat = heartbeat
+        self._process = dict(process or {"pid": os.getpid(), "host": socket.gethostname()})
         self._rewind_pending = rewind
         self._first_step: int | None = None
         self._lock = threading.Lock()  # guards the buffers
@@ -83,7 +88,7 @@ class StoreSink:
         try:
             rows = [(step, k, float(v), t) for k, v in metrics.items()]
         except (TypeError, ValueError):  # name the offending metric
-            rows = [(step, str(k), _metric_value(k, v), t) for k, v in metrics.items()]
+            rows = [(step, str(k), metric_value(k, v), t) for k, v in metrics.items()]
         with self._lock:
             if self._first_step is None:
                 self._first_step = step
@@ -106,7 +111,7 @@ class StoreSink:
     def log_artifact(self, kind: str, path: str | os.PathLike[str]) -> None:
         """Record a file; a checkpoint is written through at once (with everything logged
         before it), so the store is never far behind the newest checkpoint on disk."""
-        row = _artifact_row(kind, path)
+        row = artifact_row(kind, path)
         with self._lock:
             self._artifacts.append(row)
         if kind == "checkpoint":
@@ -119,9 +124,9 @@ class StoreSink:
         """Flush and set the status in one transaction.
 
         ``running`` only applies to a queued or running run (a pending stop request
-        wins) and records this process's pid and host when none are known. A final status
-        applies unless another final status is already set (``crashed`` may be corrected
-        by the trainer itself).
+        wins) and records ``process`` (this process's pid and host) when no pid is known.
+        A final status applies unless another final status is already set (``crashed``
+        may be corrected by the trainer itself).
         """
         if status == "running":
             only: tuple[str, ...] = ("queued", "running")
@@ -133,10 +138,7 @@ class StoreSink:
         if status == "running":
             run = self.store.get_run(self.run_id)
             if run is not None and not run["pid"]:
-                pid = os.getpid()
-                self.store.update_run(
-                    self.run_id, pid=pid, pid_started=process_start_time(pid), host=this_host()
-                )
+                self.store.update_run(self.run_id, **self._process)
 
     def flush(self) -> None:
         self._flush()

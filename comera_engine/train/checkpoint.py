@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-_NAME = re.compile(r"^step_(\d{6,})\.json$")
+# complete checkpoints as (step, sidecar path), oldest first; torch-free, so the launcher
+# and the supervisor list them too
+from comera_engine.store.layout import list_checkpoints
 
 
 def checkpoint_paths(ckpt_dir: str | Path, step: int) -> tuple[Path, Path]:
@@ -77,19 +78,6 @@ def save_checkpoint(
     os.replace(tmp_meta, meta_path)
     _prune(ckpt_dir, keep, protect=step)
     return tensor_path
-
-
-def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints as ``(step, sidecar path)``, oldest first."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = []
-    for path in ckpt_dir.iterdir():
-        match = _NAME.match(path.name)
-        if match and path.with_suffix(".safetensors").is_file():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:

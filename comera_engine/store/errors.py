@@ -1,0 +1,11 @@
+"""The run store's errors (both are ``ValueError``s, so the CLI prints them as one line)."""
+
+from __future__ import annotations
+
+
+class StoreError(ValueError):
+    """The run store cannot be used: foreign or corrupt file, newer schema, unknown run."""
+
+
+class RunNotFoundError(StoreError):
+    """No run matches the given id, id prefix or name."""

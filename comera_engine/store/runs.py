@@ -1,0 +1,360 @@
+"""Run rows: create, status transitions, the queue, and queries over runs.
+
+Lifecycle: ``queued → running → (stopping →) finished | stopped | failed | diverged |
+crashed``. Each status change is one conditional update (``only_from`` the statuses it may
+leave, ``where`` columns such as the attempt still equal), so a stale process cannot move
+a run that has gone on. The run folder of run ``id`` is ``<store dir>/<id>/``.
+Whether a run's process is alive is the launcher's business
+(:mod:`comera_engine.launch.liveness`); the store records what it decides.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from comera_engine.store.connection import Database
+from comera_engine.store.errors import RunNotFoundError, StoreError
+from comera_engine.store.layout import LOG_FILENAME, run_folder
+
+#: Every status a run can have.
+STATUSES = (
+    "queued",
+    "running",
+    "stopping",
+    "finished",
+    "stopped",
+    "failed",
+    "diverged",
+    "crashed",
+)
+#: Statuses after which no process works on the run.
+FINAL_STATUSES = frozenset({"finished", "stopped", "failed", "diverged", "crashed"})
+#: Statuses of a run that has (or should have) a live process.
+ACTIVE_STATUSES = frozenset({"running", "stopping"})
+#: Statuses a run can be resumed from.
+RESUMABLE_STATUSES = frozenset({"stopped", "crashed"})
+
+#: A run on another host (or without a pid) is crashed when its heartbeat is older (the
+#: sink beats every 0.5 s, the supervisor every 2 s: a dead run is marked within 10 s).
+HEARTBEAT_TIMEOUT_S = 8.0
+
+#: Runs that have, or are about to have, a process: running, stopping, or dispatched.
+_ACTIVE_WHERE = (
+    "status IN ('running', 'stopping') OR (status = 'queued' AND dispatched_at IS NOT NULL)"
+)
+
+_RUN_COLUMNS = frozenset(
+    {
+        "name",
+        "config",
+        "status",
+        "queued_at",
+        "dispatched_at",
+        "started_at",
+        "ended_at",
+        "heartbeat_at",
+        "pid",
+        "pid_started",
+        "supervisor_pid",
+        "host",
+        "cwd",
+        "device",
+        "gpus",
+        "nproc",
+        "attempt",
+        "resume_pending",
+        "stop_deadline",
+        "exit_code",
+        "last_step",
+        "error",
+    }
+)
+
+
+def new_run_id() -> str:
+    """Sortable, unique-enough id: ``YYYYmmdd-HHMMSS-xxxx``."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def _check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"status: must be one of {', '.join(STATUSES)}, got {status!r}")
+
+
+def _check_columns(fields: Iterable[str]) -> None:
+    bad = sorted(set(fields) - _RUN_COLUMNS)
+    if bad:
+        raise ValueError(f"{bad[0]}: not a run field")
+
+
+def _escape_like(text: str) -> str:
+    """``text`` with LIKE's wildcards escaped (for ``ESCAPE '\\'``)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def set_status_in(
+    c: sqlite3.Connection,
+    run_id: str,
+    status: str,
+    error: str | None,
+    only_from: tuple[str, ...] | None,
+    fields: Mapping[str, Any],
+    where: Mapping[str, Any] | None = None,
+) -> bool:
+    """Set a run's status inside the caller's transaction; see :meth:`RunRows.set_status`.
+
+    A final status sets ``ended_at`` and ``error``; ``queued`` (or any given error) sets
+    ``error``; the first ``running`` sets ``started_at``. Returns whether it changed."""
+    cur = c.cursor()
+    cur.row_factory = sqlite3.Row
+    row = cur.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+    if row is None:
+        raise RunNotFoundError(f"run: no run {run_id!r}")
+    current, started = row["status"], row["started_at"]
+    if only_from is not None and current not in only_from:
+        return False
+    if where and any(row[k] != v for k, v in where.items()):
+        return False
+    now = time.time()
+    sets: dict[str, Any] = {"status": status, "updated_at": now}
+    if status in FINAL_STATUSES:
+        sets["ended_at"] = now
+        sets["error"] = error
+    elif status == "queued" or error is not None:
+        sets["error"] = error
+    if status == "running" and started is None:
+        sets["started_at"] = now
+    sets.update(fields)
+    cols = ", ".join(f"{k} = ?" for k in sets)
+    c.execute(f"UPDATE runs SET {cols} WHERE id = ?", (*sets.values(), run_id))
+    return True
+
+
+def _run_dict(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    try:
+        d["config"] = json.loads(d["config"])
+    except (TypeError, ValueError):
+        pass
+    d["resume_pending"] = bool(d.get("resume_pending"))
+    return d
+
+
+class RunRows(Database):
+    """The ``runs`` table and the run folders (a part of :class:`~comera_engine.store.RunStore`)."""
+
+    # ---- paths -----------------------------------------------------------------------
+
+    def run_dir(self, run_id: str) -> Path:
+        """The run folder ``<store dir>/<run_id>/`` (not created here)."""
+        return run_folder(self.root, run_id)
+
+    def log_path(self, run_id: str) -> Path:
+        """The trainer's stdout/stderr log, ``<run_dir>/train.log``."""
+        return self.run_dir(run_id) / LOG_FILENAME
+
+    # ---- writes ----------------------------------------------------------------------
+
+    def create_run(
+        self,
+        name: str,
+        config: Mapping[str, Any],
+        status: str = "queued",
+        *,
+        device: str | None = None,
+        gpus: str | None = None,
+        nproc: int = 1,
+        cwd: str | None = None,
+        run_id: str | None = None,
+    ) -> str:
+        """Insert a run and return its id (``YYYYmmdd-HHMMSS-xxxx`` unless given)."""
+        _check_status(status)
+        config_json = json.dumps(dict(config), default=str)
+        for _ in range(20):
+            rid = run_id or new_run_id()
+            self.run_dir(rid)  # validates the id
+            now = time.time()
+
+            def ins(c: sqlite3.Connection, rid: str = rid, now: float = now) -> bool:
+                if c.execute("SELECT 1 FROM runs WHERE id = ?", (rid,)).fetchone():
+                    return False
+                c.execute(
+                    "INSERT INTO runs (id, name, config, status, created_at, updated_at, "
+                    "queued_at, started_at, device, gpus, nproc, cwd) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        rid,
+                        name,
+                        config_json,
+                        status,
+                        now,
+                        now,
+                        now if status == "queued" else None,
+                        now if status == "running" else None,
+                        device,
+                        gpus,
+                        int(nproc),
+                        cwd,
+                    ),
+                )
+                return True
+
+            if self.write(ins):
+                return rid
+            if run_id is not None:
+                raise StoreError(f"run_id: run {run_id!r} already exists")
+        raise StoreError("run_id: could not allocate a unique run id")  # pragma: no cover
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        """Set run columns (``config`` may be a dict). Unknown columns raise ValueError."""
+        if not fields:
+            return
+        _check_columns(fields)
+        if "status" in fields and fields["status"] not in STATUSES:
+            raise ValueError(f"status: must be one of {', '.join(STATUSES)}")
+        if isinstance(fields.get("config"), Mapping):
+            fields["config"] = json.dumps(dict(fields["config"]), default=str)
+        fields["updated_at"] = time.time()
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self.write(
+            lambda c: c.execute(f"UPDATE runs SET {cols} WHERE id = ?", (*fields.values(), run_id))
+        )
+
+    def set_status(
+        self,
+        run_id: str,
+        status: str,
+        error: str | None = None,
+        *,
+        only_from: Iterable[str] | None = None,
+        where: Mapping[str, Any] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """Set a run's status (and ``error``), optionally only when its current status is in
+        ``only_from`` and its columns equal ``where`` (e.g. ``{"attempt": 2}``, so a stale
+        process cannot change a newer attempt). Keeps ``started_at`` / ``ended_at`` right.
+        Other keyword arguments set run columns too. Returns whether it changed."""
+        _check_status(status)
+        _check_columns(fields)
+        allowed = tuple(only_from) if only_from is not None else None
+
+        def upd(c: sqlite3.Connection) -> bool:
+            return set_status_in(c, run_id, status, error, allowed, fields, where)
+
+        return self.write(upd)
+
+    def heartbeat(self, run_id: str) -> None:
+        now = time.time()
+        self.write(
+            lambda c: c.execute("UPDATE runs SET heartbeat_at = ? WHERE id = ?", (now, run_id))
+        )
+
+    def delete_run(self, run_id: str, remove_files: bool = False) -> None:
+        """Delete a run and all its rows (and its folder when ``remove_files``)."""
+
+        def rm(c: sqlite3.Connection) -> None:
+            for t in ("metrics", "metric_names", "rank_snapshots", "events", "artifacts"):
+                c.execute(f"DELETE FROM {t} WHERE run_id = ?", (run_id,))
+            c.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+
+        self.write(rm)
+        if remove_files:
+            shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
+
+    def claim_queued(self, max_active: int | None = None) -> str | None:
+        """Atomically pick the oldest queued, undispatched run while fewer than
+        ``max_active`` runs are active (running, stopping or dispatched); mark it
+        dispatched and return its id, else ``None``."""
+
+        def claim(c: sqlite3.Connection) -> str | None:
+            if max_active:
+                (n,) = c.execute(f"SELECT COUNT(*) FROM runs WHERE {_ACTIVE_WHERE}").fetchone()
+                if n >= max_active:
+                    return None
+            row = c.execute(
+                "SELECT id FROM runs WHERE status = 'queued' AND dispatched_at IS NULL "
+                "ORDER BY queued_at, created_at LIMIT 1"
+            ).fetchone()
+            if row is None:
+                return None
+            now = time.time()
+            c.execute(
+                "UPDATE runs SET dispatched_at = ?, updated_at = ?, pid = NULL, "
+                "pid_started = NULL, supervisor_pid = NULL, heartbeat_at = NULL, "
+                "exit_code = NULL, stop_deadline = NULL WHERE id = ?",
+                (now, now, row[0]),
+            )
+            return str(row[0])
+
+        return self.write(claim)
+
+    # ---- queries ---------------------------------------------------------------------
+
+    def get_run(self, run_id: str) -> dict[str, Any] | None:
+        """The run as a dict (``config`` parsed), or ``None``."""
+        rows = self._rows("SELECT * FROM runs WHERE id = ?", (run_id,))
+        return _run_dict(rows[0]) if rows else None
+
+    def active_runs(self) -> list[dict[str, Any]]:
+        """Runs that have, or are about to have, a process: running, stopping, or queued
+        and already dispatched to a supervisor (what the launcher checks for crashes)."""
+        return [_run_dict(r) for r in self._rows(f"SELECT * FROM runs WHERE {_ACTIVE_WHERE}")]
+
+    def resolve(self, ref: str) -> str:
+        """A run id from an id, a unique id prefix or a unique run name."""
+        if self.get_run(ref) is not None:
+            return ref
+        like = _escape_like(ref) + "%"
+        ids = [r[0] for r in self._rows("SELECT id FROM runs WHERE id LIKE ? ESCAPE '\\'", (like,))]
+        if len(ids) == 1:
+            return ids[0]
+        if len(ids) > 1:
+            raise RunNotFoundError(f"run: {ref!r} matches {len(ids)} runs; give more of the id")
+        named = self._rows("SELECT id FROM runs WHERE name = ? ORDER BY created_at DESC", (ref,))
+        if len(named) == 1:
+            return named[0][0]
+        if len(named) > 1:
+            raise RunNotFoundError(
+                f"run: {len(named)} runs are named {ref!r}; use the run id "
+                f"(latest: {named[0][0]})"
+            )
+        raise RunNotFoundError(f"run: no run {ref!r} in {self.path}")
+
+    def list_runs(
+        self,
+        status: str | Iterable[str] | None = None,
+        name_like: str | None = None,
+        *,
+        since: float | None = None,
+        limit: int | None = None,
+        newest_first: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Runs, newest first, filtered by status(es), a name substring (case-insensitive)
+        and creation time (epoch seconds)."""
+        where: list[str] = []
+        params: list[Any] = []
+        if status is not None:
+            sts = [status] if isinstance(status, str) else list(status)
+            where.append(f"status IN ({', '.join('?' * len(sts))})")
+            params.extend(sts)
+        if name_like:
+            where.append("name LIKE ? ESCAPE '\\'")
+            params.append(f"%{_escape_like(name_like)}%")
+        if since is not None:
+            where.append("created_at >= ?")
+            params.append(float(since))
+        sql = "SELECT * FROM runs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += f" ORDER BY created_at {'DESC' if newest_first else 'ASC'}, id"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(int(limit))
+        return [_run_dict(r) for r in self._rows(sql, params)]
