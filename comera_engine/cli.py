@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from comera_engine.train.config import load_config, to_toml
+    from comera_engine.config import load_config, to_toml
 
     if bool(args.store) != bool(args.run_id):
         raise ConfigError("--store", "give --store and --run-id together")

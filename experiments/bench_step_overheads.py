@@ -62,7 +62,7 @@ def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
 
 
 def run(preset: str, rounds: int, reps: int) -> list[dict]:
-    from comera_engine.train.config import CoMERAConfig
+    from comera_engine.config import CoMERAConfig
     from comera_engine.train.tt import CoMERAState
 
     rows = []

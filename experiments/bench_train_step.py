@@ -44,8 +44,8 @@ VOCAB, SEQ, CLASSES = 30522, 128, 3
 def build_transformer(preset: str, dense: bool) -> Any:
     """The six-encoder classifier (CoMERA or its dense baseline) for synthetic NLI
     batches: vocabulary 30522, sequence 128, 3 classes."""
+    from comera_engine.config import ModelConfig
     from comera_engine.models import build_model
-    from comera_engine.train.config import ModelConfig
 
     class Data:  # what build_model needs to know about the dataset
         name, task, meta = "synthetic", "nli", {}
@@ -61,8 +61,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     import psutil
     import torch
 
+    from comera_engine.config import CoMERAConfig
     from comera_engine.models import TaskModel
-    from comera_engine.train.config import CoMERAConfig
     from comera_engine.train.step import GraphedStep, TrainStep
     from comera_engine.train.tt import CoMERAState
 

@@ -11,8 +11,8 @@ import pytest
 import tomllib
 
 from comera_engine.cli import main
+from comera_engine.config import Config, config_from_dict, load_config, parse_value, to_toml
 from comera_engine.errors import ConfigError
-from comera_engine.train.config import Config, config_from_dict, load_config, parse_value, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "experiments" / "configs").glob("*.toml"))

@@ -20,6 +20,7 @@ from torch import nn
 
 import comera_engine
 from comera_engine import size_report, tensorize
+from comera_engine.config import ModelConfig
 from comera_engine.errors import ConfigError
 from comera_engine.export import (
     BadExportFile,
@@ -31,7 +32,6 @@ from comera_engine.export import (
 )
 from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
 from comera_engine.models import build_model
-from comera_engine.train.config import ModelConfig
 
 SPECS = {
     "tt_mlp": dict(name="digits", task="classification", num_classes=10, vocab_size=None,
@@ -303,9 +303,9 @@ def test_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """A few training steps of the TT MLP on digits, in a run store's run folder."""
+    from comera_engine.config import config_from_dict
     from comera_engine.data import build_dataset
     from comera_engine.store import RunStore
-    from comera_engine.train.config import config_from_dict
     from comera_engine.train.loop import train
 
     root = tmp_path_factory.mktemp("store")

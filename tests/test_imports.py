@@ -22,11 +22,12 @@ def test_engine_core_imports_and_trains_without_optional_packages() -> None:
         import torch
         import comera_engine
         from comera_engine import TTLinear, TTEmbedding, tensorize, size_report, truncate
-        from comera_engine.rank import CoMERAObjective, RankConfig, param_groups
+        from comera_engine.config import CoMERAConfig
+        from comera_engine.rank import CoMERAObjective, param_groups
         from comera_engine.tensor import explain, factorize
         m = torch.nn.Sequential(TTEmbedding(100, 16, rank=4), TTLinear(16, 8, rank=4))
-        obj = CoMERAObjective(m, RankConfig())
-        loss, _ = obj.objective(m(torch.tensor([[1, 2, 3]])).pow(2).mean())
+        obj = CoMERAObjective(m, CoMERAConfig())
+        loss, _ = obj(m(torch.tensor([[1, 2, 3]])).pow(2).mean())
         loss.backward()
         assert size_report(m)["model"]["compression"] > 1
         assert not any(b in sys.modules for b in blocked)

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from comera_engine.config import ModelConfig
 from comera_engine.errors import ConfigError
 from comera_engine.models import DLRM, TTMLP, TaskModel, build_model, roc_auc
 from comera_engine.models.transformer import TransformerClassifier, TransformerMLM
-from comera_engine.train.config import ModelConfig
 from comera_engine.train.tt import tt_layers
 
 

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from comera_engine import TTLinear
+from comera_engine.config import CoMERAConfig
+from comera_engine.errors import ConfigError
 from comera_engine.rank import (
     CoMERAObjective,
     PlateauDetector,
-    RankConfig,
     RankTracker,
     param_groups,
     refresh_gates,
@@ -45,7 +46,7 @@ def test_early_stage_recovers_planted_ranks() -> None:
         Y = teacher(X)
         Y /= Y.std()
     student = TTLinear(64, 64, rank=8, bias=False)
-    obj = CoMERAObjective(student, RankConfig(gamma=0.2, warmup_steps=300))
+    obj = CoMERAObjective(student, CoMERAConfig(gamma=0.2, gamma_warmup=300))
     opt = torch.optim.AdamW(param_groups(student, lr_cores=3e-3, lr_gates=2e-2))
     tracker = RankTracker(student)
     events = []
@@ -53,7 +54,8 @@ def test_early_stage_recovers_planted_ranks() -> None:
     for step in range(2000):
         idx = torch.randint(0, 4096, (256,))
         f = (student(X[idx]) - Y[idx]).pow(2).mean()
-        loss, _ = obj.objective(f)
+        obj.begin_step(step)
+        loss, _ = obj(f)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -67,6 +69,12 @@ def test_early_stage_recovers_planted_ranks() -> None:
     tracked = tracker.update(step)
     assert {(e.bond, e.new) for e in tracked} == {
         (b, r) for b, (r, a) in enumerate(zip(ranks, [4, 8, 8, 8, 4])) if r != a}
+
+
+def _compression(obj: CoMERAObjective) -> float:
+    """Dense size / effective size, on the objective's scope (host integers)."""
+    scope = obj.cfg.target_scope
+    return obj.dense[scope] / model_sizes(obj.model)[scope]
 
 
 def _digits():
@@ -86,9 +94,9 @@ def test_late_stage_reaches_target_compression(target: float) -> None:
     X, y, tr, te = _digits()
     model = nn.Sequential(TTLinear(64, 256, rank=16), nn.ReLU(), TTLinear(256, 256, rank=16),
                           nn.ReLU(), nn.Linear(256, 10))
-    cfg = RankConfig(gamma=0.02, target_compression=target, target_scope="tensorized")
+    cfg = CoMERAConfig(gamma=0.02, target_compression=target, target_scope="tensorized")
     obj = CoMERAObjective(model, cfg)
-    start = obj.sizes()["compression"]
+    start = _compression(obj)
     assert start < target / 1.1  # the target is not met by the initial ranks
     opt = torch.optim.AdamW(param_groups(model, lr_cores=3e-3, lr_gates=2e-2, lr_dense=3e-3))
     plateau = PlateauDetector(patience=50, rel_tol=1e-2, min_steps=200)
@@ -99,18 +107,19 @@ def test_late_stage_reaches_target_compression(target: float) -> None:
         if obj.stage == "early" and plateau.update(float(f.detach())):
             obj.switch_to_late(plateau.value)
             switched_at = step
-        loss, info = obj.objective(f)
+        obj.begin_step(step)
+        loss, info = obj(f)
         opt.zero_grad()
         loss.backward()
         opt.step()
         refresh_gates(model, step)
-        if reached_at is None and obj.sizes()["compression"] >= 0.95 * target:
+        if reached_at is None and _compression(obj) >= 0.95 * target:
             reached_at = step
         if reached_at is not None and step >= reached_at + 300:  # and it stays there
             break
-    assert reached_at is not None, obj.sizes()["compression"]
+    assert reached_at is not None, _compression(obj)
     assert switched_at is not None and obj.z_f == pytest.approx(plateau.value, rel=0.5)
-    final = obj.sizes()["compression"]
+    final = _compression(obj)
     assert abs(final / target - 1) <= 0.10, (final, target)
     with torch.no_grad():
         acc = (model(X[te]).argmax(1) == y[te]).float().mean().item()
@@ -122,11 +131,11 @@ def test_truncation_mid_training_keeps_next_loss() -> None:
     X, y, tr, _ = _digits()
     model = nn.Sequential(TTLinear(64, 128, rank=12), nn.ReLU(), nn.Linear(128, 10))
     opt = torch.optim.AdamW(param_groups(model, lr_cores=3e-3, lr_gates=2e-2, lr_dense=3e-3))
-    obj = CoMERAObjective(model, RankConfig(gamma=0.05))
+    obj = CoMERAObjective(model, CoMERAConfig(gamma=0.05))
 
     def step(m, o, ob, idx):
         f = nn.functional.cross_entropy(m(X[idx]), y[idx])
-        loss, _ = ob.objective(f)
+        loss, _ = ob(f)
         o.zero_grad()
         loss.backward()
         o.step()
@@ -143,7 +152,7 @@ def test_truncation_mid_training_keeps_next_loss() -> None:
     twin_opt = torch.optim.AdamW(param_groups(twin, lr_cores=3e-3, lr_gates=2e-2,
                                               lr_dense=3e-3))
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # no shared moments
-    twin_obj = CoMERAObjective(twin, RankConfig(gamma=0.05))
+    twin_obj = CoMERAObjective(twin, CoMERAConfig(gamma=0.05))
     twin_obj.S0 = obj.S0
     alloc_before = model[0].tt.num_params(effective=False)
     changes = truncate_model_and_optimizer(model, opt)
@@ -158,14 +167,14 @@ def test_truncation_mid_training_keeps_next_loss() -> None:
 
 def test_bad_targets_are_refused() -> None:
     m = nn.Sequential(TTLinear(64, 64, rank=4))
-    with pytest.raises(ValueError, match="^target_compression"):
-        CoMERAObjective(m, RankConfig(target_compression=1.0))
-    with pytest.raises(ValueError, match="^target_compression"):
-        CoMERAObjective(m, RankConfig(target_compression=0.5))
-    with pytest.raises(ValueError, match="^target_compression.*rank 1 everywhere"):
-        CoMERAObjective(m, RankConfig(target_compression=10_000, target_scope="model"))
-    with pytest.raises(ValueError, match="^target_scope"):
-        CoMERAObjective(m, RankConfig(target_scope="all"))
+    with pytest.raises(ConfigError, match="^comera.target_compression"):
+        CoMERAObjective(m, CoMERAConfig(target_compression=1.0))
+    with pytest.raises(ConfigError, match="^comera.target_compression"):
+        CoMERAObjective(m, CoMERAConfig(target_compression=0.5))
+    with pytest.raises(ConfigError, match="^comera.target_compression.*rank 1 everywhere"):
+        CoMERAObjective(m, CoMERAConfig(target_compression=10_000, target_scope="model"))
+    with pytest.raises(ConfigError, match="^comera.target_scope"):
+        CoMERAObjective(m, CoMERAConfig(target_scope="all"))
 
 
 def test_surrogate_size_in_one_pass_matches_the_per_layer_sum() -> None:

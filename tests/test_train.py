@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from comera_engine.config import config_from_dict, to_toml
 from comera_engine.errors import ConfigError
 from comera_engine.metrics import JSONLSink, read_jsonl
 from comera_engine.train import checkpoint as ckpt
-from comera_engine.train.config import config_from_dict, to_toml
 from comera_engine.train.loop import TrainResult, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,7 +218,7 @@ def test_bf16_autocast_trains_like_fp32(tmp_path) -> None:
     "name", ["digits_tt_mlp", "snli_transformer_tiny", "code_mlm_tiny", "dlrm_synthetic_tiny"]
 )
 def test_cpu_example_configs_train(tmp_path, monkeypatch, name) -> None:
-    from comera_engine.train.config import load_config
+    from comera_engine.config import load_config
 
     if name.startswith("snli") and not SNLI_DEV.is_file():
         pytest.skip(f"SNLI dev file not found at {SNLI_DEV} (needs ../shared/data)")
@@ -399,15 +399,58 @@ def test_sigterm_stops_a_cli_run(tmp_path) -> None:
 # ---------------------------------------------------------------------- objective
 
 
+def _objective_reference(model, cfg, stage, z_f, target_size, S0, ramp, f):
+    """comera-method.md §2 written out in float64 from the gates and cores alone:
+    ``Ŝ = Σ_layers Σ_k s_k·‖g_{k-1}‖₁·‖g_k‖₁`` over active entries (outer bonds 1),
+    ``S`` the same with entry counts, then the early or late scalarisation. Returns the
+    total and λ; gradients flow to ``f``, gates and cores (float64 leaves)."""
+    from comera_engine.layers import tt_layers
+
+    s_hat = torch.zeros((), dtype=torch.float64)
+    size = 0.0
+    reg = torch.zeros((), dtype=torch.float64)
+    leaves = []
+    for _, layer in tt_layers(model):
+        tt = layer.tt
+        masks = [((g.detach().abs() > tt.tau) & tt.alive(k)) for k, g in enumerate(tt.gates)]
+        gates = [g.detach().double().requires_grad_() for g in tt.gates]
+        cores = [c.detach().double().requires_grad_() for c in tt.cores]
+        leaves.append((tt, gates, cores))
+        norms = [(g.abs() * m.double()).sum() for g, m in zip(gates, masks)]
+        counts = [float(m.sum()) for m in masks]
+        one = torch.ones((), dtype=torch.float64)
+        R, C = [one, *norms, one], [1.0, *counts, 1.0]
+        for k, sk in enumerate(tt.mode_sizes):
+            s_hat = s_hat + sk * R[k] * R[k + 1]
+        if min(C) > 0:
+            size += sum(sk * C[k] * C[k + 1] for k, sk in enumerate(tt.mode_sizes))
+        reg = reg + sum((c ** 2).sum() for c in cores)
+    if cfg.target_scope == "model":
+        from comera_engine.rank import dense_size
+
+        size += dense_size(model)["other"]
+    s_hat, reg = s_hat / S0, cfg.l2_cores * reg
+    if stage == "early":
+        return f + cfg.gamma * ramp * s_hat + reg, 0.0, leaves
+    fv = float(f.detach())
+    reached = size <= target_size
+    lam = 1.0 if ((fv - z_f) / fv < (size - target_size) / size and not reached) else 0.0
+    rho_s = 0.0 if reached else cfg.rho_s
+    total = cfg.rho_f * f + rho_s * s_hat + lam * s_hat + (1 - lam) * f + reg
+    return total, lam, leaves
+
+
 @pytest.mark.parametrize("scope", ["tensorized", "model"])
-def test_graph_safe_objective_equals_the_reference(scope) -> None:
-    """The CUDA-graph objective (no host reads) gives the reference objective's loss,
-    lambda and gradients, in both stages and for both lambda outcomes."""
+def test_objective_matches_the_method_formula_in_float64(scope) -> None:
+    """The one objective (device tensors, no host reads, the form CUDA graphs capture)
+    gives the loss, lambda and gradients of the method's formula computed independently
+    in float64, in both stages, during the gamma warm-up and for both lambda outcomes."""
     from types import SimpleNamespace
 
+    from comera_engine.config import CoMERAConfig, ModelConfig
     from comera_engine.models import build_model
-    from comera_engine.train.config import CoMERAConfig, ModelConfig
-    from comera_engine.train.tt import CoMERAState, gamma_ramp, graph_safe_objective, tt_layers
+    from comera_engine.rank import gamma_ramp
+    from comera_engine.train.tt import CoMERAState, tt_layers
 
     torch.manual_seed(0)
     data = SimpleNamespace(name="x", task="classification", num_classes=10, meta={"input_dim": 64})
@@ -423,42 +466,43 @@ def test_graph_safe_objective_equals_the_reference(scope) -> None:
     state.after_step(0)
     obj = state.objective
 
-    def both(f_value: float, step: int = 100) -> float:
-        results = []
-        for fn in (
-            lambda f: obj.objective(f, step=step),
-            lambda f: graph_safe_objective(obj, f, torch.tensor(gamma_ramp(10, step))),
-        ):
-            model.zero_grad()
-            f = torch.tensor(f_value, requires_grad=True)
-            total, info = fn(f)
-            total.backward()
-            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-            results.append((float(total.detach()), float(info["lambda"]), f.grad.item(), grads))
-        (t1, l1, g1, p1), (t2, l2, g2, p2) = results
-        assert t2 == pytest.approx(t1, rel=1e-6) and l1 == l2 and g2 == pytest.approx(g1)
-        assert len(p1) == len(p2) and all(torch.allclose(a, b) for a, b in zip(p1, p2))
-        return l1
+    def check(f_value: float, step: int = 100) -> float:
+        state.begin_step(step)
+        model.zero_grad()
+        f = torch.tensor(f_value, requires_grad=True)
+        total, info = obj(f)
+        total.backward()
+        f64 = torch.tensor(f_value, dtype=torch.float64, requires_grad=True)
+        ref, lam, leaves = _objective_reference(
+            model, cfg, obj.stage, obj.z_f, obj.target_size, obj.S0,
+            gamma_ramp(cfg.gamma_warmup, step), f64)
+        ref.backward()
+        assert float(total.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
+        assert float(info["lambda"]) == lam
+        assert f.grad.item() == pytest.approx(f64.grad.item(), rel=1e-6)
+        for tt, gates, cores in leaves:
+            for live, ref_leaf in zip([*tt.gates, *tt.cores], [*gates, *cores]):
+                got = live.grad if live.grad is not None else torch.zeros_like(live)
+                torch.testing.assert_close(got.double(), ref_leaf.grad, rtol=1e-5, atol=1e-7)
+        return lam
 
-    assert both(0.7, step=3) == 0.0  # early stage, gamma still warming up
-    assert both(0.7) == 0.0  # early stage
+    assert check(0.7, step=3) == 0.0  # early stage, gamma still warming up
+    assert check(0.7) == 0.0  # early stage
     obj.switch_to_late(z_f=0.69)  # task loss near its target: size is further -> lambda 1
-    assert both(0.7) == 1.0
+    assert check(0.7) == 1.0
     obj.z_f = -10.0  # task loss far above its target: lambda 0
-    assert both(0.7) == 0.0
+    assert check(0.7) == 0.0
     obj.z_f, obj.target_size = 0.69, 1e9  # target reached: lambda 0, no size augmentation
-    assert both(0.7) == 0.0
-    size = float(graph_safe_objective(obj, torch.tensor(0.7))[1]["size"])
-    assert size == obj.sizes()["size"]
+    assert check(0.7) == 0.0
 
 
 def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
-    """The step the CUDA graph captures (graph-safe objective, no host reads) follows the
-    same trajectory as the eager step with the reference objective, through both stages
-    and gate pruning; run here on the CPU."""
+    """The step the CUDA graph captures (device-side gate refresh, no host reads) follows
+    the same trajectory as the eager step with the host refresh, through both stages and
+    gate pruning; run here on the CPU."""
+    from comera_engine.config import CoMERAConfig, ModelConfig
     from comera_engine.data import build_dataset
     from comera_engine.models import TaskModel, build_model
-    from comera_engine.train.config import CoMERAConfig, ModelConfig
     from comera_engine.train.step import TrainStep
     from comera_engine.train.tt import CoMERAState
 
@@ -482,7 +526,7 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
         step = TrainStep(
             TaskModel(model, "classification"),
             opt,
-            state.objective_fn(graph_safe=graph_safe),
+            state.objective_fn(),
             model.parameters(),
             1.0,
             None,
@@ -492,7 +536,7 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
         for i in range(40):
             if i == 20:
                 state.objective.switch_to_late(z_f=0.3)
-                step.objective = state.objective_fn(graph_safe=graph_safe)
+                step.objective = state.objective_fn()
             state.begin_step(i)
             out = step({"x": x[i * 32 : (i + 1) * 32], "labels": y[i * 32 : (i + 1) * 32]})
             if graph_safe:
@@ -510,10 +554,11 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
 def test_device_gate_refresh_equals_the_reference() -> None:
     from types import SimpleNamespace
 
+    from comera_engine.config import ModelConfig
     from comera_engine.models import build_model
     from comera_engine.rank import refresh_gates
-    from comera_engine.train.config import ModelConfig
-    from comera_engine.train.tt import refresh_gates_on_device, tt_layers
+    from comera_engine.rank import refresh_gates_on_device
+    from comera_engine.train.tt import tt_layers
 
     data = SimpleNamespace(name="x", task="classification", num_classes=10, meta={"input_dim": 64})
     torch.manual_seed(0)
@@ -534,7 +579,7 @@ def test_device_gate_refresh_equals_the_reference() -> None:
     ref = [int(m.tt.alive(k).sum()) for m in tt_layers(a).values() for k in range(5)]
     assert counts.tolist() == ref
     # the loop logs ranks from these counts (no gate reads): same as reading the gates
-    from comera_engine.train.config import CoMERAConfig
+    from comera_engine.config import CoMERAConfig
     from comera_engine.train.tt import CoMERAState
 
     state = CoMERAState(b, CoMERAConfig())

@@ -224,7 +224,7 @@ def build_meta_model(cfg: Any, shape: types.SimpleNamespace, dense: bool | None 
 
 
 def make_preview(cfg: Any, device: str = "cpu") -> Preview:
-    """Preview of a validated ``comera_engine.train.config.Config`` on ``device``
+    """Preview of a validated ``comera_engine.config.Config`` on ``device``
     (``"cpu"`` or ``"cuda"``)."""
     from torch import nn
 

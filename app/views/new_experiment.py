@@ -181,7 +181,7 @@ with left:
     rank_default, emb_default = _size_defaults(model_name, size)
     tt_kinds = m.get("tt_layers")
     if tt_kinds is None:
-        from comera_engine.train.config import DEFAULT_TT_LAYERS
+        from comera_engine.config import DEFAULT_TT_LAYERS
 
         tt_kinds = DEFAULT_TT_LAYERS.get(model_name, ())
     has_emb = "embedding" in tt_kinds

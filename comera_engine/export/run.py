@@ -163,9 +163,9 @@ def load_run_model(
     (``config``, ``data_spec``, ``dataset``, ``metrics``, ``tokenizer``, ``run``).
     ``base_dir``: the folder the run's relative data paths are relative to (the run's
     working folder; default: the current folder)."""
+    from comera_engine.config import config_from_dict
     from comera_engine.models import build_model
     from comera_engine.train import checkpoint as ckpt
-    from comera_engine.train.config import config_from_dict
 
     run_dir = Path(run_dir)
     sidecar = resolve_checkpoint(run_dir, checkpoint)

@@ -265,7 +265,7 @@ def _build_tree(spec: Any, where: str, dense: bool, depth: int = 0) -> nn.Module
 # ------------------------------------------------------------------------ recipes
 def _model_config(config: Mapping[str, Any], data_name: str | None) -> Any:
     """A validated ``ModelConfig`` from a run config dict (only ``model`` is required)."""
-    from comera_engine.train.config import config_from_dict
+    from comera_engine.config import config_from_dict
 
     model = config.get("model")
     if not isinstance(model, Mapping):

@@ -75,9 +75,9 @@ def resolve_config(
     config: Mapping[str, Any] | str | os.PathLike[str], overrides: Sequence[str] = ()
 ) -> Any:
     """Load and validate a run config (a TOML path or a dict of TOML tables) with
-    ``section.key=value`` overrides; returns a ``comera_engine.train.config.Config``.
+    ``section.key=value`` overrides; returns a ``comera_engine.config.Config``.
     Raises :class:`~comera_engine.errors.ConfigError` with a one-line message."""
-    from comera_engine.train import config as cfgmod
+    from comera_engine import config as cfgmod
 
     if isinstance(config, Mapping):
         raw = copy.deepcopy(dict(config))
@@ -120,7 +120,7 @@ def launch(
     store's limit on runs at once (``0`` for none); further runs wait as ``queued``.
     An invalid config raises :class:`ConfigError` and writes nothing.
     """
-    from comera_engine.train.config import to_toml
+    from comera_engine.config import to_toml
 
     cfg = resolve_config(config, overrides)
     if name is not None:

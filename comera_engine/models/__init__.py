@@ -21,7 +21,7 @@ from comera_engine.models.tasks import TaskModel, roc_auc
 from comera_engine.models.transformer import TransformerClassifier, TransformerMLM
 
 if TYPE_CHECKING:
-    from comera_engine.train.config import ModelConfig
+    from comera_engine.config import ModelConfig
 
 __all__ = [
     "DLRM",

@@ -13,20 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-#: Layer kinds that can be TT, per model (``model.tt_layers`` in a config).
-TT_LAYER_KINDS: dict[str, tuple[str, ...]] = {
-    "transformer_cls": ("embedding", "attention", "ffn", "head"),
-    "transformer_mlm": ("embedding", "attention", "ffn", "head"),
-    "dlrm": ("embedding", "bottom", "top"),
-    "tt_mlp": ("hidden", "output"),
-}
-#: The kinds that are TT when a config does not say.
-DEFAULT_TT_LAYERS: dict[str, tuple[str, ...]] = {
-    "transformer_cls": ("embedding", "attention", "ffn"),
-    "transformer_mlm": ("embedding", "attention", "ffn"),
-    "dlrm": ("embedding",),
-    "tt_mlp": ("hidden",),
-}
+from comera_engine.config import DEFAULT_TT_LAYERS, TT_LAYER_KINDS  # noqa: F401 (re-export)
 
 
 @dataclass

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..layers import tt_layers
 
 __all__ = ["RankEvent", "RankTracker", "param_groups", "refresh_gates",
-           "truncate_model_and_optimizer"]
+           "refresh_gates_on_device", "truncate_model_and_optimizer"]
 
 
 def param_groups(model: nn.Module, lr_cores: float = 1e-4, lr_gates: float = 1e-3,
@@ -56,6 +56,29 @@ def refresh_gates(model: nn.Module, step: int = 0) -> list[RankEvent]:
         for ch in m.tt.refresh_():
             events.append(RankEvent(step, name, ch.bond, ch.old, ch.new))
     return events
+
+
+@torch.no_grad()
+def refresh_gates_on_device(model: nn.Module) -> Tensor:
+    """``comera_engine.rank.refresh_gates`` without host reads: per bond, entries with
+    ``|g| <= tau`` die for good and are zeroed, except that a bond about to lose its last
+    entry keeps its strongest one, held at ``±1.5·tau``. Returns the alive count of every
+    bond (layers in ``tt_layers`` order), as one device tensor."""
+    counts = []
+    for _, layer in tt_layers(model):
+        tt = layer.tt
+        for k, g in enumerate(tt.gates):
+            alive = tt.alive(k)
+            survivors = alive & (g.abs() > tt.tau)
+            rescue = alive.any() & ~survivors.any()
+            strongest = torch.argmax(g.abs().masked_fill(~alive, -1.0))
+            keep = (torch.arange(g.shape[0], device=g.device) == strongest) & rescue
+            held = torch.where(g < 0, -1.5 * tt.tau, 1.5 * tt.tau).to(g.dtype)
+            g.copy_(torch.where(keep, held, g))
+            alive &= survivors | keep
+            g.masked_fill_(~alive, 0.0)
+            counts.append(alive.sum())
+    return torch.stack(counts)
 
 
 class RankTracker:

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from ..layers import TTEmbedding, TTLinear, tt_layers
 
-__all__ = ["layer_size", "layer_size_surrogate", "model_sizes", "surrogate_size",
-           "min_size", "dense_size"]
+__all__ = ["dense_size", "effective_size", "layer_size", "layer_size_surrogate", "min_size",
+           "model_sizes", "surrogate_size"]
 
 
 def layer_size_surrogate(layer: TTLinear | TTEmbedding) -> Tensor:
@@ -131,3 +131,23 @@ def min_size(model: nn.Module) -> dict[str, int]:
     tt = sum(sum(m.tt.mode_sizes) for _, m in tt_layers(model))
     other = _other_params(model)
     return {"tensorized": tt, "other": other, "model": tt + other}
+
+
+def effective_size(model: nn.Module, scope: str) -> Tensor:
+    """Effective size ``S`` (``"tensorized"`` or ``"model"``) as a device tensor: per TT
+    layer ``Σ_k s_k R_{k-1} R_k`` over gate-mask counts, 0 if a bond is dead."""
+    total: Tensor | None = None
+    for _, layer in tt_layers(model):
+        tt = layer.tt
+        counts = [m.sum().to(torch.float64) for m in tt.masks()]
+        one = tt.cores[0].new_ones((), dtype=torch.float64)
+        ranks = [one, *counts, one]
+        size = sum(s * ranks[k] * ranks[k + 1] for k, s in enumerate(tt.mode_sizes))
+        alive = torch.stack([r > 0 for r in ranks]).all()
+        size = torch.where(alive, size, torch.zeros_like(size))
+        total = size if total is None else total + size
+    if total is None:
+        total = torch.zeros((), dtype=torch.float64)
+    if scope == "model":
+        total = total + dense_size(model)["other"]
+    return total

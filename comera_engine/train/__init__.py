@@ -8,7 +8,7 @@ CUDA Graphs and DDP.
 
 from __future__ import annotations
 
-from comera_engine.train.config import (
+from comera_engine.config import (
     CoMERAConfig,
     Config,
     ModelConfig,

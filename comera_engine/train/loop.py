@@ -43,12 +43,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from comera_engine.config import Config
 from comera_engine.errors import ConfigError
 from comera_engine.metrics import MetricsSink, NullSink
 from comera_engine.models import TaskModel, build_model, roc_auc
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train.batches import BatchPlan, eval_batches, iterate_batches, mix_seed
-from comera_engine.train.config import Config
 from comera_engine.train.cpu_memory import keep_freed_memory
 from comera_engine.train.distributed import (
     DistInfo,
@@ -88,7 +88,7 @@ def train(
     """Train the run described by ``cfg`` in ``run_dir`` (checkpoints under ``checkpoints/``).
 
     Args:
-        cfg: a validated config (see :mod:`comera_engine.train.config`).
+        cfg: a validated config (see :mod:`comera_engine.config`).
         run_dir: the run folder; must exist.
         sink: where metrics go (only rank 0 writes; ``None``: nowhere).
         resume: continue from the newest checkpoint in ``run_dir`` (fresh start if none).
@@ -191,7 +191,7 @@ class _Run:
         step = TrainStep(
             self.ddp if self.ddp is not None else self.task_model,
             self.optimizer,
-            self.comera.objective_fn(graph_safe=self.use_graph),
+            self.comera.objective_fn(),
             self.model.parameters(),
             self.cfg.train.grad_clip,
             self.autocast_dtype,

@@ -4,12 +4,9 @@
 plateau detector, the gate refresh, truncation of cores and optimizer state) and
 ``comera_engine.layers`` (size reports) into the shape the training loop needs, and
 holds what a checkpoint must save about them. A model without TT layers (the dense
-baseline) or ``comera.enabled = false`` gives plain task-loss training.
-
-:func:`graph_safe_objective` is the same objective as
-``CoMERAObjective.objective`` computed without reading anything back to the host (the
-late stage's ``λ`` and the effective size stay on the device), so that it can be
-captured into a CUDA graph; it is tested equal to the reference on the CPU.
+baseline) or ``comera.enabled = false`` gives plain task-loss training. The objective
+itself is :class:`comera_engine.rank.CoMERAObjective` (one implementation, on device
+tensors, eager and under CUDA graphs alike).
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_engine.errors import ConfigError
-from comera_engine.train.config import CoMERAConfig
+from comera_engine.config import CoMERAConfig
 
 Objective = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
 
@@ -48,10 +44,8 @@ class CoMERAState:
         self.enabled = cfg.enabled and self.has_tt
         self.objective: Any = None
         self.plateau: Any = None
-        self.step_index = 0  # 0-based index of the step being computed (drives γ warm-up)
         self.steps_per_epoch = 0  # set by the loop; turns comera.switch_epoch into a step
         self._counts: list[int] | None = None  # alive count per bond (device refresh)
-        self._ramp: Tensor | None = None  # the same warm-up factor, on the device (graphs)
         if self.has_tt:
             from comera_engine import rank
 
@@ -63,21 +57,7 @@ class CoMERAState:
         if self.enabled:
             from comera_engine import rank
 
-            rank_cfg = rank.RankConfig(
-                gamma=cfg.gamma,
-                tau=cfg.tau,
-                target_compression=cfg.target_compression,
-                target_scope=cfg.target_scope,
-                rho_f=cfg.rho_f,
-                rho_s=cfg.rho_s,
-                core_l2=cfg.l2_cores,
-                warmup_steps=cfg.gamma_warmup,
-            )
-            try:
-                self.objective = rank.CoMERAObjective(model, rank_cfg)
-            except ValueError as exc:
-                field, _, problem = str(exc).partition(": ")
-                raise ConfigError(f"comera.{field}", problem) from None
+            self.objective = rank.CoMERAObjective(model, cfg)
 
     # ------------------------------------------------------------------ optimizer
 
@@ -113,30 +93,16 @@ class CoMERAState:
     def stage_name(self) -> str:
         return self.objective.stage if self.enabled else "plain"
 
-    def objective_fn(self, graph_safe: bool = False) -> Objective | None:
-        """``task_loss -> (total, info)`` of the current stage, or ``None`` (plain loss).
-
-        ``graph_safe``: the version with no host synchronisation (for CUDA graphs).
-        """
-        if not self.enabled:
-            return None
-        objective = self.objective
-        if graph_safe:
-            return lambda f: graph_safe_objective(objective, f, self._ramp_on(f.device))
-        return lambda f: objective.objective(f, step=self.step_index)
+    def objective_fn(self) -> Objective | None:
+        """``task_loss -> (total, info)`` of the current stage, or ``None`` (plain loss);
+        free of host synchronisation, so it can be captured into a CUDA graph."""
+        return self.objective if self.enabled else None
 
     def begin_step(self, index: int) -> None:
-        """Tell the objective which (0-based) step comes next; in place on the device
-        for a captured graph."""
-        self.step_index = index
-        if self._ramp is not None:
-            self._ramp.fill_(gamma_ramp(self.cfg.gamma_warmup, index))
-
-    def _ramp_on(self, device: torch.device) -> Tensor:
-        if self._ramp is None or self._ramp.device != device:
-            ramp = gamma_ramp(self.cfg.gamma_warmup, self.step_index)
-            self._ramp = torch.full((), ramp, dtype=torch.float32, device=device)
-        return self._ramp
+        """Tell the objective which (0-based) step comes next (in place on the device,
+        for a captured graph)."""
+        if self.enabled:
+            self.objective.begin_step(index)
 
     def after_step(self, step: int) -> list[str]:
         """Make newly pruned ranks permanent (after every optimizer step); returns one
@@ -158,6 +124,8 @@ class CoMERAState:
             for m in tt_layers(model).values()
             for k in range(len(m.tt.gates))
         ]
+        from comera_engine.rank import refresh_gates_on_device
+
         return lambda: refresh_gates_on_device(model)
 
     def events_from_counts(self, step: int, counts: list[float]) -> list[str]:
@@ -266,99 +234,3 @@ class CoMERAState:
             self.plateau.load_state_dict(state["plateau"])
         if self.enabled and state.get("stage") == "late":
             self.objective.switch_to_late(z_f=state["z_f"])
-
-
-# ---------------------------------------------------------------------- graph-safe objective
-
-
-def gamma_ramp(warmup_steps: int, step: int) -> float:
-    """Early-stage ``γ`` warm-up factor at 0-based ``step`` (as ``CoMERAObjective``)."""
-    return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
-
-
-def graph_safe_objective(
-    obj: Any, f: Tensor, ramp: Tensor | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """``CoMERAObjective.objective(f, step)`` with every quantity kept on the device.
-
-    Early: ``f + γ·ramp·Ŝ/S₀ (+ l2)``, ``ramp`` the γ warm-up factor of this step (a
-    0-d tensor the loop updates in place). Late, with ``reached = S <= z_S``:
-    ``λ = [(f − z_f)/f < (S − z_S)/S and not reached]`` and
-    ``ρ_f·f + ρ_S'·Ŝ/S₀ + λ·Ŝ/S₀ + (1−λ)·f (+ l2)`` where ``ρ_S' = 0`` once reached, with
-    the effective size ``S`` counted from the gate masks on the device. Reads the
-    objective's state (stage, ``S₀``, ``z_f``, target) but never a value back to the host.
-    """
-    from comera_engine import rank
-
-    cfg = obj.cfg
-    model = obj.model
-    s_hat = rank.surrogate_size(model).to(f.dtype) / obj.S0
-    reg = f.new_zeros(())
-    if cfg.core_l2 > 0:
-        for m in tt_layers(model).values():
-            for c in m.tt.cores:
-                reg = reg + c.pow(2).sum()
-        reg = cfg.core_l2 * reg
-    info: dict[str, Tensor] = {"size_surrogate": s_hat.detach() * obj.S0}
-    if obj.stage == "early":
-        ramp = f.new_ones(()) if ramp is None else ramp.to(f.dtype)
-        total = f + cfg.gamma * ramp * s_hat + reg
-        info["lambda"] = f.new_zeros(())
-        info["gamma"] = cfg.gamma * ramp
-    else:
-        size = effective_size(model, cfg.target_scope).to(f.dtype)
-        fv = f.detach()
-        gap_f = torch.where(fv != 0, (fv - obj.z_f) / fv, torch.zeros_like(fv))
-        gap_s = torch.where(size > 0, (size - obj.target_size) / size, -torch.ones_like(size))
-        reached = size <= obj.target_size
-        lam = ((gap_f < gap_s) & ~reached).to(f.dtype)
-        rho_s = torch.where(reached, torch.zeros_like(s_hat), torch.full_like(s_hat, cfg.rho_s))
-        total = cfg.rho_f * f + rho_s * s_hat + lam * s_hat + (1 - lam) * f + reg
-        info["lambda"] = lam
-        info["size"] = size
-    return total, info
-
-
-@torch.no_grad()
-def refresh_gates_on_device(model: nn.Module) -> Tensor:
-    """``comera_engine.rank.refresh_gates`` without host reads: per bond, entries with
-    ``|g| <= tau`` die for good and are zeroed, except that a bond about to lose its last
-    entry keeps its strongest one, held at ``±1.5·tau``. Returns the alive count of every
-    bond (layers in ``tt_layers`` order), as one device tensor."""
-    counts = []
-    for layer in tt_layers(model).values():
-        tt = layer.tt
-        for k, g in enumerate(tt.gates):
-            alive = tt.alive(k)
-            survivors = alive & (g.abs() > tt.tau)
-            rescue = alive.any() & ~survivors.any()
-            strongest = torch.argmax(g.abs().masked_fill(~alive, -1.0))
-            keep = (torch.arange(g.shape[0], device=g.device) == strongest) & rescue
-            held = torch.where(g < 0, -1.5 * tt.tau, 1.5 * tt.tau).to(g.dtype)
-            g.copy_(torch.where(keep, held, g))
-            alive &= survivors | keep
-            g.masked_fill_(~alive, 0.0)
-            counts.append(alive.sum())
-    return torch.stack(counts)
-
-
-def effective_size(model: nn.Module, scope: str) -> Tensor:
-    """Effective size ``S`` (``"tensorized"`` or ``"model"``) as a device tensor: per TT
-    layer ``Σ_k s_k R_{k-1} R_k`` over gate-mask counts, 0 if a bond is dead."""
-    from comera_engine.rank import dense_size
-
-    total: Tensor | None = None
-    for layer in tt_layers(model).values():
-        tt = layer.tt
-        counts = [m.sum().to(torch.float64) for m in tt.masks()]
-        one = tt.cores[0].new_ones((), dtype=torch.float64)
-        ranks = [one, *counts, one]
-        size = sum(s * ranks[k] * ranks[k + 1] for k, s in enumerate(tt.mode_sizes))
-        alive = torch.stack([r > 0 for r in ranks]).all()
-        size = torch.where(alive, size, torch.zeros_like(size))
-        total = size if total is None else total + size
-    if total is None:
-        total = torch.zeros((), dtype=torch.float64)
-    if scope == "model":
-        total = total + dense_size(model)["other"]
-    return total

@@ -1,4 +1,5 @@
-"""Run configuration: four plain dataclasses, loaded from TOML, overridden by ``--set``.
+"""Run configuration, torch-free: four plain dataclasses, loaded from TOML, overridden
+by ``--set``.
 
 A config file has a top-level ``name`` and four tables::
 
@@ -28,13 +29,26 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.errors import ConfigError
-from comera_engine.models.common import TT_LAYER_KINDS
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
     import tomli as tomllib  # type: ignore[no-redef]
 
+#: Layer kinds that can be TT, per model (``model.tt_layers`` in a config).
+TT_LAYER_KINDS: dict[str, tuple[str, ...]] = {
+    "transformer_cls": ("embedding", "attention", "ffn", "head"),
+    "transformer_mlm": ("embedding", "attention", "ffn", "head"),
+    "dlrm": ("embedding", "bottom", "top"),
+    "tt_mlp": ("hidden", "output"),
+}
+#: The kinds that are TT when a config does not say.
+DEFAULT_TT_LAYERS: dict[str, tuple[str, ...]] = {
+    "transformer_cls": ("embedding", "attention", "ffn"),
+    "transformer_mlm": ("embedding", "attention", "ffn"),
+    "dlrm": ("embedding",),
+    "tt_mlp": ("hidden",),
+}
 MODEL_NAMES = tuple(TT_LAYER_KINDS)
 PRESETS = ("paper", "small", "tiny")
 
@@ -316,6 +330,26 @@ def validate(cfg: Config) -> None:
     if m.d_model is not None and m.n_heads is not None and m.d_model % m.n_heads:
         raise ConfigError("model.n_heads", f"must divide d_model={m.d_model}, got {m.n_heads}")
 
+    validate_comera(c)
+
+    _positive_int("train.steps", t.steps)
+    _positive_int("train.batch_size", t.batch_size)
+    for key in ("eval_every", "ckpt_every", "num_workers"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}", f"must be >= 0, got {getattr(t, key)}")
+    _positive_int("train.eval_batches", t.eval_batches)
+    _positive_int("train.keep_checkpoints", t.keep_checkpoints)
+    _nonneg("train.grad_clip", t.grad_clip)
+    _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
+    if t.device not in ("auto", "cpu", "cuda") and not (
+        t.device.startswith("cuda:") and t.device[5:].isdigit()
+    ):
+        raise ConfigError("train.device", f"must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+def validate_comera(c: CoMERAConfig) -> None:
+    """Range and consistency checks of the ``[comera]`` section (also run by the
+    objective, so settings built in code are checked the same way)."""
     _nonneg("comera.gamma", c.gamma)
     if c.gamma_warmup < 0:
         raise ConfigError("comera.gamma_warmup", f"must be >= 0, got {c.gamma_warmup}")
@@ -361,20 +395,6 @@ def validate(cfg: Config) -> None:
         value = getattr(c, key)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"comera.{key}", f"must be a positive number, got {value}")
-
-    _positive_int("train.steps", t.steps)
-    _positive_int("train.batch_size", t.batch_size)
-    for key in ("eval_every", "ckpt_every", "num_workers"):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"train.{key}", f"must be >= 0, got {getattr(t, key)}")
-    _positive_int("train.eval_batches", t.eval_batches)
-    _positive_int("train.keep_checkpoints", t.keep_checkpoints)
-    _nonneg("train.grad_clip", t.grad_clip)
-    _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
-    if t.device not in ("auto", "cpu", "cuda") and not (
-        t.device.startswith("cuda:") and t.device[5:].isdigit()
-    ):
-        raise ConfigError("train.device", f"must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 
 
 _TRANSFORMERS = ("transformer_cls", "transformer_mlm")
