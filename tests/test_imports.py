@@ -37,3 +37,27 @@ def test_engine_core_imports_and_trains_without_optional_packages() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_config_module_is_torch_free() -> None:
+    """The config model loads, validates and writes a shipped config with torch, numpy
+    and every model module kept out of the process (the dashboard's form and the CLI's
+    light commands use it)."""
+    code = textwrap.dedent("""
+        import importlib.abc, sys
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in ("torch", "numpy", "tensorly"):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        from comera_engine.config import load_config, to_toml
+        cfg = load_config("experiments/configs/digits_tt_mlp.toml", ["train.steps=5"])
+        assert cfg.train.steps == 5 and "[comera]" in to_toml(cfg)
+        assert not any(m.startswith(("comera_engine.models", "comera_engine.rank"))
+                       for m in sys.modules)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
