@@ -66,7 +66,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import comera_engine
 import comera_engine.data as data
-for mod in ("base", "builders", "clicks", "code_corpus", "digits", "identity", "nli", "tokenizer"):
+for mod in ("base", "registry", "clicks", "code_corpus", "digits", "identity", "nli", "tokenizer"):
     __import__("comera_engine.data." + mod)
 b = data.build_dataset({"name": "clicks_synthetic", "num_samples": 200})
 assert len(b.train) == 160 and len(b.eval) == 40
@@ -812,3 +812,60 @@ def test_bad_tokenizer_file_is_a_config_error(tmp_path):
     _write_glue_tsv(tmp_path / "t.tsv", _nli_rows(10))
     with pytest.raises(ConfigError, match=r"^data\.tokenizer_path: cannot load tokenizer"):
         build_dataset(cfg, base_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------- registry
+
+
+def test_registry_is_torch_free_and_lists_a_dataset_for_every_model() -> None:
+    code = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'numpy'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from comera_engine.data.registry import dataset_names\n"
+        "print(','.join(dataset_names('tt_mlp')), ','.join(dataset_names('dlrm')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["digits", "clicks,clicks_synthetic"]
+    from comera_engine.config import TT_LAYER_KINDS
+    from comera_engine.data.registry import dataset_names
+
+    assert all(dataset_names(model) for model in TT_LAYER_KINDS)
+
+
+@pytest.mark.parametrize("name", ["digits", "snli", "code_mlm", "clicks", "clicks_synthetic"])
+def test_registry_defaults_are_the_keys_each_builder_accepts(name: str) -> None:
+    """A builder refuses a key that is not among its registered defaults, and names
+    every registered key as a choice: the registry is the one list of keys."""
+    from comera_engine.data.registry import dataset_info
+
+    info = dataset_info(name)
+    with pytest.raises(ConfigError, match=r"^data\.no_such_key") as exc:
+        build_dataset({"name": name, "no_such_key": 1})
+    assert all(key in str(exc.value) for key in info.defaults), str(exc.value)
+
+
+def test_registry_refuses_unknown_names_and_takes_plugins() -> None:
+    from comera_engine.data import registry
+
+    with pytest.raises(ConfigError, match=r"^data\.name: unknown dataset 'nope'; choose one"):
+        build_dataset({"name": "nope"})
+    seen = []
+
+    def build(cfg, base_dir):  # noqa: ANN001, ANN202
+        seen.append((dict(cfg), base_dir))
+        return "bundle"
+
+    registry.register(registry.DatasetInfo("plugin_x", "classification", ("tt_mlp",),
+                                           "a test plug-in", build, {"size": 3}))
+    try:
+        assert "plugin_x" in registry.dataset_names("tt_mlp")
+        assert build_dataset({"name": "plugin_x", "size": 5}, "/tmp") == "bundle"
+        assert seen == [({"name": "plugin_x", "size": 5}, "/tmp")]
+    finally:
+        registry._REGISTRY.pop("plugin_x")

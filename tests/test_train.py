@@ -556,8 +556,7 @@ def test_device_gate_refresh_equals_the_reference() -> None:
 
     from comera_engine.config import ModelConfig
     from comera_engine.models import build_model
-    from comera_engine.rank import refresh_gates
-    from comera_engine.rank import refresh_gates_on_device
+    from comera_engine.rank import refresh_gates, refresh_gates_on_device
     from comera_engine.train.tt import tt_layers
 
     data = SimpleNamespace(name="x", task="classification", num_classes=10, meta={"input_dim": 64})

@@ -14,48 +14,64 @@ Registered names (``available_datasets()``):
 * ``clicks``: Criteo TSV (``path``, ``bucket_sizes``), ``task="ctr"``.
 * ``clicks_synthetic``: generated clicks with a planted interaction, ``task="ctr"``.
 
-Only ``torch`` and ``numpy`` are needed to import this package; ``datasets``,
-``tokenizers``, ``sklearn`` and ``pyarrow`` are imported when a dataset needs them.
+Importing this package (and :mod:`comera_engine.data.registry`) loads no torch: the
+bundle types and the builders load on first use. Building needs ``torch`` and
+``numpy``; ``datasets``, ``tokenizers``, ``sklearn`` and ``pyarrow`` are imported when a
+dataset needs them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from comera_engine.data import builders
-from comera_engine.data.base import DataBundle, TensorDictDataset, split_indices
-from comera_engine.data.identity import content_sha256, dataset_identity, file_sha256
+from comera_engine.data.registry import (
+    DatasetInfo,
+    dataset_info,
+    dataset_names,
+    register,
+    resolve_builder,
+)
 from comera_engine.errors import ConfigError
 
-Builder = Callable[[Mapping[str, Any], "str | Path | None"], DataBundle]
+if TYPE_CHECKING:  # pragma: no cover
+    from comera_engine.data.base import DataBundle, TensorDictDataset, split_indices
+    from comera_engine.data.identity import content_sha256, dataset_identity, file_sha256
 
-_REGISTRY: dict[str, Builder] = {
-    "digits": builders.build_digits,
-    "snli": builders.build_nli,
-    "mnli": builders.build_nli,
-    "nli": builders.build_nli,
-    "code_mlm": builders.build_code_mlm,
-    "clicks": builders.build_clicks,
-    "clicks_synthetic": builders.build_clicks_synthetic,
-}
+Builder = Callable[[Mapping[str, Any], "str | Path | None"], "DataBundle"]
+_LAZY = {"DataBundle": "base", "TensorDictDataset": "base", "split_indices": "base",
+         "content_sha256": "identity", "dataset_identity": "identity",
+         "file_sha256": "identity"}
 
 
-def register_dataset(name: str, builder: Builder) -> None:
-    """Add (or replace) a dataset builder ``builder(cfg, base_dir) -> DataBundle``."""
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"comera_engine.data.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'comera_engine.data' has no attribute {name!r}")
+
+
+def register_dataset(name: str, builder: Builder, task: str = "custom",
+                     models: tuple[str, ...] = ()) -> None:
+    """Add (or replace) a dataset builder ``builder(cfg, base_dir) -> DataBundle`` (a
+    shorthand for :func:`comera_engine.data.registry.register`)."""
     if not name or not isinstance(name, str):
         raise ValueError(f"name: must be a non-empty string, got {name!r}")
-    _REGISTRY[name] = builder
+    register(DatasetInfo(name, task, models, f"{name} (registered in code)", builder))
 
 
 def available_datasets() -> list[str]:
     """Names accepted by ``build_dataset``, sorted."""
-    return sorted(_REGISTRY)
+    return sorted(dataset_names())
 
 
 def build_dataset(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> DataBundle:
-    """Build the dataset described by ``cfg`` (the ``[data]`` section of a run config).
+    """Build the dataset described by ``cfg`` (the ``[data]`` section of a run config),
+    through the registry (:mod:`comera_engine.data.registry`).
 
     Args:
         cfg: e.g. ``{"name": "snli", "path": "../shared/data/snli/dev.jsonl",
@@ -67,25 +83,21 @@ def build_dataset(cfg: Mapping[str, Any], base_dir: str | Path | None = None) ->
     """
     if not isinstance(cfg, Mapping):
         raise ConfigError("data", f"must be a table (dict) with at least 'name', got {cfg!r}")
-    name = cfg.get("name")
-    if not name:
-        raise ConfigError("data.name", f"missing; choose one of {', '.join(available_datasets())}")
-    if name not in _REGISTRY:
-        raise ConfigError(
-            "data.name",
-            f"unknown dataset '{name}'; choose one of {', '.join(available_datasets())}",
-        )
-    return _REGISTRY[name](cfg, base_dir)
+    info = dataset_info(cfg.get("name"))
+    return resolve_builder(info)(cfg, base_dir)
 
 
 __all__ = [
     "ConfigError",
     "DataBundle",
+    "DatasetInfo",
     "TensorDictDataset",
     "available_datasets",
     "build_dataset",
     "content_sha256",
     "dataset_identity",
+    "dataset_info",
+    "dataset_names",
     "file_sha256",
     "register_dataset",
     "split_indices",

@@ -223,3 +223,13 @@ def seeded_subset(n: int, cap: int | None, seed: int) -> np.ndarray:
     if cap is None or cap >= n:
         return np.arange(n)
     return np.sort(np.random.default_rng(seed).permutation(n)[:cap])
+
+
+BaseDir = str | Path | None
+
+
+def missing_package(key: str, package: str, what: str) -> ConfigError:
+    """ConfigError for an optional dependency that is not installed."""
+    return ConfigError(
+        field_name(key), f"{what} needs the '{package}' package (pip install {package})"
+    )

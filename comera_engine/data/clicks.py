@@ -24,13 +24,29 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from comera_engine.data.base import (
+    BaseDir,
+    DataBundle,
+    TensorDictDataset,
+    check_keys,
+    field_name,
+    get_existing_file,
+    get_float,
+    get_int,
+    get_optional_int,
+    split_indices,
+)
+from comera_engine.data.identity import content_sha256, dataset_identity
+from comera_engine.data.registry import dataset_info
+from comera_engine.errors import ConfigError
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -368,3 +384,170 @@ def generate_synthetic_clicks(
         "zipf_exponent": zipf_exponent,
     }
     return SyntheticClicks(data, dense_raw, dense_missing, probability, planted, sizes, params)
+
+
+# --------------------------------------------------------------------------- clicks
+
+_CLICK_FILE_HELP = "an existing Criteo TSV (label, 13 integer and 26 categorical fields per line)"
+
+
+def _bucket_sizes(cfg: Mapping[str, Any], default: int) -> list[int]:
+    """``data.bucket_sizes`` (an int or 26 ints) as a list of 26 counts."""
+
+    raw = cfg.get("bucket_sizes", default)
+    ok_int = isinstance(raw, int) and not isinstance(raw, bool)
+    ok_list = isinstance(raw, (list, tuple)) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in raw
+    )
+    if not (ok_int or ok_list):
+        raise ConfigError(
+            field_name("bucket_sizes"),
+            f"must be an integer or a list of {NUM_SPARSE} integers, got {raw!r}",
+        )
+    try:
+        return normalise_bucket_sizes(raw)
+    except ValueError as exc:
+        raise ConfigError(field_name("bucket_sizes"), str(exc).split(": ", 1)[1]) from None
+
+
+def _click_meta(sizes: list[int], train_labels: torch.Tensor) -> dict[str, Any]:
+    """Model-facing facts about click data."""
+
+    return {
+        "num_dense": NUM_DENSE,
+        "num_sparse": NUM_SPARSE,
+        "bucket_sizes": sizes,
+        "click_rate": float(train_labels.mean()) if len(train_labels) else 0.0,
+    }
+
+
+def build_clicks(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
+    """Criteo TSV: items ``dense`` float32 [13], ``sparse`` int64 [26], ``labels`` float32."""
+
+    defaults = dataset_info("clicks").defaults
+    check_keys(cfg, defaults)
+    seed = get_int(cfg, "seed", defaults["seed"])
+    fraction = get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0, 1.0)
+    max_rows = get_optional_int(cfg, "max_rows")
+    sizes = _bucket_sizes(cfg, defaults["bucket_sizes"])
+
+    def read(key: str) -> tuple[Any, Any, Path]:
+        path = get_existing_file(cfg, key, base_dir, _CLICK_FILE_HELP)
+        try:
+            data, stats = read_criteo_tsv(path, sizes, max_rows)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(field_name(key), f"{path.name}: {exc}") from None
+        if len(data) == 0:
+            raise ConfigError(
+                field_name(key),
+                f"no valid rows in {path.name} ({stats.malformed} malformed, first at line "
+                f"{stats.first_malformed_line}); give {_CLICK_FILE_HELP}",
+            )
+        return data, stats, path
+
+    data, stats, path = read("path")
+    files = [path]
+    extra: dict[str, Any] = {"read": vars(stats)}
+    if cfg.get("eval_path") is not None:
+        eval_data, eval_stats, eval_path = read("eval_path")
+        files.append(eval_path)
+        extra["eval_read"] = vars(eval_stats)
+        train_data = data
+    else:
+        if len(data) < 2:
+            raise ConfigError(field_name("path"), "need at least 2 valid rows to split")
+        train_idx, eval_idx = split_indices(len(data), fraction, seed)
+        train_data, eval_data = data.subset(train_idx), data.subset(eval_idx)
+    identity = dataset_identity(
+        "clicks",
+        "files",
+        {"train": len(train_data), "eval": len(eval_data)},
+        seed,
+        files=files,
+        params={
+            "bucket_sizes": sizes,
+            "max_rows": max_rows,
+            "split_fraction": None if cfg.get("eval_path") else fraction,
+            "dense_transform": "log1p(max(x, 0)), missing -> 0",
+        },
+        extra=extra,
+    )
+    return DataBundle(
+        name="clicks",
+        task="ctr",
+        train=TensorDictDataset(train_data.tensors()),
+        eval=TensorDictDataset(eval_data.tensors()),
+        identity=identity,
+        num_classes=2,
+        meta=_click_meta(sizes, train_data.labels),
+    )
+
+
+def build_clicks_synthetic(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
+    """Synthetic clicks with a planted low-rank interaction (same items as ``clicks``)."""
+
+    defaults = dataset_info("clicks_synthetic").defaults
+    check_keys(cfg, defaults)
+    seed = get_int(cfg, "seed", defaults["seed"])
+    num_samples = get_int(cfg, "num_samples", defaults["num_samples"], minimum=2)
+    fraction = get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0, 1.0)
+    sizes = _bucket_sizes(cfg, defaults["bucket_sizes"])
+    planted = cfg.get("planted_features", list(defaults["planted_features"]))
+    if (
+        not isinstance(planted, (list, tuple))
+        or len(planted) < 2
+        or len(set(planted)) != len(planted)
+        or not all(isinstance(f, int) and 0 <= f < NUM_SPARSE for f in planted)
+    ):
+        raise ConfigError(
+            field_name("planted_features"),
+            f"must be a list of at least 2 distinct feature indices in 0..{NUM_SPARSE - 1}, "
+            f"got {planted!r}",
+        )
+    if any(sizes[f] < 2 for f in planted):
+        raise ConfigError(field_name("bucket_sizes"), "planted features need at least 2 buckets")
+    settings = {
+        "rank": get_int(cfg, "rank", defaults["rank"], minimum=1),
+        "signal": get_float(cfg, "signal", defaults["signal"], 0.0, 100.0, open_interval=False),
+        "dense_signal": get_float(cfg, "dense_signal", defaults["dense_signal"], 0.0, 100.0,
+                                  open_interval=False),
+        "base_rate": get_float(cfg, "base_rate", defaults["base_rate"], 0.0, 1.0),
+        "missing_rate": get_float(cfg, "missing_rate", defaults["missing_rate"], 0.0, 0.99,
+                                  open_interval=False),
+    }
+    synth = generate_synthetic_clicks(
+        num_samples, sizes, seed=seed, planted_features=planted, **settings
+    )
+    train_idx, eval_idx = split_indices(num_samples, fraction, seed)
+    train_data, eval_data = synth.data.subset(train_idx), synth.data.subset(eval_idx)
+    identity = dataset_identity(
+        "clicks_synthetic",
+        "synthetic",
+        {"train": len(train_data), "eval": len(eval_data)},
+        seed,
+        params={**synth.params, "bucket_sizes": sizes, "split_fraction": fraction},
+        extra={
+            "content_sha256": content_sha256(
+                synth.data.dense, synth.data.sparse, synth.data.labels
+            ),
+            "bayes_log_loss_eval": _log_loss(synth.probability[eval_idx], eval_data.labels.numpy()),
+        },
+    )
+    meta = _click_meta(sizes, train_data.labels)
+    meta["planted_features"] = list(synth.planted_features)
+    meta["eval_probability"] = torch.from_numpy(synth.probability[eval_idx])
+    return DataBundle(
+        name="clicks_synthetic",
+        task="ctr",
+        train=TensorDictDataset(train_data.tensors()),
+        eval=TensorDictDataset(eval_data.tensors()),
+        identity=identity,
+        num_classes=2,
+        meta=meta,
+    )
+
+
+def _log_loss(probability: np.ndarray, labels: np.ndarray) -> float:
+    """Mean binary cross-entropy of ``probability`` [n] against ``labels`` [n]."""
+    p = np.clip(probability, 1e-12, 1 - 1e-12)
+    return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))

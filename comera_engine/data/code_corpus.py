@@ -19,15 +19,37 @@ Pipeline:
 from __future__ import annotations
 
 import os
+import platform
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from comera_engine.data.tokenizer import WordPieceTokenizer
+from comera_engine.data.base import (
+    BaseDir,
+    DataBundle,
+    TensorDictDataset,
+    check_keys,
+    field_name,
+    get_float,
+    get_int,
+    get_optional_int,
+    get_str,
+    missing_package,
+    resolve_path,
+)
+from comera_engine.data.identity import dataset_identity
+from comera_engine.data.registry import dataset_info
+from comera_engine.data.tokenizer import (
+    WordPieceTokenizer,
+    load_existing_tokenizer,
+    tokenizer_path,
+)
+from comera_engine.errors import ConfigError
 
 IGNORE_INDEX = -100
 _SKIP_DIRS = frozenset(
@@ -282,4 +304,129 @@ def build_code_corpus(
         train_files=train_files,
         eval_files=eval_files,
         skipped_files=skipped,
+    )
+
+
+# --------------------------------------------------------------------------- code MLM
+
+
+
+def build_code_mlm(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
+    """Stdlib code masked-LM: train items ``input_ids``/``attention_mask`` [seq_len]
+    (masked by ``collate_fn``); eval items also carry fixed ``labels`` [seq_len]."""
+    defaults = dataset_info("code_mlm").defaults
+    check_keys(cfg, defaults)
+    seed = get_int(cfg, "seed", defaults["seed"])
+    seq_len = get_int(cfg, "seq_len", defaults["seq_len"], minimum=8)
+    max_files = get_optional_int(cfg, "max_files", minimum=2)
+    max_files = defaults["max_files"] if "max_files" not in cfg else max_files
+    max_bytes = get_optional_int(cfg, "max_bytes", minimum=1)
+    fraction = get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0, 1.0)
+    vocab_size = get_int(cfg, "vocab_size", defaults["vocab_size"], minimum=64)
+    min_frequency = get_int(cfg, "min_frequency", defaults["min_frequency"], minimum=1)
+    mlm_probability = get_float(cfg, "mlm_probability", defaults["mlm_probability"], 0.0, 1.0)
+    root = stdlib_root()
+    if cfg.get("root") is not None:
+        root = resolve_path(str(get_str(cfg, "root", None)), base_dir)
+        if not root.is_dir():
+            raise ConfigError(
+                field_name("root"), f"folder not found: {cfg['root']} (give a folder of .py files)"
+            )
+    tok_path = tokenizer_path(cfg, base_dir)
+    tokenizer = load_existing_tokenizer(tok_path)
+    trained = tokenizer is None
+    try:
+        corpus = build_code_corpus(
+            seq_len=seq_len,
+            seed=seed,
+            max_files=max_files,
+            max_bytes=max_bytes,
+            eval_fraction=1.0 - fraction,
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            tokenizer=tokenizer,
+            root=root,
+        )
+    except ImportError as exc:
+        raise missing_package("vocab_size", "tokenizers", "the WordPiece tokenizer") from exc
+    except ValueError as exc:
+        raise ConfigError(
+            field_name("max_files"),
+            f"{exc}; raise data.max_files / data.max_bytes so that at least 2 files are used",
+        ) from None
+    if trained and tok_path is not None:
+        corpus.tokenizer.save(tok_path)
+    tok = corpus.tokenizer
+    eval_gen = torch.Generator().manual_seed(seed + 1_000_003)
+    eval_ids, eval_labels = mask_tokens(
+        corpus.eval["input_ids"],
+        corpus.eval["attention_mask"],
+        tok.vocab_size,
+        tok.mask_id,
+        tok.special_ids,
+        eval_gen,
+        mlm_probability,
+    )
+    train = TensorDictDataset(corpus.train)
+    evals = TensorDictDataset(
+        {
+            "input_ids": eval_ids,
+            "attention_mask": corpus.eval["attention_mask"],
+            "labels": eval_labels,
+        }
+    )
+    rel = lambda paths: [p.relative_to(corpus.root).as_posix() for p in paths]
+    identity = dataset_identity(
+        "code_mlm",
+        "stdlib" if cfg.get("root") is None else "files",
+        {"train": len(train), "eval": len(evals)},
+        seed,
+        files=corpus.train_files + corpus.eval_files,
+        root=corpus.root,
+        params={
+            "seq_len": seq_len,
+            "max_files": max_files,
+            "max_bytes": max_bytes,
+            "split_fraction": fraction,
+            "vocab_size": vocab_size,
+            "min_frequency": min_frequency,
+            "mlm_probability": mlm_probability,
+        },
+        extra={
+            "python_version": platform.python_version(),
+            "num_files": {"train": len(corpus.train_files), "eval": len(corpus.eval_files)},
+            "skipped_files": rel(corpus.skipped_files),
+            "train_tokens": int(corpus.train["attention_mask"].sum()),
+            "tokenizer_sha256": tok.sha256,
+            "tokenizer_vocab_size": tok.vocab_size,
+            "eval_mask_seed": seed + 1_000_003,
+        },
+        notes={
+            "tokenizer_trained": trained,
+            "tokenizer_path": str(tok_path) if tok_path else None,
+        },
+    )
+    return DataBundle(
+        name="code_mlm",
+        task="mlm",
+        train=train,
+        eval=evals,
+        identity=identity,
+        num_classes=None,
+        vocab_size=tok.vocab_size,
+        seq_len=seq_len,
+        tokenizer=tok,
+        collate_fn=MLMCollator(
+            tok.vocab_size, tok.mask_id, tok.special_ids, seed, mlm_probability
+        ),
+        meta={
+            "pad_id": tok.pad_id,
+            "cls_id": tok.cls_id,
+            "sep_id": tok.sep_id,
+            "mask_id": tok.mask_id,
+            "special_ids": list(tok.special_ids),
+            "mlm_probability": mlm_probability,
+            "train_files": rel(corpus.train_files),
+            "eval_files": rel(corpus.eval_files),
+        },
     )

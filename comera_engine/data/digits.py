@@ -7,10 +7,24 @@ The split is stratified by class and deterministic for a seed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+from comera_engine.data.base import (
+    BaseDir,
+    DataBundle,
+    TensorDictDataset,
+    check_keys,
+    get_float,
+    get_int,
+    missing_package,
+)
+from comera_engine.data.identity import content_sha256, dataset_identity
+from comera_engine.data.registry import dataset_info
 
 
 @dataclass
@@ -72,4 +86,46 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> DigitsSplit:
         test_index=test_idx,
         mean=torch.from_numpy(mean),
         std=torch.from_numpy(std),
+    )
+
+
+# --------------------------------------------------------------------------- digits
+
+
+def build_digits(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
+    """sklearn 8x8 digits: items ``{"x": float32 [64], "labels": int64}``, 10 classes."""
+    defaults = dataset_info("digits").defaults
+    check_keys(cfg, defaults)
+    seed = get_int(cfg, "seed", defaults["seed"])
+    fraction = get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0, 1.0)
+    try:
+        import sklearn
+
+
+        split = load_digits_split(test_fraction=1.0 - fraction, seed=seed)
+    except ImportError as exc:
+        raise missing_package("name", "scikit-learn", "digits") from exc
+    train = TensorDictDataset({"x": split.x_train, "labels": split.y_train})
+    test = TensorDictDataset({"x": split.x_test, "labels": split.y_test})
+    identity = dataset_identity(
+        "digits",
+        "sklearn:load_digits",
+        {"train": len(train), "eval": len(test)},
+        seed,
+        params={"split_fraction": fraction, "normalisation": "x/16 then train z-score"},
+        extra={
+            "sklearn_version": sklearn.__version__,
+            "content_sha256": content_sha256(
+                split.x_train, split.y_train, split.x_test, split.y_test
+            ),
+        },
+    )
+    return DataBundle(
+        name="digits",
+        task="classification",
+        train=train,
+        eval=test,
+        identity=identity,
+        num_classes=10,
+        meta={"input_dim": 64, "image_shape": (8, 8), "mean": split.mean, "std": split.std},
     )

@@ -20,6 +20,28 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+
+from comera_engine.data.base import (
+    BaseDir,
+    DataBundle,
+    TensorDictDataset,
+    check_keys,
+    field_name,
+    get_bool,
+    get_existing_file,
+    get_float,
+    get_int,
+    get_optional_int,
+    get_str,
+    missing_package,
+    seeded_subset,
+    split_indices,
+)
+from comera_engine.data.identity import dataset_identity
+from comera_engine.data.registry import dataset_info
+from comera_engine.data.tokenizer import load_existing_tokenizer, tokenizer_path, train_tokenizer
+from comera_engine.errors import ConfigError
 
 LABEL_NAMES: tuple[str, ...] = ("entailment", "neutral", "contradiction")
 LABEL_TO_ID: dict[str, int] = {name: i for i, name in enumerate(LABEL_NAMES)}
@@ -263,3 +285,189 @@ def pair_texts(examples: NLIExamples) -> Iterable[str]:
     """Premises then hypotheses, one string each (the tokenizer's training text)."""
     yield from examples.premises
     yield from examples.hypotheses
+
+
+# --------------------------------------------------------------------------- NLI
+
+
+
+def _read_nli(cfg: Mapping[str, Any], key: str, base_dir: BaseDir) -> tuple[Any, Path]:
+    """Read the NLI file named by ``cfg[key]``; errors become ``ConfigError(data.<key>)``."""
+    from comera_engine.data import nli
+
+    help_text = nli.FILE_HELP
+    path = get_existing_file(cfg, key, base_dir, help_text)
+    fmt = get_str(cfg, "format", None)
+    if fmt is not None and fmt not in nli.FILE_FORMATS:
+        raise ConfigError(
+            field_name("format"),
+            f"unknown format '{fmt}' (use one of {', '.join(nli.FILE_FORMATS)})",
+        )
+    fmt = fmt or nli.detect_format(path)
+    if fmt is None:
+        raise ConfigError(
+            field_name(key),
+            f"cannot tell the format of {path.name} (use a .tsv, .jsonl or .parquet suffix "
+            "or set data.format)",
+        )
+    try:
+        examples = nli.read_nli_file(path, fmt)
+    except ImportError as exc:
+        raise missing_package(key, "pyarrow", "reading parquet") from exc
+    except (nli.NLIFormatError, UnicodeDecodeError) as exc:
+        raise ConfigError(field_name(key), f"{exc} (give {help_text})") from None
+    if len(examples) == 0:
+        raise ConfigError(
+            field_name(key),
+            f"no examples with a known label (entailment/neutral/contradiction) in {path.name} "
+            f"({examples.dropped} rows dropped); give {help_text}",
+        )
+    return examples, path
+
+
+def build_nli(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
+    """MNLI / SNLI / any NLI file: items ``input_ids``, ``token_type_ids``,
+    ``attention_mask`` int64 [seq_len] and ``labels`` int64 (0/1/2)."""
+    name = str(cfg["name"])
+    defaults = dataset_info(str(cfg.get("name") or "nli")).defaults
+    check_keys(cfg, defaults)
+    seed = get_int(cfg, "seed", defaults["seed"])
+    seq_len = get_int(cfg, "seq_len", defaults["seq_len"], minimum=4)
+    vocab_size = get_int(cfg, "vocab_size", defaults["vocab_size"], minimum=64)
+    min_frequency = get_int(cfg, "min_frequency", defaults["min_frequency"], minimum=1)
+    lowercase = get_bool(cfg, "lowercase", defaults["lowercase"])
+    fraction = get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0, 1.0)
+    max_train = get_optional_int(cfg, "max_examples")
+    max_eval = get_optional_int(cfg, "max_eval_examples")
+    use_hub = get_bool(cfg, "hub", defaults["hub"])
+
+    if use_hub:
+        train_ex, eval_ex, info = _load_hub(cfg, name)
+        source = f"hub:{info['hub']}" + (f"/{info['config']}" if info["config"] else "")
+        files: list[Path] = []
+    else:
+        train_ex, eval_ex, files, info = _nli_from_files(cfg, name, base_dir, fraction, seed)
+        source = "files"
+    train_ex = train_ex.subset(seeded_subset(len(train_ex), max_train, seed))
+    eval_ex = eval_ex.subset(seeded_subset(len(eval_ex), max_eval, seed + 1))
+
+    tok_path = tokenizer_path(cfg, base_dir)
+    tokenizer = load_existing_tokenizer(tok_path)
+    trained = tokenizer is None
+    if tokenizer is None:
+        tokenizer = train_tokenizer(pair_texts(train_ex), vocab_size, min_frequency, lowercase)
+        if tok_path is not None:
+            tokenizer.save(tok_path)
+
+    train = _encode_nli(tokenizer, train_ex, seq_len)
+    evals = _encode_nli(tokenizer, eval_ex, seq_len)
+    identity = dataset_identity(
+        name,
+        source,
+        {"train": len(train), "eval": len(evals)},
+        seed,
+        files=files,
+        params={
+            "seq_len": seq_len,
+            "vocab_size": vocab_size,
+            "min_frequency": min_frequency,
+            "lowercase": lowercase,
+            "split_fraction": None if (use_hub or cfg.get("eval_path")) else fraction,
+            "max_examples": max_train,
+            "max_eval_examples": max_eval,
+        },
+        extra={
+            **info,
+            "label_counts": {"train": train_ex.label_counts(), "eval": eval_ex.label_counts()},
+            "tokenizer_sha256": tokenizer.sha256,
+            "tokenizer_vocab_size": tokenizer.vocab_size,
+            "truncated_fraction": _full_fraction(train.tensors["attention_mask"]),
+        },
+        notes={
+            "tokenizer_trained": trained,
+            "tokenizer_path": str(tok_path) if tok_path else None,
+        },
+    )
+    return DataBundle(
+        name=name,
+        task="nli",
+        train=train,
+        eval=evals,
+        identity=identity,
+        num_classes=3,
+        vocab_size=tokenizer.vocab_size,
+        seq_len=seq_len,
+        tokenizer=tokenizer,
+        meta={
+            "label_names": list(LABEL_NAMES),
+            "pad_id": tokenizer.pad_id,
+            "cls_id": tokenizer.cls_id,
+            "sep_id": tokenizer.sep_id,
+            "mask_id": tokenizer.mask_id,
+            "type_vocab_size": 2,
+        },
+    )
+
+
+def _nli_from_files(
+    cfg: Mapping[str, Any], name: str, base_dir: BaseDir, fraction: float, seed: int
+) -> tuple[Any, Any, list[Path], dict[str, Any]]:
+    """``(train, eval, files, info)`` from ``data.path`` (split by seed) or + ``eval_path``."""
+    if cfg.get("path") is None:
+        hint = f", or set data.hub = true to download {name}" if name in HUB_DEFAULTS else ""
+        raise ConfigError(field_name("path"), f"missing; give {FILE_HELP}{hint}")
+    examples, path = _read_nli(cfg, "path", base_dir)
+    info: dict[str, Any] = {"dropped": examples.dropped}
+    if cfg.get("eval_path") is not None:
+        eval_ex, eval_path = _read_nli(cfg, "eval_path", base_dir)
+        info["eval_dropped"] = eval_ex.dropped
+        return examples, eval_ex, [path, eval_path], info
+    if len(examples) < 2:
+        raise ConfigError(field_name("path"), "need at least 2 labelled examples to split")
+    train_idx, eval_idx = split_indices(len(examples), fraction, seed)
+    return examples.subset(train_idx), examples.subset(eval_idx), [path], info
+
+
+def _load_hub(cfg: Mapping[str, Any], name: str) -> tuple[Any, Any, dict[str, Any]]:
+    """Hub download with config-level errors (missing package, network, unknown split)."""
+    if cfg.get("path") is not None:
+        raise ConfigError(field_name("hub"), "give either data.path or data.hub = true, not both")
+    if name not in HUB_DEFAULTS:
+        raise ConfigError(
+            field_name("hub"),
+            f"hub loading exists for {', '.join(HUB_DEFAULTS)}, not '{name}'; "
+            "set data.name to one of those or give data.path",
+        )
+    try:
+        train_ex, eval_ex, info = load_nli_hub(
+            name,
+            hub_name=get_str(cfg, "hub_name", None),
+            train_split=get_str(cfg, "train_split", None),
+            eval_split=get_str(cfg, "eval_split", None),
+            cache_dir=get_str(cfg, "cache_dir", None),
+        )
+    except ImportError as exc:
+        raise missing_package("hub", "datasets", "hub loading") from exc
+    except Exception as exc:  # network, unknown dataset or split: report as a config problem
+        raise ConfigError(
+            field_name("hub"),
+            f"could not load {name} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
+            "check the network / data.hub_name / split names, or give data.path",
+        ) from exc
+    if len(train_ex) == 0 or len(eval_ex) == 0:
+        raise ConfigError(field_name("hub"), f"{name}: a split has no labelled examples")
+    return train_ex, eval_ex, info
+
+
+def _encode_nli(tokenizer: Any, examples: Any, seq_len: int) -> TensorDictDataset:
+    """Encode pairs to [n, seq_len] tensors plus ``labels`` [n]."""
+    enc = tokenizer.encode_pairs(examples.premises, examples.hypotheses, seq_len)
+    enc["labels"] = torch.tensor(examples.labels, dtype=torch.long)
+    return TensorDictDataset(enc)
+
+
+def _full_fraction(attention_mask: torch.Tensor) -> float:
+    """Fraction of rows that fill every position (likely truncated)."""
+    if attention_mask.shape[0] == 0:
+        return 0.0
+    return float(attention_mask.bool().all(dim=1).float().mean())

@@ -12,12 +12,15 @@ one ``tokenizer.json`` file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from comera_engine.data.base import BaseDir, field_name, get_str, missing_package, resolve_path
+from comera_engine.errors import ConfigError
 
 SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD, UNK, CLS, SEP, MASK = SPECIAL_TOKENS
@@ -238,3 +241,40 @@ class WordPieceTokenizer:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def train_tokenizer(texts: Any, vocab_size: int, min_frequency: int, lowercase: bool) -> Any:
+    """Train a ``WordPieceTokenizer`` (ConfigError if ``tokenizers`` is missing)."""
+    try:
+        from comera_engine.data.tokenizer import WordPieceTokenizer
+
+        return WordPieceTokenizer.train(texts, vocab_size, min_frequency, lowercase)
+    except ImportError as exc:
+        raise missing_package("vocab_size", "tokenizers", "the WordPiece tokenizer") from exc
+
+
+
+
+def tokenizer_path(cfg: Mapping[str, Any], base_dir: BaseDir) -> Path | None:
+    """Resolved ``data.tokenizer_path`` or ``None``."""
+    raw = get_str(cfg, "tokenizer_path", None)
+    return resolve_path(raw, base_dir) if raw is not None else None
+
+
+def load_existing_tokenizer(path: Path | None) -> Any:
+    """The tokenizer saved at ``path`` (file or folder), or ``None`` if there is none yet."""
+    if path is None:
+        return None
+    try:
+        from comera_engine.data.tokenizer import TOKENIZER_FILE, WordPieceTokenizer
+
+        if path.is_file() or (path / TOKENIZER_FILE).is_file():
+            return WordPieceTokenizer.load(path)
+    except ImportError as exc:
+        raise missing_package("tokenizer_path", "tokenizers", "the WordPiece tokenizer") from exc
+    except Exception as exc:  # corrupt json, wrong special tokens
+        raise ConfigError(
+            field_name("tokenizer_path"),
+            f"cannot load tokenizer {path} ({exc}); delete it or point elsewhere to retrain",
+        ) from None
+    return None

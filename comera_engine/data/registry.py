@@ -1,0 +1,111 @@
+"""Which datasets exist, what they feed and their settings' defaults: torch-free.
+
+Every dataset is one :class:`DatasetInfo`: its ``[data]`` name, the task, the models that
+can train on it, a one-line summary, the accepted ``[data]`` keys with their defaults (the
+one copy: the builders, the dashboard preview and the config form read them from here;
+``None`` means "no default": optional, or required where the builder says so) and its
+builder as ``"module:function"``, imported only when a dataset is built. A new dataset is
+a builder beside its parser plus one :func:`register` call.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from comera_engine.errors import ConfigError
+
+__all__ = ["DatasetInfo", "dataset_info", "dataset_names", "register", "resolve_builder"]
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """One dataset (see the module docstring)."""
+
+    name: str
+    task: str  # classification | nli | mlm | ctr
+    models: tuple[str, ...]
+    summary: str
+    builder: str | Callable[..., Any]  # "module:function", or the function itself
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+
+
+_NLI_DEFAULTS = {
+    "path": None, "eval_path": None, "format": None, "hub": False, "hub_name": None,
+    "train_split": None, "eval_split": None, "cache_dir": None, "seq_len": 128,
+    "vocab_size": 8000, "min_frequency": 2, "lowercase": True, "split_fraction": 0.8,
+    "seed": 0, "max_examples": None, "max_eval_examples": None, "tokenizer_path": None,
+}
+_NLI_MODELS = ("transformer_cls",)
+_REGISTRY: dict[str, DatasetInfo] = {}
+
+
+def register(info: DatasetInfo) -> None:
+    """Add (or replace) a dataset."""
+    if not info.name or not isinstance(info.name, str):
+        raise ValueError(f"name: must be a non-empty string, got {info.name!r}")
+    _REGISTRY[info.name] = info
+
+
+def dataset_names(model: str | None = None) -> list[str]:
+    """Registered dataset names in registration order (those ``model`` can train on)."""
+    return [n for n, i in _REGISTRY.items() if model is None or model in i.models]
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    """The registered dataset ``name``.
+
+    Raises:
+        ConfigError: ``data.name`` is missing or unknown (the message lists the names).
+    """
+    if not name:
+        raise ConfigError("data.name", f"missing; choose one of {', '.join(sorted(_REGISTRY))}")
+    if name not in _REGISTRY:
+        raise ConfigError("data.name", f"unknown dataset '{name}'; choose one of "
+                                       f"{', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def resolve_builder(info: DatasetInfo) -> Callable[..., Any]:
+    """The builder function ``builder(cfg, base_dir) -> DataBundle`` (imported lazily)."""
+    if callable(info.builder):
+        return info.builder
+    module, _, function = info.builder.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+for _info in (
+    DatasetInfo("digits", "classification", ("tt_mlp",),
+                "scikit-learn 8×8 digits (1,797 images)",
+                "comera_engine.data.digits:build_digits",
+                {"seed": 0, "split_fraction": 0.8}),
+    DatasetInfo("snli", "nli", _NLI_MODELS, "SNLI premise/hypothesis pairs",
+                "comera_engine.data.nli:build_nli", _NLI_DEFAULTS),
+    DatasetInfo("mnli", "nli", _NLI_MODELS, "MultiNLI premise/hypothesis pairs",
+                "comera_engine.data.nli:build_nli", _NLI_DEFAULTS),
+    DatasetInfo("nli", "nli", _NLI_MODELS, "any NLI file (GLUE TSV, jsonl, parquet)",
+                "comera_engine.data.nli:build_nli", _NLI_DEFAULTS),
+    DatasetInfo("code_mlm", "mlm", ("transformer_mlm",),
+                "Python standard-library code, masked-LM blocks",
+                "comera_engine.data.code_corpus:build_code_mlm",
+                {"seq_len": 128, "seed": 0, "max_files": 200, "max_bytes": None,
+                 "split_fraction": 0.9, "vocab_size": 8000, "min_frequency": 2,
+                 "mlm_probability": 0.15, "tokenizer_path": None, "root": None}),
+    DatasetInfo("clicks", "ctr", ("dlrm",), "Criteo click logs (TSV)",
+                "comera_engine.data.clicks:build_clicks",
+                {"path": None, "eval_path": None, "bucket_sizes": 1000, "max_rows": None,
+                 "split_fraction": 0.8, "seed": 0}),
+    DatasetInfo("clicks_synthetic", "ctr", ("dlrm",),
+                "synthetic clicks with a planted interaction",
+                "comera_engine.data.clicks:build_clicks_synthetic",
+                {"num_samples": 20000, "bucket_sizes": 50, "seed": 0, "split_fraction": 0.8,
+                 "planted_features": [0, 1, 2], "rank": 4, "signal": 1.5,
+                 "dense_signal": 0.3, "base_rate": 0.25, "missing_rate": 0.0}),
+):
+    register(_info)
