@@ -1,7 +1,8 @@
 """CoMERA engine: rank-adaptive tensor-train training (arXiv 2405.14377).
 
 ``import comera_engine`` is cheap: the layers (and torch) load on first use of
-``TTLinear``, ``TTEmbedding``, ``tensorize``, ``truncate`` or ``size_report``, so the run
+``TTLinear``, ``TTEmbedding``, ``tensorize``, ``truncate``, ``size_report`` or the TT math
+(``tt_svd``, ``max_tt_ranks``, ``plan``, ``estimate``, ``explain``), so the run
 store, the launcher and the CLI's light commands start fast. It needs only torch, numpy
 and tensorly; datasets, tokenizers, streamlit, pynvml and onnx are imported where used.
 """
@@ -12,20 +13,25 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["TTEmbedding", "TTLinear", "__version__", "load", "size_report", "tensorize",
-           "truncate"]
+__all__ = ["TTEmbedding", "TTLinear", "__version__", "estimate", "explain", "load",
+           "max_tt_ranks", "plan", "size_report", "tensorize", "truncate", "tt_svd"]
 
-_LAYER_NAMES = {"TTEmbedding", "TTLinear", "size_report", "tensorize", "truncate"}
+#: Public names that load torch on first use, and the module each lives in.
+_LAZY = {"TTEmbedding": "layers", "TTLinear": "layers", "size_report": "layers",
+         "tensorize": "layers", "truncate": "layers", "tt_svd": "tensor",
+         "max_tt_ranks": "tensor", "explain": "tensor", "plan": "tensor",
+         "estimate": "tensor"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layers import TTEmbedding, TTLinear, size_report, tensorize, truncate
+    from .tensor import estimate, explain, max_tt_ranks, plan, tt_svd
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAYER_NAMES:
-        from . import layers
+    if name in _LAZY:
+        import importlib
 
-        value = getattr(layers, name)
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'comera_engine' has no attribute {name!r}")

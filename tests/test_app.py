@@ -540,10 +540,10 @@ def test_live_and_compare_pages_on_a_real_run(trained: tuple[Path, str],
 def test_preview_matches_size_report() -> None:
     import torch
 
-    from app.lib.preview import data_shape, make_preview
     from comera_engine import size_report
     from comera_engine.launch import resolve_config
     from comera_engine.models import build_model
+    from comera_engine.preview import data_shape, make_preview
 
     cfg = resolve_config(config(target=40.0))
     pv = make_preview(cfg, "cpu")

@@ -95,7 +95,7 @@ def tt_approx(m: np.ndarray, layout: str, rank: int) -> TTResult:
     """TT-SVD (tensorly) of the matrix in ``layout`` with every rank capped at ``rank``."""
     import tensorly as tl
 
-    from comera_engine.tensor import tt_svd
+    from comera_engine import tt_svd
 
     t = to_tensor(m, layout)
     with _one_thread():  # tiny SVDs: threads only fight each other
@@ -115,7 +115,7 @@ def tt_layer_cores(in_factors: list[int], out_factors: list[int], rank: int
                    ) -> list[tuple[int, int, int]]:
     """Core shapes ``(r_{k-1}, s_k, r_k)`` of a TT linear layer at a uniform rank, each
     bond clamped to the maximal TT rank."""
-    from comera_engine.tensor import max_tt_ranks
+    from comera_engine import max_tt_ranks
 
     modes = [*in_factors, *out_factors]
     caps = max_tt_ranks(modes)
@@ -147,7 +147,7 @@ def path_macs(batch: int, in_factors: list[int], out_factors: list[int], rank: i
               training: bool = True, device: str = "cpu") -> dict[str, float]:
     """MACs of every contraction path (forward, plus backward when ``training``) and of a
     dense ``nn.Linear``, plus the planner's pick under ``"pick"``."""
-    from comera_engine.tensor.contract import estimate, plan
+    from comera_engine import estimate, plan
 
     shapes = tt_layer_cores(in_factors, out_factors, rank)
     ranks = [1, *[s[2] for s in shapes[:-1]], 1]

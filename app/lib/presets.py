@@ -22,14 +22,6 @@ except ModuleNotFoundError:  # Python 3.10
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
-#: Datasets each model can train on (the model's task decides).
-DATASETS_FOR_MODEL: dict[str, tuple[str, ...]] = {
-    "tt_mlp": ("digits",),
-    "transformer_cls": ("snli", "mnli", "nli"),
-    "transformer_mlm": ("code_mlm",),
-    "dlrm": ("clicks_synthetic", "clicks"),
-}
-
 MODEL_LABELS: dict[str, str] = {
     "tt_mlp": "TT MLP (image classification)",
     "transformer_cls": "Transformer classifier (NLI)",

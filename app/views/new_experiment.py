@@ -12,9 +12,17 @@ import streamlit as st
 from app.lib import fmt, plots, runs, ui
 from app.lib.defaults import DEFAULT_PRESET
 from app.lib.devices import list_gpus
-from app.lib.presets import DATASETS_FOR_MODEL, MODEL_LABELS, Preset, load_presets, preset_label
-from app.lib.preview import Preview, data_problems, make_preview
+from app.lib.form import FormValues, form_to_config
+from app.lib.presets import MODEL_LABELS, Preset, load_presets, preset_label
 from comera_engine.errors import ConfigError
+from comera_engine.preview import (
+    Preview,
+    data_problems,
+    datasets_for,
+    default_tt_layers,
+    preview,
+    size_defaults,
+)
 
 SIZES = ("tiny", "small", "paper")
 SCHEDULES = {
@@ -43,31 +51,14 @@ def _gpus() -> list[Any]:
 
 @st.cache_data(max_entries=64, show_spinner=False)
 def _preview(raw_json: str, device: str) -> Preview:
-    from comera_engine.launch import resolve_config
-
-    return make_preview(resolve_config(json.loads(raw_json)), device)
-
-
-def _size_defaults(model: str, size: str) -> tuple[int, int]:
-    """(linear rank, embedding rank) of a model's size preset."""
-    if model == "tt_mlp":
-        from comera_engine.models.mlp import PRESETS as P
-
-        return P[size].rank, P[size].rank
-    if model == "dlrm":
-        from comera_engine.models.dlrm import PRESETS as D
-
-        return D[size].rank, D[size].embedding_rank
-    from comera_engine.models.transformer import PRESETS as T
-
-    return T[size].rank, T[size].embedding_rank
+    return preview(json.loads(raw_json), device)
 
 
 def _dataset_options(presets: dict[str, Preset], chosen: Preset) -> list[tuple[str, dict]]:
     """Data tables the chosen model can train on: its own first, then those of other
     presets for the same task. Files come from presets only; the browser never types
     a path."""
-    allowed = DATASETS_FOR_MODEL.get(chosen.model, ())
+    allowed = {info.name for info in datasets_for(chosen.model)}
     out: list[tuple[str, dict]] = []
     seen: set[str] = set()
     for p in [chosen, *presets.values()]:
@@ -88,12 +79,15 @@ def _data_label(data: dict) -> str:
         return f"{name} · Hugging Face hub"
     if data.get("path"):
         return f"{name} · {data['path']}"
+    info = next((i for m in MODEL_LABELS for i in datasets_for(m) if i.name == name), None)
+    if info is None:
+        return f"{name} · built in"
+    get = {**info.defaults, **data}.get
     extras = {
-        "digits": "scikit-learn 8×8 digits (1,797 images)",
-        "code_mlm": f"Python stdlib code ({data.get('max_files', 200)} files)",
-        "clicks_synthetic": f"synthetic clicks ({data.get('num_samples', 20000):,} rows)",
+        "code_mlm": f"Python stdlib code ({get('max_files')} files)",
+        "clicks_synthetic": f"synthetic clicks ({get('num_samples'):,} rows)",
     }
-    return f"{name} · {extras.get(name, 'built in')}"
+    return f"{name} · {extras.get(name, info.summary)}"
 
 
 ui.page_header(
@@ -178,12 +172,10 @@ with left:
     )
     slots["target"] = st.container()
 
-    rank_default, emb_default = _size_defaults(model_name, size)
+    rank_default, emb_default = size_defaults(model_name, size)
     tt_kinds = m.get("tt_layers")
     if tt_kinds is None:
-        from comera_engine.config import DEFAULT_TT_LAYERS
-
-        tt_kinds = DEFAULT_TT_LAYERS.get(model_name, ())
+        tt_kinds = default_tt_layers(model_name)
     has_emb = "embedding" in tt_kinds
     c1, c2 = st.columns(2)
     max_rank = c1.number_input(
@@ -266,29 +258,15 @@ ui.save_form(SAVED, FORM_KEYS)
 
 # ---------------------------------------------------------------- assemble and validate
 
-raw["name"] = run_name.strip() or str(raw.get("name", pkey))
-raw["data"] = data
-m["preset"] = size
-m["dense"] = bool(dense)
-m["rank"] = int(max_rank)
-if emb_rank is not None:
-    m["embedding_rank"] = int(emb_rank)
-if use_target and not dense:
-    c["target_compression"] = float(target)
-else:
-    c.pop("target_compression", None)
-c["target_scope"] = scope
-c["switch"] = int(switch_step) if sched == "step" else sched
-if dense:  # the baseline has no ranks to learn: plain training, no stages
-    c["switch"] = "never"
-if patience is not None:
-    c["plateau_patience"] = int(patience)
-t.update(
-    steps=int(steps), batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
+raw, gpu_ids = form_to_config(raw, FormValues(
+    data=data, size=size, dense=bool(dense), use_target=bool(use_target), target=float(target),
+    scope=scope, rank=int(max_rank), embedding_rank=None if emb_rank is None else int(emb_rank),
+    schedule=sched, switch_step=None if switch_step is None else int(switch_step),
+    patience=None if patience is None else int(patience), steps=int(steps),
+    batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
     ckpt_every=int(ckpt_every), precision=precision, cuda_graph=bool(cuda_graph),
-    device="cpu" if device == "cpu" else "cuda",
-)
-gpu_ids = None if device == "cpu" else device.split(":")[1]
+    device=device, run_name=run_name or str(raw.get("name", pkey)),
+))
 
 FIELD_SLOTS = {
     "data": "data", "model.preset": "data", "model.name": "data",

@@ -1,4 +1,9 @@
-"""Live preview of a config's tensorisation, before anything is launched.
+"""Preview of a config's tensorisation before anything is launched: the engine's public,
+app-facing view of a config (the dashboard's New experiment page uses only this module,
+the run store, the launcher and export).
+
+:func:`preview` takes a config table (as a TOML file or the form gives it), validates it
+and returns a :class:`Preview`.
 
 The model is built on PyTorch's ``meta`` device (shapes only, no memory, no data
 loaded) from the config's ``[model]`` table and the dataset's shape facts, then each
@@ -110,34 +115,32 @@ class Preview:
 
 
 def data_shape(data: dict[str, Any]) -> types.SimpleNamespace:
-    """What ``build_model`` needs to know about a dataset, from its ``[data]`` table only
-    (no file is read, nothing is downloaded): task, classes, vocabulary, sequence length."""
-    name = str(data.get("name", ""))
-    if name == "digits":
+    """What ``build_model`` needs to know about a dataset, from its ``[data]`` table and
+    the dataset registry only (no file is read, nothing is downloaded): task, classes,
+    vocabulary, sequence length."""
+    from comera_engine.data.registry import dataset_info
+
+    info = dataset_info(str(data.get("name", "")))
+    get = {**info.defaults, **data}.get
+    if info.task == "classification":
         return types.SimpleNamespace(
-            name=name, task="classification", num_classes=10, vocab_size=None, seq_len=None,
-            meta={"input_dim": 64},
+            name=info.name, task="classification", num_classes=10, vocab_size=None,
+            seq_len=None, meta={"input_dim": 64},
         )
-    if name in ("snli", "mnli", "nli"):
+    if info.task in ("nli", "mlm"):
         return types.SimpleNamespace(
-            name=name, task="nli", num_classes=3, vocab_size=int(data.get("vocab_size", 8000)),
-            seq_len=int(data.get("seq_len", 128)), meta={"pad_id": 0},
+            name=info.name, task=info.task, num_classes=3 if info.task == "nli" else None,
+            vocab_size=int(get("vocab_size")), seq_len=int(get("seq_len")), meta={"pad_id": 0},
         )
-    if name == "code_mlm":
-        return types.SimpleNamespace(
-            name=name, task="mlm", num_classes=None, vocab_size=int(data.get("vocab_size", 8000)),
-            seq_len=int(data.get("seq_len", 128)), meta={"pad_id": 0},
-        )
-    if name in ("clicks", "clicks_synthetic"):
+    if info.task == "ctr":
         from comera_engine.data.clicks import NUM_DENSE, normalise_bucket_sizes
 
-        default = 1000 if name == "clicks" else 50
-        sizes = normalise_bucket_sizes(data.get("bucket_sizes", default))
+        sizes = normalise_bucket_sizes(get("bucket_sizes"))
         return types.SimpleNamespace(
-            name=name, task="ctr", num_classes=2, vocab_size=None, seq_len=None,
+            name=info.name, task="ctr", num_classes=2, vocab_size=None, seq_len=None,
             meta={"num_dense": NUM_DENSE, "bucket_sizes": sizes},
         )
-    raise ValueError(f"data.name: unknown dataset {name!r}")
+    raise ValueError(f"data.name: no preview for the {info.task!r} task of {info.name!r}")
 
 
 def data_problems(data: dict[str, Any], batch_size: int, base_dir: str | Path | None = None
@@ -163,7 +166,9 @@ def data_problems(data: dict[str, Any], batch_size: int, base_dir: str | Path | 
     ):
         errors.append("data.path: this dataset needs a file or data.hub = true")
     if data.get("name") == "digits":
-        frac = float(data.get("split_fraction", 0.8))
+        from comera_engine.data.registry import dataset_info
+
+        frac = float(data.get("split_fraction", dataset_info("digits").defaults["split_fraction"]))
         n_train = int(round(DIGITS_EXAMPLES * frac))
         if batch_size > n_train:
             errors.append(
@@ -212,6 +217,47 @@ def embedding_macs(vocab_f: tuple[int, ...], dim_f: tuple[int, ...], ranks: list
 
 
 # ------------------------------------------------------------------ the preview
+
+
+def preview(raw: dict[str, Any], device: str = "cpu") -> Preview:
+    """Validate a config table (``name`` and the ``[model]``, ``[data]``, ``[comera]``,
+    ``[train]`` tables as dicts) and preview it on ``device`` (``"cpu"`` or ``"cuda"``).
+
+    Raises:
+        ConfigError: a field is bad (the message names it).
+    """
+    from comera_engine.launch import resolve_config
+
+    return make_preview(resolve_config(raw), device)
+
+
+def size_defaults(model: str, size: str) -> tuple[int, int]:
+    """(linear rank, embedding rank) of a model's size preset (tiny, small, paper)."""
+    if model == "tt_mlp":
+        from comera_engine.models.mlp import PRESETS as P
+
+        return P[size].rank, P[size].rank
+    if model == "dlrm":
+        from comera_engine.models.dlrm import PRESETS as D
+
+        return D[size].rank, D[size].embedding_rank
+    from comera_engine.models.transformer import PRESETS as T
+
+    return T[size].rank, T[size].embedding_rank
+
+
+def default_tt_layers(model: str) -> tuple[str, ...]:
+    """The layer kinds that are TT when a config does not say (``model.tt_layers``)."""
+    from comera_engine.config import DEFAULT_TT_LAYERS
+
+    return DEFAULT_TT_LAYERS.get(model, ())
+
+
+def datasets_for(model: str) -> list[Any]:
+    """The registered datasets ``model`` can train on (:class:`DatasetInfo` each)."""
+    from comera_engine.data.registry import dataset_info, dataset_names
+
+    return [dataset_info(n) for n in dataset_names(model)]
 
 
 def build_meta_model(cfg: Any, shape: types.SimpleNamespace, dense: bool | None = None) -> Any:

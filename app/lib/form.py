@@ -1,0 +1,83 @@
+"""The New experiment form as data: what the widgets collect, and the pure function that
+turns it into a run config (no streamlit here, so it is tested like any function)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FormValues", "form_to_config"]
+
+
+@dataclass
+class FormValues:
+    """Every value the New experiment widgets collect.
+
+    ``schedule``: ``"step"`` (late stage from ``switch_step``), ``"plateau"`` (when the
+    loss plateaus, after ``patience`` steps without improvement) or ``"never"``.
+    ``device``: ``"cpu"`` or ``"cuda:N"``. ``embedding_rank`` is ``None`` when the model
+    has no TT embedding.
+    """
+
+    data: dict[str, Any]
+    size: str = "tiny"
+    dense: bool = False
+    use_target: bool = True
+    target: float = 20.0
+    scope: str = "tensorized"
+    rank: int = 8
+    embedding_rank: int | None = None
+    schedule: str = "plateau"
+    switch_step: int | None = None
+    patience: int | None = None
+    steps: int = 1000
+    batch_size: int = 32
+    seed: int = 0
+    eval_every: int = 100
+    ckpt_every: int = 500
+    precision: str = "auto"
+    cuda_graph: bool = True
+    device: str = "cpu"
+    run_name: str = ""
+
+
+def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any], str | None]:
+    """The run config the form describes, and the GPU ids to launch on (``None``: CPU).
+
+    ``preset`` is the chosen preset's config (left unchanged); every form value replaces
+    the field it edits, and the rest of the preset is kept. The dense baseline trains
+    without stages and without a target. Nothing is validated here: the launcher's
+    validation names any bad field.
+    """
+    raw = copy.deepcopy(preset)
+    m = raw.setdefault("model", {})
+    c = raw.setdefault("comera", {})
+    t = raw.setdefault("train", {})
+    raw["name"] = v.run_name.strip() or str(raw.get("name", "run"))
+    raw["data"] = dict(v.data)
+    m["preset"] = v.size
+    m["dense"] = bool(v.dense)
+    m["rank"] = int(v.rank)
+    if v.embedding_rank is not None:
+        m["embedding_rank"] = int(v.embedding_rank)
+    if v.use_target and not v.dense:
+        c["target_compression"] = float(v.target)
+    else:
+        c.pop("target_compression", None)
+    c["target_scope"] = v.scope
+    if v.schedule == "step":
+        c["switch"] = int(v.switch_step if v.switch_step is not None else 0)
+    else:
+        c["switch"] = v.schedule
+    if v.dense:  # the baseline has no ranks to learn: plain training, no stages
+        c["switch"] = "never"
+    if v.schedule == "plateau" and v.patience is not None:
+        c["plateau_patience"] = int(v.patience)
+    t.update(
+        steps=int(v.steps), batch_size=int(v.batch_size), seed=int(v.seed),
+        eval_every=int(v.eval_every), ckpt_every=int(v.ckpt_every), precision=v.precision,
+        cuda_graph=bool(v.cuda_graph), device="cpu" if v.device == "cpu" else "cuda",
+    )
+    gpu_ids = None if v.device == "cpu" else v.device.split(":", 1)[1]
+    return raw, gpu_ids
