@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from comera_engine.train import cpu_memory
-from comera_engine.train.cpu_memory import keep_freed_memory
+from comera_engine.backends.cpu import heap as cpu_memory
+from comera_engine.backends.cpu.heap import keep_freed_memory
 
 # Allocates and frees a 40 MB tensor (above glibc's largest dynamic mmap threshold, so
 # each one is a fresh mapping by default) ten times after three warm-up rounds; prints
@@ -19,7 +19,7 @@ _FAULTS = textwrap.dedent(
     """
     import resource, sys
     import torch
-    from comera_engine.train.cpu_memory import keep_freed_memory
+    from comera_engine.backends.cpu.heap import keep_freed_memory
 
     kept = keep_freed_memory() if sys.argv[1] == "keep" else 0
     for _ in range(3):  # the heap grows to its working size: faults either way

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .contract import _flat_mask, apply_gates, gate_masks
+from ..ops.gates import apply_gates, flat_mask, gate_masks
 
 __all__ = [
     "RankChange",
@@ -257,7 +257,7 @@ class TensorTrain(nn.Module):
         ``1.5·tau``). Call after each optimizer step. Returns bonds whose
         effective rank changed."""
         _, gates, alive = self.parts()
-        if gates and bool(_flat_mask(torch.cat(gates), self.tau, alive).all()):
+        if gates and bool(flat_mask(torch.cat(gates), self.tau, alive).all()):
             return []  # every entry alive and above tau: nothing to prune or to zero
         changes = []
         for k, g in enumerate(self.gates):

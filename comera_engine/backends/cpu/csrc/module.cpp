@@ -1,4 +1,4 @@
-// The Python module of the native TT-linear ops (loaded by comera_engine/tensor/native.py).
+// The Python module of the native TT-linear ops (built by comera_engine/backends/cpu/build.py).
 #include <torch/extension.h>
 
 #include "tt_common.h"
