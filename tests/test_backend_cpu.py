@@ -139,7 +139,7 @@ def test_a_run_never_times_gemm_ways(monkeypatch, cpu_backend) -> None:
         raise AssertionError("a run timed GEMM ways")
 
     monkeypatch.setattr(tune, "tune_ways", boom)
-    monkeypatch.setattr(tune, "_best", boom)
+    monkeypatch.setattr(tune, "best", boom)
     monkeypatch.setattr(tune.time, "perf_counter", boom)
     lin = TTLinear(96, 64, rank=10, in_factors=[4, 4, 6], out_factors=[4, 4, 4],
                    path="halves")

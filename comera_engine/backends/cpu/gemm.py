@@ -117,10 +117,14 @@ class Ways:
     def product(self, role: str, a: Tensor, b: Tensor, default: int = 0) -> Tensor:
         """The product of ``role`` (see :func:`run` for the shapes): the install's way for
         large fp32 operands, else the fixed rule (way 0; ``default`` for ``tn``)."""
+        return run(ROLES[role], self.way(role, a, b, default), a, b)
+
+    def way(self, role: str, a: Tensor, b: Tensor, default: int = 0) -> int:
+        """The way :meth:`product` takes for these operands (0 or 1)."""
         kind = ROLES[role]
         if role in self.chosen and _can_choose(kind, a, b):
-            return run(kind, self.chosen[role], a, b)
-        return run(kind, default if kind == "tn" else 0, a, b)
+            return self.chosen[role]
+        return default if kind == "tn" else 0
 
     def blocked(self, role: str, x: Tensor) -> bool:
         """Whether the step ``role`` (``"halves-fwd"``/``"halves-bwd"``) on batch input

@@ -20,31 +20,33 @@ import torch
 
 from .gemm import KINDS, ROLES, Ways, onednn_linear, run
 
-__all__ = ["ROUNDS", "tune_ways"]
+__all__ = ["ROUNDS", "best", "operands", "tune_ways"]
 
 ROUNDS = 7
 TOKENS, N, WIDTH, M = 4096, 768, 32, 768
 
 
-def _best(fns: list[Callable[[], object]]) -> list[float]:
-    """Best-of-:data:`ROUNDS` seconds of each of ``fns``, timed alternating (one warm-up
-    call each first)."""
+def best(fns: list[Callable[[], object]], rounds: int = ROUNDS) -> list[float]:
+    """Best-of-``rounds`` seconds of each of ``fns``, timed alternating (one warm-up call
+    each first)."""
     for f in fns:
         f()
-    best = [float("inf")] * len(fns)
-    for _ in range(ROUNDS):
+    out = [float("inf")] * len(fns)
+    for _ in range(rounds):
         for i, f in enumerate(fns):
             t0 = time.perf_counter()
             f()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
+            out[i] = min(out[i], time.perf_counter() - t0)
+    return out
 
 
-def _operands() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per product role, its operands at the representative shape."""
+def operands(tokens: int = TOKENS, n: int = N, width: int = WIDTH, m: int = M
+             ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per product role, its operands for ``tokens`` rows of an ``n``→``m`` layer of
+    padded middle width ``width`` (default: the representative shape)."""
     g = torch.Generator().manual_seed(0)
-    x, dy = torch.randn(TOKENS, N, generator=g), torch.randn(TOKENS, M, generator=g)
-    Lp, Rp = torch.randn(N, WIDTH, generator=g), torch.randn(WIDTH, M, generator=g)
+    x, dy = torch.randn(tokens, n, generator=g), torch.randn(tokens, m, generator=g)
+    Lp, Rp = torch.randn(n, width, generator=g), torch.randn(width, m, generator=g)
     XL, dXL = x @ Lp, dy @ Rp.t()
     return {"xl": (x, Lp), "y": (XL, Rp), "dxl": (dy, Rp), "dx": (dXL, Lp),
             "dr": (XL, dy), "dl": (x, dXL)}
@@ -72,13 +74,13 @@ def tune_ways(ops: ModuleType) -> dict:
 
     chosen: dict[str, int] = {}
     seconds: dict[str, list[float]] = {}
-    for role, (a, b) in _operands().items():
+    for role, (a, b) in operands().items():
         kind = ROLES[role]
         if kind != "tn" and onednn_linear() is None:
             continue  # one way only
-        t = _best([lambda k=kind, w=w, a=a, b=b: run(k, w, a, b) for w in (0, 1)])
+        t = best([lambda k=kind, w=w, a=a, b=b: run(k, w, a, b) for w in (0, 1)])
         seconds[role], chosen[role] = t, int(t[1] < t[0])
-    ops_ = _operands()
+    ops_ = operands()
     x, Lp = ops_["xl"]
     dy, Rp = ops_["dxl"]
     XL = ops_["y"][0]
@@ -90,7 +92,7 @@ def tune_ways(ops: ModuleType) -> dict:
         return lambda: batch_backward(dy, x, XL, Lp, Rp, True, True, be)
 
     for role in ("halves-fwd", "halves-bwd"):
-        t = _best([step(role, 0), step(role, 1)])
+        t = best([step(role, 0), step(role, 1)])
         seconds[role], chosen[role] = t, int(t[1] < t[0])
     return {"ways": {r: KINDS[ROLES[r]][w] for r, w in chosen.items()},
             "seconds": seconds, "machine": _machine(), "threads": torch.get_num_threads(),
