@@ -5,24 +5,15 @@ on and off; prints a table and writes experiments/results/bench_op_tt_linear_swe
     python experiments/bench_op_tt_linear_sweep.py [--rounds 7] [--threads N]
 """
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import bench_op, tt_linear_step  # noqa: E402
+from benchlib import bench_tt_linear_op  # noqa: E402
 
-from comera_engine.ops.tt_linear_sweep import (  # noqa: E402
-    tt_linear_sweep,
-    tt_linear_sweep_reference,
-)
-
+# (label, input factors, output factors, rank, rows)
 CASES = [("768x768 r64, 32 rows", [12, 8, 8], [8, 8, 12], 64, 32),
          ("768x768 r30, 8 rows", [12, 8, 8], [8, 8, 12], 30, 8)]
 
 if __name__ == "__main__":
-    sys.exit(bench_op("tt_linear_sweep", [
-        (label, tt_linear_step(tt_linear_sweep, ins, outs, r, B),
-         tt_linear_step(tt_linear_sweep_reference, ins, outs, r, B))
-        for label, ins, outs, r, B in CASES]))
+    sys.exit(bench_tt_linear_op("sweep", CASES))

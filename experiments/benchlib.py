@@ -280,3 +280,16 @@ def tt_linear_step(op: Callable, ins: list[int], outs: list[int], rank: int, row
         return y
 
     return step
+
+
+def bench_tt_linear_op(path: str, cases: list[tuple[str, list[int], list[int], int, int]]
+                       ) -> int:
+    """:func:`bench_op` for ``comera_engine.ops.tt_linear_<path>`` against its reference;
+    ``cases``: ``(label, in factors, out factors, rank, rows)``."""
+    import importlib
+
+    mod = importlib.import_module(f"comera_engine.ops.tt_linear_{path}")
+    op, ref = getattr(mod, f"tt_linear_{path}"), getattr(mod, f"tt_linear_{path}_reference")
+    return bench_op(f"tt_linear_{path}", [
+        (label, tt_linear_step(op, ins, outs, r, B), tt_linear_step(ref, ins, outs, r, B))
+        for label, ins, outs, r, B in cases])

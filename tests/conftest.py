@@ -45,3 +45,13 @@ def cpu_backend(cpu_backend_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     assert backend is not None
     yield backend
     backends._load_once.cache_clear()
+
+
+@pytest.fixture(params=["pytorch", "backend"])
+def op_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs an op test on the pure PyTorch path and through the CPU backend."""
+    if request.param == "pytorch":
+        monkeypatch.setenv("COMERA_NATIVE", "0")
+    else:
+        request.getfixturevalue("cpu_backend")
+    return request.param

@@ -64,3 +64,33 @@ def gradcheck_op(op: Callable, ins: list[int], outs: list[int], rank: int, B: in
         return op(t[0], list(t[2 : 2 + n_c]), d, t[1], list(t[2 + n_c :]), tau, alive)
 
     assert torch.autograd.gradcheck(f, (x, b, *cores, *gates))
+
+
+CASES = [
+    ([6], [5], 3, 3),                 # d = 1
+    ([4, 3], [2, 5], 4, 7),           # d = 2, odd batch
+    ([4, 3], [2, 5], 4, 130),         # d = 2, from 128 rows (halves: padded, bias in R)
+    ([2, 3, 2], [3, 2, 2], 3, 40),    # d = 3
+    ([5, 1, 3], [1, 7, 2], 2, 1),     # unit factors, one row
+]
+
+
+def op_tests(op: Callable, ref: Callable) -> tuple[Callable, Callable]:
+    """A test module's two tests of TT-linear ``op`` against ``ref`` (see
+    :func:`check_against_reference`, :func:`gradcheck_op`), each on the pure PyTorch
+    path and through the CPU backend (the ``op_impl`` fixture):
+    ``test_matches_reference_float64, test_gradcheck = op_tests(op, ref)``."""
+    import pytest
+
+    @pytest.mark.parametrize(("ins", "outs", "rank", "B"), CASES)
+    @pytest.mark.parametrize(("gated", "bias"), [(True, True), (False, True), (True, False)])
+    def test_matches_reference_float64(op_impl: str, ins: list[int], outs: list[int],
+                                       rank: int, B: int, gated: bool, bias: bool) -> None:
+        check_against_reference(op, ref, ins, outs, rank, B, gated, bias)
+
+    @pytest.mark.parametrize(("ins", "outs", "B"), [([3, 2], [2, 3], 5),
+                                                    ([2, 2, 2], [2, 3, 1], 3)])
+    def test_gradcheck(op_impl: str, ins: list[int], outs: list[int], B: int) -> None:
+        gradcheck_op(op, ins, outs, 2, B)
+
+    return test_matches_reference_float64, test_gradcheck
