@@ -633,3 +633,29 @@ def test_halves_layer_blocked_and_plain_batch_steps_match_float64(monkeypatch, c
             for p, pr in zip(lin.parameters(), ref.parameters()):
                 assert torch.allclose(p.grad.double(), pr.grad, rtol=1e-3, atol=1e-3)
     assert "halves-fwd" in picked and "halves-bwd" in picked
+
+
+def test_planner_cost_model_per_device_kind(monkeypatch) -> None:
+    """The planner's cost model comes from a table by device kind: the CPU model for CPU
+    tensors, CUDA by compute capability, the generic CUDA model where the capability
+    is not listed or cannot be read; explain() names the model it used."""
+    from comera_engine.tensor import planner
+
+    assert explain(64, [4, 4], [4, 4], [1, 3, 3, 3, 1])["device_model"] == "cpu"
+    assert planner.DeviceModel.for_device("cpu") is planner.DEVICE_MODELS["cpu"]
+    planner._cuda_major.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    assert planner.DeviceModel.for_device("cuda").name == "cuda-sm9"
+    planner._cuda_major.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (12, 0))
+    assert planner.DeviceModel.for_device("cuda").name == "cuda"
+    planner._cuda_major.cache_clear()
+
+    def no_cuda(dev=None):  # noqa: ANN001, ANN202
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_cuda)
+    assert planner.DeviceModel.for_device("cuda:0").name == "cuda"
+    planner._cuda_major.cache_clear()
+    rates = {m.mac_rate for m in planner.DEVICE_MODELS.values()}
+    assert len(rates) > 2  # not one hard-coded GPU rate
