@@ -22,10 +22,6 @@ from .merges import merge_left, merge_left_grads, merge_right, merge_right_grads
 __all__ = ["TTLinearHalves", "batch_backward", "batch_forward", "padded_width",
            "tt_linear_halves", "tt_linear_halves_reference"]
 
-BLOCK_ROWS = 512
-"""Rows per block of the backend's row-blocked batch step (blocks of 256-1024 rows timed
-within 0.1 ms of each other at 768×768, rank 30, 4096 rows; docs/BENCHMARKS.md)."""
-
 _RANK_ALIGN = 8
 _MIN_WIDTH = 16  # MKL runs (B×N)·(N×8) and its transposes several times slower than ×16
 _PAD_MIN_BATCH = 128  # below this the batch GEMMs are tiny: padding is pure overhead
@@ -164,21 +160,14 @@ def batch_forward(x: Tensor, Lp: Tensor, Rp: Tensor, ones_col: int,
                   backend) -> tuple[Tensor, Tensor]:  # noqa: ANN001
     """The halves forward's batch GEMMs: ``XL = X·Lp`` (``(B, r_p)``, column ``ones_col``
     set to one where ``>= 0``), ``Y = XL·Rp`` (``(B, M)``); returns ``(Y, XL)``. Without a
-    backend, ``torch.mm``; with one, the install's way per product
-    (:class:`comera_engine.backends.cpu.gemm.Ways`) or, where it chose so, row-blocked in
-    C++ (``tt_halves_batch.cpp``)."""
-    if backend is None:
-        XL = x @ Lp
-        if ones_col >= 0:
-            XL[:, ones_col] = 1.0  # meets the bias row of Rp
-        return XL @ Rp, XL
-    if backend.ways.blocked("halves-fwd", x):
-        y, XL = backend.ops.halves_batch_forward(x, Lp, Rp, ones_col, BLOCK_ROWS)
-        return y, XL
-    XL = backend.ways.product("xl", x, Lp)
+    backend, ``torch.mm``; with one, its ways or its row-blocked step
+    (:mod:`comera_engine.backends.cpu.step`)."""
+    if backend is not None:
+        return backend.batch_forward(x, Lp, Rp, ones_col)
+    XL = x @ Lp
     if ones_col >= 0:
-        XL[:, ones_col] = 1.0
-    return backend.ways.product("y", XL, Rp), XL
+        XL[:, ones_col] = 1.0  # meets the bias row of Rp
+    return XL @ Rp, XL
 
 
 def batch_backward(dy: Tensor, x: Tensor, XL: Tensor, Lp: Tensor, Rp: Tensor,
@@ -186,25 +175,14 @@ def batch_backward(dy: Tensor, x: Tensor, XL: Tensor, Lp: Tensor, Rp: Tensor,
                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The halves backward's batch GEMMs: ``dXL = dY·Rpᵀ``, then ``dX = dXL·Lpᵀ`` (if
     ``need_x``), ``dRp = XLᵀ·dY`` and ``dLp = Xᵀ·dXL`` (``(N, r_p)``, if ``need_w``);
-    returns ``(dX, dLp, dRp)``, None where not asked for. Ways as in
+    returns ``(dX, dLp, dRp)``, None where not asked for. Backend as in
     :func:`batch_forward`."""
-    if backend is not None and backend.ways.blocked("halves-bwd", x):
-        dx, dL, dR, _ = backend.ops.halves_batch_backward(dy, x, XL, Lp, Rp, need_x, need_w,
-                                                          BLOCK_ROWS)
-        return dx, dL, dR
-    if backend is None:
-        dXL = dy @ Rp.t()
-        dR = XL.t() @ dy if need_w else None  # dR while dY is hot
-        dx = dXL @ Lp.t() if need_x else None
-        dL = x.t() @ dXL if need_w else None
-        return dx, dL, dR
-    ways = backend.ways
-    dXL = ways.product("dxl", dy, Rp)
-    # dR while dY is hot. Fixed rule (small batches): MKL runs (dYᵀ·XL)ᵀ faster when the
-    # width is a multiple of 16 (the padded case) and up to 5× slower otherwise on Zen 4
-    dR = ways.product("dr", XL, dy, default=int(XL.shape[1] % 16 == 0)) if need_w else None
-    dx = ways.product("dx", dXL, Lp) if need_x else None
-    dL = ways.product("dl", x, dXL) if need_w else None
+    if backend is not None:
+        return backend.batch_backward(dy, x, XL, Lp, Rp, need_x, need_w)
+    dXL = dy @ Rp.t()
+    dR = XL.t() @ dy if need_w else None  # dR while dY is hot
+    dx = dXL @ Lp.t() if need_x else None
+    dL = x.t() @ dXL if need_w else None
     return dx, dL, dR
 
 

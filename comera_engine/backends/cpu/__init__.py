@@ -32,7 +32,9 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from torch import Tensor
 
+from . import step
 from .gemm import Ways
 from .heap import keep_freed_memory
 
@@ -108,6 +110,17 @@ class CPUBackend:
     ops: ModuleType
     ways: Ways
     folder: Path
+
+    def batch_forward(self, x: Tensor, Lp: Tensor, Rp: Tensor, ones_col: int
+                      ) -> tuple[Tensor, Tensor]:
+        """The halves forward's batch GEMMs (:func:`.step.batch_forward`)."""
+        return step.batch_forward(self.ops, self.ways, x, Lp, Rp, ones_col)
+
+    def batch_backward(self, dy: Tensor, x: Tensor, XL: Tensor, Lp: Tensor, Rp: Tensor,
+                       need_x: bool, need_w: bool
+                       ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The halves backward's batch GEMMs (:func:`.step.batch_backward`)."""
+        return step.batch_backward(self.ops, self.ways, dy, x, XL, Lp, Rp, need_x, need_w)
 
     @staticmethod
     def keep_freed_memory() -> int:

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 
+from . import step
 from .gemm import KINDS, ROLES, Ways, onednn_linear, run
 
 __all__ = ["ROUNDS", "best", "operands", "tune_ways"]
@@ -68,10 +69,6 @@ def tune_ways(ops: ModuleType) -> dict:
     """Time every role both ways on this machine; returns the ``choices.json`` content:
     ``{"ways": {role: name}, "seconds": {role: [way 0, way 1]}, "machine", "threads",
     "shape"}``."""
-    from comera_engine.ops.tt_linear_halves import batch_backward, batch_forward
-
-    from . import CPUBackend
-
     chosen: dict[str, int] = {}
     seconds: dict[str, list[float]] = {}
     for role, (a, b) in operands().items():
@@ -85,14 +82,14 @@ def tune_ways(ops: ModuleType) -> dict:
     dy, Rp = ops_["dxl"]
     XL = ops_["y"][0]
 
-    def step(role: str, blocked: int) -> Callable[[], object]:
-        be = CPUBackend(ops, Ways({**chosen, role: blocked}), Path())
+    def whole(role: str, blocked: int) -> Callable[[], object]:
+        ways = Ways({**chosen, role: blocked})
         if role == "halves-fwd":
-            return lambda: batch_forward(x, Lp, Rp, 30, be)
-        return lambda: batch_backward(dy, x, XL, Lp, Rp, True, True, be)
+            return lambda: step.batch_forward(ops, ways, x, Lp, Rp, 30)
+        return lambda: step.batch_backward(ops, ways, dy, x, XL, Lp, Rp, True, True)
 
     for role in ("halves-fwd", "halves-bwd"):
-        t = best([step(role, 0), step(role, 1)])
+        t = best([whole(role, 0), whole(role, 1)])
         seconds[role], chosen[role] = t, int(t[1] < t[0])
     return {"ways": {r: KINDS[ROLES[r]][w] for r, w in chosen.items()},
             "seconds": seconds, "machine": _machine(), "threads": torch.get_num_threads(),
