@@ -30,14 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (  # noqa: E402
-    add_threads_arg,
-    check_args,
-    keep_freed_memory_as_training_does,
-    machine,
-    print_table,
-    write_json,
-)
+import benchlib as bl  # noqa: E402
 
 from comera_engine.backends import cpu_backend  # noqa: E402
 from comera_engine.backends.cpu import gemm  # noqa: E402
@@ -142,18 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=31, help="shuffled rounds, one call each")
-    add_threads_arg(ap)
+    bl.add_threads_arg(ap)
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
     args = ap.parse_args(argv)
-    keep_freed_memory_as_training_does()
-    check_args(ap, args, ("rank", "tokens", "rounds"))
+    bl.keep_freed_memory_as_training_does()
+    bl.check_args(ap, args, ("rank", "tokens", "rounds"))
     rows = run(args.shape, args.rank, args.tokens, args.rounds)
     width = padded_width(args.rank, bias=True)
     print(f"\n{args.shape}, rank {args.rank} (padded {width}), "
           f"{args.tokens} tokens, fp32, {torch.get_num_threads()} threads, caches evicted "
           "before each call: the halves step's batch GEMMs both ways (MKL | oneDNN; "
           "ab = aᵀ·b | ba = (bᵀ·a)ᵀ)")
-    print_table(rows, [("product", "product", ""), ("m", "m", ""), ("k", "k", ""),
+    bl.print_table(rows, [("product", "product", ""), ("m", "m", ""), ("k", "k", ""),
                        ("n", "n", ""), ("way0", "way 0", ""), ("way0_ms", "ms", ".3f"),
                        ("way0_best_ms", "best", ".3f"), ("way1", "way 1", ""),
                        ("way1_ms", "ms", ".3f"), ("way1_best_ms", "best", ".3f"),
@@ -171,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the layer's whole step on this install (row-blocked in C++, or the products "
               f"above one by one): halves-fwd {names['halves-fwd']}, halves-bwd "
               f"{names['halves-bwd']} (chosen by the build, in {backend.folder})")
-    out = write_json("bench_gemm_backends_cpu",
-                     {"machine": machine(), "shape": args.shape, "rank": args.rank,
+    out = bl.write_json("bench_gemm_backends_cpu",
+                     {"machine": bl.machine(), "shape": args.shape, "rank": args.rank,
                       "tokens": args.tokens, "rounds": args.rounds,
                       "threads": torch.get_num_threads(), "rows": rows}, args.out)
     print(f"wrote {out}")
