@@ -17,8 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[app,dev]"
-	# the optional C++ TT ops, built once per machine (~1 min; the PyTorch path runs without)
-	$(PY) -c "from comera_engine.tensor.native import main; main()"
+	# the optional CPU backend (C++ ops, this machine's GEMM ways), built ahead into the venv (~1-2 min; runs use the PyTorch path without it)
+	$(PY) -m comera_engine.backends.cpu build
 	touch $@
 
 install: $(VENV)/.installed

@@ -8,19 +8,20 @@ ratio of median rounds and of best rounds. Prints a table (MAC ratio, measured t
 ratio, path the planner chose, peak-memory ratio) and writes
 experiments/results/bench_tt_linear_<device>.json.
 
-    python experiments/bench_tt_linear.py [--device cuda] [--quick] [--cpu-gemm mkl]
+    python experiments/bench_tt_linear.py [--device cuda] [--quick] [--backend off]
+    python experiments/bench_tt_linear.py --shapes 768x768 --ranks 30 --tokens 4096  # key row
 
-On CPU each of the TT layer's batch GEMMs runs the faster of two ways on this machine
-(MKL or oneDNN; ``aᵀ·b`` or ``(bᵀ·a)ᵀ``: ``comera_engine.tensor.gemm``, ``--cpu-gemm``
-forces one backend). Either way may also beat ``nn.Linear``'s own choice on the dense
-shapes, so the summary also times a dense linear whose three GEMMs go through the same
-choice (``dense, tuned GEMMs``) and gives the TT speed-up against it, and TT with the
-choice against TT on MKL alone and on oneDNN alone.
+On CPU the table runs with the CPU backend (``comera_engine.backends.cpu``: C++ ops and
+the install's GEMM ways) where it is built, or on the pure PyTorch ops with ``--backend
+off`` (``COMERA_NATIVE=0``). Where the backend is in use, the summary also times the key
+row (768×768, rank 30, 4096 tokens) with the backend on and off side by side, each
+against ``nn.Linear``, in alternating rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -31,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
-    halves_step_choices,
+    backend_ways,
     keep_freed_memory_as_training_does,
     machine,
     print_table,
@@ -41,7 +42,7 @@ from benchlib import (  # noqa: E402
 )
 
 from comera_engine import TTLinear  # noqa: E402
-from comera_engine.tensor import contract, gemm  # noqa: E402
+from comera_engine.backends import cpu_backend  # noqa: E402
 
 SHAPES = [
     ("768x768", 768, 768, [12, 8, 8], [8, 8, 12]),
@@ -75,69 +76,44 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor
     return hidden_step(lambda: module(x), x, dy, list(module.parameters()))
 
 
-class _TunedDenseFn(torch.autograd.Function):
-    """``y = x·Wᵀ + b`` with its three GEMMs through ``gemm`` (each the faster way on this
-    machine, as in the TT layer), for the backend check."""
+def backend(on: bool, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``step`` with the CPU backend switched on or off (``COMERA_NATIVE``, read by the
+    ops' hook at every call)."""
 
-    @staticmethod
-    def forward(ctx, x, w, b):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(x, w)
-        return gemm.nt(x, w) + b
+    def run_step() -> torch.Tensor:
+        os.environ["COMERA_NATIVE"] = "1" if on else "0"
+        return step()
 
-    @staticmethod
-    def backward(ctx, dy):  # noqa: ANN001, ANN205
-        x, w = ctx.saved_tensors
-        return gemm.nn(dy, w), gemm.tn(dy, x), dy.sum(0)
-
-
-class _TunedDense(nn.Module):
-    def __init__(self, dense: nn.Linear) -> None:
-        super().__init__()
-        self.weight, self.bias = dense.weight, dense.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _TunedDenseFn.apply(x, self.weight, self.bias)
+    return run_step
 
 
 def backend_check(rounds: int) -> dict:
-    """768×768 at rank 30 and 4096 tokens on CPU: ``nn.Linear`` against the dense linear
-    with tuned GEMMs, that against the TT layer, and the TT layer with the tuned choice
-    against TT on MKL alone and on oneDNN alone, each pair in alternating rounds."""
+    """768×768 at rank 30 and 4096 tokens on CPU: the TT layer with the backend on and
+    off, each against ``nn.Linear``, and on against off, each pair in alternating rounds."""
     dense = nn.Linear(768, 768)
     x = torch.randn(4096, 768, requires_grad=True)
     dy = torch.randn(4096, 768)
     tt = TTLinear(768, 768, rank=30, in_factors=[12, 8, 8], out_factors=[8, 8, 12])
-    tuned = _TunedDense(dense)
     cpu = torch.device("cpu")
-
-    def on(backend: str, step):  # noqa: ANN001, ANN202
-        def run_step() -> torch.Tensor:
-            gemm.CPU_GEMM = backend
-            return step()
-        return run_step
-
-    t1 = time_pair(fwd_bwd(dense, x, dy), on("auto", fwd_bwd(tuned, x, dy)), cpu,
-                   rounds=rounds)
-    t2 = time_pair(on("auto", fwd_bwd(tuned, x, dy)), on("auto", fwd_bwd(tt, x, dy)), cpu,
-                   rounds=rounds)
-    tt_step = fwd_bwd(tt, x, dy)
-    t3 = time_pair(on("mkl", tt_step), on("auto", tt_step), cpu, rounds=rounds)
-    t4 = time_pair(on("onednn", tt_step), on("auto", tt_step), cpu, rounds=rounds)
-    gemm.CPU_GEMM = "auto"
-    steps = halves_step_choices(4096, 768, contract._padded_width(30, bias=True), 768)
-    return {"steps": steps, "linear_ms": t1.a_median * 1e3, "dense_tuned_ms": t1.b_median * 1e3,
-            "dense_tuned_speedup_over_linear": t1.a_median / t1.b_median,
-            "tt_ms": t2.b_median * 1e3, "tt_speedup_vs_dense_tuned": t2.a_median / t2.b_median,
-            "tt_speedup_vs_dense_tuned_best": t2.a_best / t2.b_best,
-            "tt_mkl_ms": t3.a_median * 1e3, "tt_tuned_speedup_over_mkl": t3.a_median / t3.b_median,
-            "tt_onednn_ms": t4.a_median * 1e3,
-            "tt_tuned_speedup_over_onednn": t4.a_median / t4.b_median}
+    ref, step = backend(True, fwd_bwd(dense, x, dy)), fwd_bwd(tt, x, dy)
+    on = time_pair(ref, backend(True, step), cpu, rounds=rounds)
+    off = time_pair(ref, backend(False, step), cpu, rounds=rounds)
+    both = time_pair(backend(False, step), backend(True, step), cpu, rounds=rounds)
+    os.environ["COMERA_NATIVE"] = "1"
+    return {"ways": backend_ways(), "linear_ms": on.a_median * 1e3,
+            "tt_on_ms": on.b_median * 1e3, "tt_off_ms": off.b_median * 1e3,
+            "speedup_on": on.a_median / on.b_median, "speedup_on_best": on.a_best / on.b_best,
+            "speedup_off": off.a_median / off.b_median,
+            "speedup_off_best": off.a_best / off.b_best,
+            "backend_speedup": both.a_median / both.b_median}
 
 
-def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int = 9
-        ) -> list[dict]:
+def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int = 9,
+        shapes: list[str] | None = None) -> list[dict]:
     rows = []
     for name, fin, fout, inf, outf in SHAPES:
+        if shapes and name not in shapes:
+            continue
         dense = nn.Linear(fin, fout, device=device)
         for B in tokens:
             x = torch.randn(B, fin, device=device, requires_grad=True)
@@ -176,18 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 4096])
     ap.add_argument("--rounds", type=int, default=9, help="alternating timing rounds")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
-    ap.add_argument("--cpu-gemm", choices=["auto", "onednn", "mkl"], default="auto",
-                    help="how the TT layer's batch GEMMs reach BLAS on CPU: the faster of "
-                    "two ways per product on this machine (auto, the default), or one "
-                    "backend for all")
+    ap.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES],
+                    help="shapes (default all three)")
+    ap.add_argument("--backend", choices=["on", "off"], default="on",
+                    help="the CPU backend for the table: on where built (default), or off "
+                    "(the pure PyTorch ops)")
     args = ap.parse_args(argv)
+    if args.backend == "off":
+        os.environ["COMERA_NATIVE"] = "0"
     keep_freed_memory_as_training_does()
     device = torch.device(args.device)
-    if args.cpu_gemm == "onednn" and gemm.onednn_linear() is None:
-        ap.error("--cpu-gemm: this PyTorch build has no oneDNN linear op; use --cpu-gemm mkl")
-    gemm.CPU_GEMM = args.cpu_gemm
     ranks = args.ranks or ([8, 30] if args.quick else [4, 8, 16, 30, 64])
-    rows = run(device, ranks, args.tokens, args.rounds)
+    rows = run(device, ranks, args.tokens, args.rounds, args.shapes)
     print(f"\nTT-linear vs nn.Linear, forward+backward, fp32, device={device.type}")
     print_table(rows, [("shape", "shape", ""), ("tokens", "tokens", ""), ("rank", "rank", ""),
                        ("path", "path", ""), ("mac_ratio", "MAC ratio", ".1f"),
@@ -208,21 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     if key:
         print(f"768x768 r30 4096 tokens: {key[0]['speedup']:.2f}x median rounds, "
               f"{key[0]['speedup_best']:.2f}x best rounds (target >= 8x)")
-    summary["cpu_gemm"] = args.cpu_gemm if device.type == "cpu" else None
-    if (device.type == "cpu" and args.cpu_gemm == "auto" and key
-            and gemm.onednn_linear() is not None):
+    in_use = device.type == "cpu" and cpu_backend() is not None
+    summary["cpu_backend"] = ("on" if in_use else "off") if device.type == "cpu" else None
+    if in_use and key:
         chk = backend_check(args.rounds)
         summary["backend_check"] = chk
-        print(f"backend check (768x768 r30 4096 tokens): nn.Linear {chk['linear_ms']:.1f} ms, "
-              f"dense with tuned GEMMs {chk['dense_tuned_ms']:.1f} ms "
-              f"({chk['dense_tuned_speedup_over_linear']:.2f}x); TT {chk['tt_ms']:.2f} ms = "
-              f"{chk['tt_speedup_vs_dense_tuned']:.2f}x median, "
-              f"{chk['tt_speedup_vs_dense_tuned_best']:.2f}x best vs the tuned dense; "
-              f"TT tuned vs on MKL alone {chk['tt_tuned_speedup_over_mkl']:.2f}x "
-              f"({chk['tt_mkl_ms']:.2f} ms), vs on oneDNN alone "
-              f"{chk['tt_tuned_speedup_over_onednn']:.2f}x ({chk['tt_onednn_ms']:.2f} ms); "
-              "the step's batch GEMMs on this machine: "
-              + ", ".join(f"{k} {v}" for k, v in chk["steps"].items()))
+        print(f"backend check (768x768 r30 4096 tokens): nn.Linear {chk['linear_ms']:.1f} ms; "
+              f"TT with the CPU backend {chk['tt_on_ms']:.2f} ms = {chk['speedup_on']:.2f}x "
+              f"median, {chk['speedup_on_best']:.2f}x best; without {chk['tt_off_ms']:.2f} ms "
+              f"= {chk['speedup_off']:.2f}x median, {chk['speedup_off_best']:.2f}x best; "
+              f"the backend's speed-up {chk['backend_speedup']:.2f}x; ways: "
+              + ", ".join(f"{k} {v}" for k, v in chk["ways"].items()))
     out = write_json(f"bench_tt_linear_{device.type}", {"machine": machine(), "rows": rows,
                                                         "summary": summary}, args.out)
     print(f"wrote {out}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -15,15 +16,16 @@ from pathlib import Path
 
 import torch
 
-from comera_engine.train.cpu_memory import keep_freed_memory
+from comera_engine.backends import keep_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _KEPT: int | None = None  # what keep_freed_memory_as_training_does() set
 
 
 def keep_freed_memory_as_training_does() -> int:
-    """What ``train`` does for CPU runs (:mod:`comera_engine.train.cpu_memory`): freed
-    heap memory stays with the process, so a step's tensors reuse pages instead of
+    """What ``train`` does for CPU runs where the CPU backend is in use
+    (:func:`comera_engine.backends.keep_freed_memory`): freed heap memory stays with the
+    process, so a step's tensors reuse pages instead of
     faulting in new ones, and timings do not depend on what glibc happened to hand back
     before. ``COMERA_KEEP_FREED_MEMORY=0`` measures without. Returns the mmap threshold
     set (0: unchanged); :func:`machine` reports it."""
@@ -169,15 +171,13 @@ def training_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
     return sum(seen.values()) + out + 2 * pbytes
 
 
-def halves_step_choices(tokens: int, n: int, width: int, m: int) -> dict[str, str]:
-    """The halves step's saved ways (``gemm.choose``: ``gemms`` or ``blocked``) for
-    ``tokens`` rows of an ``n``→``m`` layer of padded middle width ``width``, by kind
-    (``halves-fwd``, ``halves-bwd``)."""
-    from comera_engine.tensor import gemm
+def backend_ways() -> dict[str, str]:
+    """The CPU backend's way per role (``comera_engine.backends.cpu.gemm.ROLES``) on this
+    install; {} where the backend is not in use."""
+    from comera_engine.backends import cpu_backend
 
-    dims = f"{tokens}x{n}x{width}x{m}x"
-    return {k.split("|")[0]: v for k, v in sorted(gemm.choices().items())
-            if k.startswith("halves-") and k.split("|")[1].startswith(dims)}
+    backend = cpu_backend()
+    return backend.ways.names() if backend is not None else {}
 
 
 def add_threads_arg(ap: argparse.ArgumentParser) -> None:
@@ -217,3 +217,79 @@ def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for c in cells:
         print("| " + " | ".join(x.ljust(w) for x, w in zip(c, widths)) + " |")
+
+
+def bench_op(name: str, cases: list[tuple[str, Callable[[], object], Callable[[], object]]],
+             argv: list[str] | None = None) -> int:
+    """The body of ``experiments/bench_op_<name>.py``: per case ``(label, op step,
+    reference step)`` (each a closure running forward and backward), the op with the CPU
+    backend, the op on the pure PyTorch path and the reference, in alternating rounds;
+    prints a table and writes ``bench_op_<name>.json``."""
+    ap = argparse.ArgumentParser(description=f"Benchmark of the {name} op against its "
+                                 "reference, with the CPU backend on and off")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating timing rounds")
+    ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    add_threads_arg(ap)
+    args = ap.parse_args(argv)
+    check_args(ap, args, ("rounds",))
+    cpu = torch.device("cpu")
+    rows = []
+    for label, op, ref in cases:
+        def switched(on: bool, fn: Callable[[], object] = op) -> Callable[[], object]:
+            def run() -> object:
+                os.environ["COMERA_NATIVE"] = "1" if on else "0"
+                return fn()
+            return run
+
+        on = time_pair(ref, switched(True), cpu, rounds=args.rounds)
+        off = time_pair(ref, switched(False), cpu, rounds=args.rounds)
+        rows.append({"case": label, "reference_ms": on.a_median * 1e3,
+                     "op_backend_ms": on.b_median * 1e3, "op_pytorch_ms": off.b_median * 1e3,
+                     "speedup_backend": on.a_median / on.b_median,
+                     "speedup_pytorch": off.a_median / off.b_median})
+        os.environ["COMERA_NATIVE"] = "1"
+    print(f"\n{name}: forward+backward, fp32, {torch.get_num_threads()} threads "
+          "(backend: the CPU backend where built, else the same as pytorch)")
+    print_table(rows, [("case", "case", ""), ("reference_ms", "reference ms", ".3f"),
+                       ("op_pytorch_ms", "op ms (pytorch)", ".3f"),
+                       ("op_backend_ms", "op ms (backend)", ".3f"),
+                       ("speedup_pytorch", "speed-up (pytorch)", ".2f"),
+                       ("speedup_backend", "speed-up (backend)", ".2f")])
+    out = write_json(f"bench_op_{name}", {"machine": machine(), "rows": rows}, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def tt_linear_step(op: Callable, ins: list[int], outs: list[int], rank: int, rows: int
+                   ) -> Callable[[], object]:
+    """A forward+backward closure of a TT-linear op (signature ``x, cores, d, bias,
+    gates, tau, alive``) on ``rows`` fp32 rows of random input, rank ``rank``, gated."""
+    from comera_engine.tensor import TTLinearCores
+
+    cores = [c.detach().requires_grad_() for c in TTLinearCores(ins, outs, rank).cores]
+    gates = [torch.ones(c.shape[-1], requires_grad=True) for c in cores[:-1]]
+    x = torch.randn(rows, math.prod(ins), requires_grad=True)
+    bias = torch.zeros(math.prod(outs), requires_grad=True)
+    dy = torch.randn(rows, math.prod(outs))
+
+    def step() -> object:
+        for t in (x, bias, *cores, *gates):
+            t.grad = None
+        y = op(x, cores, len(ins), bias, gates, 0.0, ())
+        y.backward(dy)
+        return y
+
+    return step
+
+
+def bench_tt_linear_op(path: str, cases: list[tuple[str, list[int], list[int], int, int]]
+                       ) -> int:
+    """:func:`bench_op` for ``comera_engine.ops.tt_linear_<path>`` against its reference;
+    ``cases``: ``(label, in factors, out factors, rank, rows)``."""
+    import importlib
+
+    mod = importlib.import_module(f"comera_engine.ops.tt_linear_{path}")
+    op, ref = getattr(mod, f"tt_linear_{path}"), getattr(mod, f"tt_linear_{path}_reference")
+    return bench_op(f"tt_linear_{path}", [
+        (label, tt_linear_step(op, ins, outs, r, B), tt_linear_step(ref, ins, outs, r, B))
+        for label, ins, outs, r, B in cases])

@@ -1,19 +1,57 @@
-"""Suite-wide settings: the tests never write to the user's cache folder."""
+"""Suite-wide fixtures: the CPU backend, built once per session where it is not built in
+this environment already (or skipped, with the reason, where it cannot be built)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
-_CACHE = tempfile.mkdtemp(prefix="comera-test-cache-")
-
-
-def pytest_configure(config) -> None:  # noqa: ANN001
-    # GEMM choices (comera_engine.tensor.gemm) go to a folder of this session's own;
-    # subprocesses the tests start inherit it
-    os.environ["COMERA_CACHE_DIR"] = _CACHE
+import pytest
 
 
-def pytest_unconfigure(config) -> None:  # noqa: ANN001
-    shutil.rmtree(_CACHE, ignore_errors=True)
+@pytest.fixture(scope="session")
+def cpu_backend_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding a complete CPU backend build: this environment's
+    (``$COMERA_CPU_BACKEND_DIR`` or the virtualenv's) where it loads, else one built
+    now into a session folder (about a minute; no GEMM timing)."""
+    from comera_engine.backends.cpu import BackendUnavailable, backend_dir, load
+
+    try:
+        load(backend_dir())
+        return backend_dir()
+    except BackendUnavailable:
+        pass
+    from comera_engine.backends.cpu.build import build
+
+    folder = tmp_path_factory.mktemp("cpu-backend")
+    try:
+        build(folder, tune=False)
+    except Exception as exc:  # noqa: BLE001 (no compiler or ninja here)
+        pytest.skip(f"the CPU backend cannot be built here ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}): the PyTorch path is "
+                    "tested alone")
+    return folder
+
+
+@pytest.fixture
+def cpu_backend(cpu_backend_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """The loaded CPU backend, in use through the hook for this test."""
+    from comera_engine import backends
+
+    monkeypatch.setenv("COMERA_CPU_BACKEND_DIR", str(cpu_backend_dir))
+    monkeypatch.setenv("COMERA_NATIVE", "1")
+    backends._load_once.cache_clear()
+    backend = backends.cpu_backend()
+    assert backend is not None
+    yield backend
+    backends._load_once.cache_clear()
+
+
+@pytest.fixture(params=["pytorch", "backend"])
+def op_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs an op test on the pure PyTorch path and through the CPU backend."""
+    if request.param == "pytorch":
+        monkeypatch.setenv("COMERA_NATIVE", "0")
+    else:
+        request.getfixturevalue("cpu_backend")
+    return request.param

@@ -51,41 +51,44 @@ def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
 
 
 def test_bench_gemm_backends_writes_table_and_json(tmp_path) -> None:
-    """The halves step's six batch GEMMs both ways, and the way the layer takes: the one
-    saved in the machine's choices file from 1024 rows (timed there by the script's first
-    call), the fixed rule (MKL, and the caller's ``aᵀ·b`` form) below."""
-    from comera_engine.tensor.gemm import onednn_linear
+    """The halves step's six batch GEMMs both ways, and the way the layer takes: without
+    the CPU backend (an empty backend folder) the fixed rule (MKL; dR as (bᵀ·a)ᵀ at the
+    padded width 32, dL as aᵀ·b), and nothing written anywhere but the JSON."""
+    from comera_engine.backends.cpu.gemm import onednn_linear
 
     if onednn_linear() is None:
         pytest.skip("this PyTorch build has no oneDNN linear op")
-    env = {**os.environ, "COMERA_CACHE_DIR": str(tmp_path / "cache")}
-    kinds = ["nn", "nn", "nt", "tn", "nt", "tn"]
-    for tokens in ("1024", "512"):
-        cmd = [sys.executable, str(ROOT / "experiments" / "bench_gemm_backends.py"),
-               "--rank", "30", "--tokens", tokens, "--rounds", "1", "--out", str(tmp_path)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                             env=env)
-        assert out.returncode == 0, out.stderr[-2000:]
-        data = json.loads((tmp_path / "bench_gemm_backends_cpu.json").read_text())
-        rows = data["rows"]
-        assert [r["kind"] for r in rows] == kinds
-        assert [(r["m"], r["k"], r["n"]) for r in rows] == [
-            (int(tokens), 768, 32), (int(tokens), 32, 768), (int(tokens), 768, 32),
-            (32, int(tokens), 768), (int(tokens), 32, 768), (768, int(tokens), 32)]
-        assert all(r["way0_ms"] > 0 and r["way1_ms"] > 0 for r in rows)
-        assert "| product" in out.stdout
-        files = list((tmp_path / "cache").glob("gemm-choices-*.json"))
-        if tokens == "1024":
-            saved = json.loads(files[0].read_text())["choices"]
-            for r in rows:
-                key = f"{r['kind']}|{r['m']}x{r['k']}x{r['n']}|{data['threads']}"
-                assert r["chosen"] == saved[key]
-        else:  # not timed: MKL; dR as (bᵀ·a)ᵀ at the padded width 32, dL as aᵀ·b
-            assert [r["chosen"] for r in rows] == ["mkl", "mkl", "mkl", "ba", "mkl", "ab"]
-            assert len(json.loads(files[0].read_text())["choices"]) == 6  # no new entry
+    env = {**os.environ, "COMERA_CPU_BACKEND_DIR": str(tmp_path / "no-backend"),
+           "HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_gemm_backends.py"),
+           "--rank", "30", "--tokens", "1024", "--rounds", "1", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench_gemm_backends_cpu.json").read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["nn", "nn", "nt", "tn", "nt", "tn"]
+    assert [(r["m"], r["k"], r["n"]) for r in rows] == [
+        (1024, 768, 32), (1024, 32, 768), (1024, 768, 32), (32, 1024, 768), (1024, 32, 768),
+        (768, 1024, 32)]
+    assert all(r["way0_ms"] > 0 and r["way1_ms"] > 0 for r in rows)
+    assert [r["chosen"] for r in rows] == ["mkl", "mkl", "mkl", "ba", "mkl", "ab"]
+    assert "| product" in out.stdout and "not in use" in out.stdout
+    assert not (tmp_path / "home").exists() and not (tmp_path / "no-backend").exists()
     bad = subprocess.run([*cmd[:2], "--rank", "0"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT, env=env)
     assert bad.returncode != 0 and "--rank" in bad.stderr
+
+
+@pytest.mark.parametrize("op", ["tt_linear_halves", "tt_linear_sweep", "ttm_lookup"])
+def test_bench_op_writes_table_and_json(tmp_path, op: str) -> None:
+    """Each op's benchmark runs (one round) and writes its table and JSON."""
+    cmd = [sys.executable, str(ROOT / "experiments" / f"bench_op_{op}.py"), "--rounds", "1",
+           "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / f"bench_op_{op}.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["reference_ms"] > 0 and r["op_pytorch_ms"] > 0
+                                  for r in rows)
+    assert "| case" in out.stdout
 
 
 def test_bench_tt_linear_parts_fixed_cost_shape_path_and_threads(tmp_path) -> None:
@@ -163,23 +166,28 @@ def test_bench_step_overheads_writes_table_and_json(tmp_path) -> None:
     assert bad.returncode != 0 and "--reps" in bad.stderr
 
 
-def test_bench_tt_linear_key_row_and_backend_check(tmp_path) -> None:
-    """The 768×768 rank-30 4096-token row gets its summary line, and on CPU the backend
-    check times TT with the tuned GEMM choice against MKL alone and oneDNN alone."""
-    from comera_engine.tensor.gemm import onednn_linear
-
+def test_bench_tt_linear_key_row_and_backend_check(tmp_path, cpu_backend_dir) -> None:
+    """The 768×768 rank-30 4096-token row gets its summary line, and with the CPU
+    backend built the backend check times TT with the backend on and off against
+    nn.Linear; ``--backend off`` runs the table on the pure PyTorch ops, no check."""
+    env = {**os.environ, "COMERA_CPU_BACKEND_DIR": str(cpu_backend_dir)}
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear.py"), "--device", "cpu",
-           "--ranks", "30", "--tokens", "4096", "--rounds", "1", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    summary = json.loads((tmp_path / "bench_tt_linear_cpu.json").read_text())["summary"]
-    assert summary["speedup_768_r30_4096"] > 0 and summary["cpu_gemm"] == "auto"
-    assert "768x768 r30 4096 tokens" in out.stdout
-    if onednn_linear() is None:
-        assert "backend_check" not in summary
-        return
-    chk = summary["backend_check"]
-    assert all(chk[k] > 0 for k in ("linear_ms", "dense_tuned_ms", "tt_ms", "tt_mkl_ms",
-                                    "tt_onednn_ms", "tt_tuned_speedup_over_mkl",
-                                    "tt_tuned_speedup_over_onednn"))
-    assert "backend check" in out.stdout
+           "--shapes", "768x768", "--ranks", "30", "--tokens", "4096", "--rounds", "1",
+           "--out", str(tmp_path)]
+    for backend in ("on", "off"):
+        out = subprocess.run([*cmd, "--backend", backend], capture_output=True, text=True,
+                             timeout=600, cwd=ROOT, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        data = json.loads((tmp_path / "bench_tt_linear_cpu.json").read_text())
+        summary = data["summary"]
+        assert [r["shape"] for r in data["rows"]] == ["768x768"]
+        assert summary["speedup_768_r30_4096"] > 0 and summary["cpu_backend"] == backend
+        assert "768x768 r30 4096 tokens" in out.stdout
+        if backend == "off":
+            assert "backend_check" not in summary
+            continue
+        chk = summary["backend_check"]
+        assert all(chk[k] > 0 for k in ("linear_ms", "tt_on_ms", "tt_off_ms", "speedup_on",
+                                        "speedup_off", "backend_speedup"))
+        assert set(chk["ways"]) >= {"halves-fwd", "halves-bwd"}
+        assert "backend check" in out.stdout

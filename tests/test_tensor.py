@@ -16,7 +16,6 @@ from comera_engine.tensor import (
     TTMCores,
     explain,
     factorize,
-    native,
     plan,
     resolve_factors,
     tt_linear,
@@ -173,12 +172,11 @@ def test_halves_bias_in_padding_matches_dense(rank: int, needs: str, B: int) -> 
 
 @pytest.fixture(params=["native", "pytorch"])
 def native_impl(request, monkeypatch) -> str:
-    """Runs a test with the C++ ops (tensor/native.py) and with the PyTorch Functions."""
+    """Runs a test with the CPU backend's C++ ops and with the PyTorch Functions."""
     if request.param == "pytorch":
         monkeypatch.setenv("COMERA_NATIVE", "0")
-    elif native.load() is None:
-        pytest.skip("native TT ops not built here (no C++ compiler or ninja): the PyTorch "
-                    "path is tested alone")
+    else:
+        request.getfixturevalue("cpu_backend")
     return request.param
 
 
@@ -267,7 +265,7 @@ def test_planner_choices_and_explain() -> None:
     # the choice is cached
     before = plan.__wrapped__ if hasattr(plan, "__wrapped__") else None
     assert before is None
-    from comera_engine.tensor.contract import _plan_cached
+    from comera_engine.tensor.planner import _plan_cached
 
     hits = _plan_cached.cache_info().hits
     plan(4096, ins, outs, r30)
@@ -374,48 +372,22 @@ def test_rank_zero_bond_is_the_zero_map() -> None:
     assert torch.equal(emb(torch.tensor([1, 5])), torch.zeros(2, 8, dtype=DT))
 
 
-# ------------------------------------------------------------------ GEMM backend, sweep
-@pytest.mark.parametrize("backend", ["onednn", "mkl", "auto", "onednn-absent"])
-@pytest.mark.parametrize("shape", [(4096, 768, 32), (1030, 32, 768), (130, 32, 768),
-                                   (40, 768, 16)])
-def test_gemm_products_match_float64(monkeypatch, tmp_path, backend: str,
-                                     shape: tuple[int, int, int]) -> None:
-    """``a·wᵀ``, ``a·b`` and ``aᵀ·b`` through either CPU backend (oneDNN from 1024 rows,
-    ``torch.mm`` below), the tuned choice, or with oneDNN asked for but absent from the
-    build, are the float64 product to fp32 accuracy."""
-    from comera_engine.tensor import gemm
+# ------------------------------------------------------------------ GEMM ways, sweep
+def _use(monkeypatch, backend) -> None:  # noqa: ANN001
+    """Route the ops' hook to ``backend`` (a CPUBackend) for this test."""
+    from comera_engine import backends
 
-    if backend == "onednn" and gemm.onednn_linear() is None:
-        pytest.skip("this PyTorch build has no oneDNN linear op")
-    if backend == "onednn-absent":
-        monkeypatch.setattr(gemm, "onednn_linear", lambda: None)
-    monkeypatch.setenv("COMERA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gemm, "_choices", None)
-    monkeypatch.setattr(gemm, "CPU_GEMM", backend.split("-")[0])
-    m, k, n = shape
-    a, w = torch.randn(m, k), torch.randn(n, k)
-    ref = a.double() @ w.double().t()
-    for got in (gemm.nt(a, w), gemm.nn(a, w.t().contiguous()),
-                gemm.nn(a, w.t())):  # a·wᵀ, and a·b with b contiguous or a view
-        assert got.dtype == torch.float32 and got.shape == (m, n)
-        assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
-    b = torch.randn(m, n)  # aᵀ·b, a sum over the m rows, in both forms
-    ref = a.double().t() @ b.double()
-    for default in (0, 1):
-        got = gemm.tn(a, b, default=default)
-        assert got.shape == (k, n)
-        assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
+    monkeypatch.setattr(backends, "cpu_backend", lambda x=None: backend)
 
 
-def test_halves_layer_same_under_every_cpu_gemm_setting(monkeypatch, tmp_path) -> None:
-    """The padded halves step (bias inside, 1024 rows: the tuned size) gives the same
-    output and gradients whichever way runs its batch GEMMs, and all match the float64
-    layer."""
+@pytest.mark.parametrize("ways", ["gemms", "blocked"])
+def test_halves_layer_same_under_every_gemm_way(monkeypatch, cpu_backend, ways: str) -> None:
+    """The padded halves step (bias inside, 1024 rows: the size that takes the install's
+    ways) gives the float64 layer's output and gradients whichever way runs each batch
+    GEMM: all way 0, all way 1 (oneDNN / (bᵀ·a)ᵀ), the whole step row-blocked."""
     from comera_engine import TTLinear
-    from comera_engine.tensor import gemm
-
-    monkeypatch.setenv("COMERA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gemm, "_choices", None)
+    from comera_engine.backends.cpu import CPUBackend
+    from comera_engine.backends.cpu.gemm import ROLES, Ways, onednn_linear
 
     torch.manual_seed(0)
     lin = TTLinear(96, 64, rank=10, in_factors=[4, 4, 6], out_factors=[4, 4, 4],
@@ -428,8 +400,12 @@ def test_halves_layer_same_under_every_cpu_gemm_setting(monkeypatch, tmp_path) -
     xr = x.double().requires_grad_()
     yr = ref(xr)
     (yr * gy.double()).sum().backward()
-    for backend in ("onednn", "mkl", "auto", "auto"):  # auto: tuning, then the choices
-        monkeypatch.setattr(gemm, "CPU_GEMM", backend)
+    products = [r for r, k in ROLES.items() if k != "step"
+                and (k == "tn" or onednn_linear() is not None)]
+    choices = ([{}, dict.fromkeys(products, 1)] if ways == "gemms"
+               else [{"halves-fwd": 1, "halves-bwd": 1}])
+    for chosen in choices:
+        _use(monkeypatch, CPUBackend(cpu_backend.ops, Ways(chosen), cpu_backend.folder))
         lin.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
         y = lin(xi)
@@ -445,7 +421,7 @@ def test_sweep_saves_no_merged_half_and_no_output(B: int, native_impl: str) -> N
     """The sweep Function keeps ``Xᵀ`` and the batch × rank intermediates (plus the merged
     outer cores), never ``L``, ``R`` or ``Y``; values and gradients, gates and bias
     included, match the float64 dense product."""
-    from comera_engine.tensor.contract import _sweep_merges
+    from comera_engine.ops.tt_linear_sweep import sweep_merges as _sweep_merges
 
     ins, outs, r = [4, 4, 4], [4, 4, 4], 6
     tt = TTLinearCores(ins, outs, r, dtype=DT)
@@ -492,14 +468,12 @@ def test_sweep_saves_no_merged_half_and_no_output(B: int, native_impl: str) -> N
     (TTLinearHalves, [4, 3], [2, 5], 130),        # d = 2, padded, the bias in R
     (TTLinearHalves, [2, 3, 2], [3, 2, 2], 150),  # d = 3, padded
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
-def test_native_ops_match_the_pytorch_functions(fn, ins, outs, B, dtype, monkeypatch) -> None:
+def test_native_ops_match_the_pytorch_functions(fn, ins, outs, B, dtype, monkeypatch,
+                                                cpu_backend) -> None:
     """The C++ sweep, and the halves Function with its merges and gates in C++, compute
     what the PyTorch Functions do: outputs and every gradient (x, bias, cores, gates;
     dead and tau-masked gate entries get zero), with and without gates and bias, with x
     or only some cores needing gradients, or only x."""
-    mod = native.load()
-    if mod is None:
-        pytest.skip("native TT ops not built here (no C++ compiler or ninja)")
     torch.manual_seed(5)
     d = len(ins)
     N, M = math.prod(ins), math.prod(outs)
@@ -528,7 +502,7 @@ def test_native_ops_match_the_pytorch_functions(fn, ins, outs, B, dtype, monkeyp
                  .requires_grad_() if with_bias else None)
             extra = (*gates, *alive, tau) if gated else ()
             y = fn.apply(x, d, b, *cores, *extra)
-            assert (y.grad_fn.native is not None) == (impl == "native")
+            assert (y.grad_fn.backend is not None) == (impl == "native")
             wrt = [t for t in (x, b, *cores, *gates) if t is not None and t.requires_grad]
             gy = torch.randn(y.shape, dtype=dtype, generator=torch.Generator().manual_seed(2))
             runs.append((y.detach(), torch.autograd.grad((y * gy).sum(), wrt)))
@@ -544,29 +518,13 @@ def test_native_ops_match_the_pytorch_functions(fn, ins, outs, B, dtype, monkeyp
 
 def test_native_ops_can_be_switched_off(monkeypatch) -> None:
     """``COMERA_NATIVE=0`` keeps every call on the PyTorch Function (and builds nothing)."""
+    from comera_engine import backends
+
     monkeypatch.setenv("COMERA_NATIVE", "0")
-    assert not native.enabled()
+    assert not backends.enabled() and backends.cpu_backend() is None
     cores = list(TTLinearCores([4, 3], [2, 5], 3, dtype=DT).cores)
     y = TTLinearSweep.apply(torch.randn(2, 12, dtype=DT), 2, None, *cores)
-    assert y.grad_fn.native is None
-
-
-def test_native_build_clears_only_a_stale_lock(tmp_path) -> None:
-    """A build killed half-way leaves torch's lock file, on which the next build would
-    wait forever: one older than the limit is removed, a fresh one (a build running in
-    another process) is kept."""
-    import os
-    import time
-
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    native._clear_stale_lock(tmp_path, max_age_s=600)
-    assert lock.exists()
-    old = time.time() - 601
-    os.utime(lock, (old, old))
-    native._clear_stale_lock(tmp_path, max_age_s=600)
-    assert not lock.exists()
-    native._clear_stale_lock(tmp_path, max_age_s=600)  # no lock: nothing to do
+    assert y.grad_fn.backend is None
 
 
 def test_planner_sweeps_small_batches_with_large_ranks() -> None:
@@ -585,14 +543,12 @@ def test_planner_sweeps_small_batches_with_large_ranks() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("B", "block"), [(1100, 512), (1024, 256), (700, 1024), (37, 8)])
 def test_native_blocked_batch_step_matches_float64(B: int, block: int, threads: int,
-                                                   blas: str) -> None:
+                                                   blas: str, cpu_backend) -> None:
     """The row-blocked batch GEMMs of the halves step (C++) are the float64 products:
     forward with and without the ones column, backward with every combination of
     gradients asked for, blocks that do not divide the batch, one and two threads
     (per-thread partial sums), BLAS called directly and through ATen (the fallback)."""
-    mod = native.load()
-    if mod is None:
-        pytest.skip("native TT ops not built here (no C++ compiler or ninja)")
+    mod = cpu_backend.ops
     if blas == "direct" and not mod.halves_batch_blas(-1):
         pytest.skip("this torch build links no sgemm_: the ATen path is the only one")
     mod.halves_batch_blas(int(blas == "direct"))
@@ -632,26 +588,24 @@ def test_native_blocked_batch_step_matches_float64(B: int, block: int, threads: 
 
 
 @pytest.mark.parametrize("way", [0, 1])
-def test_halves_layer_blocked_and_plain_batch_steps_match_float64(monkeypatch, way: int
-                                                                   ) -> None:
-    """The layer with its batch GEMMs one by one (way 0) or row-blocked in C++ (way 1),
-    whichever this machine would choose: outputs and every gradient as the float64
-    layer's, gates and bias included, and with only x or only the parameters needing
-    gradients."""
+def test_halves_layer_blocked_and_plain_batch_steps_match_float64(monkeypatch, cpu_backend,
+                                                                   way: int) -> None:
+    """The layer with its batch GEMMs one by one (way 0) or row-blocked in C++ (way 1):
+    outputs and every gradient as the float64 layer's, gates and bias included, and with
+    only x or only the parameters needing gradients."""
     from comera_engine import TTLinear
-    from comera_engine.tensor import gemm
+    from comera_engine.backends.cpu import CPUBackend
+    from comera_engine.backends.cpu.gemm import Ways
 
-    if way == 1 and native.load() is None:
-        pytest.skip("native TT ops not built here (no C++ compiler or ninja)")
     picked: list[str] = []
 
-    def forced(kind, key, run):  # noqa: ANN001, ANN202
-        picked.append(kind)
-        return run(way)
+    class Recording(Ways):
+        def blocked(self, role: str, x: torch.Tensor) -> bool:
+            picked.append(role)
+            return super().blocked(role, x)
 
-    monkeypatch.setattr(gemm, "choose", forced)
-    monkeypatch.setattr(gemm, "tuning_enabled", lambda: True)
-    monkeypatch.setattr(gemm, "CPU_GEMM", "auto")
+    ways = Recording({"halves-fwd": way, "halves-bwd": way})
+    _use(monkeypatch, CPUBackend(cpu_backend.ops, ways, cpu_backend.folder))
     torch.manual_seed(0)
     kw = dict(rank=10, in_factors=[4, 4, 6], out_factors=[4, 4, 4], path="halves")
     lin = TTLinear(96, 64, **kw)
@@ -679,3 +633,29 @@ def test_halves_layer_blocked_and_plain_batch_steps_match_float64(monkeypatch, w
             for p, pr in zip(lin.parameters(), ref.parameters()):
                 assert torch.allclose(p.grad.double(), pr.grad, rtol=1e-3, atol=1e-3)
     assert "halves-fwd" in picked and "halves-bwd" in picked
+
+
+def test_planner_cost_model_per_device_kind(monkeypatch) -> None:
+    """The planner's cost model comes from a table by device kind: the CPU model for CPU
+    tensors, CUDA by compute capability, the generic CUDA model where the capability
+    is not listed or cannot be read; explain() names the model it used."""
+    from comera_engine.tensor import planner
+
+    assert explain(64, [4, 4], [4, 4], [1, 3, 3, 3, 1])["device_model"] == "cpu"
+    assert planner.DeviceModel.for_device("cpu") is planner.DEVICE_MODELS["cpu"]
+    planner._cuda_major.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    assert planner.DeviceModel.for_device("cuda").name == "cuda-sm9"
+    planner._cuda_major.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (12, 0))
+    assert planner.DeviceModel.for_device("cuda").name == "cuda"
+    planner._cuda_major.cache_clear()
+
+    def no_cuda(dev=None):  # noqa: ANN001, ANN202
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_cuda)
+    assert planner.DeviceModel.for_device("cuda:0").name == "cuda"
+    planner._cuda_major.cache_clear()
+    rates = {m.mac_rate for m in planner.DEVICE_MODELS.values()}
+    assert len(rates) > 2  # not one hard-coded GPU rate

@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .contract import _flat_mask, apply_gates, gate_masks
+from ..ops.gates import apply_gates, flat_mask, gate_masks
 
 __all__ = [
     "RankChange",
@@ -257,7 +258,7 @@ class TensorTrain(nn.Module):
         ``1.5·tau``). Call after each optimizer step. Returns bonds whose
         effective rank changed."""
         _, gates, alive = self.parts()
-        if gates and bool(_flat_mask(torch.cat(gates), self.tau, alive).all()):
+        if gates and bool(flat_mask(torch.cat(gates), self.tau, alive).all()):
             return []  # every entry alive and above tau: nothing to prune or to zero
         changes = []
         for k, g in enumerate(self.gates):
@@ -349,27 +350,65 @@ class TensorTrain(nn.Module):
         return f"modes={self.mode_shapes}, ranks={self.ranks}, tau={self.tau}"
 
 
-class TTLinearCores(TensorTrain):
+def _factor_pair(first: Sequence[int], second: Sequence[int], names: tuple[str, str]
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two factor lists of one TT matrix (its row and column modes) as int tuples of equal
+    length; ValueError naming the second list otherwise."""
+    a, b = tuple(int(x) for x in first), tuple(int(x) for x in second)
+    if len(a) != len(b):
+        raise ValueError(f"{names[1]}: need as many factors as {names[0]} ({len(a)}), "
+                         f"got {len(b)}")
+    return a, b
+
+
+def _zero_padded(A: Tensor, rows: Sequence[int], cols: Sequence[int], name: str,
+                 pad_cols: bool) -> Tensor:
+    """``A`` ``(a, b)`` zero-padded to ``(∏ rows, ∏ cols)`` (``b`` must equal ``∏ cols``
+    unless ``pad_cols``); ValueError naming ``name`` where it does not fit."""
+    R, C = math.prod(rows), math.prod(cols)
+    if A.dim() != 2 or A.shape[0] > R or A.shape[1] > C or (not pad_cols and A.shape[1] != C):
+        raise ValueError(f"{name}: shape {tuple(A.shape)} does not fit factors {R}×{C}")
+    out = A.new_zeros(R, C)
+    out[: A.shape[0], : A.shape[1]] = A
+    return out
+
+
+class _TTMatrix(TensorTrain):
+    """A TT matrix (:class:`TTLinearCores`, :class:`TTMCores`): its matrix, and TT-SVD
+    from one (each subclass gives ``_svd_cores`` and the ``shape``)."""
+
+    shape: tuple[int, int]
+
+    def to_matrix(self) -> Tensor:
+        """The matrix ``(∏ row factors, ∏ column factors)``, padding included: ``W``
+        ``(N, M)`` (inputs × outputs) or ``E`` ``(∏ v, ∏ e)``."""
+        return self.to_dense().reshape(self.shape)
+
+    @classmethod
+    def from_matrix(cls, A: Tensor, row_factors: Sequence[int], col_factors: Sequence[int],
+                    max_rank: int | Sequence[int] | None = None, tol: float | None = None,
+                    tau: float = 1e-2) -> Self:
+        """TT-SVD of the matrix ``A`` (zero-padded to the factor products) into a new
+        TT matrix of the ranks found."""
+        cores = cls._svd_cores(A, row_factors, col_factors, max_rank, tol)
+        obj = cls(row_factors, col_factors, [c.shape[-1] for c in cores[:-1]], tau=tau,
+                  dtype=A.dtype, device=A.device)
+        obj.load_cores_(cores)
+        return obj
+
+    from_dense = from_matrix  # ``TTLinearCores.from_dense(W, in_factors, out_factors, …)``
+
+
+class TTLinearCores(_TTMatrix):
     """Order-2d TT of a weight ``W ∈ R^{N×M}`` (``N = ∏ n_i`` inputs, ``M = ∏ m_i`` outputs):
     cores ``(r_{k-1}, s_k, r_k)`` with ``s = (n_1..n_d, m_1..m_d)``, row-major unfolding."""
 
-    def __init__(
-        self,
-        in_factors: Sequence[int],
-        out_factors: Sequence[int],
-        rank: int | Sequence[int],
-        tau: float = 1e-2,
-        init_var: float = 1.0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        self.in_factors = tuple(int(x) for x in in_factors)
-        self.out_factors = tuple(int(x) for x in out_factors)
-        if len(self.in_factors) != len(self.out_factors):
-            raise ValueError(
-                f"out_factors: need as many factors as in_factors ({len(self.in_factors)}), "
-                f"got {len(self.out_factors)}"
-            )
+    def __init__(self, in_factors: Sequence[int], out_factors: Sequence[int],
+                 rank: int | Sequence[int], tau: float = 1e-2, init_var: float = 1.0,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                 ) -> None:
+        self.in_factors, self.out_factors = _factor_pair(in_factors, out_factors,
+                                                         ("in_factors", "out_factors"))
         modes = [(n,) for n in self.in_factors] + [(m,) for m in self.out_factors]
         super().__init__(modes, rank, tau=tau, init_var=init_var, dtype=dtype, device=device)
         self._shape = (math.prod(self.in_factors), math.prod(self.out_factors))
@@ -383,51 +422,25 @@ class TTLinearCores(TensorTrain):
         """``(N, M)`` including padding (fixed by the factors)."""
         return self._shape
 
-    def to_matrix(self) -> Tensor:
-        """``W`` of shape ``(N, M)`` (inputs × outputs)."""
-        return self.full_tensor().reshape(self.shape)
-
-    @classmethod
-    def from_matrix(
-        cls, W: Tensor, in_factors: Sequence[int], out_factors: Sequence[int],
-        max_rank: int | Sequence[int] | None = None, tol: float | None = None, tau: float = 1e-2,
-    ) -> TTLinearCores:
-        """TT-SVD of ``W (N×M)`` (zero-padded to the factor products)."""
-        N, M = math.prod(in_factors), math.prod(out_factors)
-        if W.dim() != 2 or W.shape[0] > N or W.shape[1] > M:
-            raise ValueError(f"W: shape {tuple(W.shape)} does not fit factors {N}×{M}")
-        Wp = W.new_zeros(N, M)
-        Wp[: W.shape[0], : W.shape[1]] = W
-        cores = tt_svd(Wp.reshape(*in_factors, *out_factors), max_rank=max_rank, tol=tol)
-        obj = cls(in_factors, out_factors, [c.shape[-1] for c in cores[:-1]], tau=tau,
-                  dtype=W.dtype, device=W.device)
-        obj.load_cores_(cores)
-        return obj
-
-    from_dense = from_matrix  # ``TTLinearCores.from_dense(W, in_factors, out_factors, …)``
+    @staticmethod
+    def _svd_cores(W: Tensor, in_factors: Sequence[int], out_factors: Sequence[int],
+                   max_rank: int | Sequence[int] | None, tol: float | None) -> list[Tensor]:
+        """TT-SVD of ``W (N×M)`` zero-padded to the factor products: the 2d cores."""
+        Wp = _zero_padded(W, in_factors, out_factors, "W", pad_cols=True)
+        return tt_svd(Wp.reshape(*in_factors, *out_factors), max_rank=max_rank, tol=tol)
 
 
-class TTMCores(TensorTrain):
+
+class TTMCores(_TTMatrix):
     """TT-matrix of a table ``E ∈ R^{V×D}``: cores ``(r_{k-1}, v_k, e_k, r_k)``,
     ``V <= ∏ v_k``, ``D = ∏ e_k``. Row ``i`` unravels to ``(i_1..i_d)`` (row-major)."""
 
-    def __init__(
-        self,
-        row_factors: Sequence[int],
-        col_factors: Sequence[int],
-        rank: int | Sequence[int],
-        tau: float = 1e-2,
-        init_var: float = 1.0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        self.row_factors = tuple(int(x) for x in row_factors)
-        self.col_factors = tuple(int(x) for x in col_factors)
-        if len(self.row_factors) != len(self.col_factors):
-            raise ValueError(
-                f"col_factors: need as many factors as row_factors ({len(self.row_factors)}), "
-                f"got {len(self.col_factors)}"
-            )
+    def __init__(self, row_factors: Sequence[int], col_factors: Sequence[int],
+                 rank: int | Sequence[int], tau: float = 1e-2, init_var: float = 1.0,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                 ) -> None:
+        self.row_factors, self.col_factors = _factor_pair(row_factors, col_factors,
+                                                          ("row_factors", "col_factors"))
         modes = list(zip(self.row_factors, self.col_factors))
         super().__init__(modes, rank, tau=tau, init_var=init_var, dtype=dtype, device=device)
 
@@ -446,32 +459,17 @@ class TTMCores(TensorTrain):
         perm = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
         return t.permute(perm)
 
-    def to_matrix(self) -> Tensor:
-        """``E`` of shape ``(∏ v, ∏ e)`` (padded rows included)."""
-        return self.to_dense().reshape(self.shape)
-
-    @classmethod
-    def from_matrix(
-        cls, E: Tensor, row_factors: Sequence[int], col_factors: Sequence[int],
-        max_rank: int | Sequence[int] | None = None, tol: float | None = None, tau: float = 1e-2,
-    ) -> TTMCores:
-        """TT-SVD of ``E (V×D)`` in TTM format (rows zero-padded to ``∏ v``)."""
-        V, D = math.prod(row_factors), math.prod(col_factors)
-        if E.dim() != 2 or E.shape[0] > V or E.shape[1] != D:
-            raise ValueError(f"E: shape {tuple(E.shape)} does not fit factors {V}×{D}")
+    @staticmethod
+    def _svd_cores(E: Tensor, row_factors: Sequence[int], col_factors: Sequence[int],
+                   max_rank: int | Sequence[int] | None, tol: float | None) -> list[Tensor]:
+        """TT-SVD of ``E (V×D)`` in TTM format (rows zero-padded to ``∏ v``): the d cores
+        ``(r, v_k, e_k, r')``."""
         d = len(row_factors)
-        Ep = E.new_zeros(V, D)
-        Ep[: E.shape[0]] = E
+        Ep = _zero_padded(E, row_factors, col_factors, "E", pad_cols=False)
         t = Ep.reshape(*row_factors, *col_factors)
         perm = [x for k in range(d) for x in (k, d + k)]
         t = t.permute(perm).reshape([v * e for v, e in zip(row_factors, col_factors)])
         cores = tt_svd(t, max_rank=max_rank, tol=tol)
-        obj = cls(row_factors, col_factors, [c.shape[-1] for c in cores[:-1]], tau=tau,
-                  dtype=E.dtype, device=E.device)
-        obj.load_cores_([
-            c.reshape(c.shape[0], v, e, c.shape[-1])
-            for c, v, e in zip(cores, row_factors, col_factors)
-        ])
-        return obj
+        return [c.reshape(c.shape[0], v, e, c.shape[-1])
+                for c, v, e in zip(cores, row_factors, col_factors)]
 
-    from_dense = from_matrix  # ``TTMCores.from_dense(E, row_factors, col_factors, …)``

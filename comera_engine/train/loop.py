@@ -43,13 +43,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from comera_engine.backends import keep_freed_memory
 from comera_engine.config import Config
 from comera_engine.errors import ConfigError
 from comera_engine.metrics import MetricsSink, NullSink
 from comera_engine.models import TaskModel, build_model, roc_auc
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train.batches import BatchPlan, eval_batches, iterate_batches, mix_seed
-from comera_engine.train.cpu_memory import keep_freed_memory
 from comera_engine.train.distributed import (
     DistInfo,
     all_reduce_values,

@@ -1,4 +1,4 @@
-// The halves path's six batch GEMMs (TTLinearHalves in contract.py), row-blocked: the
+// The halves path's six batch GEMMs (TTLinearHalves, ops/tt_linear_halves.py), row-blocked: the
 // batch is cut into blocks of rows, each thread takes a contiguous run of blocks and
 // runs every product of the step on one block after the other with single-threaded
 // BLAS while the block is in its L2 cache; the sums over the batch (dR, dL) go into

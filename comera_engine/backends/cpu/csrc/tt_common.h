@@ -1,4 +1,4 @@
-// Shared by the native TT-linear ops (tt_sweep.cpp, tt_halves.cpp); see contract.py for
+// Shared by the native TT-linear ops (tt_sweep.cpp, tt_halves.cpp); see comera_engine/ops for
 // the math they mirror.
 //
 // Layout: cores G_k (r_{k-1}, s_k, r_k), k < 2d; gates g_b for the 2d-1 bonds, bond b
@@ -57,7 +57,7 @@ std::vector<Tensor> sweep_backward(const Tensor& dy, const std::vector<Tensor>& 
                                    bool need_cores, bool need_gates);
 
 // The halves path's batch-independent parts (TTLinearHalves; its batch GEMMs are chosen
-// in Python: one by one through gemm.py, or row-blocked below).
+// in Python: one by one in the install's ways (backends/cpu/gemm.py), or row-blocked below).
 std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
                                    const std::vector<Tensor>& gates,
                                    const std::vector<Tensor>& alive, double tau,

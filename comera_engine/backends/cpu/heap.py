@@ -1,19 +1,20 @@
-"""CPU training: keep freed heap memory in the process between steps.
+"""CPU backend, heap settings: keep freed heap memory in the process between steps.
 
 glibc's ``malloc`` serves a block of 128 KiB or more with ``mmap`` (its threshold then
 rises, up to 32 MiB, as such blocks are freed) and hands the top of the heap back to the
 kernel once more than twice that threshold is free. A training step allocates and frees
 its activations and gradients (a 4096×768 fp32 tensor is 12.6 MB), so, depending on
 what the process freed before, a step's tensors land on fresh pages, and the kernel
-faults in and zeroes every 4 KiB page on first touch. Measured (docs/BENCHMARKS.md):
-~4000 page faults per TT-linear step at 768×768 and 4096 tokens, and that step at
-19.7–20.8 ms instead of 11.7–12.5 ms, in some processes and not in others.
+faults in and zeroes every 4 KiB page on first touch: thousands of page faults per
+TT-linear step at 768×768 and 4096 tokens, and that step much slower in some processes
+than in others (docs/BENCHMARKS.md).
 
 :func:`keep_freed_memory` fixes glibc's thresholds (``mallopt``), so that blocks up to
 ``mmap_threshold`` come from the heap and freed memory stays with the process for the
 next step: the resident set stays at the run's peak instead of shrinking between steps
 (what jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends, do as well).
-``train`` calls it for CPU runs; ``COMERA_KEEP_FREED_MEMORY=0`` turns it off.
+Part of the CPU backend: ``train`` calls it for CPU runs where the backend is in use
+(:func:`comera_engine.backends.cpu_backend`); ``COMERA_KEEP_FREED_MEMORY=0`` turns it off.
 """
 
 from __future__ import annotations

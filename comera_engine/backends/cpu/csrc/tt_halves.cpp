@@ -1,5 +1,5 @@
 // The batch-independent parts of the TT-linear halves path (TTLinearHalves in
-// contract.py) as two ATen functions: gates, the merge chains L = G_1⋯G_d and
+// ops/tt_linear_halves.py) as two ATen functions: gates, the merge chains L = G_1⋯G_d and
 // R = G_{d+1}⋯G_{2d}, the padded middle rank with the bias row, and back from dL, dR to
 // every core and gate. A step then calls C++ twice instead of running ~40 small
 // Python-level ops; its batch GEMMs are chosen in Python (tt_halves_batch.cpp). Same
@@ -9,10 +9,10 @@
 namespace comera {
 
 // Returns [Lp, Rp, gm, m, eff_0..eff_{2d-1}, P_1..P_{d-1}, Q_2..Q_d]: L and R (zero-
-// padded to width rp when rp > 0, which contract._padded_width gives, with the bias in
-// row r_d of Rp), the gate values and mask (undefined without
-// gates), the gated cores, the left prefixes P_k = G_1⋯G_k as (n_1⋯n_k, r_k) and the
-// right suffixes Q_j = G_j⋯G_{2d} as (r_{j-1}, m_j⋯m_d).
+// padded to width rp when rp > 0, which padded_width in ops/tt_linear_halves.py gives,
+// with the bias in row r_d of Rp), the gate values and mask (undefined without gates),
+// the gated cores, the left prefixes P_k = G_1⋯G_k as (n_1⋯n_k, r_k) and the right
+// suffixes Q_j = G_j⋯G_{2d} as (r_{j-1}, m_j⋯m_d).
 std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
                                    const std::vector<Tensor>& gates,
                                    const std::vector<Tensor>& alive, double tau,

@@ -1,5 +1,5 @@
 // Rank gates inside the native TT-linear ops: absorbing them into the cores and their
-// gradients (the C++ twin of _GatedFunction._absorb / _gate_grads in contract.py).
+// gradients (the C++ twin of GatedFunction._absorb / _gate_grads in ops/gates.py).
 // Written as plain loops, one pass per core each way: the ATen version ran ~35 small ops
 // a step (cat, hardshrink, where, a multiply per core, a multiply and a sum per gate in
 // backward), and at small batches those per-op costs were a third of the whole step.

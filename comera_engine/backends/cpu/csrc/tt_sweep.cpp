@@ -1,4 +1,4 @@
-// The TT-linear sweep path (TTLinearSweep in contract.py) as two ATen functions, so a
+// The TT-linear sweep path (TTLinearSweep, ops/tt_linear_sweep.py) as two ATen functions, so a
 // step runs its ~70 small ops without the Python interpreter between them: at 32 rows
 // the Python bodies cost more than the GEMMs. Same math, same op order, same saved
 // tensors as the Python Function, which stays the reference (tests compare the two).
