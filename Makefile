@@ -13,7 +13,7 @@ PORT ?= 8501
 
 .PHONY: run test bench lint install clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(wildcard comera_engine/backends/cpu/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[app,dev]"
@@ -39,6 +39,7 @@ bench: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -70,15 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dashboard_launcher() -> Path:
+    """``app/launcher.py`` of the source checkout this engine runs from. The dashboard is
+    not part of the installed package (the engine never imports it); it runs from the
+    checkout, where ``make run`` starts it."""
+    return Path(__file__).resolve().parents[1] / "app" / "launcher.py"
+
+
 def cmd_app(args: argparse.Namespace) -> int:
     """Exec ``streamlit run app/Home.py``; needs the ``app`` extra (streamlit, plotly)."""
-    try:
-        import streamlit  # noqa: F401
-    except ImportError:
-        raise ConfigError("app", "streamlit is not installed; pip install "
-                          "'comera-studio[app]' (or run `make run`)") from None
-    from app.launcher import run_app
+    import importlib.util
 
+    if importlib.util.find_spec("streamlit") is None:
+        raise ConfigError("app", "streamlit is not installed; pip install "
+                          "'comera-studio[app]' (or run `make run`)")
+    launcher = dashboard_launcher()
+    if not launcher.is_file():
+        raise ConfigError("app", f"the dashboard is not beside this engine ({launcher} is "
+                          "missing); it runs from a source checkout: `make run` there")
+    import runpy
+
+    run_app = runpy.run_path(str(launcher), run_name="comera_dashboard_launcher")["run_app"]
     try:
         run_app(args.host, args.port, args.store)
     except ValueError as exc:

@@ -83,11 +83,11 @@ def _data_label(data: dict) -> str:
     if info is None:
         return f"{name} · built in"
     get = {**info.defaults, **data}.get
-    extras = {
-        "code_mlm": f"Python stdlib code ({get('max_files')} files)",
-        "clicks_synthetic": f"synthetic clicks ({get('num_samples'):,} rows)",
-    }
-    return f"{name} · {extras.get(name, info.summary)}"
+    if name == "code_mlm":
+        return f"{name} · Python stdlib code ({get('max_files')} files)"
+    if name == "clicks_synthetic":
+        return f"{name} · synthetic clicks ({get('num_samples'):,} rows)"
+    return f"{name} · {info.summary}"
 
 
 ui.page_header(

@@ -112,29 +112,6 @@ def _tt_name_set(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @torch.no_grad()
-def effective_cores(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
-    """The layer's cores sliced to its effective ranks with the gates absorbed, and the
-    internal ranks. A layer with a rank-0 bond is the zero map: every internal rank is
-    then 0 (no parameters, as ``size_report`` counts it)."""
-    tt = layer.tt
-    keep = tt.keep_indices()
-    K = tt.num_cores
-    if any(k.numel() == 0 for k in keep):
-        ref = tt.cores[0]
-        full = [1] + [0] * (K - 1) + [1]
-        return ([ref.new_zeros(full[k], *tt.mode_shapes[k], full[k + 1]) for k in range(K)],
-                [0] * (K - 1))
-    cores = tt.gated_cores()
-    out = []
-    for k, c in enumerate(cores):
-        if k > 0:
-            c = c.index_select(0, keep[k - 1])
-        if k < K - 1:
-            c = c.index_select(c.dim() - 1, keep[k])
-        out.append(c.detach().contiguous().clone())
-    return out, [int(k.numel()) for k in keep]
-
-
 def _layer_info(name: str, layer: nn.Module, ranks: list[int]) -> dict[str, Any]:
     if isinstance(layer, TTLinear):
         return {"name": name, "kind": "linear",
@@ -162,7 +139,7 @@ def _compressed_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     names = []
     for name, layer in _tt_name_set(model):
-        cores, _ = effective_cores(layer)
+        cores, _ = layer.tt.effective_cores()
         tensors[f"{name}.tt.cores"] = torch.cat([c.reshape(-1) for c in cores])
         names.append(name)
     for key, value in _persistent_state(model).items():
@@ -342,7 +319,7 @@ def _layer_rows(model: nn.Module, sizes: dict[str, Any]) -> list[dict[str, Any]]
     by_name = {r["name"]: r for r in sizes.get("layers", [])}
     rows = []
     for name, layer in _tt_name_set(model):
-        row = _layer_info(name, layer, effective_cores(layer)[1])
+        row = _layer_info(name, layer, layer.tt.effective_cores()[1])
         row["allocated_ranks"] = layer.tt.ranks[1:-1]
         rep = by_name.get(name, {})
         for key in ("dense_params", "effective_params", "compression"):

@@ -56,9 +56,7 @@ class OnnxTTLinear(nn.Module):
 
     def __init__(self, layer: TTLinear) -> None:
         super().__init__()
-        from comera_engine.export.core import effective_cores
-
-        cores, ranks = effective_cores(layer)
+        cores, ranks = layer.tt.effective_cores()
         self.d = layer.tt.d
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.N, self.M = layer.tt.shape
@@ -89,9 +87,7 @@ class OnnxTTEmbedding(nn.Module):
 
     def __init__(self, layer: TTEmbedding) -> None:
         super().__init__()
-        from comera_engine.export.core import effective_cores
-
-        cores, ranks = effective_cores(layer)
+        cores, ranks = layer.tt.effective_cores()
         rows, cols = list(layer.vocab_factors), list(layer.dim_factors)
         self.num_embeddings, self.embedding_dim = layer.num_embeddings, layer.embedding_dim
         self.padding_idx = layer.padding_idx

@@ -49,7 +49,7 @@ class LayerFactory:
     ) -> nn.Module:
         """``TTLinear`` for a TT kind (and both sides >= ``min_dim``), else ``nn.Linear``."""
         if self.is_tt(kind) and min(in_features, out_features) >= self.min_dim:
-            from comera_engine import TTLinear
+            from comera_engine.layers import TTLinear
 
             return TTLinear(
                 in_features,
@@ -73,7 +73,7 @@ class LayerFactory:
     ) -> nn.Module:
         """``TTEmbedding`` (TTM) for a TT kind with at least ``min_rows`` rows, else dense."""
         if self.is_tt(kind) and num_embeddings >= max(min_rows, 2):
-            from comera_engine import TTEmbedding
+            from comera_engine.layers import TTEmbedding
 
             return TTEmbedding(
                 num_embeddings,

@@ -279,6 +279,27 @@ class TensorTrain(nn.Module):
         return changes
 
     @torch.no_grad()
+    def effective_cores(self) -> tuple[list[Tensor], list[int]]:
+        """The cores sliced to the effective ranks with the gates absorbed (detached
+        copies), and the internal ranks. With a rank-0 bond the train is the zero map:
+        every internal rank is then 0 (no parameters, as ``size_report`` counts it)."""
+        keep = self.keep_indices()
+        K = self.num_cores
+        if any(k.numel() == 0 for k in keep):
+            ref = self.cores[0]
+            full = [1] + [0] * (K - 1) + [1]
+            return ([ref.new_zeros(full[k], *self.mode_shapes[k], full[k + 1])
+                     for k in range(K)], [0] * (K - 1))
+        out = []
+        for k, c in enumerate(self.gated_cores()):
+            if k > 0:
+                c = c.index_select(0, keep[k - 1])
+            if k < K - 1:
+                c = c.index_select(c.dim() - 1, keep[k])
+            out.append(c.detach().contiguous().clone())
+        return out, [int(k.numel()) for k in keep]
+
+    @torch.no_grad()
     def keep_indices(self) -> list[Tensor]:
         """Per bond, the indices of active entries (what ``truncate_`` keeps)."""
         return [torch.nonzero(m, as_tuple=False).flatten() for m in self.masks()]

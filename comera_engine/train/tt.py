@@ -192,7 +192,7 @@ class CoMERAState:
                 "bytes/dense": nbytes,
                 "compression/model": 1.0,
             }
-        from comera_engine import size_report
+        from comera_engine.layers import size_report
 
         rep = size_report(self.model)
         model, tensorized = rep["model"], rep["tensorized"]
