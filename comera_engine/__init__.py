@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._lazy import lazy_getattr
+
 __version__ = "0.1.0"
 
 __all__ = ["TTEmbedding", "TTLinear", "__version__", "estimate", "explain", "load",
@@ -27,14 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .tensor import estimate, explain, max_tt_ranks, plan, tt_svd
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'comera_engine' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def load(path: str, map_location: str = "cpu") -> Any:

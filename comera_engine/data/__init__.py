@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from comera_engine._lazy import lazy_getattr
 from comera_engine.data.registry import (
     DatasetInfo,
     dataset_info,
@@ -45,14 +46,7 @@ _LAZY = {"DataBundle": "base", "TensorDictDataset": "base", "split_indices": "ba
          "file_sha256": "identity"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f"comera_engine.data.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'comera_engine.data' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def register_dataset(name: str, builder: Builder, task: str = "custom",

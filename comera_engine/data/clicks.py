@@ -421,6 +421,14 @@ def _click_meta(sizes: list[int], train_labels: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def _click_bundle(name: str, train_data: Any, eval_data: Any, identity: dict[str, Any],
+                  meta: dict[str, Any]) -> DataBundle:
+    """A click-through-rate bundle (two classes) from the train and eval click tables."""
+    return DataBundle(name=name, task="ctr", train=TensorDictDataset(train_data.tensors()),
+                      eval=TensorDictDataset(eval_data.tensors()), identity=identity,
+                      num_classes=2, meta=meta)
+
+
 def build_clicks(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
     """Criteo TSV: items ``dense`` float32 [13], ``sparse`` int64 [26], ``labels`` float32."""
 
@@ -472,15 +480,8 @@ def build_clicks(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle
         },
         extra=extra,
     )
-    return DataBundle(
-        name="clicks",
-        task="ctr",
-        train=TensorDictDataset(train_data.tensors()),
-        eval=TensorDictDataset(eval_data.tensors()),
-        identity=identity,
-        num_classes=2,
-        meta=_click_meta(sizes, train_data.labels),
-    )
+    return _click_bundle("clicks", train_data, eval_data, identity,
+                         _click_meta(sizes, train_data.labels))
 
 
 def build_clicks_synthetic(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
@@ -536,15 +537,7 @@ def build_clicks_synthetic(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> 
     meta = _click_meta(sizes, train_data.labels)
     meta["planted_features"] = list(synth.planted_features)
     meta["eval_probability"] = torch.from_numpy(synth.probability[eval_idx])
-    return DataBundle(
-        name="clicks_synthetic",
-        task="ctr",
-        train=TensorDictDataset(train_data.tensors()),
-        eval=TensorDictDataset(eval_data.tensors()),
-        identity=identity,
-        num_classes=2,
-        meta=meta,
-    )
+    return _click_bundle("clicks_synthetic", train_data, eval_data, identity, meta)
 
 
 def _log_loss(probability: np.ndarray, labels: np.ndarray) -> float:

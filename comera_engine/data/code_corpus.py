@@ -310,7 +310,6 @@ def build_code_corpus(
 # --------------------------------------------------------------------------- code MLM
 
 
-
 def build_code_mlm(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
     """Stdlib code masked-LM: train items ``input_ids``/``attention_mask`` [seq_len]
     (masked by ``collate_fn``); eval items also carry fixed ``labels`` [seq_len]."""

@@ -290,20 +290,17 @@ def pair_texts(examples: NLIExamples) -> Iterable[str]:
 # --------------------------------------------------------------------------- NLI
 
 
-
 def _read_nli(cfg: Mapping[str, Any], key: str, base_dir: BaseDir) -> tuple[Any, Path]:
     """Read the NLI file named by ``cfg[key]``; errors become ``ConfigError(data.<key>)``."""
-    from comera_engine.data import nli
-
-    help_text = nli.FILE_HELP
+    help_text = FILE_HELP
     path = get_existing_file(cfg, key, base_dir, help_text)
     fmt = get_str(cfg, "format", None)
-    if fmt is not None and fmt not in nli.FILE_FORMATS:
+    if fmt is not None and fmt not in FILE_FORMATS:
         raise ConfigError(
             field_name("format"),
-            f"unknown format '{fmt}' (use one of {', '.join(nli.FILE_FORMATS)})",
+            f"unknown format '{fmt}' (use one of {', '.join(FILE_FORMATS)})",
         )
-    fmt = fmt or nli.detect_format(path)
+    fmt = fmt or detect_format(path)
     if fmt is None:
         raise ConfigError(
             field_name(key),
@@ -311,10 +308,10 @@ def _read_nli(cfg: Mapping[str, Any], key: str, base_dir: BaseDir) -> tuple[Any,
             "or set data.format)",
         )
     try:
-        examples = nli.read_nli_file(path, fmt)
+        examples = read_nli_file(path, fmt)
     except ImportError as exc:
         raise missing_package(key, "pyarrow", "reading parquet") from exc
-    except (nli.NLIFormatError, UnicodeDecodeError) as exc:
+    except (NLIFormatError, UnicodeDecodeError) as exc:
         raise ConfigError(field_name(key), f"{exc} (give {help_text})") from None
     if len(examples) == 0:
         raise ConfigError(
