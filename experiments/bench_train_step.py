@@ -80,7 +80,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     step = TrainStep(
         task_model,
         optimizer,
-        state.objective_fn(graph_safe=spec["graph"]),
+        state.objective_fn(),
         model.parameters(),
         grad_clip=1.0,
         autocast_dtype=torch.bfloat16 if cuda else None,

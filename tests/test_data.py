@@ -869,3 +869,17 @@ def test_registry_refuses_unknown_names_and_takes_plugins() -> None:
         assert seen == [({"name": "plugin_x", "size": 5}, "/tmp")]
     finally:
         registry._REGISTRY.pop("plugin_x")
+
+
+def test_digits_read_from_the_wheel_equal_sklearns_loader() -> None:
+    """The digits file read without importing scikit-learn gives exactly what
+    ``sklearn.datasets.load_digits`` gives."""
+    from sklearn.datasets import load_digits
+
+    from comera_engine.data.digits import read_digits
+
+    pixels, labels = read_digits()
+    ref = load_digits()
+    assert pixels.shape == (1797, 64) and labels.dtype == np.int64
+    np.testing.assert_array_equal(pixels, ref.data)
+    np.testing.assert_array_equal(labels, ref.target)

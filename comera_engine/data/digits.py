@@ -7,8 +7,11 @@ The split is stratified by class and deterministic for a seed.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,13 +65,30 @@ def stratified_split(
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
-def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> DigitsSplit:
-    """Load sklearn digits, split (stratified, by ``seed``) and normalise with train stats."""
+def read_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 digits as ``(pixels float64 [1797, 64] in 0..16, labels int64 [1797])``,
+    read from the data file inside the scikit-learn wheel without importing scikit-learn
+    (whose import, scipy included, takes longer than a short run's training); its own
+    ``load_digits`` where the file is not where it ships."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise ImportError("scikit-learn is not installed")
+    for folder in spec.submodule_search_locations or ():
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",")
+            return table[:, :-1], table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    x = np.asarray(bunch.data, dtype=np.float32) / 16.0  # [1797, 64]
-    y = np.asarray(bunch.target, dtype=np.int64)  # [1797]
+    return np.asarray(bunch.data, dtype=np.float64), np.asarray(bunch.target, dtype=np.int64)
+
+
+def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> DigitsSplit:
+    """Load sklearn digits, split (stratified, by ``seed``) and normalise with train stats."""
+    pixels, labels = read_digits()
+    x = np.asarray(pixels, dtype=np.float32) / 16.0  # [1797, 64]
+    y = labels  # [1797]
     train_idx, test_idx = stratified_split(y, test_fraction, seed)
     mean = x[train_idx].mean(axis=0)
     std = x[train_idx].std(axis=0)
@@ -99,11 +119,9 @@ def build_digits(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle
     seed = get_int(cfg, "seed", defaults["seed"])
     fraction = get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0, 1.0)
     try:
-        import sklearn
-
-
         split = load_digits_split(test_fraction=1.0 - fraction, seed=seed)
-    except ImportError as exc:
+        sklearn_version = importlib.metadata.version("scikit-learn")
+    except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
         raise missing_package("name", "scikit-learn", "digits") from exc
     train = TensorDictDataset({"x": split.x_train, "labels": split.y_train})
     test = TensorDictDataset({"x": split.x_test, "labels": split.y_test})
@@ -114,7 +132,7 @@ def build_digits(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle
         seed,
         params={"split_fraction": fraction, "normalisation": "x/16 then train z-score"},
         extra={
-            "sklearn_version": sklearn.__version__,
+            "sklearn_version": sklearn_version,
             "content_sha256": content_sha256(
                 split.x_train, split.y_train, split.x_test, split.y_test
             ),
