@@ -66,9 +66,8 @@ class CoMERAState:
 
         On CPU the fused AdamW kernel: a TT model has hundreds of small parameters
         (cores and gates of every layer), and the default per-parameter loop costs more
-        than the update itself (paper-size CoMERA model, one thread: 38 → 8 ms a step;
-        ``experiments/bench_step_overheads.py``). Elsewhere torch's default (``foreach``
-        on CUDA)."""
+        than the update itself (``experiments/bench_step_overheads.py``). Elsewhere
+        torch's default (``foreach`` on CUDA)."""
         c = self.cfg
         if self.has_tt:
             from comera_engine import rank
