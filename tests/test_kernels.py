@@ -30,13 +30,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(37, 45, 5, 29), (37, 70, 30, 33), (19, 33, 64, 70)]
 
 
+# interpreted on the CPU here; compiled on a GPU (experiments/gpu_check.sh sets
+# TRITON_INTERPRET=0)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
 def _inputs(B, N, r, M, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, N, generator=g, dtype=torch.float64)
     L = torch.randn(N, r, generator=g, dtype=torch.float64) / N ** 0.5
     R = torch.randn(r, M, generator=g, dtype=torch.float64) / r ** 0.5
     b = torch.randn(M, generator=g, dtype=torch.float64)
-    return [t.to(dtype).requires_grad_() for t in (x, L, R, b)]
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (x, L, R, b)]
 
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -52,31 +57,31 @@ def test_fused_tt_linear_forward_and_every_gradient_match_float64(B, N, r, M, dt
     y = K.tt_linear_chain(x, L, R, bias)
     assert y.dtype == dtype and y.shape == (B, M)
     dy = torch.randn(B, M, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    y.backward(dy.to(dtype))
-    refs = [t.detach().double().requires_grad_() for t in (x, L, R, b)]
+    y.backward(dy.to(DEVICE, dtype))
+    refs = [t.detach().cpu().double().requires_grad_() for t in (x, L, R, b)]
     y_ref = K.tt_linear_chain_reference(refs[0], refs[1], refs[2],
                                         refs[3] if with_bias else None)
     y_ref.backward(dy)
     scale = y_ref.abs().max()
-    torch.testing.assert_close(y.double() / scale, y_ref.detach() / scale, **TOL[dtype])
+    torch.testing.assert_close(y.cpu().double() / scale, y_ref.detach() / scale, **TOL[dtype])
     for got, ref in zip((x, L, R, b), refs):
         if ref.grad is None:
             assert got.grad is None
             continue
         s = ref.grad.abs().max()
-        torch.testing.assert_close(got.grad.double() / s, ref.grad / s, **TOL[dtype])
+        torch.testing.assert_close(got.grad.cpu().double() / s, ref.grad / s, **TOL[dtype])
 
 
 def test_three_dimensional_input_and_rank_limits() -> None:
-    x, L, R, b = _inputs(2 * 7, 24, 8, 17, torch.float32)
-    x3 = x.detach().reshape(2, 7, 24)
-    y = K.tt_linear_chain(x3, L.detach(), R.detach(), b.detach())
-    ref = K.tt_linear_chain_reference(x3.double(), L.double(), R.double(), b.double())
-    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
+    x, L, R, b = (t.detach() for t in _inputs(2 * 7, 24, 8, 17, torch.float32))
+    x3 = x.reshape(2, 7, 24)
+    y = K.tt_linear_chain(x3, L, R, b)
+    ref = K.tt_linear_chain_reference(*(t.cpu().double() for t in (x3, L, R, b)))
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="^rank"):
         K.rank_block(K.MAX_RANK + 1)
     with pytest.raises(ValueError, match="^p: expected shape"):
-        K.chain(x.detach(), R.detach(), R.detach())
+        K.chain(x, R, R)
 
 
 def test_kernels_compile_ahead_for_a100_and_h100_without_spills(tmp_path) -> None:
@@ -95,3 +100,18 @@ def test_kernels_compile_ahead_for_a100_and_h100_without_spills(tmp_path) -> Non
     for r in rows:
         assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
         assert r["shared_bytes"] <= r["shared_limit"], r
+
+
+def test_bench_kernels_smoke_run(tmp_path) -> None:
+    """experiments/bench_kernels.py runs its three variants and writes its JSON (here
+    interpreted on the CPU at a tiny shape: the code path, not a timing)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_kernels.py"),
+                          "--device", "cpu", "--shapes", "64x48", "--tokens", "37",
+                          "--rank", "6", "--reps", "1", "--rounds", "1", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())["rows"]
+    assert len(rows) == 1 and set(rows[0]["ms"]) == {"fused", "halves", "nn.Linear"}
+    assert all(v > 0 for v in rows[0]["ms"].values())
