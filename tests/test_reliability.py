@@ -324,3 +324,22 @@ def test_resume_with_only_damaged_checkpoints_is_one_line_and_changes_nothing(st
         "comera: error: --resume: no usable checkpoint in"
     )
     assert store.get_run(rid) == before and store.events(rid) == []
+
+
+def test_stop_kills_an_owner_that_ignores_sigterm_and_only_then_says_so(tmp_path, capsys):
+    st = RunStore(tmp_path / "comera.db")
+    rid = st.create_run("r", {}, status="running")
+    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:  # not a process-group leader: a killpg alone would miss it
+        assert owner.stdout is not None and owner.stdout.readline().strip() == b"ready"
+        st.update_run(rid, **_token(owner.pid))
+        assert main(["stop", rid, "--timeout", "0.2", "--store", str(st.path)]) == 0
+        assert capsys.readouterr().out.strip() == f"{rid}: crashed"
+        assert owner.wait(timeout=5) == -signal.SIGKILL
+        assert "killed (SIGKILL)" in st.get_run(rid)["error"]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()

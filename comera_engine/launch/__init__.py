@@ -309,11 +309,13 @@ def stop(
     store: RunStore | str | os.PathLike[str] | None = None,
     wait: bool = True,
 ) -> str:
-    """Stop a run gracefully: SIGTERM, the trainer writes a checkpoint and reports
-    ``stopped``; after ``timeout`` seconds it is killed (and recorded as ``crashed``).
+    """Stop a run gracefully: SIGTERM to its owner (the trainer), which writes a checkpoint
+    and reports ``stopped``; after ``timeout`` seconds it is killed and, once it is gone,
+    recorded as ``crashed``.
 
     A queued run that has not started becomes ``stopped`` at once. With ``wait`` this
-    returns the final status (or ``stopping`` if it could not be confirmed); without, it
+    returns the final status (or ``stopping`` when the owner could not be stopped:
+    ``comera stop`` then says so and exits 1); without, it
     returns right after the request (the supervisor enforces the timeout).
     """
     st = open_store(store)
@@ -352,17 +354,34 @@ def stop(
         now = time.time()
         supervised = pid_alive(run["supervisor_pid"])
         if now > deadline + 2.0 and not supervised and not killed:
-            signal_group(run["pid"], signal.SIGKILL)
             killed = True
-            st.set_status(
-                rid,
-                "crashed",
-                f"stop: no checkpoint confirmed within {timeout:g} s; killed (SIGKILL)",
-                only_from=("stopping",),
-            )
+            if _kill_owner(run):  # only a process that is gone is recorded as such
+                st.set_status(
+                    rid,
+                    "crashed",
+                    f"stop: no checkpoint confirmed within {timeout:g} s; killed (SIGKILL)",
+                    only_from=("stopping",),
+                )
         if now > deadline + 15.0:
             return str(run["status"])
         time.sleep(0.1)
+
+
+def _kill_owner(run: Mapping[str, Any], timeout: float = 5.0) -> bool:
+    """SIGKILL the run's trainer (its process group when it leads one, else the process
+    itself) and return whether it is gone within ``timeout`` seconds."""
+    pid = run["pid"]
+    if pid and pid_alive(pid, run["pid_started"]) and not signal_group(pid, signal.SIGKILL):
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    t0 = time.monotonic()
+    while pid_alive(pid, run["pid_started"]):
+        if time.monotonic() - t0 > timeout:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _wait_gone(run: Mapping[str, Any], timeout: float) -> bool:
