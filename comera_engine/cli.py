@@ -146,10 +146,13 @@ class _Writer:
         self.lock = RunLock(self.run_dir).acquire()
         try:
             if self.store_path:
-                from comera_engine.store import RunStore
+                from comera_engine.store import RunStore, StoreError
 
-                self.store = RunStore(self.store_path, create=False)
-                self.owner = claim_run(self.store, str(self.run_id))
+                try:
+                    self.store = RunStore(self.store_path, create=False)
+                    self.owner = claim_run(self.store, str(self.run_id))
+                except StoreError as e:  # no such store or run: one line
+                    raise ConfigError("--store", str(e)) from None
         except BaseException:
             self.__exit__()
             raise

@@ -36,6 +36,17 @@ from tests.test_launch import CONFIG, START_TIMEOUT, _status, _steps, store, wai
 __all__ = ["store"]  # the fixture, shared with test_launch
 
 CLI = [sys.executable, "-m", "comera_engine.cli"]
+#: A two-step dense digits run (builds in about a second).
+TINY = """name = "d"
+[model]
+name = "tt_mlp"
+dense = true
+[data]
+name = "digits"
+[train]
+steps = 2
+batch_size = 16
+"""
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
@@ -195,8 +206,7 @@ def test_train_resume_with_only_damaged_checkpoints_is_one_line_exit_2(tmp_path,
     _save(folder, 4)
     folder.joinpath("step_000004.safetensors").write_bytes(b"junk")
     cfg = run_dir / "config.toml"
-    cfg.write_text('name = "d"\n[model]\nname = "tt_mlp"\ndense = true\n[data]\nname = "digits"\n'
-                   "[train]\nsteps = 2\nbatch_size = 16\n")
+    cfg.write_text(TINY)
     before = sorted(p.name for p in run_dir.rglob("*"))
     assert main(["train", str(cfg), "--resume", "--no-progress"]) == 2
     assert _one_line(capsys.readouterr().err).startswith(
@@ -343,3 +353,16 @@ def test_stop_kills_an_owner_that_ignores_sigterm_and_only_then_says_so(tmp_path
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def test_train_into_a_missing_store_or_run_is_one_line_exit_2(tmp_path, capsys):
+    st = RunStore(tmp_path / "comera.db")
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(TINY)
+    for db, rid in ((tmp_path / "none.db", "x"), (st.path, "no-such-run")):
+        run_dir = tmp_path / f"run-{rid}"
+        assert main(["train", str(cfg), "--run-dir", str(run_dir), "--store", str(db),
+                     "--run-id", rid, "--no-progress"]) == 2
+        assert _one_line(capsys.readouterr().err).startswith("comera: error: --store: ")
+        assert not (run_dir / "config.toml").exists() and lock_holder(run_dir) is None
+    assert not (tmp_path / "none.db").exists() and st.list_runs() == []
