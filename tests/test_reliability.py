@@ -31,22 +31,12 @@ from comera_engine.metrics import read_jsonl
 from comera_engine.store import RunStore, StoreSink
 from comera_engine.store.layout import checkpoint_problem, resume_point
 from comera_engine.train import checkpoint as ckpt
+from tests.test_cli import DIGITS  # a two-step dense digits run
 from tests.test_launch import CONFIG, START_TIMEOUT, _status, _steps, store, wait_for
 
 __all__ = ["store"]  # the fixture, shared with test_launch
 
 CLI = [sys.executable, "-m", "comera_engine.cli"]
-#: A two-step dense digits run (builds in about a second).
-TINY = """name = "d"
-[model]
-name = "tt_mlp"
-dense = true
-[data]
-name = "digits"
-[train]
-steps = 2
-batch_size = 16
-"""
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
@@ -206,7 +196,7 @@ def test_train_resume_with_only_damaged_checkpoints_is_one_line_exit_2(tmp_path,
     _save(folder, 4)
     folder.joinpath("step_000004.safetensors").write_bytes(b"junk")
     cfg = run_dir / "config.toml"
-    cfg.write_text(TINY)
+    cfg.write_text(DIGITS)
     before = sorted(p.name for p in run_dir.rglob("*"))
     assert main(["train", str(cfg), "--resume", "--no-progress"]) == 2
     assert _one_line(capsys.readouterr().err).startswith(
@@ -358,7 +348,7 @@ def test_stop_kills_an_owner_that_ignores_sigterm_and_only_then_says_so(tmp_path
 def test_train_into_a_missing_store_or_run_is_one_line_exit_2(tmp_path, capsys):
     st = RunStore(tmp_path / "comera.db")
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(TINY)
+    cfg.write_text(DIGITS)
     for db, rid in ((tmp_path / "none.db", "x"), (st.path, "no-such-run")):
         run_dir = tmp_path / f"run-{rid}"
         assert main(["train", str(cfg), "--run-dir", str(run_dir), "--store", str(db),
