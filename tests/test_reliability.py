@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -326,23 +327,58 @@ def test_resume_with_only_damaged_checkpoints_is_one_line_and_changes_nothing(st
     assert store.get_run(rid) == before and store.events(rid) == []
 
 
-def test_stop_kills_an_owner_that_ignores_sigterm_and_only_then_says_so(tmp_path, capsys):
+@pytest.fixture()
+def stubborn_run(tmp_path):
+    """A running run whose owner ignores SIGTERM and leads no process group (a killpg
+    alone would miss it); no supervisor."""
     st = RunStore(tmp_path / "comera.db")
     rid = st.create_run("r", {}, status="running")
     code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "print('ready', flush=True); time.sleep(60)")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    try:  # not a process-group leader: a killpg alone would miss it
+    try:
         assert owner.stdout is not None and owner.stdout.readline().strip() == b"ready"
         st.update_run(rid, **_token(owner.pid))
-        assert main(["stop", rid, "--timeout", "0.2", "--store", str(st.path)]) == 0
-        assert capsys.readouterr().out.strip() == f"{rid}: crashed"
-        assert owner.wait(timeout=5) == -signal.SIGKILL
-        assert "killed (SIGKILL)" in st.get_run(rid)["error"]
+        yield st, rid, owner
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def test_stop_kills_an_owner_that_ignores_sigterm_and_only_then_says_so(stubborn_run, capsys):
+    st, rid, owner = stubborn_run
+    assert main(["stop", rid, "--timeout", "0.2", "--store", str(st.path)]) == 0
+    assert capsys.readouterr().out.strip() == f"{rid}: crashed"
+    assert owner.wait(timeout=5) == -signal.SIGKILL
+    assert "killed (SIGKILL)" in st.get_run(rid)["error"]
+
+
+def test_stop_says_when_it_could_not_stop_the_owner(stubborn_run, capsys, monkeypatch):
+    import comera_engine.launch as launch_mod
+
+    st, rid, owner = stubborn_run
+
+    class Clock:  # stop's 15 s of waiting, at once
+        now = time.time()
+        monotonic = staticmethod(time.monotonic)
+
+        def time(self) -> float:
+            self.now += 0.5
+            return self.now
+
+        def sleep(self, seconds: float) -> None:
+            pass
+
+    monkeypatch.setattr(launch_mod, "time", Clock())
+    monkeypatch.setattr(launch_mod, "_kill_owner", lambda run: False)  # SIGKILL had no effect
+    assert main(["stop", rid, "--timeout", "0.2", "--store", str(st.path)]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and _one_line(out.err) == (
+        f"{rid}: could not stop it: still stopping, pid {owner.pid} on "
+        f"{this_process()['host']} did not report a final status"
+    )
+    assert owner.poll() is None and _status(st, rid) == "stopping"  # not called crashed
 
 
 def test_train_into_a_missing_store_or_run_is_one_line_exit_2(tmp_path, capsys):
