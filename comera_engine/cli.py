@@ -10,7 +10,9 @@ before anything is written; a bad input prints one line on stderr and exits with
 The run folder is ``--run-dir``, else the folder holding CONFIG when ``--run-id`` or
 ``--resume`` is given (the launcher's layout, ``<run_dir>/config.toml``), else
 ``runs/<timestamp>-<name>/``. It receives ``config.toml`` (the resolved config),
-``metrics.jsonl`` and ``checkpoints/``.
+``metrics.jsonl``, ``checkpoints/`` and ``.lock``, held while the trainer lives: a second
+trainer on the same folder (or, with ``--store``, on the same run anywhere) is refused
+before it writes anything (exit 2).
 
 Exit codes: 0 finished or stopped, 1 error during training, 2 bad input, 3 diverged.
 """
@@ -130,11 +132,48 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.data["tokenizer_path"] = str(saved_tok.resolve())
     bundle = _prepare(cfg, run_dir, args.resume)  # validates data and model, writes nothing
     is_main = int(os.environ.get("RANK", "0")) == 0
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    if not is_main:
+        return _run(cfg, run_dir, bundle, args, None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with _Writer(run_dir, args.store, args.run_id) as writer:  # or RunBusyError: exit 2
         _write_config(run_dir, args.config, to_toml(cfg))
         _write_data_record(run_dir, bundle)
-    return _run(cfg, run_dir, bundle, args, is_main)
+        return _run(cfg, run_dir, bundle, args, writer)
+
+
+class _Writer:
+    """This process as the run's one writer, for as long as it trains: the run folder's
+    lock and, with ``--store``, the run's owner token (see
+    :mod:`comera_engine.launch.owner`). Taken before anything is written; a run that
+    already has a live writer raises :class:`~comera_engine.launch.owner.RunBusyError`."""
+
+    def __init__(self, run_dir: Path, store: str | None, run_id: str | None) -> None:
+        self.run_dir, self.store_path, self.run_id = run_dir, store, run_id
+        self.store: Any = None
+        self.owner: dict[str, Any] | None = None
+
+    def __enter__(self) -> _Writer:
+        from comera_engine.launch.owner import RunLock, claim_run
+
+        self.lock = RunLock(self.run_dir).acquire()
+        try:
+            if self.store_path:
+                from comera_engine.store import RunStore, StoreError
+
+                try:
+                    self.store = RunStore(self.store_path, create=False)
+                    self.owner = claim_run(self.store, str(self.run_id))
+                except StoreError as e:  # no such store or run: one line
+                    raise ConfigError("--store", str(e)) from None
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.store is not None:
+            self.store.close()
+        self.lock.release()
 
 
 def _write_data_record(run_dir: Path, bundle: Any) -> None:
@@ -173,6 +212,10 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool) -> Any:
 
     if resume and not (run_dir / "checkpoints").is_dir() and not run_dir.is_dir():
         raise ConfigError("--resume", f"run folder {run_dir} does not exist")
+    if resume:
+        from comera_engine.store.layout import resume_point
+
+        resume_point(run_dir / "checkpoints")  # every checkpoint damaged: one line
     bundle = build_dataset(data_config(cfg), base_dir=cfg.base_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.train.batch_size * world > len(bundle.train):
@@ -197,23 +240,27 @@ def _write_config(run_dir: Path, source: str, text: str) -> None:
     os.replace(tmp, target)
 
 
-def _run(cfg: Any, run_dir: Path, bundle: Any, args: argparse.Namespace, is_main: bool) -> int:
+def _run(
+    cfg: Any, run_dir: Path, bundle: Any, args: argparse.Namespace, writer: _Writer | None
+) -> int:
+    """Train; ``writer`` (rank 0 only) is this process as the run's one writer."""
     from comera_engine.metrics import JSONLSink, MultiSink
-    from comera_engine.train import checkpoint as ckpt
     from comera_engine.train.loop import train
 
+    is_main = writer is not None
     sink: Any = None
-    if is_main:
+    if writer is not None:
         jsonl = run_dir / "metrics.jsonl"
-        if args.resume:
-            latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
+        if args.resume:  # safe: this process holds the run folder's lock
+            from comera_engine.store.layout import resume_point
+
+            latest, _ = resume_point(run_dir / "checkpoints")
             rewind_jsonl(jsonl, int(latest.stem.split("_")[1]) if latest else 0)
         sinks: list[Any] = [JSONLSink(jsonl)]
-        if args.store:
-            from comera_engine.launch.liveness import this_process
+        if writer.store is not None:
             from comera_engine.store import StoreSink
 
-            sinks.append(StoreSink(args.store, args.run_id, process=this_process()))
+            sinks.append(StoreSink(writer.store, str(args.run_id), owner=writer.owner))
         sink = MultiSink(*sinks)
     try:
         result = train(

@@ -200,7 +200,7 @@ def test_this_process_identifies_this_process_and_not_a_reused_pid():
 
 def test_resume_and_stop_refuse_wrong_states(store):
     rid = store.create_run("r", {}, status="finished")
-    with pytest.raises(LaunchError, match="only stopped or crashed"):
+    with pytest.raises(LaunchError, match="only stopped, crashed or failed"):
         resume(rid, store=store)
     assert stop(rid, store=store) == "finished"
     other = store.create_run("remote", {}, status="running")
@@ -365,6 +365,6 @@ def test_queue_limit_concurrent_runs_torchrun_failures_and_cli(store, capsys):
     assert main(["logs", a, "-f", "--store", str(st.path)]) == 0  # a finished run: returns
     assert "finished at step 25" in capsys.readouterr().out
     assert main(["resume", a, "--store", str(st.path)]) == 2
-    assert "only stopped or crashed" in capsys.readouterr().err
+    assert "only stopped, crashed or failed" in capsys.readouterr().err
     assert main(["runs", "--store", str(st.path.parent / "nothing")]) == 0
     assert "no runs" in capsys.readouterr().out

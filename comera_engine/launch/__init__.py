@@ -10,7 +10,10 @@ a final status as ``crashed`` (``failed`` for a Python traceback), escalates a s
 SIGKILL after its timeout, and starts queued runs when a slot frees up.
 
 Lifecycle: ``queued → running → (stopping →) finished | stopped | failed | diverged |
-crashed``; ``stopped`` and ``crashed`` runs can be resumed as the same run.
+crashed``; ``stopped``, ``crashed`` and ``failed`` runs can be resumed as the same run,
+from their newest checkpoint that reads back whole. A run has one writer
+(:mod:`comera_engine.launch.owner`): a resume of a run whose folder is still locked by a
+live trainer is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 from comera_engine.errors import ConfigError
 from comera_engine.launch.liveness import pid_alive, processes_alive, reap, this_host
+from comera_engine.launch.owner import lock_holder
 from comera_engine.store import (
     FINAL_STATUSES,
     RESUMABLE_STATUSES,
@@ -37,6 +41,7 @@ from comera_engine.store import (
     new_run_id,
     read_log_tail,
 )
+from comera_engine.store.layout import resume_point
 
 __all__ = [
     "LaunchError",
@@ -304,11 +309,13 @@ def stop(
     store: RunStore | str | os.PathLike[str] | None = None,
     wait: bool = True,
 ) -> str:
-    """Stop a run gracefully: SIGTERM, the trainer writes a checkpoint and reports
-    ``stopped``; after ``timeout`` seconds it is killed (and recorded as ``crashed``).
+    """Stop a run gracefully: SIGTERM to its owner (the trainer), which writes a checkpoint
+    and reports ``stopped``; after ``timeout`` seconds it is killed and, once it is gone,
+    recorded as ``crashed``.
 
     A queued run that has not started becomes ``stopped`` at once. With ``wait`` this
-    returns the final status (or ``stopping`` if it could not be confirmed); without, it
+    returns the final status (or ``stopping`` when the owner could not be stopped:
+    ``comera stop`` then says so and exits 1); without, it
     returns right after the request (the supervisor enforces the timeout).
     """
     st = open_store(store)
@@ -347,17 +354,34 @@ def stop(
         now = time.time()
         supervised = pid_alive(run["supervisor_pid"])
         if now > deadline + 2.0 and not supervised and not killed:
-            signal_group(run["pid"], signal.SIGKILL)
             killed = True
-            st.set_status(
-                rid,
-                "crashed",
-                f"stop: no checkpoint confirmed within {timeout:g} s; killed (SIGKILL)",
-                only_from=("stopping",),
-            )
+            if _kill_owner(run):  # only a process that is gone is recorded as such
+                st.set_status(
+                    rid,
+                    "crashed",
+                    f"stop: no checkpoint confirmed within {timeout:g} s; killed (SIGKILL)",
+                    only_from=("stopping",),
+                )
         if now > deadline + 15.0:
             return str(run["status"])
         time.sleep(0.1)
+
+
+def _kill_owner(run: Mapping[str, Any], timeout: float = 5.0) -> bool:
+    """SIGKILL the run's trainer (its process group when it leads one, else the process
+    itself) and return whether it is gone within ``timeout`` seconds."""
+    pid = run["pid"]
+    if pid and pid_alive(pid, run["pid_started"]) and not signal_group(pid, signal.SIGKILL):
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    t0 = time.monotonic()
+    while pid_alive(pid, run["pid_started"]):
+        if time.monotonic() - t0 > timeout:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _wait_gone(run: Mapping[str, Any], timeout: float) -> bool:
@@ -371,9 +395,11 @@ def _wait_gone(run: Mapping[str, Any], timeout: float) -> bool:
 
 
 def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) -> str:
-    """Continue a ``stopped`` or ``crashed`` run from its last checkpoint as the same run
-    (step numbers continue; metrics the old attempt logged after that checkpoint are
-    replaced). Returns the run id; the run is queued and started like a new one."""
+    """Continue a ``stopped``, ``crashed`` or ``failed`` run from its newest checkpoint
+    that reads back whole, as the same run (step numbers continue; metrics the old
+    attempt logged after that checkpoint are replaced). Returns the run id; the run is
+    queued and started like a new one. Refused (one line, nothing changed) while a
+    process still holds the run folder's lock, or when every checkpoint is damaged."""
     st = open_store(store)
     rid = st.resolve(run_id)
     reap(st)
@@ -381,12 +407,20 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     assert run is not None
     if run["status"] not in RESUMABLE_STATUSES:
         raise LaunchError(
-            f"run: {rid} is {run['status']}; only stopped or crashed runs can be resumed"
+            f"run: {rid} is {run['status']}; only stopped, crashed or failed runs can be "
+            "resumed"
         )
     if not _wait_gone(run, 10.0):
         raise LaunchError(f"run: {rid} still has a live process (pid {run['pid']}); try again")
+    holder = lock_holder(st.run_dir(rid))
+    if holder is not None:
+        raise LaunchError(
+            f"run: {rid} is still being written by pid {holder.get('pid', '?')}; "
+            "stop that process first"
+        )
     if not (st.run_dir(rid) / CONFIG_FILENAME).is_file():
         raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {st.run_dir(rid)}")
+    start, _ = resume_point(st.run_dir(rid) / "checkpoints")  # all damaged: one line
     ok = st.set_status(
         rid,
         "queued",
@@ -398,8 +432,7 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     )
     if not ok:
         raise LaunchError(f"run: {rid} changed status while resuming; try again")
-    steps = checkpoint_steps(st.run_dir(rid))
-    where = f"checkpoint at step {steps[-1]}" if steps else "the start (no checkpoint)"
+    where = f"checkpoint {start.stem}" if start else "the start (no checkpoint)"
     st.log_event(rid, "resume", f"resume requested from {where}")
     dispatch(st)
     return rid

@@ -105,7 +105,7 @@ def add_subparsers(subparsers: Any) -> None:
     _add_store(p)
     p.set_defaults(func=cmd_stop)
 
-    p = subparsers.add_parser("resume", help="resume a stopped or crashed run")
+    p = subparsers.add_parser("resume", help="resume a stopped, crashed or failed run")
     p.add_argument("run", help="run id, unique id prefix or run name")
     _add_store(p)
     p.set_defaults(func=cmd_resume)
@@ -247,8 +247,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
         status = stop(rid, timeout=args.timeout, store=st, wait=not args.no_wait)
     except ValueError as e:
         return _fail(e)
-    print(f"{rid}: {status}")
-    return 0 if status in FINAL_STATUSES or args.no_wait else 1
+    if status in FINAL_STATUSES or args.no_wait:
+        print(f"{rid}: {status}")
+        return 0
+    run = st.get_run(rid) or {}
+    print(f"{rid}: could not stop it: still {status}, pid {run.get('pid')} on "
+          f"{run.get('host')} did not report a final status", file=sys.stderr)
+    return 1
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""The run store's errors (both are ``ValueError``s, so the CLI prints them as one line)."""
+"""The run store's errors (all are ``ValueError``s, so the CLI prints them as one line)."""
 
 from __future__ import annotations
 
@@ -9,3 +9,7 @@ class StoreError(ValueError):
 
 class RunNotFoundError(StoreError):
     """No run matches the given id, id prefix or name."""
+
+
+class NotOwnerError(StoreError):
+    """A write by a process that no longer owns the run (another trainer took it over)."""

@@ -8,10 +8,14 @@ checkpoints ``checkpoints/step_000123.json`` (sidecar, written last) beside
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
 from pathlib import Path
+from typing import Any
 
+from comera_engine.errors import ConfigError
 from comera_engine.store.errors import StoreError
 
 DB_FILENAME = "comera.db"
@@ -78,3 +82,90 @@ def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]
         if match and path.with_suffix(".safetensors").is_file():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+#: The largest safetensors header read back (a real checkpoint's is a few KB).
+_MAX_HEADER_BYTES = 64 << 20
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file, after checking that every tensor's bytes
+    lie inside the file and that the file ends where the last tensor does.
+
+    Layout: ``u64 little-endian N | N bytes of JSON | data``; each entry's
+    ``data_offsets = [begin, end]`` counts from the start of the data. Raises
+    ValueError naming what is wrong."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes, shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            raise ValueError(f"header length {n} does not fit in {size} bytes")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    data = size - 8 - n
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, stop = entry["data_offsets"]
+        if not 0 <= begin <= stop <= data:
+            raise ValueError(f"tensor {name} lies past the end of the file (truncated?)")
+        end = max(end, stop)
+    if end != data:
+        raise ValueError(f"{data - end} bytes after the last tensor")
+    return header
+
+
+def checkpoint_problem(meta_path: str | os.PathLike[str]) -> str | None:
+    """What makes a checkpoint unusable, or ``None`` when it reads back whole.
+
+    Checks, without loading any tensor: the sidecar parses and names its step; the
+    ``.safetensors`` header parses and fits the file (:func:`_safetensors_header`); every
+    model tensor the sidecar lists (``shapes``) is there as ``model/<name>`` with that
+    shape."""
+    meta_path = Path(meta_path)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or "step" not in meta:
+            return f"{meta_path.name}: not a checkpoint sidecar"
+        header = _safetensors_header(meta_path.with_suffix(".safetensors"))
+        for name, shape in dict(meta.get("shapes", {})).items():
+            entry = header.get(f"model/{name}")
+            if entry is None:
+                return f"{meta_path.stem}.safetensors: tensor model/{name} is missing"
+            if list(entry["shape"]) != list(shape):
+                return f"{meta_path.stem}.safetensors: tensor model/{name} has the wrong shape"
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        return f"{meta_path.stem}: {e}" if str(e) else f"{meta_path.stem}: unreadable"
+    return None
+
+
+
+
+def resume_point(ckpt_dir: str | os.PathLike[str]) -> tuple[Path | None, str | None]:
+    """``(sidecar, note)``: the newest checkpoint that reads back whole, and one line to
+    log when newer ones were damaged and skipped (else ``None``). ``(None, None)`` when
+    there is no checkpoint at all; :class:`~comera_engine.errors.ConfigError` (one line)
+    when there are checkpoints and every one is damaged."""
+    found = list_checkpoints(ckpt_dir)
+    if not found:
+        return None, None
+    skipped = []
+    for _step, meta_path in reversed(found):
+        problem = checkpoint_problem(meta_path)
+        if problem is None:
+            if not skipped:
+                return meta_path, None
+            return meta_path, (
+                f"resume: skipped damaged {'; '.join(skipped)}; resuming from {meta_path.stem}"
+            )
+        skipped.append(problem)
+    raise ConfigError(
+        "--resume",
+        f"no usable checkpoint in {ckpt_dir} ({'; '.join(skipped)}); "
+        "restore one or start the run afresh",
+    )

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from comera_engine.store.connection import Database
-from comera_engine.store.runs import set_status_in
+from comera_engine.store.runs import check_owner_in, set_status_in
 
 MetricRow = tuple[int, str, float | None, float]
 """``(step, name, value, time)``."""
@@ -138,6 +138,7 @@ class MetricRows(Database):
         rewind_from: int | None = None,
         heartbeat: bool = False,
         status: tuple[str, str | None, tuple[str, ...] | None] | None = None,
+        owner: Mapping[str, Any] | None = None,
     ) -> bool:
         """Write buffered records of one run in one transaction.
 
@@ -145,11 +146,15 @@ class MetricRows(Database):
         time)``; ``events``: ``(time, step, kind, text)``; ``artifacts``: ``(kind, path,
         size, time)``. ``rewind_from``: first delete metrics and rank snapshots at steps
         ``>= rewind_from`` (rows of an earlier attempt that a resumed run logs again).
-        ``status``: ``(status, error, only_from)`` set after the records. Returns whether the
-        status changed (``True`` when no status was given).
+        ``status``: ``(status, error, only_from)`` set after the records. ``owner``: the
+        writer's owner token (``pid``, ``pid_started``, ``host``); when given, nothing is
+        written unless it still owns the run (:class:`~comera_engine.store.errors.NotOwnerError`).
+        Returns whether the status changed (``True`` when no status was given).
         """
 
         def w(c: sqlite3.Connection) -> bool:
+            if owner is not None:
+                check_owner_in(c, run_id, owner)
             _write_records(c, run_id, metrics, ranks, events, artifacts, rewind_from)
             sets = []
             params: list[Any] = []

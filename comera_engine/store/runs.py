@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.store.connection import Database
-from comera_engine.store.errors import RunNotFoundError, StoreError
+from comera_engine.store.errors import NotOwnerError, RunNotFoundError, StoreError
 from comera_engine.store.layout import LOG_FILENAME, run_folder
 
 #: Every status a run can have.
@@ -38,8 +38,11 @@ STATUSES = (
 FINAL_STATUSES = frozenset({"finished", "stopped", "failed", "diverged", "crashed"})
 #: Statuses of a run that has (or should have) a live process.
 ACTIVE_STATUSES = frozenset({"running", "stopping"})
-#: Statuses a run can be resumed from.
-RESUMABLE_STATUSES = frozenset({"stopped", "crashed"})
+#: Statuses a run can be resumed from (a ``failed`` run too: its owner is gone, and the
+#: resume starts from its newest checkpoint that reads back whole).
+RESUMABLE_STATUSES = frozenset({"stopped", "crashed", "failed"})
+#: The run columns that name the process owning a run (its one writer).
+OWNER_COLUMNS = ("pid", "pid_started", "host")
 
 #: A run on another host (or without a pid) is crashed when its heartbeat is older (the
 #: sink beats every 0.5 s, the supervisor every 2 s: a dead run is marked within 10 s).
@@ -97,6 +100,34 @@ def _check_columns(fields: Iterable[str]) -> None:
 def _escape_like(text: str) -> str:
     """``text`` with LIKE's wildcards escaped (for ``ESCAPE '\\'``)."""
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def owner_token(run: Mapping[str, Any]) -> dict[str, Any]:
+    """The owner columns (:data:`OWNER_COLUMNS`) of a run row."""
+    return {k: run[k] for k in OWNER_COLUMNS}
+
+
+def same_owner(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two owner tokens name the same process: same pid and host, start times
+    within 1 s (or either unknown)."""
+    if a["pid"] != b["pid"] or a["host"] != b["host"]:
+        return False
+    ta, tb = a.get("pid_started"), b.get("pid_started")
+    return ta is None or tb is None or abs(float(ta) - float(tb)) <= 1.0
+
+
+def check_owner_in(c: sqlite3.Connection, run_id: str, owner: Mapping[str, Any]) -> None:
+    """Raise :class:`NotOwnerError` unless ``owner`` still owns the run (inside the
+    caller's transaction, so the check and the write it guards are one)."""
+    row = c.execute(
+        f"SELECT {', '.join(OWNER_COLUMNS)} FROM runs WHERE id = ?", (run_id,)
+    ).fetchone()
+    if row is None:
+        raise RunNotFoundError(f"run: no run {run_id!r}")
+    if not same_owner(dict(zip(OWNER_COLUMNS, row)), owner):
+        raise NotOwnerError(
+            f"run: {run_id} is now owned by pid {row[0]} on {row[2]}, not pid {owner['pid']}"
+        )
 
 
 def set_status_in(

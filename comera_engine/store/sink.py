@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from comera_engine.store.errors import RunNotFoundError
+from comera_engine.store.errors import NotOwnerError, RunNotFoundError
 from comera_engine.store.metrics import artifact_row, metric_value
 from comera_engine.store.run_store import RunStore
 from comera_engine.store.runs import FINAL_STATUSES
@@ -36,6 +36,12 @@ class StoreSink:
     the launcher can tell whether it is alive; by default this process's pid and host (the
     trainer passes :func:`comera_engine.launch.liveness.this_process`, which adds the
     start time).
+
+    ``owner``: the owner token this process took (see
+    :func:`comera_engine.launch.owner.claim_run`); every write then checks in its own
+    transaction that the token still owns the run. A process that lost the run writes
+    nothing more: its records are dropped, one line goes to stderr and ``owner_lost`` is
+    set.
     """
 
     def __init__(
@@ -47,6 +53,7 @@ class StoreSink:
         heartbeat: bool = True,
         rewind: bool = True,
         process: Mapping[str, Any] | None = None,
+        owner: Mapping[str, Any] | None = None,
     ) -> None:
         self._own_store = not isinstance(store, RunStore)
         self.store = store if isinstance(store, RunStore) else RunStore(store, create=False)
@@ -55,7 +62,10 @@ class StoreSink:
         self.run_id = run_id
         self.flush_every = float(flush_every)
         self._heartbeat = heartbeat
-        self._process = dict(process or {"pid": os.getpid(), "host": socket.gethostname()})
+        self._process = dict(process or owner or {"pid": os.getpid(), "host": socket.gethostname()})
+        self._owner = dict(owner) if owner is not None else None
+        #: Set when another process took the run over; nothing is written after that.
+        self.owner_lost = False
         self._rewind_pending = rewind
         self._first_step: int | None = None
         self._lock = threading.Lock()  # guards the buffers
@@ -135,7 +145,7 @@ class StoreSink:
         else:
             only = ("queued", "running", "stopping")
         self._flush(status=(status, error, only))
-        if status == "running":
+        if status == "running" and self._owner is None:
             run = self.store.get_run(self.run_id)
             if run is not None and not run["pid"]:
                 self.store.update_run(self.run_id, **self._process)
@@ -187,7 +197,9 @@ class StoreSink:
                 events, self._events = self._events, []
                 artifacts, self._artifacts = self._artifacts, []
                 rewind = self._first_step if self._rewind_pending and (metrics or ranks) else None
-            if not (metrics or ranks or events or artifacts or heartbeat or status):
+            if self.owner_lost or not (
+                metrics or ranks or events or artifacts or heartbeat or status
+            ):
                 return
             c0, w0 = time.thread_time(), time.perf_counter()
             try:
@@ -200,7 +212,12 @@ class StoreSink:
                     rewind_from=rewind,
                     heartbeat=heartbeat or status is not None,
                     status=status,
+                    owner=self._owner,
                 )
+            except NotOwnerError as e:  # another process owns the run: write nothing more
+                self.owner_lost = True
+                print(f"comera store: {e}; this process writes no more records", file=sys.stderr)
+                return
             except BaseException:
                 with self._lock:  # put them back in front, in order
                     self._metrics[:0] = metrics

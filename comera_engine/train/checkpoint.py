@@ -3,10 +3,15 @@
 The safetensors file holds every tensor (model state under ``model/``, AdamW state under
 ``optim/<param index>/<key>``); the JSON sidecar holds everything else (step, stage,
 objective state, RNG states as lists, data position, config, per-layer shapes and ranks,
-optimizer hyper-parameters). Both are written to a temporary file and moved into place
-with ``os.replace``, tensors first: a sidecar exists only next to a complete tensor file,
-so the newest sidecar always names a usable checkpoint. Loading uses safetensors only
-(no pickle).
+optimizer hyper-parameters). Both are written to a temporary file, ``fsync``-ed, moved
+into place with ``os.replace`` and the folder ``fsync``-ed, tensors first: a sidecar
+exists only next to a complete tensor file, even after a power cut. The newest
+:data:`DEFAULT_KEEP` checkpoints are kept (``train.keep_checkpoints``), plus the newest
+one written at a stage change. A resume takes the newest checkpoint that reads back
+whole (:func:`~comera_engine.store.layout.resume_point` checks the sidecar, the
+safetensors header against the file size and the model tensors the sidecar lists) and
+logs one line for any newer damaged one it skips. Loading uses safetensors only (no
+pickle).
 
 TT layers can be physically truncated during training, so a fresh model may have bigger
 cores than the checkpoint. :func:`resize_to_shapes` gives every parameter and buffer the
@@ -25,9 +30,25 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-# complete checkpoints as (step, sidecar path), oldest first; torch-free, so the launcher
-# and the supervisor list them too
-from comera_engine.store.layout import list_checkpoints
+# complete checkpoints as (step, sidecar path), oldest first, and the one to resume from;
+# torch-free, so the launcher and the supervisor use them too
+from comera_engine.store.layout import list_checkpoints, resume_point
+
+__all__ = [
+    "DEFAULT_KEEP",
+    "checkpoint_paths",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "model_state",
+    "optimizer_state",
+    "resize_to_shapes",
+    "resume_point",
+    "save_checkpoint",
+]
+
+#: Newest checkpoints kept when no ``keep`` is given (the stage checkpoint is kept too).
+DEFAULT_KEEP = 2
 
 
 def checkpoint_paths(ckpt_dir: str | Path, step: int) -> tuple[Path, Path]:
@@ -42,10 +63,11 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
-    keep: int = 3,
+    keep: int = DEFAULT_KEEP,
 ) -> Path:
-    """Write a checkpoint atomically and prune all but the ``keep`` newest; returns the
-    safetensors path."""
+    """Write a checkpoint durably (temporary file, ``fsync``, rename, ``fsync`` of the
+    folder) and prune all but the ``keep`` newest and the newest stage checkpoint;
+    returns the safetensors path."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     tensor_path, meta_path = checkpoint_paths(ckpt_dir, step)
@@ -72,16 +94,33 @@ def save_checkpoint(
 
     tmp = tensor_path.with_suffix(".safetensors.tmp")
     save_file(tensors, str(tmp), metadata={"format": "comera-checkpoint", "step": str(step)})
-    os.replace(tmp, tensor_path)
+    _durable_replace(tmp, tensor_path)
     tmp_meta = meta_path.with_suffix(".json.tmp")
     tmp_meta.write_text(json.dumps(sidecar), encoding="utf-8")
-    os.replace(tmp_meta, meta_path)
+    _durable_replace(tmp_meta, meta_path)
     _prune(ckpt_dir, keep, protect=step)
     return tensor_path
 
 
+def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _durable_replace(tmp: Path, target: Path) -> None:
+    """``fsync`` ``tmp``, rename it to ``target`` and ``fsync`` the folder, so that after
+    a crash ``target`` is either absent, the old file or the whole new one."""
+    _fsync(tmp)
+    os.replace(tmp, target)
+    _fsync(target.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """Sidecar path of the newest complete checkpoint, or ``None``."""
+    """Sidecar path of the newest complete checkpoint (not checked for damage: a resume
+    uses :func:`resume_point`), or ``None``."""
     found = list_checkpoints(ckpt_dir)
     return found[-1][1] if found else None
 
@@ -157,13 +196,25 @@ def optimizer_state(
 _IMPL_OPTIONS = frozenset({"capturable", "foreach", "fused", "differentiable"})
 
 
+def _is_stage(meta_path: Path) -> bool:
+    """Whether a sidecar says it was written at a stage change."""
+    try:
+        return json.loads(meta_path.read_text(encoding="utf-8")).get("reason") == "stage"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _prune(ckpt_dir: Path, keep: int, protect: int) -> None:
+    """Delete all checkpoints but the ``keep`` newest, ``protect`` and the newest stage
+    checkpoint (tensor file first, so no sidecar is left without its tensors)."""
     found = list_checkpoints(ckpt_dir)
-    for step, meta_path in found[:-keep] if keep > 0 else []:
-        if step == protect:
+    old = found[:-keep] if keep > 0 else []
+    stage = next((step for step, path in reversed(found) if _is_stage(path)), None)
+    for step, meta_path in old:
+        if step in (protect, stage):
             continue
-        meta_path.unlink(missing_ok=True)
         meta_path.with_suffix(".safetensors").unlink(missing_ok=True)
+        meta_path.unlink(missing_ok=True)
 
 
 def _jsonable(value: Any) -> Any:

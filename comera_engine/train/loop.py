@@ -208,7 +208,9 @@ class _Run:
         self._size_cache = None
 
     def _resume(self) -> bool:
-        path = ckpt.latest_checkpoint(self.ckpt_dir)
+        path, skipped = ckpt.resume_point(self.ckpt_dir)  # newest undamaged checkpoint
+        if skipped:
+            self._info(skipped)
         if path is None:
             self._info("resume: no checkpoint in the run folder; starting from step 0")
             return False
