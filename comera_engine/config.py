@@ -111,7 +111,7 @@ class TrainConfig:
     eval_every: int = 100  # 0: only at the end
     eval_batches: int | None = None  # cap on eval batches (None: the whole eval split)
     ckpt_every: int = 500  # 0: only at stage changes and at the end
-    keep_checkpoints: int = 3  # newest checkpoints kept on disk
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk (plus the stage one)
     grad_clip: float = 1.0  # max gradient norm; 0 turns clipping off
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda | cuda:N

@@ -32,6 +32,7 @@ from torch import nn
 
 # complete checkpoints as (step, sidecar path), oldest first, and the one to resume from;
 # torch-free, so the launcher and the supervisor use them too
+from comera_engine.config import TrainConfig
 from comera_engine.store.layout import list_checkpoints, resume_point
 
 __all__ = [
@@ -47,8 +48,9 @@ __all__ = [
     "save_checkpoint",
 ]
 
-#: Newest checkpoints kept when no ``keep`` is given (the stage checkpoint is kept too).
-DEFAULT_KEEP = 2
+#: Newest checkpoints kept when no ``keep`` is given (the stage checkpoint is kept too):
+#: the config's default, ``train.keep_checkpoints``.
+DEFAULT_KEEP = TrainConfig.keep_checkpoints
 
 
 def checkpoint_paths(ckpt_dir: str | Path, step: int) -> tuple[Path, Path]:
