@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import sqlite3
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,18 @@ class RunLock:
         """Take the lock and write ``token`` (default: this process) into the file."""
         if self._fd is not None:
             return self
+        # the token first, so the file holds it within microseconds of the lock
+        data = json.dumps(dict(token or this_process())).encode()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_token(fd)
+            for _ in range(20):  # a holder that has just locked writes its token next
+                if holder:
+                    break
+                time.sleep(0.01)
+                holder = _read_token(fd)
             os.close(fd)
             raise RunBusyError(
                 f"{self.path.parent} is in use by {_describe(holder)}; "
@@ -81,7 +89,6 @@ class RunLock:
         except BaseException:
             os.close(fd)
             raise
-        data = json.dumps(dict(token or this_process())).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
         self._fd = fd
