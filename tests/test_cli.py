@@ -256,3 +256,23 @@ def test_text_run_keeps_its_tokenizer_across_resume(tmp_path, monkeypatch) -> No
     again = [r["values"]["loss/task"] for r in read_jsonl(run / "metrics.jsonl")
              if r["type"] == "metrics"]  # fmt: skip
     assert again == first  # same ids, same batches, same losses
+
+
+LIGHT_COMMANDS = [["--help"], ["runs"], ["runs", "--json"], ["runs", "--limit", "x"],
+                  ["logs", "no-such-run"], ["stop", "no-such-run"], ["train", "--help"],
+                  ["export", "--help"], ["launch", "--help"], ["bogus"]]
+
+
+@pytest.mark.parametrize("argv", LIGHT_COMMANDS, ids=" ".join)
+def test_light_commands_never_import_torch(argv, tmp_path) -> None:
+    """Help, listing, logs, stop and argument errors answer without loading torch (the
+    time they take is in experiments/bench_cli.py)."""
+    code = ("import sys\nfrom comera_engine.cli import main\n"
+            "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "heavy = [m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules]\n"
+            "print('HEAVY', ','.join(heavy), file=sys.stderr)\n")
+    env = {**os.environ, "COMERA_HOME": str(tmp_path / "home")}
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                         timeout=60, env=env, cwd=tmp_path)
+    heavy = [ln for ln in out.stderr.splitlines() if ln.startswith("HEAVY")]
+    assert heavy == ["HEAVY "], out.stderr[-2000:]

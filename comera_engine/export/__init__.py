@@ -22,10 +22,22 @@ file; nothing in a file is executed. ``export_run`` exports a run's checkpoint a
 
 from __future__ import annotations
 
-from comera_engine.export.container import BadExportFile
-from comera_engine.export.core import FORMATS, ExportResult, export_model, load, read_metadata
-from comera_engine.export.run import add_subparsers, cmd_export, export_run, load_run_model
-from comera_engine.export.spec import data_spec_from_bundle
+from typing import TYPE_CHECKING
+
+from comera_engine._lazy import lazy_getattr
+from comera_engine.export.cli import add_subparsers
+from comera_engine.export.container import FORMATS, BadExportFile
+
+if TYPE_CHECKING:  # pragma: no cover
+    from comera_engine.export.core import ExportResult, export_model, load, read_metadata
+    from comera_engine.export.run import cmd_export, export_run, load_run_model
+    from comera_engine.export.spec import data_spec_from_bundle
+
+# torch loads with these, on first use (``comera --help`` and the light commands stay fast)
+_LAZY = {"ExportResult": "core", "export_model": "core", "load": "core",
+         "read_metadata": "core", "cmd_export": "run", "export_run": "run",
+         "load_run_model": "run", "data_spec_from_bundle": "spec"}
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     "FORMATS",

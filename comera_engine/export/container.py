@@ -23,6 +23,9 @@ from typing import Any
 
 from comera_engine.errors import ConfigError
 
+#: Export formats (``comera export --format``).
+FORMATS = ("compressed", "dense", "onnx")
+
 __all__ = [
     "BadExportFile",
     "DTYPE_SIZES",

@@ -44,6 +44,7 @@ from torch import nn
 from comera_engine.errors import ConfigError
 from comera_engine.export import spec as _spec
 from comera_engine.export.container import (
+    FORMATS,
     METADATA_KEY,
     BadExportFile,
     Header,
@@ -56,7 +57,6 @@ from comera_engine.tensor.tt import max_tt_ranks
 
 __all__ = ["FORMATS", "ExportResult", "export_model", "load", "read_metadata"]
 
-FORMATS = ("compressed", "dense", "onnx")
 FORMAT_IDS = {"compressed": "comera-compressed", "dense": "comera-dense", "onnx": "comera-onnx"}
 FORMAT_VERSION = 1
 SUFFIX = {"compressed": ".safetensors", "dense": ".safetensors", "onnx": ".onnx"}

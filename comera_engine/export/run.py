@@ -28,7 +28,7 @@ from comera_engine.export.container import BadExportFile, read_header
 from comera_engine.export.core import FORMATS, ExportResult, export_model
 from comera_engine.export.spec import data_spec_from_bundle
 
-__all__ = ["add_subparsers", "cmd_export", "export_run", "load_run_model", "resolve_checkpoint"]
+__all__ = ["cmd_export", "export_run", "load_run_model", "resolve_checkpoint"]
 
 
 def _open_store(store: Any) -> Any:
@@ -256,29 +256,6 @@ def export_run(
         if result.tokenizer is not None:
             st.log_artifact(run_id, "tokenizer", str(result.tokenizer))
     return result
-
-
-# ------------------------------------------------------------------------ CLI
-def add_subparsers(subparsers: Any) -> None:
-    """Register ``comera export RUN [--checkpoint C] --format F --out PATH [--store DB]``."""
-    p = subparsers.add_parser(
-        "export", help="export a trained run: compressed / dense safetensors or ONNX",
-        description="Export a run's checkpoint. compressed: truncated TT cores + dense "
-        "parameters (load with comera_engine.load); dense: plain nn.Linear/nn.Embedding "
-        "state dict; onnx: TT layers as core contractions. A model card (<file>.md) is "
-        "written beside the export.")
-    p.add_argument("run", help="run folder, or a run id / name in the store")
-    p.add_argument("--checkpoint", default=None,
-                   help="step number, step_XXXXXX or a checkpoint path (default: newest)")
-    p.add_argument("--format", choices=FORMATS, default="compressed",
-                   help="compressed (default), dense or onnx")
-    p.add_argument("--out", required=True,
-                   help="output file (.safetensors / .onnx) or folder")
-    p.add_argument("--store", default=None, help="run store database (for run ids)")
-    p.add_argument("--no-verify", action="store_true",
-                   help="onnx: skip the onnxruntime comparison")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
