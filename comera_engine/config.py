@@ -50,6 +50,7 @@ DEFAULT_TT_LAYERS: dict[str, tuple[str, ...]] = {
     "tt_mlp": ("hidden",),
 }
 MODEL_NAMES = tuple(TT_LAYER_KINDS)
+MAX_NAME = 120  # characters in a run name
 PRESETS = ("paper", "small", "tiny")
 
 
@@ -162,6 +163,9 @@ def load_config(
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path.name} is not valid TOML ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"{path.name} is not UTF-8 text (byte {exc.start}); "
+                                    "save it as UTF-8") from None
     for item in overrides or []:
         apply_override(raw, item)
     cfg = config_from_dict(raw)
@@ -205,6 +209,12 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     name = raw.get("name", "run")
     if not isinstance(name, str) or not name.strip():
         raise ConfigError("name", f"must be a non-empty string, got {name!r}")
+    if len(name) > MAX_NAME:
+        raise ConfigError("name", f"at most {MAX_NAME} characters, got {len(name)}; "
+                                  "choose a shorter run name")
+    if any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in name):
+        raise ConfigError("name", "control characters (newlines, tabs, terminal escapes) "
+                                  "are not allowed in a run name; use plain text")
     data = raw.get("data", {})
     if not isinstance(data, dict):
         raise ConfigError("data", "must be a table ([data])")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -276,3 +277,34 @@ def test_light_commands_never_import_torch(argv, tmp_path) -> None:
                          timeout=60, env=env, cwd=tmp_path)
     heavy = [ln for ln in out.stderr.splitlines() if ln.startswith("HEAVY")]
     assert heavy == ["HEAVY "], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["runs", "--limit", "-1"], "--limit"),
+    (["runs", "--limit", "0"], "--limit"),
+    (["runs", "--status", "bogus"], "--status"),
+])
+def test_bad_runs_flags_are_refused(argv, field, tmp_path) -> None:
+    env = {**os.environ, "COMERA_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv], capture_output=True,
+                         text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 2 and field in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("x" * 5000, "at most"), ("two\nlines", "control characters"),
+    ("\x1b[31mred\x1b[0m", "control characters"),
+])
+def test_run_names_are_bounded_plain_text(name, problem, tmp_path) -> None:
+    text = DIGITS.replace('name = "digits-test"', f"name = {json.dumps(name)}")
+    assert text != DIGITS
+    with pytest.raises(ConfigError, match=f"^name: .*{problem}"):
+        load_config(write(tmp_path, text))
+
+
+def test_a_config_that_is_not_utf8_names_the_file(tmp_path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(DIGITS.replace("digits-test", "caf\u00e9").encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^config: latin1\.toml is not UTF-8 text"):
+        load_config(path)

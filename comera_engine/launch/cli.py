@@ -25,6 +25,7 @@ from comera_engine.launch import (
     stop,
 )
 from comera_engine.store import FINAL_STATUSES, RunStore, resolve_store_path
+from comera_engine.store.runs import STATUSES
 
 __all__ = ["add_override_option", "add_subparsers", "main"]
 
@@ -79,9 +80,11 @@ def add_subparsers(subparsers: Any) -> None:
 
     p = subparsers.add_parser("runs", help="list runs with their status")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--status", action="append", default=None, help="only this status")
+    p.add_argument("--status", action="append", default=None, choices=STATUSES,
+                   help="only this status (repeatable)")
     p.add_argument("--name", default=None, help="only runs whose name contains this")
-    p.add_argument("--limit", type=int, default=None, help="at most this many (newest)")
+    p.add_argument("--limit", type=_positive_int, default=None,
+                   help="at most this many (newest)")
     _add_store(p)
     p.set_defaults(func=cmd_runs)
 
@@ -178,19 +181,36 @@ def cmd_runs(args: argparse.Namespace) -> int:
         rows.append(
             (
                 r["id"],
-                r["name"],
+                _printable(r["name"]),
                 r["status"],
                 "-" if r["last_step"] is None else str(r["last_step"]),
                 _fmt_time(r["started_at"] or r["created_at"]),
                 _fmt_duration(r),
                 (r["device"] or "-") + (f" [{r['gpus']}]" if r["gpus"] else ""),
-                (err[0][:60] if err else ""),
+                (_printable(err[0][:60]) if err else ""),
             )
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     for row in (header, *rows):
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters (terminal escapes, newlines) shown as ``?``: a
+    store written by an older version may hold such names."""
+    return "".join(ch if ch.isprintable() else "?" for ch in str(text))
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
