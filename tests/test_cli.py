@@ -308,3 +308,21 @@ def test_a_config_that_is_not_utf8_names_the_file(tmp_path) -> None:
     path.write_bytes(DIGITS.replace("digits-test", "caf\u00e9").encode("latin-1"))
     with pytest.raises(ConfigError, match=r"^config: latin1\.toml is not UTF-8 text"):
         load_config(path)
+
+
+@pytest.mark.parametrize("home", ["file", "/proc/comera-home"])
+def test_an_unusable_home_is_one_line(home, tmp_path) -> None:
+    """COMERA_HOME that is a plain file, or a folder that cannot be made: launch and a
+    foreground train with --store refuse in one line, exit 2, no traceback."""
+    if home == "file":
+        home = str(tmp_path / "plain")
+        Path(home).write_text("not a folder")
+    cfg = write(tmp_path, DIGITS)
+    for argv in (["launch", str(cfg)], ["train", str(cfg), "--store", f"{home}/comera.db",
+                                        "--run-id", "x", "--run-dir", str(tmp_path / "r")]):
+        out = subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT,
+                             env={**os.environ, "COMERA_HOME": home})
+        assert out.returncode == 2, (argv, out.stderr[-1500:])
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+        assert "writable folder" in out.stderr or "no run store" in out.stderr, out.stderr

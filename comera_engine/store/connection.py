@@ -133,7 +133,15 @@ class Database:
         if not self.path.exists():
             if not create:
                 raise StoreError(f"store: no run store at {self.path}")
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                if not os.access(self.path.parent, os.W_OK | os.X_OK):
+                    raise PermissionError("not writable")
+            except OSError as e:
+                reason = e.strerror or str(e)
+                raise StoreError(
+                    f"store: cannot keep runs in {self.path.parent} ({reason}); set "
+                    "COMERA_HOME (or --store) to a writable folder") from None
         with _LIVE_LOCK:
             if not _live_count(_file_key(self.path)):
                 schema.check_header(self.path)
