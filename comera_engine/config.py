@@ -366,10 +366,11 @@ def validate_comera(c: CoMERAConfig) -> None:
     _nonneg("comera.l2_cores", c.l2_cores)
     if not 0.0 <= c.tau < 1.0:
         raise ConfigError("comera.tau", f"must be in [0, 1), got {c.tau}")
-    if c.target_compression is not None and not c.target_compression > 1.0:
+    if c.target_compression is not None and not (
+            math.isfinite(c.target_compression) and c.target_compression > 1.0):
         raise ConfigError(
             "comera.target_compression",
-            f"must be a ratio > 1 (e.g. 50 for 50x smaller), got {c.target_compression}",
+            f"must be a finite ratio > 1 (e.g. 50 for 50x smaller), got {c.target_compression}",
         )
     _choice("comera.target_scope", c.target_scope, ("model", "tensorized"))
     if isinstance(c.switch, str):

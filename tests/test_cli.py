@@ -326,3 +326,18 @@ def test_an_unusable_home_is_one_line(home, tmp_path) -> None:
         assert out.returncode == 2, (argv, out.stderr[-1500:])
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
         assert "writable folder" in out.stderr or "no run store" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("problem", ["missing file", "target inf"])
+def test_a_refused_launch_creates_no_store(problem, tmp_path) -> None:
+    """launch validates the config before the run store is opened: a refused launch leaves
+    no database behind."""
+    cfg = str(tmp_path / "missing.toml") if problem == "missing file" else str(
+        write(tmp_path, DIGITS))
+    extra = ["--set", "comera.target_compression=inf"] if problem == "target inf" else []
+    db = tmp_path / "home" / "comera.db"
+    out = subprocess.run([sys.executable, "-m", "comera_engine.cli", "launch", cfg, *extra,
+                          "--store", str(db)], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not db.exists() and not db.parent.exists()

@@ -124,12 +124,11 @@ def _existing_store(path: str | None) -> RunStore:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    try:
-        st = open_store(args.store)
+    try:  # the config is validated before the store is opened (or created)
         rid = launch(
             args.config,
             args.overrides,
-            store=st,
+            store=args.store,
             name=args.name,
             gpus=args.gpus,
             nproc=args.nproc,
@@ -137,6 +136,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         return _fail(e)
+    st = open_store(args.store)
     if args.json:
         info = {"run_id": rid, "run_dir": str(st.run_dir(rid)), "log": str(st.log_path(rid))}
         print(json.dumps(info))
