@@ -191,7 +191,7 @@ def test_new_experiment_validation_messages(home: Path) -> None:
     at.number_input(key="digits_tt_mlp:target").set_value(1.0).run()
     no_exception(at)
     errs = " ".join(e.value for e in at.error)
-    assert "comera.target_compression: must be a ratio > 1" in errs
+    assert "comera.target_compression: must be a finite ratio > 1" in errs
     assert at.button(key="launch").disabled
 
     at.number_input(key="digits_tt_mlp:target").set_value(5000.0).run()

@@ -328,13 +328,21 @@ def test_an_unusable_home_is_one_line(home, tmp_path) -> None:
         assert "writable folder" in out.stderr or "no run store" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("problem", ["missing file", "target inf"])
+REFUSED_LAUNCHES = {
+    "missing file": [],
+    "target inf": ["--set", "comera.target_compression=inf"],
+    "unknown dataset": ["--set", 'data.name="nope"'],
+    "unknown data key": ["--set", "data.seqlen=5"],
+}
+
+
+@pytest.mark.parametrize("problem", sorted(REFUSED_LAUNCHES))
 def test_a_refused_launch_creates_no_store(problem, tmp_path) -> None:
-    """launch validates the config before the run store is opened: a refused launch leaves
-    no database behind."""
+    """launch validates the config, and the [data] table against the dataset registry,
+    before the run store is opened: a refused launch leaves no database behind."""
     cfg = str(tmp_path / "missing.toml") if problem == "missing file" else str(
         write(tmp_path, DIGITS))
-    extra = ["--set", "comera.target_compression=inf"] if problem == "target inf" else []
+    extra = REFUSED_LAUNCHES[problem]
     db = tmp_path / "home" / "comera.db"
     out = subprocess.run([sys.executable, "-m", "comera_engine.cli", "launch", cfg, *extra,
                           "--store", str(db)], capture_output=True, text=True, timeout=120,

@@ -345,11 +345,15 @@ def test_queue_limit_concurrent_runs_torchrun_failures_and_cli(store, capsys):
         assert _steps(st, r["id"]) == list(range(1, 26))
         assert any(x["kind"] == "checkpoint" for x in st.artifacts(r["id"]))
 
-    # a run whose data cannot be built fails with the trainer's one-line error
-    bad = launch(CONFIG, [*SHORT, "data.name=nope"], store=st, name="bad")
+    # an unknown dataset is refused before a run exists (the registry knows the names)
+    with pytest.raises(ConfigError, match="^data.name: unknown dataset 'nope'"):
+        launch(CONFIG, [*SHORT, "data.name=nope"], store=st, name="refused")
+    # a run whose data cannot be built (a value only the builder checks) fails with the
+    # trainer's one-line error
+    bad = launch(CONFIG, [*SHORT, "data.split_fraction=2"], store=st, name="bad")
     wait_for(lambda: st.get_run(bad)["status"] in FINAL_STATUSES, START_TIMEOUT, "bad to end")
     run = st.get_run(bad)
-    assert run["status"] == "failed" and "data.name" in run["error"]
+    assert run["status"] == "failed" and "data.split_fraction" in run["error"]
     assert run["exit_code"] == 2
 
     # the commands

@@ -6,7 +6,7 @@ minimal install; heavier libraries are imported inside the functions that need t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from comera_engine.data.registry import check_keys  # noqa: F401 (re-export)
 from comera_engine.errors import ConfigError
 
 #: Prefix for the field names in ``ConfigError`` messages (the ``[data]`` config section).
@@ -96,18 +97,6 @@ class DataBundle:
 def field_name(key: str) -> str:
     """``"path"`` -> ``"data.path"`` (the name used in error messages)."""
     return f"{FIELD_PREFIX}{key}"
-
-
-def check_keys(cfg: Mapping[str, Any], allowed: Iterable[str]) -> None:
-    """Reject config keys outside ``allowed`` (catches typos such as ``seqlen``)."""
-    allowed_set = set(allowed) | {"name"}
-    for key in cfg:
-        if key not in allowed_set:
-            raise ConfigError(
-                field_name(str(key)),
-                f"unknown key for dataset '{cfg.get('name')}' "
-                f"(allowed: {', '.join(sorted(allowed_set))})",
-            )
 
 
 def get_int(cfg: Mapping[str, Any], key: str, default: int | None, minimum: int = 0) -> int:

@@ -11,14 +11,15 @@ a builder beside its parser plus one :func:`register` call.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from comera_engine.errors import ConfigError
 
-__all__ = ["DatasetInfo", "dataset_info", "dataset_names", "register", "resolve_builder"]
+__all__ = ["DatasetInfo", "check_data_table", "check_keys", "dataset_info", "dataset_names",
+           "register", "resolve_builder"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,28 @@ def dataset_info(name: str) -> DatasetInfo:
         raise ConfigError("data.name", f"unknown dataset '{name}'; choose one of "
                                        f"{', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def check_keys(cfg: Mapping[str, Any], allowed: Iterable[str]) -> None:
+    """Reject ``[data]`` keys outside ``allowed`` (catches typos such as ``seqlen``)."""
+    allowed_set = set(allowed) | {"name"}
+    for key in cfg:
+        if key not in allowed_set:
+            raise ConfigError(
+                f"data.{key}",
+                f"unknown key for dataset '{cfg.get('name')}' "
+                f"(allowed: {', '.join(sorted(allowed_set))})",
+            )
+
+
+def check_data_table(data: Mapping[str, Any]) -> DatasetInfo:
+    """What can be told of a ``[data]`` table without reading any data: a registered
+    dataset, and only its keys (the launcher and the form check this before a run is
+    created; the builder checks values when it loads)."""
+    info = dataset_info(data.get("name"))
+    if not callable(info.builder):  # registered in code: its builder checks its keys
+        check_keys(data, info.defaults)
+    return info
 
 
 def resolve_builder(info: DatasetInfo) -> Callable[..., Any]:

@@ -83,6 +83,7 @@ def resolve_config(
     ``section.key=value`` overrides; returns a ``comera_engine.config.Config``.
     Raises :class:`~comera_engine.errors.ConfigError` with a one-line message."""
     from comera_engine import config as cfgmod
+    from comera_engine.data.registry import check_data_table
 
     if isinstance(config, Mapping):
         raw = copy.deepcopy(dict(config))
@@ -90,8 +91,10 @@ def resolve_config(
             cfgmod.apply_override(raw, item)
         cfg = cfgmod.config_from_dict(raw)
         cfg.base_dir = str(Path.cwd())
-        return cfg
-    return cfgmod.load_config(config, list(overrides))
+    else:
+        cfg = cfgmod.load_config(config, list(overrides))
+    check_data_table(cfg.data)  # a registered dataset and only its keys, no data read
+    return cfg
 
 
 def _check_gpus(gpus: str | None, nproc: int) -> str | None:
