@@ -141,6 +141,19 @@ def test_fixed_rank_with_a_target_it_already_passes_is_refused(tmp_path: Path) -
     assert not (tmp_path / "run").exists()
 
 
+def test_launch_refuses_before_queueing(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "comera_engine.cli", "launch", str(TINY), "--set", "model.rank=8",
+         "--store", str(tmp_path / "store")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("comera: error: model.rank: ")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "store").exists()  # nothing queued
+
+
 def test_target_below_the_floor_is_refused(tmp_path: Path) -> None:
     proc = _cli(tmp_path, "comera.target_compression=5000", NO_DATA)
     assert proc.returncode == 2, proc.stderr
