@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "launch":  # an unreachable target is refused before queueing
+            from comera_engine.config import load_config
+
+            _plan_target(load_config(args.config, args.overrides))
         return int(args.func(args) or 0)
     except ConfigError as exc:
         sys.stderr.write(f"comera: error: {exc}\n")
@@ -130,6 +134,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # a resumed text run must reuse its own vocabulary (WordPiece training is not
         # deterministic, so a retrained tokenizer would scramble the embedding ids)
         cfg.data["tokenizer_path"] = str(saved_tok.resolve())
+    cfg = _plan_target(cfg)  # before any data is read: refuses an unreachable target
     bundle = _prepare(cfg, run_dir, args.resume)  # validates data and model, writes nothing
     is_main = int(os.environ.get("RANK", "0")) == 0
     if not is_main:
@@ -202,6 +207,24 @@ def _run_dir(args: argparse.Namespace, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
     return Path("runs") / f"{stamp}-{safe}"
+
+
+def _plan_target(cfg: Any) -> Any:
+    """The target plan from the config and the dataset registry's shape facts alone (no
+    data is read): a ConfigError for an unreachable target, else ``cfg`` with the initial
+    ranks chosen from the target when ``model.rank`` is not fixed (written to the run's
+    config.toml, so a resume starts from the same ranks)."""
+    from comera_engine.preview import data_shape
+    from comera_engine.train.tt import plan_initial_ranks
+
+    try:
+        shape = data_shape(cfg.data)
+    except (ValueError, KeyError):  # a dataset without shape facts: the trainer plans it
+        return cfg
+    cfg, plan = plan_initial_ranks(cfg, shape)
+    if plan is not None and plan.note:
+        print(plan.note, file=sys.stderr)
+    return cfg
 
 
 def _prepare(cfg: Any, run_dir: Path, resume: bool) -> Any:

@@ -133,3 +133,32 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 break
     return out
+
+
+# ---------------------------------------------------------------------- the target's outcome
+
+#: A run whose compression is at most this far below its target (relative) reached it.
+TARGET_TOLERANCE = 0.05
+
+
+def target_error(target: float, reached: float) -> float:
+    """``compression/error``: ``reached / target - 1`` (signed, relative; +0.02 is 2 %
+    more compressed than asked, -0.3 is 30 % short of it)."""
+    return reached / target - 1.0
+
+
+def target_outcome(target: float, reached: float, reason: str = "", short: bool = False
+                   ) -> str:
+    """What a run made of its target, in one line: ``"target 10x · reached 10.2x (+2 %)"``,
+    or ``"target 60x · reached 39.8x: missed by 34 % (reason)"`` when the compression is
+    more than :data:`TARGET_TOLERANCE` below the target. ``short`` (for a table column):
+    ``"10x→10.2x +2%"`` / ``"60x→39.8x miss 34%"``. A miss is reported, not a failure."""
+    err = target_error(target, reached)
+    missed = err < -TARGET_TOLERANCE
+    if short:
+        tail = f"miss {-err * 100:.0f}%" if missed else f"{err * 100:+.0f}%"
+        return f"{target:g}x→{reached:.1f}x {tail}"
+    if missed:
+        return (f"target {target:g}x · reached {reached:.1f}x: missed by {-err * 100:.0f} %"
+                + (f" ({reason})" if reason else ""))
+    return f"target {target:g}x · reached {reached:.1f}x ({err * 100:+.0f} %)"

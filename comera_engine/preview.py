@@ -89,6 +89,25 @@ class Preview:
     def target_total(self) -> int:
         return self.target_tt + self.other_params
 
+    # the target plan, in the target's scope (parameters, counted as size_report counts
+    # them: TT cores + TT biases, plus every other parameter for the "model" scope)
+    @property
+    def start_size(self) -> int:
+        """Size at the initial ranks the run starts from."""
+        return self.alloc_tt + (self.other_params if self.scope == "model" else 0)
+
+    @property
+    def floor_size(self) -> int:
+        """Size with every bond at rank 1: the smallest reachable."""
+        return self.min_tt_params + (self.other_params if self.scope == "model" else 0)
+
+    @property
+    def target_size(self) -> float | None:
+        """``dense / target`` (``None`` without a target)."""
+        if self.target is None:
+            return None
+        return (self.dense_tt if self.scope == "tensorized" else self.dense_total) / self.target
+
     def compression(self, which: str = "alloc", scope: str | None = None) -> float:
         scope = scope or self.scope
         num = self.dense_tt if scope == "tensorized" else self.dense_total
@@ -274,9 +293,16 @@ def make_preview(cfg: Any, device: str = "cpu") -> Preview:
     (``"cpu"`` or ``"cuda"``)."""
     from torch import nn
 
+    from comera_engine.errors import ConfigError
     from comera_engine.layers import TTEmbedding, TTLinear
+    from comera_engine.train.tt import plan_initial_ranks
 
     shape = data_shape(cfg.data)
+    plan_error: tuple[str, str] | None = None
+    try:  # the trainer's own plan: refusals, and the initial ranks chosen from the target
+        cfg, plan = plan_initial_ranks(cfg, shape)
+    except ConfigError as exc:
+        plan, plan_error = None, (exc.field, exc.problem)
     model = build_meta_model(cfg, shape)
     is_text = shape.seq_len is not None
     tokens = cfg.train.batch_size * (shape.seq_len or 1)
@@ -330,6 +356,10 @@ def make_preview(cfg: Any, device: str = "cpu") -> Preview:
         min_tt_params=sum(tt_params(layer.mode_sizes, [1] * (len(layer.mode_sizes) + 1))
                           + layer.bias for layer in layers),
     )
+    if plan is not None and plan.note:
+        pv.notes.append(plan.note[0].upper() + plan.note[1:] + ".")
+    if plan_error is not None:
+        pv.errors.append(plan_error)
     if cfg.model.dense:
         pv.notes.append("Dense baseline: every layer is nn.Linear / nn.Embedding; no ranks to "
                         "learn. Train it to mark the baseline on the Compare page.")
@@ -346,35 +376,12 @@ def _fit_target(pv: Preview, device: str, tokens: int) -> None:
         layer.target_params = layer.tt_params
     if pv.target is None or not pv.layers:
         return
-    if pv.scope == "tensorized":
-        budget = pv.dense_tt / pv.target
-    else:
-        budget = pv.dense_total / pv.target - pv.other_params
-        if budget <= 0:
-            pv.errors.append((
-                "comera.target_compression",
-                f"{pv.target:g}× of the whole model is out of reach: the "
-                f"{pv.other_params:,} parameters that stay dense already exceed "
-                f"dense/{pv.target:g} = {pv.dense_total / pv.target:,.0f}. Lower the "
-                "target or measure it on the TT layers only.",
-            ))
-            return
-    pv.budget_params = budget
-    if pv.min_tt_params > budget:
-        best = (pv.dense_tt if pv.scope == "tensorized" else pv.dense_total) / (
-            pv.min_tt_params + (0 if pv.scope == "tensorized" else pv.other_params))
-        pv.errors.append((
-            "comera.target_compression",
-            f"{pv.target:g}× is beyond the smallest TT model (every rank 1 gives "
-            f"{best:.0f}×); choose at most {math.floor(best)}×.",
-        ))
+    budget = pv.target_size
+    if pv.errors or budget is None or budget < pv.floor_size:  # refused by the plan
         return
-    if pv.alloc_tt <= budget:
-        pv.notes.append(
-            f"At the allocated ranks the TT layers are already "
-            f"{pv.compression('alloc'):.1f}× smaller than dense, past the {pv.target:g}× "
-            "target: the late stage has nothing to prune. Raise the target or the max rank."
-        )
+    pv.budget_params = budget - (pv.other_params if pv.scope == "model" else 0)
+    budget = pv.budget_params
+    if pv.alloc_tt <= budget:  # only with a fixed model.rank, which the plan refuses
         return
     caps = {id(layer): _max_ranks(layer.mode_sizes) for layer in pv.layers}
 

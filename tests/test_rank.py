@@ -34,7 +34,9 @@ def _one_thread():
 
 def test_surrogate_equals_size_with_unit_gates() -> None:
     m = nn.Sequential(TTLinear(64, 64, rank=5), TTLinear(64, 32, rank=[2, 3, 4, 3, 2]))
-    assert float(surrogate_size(m).detach()) == pytest.approx(model_sizes(m)["tensorized"])
+    biases = 64 + 32  # the tensorized size counts the TT biases; the surrogate the cores
+    assert float(surrogate_size(m).detach()) == pytest.approx(
+        model_sizes(m)["tensorized"] - biases)
 
 
 def test_early_stage_recovers_planted_ranks() -> None:
@@ -92,8 +94,10 @@ def _digits():
 def test_late_stage_reaches_target_compression(target: float) -> None:
     torch.manual_seed(0)
     X, y, tr, te = _digits()
-    model = nn.Sequential(TTLinear(64, 256, rank=16), nn.ReLU(), TTLinear(256, 256, rank=16),
-                          nn.ReLU(), nn.Linear(256, 10))
+    # no TT biases: the tensorized size is the cores alone (the late stage's dynamics,
+    # not the fixed bias share of the size, are under test here)
+    model = nn.Sequential(TTLinear(64, 256, rank=16, bias=False), nn.ReLU(),
+                          TTLinear(256, 256, rank=16, bias=False), nn.ReLU(), nn.Linear(256, 10))
     cfg = CoMERAConfig(gamma=0.02, target_compression=target, target_scope="tensorized")
     obj = CoMERAObjective(model, cfg)
     start = _compression(obj)

@@ -91,6 +91,25 @@ def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _target_line(doc: dict[str, Any]) -> str | None:
+    """The run's requested compression against what this file holds, in the target's
+    scope, counted as ``size_report`` counts it (the trainer's ``compression/*``):
+    "target 10x · reached 10.2x (+2 %)" or "... missed by X %" (``None``: no target)."""
+    from comera_engine.metrics import target_outcome
+
+    comera = (doc.get("config") or {}).get("comera") or {}
+    target = comera.get("target_compression")
+    if target is None:
+        target = (doc.get("metrics") or {}).get("compression/target")
+    if target is None or comera.get("enabled") is False:
+        return None
+    scope = comera.get("target_scope", "tensorized")
+    reached = ((doc.get("sizes") or {}).get(scope) or {}).get("compression")
+    if not isinstance(reached, (int, float)) or not math.isfinite(reached):
+        return None
+    return target_outcome(float(target), float(reached))
+
+
 def model_card(result: Any, sha256: str) -> str:
     """Markdown for an :class:`~comera_engine.export.core.ExportResult`."""
     doc = result.metadata
@@ -131,6 +150,9 @@ def model_card(result: Any, sha256: str) -> str:
               f"TT layers alone: {_ratio(t.get('compression'))} "
               f"({_num(t.get('dense_params'))} → {_num(t.get('effective_params'))} parameters).",
               ""]
+    outcome = _target_line(doc)
+    if outcome:
+        lines += [f"**Target**: {outcome}.", ""]
     if result.format == "compressed":
         lines += [f"The file holds {result.tensor_bytes:,} bytes of tensors, equal to "
                   f"`size_report`'s effective size ({result.expected_bytes:,} bytes), plus a "

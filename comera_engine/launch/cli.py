@@ -157,6 +157,19 @@ def _fmt_duration(run: dict[str, Any]) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def _fmt_target(st: RunStore, rid: str) -> str:
+    """The run's target and the compression at its latest evaluation, e.g.
+    ``10x→10.2x +2%`` or ``60x→39.8x miss 34%`` (``-``: no target)."""
+    from comera_engine.metrics import target_outcome
+
+    latest = st.latest_metrics(rid)
+    if "compression/target" not in latest or "compression/error" not in latest:
+        return "-"
+    target = latest["compression/target"][1]
+    reached = target * (1.0 + latest["compression/error"][1])
+    return target_outcome(target, reached, short=True)
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     path = resolve_store_path(args.store)
     if not path.exists():
@@ -174,7 +187,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not runs:
         print("no runs")
         return 0
-    header = ("ID", "NAME", "STATUS", "STEP", "STARTED", "TIME", "DEVICE", "ERROR")
+    header = ("ID", "NAME", "STATUS", "STEP", "TARGET", "STARTED", "TIME", "DEVICE", "ERROR")
     rows = []
     for r in runs:
         err = (r["error"] or "").strip().splitlines()
@@ -184,6 +197,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 _printable(r["name"]),
                 r["status"],
                 "-" if r["last_step"] is None else str(r["last_step"]),
+                _fmt_target(st, r["id"]),
                 _fmt_time(r["started_at"] or r["created_at"]),
                 _fmt_duration(r),
                 (r["device"] or "-") + (f" [{r['gpus']}]" if r["gpus"] else ""),

@@ -9,11 +9,13 @@ from .optim import (
     refresh_gates_on_device,
     truncate_model_and_optimizer,
 )
-from .size import dense_size, effective_size, min_size, model_sizes, surrogate_size
+from .size import dense_size, effective_size, min_size, model_sizes, size_spec, surrogate_size
+from .target import TargetPlan, plan_target
 
 __all__ = [
     "CoMERAObjective", "PlateauDetector", "RankEvent", "RankTracker", "dense_size",
     "effective_size", "gamma_ramp", "min_size", "model_sizes", "param_groups",
-    "refresh_gates", "refresh_gates_on_device", "surrogate_size",
+    "plan_target", "refresh_gates", "refresh_gates_on_device", "size_spec", "surrogate_size",
+    "TargetPlan",
     "truncate_model_and_optimizer",
 ]

@@ -13,11 +13,14 @@ Pruning is irreversible, so once ``S <= z_S`` the size terms are switched off (�
 no ``ρ_S`` term): the size lands on the target instead of overshooting it while the loss
 happens to beat ``z_f``.
 
-``S₀`` is the initial allocated TT size (so ``Ŝ/S₀`` starts at 1). ``z_S`` is the target
-size set by the user's compression ratio, over the whole model (``target_scope="model"``:
-every parameter counts, dense ones included) or over the tensorised layers only
-(``"tensorized"``). ``z_f`` is the early-stage loss plateau (the smoothed loss when the
-stage switches), never a hard-coded constant. ``ramp`` is the early-stage warm-up factor
+``S₀`` is the initial allocated size of the TT cores (so ``Ŝ/S₀`` starts at 1). ``z_S`` is
+the target size set by the user's compression ratio, over the whole model
+(``target_scope="model"``: every parameter counts, dense ones included) or over the
+tensorised layers only (``"tensorized"``: TT cores + TT biases), counted as
+:mod:`comera_engine.rank.size` says (the same count as ``size_report``); the target and
+its floor come from :func:`comera_engine.rank.target.plan_target`. ``z_f`` is the
+early-stage loss plateau (the smoothed loss when the stage switches), never a hard-coded
+constant. ``ramp`` is the early-stage warm-up factor
 ``min(1, (step+1)/gamma_warmup)``.
 
 Every quantity stays on the device (``λ``, the effective size ``S`` counted from the gate
@@ -36,7 +39,8 @@ from torch import Tensor, nn
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
-from .size import dense_size, effective_size, min_size, surrogate_size
+from .size import dense_size, effective_size, size_spec, surrogate_size
+from .target import plan_target
 
 __all__ = ["CoMERAObjective", "PlateauDetector", "gamma_ramp"]
 
@@ -70,16 +74,9 @@ class CoMERAObjective:
         self.step_index = 0
         self._ramp: Tensor | None = None
         self.target_size: float | None = None
-        if cfg.target_compression is not None:
-            scope = cfg.target_scope
-            self.target_size = self.dense[scope] / cfg.target_compression
-            floor = min_size(model)[scope]
-            if self.target_size < floor:
-                raise ConfigError(
-                    "comera.target_compression",
-                    f"{cfg.target_compression:g}x needs a {scope} size of "
-                    f"{self.target_size:.0f} params, below the {floor} that rank 1 everywhere "
-                    f"allows (at most {self.dense[scope] / floor:.1f}x)")
+        if cfg.target_compression is not None:  # refuses a target below the floor
+            self.target_size = plan_target(size_spec(model), cfg.target_scope,
+                                           cfg.target_compression).target
 
     def switch_to_late(self, z_f: float) -> None:
         """Enter the late stage. ``z_f``: the early-stage plateau loss."""

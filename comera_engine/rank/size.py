@@ -6,8 +6,22 @@ For a TT layer with mode sizes ``s_k`` and effective ranks ``R_k`` (``R_0 = R_K 
     Ŝ_layer = Σ_k s_k · ‖g_{k-1}‖₁ · ‖g_k‖₁       (active gate entries only, ‖g_0‖₁ = ‖g_K‖₁ = 1)
 
 so each gate entry is weighted by the parameters its bond controls
-(``∂Ŝ/∂|g_k[j]| = s_k‖g_{k-1}‖₁ + s_{k+1}‖g_{k+1}‖₁``). With gates at 1, ``Ŝ = S``.
-Non-tensorised parameters add a constant to ``S``.
+(``∂Ŝ/∂|g_k[j]| = s_k‖g_{k-1}‖₁ + s_{k+1}‖g_{k+1}‖₁``). With gates at 1, ``Ŝ`` equals
+the cores' size.
+
+One size, counted one way (the same as :func:`~comera_engine.layers.size_report`, the
+preview and the export card; docs/SIZE_AND_TARGET.md):
+
+- ``tensorized``: every parameter of the TT layers at their effective ranks, i.e. the
+  cores plus a TT linear's bias; its dense equivalent is the dense layer with the same
+  bias (``in·out + out``; an embedding table ``rows·dim``).
+- ``other``: every parameter outside the TT layers (dense linears, norms, heads, their
+  biases), counted the same on both sides. Gate vectors count nowhere (training controls,
+  absorbed into the cores on export).
+- ``model`` = ``tensorized + other``.
+
+The TT biases are a constant in ``S`` (the surrogate ``Ŝ`` is the cores' part only, which
+is all the gates can change).
 """
 
 from __future__ import annotations
@@ -18,9 +32,10 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import TTEmbedding, TTLinear, tt_layers
+from .target import LayerSpec, SizeSpec
 
 __all__ = ["dense_size", "effective_size", "layer_size", "layer_size_surrogate", "min_size",
-           "model_sizes", "surrogate_size"]
+           "model_sizes", "size_spec", "surrogate_size"]
 
 
 def layer_size_surrogate(layer: TTLinear | TTEmbedding) -> Tensor:
@@ -104,38 +119,44 @@ def _surrogate_plan(key: tuple, device: torch.device, dtype: torch.dtype
 def _other_params(model: nn.Module) -> int:
     tt_ids = set()
     for _, m in tt_layers(model):
-        tt_ids.update(id(p) for p in m.tt.parameters())
+        tt_ids.update(id(p) for p in m.parameters())
     return sum(p.numel() for p in model.parameters() if id(p) not in tt_ids)
 
 
+def _bias(layer: nn.Module) -> int:
+    """Parameters of a TT layer outside its cores and gates (a TT linear's bias)."""
+    b = getattr(layer, "bias", None)
+    return int(b.numel()) if isinstance(b, Tensor) else 0
+
+
 def model_sizes(model: nn.Module) -> dict[str, int]:
-    """Effective sizes: ``tensorized`` (TT cores), ``other`` (every other parameter but
-    gates, biases of TT layers included) and ``model`` (their sum)."""
-    tt = sum(layer_size(m) for _, m in tt_layers(model))
+    """Effective sizes: ``tensorized`` (TT layers: cores at the effective ranks + bias),
+    ``other`` (every parameter outside the TT layers) and ``model`` (their sum)."""
+    tt = sum(layer_size(m) + _bias(m) for _, m in tt_layers(model))
     other = _other_params(model)
     return {"tensorized": tt, "other": other, "model": tt + other}
 
 
 def dense_size(model: nn.Module) -> dict[str, int]:
-    """Sizes of the dense equivalent: TT weights as dense matrices/tables."""
+    """Sizes of the dense equivalent: TT layers as dense matrices/tables (with the bias)."""
     tt = 0
     for _, m in tt_layers(model):
         tt += (m.in_features * m.out_features if isinstance(m, TTLinear)
-               else m.num_embeddings * m.embedding_dim)
+               else m.num_embeddings * m.embedding_dim) + _bias(m)
     other = _other_params(model)
     return {"tensorized": tt, "other": other, "model": tt + other}
 
 
 def min_size(model: nn.Module) -> dict[str, int]:
-    """Smallest reachable size: every bond at rank 1 (``Σ s_k`` per layer)."""
-    tt = sum(sum(m.tt.mode_sizes) for _, m in tt_layers(model))
+    """Smallest reachable size: every bond at rank 1 (``Σ s_k`` + bias per layer)."""
+    tt = sum(sum(m.tt.mode_sizes) + _bias(m) for _, m in tt_layers(model))
     other = _other_params(model)
     return {"tensorized": tt, "other": other, "model": tt + other}
 
 
 def effective_size(model: nn.Module, scope: str) -> Tensor:
     """Effective size ``S`` (``"tensorized"`` or ``"model"``) as a device tensor: per TT
-    layer ``Σ_k s_k R_{k-1} R_k`` over gate-mask counts, 0 if a bond is dead."""
+    layer ``Σ_k s_k R_{k-1} R_k`` over gate-mask counts (0 if a bond is dead) + bias."""
     total: Tensor | None = None
     for _, layer in tt_layers(model):
         tt = layer.tt
@@ -144,10 +165,27 @@ def effective_size(model: nn.Module, scope: str) -> Tensor:
         ranks = [one, *counts, one]
         size = sum(s * ranks[k] * ranks[k + 1] for k, s in enumerate(tt.mode_sizes))
         alive = torch.stack([r > 0 for r in ranks]).all()
-        size = torch.where(alive, size, torch.zeros_like(size))
+        size = torch.where(alive, size, torch.zeros_like(size)) + _bias(layer)
         total = size if total is None else total + size
     if total is None:
         total = torch.zeros((), dtype=torch.float64)
     if scope == "model":
         total = total + dense_size(model)["other"]
     return total
+
+
+def size_spec(model: nn.Module) -> SizeSpec:
+    """The shapes :func:`comera_engine.rank.target.plan_target` needs, read off ``model``
+    (a meta-device model is enough: only shapes and allocated ranks are read)."""
+    layers = tuple(
+        LayerSpec(
+            kind="linear" if isinstance(m, TTLinear) else "embedding",
+            mode_sizes=tuple(int(s) for s in m.tt.mode_sizes),
+            ranks=tuple(int(r) for r in m.tt.ranks[1:-1]),
+            bias=_bias(m),
+            dense=(m.in_features * m.out_features if isinstance(m, TTLinear)
+                   else m.num_embeddings * m.embedding_dim) + _bias(m),
+        )
+        for _, m in tt_layers(model)
+    )
+    return SizeSpec(layers, _other_params(model))

@@ -14,6 +14,10 @@ Read top to bottom, one run is:
    flag (checkpoint, status ``stopped``);
 6. a final evaluation and checkpoint (status ``finished``).
 
+Before step 1 the target is planned from shapes alone (:func:`plan_initial_ranks`):
+refused when unreachable, initial ranks chosen from it when ``model.rank`` is not fixed
+and the preset's ranks already compress more than asked.
+
 Metrics per step (through the one :class:`~comera_engine.metrics.MetricsSink`):
 ``loss/task``, ``loss/total``, ``acc/train``, ``grad_norm``, ``comera/*`` (objective
 terms), ``stage`` (0 early, 1 late; absent for plain training), ``lr/<group>``,
@@ -21,7 +25,10 @@ terms), ``stage`` (0 early, 1 late; absent for plain training), ``lr/<group>``,
 ``perf/samples_per_s``, ``perf/tokens_per_s`` (text), ``mem/*`` (CUDA peak allocated /
 reserved and NVML device used / total on GPU, RSS on CPU), ``epoch``; every
 ``eval_every`` steps also ``eval/loss``, ``eval/acc`` (and ``eval/auc`` for clicks,
-``eval/ppl`` for MLM). Effective ranks per TT layer go to ``log_ranks`` at the first
+``eval/ppl`` for MLM) and, with a target, ``compression/target``, ``compression/error``
+(``reached/target - 1``, signed) and ``compression/target_met``; at the end an event
+``target`` says "target 10x · reached 10.2x (+2 %)" or "... missed by X % (why)" (also
+``TrainResult.target``). Effective ranks per TT layer go to ``log_ranks`` at the first
 step, whenever they change and at each evaluation (they are piecewise constant).
 """
 
@@ -46,7 +53,13 @@ from torch import nn
 from comera_engine.backends import keep_freed_memory
 from comera_engine.config import Config
 from comera_engine.errors import ConfigError
-from comera_engine.metrics import MetricsSink, NullSink
+from comera_engine.metrics import (
+    TARGET_TOLERANCE,
+    MetricsSink,
+    NullSink,
+    target_error,
+    target_outcome,
+)
 from comera_engine.models import TaskModel, build_model, roc_auc
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train.batches import BatchPlan, eval_batches, iterate_batches, mix_seed
@@ -61,7 +74,7 @@ from comera_engine.train.distributed import (
 from comera_engine.train.progress import ProgressBar
 from comera_engine.train.step import GraphedStep, TrainStep
 from comera_engine.train.sysinfo import MemoryMeter
-from comera_engine.train.tt import CoMERAState, tt_layers
+from comera_engine.train.tt import CoMERAState, plan_initial_ranks, tt_layers
 
 
 @dataclass
@@ -73,6 +86,7 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)  # last step's metrics (+ eval)
     checkpoint: str | None = None
     graph_reason: str | None = None  # why the CUDA graph path was off (None: it was on)
+    target: str | None = None  # "target 10x · reached 10.2x (+2 %)" or "... missed by X %"
 
 
 def train(
@@ -159,6 +173,9 @@ class _Run:
 
             bundle = build_dataset(data_config(cfg), base_dir=cfg.base_dir)
         self.bundle = bundle
+        # the target's feasibility and the initial ranks, before any weight is made
+        cfg, self.target_plan = plan_initial_ranks(cfg, bundle)
+        self.cfg = cfg
         _seed_everything(t.seed)
         self.model = build_model(cfg.model, bundle)
         self.task_model = TaskModel(self.model, bundle.task).to(device)
@@ -297,6 +314,7 @@ class _Run:
             is_last = self.step == t.steps
             if (t.eval_every and self.step % t.eval_every == 0) or is_last:
                 metrics.update(self.evaluate())
+                metrics.update(self._target_metrics(metrics))
                 self._log_ranks(force=True, counts=counts)
             self.sink.log_metrics(self.step, metrics)
             self.last_metrics = metrics
@@ -312,6 +330,10 @@ class _Run:
                 break
         if bar is not None:
             bar.close()
+        outcome = self._target_outcome(metrics)
+        if outcome:
+            self.sink.log_event("target", outcome, self.step)
+            self._say(outcome)
         self.sink.set_status(status)
         self.sink.flush()
         graph_reason = self.stepper.reason if isinstance(self.stepper, GraphedStep) else None
@@ -319,7 +341,29 @@ class _Run:
             graph_reason = (
                 "train.cuda_graph = false" if self.device.type == "cuda" else "not on a GPU"
             )
-        return TrainResult(status, self.step, metrics, self.last_ckpt, graph_reason)
+        return TrainResult(status, self.step, metrics, self.last_ckpt, graph_reason, outcome)
+
+    def _target_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``compression/target`` and ``compression/error`` (``reached/target - 1``, in
+        the target's scope) and ``compression/target_met`` (1: within
+        ``TARGET_TOLERANCE`` below the target or beyond it), at an evaluation."""
+        plan = self.target_plan
+        reached = metrics.get(f"compression/{plan.scope}") if plan is not None else None
+        if plan is None or plan.compression is None or reached is None:
+            return {}
+        err = target_error(plan.compression, reached)
+        return {"compression/target": plan.compression, "compression/error": err,
+                "compression/target_met": float(err >= -TARGET_TOLERANCE)}
+
+    def _target_outcome(self, metrics: dict[str, float]) -> str | None:
+        """The run's final word on its target (``None`` without one)."""
+        plan = self.target_plan
+        reached = metrics.get(f"compression/{plan.scope}") if plan is not None else None
+        if plan is None or plan.compression is None or reached is None:
+            return None
+        reason = ("the late stage never started" if self.comera.stage_name == "early" else
+                  f"the late stage did not prune enough by step {self.step}")
+        return target_outcome(plan.compression, reached, reason)
 
     def _reduce(self, raw: dict[str, float]) -> dict[str, float]:
         """Average the step's scalars over processes (counts are summed)."""
@@ -444,6 +488,9 @@ class _Run:
             print(text, file=sys.stderr, flush=True)
 
     def _log_setup(self, resumed: bool) -> None:
+        plan = self.target_plan
+        if plan is not None and plan.note:
+            self._info(plan.note)
         size = self.comera.size_metrics()
         n_tt = len(tt_layers(self.model))
         what = "dense baseline" if n_tt == 0 else f"{n_tt} TT layers"

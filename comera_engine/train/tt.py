@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_engine.config import CoMERAConfig
+from comera_engine.config import CoMERAConfig, Config
 
 Objective = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
 
@@ -27,6 +27,42 @@ def tt_layers(model: nn.Module) -> dict[str, nn.Module]:
     from comera_engine.layers import tt_layers as pairs
 
     return dict(pairs(model))
+
+
+def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
+    """The run's target plan before the first step (:func:`comera_engine.rank.plan_target`
+    on a meta-device model built from ``cfg.model`` and ``data``'s shape facts: a
+    ``DataBundle`` or the preview's ``data_shape``; nothing is allocated or read).
+
+    Returns ``(cfg, plan)``: ``cfg`` with ``model.rank`` / ``model.embedding_rank`` set
+    to the ranks chosen from the target when the plan chose them (else ``cfg`` itself),
+    and the :class:`~comera_engine.rank.TargetPlan` (``None``: no target to plan for:
+    dense baseline, ``comera.enabled = false``, or no target).
+
+    Raises:
+        ConfigError: the target is below the floor, or a fixed ``model.rank`` already
+            compresses more than asked.
+    """
+    import dataclasses
+
+    from comera_engine import rank
+    from comera_engine.models import build_model
+
+    c = cfg.comera
+    if cfg.model.dense or not c.enabled or c.target_compression is None:
+        return cfg, None
+    with torch.device("meta"):
+        model = build_model(cfg.model, data)
+    if not tt_layers(model):
+        return cfg, None
+    plan = rank.plan_target(rank.size_spec(model), c.target_scope, c.target_compression,
+                            rank_fixed=cfg.model.rank is not None,
+                            embedding_rank_fixed=cfg.model.embedding_rank is not None)
+    if plan.rank is None and plan.embedding_rank is None:
+        return cfg, plan
+    changes = {k: v for k, v in (("rank", plan.rank), ("embedding_rank", plan.embedding_rank))
+               if v is not None}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes)), plan
 
 
 class CoMERAState:

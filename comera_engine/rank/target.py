@@ -1,0 +1,168 @@
+"""Is the requested compression reachable, and from which ranks? Decided before the
+first step, from shapes alone (docs/SIZE_AND_TARGET.md).
+
+:func:`plan_target` is the one function the trainer (``comera_engine.train.tt``), the
+command line (before any data is read) and the New experiment preview
+(``comera_engine.preview``) call. It takes the TT layers' shapes (:class:`SizeSpec`,
+read off a meta-device model by :func:`comera_engine.rank.size.size_spec`) and returns
+a :class:`TargetPlan`: dense size, start size, floor and target size in the chosen scope,
+all counted one way (``tensorized`` = TT cores + TT biases; ``model`` adds every other
+parameter; see :mod:`comera_engine.rank.size`).
+
+Rules, with ``T = dense / target_compression`` the target size, ``S₀`` the size at the
+initial ranks and ``F`` the floor (rank 1 on every bond):
+
+- ``T < F``: refused (``comera.target_compression``): no ranks reach it.
+- ``S₀ <= T`` (the initial ranks already compress more than asked, so the late stage
+  could only stop or overshoot): if ``model.rank`` is fixed, refused (``model.rank``);
+  otherwise the initial ranks are chosen from the target: the linear rank ``r`` grows
+  from the preset's in steps of one, the embedding rank in proportion
+  (``ceil(r_emb · r / r_preset)``, unless ``model.embedding_rank`` is fixed), every bond
+  capped by its full TT rank, until ``S₀ >= HEADROOM · T`` (``HEADROOM = 3``, i.e. start
+  about 3× the target size: room for the early stage to find which ranks matter). If
+  even the full-rank TT stays at or below ``T``, the full ranks are used (the late
+  stage then has nothing to prune; the plan's note says so).
+- otherwise nothing changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["HEADROOM", "LayerSpec", "SizeSpec", "TargetPlan", "plan_target", "tt_core_size"]
+
+HEADROOM = 3.0
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One TT layer: ``kind`` (``"linear"``/``"embedding"``), core mode sizes, allocated
+    internal ranks (length ``K-1``), bias parameters and its dense size (bias included)."""
+
+    kind: str
+    mode_sizes: tuple[int, ...]
+    ranks: tuple[int, ...]
+    bias: int
+    dense: int
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """The TT layers of a model and its parameters outside them (``other``)."""
+
+    layers: tuple[LayerSpec, ...]
+    other: int
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """Sizes in ``scope`` (parameters): ``dense``, ``start`` (at the ranks the run starts
+    from), ``floor`` (rank 1 everywhere), ``target`` (``dense / compression``; ``None``
+    without a target). ``rank``/``embedding_rank``: the initial ranks chosen from the
+    target (``None``: keep the config's). ``note``: what was decided, one line."""
+
+    scope: str
+    dense: int
+    start: int
+    floor: int
+    target: float | None
+    compression: float | None
+    rank: int | None = None
+    embedding_rank: int | None = None
+    note: str = ""
+
+    def ratio(self, size: float | None) -> float | None:
+        """``dense / size`` (``None`` for no size)."""
+        return None if size is None else (self.dense / size if size > 0 else math.inf)
+
+
+def tt_core_size(mode_sizes: tuple[int, ...], ranks: tuple[int, ...]) -> int:
+    """``Σ_k r_{k-1}·s_k·r_k`` with ``r_0 = r_K = 1``; ``ranks`` the ``K-1`` internal ones."""
+    r = (1, *ranks, 1)
+    return sum(r[k] * s * r[k + 1] for k, s in enumerate(mode_sizes))
+
+
+def _full_ranks(mode_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Full TT ranks ``min(∏_{j<=k} s_j, ∏_{j>k} s_j)`` per internal bond."""
+    return tuple(min(math.prod(mode_sizes[:k]), math.prod(mode_sizes[k:]))
+                 for k in range(1, len(mode_sizes)))
+
+
+def _size(spec: SizeSpec, scope: str, ranks_of: dict[str, int] | None,
+          floor: bool = False) -> int:
+    """Size in ``scope``: every layer at its allocated ranks (``ranks_of`` None), at
+    ``min(ranks_of[kind], full rank)`` per bond, or at rank 1 (``floor``)."""
+    total = 0
+    for layer in spec.layers:
+        if floor:
+            ranks = tuple(1 for _ in layer.ranks)
+        elif ranks_of is None:
+            ranks = layer.ranks
+        else:
+            ranks = tuple(min(ranks_of[layer.kind], c) for c in _full_ranks(layer.mode_sizes))
+        total += tt_core_size(layer.mode_sizes, ranks) + layer.bias
+    return total + (spec.other if scope == "model" else 0)
+
+
+def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
+                rank_fixed: bool = False, embedding_rank_fixed: bool = False) -> TargetPlan:
+    """Feasibility of ``compression`` (dense / target size, over ``scope``) for the model
+    ``spec`` describes, and the initial ranks to start from (rules in the module doc).
+
+    Raises:
+        ConfigError: the target is below the floor (``comera.target_compression``), or
+            the fixed ``model.rank`` already compresses more than asked (``model.rank``).
+    """
+    dense = sum(layer.dense for layer in spec.layers) + (spec.other if scope == "model" else 0)
+    start = _size(spec, scope, None)
+    floor = _size(spec, scope, None, floor=True)
+    if compression is None or not spec.layers:
+        return TargetPlan(scope, dense, start, floor, None, None)
+    target = dense / compression
+    if target < floor:
+        raise ConfigError(
+            "comera.target_compression",
+            f"{compression:g}x is beyond the smallest TT model: it needs a {scope} size of "
+            f"{target:.0f} params, below the {floor} that rank 1 everywhere allows; choose "
+            f"at most {math.floor(dense / floor * 10) / 10:g}x")
+    plan = TargetPlan(scope, dense, start, floor, target, compression)
+    if start > target:
+        return plan
+    if rank_fixed:
+        raise ConfigError(
+            "model.rank",
+            f"the fixed ranks already give {dense / start:.1f}x ({scope}), more than the "
+            f"{compression:g}x target asks, so nothing is left to learn; remove model.rank "
+            f"(ranks are then chosen from the target) or set comera.target_compression "
+            f"above {dense / start:.1f}")
+    base = {kind: max([max(layer.ranks, default=1) for layer in spec.layers
+                       if layer.kind == kind], default=1) for kind in ("linear", "embedding")}
+    caps = {kind: max([max(_full_ranks(layer.mode_sizes), default=1) for layer in spec.layers
+                       if layer.kind == kind], default=1) for kind in ("linear", "embedding")}
+    lead = "linear" if any(layer.kind == "linear" for layer in spec.layers) else "embedding"
+    other = "embedding" if lead == "linear" else "linear"
+    ranks = dict(base)
+    for r in range(base[lead], caps[lead] + 1):
+        ranks[lead] = r
+        if not (other == "embedding" and embedding_rank_fixed):
+            grown = math.ceil(base[other] * r / base[lead])
+            ranks[other] = min(caps[other], max(base[other], grown))
+        size = _size(spec, scope, ranks)
+        if size >= HEADROOM * target:
+            break
+    start = _size(spec, scope, ranks)
+    has = {layer.kind for layer in spec.layers}
+    new_rank = ranks["linear"] if "linear" in has else None
+    new_emb = ranks["embedding"] if "embedding" in has and not embedding_rank_fixed else None
+    what = f"rank {base[lead]} -> {ranks[lead]}" + (
+        f", embedding rank {base['embedding']} -> {new_emb}"
+        if new_emb is not None and lead == "linear" else "")
+    note = (f"initial ranks chosen from the {compression:g}x target: {what} "
+            f"(start {dense / start:.1f}x, {start / target:.1f}x the target size)")
+    if start <= target:
+        note += "; even full ranks do not exceed the target size, nothing to prune"
+    return TargetPlan(scope, dense, start, floor, target, compression,
+                      rank=new_rank, embedding_rank=new_emb, note=note)
