@@ -97,6 +97,14 @@ class CoMERAConfig:
     plateau_min_delta: float = 1e-3  # relative improvement that resets the patience
     rho_f: float = 0.1  # late stage augmentation on the task loss
     rho_s: float = 0.01  # late stage augmentation on the size surrogate
+    # Reaching the target within the run (docs/SIZE_AND_TARGET.md). pace: the size follows
+    # a planned path from the late stage's start to the target by reach_at of the steps;
+    # ranks that lag the path are pruned by gate importance, and once the target size is
+    # reached the ranks are fixed (the rest of the run fine-tunes). false: the paper's
+    # objective alone (the size may stop short of the target).
+    pace: bool = True
+    switch_by: float = 0.5  # the late stage starts by this fraction of the steps at the latest
+    reach_at: float = 0.8  # the size is at the target by this fraction of the steps
     lr_cores: float = 1e-4
     lr_gates: float = 1e-3
     lr_dense: float = 5e-5
@@ -398,6 +406,15 @@ def validate_comera(c: CoMERAConfig) -> None:
             f"the late stage (comera.switch = {c.switch!r}) needs a target compression ratio; "
             'set one or use comera.switch = "never"',
         )
+    for key in ("switch_by", "reach_at"):
+        value = getattr(c, key)
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ConfigError(f"comera.{key}",
+                              f"must be a fraction of the steps in (0, 1], got {value}")
+    if c.switch_by >= c.reach_at:
+        raise ConfigError("comera.switch_by",
+                          f"must be below comera.reach_at ({c.reach_at}): the late stage needs "
+                          f"steps to reach the target; got {c.switch_by}")
     _positive_int("comera.plateau_patience", c.plateau_patience)
     _nonneg("comera.plateau_min_delta", c.plateau_min_delta)
     for key in ("rho_f", "rho_s", "weight_decay"):

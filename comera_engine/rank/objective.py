@@ -7,13 +7,18 @@ Early stage (stable convergence), linear scalarisation::
 Late stage (reach the requested size), achievement scalarisation toward ``z = (z_f, z_S)``::
 
     λ = 1 if (f − z_f)/f < (S − z_S)/S else 0
-    L = ρ_f·f + ρ_S·Ŝ/S₀ + λ·Ŝ/S₀ + (1−λ)·f
+    L = ρ_f·f + ρ_S·Ŝ/S_c + λ·Ŝ/S_c + (1−λ)·f
 
 Pruning is irreversible, so once ``S <= z_S`` the size terms are switched off (λ = 0,
 no ``ρ_S`` term): the size lands on the target instead of overshooting it while the loss
-happens to beat ``z_f``.
+happens to beat ``z_f``. Once the run fixes the ranks at the target (``frozen``, see
+:mod:`comera_engine.rank.pace`) the objective is the task loss alone.
 
-``S₀`` is the initial allocated size of the TT cores (so ``Ŝ/S₀`` starts at 1). ``z_S`` is
+``S₀`` is the initial allocated size of the TT cores (so ``Ŝ/S₀`` starts at 1); ``S_c``
+is the cores' *current* effective size (a constant in the gradient). The late stage
+normalises by ``S_c``, as the λ test does: after the early stage has shrunk the model
+tens of times, ``Ŝ/S₀`` would pull tens of times more weakly than the comparison that
+chose λ = 1 asks for (docs/SIZE_AND_TARGET.md). ``z_S`` is
 the target size set by the user's compression ratio, over the whole model
 (``target_scope="model"``: every parameter counts, dense ones included) or over the
 tensorised layers only (``"tensorized"``: TT cores + TT biases), counted as
@@ -74,6 +79,7 @@ class CoMERAObjective:
         self.step_index = 0
         self._ramp: Tensor | None = None
         self.target_size: float | None = None
+        self.frozen = False  # ranks fixed at the target: the task loss alone
         if cfg.target_compression is not None:  # refuses a target below the floor
             self.target_size = plan_target(size_spec(model), cfg.target_scope,
                                            cfg.target_compression).target
@@ -108,7 +114,11 @@ class CoMERAObjective:
                     reg = reg + c.pow(2).sum()
             reg = cfg.l2_cores * reg
         info: dict[str, Tensor] = {"size_surrogate": s_hat.detach() * self.S0}
-        if self.stage == "early":
+        if self.frozen:
+            total = f + reg
+            info["lambda"] = f.new_zeros(())
+            info["size"] = effective_size(model, cfg.target_scope).to(f.dtype)
+        elif self.stage == "early":
             ramp = self._ramp_on(f.device).to(f.dtype)
             total = f + cfg.gamma * ramp * s_hat + reg
             info["lambda"] = f.new_zeros(())
@@ -116,6 +126,8 @@ class CoMERAObjective:
         else:
             assert self.z_f is not None and self.target_size is not None
             size = effective_size(model, cfg.target_scope).to(f.dtype)
+            cores = effective_size(model, "cores").to(f.dtype)
+            s_hat = s_hat * (self.S0 / cores.clamp_min(1.0))  # Ŝ / S_c
             fv = f.detach()
             gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, torch.zeros_like(fv))
             gap_s = torch.where(size > 0, (size - self.target_size) / size,

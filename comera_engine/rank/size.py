@@ -155,8 +155,9 @@ def min_size(model: nn.Module) -> dict[str, int]:
 
 
 def effective_size(model: nn.Module, scope: str) -> Tensor:
-    """Effective size ``S`` (``"tensorized"`` or ``"model"``) as a device tensor: per TT
-    layer ``Σ_k s_k R_{k-1} R_k`` over gate-mask counts (0 if a bond is dead) + bias."""
+    """Effective size ``S`` (``"tensorized"`` or ``"model"``; ``"cores"``: the TT cores
+    alone, no bias) as a device tensor: per TT layer ``Σ_k s_k R_{k-1} R_k`` over
+    gate-mask counts (0 if a bond is dead) + bias."""
     total: Tensor | None = None
     for _, layer in tt_layers(model):
         tt = layer.tt
@@ -165,7 +166,9 @@ def effective_size(model: nn.Module, scope: str) -> Tensor:
         ranks = [one, *counts, one]
         size = sum(s * ranks[k] * ranks[k + 1] for k, s in enumerate(tt.mode_sizes))
         alive = torch.stack([r > 0 for r in ranks]).all()
-        size = torch.where(alive, size, torch.zeros_like(size)) + _bias(layer)
+        size = torch.where(alive, size, torch.zeros_like(size))
+        if scope != "cores":
+            size = size + _bias(layer)
         total = size if total is None else total + size
     if total is None:
         total = torch.zeros((), dtype=torch.float64)

@@ -183,6 +183,7 @@ class _Run:
         self.use_graph = t.cuda_graph and device.type == "cuda"
         self.comera = CoMERAState(self.model, cfg.comera)
         self.comera.steps_per_epoch = self.plan.steps_per_epoch
+        self.comera.total_steps = t.steps
         self.step = 0
         self.ddp: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -311,11 +312,23 @@ class _Run:
             if switched:
                 self.sink.log_event("stage", switched, self.step)
                 self._say(switched)
+            paced, fixed = self.comera.pace_step(self.step, bool(rank_events), counts)
+            for text in paced:
+                self.sink.log_event("pace", text, self.step)
+            if fixed:
+                self._say(paced[-1])
+            if paced:
+                self._size_cache = None
+                self._log_ranks()
+                metrics.update(self.comera.size_metrics())
+            if fixed and not switched:
+                self._wrap()  # the gate threshold changed: new step (re-captured graph)
             is_last = self.step == t.steps
-            if (t.eval_every and self.step % t.eval_every == 0) or is_last:
+            evaluating = (t.eval_every and self.step % t.eval_every == 0) or is_last
+            if evaluating:
                 metrics.update(self.evaluate())
                 metrics.update(self._target_metrics(metrics))
-                self._log_ranks(force=True, counts=counts)
+                self._log_ranks(force=True, counts=None if paced else counts)
             self.sink.log_metrics(self.step, metrics)
             self.last_metrics = metrics
             if bar is not None:
@@ -326,6 +339,8 @@ class _Run:
                 status = "stopped"
             if switched or stop or is_last or (t.ckpt_every and self.step % t.ckpt_every == 0):
                 self.save(_ckpt_reason(stop, is_last, bool(switched)))
+            elif evaluating:
+                self._truncate()  # pruned ranks stop costing compute and memory
             if stop:
                 break
         if bar is not None:
@@ -438,14 +453,20 @@ class _Run:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, reason: str) -> None:
-        """Truncate the TT cores to their effective ranks, then checkpoint (rank 0)."""
+    def _truncate(self) -> bool:
+        """Slice the TT cores (and optimizer state) to the effective ranks; on a change,
+        log it and rebuild the step (new DDP wrapper, re-captured graph)."""
         assert self.optimizer is not None
         truncated = self.comera.truncate(self.optimizer)
         if truncated:
-            self.sink.log_event("info", f"physically truncated: {truncated}", self.step)
-        if truncated or reason == "stage":
-            self._wrap()  # parameters or the objective changed: new DDP + re-capture
+            self.sink.log_event("truncate", f"physically truncated: {truncated}", self.step)
+            self._wrap()
+        return bool(truncated)
+
+    def save(self, reason: str) -> None:
+        """Truncate the TT cores to their effective ranks, then checkpoint (rank 0)."""
+        if not self._truncate() and reason == "stage":
+            self._wrap()  # the objective changed: re-capture
         if self.dist.is_main:
             self.sink.flush()  # every metric up to this step is durable before the checkpoint
             meta = {

@@ -11,6 +11,7 @@ tensors, eager and under CUDA graphs alike).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,9 @@ class CoMERAState:
         self.objective: Any = None
         self.plateau: Any = None
         self.steps_per_epoch = 0  # set by the loop; turns comera.switch_epoch into a step
+        self.total_steps = 0  # set by the loop; turns switch_by / reach_at into steps
+        self.pace: Any = None  # the planned size path (rank.PacePlan) once the late stage runs
+        self.frozen = False  # the target size was reached: ranks are fixed from here
         self._counts: list[int] | None = None  # alive count per bond (device refresh)
         if self.has_tt:
             from comera_engine import rank
@@ -190,12 +194,106 @@ class CoMERAState:
         if switch == "auto":
             switch = "plateau" if self.cfg.target_compression is not None else "never"
         plateaued = self.plateau.update(task_loss)
-        if switch == "never" or (switch == "plateau" and not plateaued):
-            return None
-        if isinstance(switch, int) and step < switch:
+        due = (switch == "plateau" and plateaued) or (isinstance(switch, int) and step >= switch)
+        latest = self._pacing() and switch != "never" and step >= self._step_of(
+            self.cfg.switch_by)
+        if not (due or latest):
             return None
         self.objective.switch_to_late(z_f=self.plateau.value)
-        return f"late stage after step {step} (z_f = {self.objective.z_f:.4g})"
+        text = f"late stage after step {step} (z_f = {self.objective.z_f:.4g})"
+        if latest and not due:
+            text += f" (comera.switch_by: the latest start, {self.cfg.switch_by} of the steps)"
+        if self._pacing() and not self.frozen:
+            from comera_engine import rank
+
+            self.pace = rank.PacePlan(step, self.current_size(), self._step_of(self.cfg.reach_at),
+                                      float(self.objective.target_size))
+            text += (f"; size {self.pace.start_size:.0f} -> target "
+                     f"{self.pace.target:.0f} by step {self.pace.reach_step}")
+        return text
+
+    # ------------------------------------------------------------------ pace
+
+    def _pacing(self) -> bool:
+        """The pace is on: comera.pace with a target and a step budget."""
+        return (self.enabled and self.cfg.pace and self.objective.target_size is not None
+                and self.total_steps > 0)
+
+    def _step_of(self, fraction: float) -> int:
+        return max(1, math.ceil(fraction * self.total_steps))
+
+    def current_size(self, counts: list[float] | None = None) -> float:
+        """The effective size in the target's scope, from the bond counts a device refresh
+        returned (or the gates); the same count as ``effective_size`` and ``size_report``."""
+        from comera_engine import rank
+
+        layers = tt_layers(self.model)
+        ranks = self.effective_ranks(counts)
+        return rank.host_size([list(m.tt.mode_sizes) for m in layers.values()],
+                              [ranks[n] for n in layers], self._extra())
+
+    def _extra(self) -> float:
+        if getattr(self, "_extra_size", None) is None:
+            from comera_engine import rank
+
+            full = rank.model_sizes(self.model)
+            cores = sum(m.tt.num_params(True) for m in tt_layers(self.model).values())
+            extra = full["tensorized"] - cores
+            if self.cfg.target_scope == "model":
+                extra += full["other"]
+            self._extra_size = float(extra)
+        return self._extra_size
+
+    def pace_step(self, step: int, ranks_changed: bool, counts: list[float] | None = None
+                  ) -> tuple[list[str], bool]:
+        """After a step: prune ranks that lag the planned path (at every pace check, and
+        every step from ``reach_at`` on until the target is met), and fix the ranks once
+        the size is at the target. Returns the messages (one per action) and whether the
+        step must be rebuilt (the ranks were fixed: the gate threshold changed)."""
+        if not self._pacing() or self.frozen:
+            return [], False
+        from comera_engine import rank
+        from comera_engine.metrics import TARGET_TOLERANCE
+
+        target = float(self.objective.target_size)
+        messages: list[str] = []
+        pace = self.pace
+        check = pace is not None and (step >= pace.reach_step
+                                      or (step - pace.start_step) % pace.every() == 0)
+        if not (check or ranks_changed):
+            return [], False
+        size = self.current_size(counts)
+        if check and size > pace.goal(step):
+            goal = pace.goal(step)
+            low = target / (1 + TARGET_TOLERANCE) if goal <= target else 0.0
+            new, changes = rank.prune_to(self.model, goal, low, self._extra())
+            if changes:
+                what = "; ".join(f"{name} bonds " + ", ".join(f"{k}: {o}->{n}" for k, o, n in ch)
+                                 for name, ch in changes.items())
+                messages.append(f"pace: pruned to size {new:.0f} (planned {goal:.0f} at step "
+                                f"{step}, was {size:.0f}): {what}")
+                self._counts = None if self._counts is None else [
+                    int(m.sum()) for m in self._all_masks()]
+            size = new
+        if size <= target:
+            self.freeze()
+            dense = rank.dense_size(self.model)[self.cfg.target_scope]
+            messages.append(f"target size reached at step {step}: {size:.0f} params "
+                            f"({dense / size:.1f}x); ranks fixed from here")
+            return messages, True
+        return messages, False
+
+    def _all_masks(self) -> list[Tensor]:
+        return [mk for m in tt_layers(self.model).values() for mk in m.tt.masks()]
+
+    def freeze(self) -> None:
+        """Fix the ranks: no gate entry dies any more (threshold 0) and the objective is
+        the task loss alone."""
+        self.frozen = True
+        for layer in tt_layers(self.model).values():
+            layer.tt.tau = 0.0
+        if self.enabled:
+            self.objective.frozen = True
 
     # ------------------------------------------------------------------ ranks and size
 
@@ -262,6 +360,8 @@ class CoMERAState:
             "stage": self.objective.stage if self.enabled else None,
             "z_f": self.objective.z_f if self.enabled else None,
             "plateau": self.plateau.state_dict() if self.plateau is not None else None,
+            "pace": self.pace.state_dict() if self.pace is not None else None,
+            "frozen": self.frozen,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -269,3 +369,9 @@ class CoMERAState:
             self.plateau.load_state_dict(state["plateau"])
         if self.enabled and state.get("stage") == "late":
             self.objective.switch_to_late(z_f=state["z_f"])
+        if self.enabled and state.get("pace"):
+            from comera_engine import rank
+
+            self.pace = rank.PacePlan(**state["pace"])
+        if state.get("frozen"):
+            self.freeze()

@@ -1,0 +1,157 @@
+"""Reaching the target within the run (comera_engine.rank.pace): the planned path, the
+prune by importance, the fixed ranks, and digits runs that end at the size asked."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import tomllib
+import torch
+
+from comera_engine.config import CoMERAConfig, ModelConfig, config_from_dict
+from comera_engine.layers import size_report
+from comera_engine.layers import tt_layers as _pairs
+from comera_engine.metrics import JSONLSink, read_jsonl
+from comera_engine.models import build_model
+from comera_engine.rank import PacePlan, entry_scores, prune_to
+from comera_engine.train import train
+from comera_engine.train.tt import CoMERAState
+
+
+def tt_layers(model: torch.nn.Module) -> dict:
+    return dict(_pairs(model))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
+
+
+def _model(rank: int = 8) -> torch.nn.Module:
+    torch.manual_seed(0)
+    data = SimpleNamespace(name="x", task="classification", num_classes=10,
+                           meta={"input_dim": 64})
+    model = build_model(ModelConfig(name="tt_mlp", preset="tiny", rank=rank), data)
+    with torch.no_grad():  # gates as training leaves them: spread out, all alive
+        for layer in tt_layers(model).values():
+            for g in layer.tt.gates:
+                g.uniform_(0.05, 1.0)
+    return model
+
+
+def test_plan_path_is_monotone_front_loaded_and_ends_at_the_target() -> None:
+    plan = PacePlan(start_step=100, start_size=10_000.0, reach_step=400, target=1_000.0)
+    goals = [plan.goal(t) for t in range(100, 501)]
+    assert goals[0] == pytest.approx(10_000.0) and goals[300] == pytest.approx(1_000.0)
+    assert all(a >= b for a, b in zip(goals, goals[1:]))
+    assert all(g == 1_000.0 for g in goals[300:])
+    # front-loaded: half the way in log-size is covered in well under half the time
+    half = math.sqrt(10_000.0 * 1_000.0)
+    assert next(t for t, g in zip(range(100, 501), goals) if g <= half) < 100 + 0.3 * 300
+    assert 1 <= plan.every() <= 300
+
+
+def test_entry_scores_follow_gates_and_cores_and_skip_dead_entries() -> None:
+    model = _model()
+    layer = next(iter(tt_layers(model).values()))
+    tt = layer.tt
+    with torch.no_grad():
+        tt.gates[1][2] = 0.0  # dead (below tau)
+    scores = entry_scores(layer)
+    cores = [c.detach().double() for c in tt.cores]
+    for k, s in enumerate(scores):  # the formula, from the cores directly
+        left = cores[k].reshape(-1, cores[k].shape[-1]).norm(dim=0)
+        right = cores[k + 1].reshape(cores[k + 1].shape[0], -1).norm(dim=1)
+        alive = tt.masks()[k]
+        n = left * right
+        want = tt.gates[k].detach().double().abs() * n / n[alive].mean()
+        assert torch.isinf(s[~alive]).all()
+        torch.testing.assert_close(s[alive], want[alive])
+
+
+@pytest.mark.parametrize("factor", [0.9, 0.5, 0.2])
+def test_prune_to_reaches_the_goal_in_the_band_lowest_scores_first(factor: float) -> None:
+    model = _model(rank=12)
+    rep = size_report(model)["tensorized"]
+    extra = rep["effective_params"] - sum(m.tt.num_params(True) for m in tt_layers(model).values())
+    start = float(rep["effective_params"])
+    goal = start * factor
+    low = goal / 1.05
+    before = {n: [s.clone() for s in entry_scores(m)] for n, m in tt_layers(model).items()}
+    size, changes = prune_to(model, goal, low, extra)
+    after = size_report(model)["tensorized"]["effective_params"]  # independent count
+    assert size == after
+    assert low <= size <= goal
+    assert changes and all(n >= 1 for ch in changes.values() for _, _, n in ch)
+    # what died scored at most what survived, bond by bond (the band may skip a few)
+    pruned, kept = [], []
+    for name, m in tt_layers(model).items():
+        for k, s in enumerate(before[name]):
+            alive = m.tt.masks()[k]
+            pruned += s[~alive & torch.isfinite(s)].tolist()
+            kept += s[alive].tolist()
+            assert (m.tt.gates[k][~alive] == 0).all()
+    assert pruned and sorted(pruned)[len(pruned) // 2] <= sorted(kept)[len(kept) // 2]
+
+
+def test_freezing_fixes_the_ranks_and_survives_a_checkpoint() -> None:
+    model = _model()
+    state = CoMERAState(model, CoMERAConfig(target_compression=30.0))
+    state.total_steps = 100
+    state.freeze()
+    with torch.no_grad():
+        for layer in tt_layers(model).values():
+            layer.tt.gates[0].mul_(1e-3)  # far below the old threshold
+    assert state.after_step(1) == []  # nothing dies once the ranks are fixed
+    saved = state.state_dict()
+    again = CoMERAState(_model(), CoMERAConfig(target_compression=30.0))
+    again.load_state_dict(saved)
+    assert again.frozen and again.objective.frozen
+    assert all(m.tt.tau == 0.0 for m in tt_layers(again.model).values())
+
+
+def _run(tmp_path: Path, target: float, steps: int) -> tuple[dict, list[dict]]:
+    raw = tomllib.loads(CONFIG.read_text())
+    raw["comera"]["target_compression"] = target
+    raw["train"].update(steps=steps, eval_every=steps // 2, ckpt_every=0)
+    cfg = config_from_dict(copy.deepcopy(raw))
+    cfg.base_dir = str(ROOT)
+    sink = JSONLSink(tmp_path / "metrics.jsonl")
+    try:
+        result = train(cfg, tmp_path, sink, stop_flag=threading.Event(), progress=False)
+    finally:
+        sink.close()
+    assert result.status == "finished"
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    last = [r for r in records if r["type"] == "metrics"][-1]["values"]
+    return last, records
+
+
+@pytest.mark.parametrize("target", [5.0, 20.0, 60.0])
+def test_digits_ends_within_5_percent_of_its_target(tmp_path: Path, target: float) -> None:
+    """The shipped digits config at 5x (ranks raised from the target), 20x and 60x, in
+    its own 600 steps: every run ends within 5 % of the compression asked, and the objective, the
+    logs and the size report agree on the figure."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        last, records = _run(tmp_path, target, 600)
+    finally:
+        torch.set_num_threads(before)
+    reached = last["compression/tensorized"]
+    print(f"digits {target:g}x: reached {reached:.2f}x, eval acc {last['eval/acc']:.3f}")
+    assert reached == pytest.approx(target, rel=0.05)
+    assert last["compression/target_met"] == 1.0
+    assert abs(last["compression/error"]) <= 0.05
+    # the objective's size (counted on the device) is the logged one
+    assert last["params/tensorized_effective"] == pytest.approx(last["comera/size"])
+    assert last["comera/target_size"] * target == pytest.approx(
+        last["params/tensorized_effective"] * reached, rel=1e-6)
+    fixed = [r for r in records if r["type"] == "event" and r["kind"] == "pace"
+             and "ranks fixed" in r["text"]]
+    assert len(fixed) == 1 and fixed[0]["step"] <= 0.8 * 600 + 1
+    assert last["eval/acc"] > 0.85
