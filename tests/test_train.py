@@ -686,6 +686,71 @@ def test_ddp_one_failing_process_ends_the_job(tmp_path) -> None:
     assert "injected failure on rank 1" in proc.stderr
 
 
+_RECORD_EACH_PROCESS = """
+import json, os, sys
+from comera_engine.rank import objective
+from comera_engine.train import tt
+from comera_engine import cli
+
+out = os.path.join(sys.argv.pop(1), "process_" + os.environ["RANK"] + ".jsonl")
+_call, _truncate = objective.CoMERAObjective.__call__, tt.CoMERAState.truncate
+
+
+def call(self, f):
+    total, info = _call(self, f)
+    if self.stage == "late":
+        with open(out, "a") as fh:
+            fh.write(json.dumps({"lambda": float(info["lambda"])}) + "\\n")
+    return total, info
+
+
+def truncate(self, optimizer):
+    done = _truncate(self, optimizer)
+    with open(out, "a") as fh:
+        fh.write(json.dumps({"ranks": self.effective_ranks(),
+                             "shapes": {n: list(m.tt.ranks) for n, m in
+                                        tt.tt_layers(self.model).items()}}) + "\\n")
+    return done
+
+
+objective.CoMERAObjective.__call__ = call
+tt.CoMERAState.truncate = truncate
+sys.exit(cli.main())
+"""
+
+
+def test_ddp_processes_agree_on_lambda_and_on_the_ranks_after_truncation(tmp_path) -> None:
+    """2 gloo processes, each with its own half of the batch (so its own batch loss): the
+    late stage's λ is decided from the all-reduced loss, so both processes take the same λ
+    at every step, and after every truncation (each evaluation, the checkpoints) both hold
+    the same effective and allocated ranks. Recorded per process by a test launcher."""
+    raw = digits_cfg(
+        comera={"switch": 6, "pace": False, "gamma": 0.5, "lr_gates": 5e-2,
+                "target_compression": 120.0},
+        train={"steps": 40, "batch_size": 16, "eval_every": 10, "ckpt_every": 20},
+    )
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(to_toml(config_from_dict(raw)))
+    launcher = tmp_path / "record.py"
+    launcher.write_text(_RECORD_EACH_PROCESS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(launcher), str(tmp_path), "train", str(cfg), "--run-dir", str(tmp_path / "run"),
+         "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (read_jsonl(tmp_path / f"process_{r}.jsonl") for r in (0, 1))
+    lam_a, lam_b = ([r["lambda"] for r in x if "lambda" in r] for x in (a, b))
+    assert len(lam_a) == 34 and lam_a == lam_b
+    assert 0.0 in lam_a and 1.0 in lam_a  # both outcomes happened, on both processes alike
+    ranks_a, ranks_b = ([r for r in x if "ranks" in r] for x in (a, b))
+    assert len(ranks_a) == len(ranks_b) >= 2 and ranks_a == ranks_b
+    first = ranks_a[0]["ranks"]
+    assert ranks_a[-1]["ranks"] != first  # ranks were pruned and truncated on the way
+
+
 # ---------------------------------------------------------------------- CUDA graphs
 
 

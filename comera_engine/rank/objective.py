@@ -28,9 +28,11 @@ early-stage loss plateau (the smoothed loss when the stage switches), never a ha
 constant. ``ramp`` is the early-stage warm-up factor
 ``min(1, (step+1)/gamma_warmup)``.
 
-Every quantity stays on the device (``λ``, the effective size ``S`` counted from the gate
-masks), so the same code runs eagerly and inside a captured CUDA graph; values are read
-back to the host only for logging. The settings are the run config's
+Under DDP, λ is decided from the loss averaged over all processes (as the stage switch
+is), so every process optimises the same objective. Every quantity stays on the device
+(``λ``, the effective size ``S`` counted from the gate masks), so the same code runs
+eagerly and inside a captured CUDA graph; values are read back to the host only for
+logging. The settings are the run config's
 :class:`~comera_engine.config.CoMERAConfig` (one set of names and defaults).
 """
 
@@ -128,7 +130,7 @@ class CoMERAObjective:
             size = effective_size(model, cfg.target_scope).to(f.dtype)
             cores = effective_size(model, "cores").to(f.dtype)
             s_hat = s_hat * (self.S0 / cores.clamp_min(1.0))  # Ŝ / S_c
-            fv = f.detach()
+            fv = _mean_over_processes(f.detach())  # every process picks the same λ
             gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, torch.zeros_like(fv))
             gap_s = torch.where(size > 0, (size - self.target_size) / size,
                                 -torch.ones_like(size))
@@ -143,6 +145,20 @@ class CoMERAObjective:
         if self.target_size is not None:
             info["target_size"] = f.new_full((), self.target_size)
         return total, info
+
+
+def _mean_over_processes(value: Tensor) -> Tensor:
+    """``value`` averaged over the processes of a running process group (itself alone).
+    Under DDP each process sees its own share of the batch, so its own loss; deciding λ
+    from it would have the processes optimise different objectives. (DDP steps run
+    eagerly: no CUDA graph captures this collective.)"""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    total = value.clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
 
 
 class PlateauDetector:

@@ -457,11 +457,22 @@ class _Run:
         """Slice the TT cores (and optimizer state) to the effective ranks; on a change,
         log it and rebuild the step (new DDP wrapper, re-captured graph)."""
         assert self.optimizer is not None
+        if not self.comera.needs_truncation():
+            return False
+        if self.ddp is not None:
+            # DDP's reducer holds each parameter's gradient accumulator, which remembers
+            # the parameter's shape: release the old wrapper before any shape changes, or
+            # the next backward meets accumulators of the old (untruncated) shapes
+            self.ddp = None
+            if isinstance(self.stepper, GraphedStep):
+                self.stepper.step = None  # type: ignore[assignment]  # _wrap sets the new one
+            else:
+                self.stepper = None
+            gc.collect()
         truncated = self.comera.truncate(self.optimizer)
-        if truncated:
-            self.sink.log_event("truncate", f"physically truncated: {truncated}", self.step)
-            self._wrap()
-        return bool(truncated)
+        self.sink.log_event("truncate", f"physically truncated: {truncated}", self.step)
+        self._wrap()
+        return True
 
     def save(self, reason: str) -> None:
         """Truncate the TT cores to their effective ranks, then checkpoint (rank 0)."""

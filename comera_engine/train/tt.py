@@ -340,6 +340,12 @@ class CoMERAState:
             "params/tensorized_effective": float(tensorized["effective_params"]),
         }
 
+    def needs_truncation(self) -> bool:
+        """Some bond holds dead rank entries (fewer effective than allocated ranks)."""
+        return self.has_tt and any(
+            int(mk.sum()) < mk.numel() for m in tt_layers(self.model).values()
+            for mk in m.tt.masks())
+
     def truncate(self, optimizer: torch.optim.Optimizer) -> str:
         """Physically slice cores (and AdamW state) to the effective ranks; returns a
         summary of what shrank (empty if nothing did)."""
