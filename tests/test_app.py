@@ -176,7 +176,13 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     launch = at.button(key="launch")
     assert launch.label == "Launch" and not launch.disabled
     charts = at.get("plotly_chart")
-    assert len(charts) == 3
+    assert len(charts) == 4
+    # start, target and floor as one bar: the digits preset starts at 24.2x, asks 60x
+    bar = {t.get("name"): t for t in json.loads(charts[0].proto.spec)["data"]}
+    start, target, floor = (bar[n]["x"][0] for n in ("start", "target", "floor"))
+    assert target == 60.0 and start == pytest.approx(24.2, abs=0.05) and floor > target
+    assert bar[None]["base"][0] == start and bar[None]["x"][0] == pytest.approx(floor - start)
+    charts = charts[1:]
     # the per-layer bars carry the table's numbers: dense, TT as allocated, TT at target
     params = json.loads(charts[0].proto.spec)["data"]
     assert [t["name"] for t in params] == ["dense", "TT (allocated)", "TT at target"]
@@ -348,6 +354,26 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     assert "running" in body and "Refreshing every 1 s" in body
     events = at.dataframe[0].value
     assert {"stage", "checkpoint", "rank change"} <= set(events["kind"])
+
+
+def test_live_page_states_the_target_outcome_and_slower_paths(home: Path) -> None:
+    """The run's final word on its target and any fallback to a slower path (a CUDA
+    graph capture that failed) are banners above the charts, read from the store."""
+    st = store_at(home)
+    rid = seed_run(st, "missed", "finished", upto=600)
+    st.log_event(rid, "slow_path", "CUDA graph off: capture failed: RuntimeError: x", 4)
+    st.log_event(rid, "target", "target 60x · reached 42.2x: missed by 30 % (why)", 600)
+    at = app("live")
+    no_exception(at)
+    assert any("missed by 30 %" in w.value for w in at.warning)
+    assert any("CUDA graph off: capture failed" in w.value and "step 4" in w.value
+               for w in at.warning)
+    met = seed_run(st, "met", "finished", upto=600)
+    st.log_event(met, "target", "target 60x · reached 60.3x (+0 %)", 600)
+    from app.lib import runs
+
+    assert runs.notices(st, met) == [("success", "target 60x · reached 60.3x (+0 %)")]
+    assert runs.notices(st, rid)[0][0] == "warning"
 
 
 def test_live_page_failed_run_shows_the_error(home: Path) -> None:

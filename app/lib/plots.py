@@ -301,3 +301,31 @@ def hbar(labels: Sequence[str], values: Sequence[float], title: str, x_title: st
     fig = base_layout(fig, title, height or max(200, 40 + 28 * len(labels)), x_title)
     fig.update_layout(hovermode="closest", showlegend=False)
     return fig
+
+
+def size_bar(dense: float, start: float, floor: float, target: float | None,
+             scope: str) -> go.Figure:
+    """The target plan as one bar on a log axis of compression (``dense / size``): the
+    reachable range from the start (the initial ranks) to the floor (rank 1 everywhere),
+    with markers at start, target and floor. A target outside the range is drawn where
+    it lies, in the target colour, so a refusal is visible too."""
+    ratio = {"start": dense / start, "floor": dense / floor}
+    if target is not None:
+        ratio["target"] = target
+    fig = go.Figure()
+    fig.add_bar(y=["size"], x=[ratio["floor"] - ratio["start"]], base=[ratio["start"]],
+                orientation="h", marker_color="#C7D2FE", width=0.35, hoverinfo="skip",
+                showlegend=False)
+    colors = {"start": COLORS[0], "target": TARGET_COLOR, "floor": COLORS[7]}
+    for name, x in ratio.items():
+        size = dense / x
+        fig.add_scatter(x=[x], y=["size"], mode="markers+text", name=name,
+                        marker={"size": 14, "color": colors[name], "symbol": "diamond"},
+                        text=[f"{name} {x:.3g}×"], textposition="top center",
+                        hovertemplate=f"{name}: {x:.3g}× ({size:,.0f} params)<extra></extra>")
+    fig.update_xaxes(type="log", title_text=f"compression ({scope}), log scale")
+    fig.update_yaxes(visible=False)
+    base_layout(fig, None, 130)
+    fig.update_layout(hovermode="closest", showlegend=False,
+                      margin={"l": 10, "r": 10, "t": 25, "b": 10})
+    return fig

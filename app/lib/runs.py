@@ -35,6 +35,7 @@ __all__ = [
     "flatten",
     "guarded_launch",
     "is_live",
+    "notices",
     "open_store",
     "peak_memory_mb",
     "run_label",
@@ -188,6 +189,30 @@ def stage_steps(store: RunStore, run_id: str) -> list[tuple[int, str]]:
     for e in store.events(run_id, kinds=["stage"]):
         if e.get("step") is not None:
             out.append((int(e["step"]), str(e["text"])))
+    return out
+
+
+def notices(store: RunStore, run_id: str) -> list[tuple[str, str]]:
+    """What the Live page states above the charts, as ``(level, text)`` with level
+    ``success``/``warning``/``info``: the run's final word on its target (``target``
+    event: a miss is a warning), the moment its ranks were fixed at the target (``pace``),
+    and every slower path the trainer fell back to (``slow_path``: e.g. a CUDA graph
+    capture that failed)."""
+    out: list[tuple[str, str]] = []
+    evs = store.events(run_id, kinds=["target", "pace", "slow_path"])
+    finals = [e for e in evs if e["kind"] == "target"]
+    if finals:
+        text = str(finals[-1]["text"])
+        out.append(("warning" if "missed" in text else "success", text))
+    else:
+        fixed = [e for e in evs if e["kind"] == "pace" and "ranks fixed" in str(e["text"])]
+        if fixed:
+            out.append(("info", str(fixed[-1]["text"])))
+    seen = set()
+    for e in evs:
+        if e["kind"] == "slow_path" and e["text"] not in seen:
+            seen.add(e["text"])
+            out.append(("warning", f"Slower path at step {e.get('step')}: {e['text']}"))
     return out
 
 

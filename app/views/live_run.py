@@ -314,6 +314,10 @@ def _view() -> None:
     else:
         mem = ("Memory (RSS)", fmt.mib(latest.get("mem/rss_mb")), None)
     kpis(run, latest, tput, mem)
+    for level, text in runs.notices(store, RID):
+        icon = {"success": ":material/check_circle:", "warning": ":material/warning:",
+                "info": ":material/info:"}[level]
+        getattr(st, level)(text, icon=icon)
     charts(run, latest)
     events(run)
     if LIVE_AT_START != runs.is_live(run):

@@ -438,6 +438,10 @@ with right:
               delta_arrow="off",
               help="Estimated training memory: weights, gradients, AdamW moments and saved "
                    "activations (a rough estimate, no framework overhead).")
+    if not pv.dense_model and pv.layers:
+        dense = pv.dense_tt if pv.scope == "tensorized" else pv.dense_total
+        st.plotly_chart(plots.size_bar(dense, pv.start_size, pv.floor_size, pv.target,
+                                       pv.scope), width="stretch", key="pv-size")
     for n in pv.notes:
         st.caption(f":material/info: {n}")
 

@@ -220,7 +220,7 @@ class _Run:
         elif isinstance(self.stepper, GraphedStep):
             self.stepper.reset(step)
         else:
-            self.stepper = GraphedStep(step, log=self._info)
+            self.stepper = GraphedStep(step, log=self._slow_path)
             if self.dist.enabled:
                 self.stepper.disable("DistributedDataParallel runs eagerly (no whole-step graph)")
         self._size_cache = None
@@ -510,6 +510,12 @@ class _Run:
         barrier(self.dist)
 
     # ------------------------------------------------------------------ logging
+
+    def _slow_path(self, text: str) -> None:
+        """A fallback to a slower path (the CUDA graph off): its own event kind, shown
+        on the Live run page."""
+        self.sink.log_event("slow_path", text, self.step)
+        self._say(text)
 
     def _info(self, text: str) -> None:
         self.sink.log_event("info", text, self.step)
