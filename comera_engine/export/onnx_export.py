@@ -113,8 +113,12 @@ class OnnxTTEmbedding(nn.Module):
             out = out[..., : self.embedding_dim]
         return self._mask(ids, out)
 
+    def decode(self, h: torch.Tensor) -> torch.Tensor:
+        """``h · Eᵀ`` (the tied MLM decoder) in plain ONNX ops: the table, then a matmul."""
+        return h @ self.dense_weight().to(h.dtype).t()
+
     def dense_weight(self) -> torch.Tensor:
-        """The whole table, multiplied out from the cores (tied MLM decoders use it)."""
+        """The whole table, multiplied out from the cores."""
         if self.zero:
             return torch.zeros(self.num_embeddings, self.embedding_dim)
         A, Bt = merge_tables(list(self.cores), self.h)

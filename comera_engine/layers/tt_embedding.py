@@ -86,6 +86,19 @@ class TTEmbedding(nn.Module):
             out = out * keep
         return out
 
+    def decode(self, h: Tensor) -> Tensor:
+        """``h · Eᵀ``: hidden states ``(..., embedding_dim)`` to scores over the rows
+        ``(..., num_embeddings)`` (a tied decoder), contracted through the two half
+        tables without building ``E`` (:func:`comera_engine.ops.ttm_decode.ttm_decode`;
+        the padding row scores 0)."""
+        from ..ops.ttm_decode import ttm_decode
+
+        cores = self.tt.gated_cores()
+        split = split_point(self.vocab_factors, self.dim_factors, self.tt.ranks)
+        flat = h.reshape(-1, h.shape[-1])
+        out = ttm_decode(flat, cores, split, self.num_embeddings, self.padding_idx)
+        return out.reshape(*h.shape[:-1], self.num_embeddings)
+
     def dense_weight(self) -> Tensor:
         """The reconstructed table ``(num_embeddings, embedding_dim)`` (padding row zero)."""
         E = self.tt.to_matrix()[: self.num_embeddings, : self.embedding_dim]

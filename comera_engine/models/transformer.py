@@ -205,8 +205,9 @@ class TransformerClassifier(nn.Module):
 class TransformerMLM(nn.Module):
     """Encoder + MLM head (dense/TT transform, GELU, LN) with the decoder tied to the words.
 
-    The decoder multiplies by the word table ``E`` [V, d] (for a TTM table, its dense
-    reconstruction, differentiable through the cores) plus a bias.
+    The decoder multiplies by the word table ``E`` [V, d] plus a bias; for a TTM table the
+    hidden states are contracted with its cores (``TTEmbedding.decode``), so the
+    ``V × d`` table is never built (dense-size memory every step otherwise).
     """
 
     def __init__(
@@ -242,8 +243,12 @@ class TransformerMLM(nn.Module):
         if select is not None:
             h = h[select]
         h = self.ln(F.gelu(self.transform(h)))
-        table = self.word_table()
-        return h @ table.to(h.dtype).t() + self.decoder_bias.to(h.dtype)
+        word = self.encoder.word
+        if isinstance(word, nn.Embedding):
+            scores = h @ word.weight.to(h.dtype).t()
+        else:  # contract with the TT cores: no V x d table is built (ops/ttm_decode.py)
+            scores = word.decode(h)
+        return scores + self.decoder_bias.to(h.dtype)
 
 
 def _init_dense(model: nn.Module) -> None:

@@ -1,0 +1,101 @@
+"""Does every shipped config end at the size it asks for? Trains each config in
+experiments/configs/ that sets comera.target_compression, at its own step count, and
+prints target, reached, error and accuracy; writes experiments/results/target_check.json.
+
+    python experiments/target_check.py                 # the CPU-size configs
+    python experiments/target_check.py --all           # also the paper (GPU-size) ones
+    python experiments/target_check.py --only snli_transformer_tiny --seeds 0 1 2
+
+A config whose data is missing (e.g. ../shared/data) is listed with the reason, not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import tomllib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import machine, print_table, write_json  # noqa: E402
+
+from comera_engine.config import config_from_dict  # noqa: E402
+from comera_engine.errors import ConfigError  # noqa: E402
+from comera_engine.metrics import TARGET_TOLERANCE, NullSink  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "experiments" / "configs"
+
+
+def targeted() -> list[Path]:
+    """Shipped configs that ask for a compression target."""
+    out = []
+    for path in sorted(CONFIGS.glob("*.toml")):
+        raw = tomllib.loads(path.read_text())
+        if raw.get("comera", {}).get("target_compression") is not None:
+            out.append(path)
+    return out
+
+
+def run_one(path: Path, seed: int, steps: int | None = None) -> dict:
+    """Train ``path`` (seed ``seed``) in a temporary folder; the final metrics."""
+    from comera_engine.train import train
+
+    raw = tomllib.loads(path.read_text())
+    raw.setdefault("train", {})["seed"] = seed
+    if steps is not None:
+        raw["train"]["steps"] = steps
+    cfg = config_from_dict(raw)
+    cfg.base_dir = str(ROOT)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = train(cfg, tmp, NullSink(), stop_flag=threading.Event(), progress=False)
+    m = result.metrics
+    scope = cfg.comera.target_scope
+    reached = m.get(f"compression/{scope}")
+    target = cfg.comera.target_compression
+    return {"config": path.stem, "seed": seed, "steps": result.step, "scope": scope,
+            "target": target, "reached": reached, "error": reached / target - 1,
+            "within": abs(reached / target - 1) <= TARGET_TOLERANCE,
+            "eval_acc": m.get("eval/acc"), "seconds": time.perf_counter() - t0,
+            "outcome": result.target}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="also the paper (GPU-size) configs")
+    ap.add_argument("--only", nargs="*", default=None, help="config names (file stems)")
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0])
+    ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    args = ap.parse_args(argv)
+    rows, skipped = [], []
+    for path in targeted():
+        if args.only is not None and path.stem not in args.only:
+            continue
+        if "paper" in path.stem and not (args.all or args.only):
+            skipped.append({"config": path.stem, "why": "GPU-size (use --all)"})
+            continue
+        for seed in args.seeds:
+            try:
+                rows.append(run_one(path, seed))
+            except (ConfigError, FileNotFoundError) as exc:
+                skipped.append({"config": path.stem, "why": str(exc).splitlines()[0]})
+                break
+    print_table(rows, [("config", "config", ""), ("seed", "seed", ""), ("steps", "steps", ""),
+                       ("target", "target x", ".1f"), ("reached", "reached x", ".2f"),
+                       ("error", "error", "+.1%"), ("eval_acc", "eval acc", ".3f"),
+                       ("seconds", "s", ".0f")])
+    for s in skipped:
+        print(f"not run: {s['config']}: {s['why']}")
+    out = write_json("target_check", {"machine": machine(), "rows": rows,
+                                      "skipped": skipped}, args.out)
+    print(f"wrote {out}")
+    return 0 if all(r["within"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
