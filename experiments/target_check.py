@@ -4,7 +4,11 @@ prints target, reached, error and accuracy; writes experiments/results/target_ch
 
     python experiments/target_check.py                 # the CPU-size configs
     python experiments/target_check.py --all           # also the paper (GPU-size) ones
-    python experiments/target_check.py --only snli_transformer_tiny --seeds 0 1 2
+    python experiments/target_check.py --only snli_transformer_tiny --seeds 0 1 2 --dense
+    python experiments/target_check.py --only digits_tt_mlp --target 10 --seeds 0 1 2 --dense
+
+--dense also trains the dense model of the same architecture with the same steps and
+seeds, and prints mean ± std of the accuracy of both (CoMERA at the target vs dense).
 
 A config whose data is missing (e.g. ../shared/data) is listed with the reason, not run.
 """
@@ -12,6 +16,7 @@ A config whose data is missing (e.g. ../shared/data) is listed with the reason, 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import threading
@@ -41,14 +46,20 @@ def targeted() -> list[Path]:
     return out
 
 
-def run_one(path: Path, seed: int, steps: int | None = None) -> dict:
-    """Train ``path`` (seed ``seed``) in a temporary folder; the final metrics."""
+def run_one(path: Path, seed: int, steps: int | None = None, target: float | None = None,
+            dense: bool = False) -> dict:
+    """Train ``path`` (seed ``seed``; optionally another target, or its dense model) in a
+    temporary folder; the final metrics."""
     from comera_engine.train import train
 
     raw = tomllib.loads(path.read_text())
     raw.setdefault("train", {})["seed"] = seed
     if steps is not None:
         raw["train"]["steps"] = steps
+    if target is not None:
+        raw["comera"]["target_compression"] = target
+    if dense:
+        raw["model"]["dense"] = True
     cfg = config_from_dict(raw)
     cfg.base_dir = str(ROOT)
     t0 = time.perf_counter()
@@ -56,6 +67,9 @@ def run_one(path: Path, seed: int, steps: int | None = None) -> dict:
         result = train(cfg, tmp, NullSink(), stop_flag=threading.Event(), progress=False)
     m = result.metrics
     scope = cfg.comera.target_scope
+    if dense:
+        return {"config": path.stem, "seed": seed, "steps": result.step, "dense": True,
+                "eval_acc": m.get("eval/acc"), "seconds": time.perf_counter() - t0}
     reached = m.get(f"compression/{scope}")
     target = cfg.comera.target_compression
     return {"config": path.stem, "seed": seed, "steps": result.step, "scope": scope,
@@ -70,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="also the paper (GPU-size) configs")
     ap.add_argument("--only", nargs="*", default=None, help="config names (file stems)")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])
+    ap.add_argument("--target", type=float, default=None, help="another target than the config's")
+    ap.add_argument("--dense", action="store_true",
+                    help="also the dense model (same steps, seeds): accuracy side by side")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
     args = ap.parse_args(argv)
-    rows, skipped = [], []
+    rows, dense, skipped = [], [], []
     for path in targeted():
         if args.only is not None and path.stem not in args.only:
             continue
@@ -81,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for seed in args.seeds:
             try:
-                rows.append(run_one(path, seed))
+                rows.append(run_one(path, seed, target=args.target))
+                if args.dense:
+                    dense.append(run_one(path, seed, dense=True))
             except (ConfigError, FileNotFoundError) as exc:
                 skipped.append({"config": path.stem, "why": str(exc).splitlines()[0]})
                 break
@@ -91,10 +110,31 @@ def main(argv: list[str] | None = None) -> int:
                        ("seconds", "s", ".0f")])
     for s in skipped:
         print(f"not run: {s['config']}: {s['why']}")
-    out = write_json("target_check", {"machine": machine(), "rows": rows,
-                                      "skipped": skipped}, args.out)
+    summary = []
+    for name in dict.fromkeys(r["config"] for r in rows):
+        tt = [r["eval_acc"] for r in rows if r["config"] == name]
+        dn = [r["eval_acc"] for r in dense if r["config"] == name]
+        summary.append({"config": name, "target": rows[[r["config"] for r in rows].index(
+            name)]["target"], "seeds": len(tt), "comera_acc": _ms(tt),
+            "dense_acc": _ms(dn) if dn else "-",
+            "gap_points": (100 * (statistics.mean(dn) - statistics.mean(tt)) if dn else
+                           float("nan"))})
+    if dense:
+        print_table(summary, [("config", "config", ""), ("target", "target x", ".1f"),
+                              ("seeds", "seeds", ""), ("comera_acc", "CoMERA acc", ""),
+                              ("dense_acc", "dense acc", ""),
+                              ("gap_points", "dense - CoMERA (points)", ".1f")])
+    out = write_json("target_check", {"machine": machine(), "rows": rows, "dense": dense,
+                                      "summary": summary, "skipped": skipped}, args.out)
     print(f"wrote {out}")
     return 0 if all(r["within"] for r in rows) else 1
+
+
+def _ms(values: list[float]) -> str:
+    """``mean ± std`` in percent."""
+    if len(values) < 2:
+        return f"{100 * values[0]:.1f} %"
+    return f"{100 * statistics.mean(values):.1f} ± {100 * statistics.stdev(values):.1f} %"
 
 
 if __name__ == "__main__":

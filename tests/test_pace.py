@@ -201,3 +201,28 @@ def test_every_cpu_size_shipped_config_ends_within_5_percent(path: Path) -> None
     print(f"{path.stem}: target {row['target']:g}x, reached {row['reached']:.2f}x, "
           f"eval acc {row['eval_acc']:.3f}, {row['seconds']:.0f} s")
     assert row["within"] and "missed" not in row["outcome"]
+
+
+def test_grow_to_revives_allocated_entries_back_into_the_band() -> None:
+    """An overshoot (several entries died in one step) is undone by reviving the dead,
+    still-allocated entries whose cores carry most, up to the band and never past it."""
+    from comera_engine.rank import grow_to
+
+    model = _model(rank=12)
+    layers = tt_layers(model)
+    cores_size = sum(m.tt.num_params(True) for m in layers.values())
+    extra = size_report(model)["tensorized"]["effective_params"] - cores_size
+    start = float(size_report(model)["tensorized"]["effective_params"])
+    target = 0.8 * start
+    size, _ = prune_to(model, 0.6 * start, 0.0, extra)  # overshoot well below the band
+    low = target / 1.05
+    assert size < low
+    dead = {(n, k): (~m.tt.alive(k)).nonzero().flatten().tolist()
+            for n, m in layers.items() for k in range(len(m.tt.gates))}
+    new, changes = grow_to(model, low, target, extra)
+    assert low <= new <= target and changes
+    assert new == size_report(model)["tensorized"]["effective_params"]
+    for (n, k), was_dead in dead.items():  # revived entries came from the dead ones
+        tt = layers[n].tt
+        back = [j for j in was_dead if bool(tt.alive(k)[j])]
+        assert all(float(tt.gates[k][j].detach()) == pytest.approx(1.5 * tt.tau) for j in back)

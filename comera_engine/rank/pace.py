@@ -17,8 +17,11 @@ the judge of *which* ranks matter and adds a deadline for *how many* go:
    1 and the size term presses hardest on the bonds that cost most) times how much the
    cores carry through it relative to the other entries of the same bond
    (:func:`entry_scores`).
-3. Once the size is at or below ``T`` the ranks are fixed (no gate dies any more) and the
-   rest of the run fine-tunes the network at that size.
+3. Once the size is within ``2·tol`` above ``T`` (the objective may kill several entries
+   in one step near the end), the run lands it in the band itself: prunes to ``T`` by
+   importance, or, when a step's deaths overshot below ``T/(1+tol)``, revives the dead
+   entries that are still allocated (:func:`grow_to`). Then the ranks are fixed (no gate
+   dies any more) and the rest of the run fine-tunes the network at that size.
 
 At ``t₁`` the prune lands inside the tolerance band ``[T/(1+tol), T]`` (compression
 within ``+tol`` of the target) whenever single rank entries are small enough to allow it.
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 
 from ..layers import tt_layers
 
-__all__ = ["PacePlan", "entry_scores", "host_size", "prune_to"]
+__all__ = ["PacePlan", "entry_scores", "grow_to", "host_size", "prune_to"]
 
 
 @dataclass
@@ -152,6 +155,50 @@ def prune_to(model: nn.Module, goal: float, low: float, extra: float
         tt = layers[li][1].tt
         tt.alive(k)[j] = False
         tt.gates[k].data[j] = 0.0
+    changes = {}
+    for li, (name, _) in enumerate(layers):
+        diff = [(k, o, n) for k, (o, n) in enumerate(zip(before[li], counts[li])) if o != n]
+        if diff:
+            changes[name] = diff
+    return size, changes
+
+
+@torch.no_grad()
+def grow_to(model: nn.Module, goal: float, high: float, extra: float
+            ) -> tuple[float, dict[str, list[tuple[int, int, int]]]]:
+    """Undo an overshoot: revive rank entries that died but are still allocated (not yet
+    truncated: their cores are intact), those whose cores carry most first
+    (``‖G_k[..., j]‖ · ‖G_{k+1}[j, ...]‖``), until the size is at least ``goal``, never
+    above ``high``. A revived entry's gate is set to ``1.5·tau`` (it died at ``|g| <= tau``,
+    so the layer's output barely moves). Returns the new size and the changes."""
+    layers = list(tt_layers(model))
+    sizes = [list(m.tt.mode_sizes) for _, m in layers]
+    counts = [[int(mk.sum()) for mk in m.tt.masks()] for _, m in layers]
+    before = [list(c) for c in counts]
+    size = host_size(sizes, counts, extra)
+    cands: list[tuple[float, int, int, int]] = []
+    for li, (_, m) in enumerate(layers):
+        cores, _, _ = m.tt.parts()
+        for k, mk in enumerate(m.tt.masks()):
+            left = cores[k].reshape(-1, cores[k].shape[-1]).norm(dim=0)
+            right = cores[k + 1].reshape(cores[k + 1].shape[0], -1).norm(dim=1)
+            n = (left * right).tolist()
+            for j in torch.nonzero(~mk).flatten().tolist():
+                cands.append((-n[j], li, k, j))
+    cands.sort()
+    for _, li, k, j in cands:
+        if size >= goal:
+            break
+        R = [1, *counts[li], 1]
+        s = sizes[li]
+        add = float(s[k] * R[k] + s[k + 1] * R[k + 2])
+        if size + add > high:
+            continue
+        counts[li][k] += 1
+        size += add
+        tt = layers[li][1].tt
+        tt.alive(k)[j] = True
+        tt.gates[k].data[j] = 1.5 * tt.tau if tt.tau > 0 else 1e-2
     changes = {}
     for li, (name, _) in enumerate(layers):
         diff = [(k, o, n) for k, (o, n) in enumerate(zip(before[li], counts[li])) if o != n]

@@ -30,6 +30,12 @@ def tt_layers(model: nn.Module) -> dict[str, nn.Module]:
     return dict(pairs(model))
 
 
+def _what(changes: dict[str, list[tuple[int, int, int]]]) -> str:
+    """``layer bonds k: old->new, …; …`` for a pace message."""
+    return "; ".join(f"{name} bonds " + ", ".join(f"{k}: {o}->{n}" for k, o, n in ch)
+                     for name, ch in changes.items())
+
+
 def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
     """The run's target plan before the first step (:func:`comera_engine.rank.plan_target`
     on a meta-device model built from ``cfg.model`` and ``data``'s shape facts: a
@@ -263,25 +269,43 @@ class CoMERAState:
         if not (check or ranks_changed):
             return [], False
         size = self.current_size(counts)
+        low = target / (1 + TARGET_TOLERANCE)
         if check and size > pace.goal(step):
             goal = pace.goal(step)
-            low = target / (1 + TARGET_TOLERANCE) if goal <= target else 0.0
-            new, changes = rank.prune_to(self.model, goal, low, self._extra())
+            new, changes = rank.prune_to(self.model, goal, low if goal <= target else 0.0,
+                                         self._extra())
             if changes:
-                what = "; ".join(f"{name} bonds " + ", ".join(f"{k}: {o}->{n}" for k, o, n in ch)
-                                 for name, ch in changes.items())
                 messages.append(f"pace: pruned to size {new:.0f} (planned {goal:.0f} at step "
-                                f"{step}, was {size:.0f}): {what}")
-                self._counts = None if self._counts is None else [
-                    int(m.sum()) for m in self._all_masks()]
+                                f"{step}, was {size:.0f}): {_what(changes)}")
             size = new
-        if size <= target:
-            self.freeze()
-            dense = rank.dense_size(self.model)[self.cfg.target_scope]
-            messages.append(f"target size reached at step {step}: {size:.0f} params "
-                            f"({dense / size:.1f}x); ranks fixed from here")
-            return messages, True
-        return messages, False
+        if size > target * (1 + 2 * TARGET_TOLERANCE):
+            self._sync_counts()
+            return messages, False
+        # close to the target: land in the band [T/(1+tol), T] here, then fix the ranks
+        if size > target:
+            new, changes = rank.prune_to(self.model, target, low, self._extra())
+            if changes:
+                messages.append(f"pace: pruned to the target, size {new:.0f} (was {size:.0f}): "
+                                f"{_what(changes)}")
+            size = new
+        if size < low:
+            new, changes = rank.grow_to(self.model, low, target, self._extra())
+            if changes:
+                messages.append(f"pace: the last deaths overshot (size {size:.0f}, below "
+                                f"{low:.0f}); revived {_what(changes)}: size {new:.0f}")
+            size = new
+        self._sync_counts()
+        self.freeze()
+        dense = rank.dense_size(self.model)[self.cfg.target_scope]
+        messages.append(f"target size reached at step {step}: {size:.0f} params "
+                        f"({dense / size:.1f}x); ranks fixed from here")
+        return messages, True
+
+    def _sync_counts(self) -> None:
+        """After a prune or a revival: the device refresh's bond snapshot follows, so
+        the next step reports no rank change for what the pace did (it has its event)."""
+        if self._counts is not None:
+            self._counts = [int(m.sum()) for m in self._all_masks()]
 
     def _all_masks(self) -> list[Tensor]:
         return [mk for m in tt_layers(self.model).values() for mk in m.tt.masks()]
