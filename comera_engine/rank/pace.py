@@ -155,12 +155,7 @@ def prune_to(model: nn.Module, goal: float, low: float, extra: float
         tt = layers[li][1].tt
         tt.alive(k)[j] = False
         tt.gates[k].data[j] = 0.0
-    changes = {}
-    for li, (name, _) in enumerate(layers):
-        diff = [(k, o, n) for k, (o, n) in enumerate(zip(before[li], counts[li])) if o != n]
-        if diff:
-            changes[name] = diff
-    return size, changes
+    return size, _changes([n for n, _ in layers], before, counts)
 
 
 @torch.no_grad()
@@ -199,9 +194,15 @@ def grow_to(model: nn.Module, goal: float, high: float, extra: float
         tt = layers[li][1].tt
         tt.alive(k)[j] = True
         tt.gates[k].data[j] = 1.5 * tt.tau if tt.tau > 0 else 1e-2
-    changes = {}
-    for li, (name, _) in enumerate(layers):
-        diff = [(k, o, n) for k, (o, n) in enumerate(zip(before[li], counts[li])) if o != n]
+    return size, _changes([n for n, _ in layers], before, counts)
+
+
+def _changes(names: list[str], before: list[list[int]], after: list[list[int]]
+             ) -> dict[str, list[tuple[int, int, int]]]:
+    """``{layer: [(bond, old, new), …]}`` for the bonds whose count changed."""
+    out = {}
+    for name, old, new in zip(names, before, after):
+        diff = [(k, o, n) for k, (o, n) in enumerate(zip(old, new)) if o != n]
         if diff:
-            changes[name] = diff
-    return size, changes
+            out[name] = diff
+    return out
