@@ -205,7 +205,8 @@ def test_bf16_autocast_trains_like_fp32(tmp_path) -> None:
     bf16 noise. The TT-linear backward once crashed here (fp32 input, bf16 gradient)."""
     accs = {}
     for prec in ("fp32", "bf16"):
-        raw = digits_cfg(train={"steps": 300, "batch_size": 64, "eval_every": 150,
+        raw = digits_cfg(comera={"target_compression": 30.0},  # reached in 90 late steps
+                         train={"steps": 300, "batch_size": 64, "eval_every": 150,
                                 "ckpt_every": 300, "precision": prec})
         result, records = run(raw, tmp_path / prec)
         assert result.status == "finished" and result.step == 300
