@@ -105,10 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "launch":  # an unreachable target is refused before queueing
+        if args.command == "launch":  # what cannot run is refused before queueing
             from comera_engine.config import load_config
+            from comera_engine.data.registry import check_data_table
+            from comera_engine.preview import check_runnable
 
-            _plan_target(load_config(args.config, args.overrides))
+            cfg = load_config(args.config, args.overrides)
+            check_data_table(cfg.data)
+            check_runnable(_plan_target(cfg, quiet=True), nproc=args.nproc)
         return int(args.func(args) or 0)
     except ConfigError as exc:
         sys.stderr.write(f"comera: error: {exc}\n")
@@ -134,6 +138,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         # a resumed text run must reuse its own vocabulary (WordPiece training is not
         # deterministic, so a retrained tokenizer would scramble the embedding ids)
         cfg.data["tokenizer_path"] = str(saved_tok.resolve())
+    checked = not args.resume and int(os.environ.get("RANK", "0")) == 0
+    if checked:  # device, data files, memory: refused before anything is written
+        from comera_engine.preview import check_runnable
+
+        check_runnable(_plan_target(cfg, quiet=True),
+                       nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     cfg = _plan_target(cfg)  # before any data is read: refuses an unreachable target
     bundle = _prepare(cfg, run_dir, args.resume)  # validates data and model, writes nothing
     is_main = int(os.environ.get("RANK", "0")) == 0
@@ -209,11 +219,12 @@ def _run_dir(args: argparse.Namespace, name: str) -> Path:
     return Path("runs") / f"{stamp}-{safe}"
 
 
-def _plan_target(cfg: Any) -> Any:
+def _plan_target(cfg: Any, quiet: bool = False) -> Any:
     """The target plan from the config and the dataset registry's shape facts alone (no
     data is read): a ConfigError for an unreachable target, else ``cfg`` with the initial
     ranks chosen from the target when ``model.rank`` is not fixed (written to the run's
-    config.toml, so a resume starts from the same ranks)."""
+    config.toml, so a resume starts from the same ranks). ``quiet``: do not print the
+    plan's note (the trainer logs it as an event)."""
     from comera_engine.preview import data_shape
     from comera_engine.train.tt import plan_initial_ranks
 
@@ -222,7 +233,7 @@ def _plan_target(cfg: Any) -> Any:
     except (ValueError, KeyError):  # a dataset without shape facts: the trainer plans it
         return cfg
     cfg, plan = plan_initial_ranks(cfg, shape)
-    if plan is not None and plan.note:
+    if plan is not None and plan.note and not quiet:
         print(plan.note, file=sys.stderr)
     return cfg
 

@@ -238,6 +238,89 @@ def embedding_macs(vocab_f: tuple[int, ...], dim_f: tuple[int, ...], ranks: list
 # ------------------------------------------------------------------ the preview
 
 
+def available_memory(device: str) -> float | None:
+    """Bytes a new run can use on ``device``: ``MemAvailable`` of ``/proc/meminfo`` on
+    the CPU, the free memory of the first visible GPU on CUDA (``None``: unknown)."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return float(torch.cuda.mem_get_info(0)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_runnable(cfg: Any, nproc: int = 1, base_dir: str | Path | None = None) -> Preview:
+    """Everything that can be told before a run is created, in one place (``comera
+    launch``, ``comera train`` and the New experiment form call it): the target plan, the
+    dataset files and sizes (:func:`data_problems`), a CUDA device when one is asked for,
+    and the estimated training memory (weights, gradients, AdamW moments, activations:
+    :func:`make_preview`) against what the device has free (``nproc`` processes on one
+    CPU share its memory). Returns the preview.
+
+    Raises:
+        ConfigError: the first problem, naming the field and the fix.
+    """
+    from comera_engine.errors import ConfigError
+
+    dev = cfg.train.device
+    cuda = dev.startswith("cuda")
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", f"{dev} asked, but this machine has no usable "
+                              "CUDA GPU; use auto or cpu")
+        index = int(dev[5:]) if dev.startswith("cuda:") else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError("train.device", f"{dev}: only {torch.cuda.device_count()} GPU(s) "
+                              "visible; pick one of them")
+    elif dev == "auto":
+        import torch
+
+        cuda = torch.cuda.is_available()
+    errors, _ = data_problems(cfg.data, cfg.train.batch_size, base_dir or cfg.base_dir)
+    if errors:
+        field, _, problem = errors[0].partition(": ")
+        raise ConfigError(field, problem)
+    pv = make_preview(cfg, "cuda" if cuda else "cpu")
+    if pv.errors:
+        raise ConfigError(*pv.errors[0])
+    problem = memory_problem(pv, "cuda" if cuda else "cpu", nproc)
+    if problem is not None:
+        raise ConfigError(*problem)
+    return pv
+
+
+def memory_problem(pv: Preview, device: str, nproc: int = 1) -> tuple[str, str] | None:
+    """``(field, message)`` when the preview's training-memory estimate exceeds what
+    ``device`` (``"cpu"``/``"cuda"``) has free (``nproc`` processes share a CPU's
+    memory), else ``None``."""
+    mem = pv.memory["dense" if pv.dense_model else "tt"]
+    need = mem["total"] * (1 if device == "cuda" else max(1, nproc))
+    free = available_memory(device)
+    if free is None or need <= free:
+        return None
+    acts = mem["activations"] > mem["total"] / 2
+    field = "train.batch_size" if acts else "model"
+    fix = ("lower train.batch_size" if acts else
+           "make the model smaller (width, layers or rank) or tensorise more layers")
+    return field, (f"the run needs about {_gib(need)} (estimate: weights, gradients, AdamW "
+                   f"moments, activations) but {_gib(free)} is free on the "
+                   f"{'GPU' if device == 'cuda' else 'CPU'}; {fix}")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes < 2**60 else f"{nbytes:.2e} bytes"
+
+
 def preview(raw: dict[str, Any], device: str = "cpu") -> Preview:
     """Validate a config table (``name`` and the ``[model]``, ``[data]``, ``[comera]``,
     ``[train]`` tables as dicts) and preview it on ``device`` (``"cpu"`` or ``"cuda"``).

@@ -349,3 +349,43 @@ def test_a_refused_launch_creates_no_store(problem, tmp_path) -> None:
                          cwd=ROOT)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not db.exists() and not db.parent.exists()
+
+
+_NO_GPU = not __import__("torch").cuda.is_available()
+DIGITS_CONFIG = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
+
+
+@pytest.mark.parametrize("override,field", [
+    ("comera.target_compression=1e9", "comera.target_compression"),
+    ("comera.target_compression=inf", "comera.target_compression"),
+    ("train.batch_size=1e9", "train.batch_size"),
+    ("train.batch_size=1180591620717411303424", "train.batch_size"),  # 2^70
+    ("data.split_fraction=2", "data.split_fraction"),
+    ("data.split_fraction=0", "data.split_fraction"),
+    ("data.name=\"nope\"", "data.name"),
+    ("data.bogus=1", "data.bogus"),
+    pytest.param("train.device=\"cuda\"", "train.device",
+                 marks=pytest.mark.skipif(not _NO_GPU, reason="a GPU is present")),
+    ("model.hidden=[10000000, 10000000]", "model"),  # tens of TiB by the estimate
+])
+def test_launch_refuses_what_cannot_run_before_a_run_exists(
+        override: str, field: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 21's launch cases: each is one line naming the field, exit 2, and no store
+    (nor run folder) is created: the same checks `comera train` and the New experiment
+    form run (preview.check_runnable)."""
+    store = tmp_path / "home" / "comera.db"
+    code = main(["launch", str(DIGITS_CONFIG), "--set", override, "--store", str(store)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(f"comera: error: {field}"), err
+    assert not (tmp_path / "home").exists()
+
+
+def test_train_refuses_a_run_that_does_not_fit_before_writing(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run_dir = tmp_path / "run"
+    code = main(["train", str(DIGITS_CONFIG), "--set", "model.hidden=[10000000, 10000000]",
+                 "--run-dir", str(run_dir), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("comera: error: model: the run needs about")
+    assert "GiB is free on the CPU" in err[-1] and not run_dir.exists()

@@ -348,12 +348,15 @@ def test_queue_limit_concurrent_runs_torchrun_failures_and_cli(store, capsys):
     # an unknown dataset is refused before a run exists (the registry knows the names)
     with pytest.raises(ConfigError, match="^data.name: unknown dataset 'nope'"):
         launch(CONFIG, [*SHORT, "data.name=nope"], store=st, name="refused")
+    # so is a split fraction outside (0, 1)
+    with pytest.raises(ConfigError, match="^data.split_fraction: must be a fraction"):
+        launch(CONFIG, [*SHORT, "data.split_fraction=2"], store=st, name="refused")
     # a run whose data cannot be built (a value only the builder checks) fails with the
     # trainer's one-line error
-    bad = launch(CONFIG, [*SHORT, "data.split_fraction=2"], store=st, name="bad")
+    bad = launch(CONFIG, [*SHORT, "data.seed=-1"], store=st, name="bad")
     wait_for(lambda: st.get_run(bad)["status"] in FINAL_STATUSES, START_TIMEOUT, "bad to end")
     run = st.get_run(bad)
-    assert run["status"] == "failed" and "data.split_fraction" in run["error"]
+    assert run["status"] == "failed" and "data.seed" in run["error"]
     assert run["exit_code"] == 2
 
     # the commands

@@ -20,6 +20,7 @@ from comera_engine.preview import (
     data_problems,
     datasets_for,
     default_tt_layers,
+    memory_problem,
     preview,
     size_defaults,
 )
@@ -321,6 +322,9 @@ if pv is not None:
         ex = clamped[0]
         say("rank", "note", f"Clamped per bond to what the shapes allow in {len(clamped)} "
             f"layer(s), e.g. {ex.name}: ranks {'-'.join(map(str, ex.ranks[1:-1]))}.")
+    if not on_gpu and (mem_problem := memory_problem(pv, "cpu")) is not None:
+        say("advanced" if mem_problem[0].startswith("train.") else "rank", "error",
+            f"{mem_problem[0]}: {mem_problem[1]}")
     if on_gpu and gpus:
         gpu = next(g for g in gpus if f"cuda:{g.index}" == device)
         need = pv.memory["tt"]["total"] / 2**20

@@ -92,6 +92,12 @@ def check_data_table(data: Mapping[str, Any]) -> DatasetInfo:
     info = dataset_info(data.get("name"))
     if not callable(info.builder):  # registered in code: its builder checks its keys
         check_keys(data, info.defaults)
+    frac = data.get("split_fraction")
+    if frac is not None and (isinstance(frac, bool) or not isinstance(frac, (int, float))
+                             or not 0.0 < float(frac) < 1.0):
+        raise ConfigError("data.split_fraction",
+                          f"must be a fraction strictly between 0 and 1 (the share of the "
+                          f"examples used for training, e.g. 0.8), got {frac!r}")
     return info
 
 
