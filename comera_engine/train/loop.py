@@ -268,6 +268,7 @@ class _Run:
 
         bar = ProgressBar(t.steps, self.step) if self.show_progress else None
         status = "finished"
+        error: str | None = None
         metrics: dict[str, float] = {}
         batches = iterate_batches(
             self.bundle.train,
@@ -302,6 +303,7 @@ class _Run:
                 )
                 self.sink.log_event("error", text, self.step)
                 self._info(text)
+                error = text  # the run's error column says why it stopped
                 break
 
             metrics = self._step_metrics(raw, step_time, batch)
@@ -349,7 +351,7 @@ class _Run:
         if outcome:
             self.sink.log_event("target", outcome, self.step)
             self._say(outcome)
-        self.sink.set_status(status)
+        self.sink.set_status(status, error)
         self.sink.flush()
         graph_reason = self.stepper.reason if isinstance(self.stepper, GraphedStep) else None
         if not self.use_graph:
