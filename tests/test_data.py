@@ -883,3 +883,35 @@ def test_digits_read_from_the_wheel_equal_sklearns_loader() -> None:
     assert pixels.shape == (1797, 64) and labels.dtype == np.int64
     np.testing.assert_array_equal(pixels, ref.data)
     np.testing.assert_array_equal(labels, ref.target)
+
+
+@pytest.mark.parametrize("suffix,text", [
+    (".tsv", "root:x:0:0:SECRET-LINE:/root:/bin/bash\nbin:x:1:1::/bin:/usr/sbin/nologin\n"),
+    (".jsonl", "SECRET-LINE is not json\n"),
+    (".jsonl", '["SECRET-LINE"]\n'),
+])
+def test_a_data_format_error_names_the_file_and_line_never_its_contents(
+        tmp_path: Path, suffix: str, text: str) -> None:
+    """Pointed at any file (say a copy of /etc/passwd), the error says which file and
+    line is wrong and how many columns it found, without quoting the file."""
+    from comera_engine.data import build_dataset
+
+    path = tmp_path / f"notes{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        build_dataset({"name": "snli", "path": str(path)})
+    message = str(info.value)
+    assert message.startswith("data.path: ") and f"notes{suffix}" in message
+    assert "SECRET" not in message and "root" not in message and "\n" not in message
+
+
+def test_an_export_without_comera_metadata_does_not_echo_its_keys(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from comera_engine.export.container import read_comera_metadata, read_header
+
+    path = tmp_path / "other.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path), metadata={"SECRET-KEY": "v", "b": "w"})
+    with pytest.raises(ConfigError) as info:
+        read_comera_metadata(read_header(path))
+    assert "SECRET" not in str(info.value) and "2 other entries" in str(info.value)

@@ -127,9 +127,9 @@ def _pick(columns: Sequence[str], choices: Sequence[str], path: Path) -> str:
     for choice in choices:
         if choice in columns:
             return choice
-    raise NLIFormatError(
+    raise NLIFormatError(  # the header is not echoed: it may be any line of any file
         f"{path.name} has no column {' or '.join(repr(c) for c in choices)} "
-        f"(found: {', '.join(map(str, columns))})"
+        f"(line 1 has {len(columns)} column{'s' if len(columns) != 1 else ''})"
     )
 
 

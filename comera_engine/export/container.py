@@ -186,10 +186,10 @@ def read_comera_metadata(header: Header) -> dict[str, Any]:
     """The CoMERA JSON document of an export or checkpoint (must be a JSON object)."""
     raw = header.metadata.get(METADATA_KEY)
     if raw is None:
-        keys = ", ".join(sorted(header.metadata)) or "none"
+        n = len(header.metadata)  # the file's own keys are not echoed
         raise BadExportFile(
             header.path, f"not a CoMERA export: no '{METADATA_KEY}' entry in the safetensors "
-            f"metadata (found: {keys})")
+            f"metadata ({n} other entr{'y' if n == 1 else 'ies'})")
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):
