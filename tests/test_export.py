@@ -605,3 +605,29 @@ def test_cuda_model_exports_and_loads_onto_the_gpu(tmp_path: Path) -> None:
     assert max_diff(model, dense, inputs) <= 1e-4
     pytest.importorskip("onnxruntime")
     assert export_model(model, tmp_path, "onnx", meta).onnx_max_abs_diff <= 1e-5
+
+
+def test_nan_weights_load_with_a_warning_and_a_million_entries_are_refused_fast(
+        good_file: Path, tmp_path: Path) -> None:
+    """NaN weights load, but never without a word; a header listing a million tensors is
+    refused from a byte count, before it is parsed."""
+    import time as _time
+
+    from comera_engine.export.core import NonFiniteWeightsWarning
+
+    header, data = _split(good_file)
+    core = next(k for k in header if k.endswith(".tt.cores"))
+    begin = header[core]["data_offsets"][0]
+    nan = struct.pack("<f", float("nan"))
+    bad = _raw_safetensors(tmp_path / "nan.safetensors", header,
+                           data[:begin] + nan + data[begin + 4:])
+    with pytest.warns(NonFiniteWeightsWarning, match=r"nan\.safetensors: 1 tensor\(s\) hold NaN"):
+        model = load(bad)
+    assert isinstance(model, nn.Module)
+    many = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+            for i in range(1_000_000)}
+    path = _raw_safetensors(tmp_path / "many.safetensors", many, b"")
+    t0 = _time.perf_counter()
+    with pytest.raises(ValueError, match="lists about 1,000,000 tensors"):
+        load(path)
+    print(f"a million-entry header refused in {_time.perf_counter() - t0:.2f} s")

@@ -38,6 +38,8 @@ __all__ = [
 
 #: Largest JSON header accepted (the safetensors library uses the same bound).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Tensor entries a header may list (a CoMERA export of the paper's model has under 1,000).
+MAX_TENSORS = 65_536
 #: Key of the CoMERA JSON document inside the safetensors ``__metadata__``.
 METADATA_KEY = "comera"
 
@@ -123,6 +125,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
                 path, f"truncated or not a safetensors file: header declares {n} bytes but "
                 f"the file has only {size - 8} after the length")
         raw = f.read(n)
+    if raw.count(b'"data_offsets"') > MAX_TENSORS:  # before parsing: a cheap byte count
+        raise _too_many(path, raw.count(b'"data_offsets"'))
     try:
         text = raw.decode("utf-8")
         header = json.loads(text)
@@ -131,6 +135,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     if not isinstance(header, dict):
         raise BadExportFile(path, f"safetensors header must be a JSON object, got "
                                   f"{type(header).__name__}")
+    if sum(1 for k in header if k != "__metadata__") > MAX_TENSORS:
+        raise _too_many(path, len(header))
     data_bytes = size - 8 - n
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(
@@ -153,6 +159,11 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             path, f"tensor data is {pos} bytes but the file holds {data_bytes} after the "
             "header (truncated or padded file)")
     return Header(path, tensors, dict(meta), 8 + n, data_bytes, size)
+
+
+def _too_many(path: Path, n: int) -> BadExportFile:
+    return BadExportFile(path, f"the header lists about {n:,} tensors, more than the "
+                               f"{MAX_TENSORS:,} any model file here has")
 
 
 def _entry(path: Path, name: str, entry: Any, data_bytes: int) -> TensorEntry:

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -516,6 +517,20 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     return read_comera_metadata(read_header(p))
 
 
+class NonFiniteWeightsWarning(UserWarning):
+    """An exported model holds NaN or infinite weights (it loads; its outputs will not be
+    numbers)."""
+
+
+def _warn_non_finite(path: Path, state: Mapping[str, torch.Tensor]) -> None:
+    bad = [k for k, t in state.items()
+           if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    if bad:
+        warnings.warn(f"{path.name}: {len(bad)} tensor(s) hold NaN or infinite values "
+                      f"(first: {bad[0]}); the model's outputs will not be numbers",
+                      NonFiniteWeightsWarning, stacklevel=3)
+
+
 def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> nn.Module:
     """Rebuild an exported model (compressed or dense) without pickle, in eval mode.
 
@@ -564,6 +579,7 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
         raise BadExportFile(p, str(exc)) from None
     _cast_floating(model, dtype)
     state = _read_tensors(p, list(expected))
+    _warn_non_finite(p, state)
     layers = dict(_tt_name_set(model))
     for name, (ranks, shapes, tau) in ranks_of.items():
         tt = layers[name].tt
