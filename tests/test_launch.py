@@ -115,6 +115,23 @@ def test_invalid_config_fails_at_once_and_writes_nothing(tmp_path, monkeypatch, 
     assert st.list_runs() == []
 
 
+def test_launch_environment_is_recorded_without_credentials(monkeypatch):
+    from comera_engine.launch import child_env, run_env
+
+    monkeypatch.setenv("COMERA_NATIVE", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("UNRELATED_VAR", "x")
+    got = run_env()
+    assert got["COMERA_NATIVE"] == "0" and got["OMP_NUM_THREADS"] == "3"
+    assert "HF_TOKEN" not in got and "UNRELATED_VAR" not in got
+    recorded = {"COMERA_NATIVE": "1", "MKL_NUM_THREADS": "1"}
+    env = child_env("2", recorded)  # the resumer's own run-shaping variables give way
+    assert env["COMERA_NATIVE"] == "1" and env["MKL_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in env and env["UNRELATED_VAR"] == "x"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2" and env["PYTHONUNBUFFERED"] == "1"
+
+
 def test_trainer_command_gpus_and_torchrun(tmp_path):
     st = RunStore(tmp_path / "comera.db")
     rid = st.create_run("r", {}, gpus="1,2", nproc=2)
@@ -212,11 +229,20 @@ def test_resume_and_stop_refuse_wrong_states(store):
 # ------------------------------------------------------------------------------ real trainer
 
 
-def test_kill9_crash_then_resume_stop_and_reap(store):
+def _trainer_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+
+def test_kill9_crash_then_resume_stop_and_reap(store, monkeypatch):
     """kill -9 mid-run → crashed (metrics up to the kill kept) → resume as the same run →
-    graceful stop with a checkpoint → resume → both processes killed → reap → crashed."""
+    graceful stop with a checkpoint → resume → both processes killed → reap → crashed.
+    The resumed trainer runs with the launch environment, not the resumer's."""
     st = store
+    monkeypatch.setenv("COMERA_RUN_MARK", "launched")
     rid = launch(CONFIG, LONG, store=st, name="kill-test")
+    monkeypatch.setenv("COMERA_RUN_MARK", "resumer")
+    monkeypatch.setenv("OMP_SCHEDULE", "set-by-the-resumer")
     run_dir = st.run_dir(rid)
     assert (run_dir / "config.toml").is_file()
     assert _status(st, rid) in ("queued", "running")
@@ -271,6 +297,9 @@ def test_kill9_crash_then_resume_stop_and_reap(store):
         return [r for r in rows if r["time"] > t_resume]
 
     wait_for(lambda: len(resumed_steps()) > 3, START_TIMEOUT, "steps after the resume")
+    env = _trainer_env(st.get_run(rid)["pid"])
+    assert env["COMERA_RUN_MARK"] == "launched" and "OMP_SCHEDULE" not in env
+    assert "resume: with the launch environment" in logs(rid, store=st)
     assert resumed_steps()[0]["step"] == ckpt_crash + 1  # step numbers continue
     resumed = [e for e in st.events(rid) if e["text"].startswith("resumed from")]
     assert resumed and resumed[-1]["step"] == ckpt_crash

@@ -61,6 +61,13 @@ __all__ = [
 #: Seconds a stop waits for the trainer's checkpoint before SIGKILL.
 DEFAULT_STOP_TIMEOUT = 60.0
 CONFIG_FILENAME = "config.toml"
+#: The launch environment a run keeps (resume runs with it, not the resumer's).
+ENV_FILENAME = "launch_env.json"
+#: Variables that shape a run: the engine's switches, thread counts, GPU selection and
+#: the libraries' own settings. Names that look like credentials are never recorded.
+_ENV_PREFIXES = ("COMERA_", "OMP_", "MKL_", "OPENBLAS_", "CUDA_", "NCCL_", "TORCH_",
+                 "PYTORCH_", "TRITON_", "HF_", "TOKENIZERS_", "PYTHONHASHSEED")
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 #: What a requeued run (a resume) starts afresh; ``queued_at`` and ``resume_pending`` are
 #: set beside these.
@@ -158,6 +165,10 @@ def launch(
         raise LaunchError("launch: could not allocate a run folder")
     try:
         (run_dir / CONFIG_FILENAME).write_text(text, encoding="utf-8")
+        import json
+
+        env_text = json.dumps(run_env(), indent=1)
+        (run_dir / ENV_FILENAME).write_text(env_text, encoding="utf-8")
         st.create_run(
             cfg.name,
             cfg.to_dict(),
@@ -210,10 +221,38 @@ def housekeeping(store: RunStore | str | os.PathLike[str] | None = None) -> dict
     return {"crashed": reap(st), "started": dispatch(st)}
 
 
-def child_env(gpus: str | None = None) -> dict[str, str]:
+def run_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` (default: this process's) that shape a run
+    (``_ENV_PREFIXES``), without any whose name looks like a credential."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items())
+            if k.startswith(_ENV_PREFIXES) and not any(w in k for w in _SECRET_WORDS)}
+
+
+def recorded_env(run_dir: Path) -> dict[str, str] | None:
+    """The launch environment a run folder recorded (``None``: none recorded)."""
+    import json
+
+    try:
+        data = json.loads((run_dir / ENV_FILENAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    return {str(k): str(v) for k, v in data.items()}
+
+
+def child_env(gpus: str | None = None, recorded: Mapping[str, str] | None = None
+              ) -> dict[str, str]:
     """Environment for supervisor and trainer: unbuffered output, this package importable,
-    ``CUDA_VISIBLE_DEVICES`` when ``gpus`` is given."""
+    ``CUDA_VISIBLE_DEVICES`` when ``gpus`` is given. ``recorded``: the run's launch
+    environment (:func:`run_env` at launch): its variables replace this process's own
+    run-shaping ones, so a resumed run trains as it was launched."""
     env = dict(os.environ)
+    if recorded is not None:
+        for key in run_env(env):
+            env.pop(key)
+        env.update(recorded)
     env["PYTHONUNBUFFERED"] = "1"
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if _PACKAGE_ROOT not in paths:

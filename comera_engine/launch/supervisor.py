@@ -25,6 +25,8 @@ from comera_engine.launch import (
     checkpoint_steps,
     child_env,
     dispatch,
+    recorded_env,
+    run_env,
     send_stop_signal,
     signal_group,
 )
@@ -129,6 +131,13 @@ class Supervisor:
 
         resume = bool(run["resume_pending"]) and bool(checkpoint_steps(st.run_dir(rid)))
         cmd = trainer_command(st, run, resume)
+        recorded = recorded_env(st.run_dir(rid))
+        if resume and recorded is not None:
+            here = run_env()
+            differ = sorted(k for k in set(recorded) | set(here) if recorded.get(k) != here.get(k))
+            if differ:
+                _log(self.log_path, "resume: with the launch environment (differs here in "
+                     f"{', '.join(differ)})")
         attempt = int(run["attempt"] or 0) + 1
         _log(self.log_path, f"attempt {attempt} on {this_host()}: {shlex.join(cmd)}")
         with open(self.log_path, "ab") as log:
@@ -139,7 +148,7 @@ class Supervisor:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=child_env(run["gpus"]),
+                    env=child_env(run["gpus"], recorded_env(st.run_dir(rid))),
                     start_new_session=True,  # own process group: signals reach only it
                     close_fds=True,
                 )
