@@ -1,0 +1,156 @@
+"""The fault list (issue 21): bad configs, flags, files and homes. Every one is refused
+with exit code 2 and one line on stderr naming what is wrong, no traceback, and the run
+store is left as it was (or not created at all)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from comera_engine.cli import main
+from comera_engine.store import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
+
+#: ``--set`` overrides for ``comera launch``, and the field the one line must name.
+BAD_SETTINGS = [
+    ('model.name="nope"', "model.name"),
+    ('model.preset="huge"', "model.preset"),
+    ("model.rank=0", "model.rank"),
+    ("model.rank=-3", "model.rank"),
+    ("model.dropout=1.5", "model.dropout"),
+    ('model.tt_layers=["nope"]', "model.tt_layers"),
+    ("model.d_model=64", "model.d_model"),
+    ("model.hidden=[0, 4]", "model.hidden"),
+    ("comera.gamma=-1", "comera.gamma"),
+    ("comera.tau=2", "comera.tau"),
+    ("comera.target_compression=0.5", "comera.target_compression"),
+    ("comera.target_compression=1e9", "comera.target_compression"),
+    ('comera.target_scope="all"', "comera.target_scope"),
+    ('comera.switch="later"', "comera.switch"),
+    ("comera.lr_cores=0", "comera.lr_cores"),
+    ("comera.switch_by=0", "comera.switch_by"),
+    ("comera.reach_at=1.5", "comera.reach_at"),
+    ("comera.switch_by=0.9", "comera.switch_by"),
+    ("comera.plateau_patience=0", "comera.plateau_patience"),
+    ("train.steps=0", "train.steps"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.batch_size=1e9", "train.batch_size"),
+    ('train.precision="fp8"', "train.precision"),
+    ('train.device="tpu"', "train.device"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints"),
+    ("train.grad_clip=-1", "train.grad_clip"),
+    ("train.eval_every=-5", "train.eval_every"),
+    ('data.name="nope"', "data.name"),
+    ("data.bogus=1", "data.bogus"),
+    ("data.split_fraction=1.0", "data.split_fraction"),
+    ("foo.bar=1", "foo"),
+    ("train.steps", "--set"),  # no '='
+    ("train.steps=[1,", "train.steps"),  # not a TOML value: read as text
+]
+
+
+def _seeded_store(tmp_path: Path) -> RunStore:
+    st = RunStore(tmp_path / "home" / "comera.db")
+    rid = st.create_run("kept", {"name": "kept"}, "stopped")
+    st.log_event(rid, "info", "seeded")
+    return st
+
+
+def _snapshot(st: RunStore) -> tuple:
+    runs = st.list_runs()
+    return (tuple((r["id"], r["status"]) for r in runs),
+            tuple(len(st.events(r["id"])) for r in runs),
+            tuple(sorted(p.name for p in (st.path.parent).iterdir())))
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture, field: str) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusals leave through SystemExit
+        code = exc.code
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert code == 2, (argv, code, out.err[-500:])
+    assert len(lines) == 1 and "Traceback" not in out.err, lines
+    assert field in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("setting,field", BAD_SETTINGS, ids=[s for s, _ in BAD_SETTINGS])
+def test_bad_setting_is_one_line_exit_2_and_the_store_unchanged(
+        setting: str, field: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    st = _seeded_store(tmp_path)
+    before = _snapshot(st)
+    _refused(["launch", str(CONFIG), "--set", setting, "--store", str(st.path)], capsys, field)
+    assert _snapshot(st) == before
+
+
+def _bad_files(tmp_path: Path) -> list[tuple[str, Path, str]]:
+    broken = tmp_path / "broken.toml"
+    broken.write_text('name = "x"\n[model\nname = "tt_mlp"\n')
+    latin = tmp_path / "latin1.toml"
+    latin.write_bytes(CONFIG.read_text().replace("digits-tt-mlp", "caf\u00e9").encode("latin-1"))
+    folder = tmp_path / "folder.toml"
+    folder.mkdir()
+    extra = tmp_path / "extra.toml"
+    extra.write_text(CONFIG.read_text() + "\n[foo]\nbar = 1\n")
+    return [("missing", tmp_path / "missing.toml", "config"),
+            ("not TOML", broken, "config"),
+            ("not UTF-8", latin, "config"),
+            ("a folder", folder, "config"),
+            ("unknown table", extra, "foo")]
+
+
+@pytest.mark.parametrize("which", ["missing", "not TOML", "not UTF-8", "a folder",
+                                   "unknown table"])
+def test_bad_config_file_is_one_line_exit_2(which: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    st = _seeded_store(tmp_path)
+    before = _snapshot(st)
+    _, path, field = next(f for f in _bad_files(tmp_path) if f[0] == which)
+    for command in ("launch", "train"):
+        argv = [command, str(path), "--store", str(st.path)]
+        if command == "train":
+            argv = [command, str(path), "--run-dir", str(tmp_path / "run"), "--no-progress"]
+        _refused(argv, capsys, field)
+    assert _snapshot(st) == before and not (tmp_path / "run").exists()
+
+
+BAD_FLAGS = [
+    (["launch", "{cfg}", "--nproc", "0"], "nproc"),
+    (["launch", "{cfg}", "--gpus", "a,b"], "gpus"),
+    (["launch", "{cfg}", "--name", " "], "name"),
+    (["runs", "--limit", "-1"], "--limit"),
+    (["runs", "--status", "bogus"], "--status"),
+    (["logs", "no-such-run"], "no-such-run"),
+    (["stop", "no-such-run"], "no-such-run"),
+    (["resume", "no-such-run"], "no-such-run"),
+]
+
+
+@pytest.mark.parametrize("argv,field", BAD_FLAGS, ids=[" ".join(a[:3]) for a, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_exit_2(argv: list[str], field: str, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture) -> None:
+    st = _seeded_store(tmp_path)
+    before = _snapshot(st)
+    argv = [a.replace("{cfg}", str(CONFIG)) for a in argv] + ["--store", str(st.path)]
+    _refused(argv, capsys, field)
+    assert _snapshot(st) == before
+
+
+@pytest.mark.parametrize("home", ["plain file", "under /proc"])
+def test_unusable_home_is_one_line_exit_2(home: str, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    if home == "plain file":
+        path = tmp_path / "plain"
+        path.write_text("not a folder")
+    else:
+        path = Path("/proc/comera-home")
+    monkeypatch.setenv("COMERA_HOME", str(path))
+    _refused(["launch", str(CONFIG)], capsys, str(path))
+    assert not os.path.isdir(path)
+
