@@ -13,16 +13,15 @@ Prints a table and writes experiments/results/bench_kernels_<device>.json. Targe
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+from benchlib import graph_or_eager, median_ms, print_table, write_json  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.kernels.tt_linear import tt_linear_chain  # noqa: E402
@@ -53,18 +52,7 @@ def _timer(fn, x: torch.Tensor, dy: torch.Tensor, graph: bool):  # noqa: ANN001,
     def step() -> None:
         fn(x).backward(dy)
 
-    if not graph:
-        return step
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g.replay
+    return graph_or_eager(step, graph)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,37 +78,25 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(args.tokens, n, device=args.device, dtype=dtype,
                             requires_grad=True)
             dy = torch.randn(args.tokens, m, device=args.device, dtype=dtype)
-            times: dict[str, list[float]] = {k: [] for k in variants}
             with torch.autocast(args.device.split(":")[0], dtype=dtype, enabled=cuda):
                 steps = {k: _timer(f, x, dy, graph) for k, f in variants.items()}
-                for _ in range(args.rounds):
-                    for k, step in steps.items():
-                        if cuda:
-                            torch.cuda.synchronize()
-                        t = time.perf_counter()
-                        for _ in range(args.reps):
-                            step()
-                        if cuda:
-                            torch.cuda.synchronize()
-                        times[k].append((time.perf_counter() - t) / args.reps * 1e3)
-            med = {k: statistics.median(v) for k, v in times.items()}
+                med = median_ms(steps, args.rounds, args.reps, cuda)
             rows.append({"shape": shape, "rank": args.rank, "tokens": args.tokens,
                          "graph": graph, "dtype": str(dtype), "ms": med,
                          "fused_vs_halves": med["halves"] / med["fused"],
                          "fused_vs_linear": med["nn.Linear"] / med["fused"]})
     print(f"{args.device}, {dtype}, rank {args.rank}, {args.tokens} tokens, fwd+bwd medians")
-    print("| shape | graph | fused ms | halves ms | nn.Linear ms | fused vs halves | "
-          "fused vs nn.Linear |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        ms = r["ms"]
-        print(f"| {r['shape']} | {r['graph']} | {ms['fused']:.3f} | {ms['halves']:.3f} | "
-              f"{ms['nn.Linear']:.3f} | {r['fused_vs_halves']:.2f} | "
-              f"{r['fused_vs_linear']:.2f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_kernels_{args.device.split(':')[0]}.json"
-    path.write_text(json.dumps({"rows": rows}, indent=1))
+    flat = [{"shape": r["shape"], "graph": r["graph"],
+             **{f"{k} ms": v for k, v in r["ms"].items()},
+             "vs halves": r["fused_vs_halves"], "vs linear": r["fused_vs_linear"]}
+            for r in rows]
+    print_table(flat, [("shape", "shape", ""), ("graph", "graph", ""),
+                       ("fused ms", "fused ms", ".3f"), ("halves ms", "halves ms", ".3f"),
+                       ("nn.Linear ms", "nn.Linear ms", ".3f"),
+                       ("vs halves", "fused vs halves", ".2f"),
+                       ("vs linear", "fused vs nn.Linear", ".2f")])
+    path = write_json(f"bench_kernels_{args.device.split(':')[0]}", {"rows": rows},
+                      Path(args.out))
     print(f"wrote {path}")
     return 0
 

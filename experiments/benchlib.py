@@ -293,3 +293,38 @@ def bench_tt_linear_op(path: str, cases: list[tuple[str, list[int], list[int], i
     return bench_op(f"tt_linear_{path}", [
         (label, tt_linear_step(op, ins, outs, r, B), tt_linear_step(ref, ins, outs, r, B))
         for label, ins, outs, r, B in cases])
+
+
+def graph_or_eager(step: Callable[[], None], graph: bool) -> Callable[[], object]:
+    """``step`` as is, or captured into a CUDA graph (after three warm-up calls on a side
+    stream) and returned as the graph's ``replay``."""
+    if not graph:
+        return step
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g.replay
+
+
+def median_ms(steps: dict[str, Callable[[], object]], rounds: int, reps: int,
+              cuda: bool) -> dict[str, float]:
+    """Median milliseconds per call of each step, timed in alternating rounds of ``reps``
+    calls (so drifting load hits every variant alike)."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, step in steps.items():
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(reps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            times[k].append((time.perf_counter() - t) / reps * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}

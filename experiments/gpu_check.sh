@@ -29,7 +29,8 @@ tests)
     $PY -m pytest -q -rs -p no:cacheprovider tests/test_train.py tests/test_export.py \
         -k "gpu or cuda or graph or bf16 or resume" 2>&1 | tee "$RES/gpu_tests.log" || rc=1
     # the Triton kernels compiled and run on the GPU, against the same float64 references
-    TRITON_INTERPRET=0 $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py 2>&1 \
+    TRITON_INTERPRET=0 $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py \
+        tests/test_kernels_ttm.py 2>&1 \
         | tee "$RES/gpu_kernels.log" || rc=1
     # the trainer end to end on the GPU (auto precision = bf16, CUDA graphs on), with and
     # without graphs. (NCCL DDP needs two GPUs: one process per GPU; the lent machines
@@ -51,6 +52,8 @@ bench)
         | tee "$RES/bench_tt_embedding.log" || rc=1
     $PY experiments/bench_train_step.py --no-docs 2>&1 | tee "$RES/bench_train_step.log" || rc=1
     $PY experiments/bench_kernels.py --out "$RES" 2>&1 | tee "$RES/bench_kernels.log" || rc=1
+    $PY experiments/bench_kernels_ttm.py --out "$RES" 2>&1 | tee "$RES/bench_kernels_ttm.log" \
+        || rc=1
     $PY experiments/kernels_aot.py --out "$RES" 2>&1 | tee "$RES/kernels_aot.log" || rc=1
     cp experiments/results/bench_tt_embedding_cuda.json experiments/results/bench_train_step.json \
         "$RES/" 2>/dev/null

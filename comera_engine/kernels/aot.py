@@ -45,9 +45,12 @@ class CompileReport:
 def _signature(fn: Any, pointers: tuple[str, ...], dtype: str, constexprs: dict[str, Any]
                ) -> dict[str, str]:
     sig = {}
+    index = {p.split(":")[0] for p in pointers if p.endswith(":i64")}  # id/offset arrays
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in index:
+            sig[name] = "*i64"
         elif name in pointers:
             sig[name] = _DTYPES[dtype]
         else:
@@ -58,7 +61,8 @@ def _signature(fn: Any, pointers: tuple[str, ...], dtype: str, constexprs: dict[
 def compile_kernel(fn: Any, pointers: tuple[str, ...], dtype: str, arch: int,
                    constexprs: dict[str, Any]) -> CompileReport:
     """Compile the ``@triton.jit`` function ``fn`` for ``sm_<arch>`` with ``pointers``
-    of ``dtype`` and every other non-constexpr argument an ``i32``; report its needs."""
+    of ``dtype`` (``"NAME:i64"``: an int64 array) and every other non-constexpr argument
+    an ``i32``; report its needs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -91,8 +95,9 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def paper_cases() -> list[tuple[Any, tuple[str, ...], dict[str, Any]]]:
-    """The kernels at the paper's TT-linear shapes (rank 30 -> rank tile 32; rank 64 and
-    the largest rank tile, 128): ``(kernel, pointer args, constexprs)`` each."""
+    """The kernels at the paper's shapes: the TT-linear chain at rank 30 (rank tile 32),
+    64 and the largest tile, 128; the fused TTM lookup at the word embedding's shapes:
+    ``(kernel, pointer args, constexprs)`` each."""
     from . import tt_linear as K
 
     chain = (K.chain_kernel, ("A", "P", "Q", "BIAS", "OUT", "MID"))
@@ -106,4 +111,16 @@ def paper_cases() -> list[tuple[Any, tuple[str, ...], dict[str, Any]]]:
                        BLOCK_ROWS=K.BLOCK_ROWS)))
     cases.append((K.colsum_kernel, ("G", "OUT"),
                   dict(BLOCK_ROWS=K.BLOCK_ROWS, BLOCK_M=K.BLOCK_M)))
+    # the fused TTM lookup at the paper's word embedding: rows 16·20 | 10·10, columns
+    # 4·4 | 8·6 (E_a 16, E_b 48 -> a 64 tile), rank 32; and at rank 64
+    from . import ttm_lookup as T
+
+    for block_r in (32, 64):
+        blocks = dict(PRECISION="tf32", UPCAST=False, BLOCK_EA=16, BLOCK_R=block_r,
+                      BLOCK_EB=64)
+        cases.append((T.lookup_kernel, ("IDS:i64", "A", "BT", "OUT"), blocks))
+        cases.append((T.grad_a_kernel, ("IDS:i64", "ORDER:i64", "START:i64", "COUNT:i64",
+                                        "G", "BT", "DA"), blocks))
+        cases.append((T.grad_b_kernel, ("IDS:i64", "ORDER:i64", "START:i64", "COUNT:i64",
+                                        "G", "A", "DB"), blocks))
     return cases

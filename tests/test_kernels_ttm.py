@@ -1,0 +1,101 @@
+"""The fused TTM lookup kernels (kernels/ttm_lookup.py) under ``TRITON_INTERPRET=1`` on
+the CPU, against float64: rows and both half tables' gradients, repeated ids, rows no id
+touches, odd shapes, ranks below and above a tile; fp32 and bf16; deterministic."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+triton = pytest.importorskip("triton", reason="triton is not installed (Linux x86-64 only)")
+
+from comera_engine.kernels import ttm_lookup as K  # noqa: E402
+from comera_engine.ops.ttm_lookup import merge_tables  # noqa: E402
+from comera_engine.tensor.tt import TTMCores  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="no GPU and TRITON_INTERPRET is not 1")
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+# (row factors, column factors, rank, split, ids): V_a·V_b rows, E_a·E_b columns
+CASES = [((5, 4, 3), (2, 3, 2), 5, 1, 37),   # V 60 = 5·12, E 12 = 2·6, r 5
+         ((7, 3), (3, 5), 30, 1, 23),         # r 30 (a 32 tile), E_b 5
+         ((3, 2, 4), (4, 2, 3), 20, 2, 41)]   # split after two cores: V_a 6, E_a 8
+
+
+def _tables(rows, cols, rank, split, dtype):
+    torch.manual_seed(0)
+    tt = TTMCores(rows, cols, rank, dtype=torch.float64)
+    with torch.no_grad():
+        for g in tt.gates:
+            g.uniform_(0.3, 1.2)
+    A, Bt = merge_tables([c.detach() for c in tt.gated_cores()], split)
+    return A, Bt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols,rank,split,n", CASES)
+def test_fused_lookup_and_its_gradients_match_float64(rows, cols, rank, split, n,
+                                                      dtype) -> None:
+    A64, Bt64 = _tables(rows, cols, rank, split, dtype)
+    V = A64.shape[0] * Bt64.shape[0]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (n,), generator=g)
+    ids[:5] = ids[0]  # one id several times: its segment sums five gradients
+    A = A64.to(DEVICE, dtype).requires_grad_()
+    Bt = Bt64.to(DEVICE, dtype).requires_grad_()
+    out = K.ttm_lookup_fused(ids.to(DEVICE), A, Bt)
+    assert out.dtype == dtype and out.shape == (n, A.shape[1] * Bt.shape[2])
+    dy = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(dy.to(DEVICE, dtype))
+    Ar, Btr = A64.clone().requires_grad_(), Bt64.clone().requires_grad_()
+    ref = K.ttm_lookup_fused_reference(ids, Ar, Btr)
+    ref.backward(dy)
+    s = ref.abs().max()
+    torch.testing.assert_close(out.detach().cpu().double() / s, ref.detach() / s, **TOL[dtype])
+    for got, want in ((A.grad, Ar.grad), (Bt.grad, Btr.grad)):
+        s = want.abs().max()
+        torch.testing.assert_close(got.cpu().double() / s, want / s, **TOL[dtype])
+    untouched = torch.ones(A.shape[0], dtype=torch.bool)
+    untouched[torch.div(ids, Bt.shape[0], rounding_mode="floor")] = False
+    assert (A.grad.cpu()[untouched] == 0).all()  # rows no id uses: exactly zero
+
+
+def test_backward_is_deterministic_and_empty_ids_are_fine() -> None:
+    A64, Bt64 = _tables((5, 4, 3), (2, 3, 2), 5, 1, torch.float32)
+    A, Bt = A64.float().to(DEVICE), Bt64.float().to(DEVICE)
+    ids = torch.randint(0, 60, (50,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    grad = torch.randn(50, A.shape[1], Bt.shape[2], device=DEVICE)
+    first = K.lookup_backward(ids, grad, A, Bt)
+    second = K.lookup_backward(ids, grad, A, Bt)
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+    empty = K.lookup(ids[:0], A, Bt)
+    assert empty.shape == (0, A.shape[1], Bt.shape[2])
+    with pytest.raises(ValueError, match="^Bt: expected rank"):
+        K.lookup(ids, A, Bt[:, :3])
+
+
+def test_bench_kernels_ttm_smoke_run(tmp_path) -> None:
+    """experiments/bench_kernels_ttm.py runs its three variants and writes its JSON (here
+    interpreted on the CPU at a tiny shape: the code path, not a timing)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, str(root / "experiments" / "bench_kernels_ttm.py"),
+                          "--device", "cpu", "--tokens", "37", "--rows", "5", "4", "3",
+                          "--cols", "2", "3", "2", "--rank", "5", "--reps", "1", "--rounds",
+                          "1", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_kernels_ttm_cpu.json").read_text())["rows"]
+    assert len(rows) == 1 and set(rows[0]["ms"]) == {"fused", "gather", "nn.Embedding"}
+    assert all(v > 0 for v in rows[0]["ms"].values())
