@@ -42,6 +42,12 @@ tests)
             --run-dir /tmp/gpu_run --no-progress 2>&1 | tee -a "$RES/gpu_train.log" || rc=1
         tail -n 3 /tmp/gpu_run/metrics.jsonl >> "$RES/gpu_train.log" 2>/dev/null
     done
+    # the same run with the fused Triton kernels on (opt-in: COMERA_KERNELS=1)
+    rm -rf /tmp/gpu_run
+    COMERA_KERNELS=1 $PY -m comera_engine.cli train experiments/configs/digits_tt_mlp.toml \
+        --set train.device='"cuda"' --set train.steps=300 --run-dir /tmp/gpu_run \
+        --no-progress 2>&1 | tee -a "$RES/gpu_train_kernels.log" || rc=1
+    tail -n 3 /tmp/gpu_run/metrics.jsonl >> "$RES/gpu_train_kernels.log" 2>/dev/null
     [ -f experiments/results/cuda_graph_step_ratio.json ] &&
         cp experiments/results/cuda_graph_step_ratio.json "$RES/"
     ;;

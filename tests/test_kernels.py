@@ -115,3 +115,46 @@ def test_bench_kernels_smoke_run(tmp_path) -> None:
     rows = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())["rows"]
     assert len(rows) == 1 and set(rows[0]["ms"]) == {"fused", "halves", "nn.Linear"}
     assert all(v > 0 for v in rows[0]["ms"].values())
+
+
+def test_tt_linear_layer_runs_its_halves_path_on_the_fused_kernels(monkeypatch) -> None:
+    """A TTLinear with gates (one dead entry) through the planner's halves path: on the
+    fused kernels (``COMERA_KERNELS=interpret`` takes CPU tensors under the interpreter)
+    it gives the halves op's output and gradients; with the default setting a CPU tensor
+    never reaches Triton."""
+    from comera_engine import TTLinear
+    from comera_engine.kernels import tt_linear as kt
+
+    torch.manual_seed(0)
+    layer = TTLinear(24, 20, rank=6, path="halves").to(DEVICE)
+    with torch.no_grad():
+        layer.tt.gates[1][2] = 0.0
+    x = torch.randn(13, 24, device=DEVICE, requires_grad=True)
+    dy = torch.randn(13, 20, device=DEVICE)
+
+    def run() -> list[torch.Tensor]:
+        layer.zero_grad()
+        x.grad = None
+        y = layer(x)
+        y.backward(dy)
+        return [y.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+    calls = []
+    real = kt.tt_linear_chain
+
+    def counting(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kt, "tt_linear_chain", counting)
+    monkeypatch.setenv("COMERA_KERNELS", "0")
+    want = run()  # the PyTorch halves op
+    monkeypatch.setenv("COMERA_KERNELS", "1")
+    if DEVICE == "cpu":
+        run()
+        assert not calls  # the default never sends a CPU tensor to Triton
+        monkeypatch.setenv("COMERA_KERNELS", "interpret")
+    got = run()
+    assert calls  # the same layer on the fused kernels
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -1,12 +1,17 @@
 """GPU kernels in Triton, one module per kernel (kernel, launcher, ``autograd.Function``
 and the PyTorch reference it is tested against).
 
-* :mod:`.tt_linear` - the fused TT-linear forward ``(X·L)·R + b`` and backward.
+* :mod:`.tt_linear` - the fused TT-linear forward ``(X·L)·R + b`` and backward; on CUDA
+  the planner's ``halves`` path runs on it (``tensor.planner.tt_linear``).
+* :mod:`.ttm_lookup` - the fused TTM embedding lookup (rows from the two half tables;
+  backward by sorted segments, deterministic and graph-safe).
 
 Nothing here is imported by the CPU path: CPU tensors never touch Triton, and the package
-imports without it. :func:`enabled` says whether the kernels may be used
-(``COMERA_KERNELS=0`` switches them off). What has run on a real GPU and what has only
-been interpreted and compiled ahead is listed in README.md.
+imports without it. :func:`enabled` says whether the kernels may be used: **opt-in**
+(``COMERA_KERNELS=1``) until they have run on a GPU and can be compiled at install time
+(Triton compiles a kernel on its first launch, and nothing may compile inside a run).
+What has run on a real GPU and what has only been interpreted and compiled ahead is
+listed in README.md.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ __all__ = ["enabled"]
 
 
 def enabled() -> bool:
-    """True where Triton is installed and ``COMERA_KERNELS`` is not ``0``."""
-    if os.environ.get("COMERA_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    """True where Triton is installed and ``COMERA_KERNELS`` is ``1`` (or ``interpret``:
+    CPU tensors too when ``TRITON_INTERPRET=1``, the tests' way). Off by default."""
+    if os.environ.get("COMERA_KERNELS", "0").strip().lower() not in ("1", "true", "yes", "on",
+                                                                     "interpret"):
         return False
     return importlib.util.find_spec("triton") is not None

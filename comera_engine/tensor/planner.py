@@ -309,7 +309,9 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
         raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}") from None
     if gates is not None and len(gates) != 2 * d - 1:
         raise ValueError(f"gates: expected 2d-1 = {2 * d - 1} gate vectors, got {len(gates)}")
-    if path in ("halves", "sweep"):
+    if path == "halves" and _fused_ok(x2, ranks[d]):
+        y = _fused_halves(x2, cores, d, bias, gates, tau, alive)
+    elif path in ("halves", "sweep"):
         y = impl(x2, cores, d, bias, gates or (), tau, alive or ())
     else:
         if gates is not None:
@@ -318,3 +320,39 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
         if bias is not None:
             y = y + bias.to(y.dtype)  # keeps autocast's dtype, as nn.Linear does
     return y if x.dim() == 2 else y.reshape(*lead, -1)
+
+
+def _fused_ok(x: Tensor, rank: int) -> bool:
+    """The halves path runs as the fused Triton chain (``kernels/tt_linear.py``): on a
+    CUDA tensor, with the kernels on (``COMERA_KERNELS=1``, opt-in; Triton installed) and
+    the middle rank within the kernel's tile. ``COMERA_KERNELS=interpret`` with
+    ``TRITON_INTERPRET=1`` takes CPU tensors too (the tests' way through the same code);
+    otherwise CPU tensors never touch Triton. Same math as the halves op: the planner's
+    choice of path stands, and no timing happens in a run."""
+    import os
+
+    from ..kernels import enabled
+
+    mode = os.environ.get("COMERA_KERNELS", "0").strip().lower()
+    on_device = x.is_cuda or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
+    if not on_device or not enabled():
+        return False
+    from ..kernels.tt_linear import MAX_RANK
+
+    return 1 <= rank <= MAX_RANK
+
+
+def _fused_halves(x: Tensor, cores: Sequence[Tensor], d: int, bias: Tensor | None,
+                  gates: Sequence[Tensor] | None, tau: float,
+                  alive: Sequence[Tensor] | None) -> Tensor:
+    """``(X·L)·R + b`` on the fused kernels, ``L``/``R`` merged from the gated cores by
+    autograd-tracked products (batch independent, so small)."""
+    from ..kernels.tt_linear import tt_linear_chain
+
+    if gates:
+        cores = apply_gates(cores, gates, gate_masks(gates, tau, alive))
+    dtype = x.dtype
+    L = merge_left(cores[:d])[-1].to(dtype)
+    R = merge_right(cores[d:])[0].to(dtype)
+    b = bias.to(dtype) if bias is not None else None
+    return tt_linear_chain(x.contiguous(), L, R, b)
