@@ -99,3 +99,40 @@ def test_bench_kernels_ttm_smoke_run(tmp_path) -> None:
     rows = json.loads((tmp_path / "bench_kernels_ttm_cpu.json").read_text())["rows"]
     assert len(rows) == 1 and set(rows[0]["ms"]) == {"fused", "gather", "nn.Embedding"}
     assert all(v > 0 for v in rows[0]["ms"].values())
+
+
+def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch) -> None:
+    """A TTEmbedding (gates with a dead entry, a padding row, repeated ids): with the
+    kernels on (``interpret`` takes CPU tensors under the interpreter) its rows and core
+    and gate gradients equal the PyTorch path's, and the kernel ran."""
+    from comera_engine import TTEmbedding
+
+    torch.manual_seed(0)
+    emb = TTEmbedding(60, 12, rank=5, padding_idx=0).to(DEVICE)
+    with torch.no_grad():
+        emb.tt.gates[0][1] = 0.0
+    ids = torch.tensor([[3, 0, 59, 3], [17, 17, 42, 1]], device=DEVICE)
+    dy = torch.randn(2, 4, 12, device=DEVICE)
+    calls = []
+    real = K.ttm_lookup_fused
+
+    def counting(*a):  # noqa: ANN002, ANN202
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(K, "ttm_lookup_fused", counting)
+
+    def run() -> list[torch.Tensor]:
+        emb.zero_grad()
+        y = emb(ids)
+        y.backward(dy)
+        return [y.detach(), *(p.grad for p in emb.parameters() if p.grad is not None)]
+
+    monkeypatch.setenv("COMERA_KERNELS", "0")
+    want = run()
+    assert not calls
+    monkeypatch.setenv("COMERA_KERNELS", "interpret" if DEVICE == "cpu" else "1")
+    got = run()
+    assert calls
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
-__all__ = ["enabled"]
+__all__ = ["enabled", "runs_on"]
 
 
 def enabled() -> bool:
@@ -29,3 +30,15 @@ def enabled() -> bool:
                                                                      "interpret"):
         return False
     return importlib.util.find_spec("triton") is not None
+
+
+def runs_on(t: Any) -> bool:
+    """The kernels take this tensor: they are :func:`enabled` and ``t`` is on a CUDA
+    device, or ``COMERA_KERNELS=interpret`` with ``TRITON_INTERPRET=1`` (CPU tensors
+    through the interpreter: the tests' way). Otherwise CPU tensors never touch Triton."""
+    if not enabled():
+        return False
+    if getattr(t, "is_cuda", False):
+        return True
+    return (os.environ.get("COMERA_KERNELS", "").strip().lower() == "interpret"
+            and os.environ.get("TRITON_INTERPRET") == "1")

@@ -12,7 +12,7 @@ merged tables): what the optimised path is measured against.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -61,13 +61,16 @@ def merge_tables(cores: Sequence[Tensor], h: int) -> tuple[Tensor, Tensor]:
 
 
 def ttm_lookup(ids: Tensor, cores: Sequence[Tensor], h: int | None = None,
-               dedup: bool | None = None) -> Tensor:
+               dedup: bool | None = None,
+               rows_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> Tensor:
     """Rows ``E[ids]`` of the TTM table; ``ids`` any shape of int64, returns
     ``(*ids.shape, ∏ e_k)``.
 
     ``dedup`` (default: on, except while a CUDA graph is being captured) computes each
     distinct id once; its output size depends on the data, so graph capture uses the
-    fixed-shape path (one small GEMM per token, same numbers)."""
+    fixed-shape path (one small GEMM per token, same numbers). ``rows_fn(ids, A, Bt)``
+    replaces the gather + batched GEMM (``(U, E_a·E_b)`` rows; e.g. the fused Triton
+    lookup, ``kernels/ttm_lookup.py``)."""
     rows = [c.shape[1] for c in cores]
     cols = [c.shape[2] for c in cores]
     ranks = [1, *[c.shape[-1] for c in cores[:-1]], 1]
@@ -84,10 +87,13 @@ def ttm_lookup(ids: Tensor, cores: Sequence[Tensor], h: int | None = None,
         uniq, inv = torch.unique(flat, return_inverse=True)
     else:
         uniq, inv = flat, None
-    a = torch.div(uniq, Vb, rounding_mode="floor")
-    b = uniq - a * Vb
-    out = torch.bmm(A.index_select(0, a), Bt.index_select(0, b))  # (U, E_a, E_b)
-    out = out.reshape(uniq.shape[0], -1)
+    if rows_fn is not None:
+        out = rows_fn(uniq, A, Bt)
+    else:
+        a = torch.div(uniq, Vb, rounding_mode="floor")
+        b = uniq - a * Vb
+        out = torch.bmm(A.index_select(0, a), Bt.index_select(0, b))  # (U, E_a, E_b)
+        out = out.reshape(uniq.shape[0], -1)
     if inv is not None:
         out = out.index_select(0, inv)
     return out.reshape(*ids.shape, -1)

@@ -323,19 +323,14 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
 
 
 def _fused_ok(x: Tensor, rank: int) -> bool:
-    """The halves path runs as the fused Triton chain (``kernels/tt_linear.py``): on a
-    CUDA tensor, with the kernels on (``COMERA_KERNELS=1``, opt-in; Triton installed) and
-    the middle rank within the kernel's tile. ``COMERA_KERNELS=interpret`` with
-    ``TRITON_INTERPRET=1`` takes CPU tensors too (the tests' way through the same code);
-    otherwise CPU tensors never touch Triton. Same math as the halves op: the planner's
-    choice of path stands, and no timing happens in a run."""
-    import os
+    """The halves path runs as the fused Triton chain (``kernels/tt_linear.py``) where
+    the kernels take ``x`` (:func:`comera_engine.kernels.runs_on`: CUDA with
+    ``COMERA_KERNELS=1``, opt-in) and the middle rank fits the kernel's tile. Same math
+    as the halves op: the planner's choice of path stands, and no timing happens in a
+    run."""
+    from ..kernels import runs_on
 
-    from ..kernels import enabled
-
-    mode = os.environ.get("COMERA_KERNELS", "0").strip().lower()
-    on_device = x.is_cuda or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
-    if not on_device or not enabled():
+    if not runs_on(x):
         return False
     from ..kernels.tt_linear import MAX_RANK
 
