@@ -3,16 +3,24 @@
 :mod:`comera_engine.export`.
 
 ``comera train CONFIG.toml [--set section.key=value ...] [--print-config] [--run-dir DIR]
-[--resume] [--store DB --run-id ID]``
+[--resume] [--store DB] [--run-id ID] [--no-store]``
 
 Everything (config fields, data files, model/data fit, batch size vs data) is checked
 before anything is written; a bad input prints one line on stderr and exits with code 2.
-The run folder is ``--run-dir``, else the folder holding CONFIG when ``--run-id`` or
-``--resume`` is given (the launcher's layout, ``<run_dir>/config.toml``), else
-``runs/<timestamp>-<name>/``. It receives ``config.toml`` (the resolved config),
+
+A foreground run is recorded in the run store like a launched one (``--store``, else
+``$COMERA_HOME``, else ``./runs``): ``comera runs`` lists it, the dashboard follows it
+live, ``comera export ID`` finds it, ``comera stop ID`` stops it and, if its process dies,
+it is marked crashed. ``--no-store`` trains into the folder alone. ``--run-id ID`` trains
+a run the launcher created (its supervisor passes it).
+
+The run folder is ``--run-dir``, else the folder holding CONFIG when ``--run-id`` is
+given (the launcher's layout, ``<run_dir>/config.toml``), else ``<store dir>/<run id>/``
+(``runs/<timestamp>-<name>/`` with ``--no-store``). ``--resume`` continues the run
+recorded for that folder. It receives ``config.toml`` (the resolved config),
 ``metrics.jsonl``, ``checkpoints/`` and ``.lock``, held while the trainer lives: a second
-trainer on the same folder (or, with ``--store``, on the same run anywhere) is refused
-before it writes anything (exit 2).
+trainer on the same folder (or on the same run anywhere) is refused before it writes
+anything (exit 2).
 
 Exit codes: 0 finished or stopped, 1 error during training, 2 bad input, 3 diverged.
 """
@@ -52,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--run-dir", help="run folder (default: runs/<timestamp>-<name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    p.add_argument("--store", help="run store database to record into (with --run-id)")
-    p.add_argument("--run-id", help="run id in the store")
+    p.add_argument("--store", help="run store to record into (default: $COMERA_HOME or "
+                   "./runs)")
+    p.add_argument("--run-id", help="train this run of the store (the launcher's)")
+    p.add_argument("--no-store", action="store_true",
+                   help="record nothing in the run store (the run folder only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -125,14 +136,20 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from comera_engine.config import load_config, to_toml
 
-    if bool(args.store) != bool(args.run_id):
-        raise ConfigError("--store", "give --store and --run-id together")
+    if args.no_store and (args.store or args.run_id):
+        raise ConfigError("--no-store", "cannot be combined with --store or --run-id")
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         sys.stdout.write(to_toml(cfg))
         return EXIT_OK
-
-    run_dir = _run_dir(args, cfg.name)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    if (not args.run_dir and not args.run_id and not args.no_store
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise ConfigError("--run-dir", "a multi-process run started with torchrun needs "
+                          "--run-dir DIR (the same for every process), or use "
+                          "`comera launch --nproc N`")
+    record = _Record(args) if is_main and not args.no_store else None
+    run_dir = _run_dir(args, cfg.name, record)
     saved_tok = run_dir / "tokenizer.json"
     if saved_tok.is_file() and isinstance(cfg.data, dict) and "tokenizer_path" not in cfg.data:
         # a resumed text run must reuse its own vocabulary (WordPiece training is not
@@ -146,25 +163,87 @@ def cmd_train(args: argparse.Namespace) -> int:
                        nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     cfg = _plan_target(cfg)  # before any data is read: refuses an unreachable target
     bundle = _prepare(cfg, run_dir, args.resume)  # validates data and model, writes nothing
-    is_main = int(os.environ.get("RANK", "0")) == 0
     if not is_main:
         return _run(cfg, run_dir, bundle, args, None)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with _Writer(run_dir, args.store, args.run_id) as writer:  # or RunBusyError: exit 2
+    with _Writer(run_dir, record, cfg) as writer:  # or RunBusyError: exit 2
         _write_config(run_dir, args.config, to_toml(cfg))
         _write_data_record(run_dir, bundle)
         return _run(cfg, run_dir, bundle, args, writer)
 
 
+class _Record:
+    """Where a trainer records its run: the store (``--store``, else the default) and the
+    run's id there: ``--run-id``, the run recorded for the folder of a ``--resume``, or a
+    new id for a new foreground run. Nothing is opened or created until :meth:`open`
+    (called by :class:`_Writer` once the folder is locked, so a refused start leaves no
+    store and no row)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from comera_engine.store import resolve_store_path
+
+        try:
+            self.path = resolve_store_path(args.store or None)
+        except Exception as e:  # noqa: BLE001 (an unusable path)
+            raise ConfigError("--store", str(e)) from None
+        self.root = self.path.parent
+        self.wanted: str | None = args.run_id
+        self.run_id: str | None = None
+        self.new = args.run_id is None
+        self.store: Any = None
+
+    def open(self) -> Any:
+        from comera_engine.store import RunStore, StoreError
+
+        if self.store is None:
+            try:
+                self.store = RunStore(self.path, create=self.wanted is None)
+                if self.wanted is not None:
+                    self.run_id = self.store.resolve(self.wanted)
+            except StoreError as e:  # no such store or run, or one that cannot be made
+                raise ConfigError("--store", str(e)) from None
+        return self.store
+
+    def find(self, folder: Path) -> None:
+        """The run recorded for ``folder`` (a ``--resume``), if the store has one."""
+        from comera_engine.store import RunStore, StoreError
+
+        if not self.path.is_file():
+            return
+        try:
+            with RunStore(self.path, create=False) as st:
+                self.run_id = st.run_for_folder(folder)
+        except StoreError as e:
+            raise ConfigError("--store", str(e)) from None
+        self.new = self.run_id is None
+
+    def new_folder(self) -> Path:
+        from comera_engine.store import new_run_id
+
+        for _ in range(20):
+            folder = self.root / new_run_id()
+            if not folder.exists():
+                return folder
+        raise ConfigError("--store", "could not allocate a new run id")  # pragma: no cover
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
 class _Writer:
     """This process as the run's one writer, for as long as it trains: the run folder's
-    lock and, with ``--store``, the run's owner token (see
+    lock and, when the run is recorded, the run's owner token (see
     :mod:`comera_engine.launch.owner`). Taken before anything is written; a run that
-    already has a live writer raises :class:`~comera_engine.launch.owner.RunBusyError`."""
+    already has a live writer raises :class:`~comera_engine.launch.owner.RunBusyError`.
+    A new foreground run gets its store row here, after the lock: ``running``, owned by
+    this process (so it is marked crashed if this process dies)."""
 
-    def __init__(self, run_dir: Path, store: str | None, run_id: str | None) -> None:
-        self.run_dir, self.store_path, self.run_id = run_dir, store, run_id
+    def __init__(self, run_dir: Path, record: _Record | None, cfg: Any) -> None:
+        self.run_dir, self.record, self.cfg = run_dir, record, cfg
         self.store: Any = None
+        self.run_id: str | None = None
         self.owner: dict[str, Any] | None = None
 
     def __enter__(self) -> _Writer:
@@ -172,12 +251,18 @@ class _Writer:
 
         self.lock = RunLock(self.run_dir).acquire()
         try:
-            if self.store_path:
-                from comera_engine.store import RunStore, StoreError
+            if self.record is not None:
+                from comera_engine.store import StoreError
 
                 try:
-                    self.store = RunStore(self.store_path, create=False)
+                    self.store = self.record.open()
+                    self.run_id = self.record.run_id
+                    if self.run_id is None:
+                        self.run_id = self._create()
+                        self.record.run_id = self.run_id
                     self.owner = claim_run(self.store, str(self.run_id))
+                    if self.record.wanted is None and not self.record.new:
+                        self._reopen()
                 except StoreError as e:  # no such store or run: one line
                     raise ConfigError("--store", str(e)) from None
         except BaseException:
@@ -185,9 +270,45 @@ class _Writer:
             raise
         return self
 
+    def _create(self) -> str:
+        from comera_engine.launch import run_env
+        from comera_engine.launch.liveness import this_process
+
+        in_root = self._in_store_root()
+        rid = self.run_dir.name if in_root else self.record.new_folder().name
+        folder = None if in_root else self.run_dir
+        me = this_process()
+        device = self.cfg.train.device
+        self.store.create_run(self.cfg.name, self.cfg.to_dict(), "running", device=device,
+                              cwd=os.getcwd(), run_id=rid, folder=folder)
+        self.store.update_run(rid, **me)
+        self.store.log_event(rid, "launch", f"started in the foreground by pid {me['pid']} "
+                             f"({self.cfg.name}, folder {self.run_dir})")
+        import json
+
+        env = self.run_dir / "launch_env.json"
+        if not env.exists():
+            env.write_text(json.dumps(run_env(), indent=1), encoding="utf-8")
+        return rid
+
+    def _reopen(self) -> None:
+        """A foreground ``--resume`` of a recorded run: it is running again, as the same
+        run (a live owner was refused by the claim)."""
+        from comera_engine.store import RESUMABLE_STATUSES
+
+        if self.store.set_status(str(self.run_id), "running", None,
+                                 only_from=tuple(RESUMABLE_STATUSES), ended_at=None,
+                                 exit_code=None):
+            self.store.log_event(str(self.run_id), "resume",
+                                 f"resumed in the foreground by pid {os.getpid()}")
+
+    def _in_store_root(self) -> bool:
+        return self.run_dir.resolve().parent == self.store.root.resolve() and \
+            self.store.get_run(self.run_dir.name) is None
+
     def __exit__(self, *exc: object) -> None:
-        if self.store is not None:
-            self.store.close()
+        if self.record is not None:
+            self.record.close()
         self.lock.release()
 
 
@@ -209,11 +330,23 @@ def _write_data_record(run_dir: Path, bundle: Any) -> None:
         os.replace(tmp, run_dir / name)
 
 
-def _run_dir(args: argparse.Namespace, name: str) -> Path:
+def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None) -> Path:
+    """The run folder (see the module docstring); for a ``--resume`` without
+    ``--run-id``, also finds the run recorded for that folder."""
     if args.run_dir:
-        return Path(args.run_dir)
-    if args.run_id or args.resume:
-        return Path(args.config).resolve().parent
+        folder = Path(args.run_dir)
+    elif args.run_id:
+        folder = Path(args.config).resolve().parent
+    elif args.resume:
+        folder = Path(args.config).resolve().parent
+    elif record is not None:
+        folder = record.new_folder()
+    else:
+        folder = None
+    if folder is not None:
+        if record is not None and record.wanted is None and args.resume:
+            record.find(folder)
+        return folder
     stamp = time.strftime("%Y%m%d-%H%M%S")
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
     return Path("runs") / f"{stamp}-{safe}"
@@ -294,7 +427,10 @@ def _run(
         if writer.store is not None:
             from comera_engine.store import StoreSink
 
-            sinks.append(StoreSink(writer.store, str(args.run_id), owner=writer.owner))
+            sinks.append(StoreSink(writer.store, str(writer.run_id), owner=writer.owner))
+            if writer.record is not None and writer.record.new:
+                print(f"comera: run {writer.run_id} recorded in {writer.store.path} "
+                      f"(folder {run_dir})", file=sys.stderr)
         sink = MultiSink(*sinks)
     try:
         result = train(

@@ -1,5 +1,6 @@
-"""Suite-wide fixtures: the CPU backend, built once per session where it is not built in
-this environment already (or skipped, with the reason, where it cannot be built)."""
+"""Suite-wide fixtures: a run store per test, and the CPU backend, built once per
+session where it is not built in this environment already (or skipped, with the reason,
+where it cannot be built)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _own_run_store(tmp_path_factory: pytest.TempPathFactory,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Foreground ``comera train`` records every run in the run store: each test gets a
+    fresh ``COMERA_HOME`` (its subprocesses inherit it), so nothing lands in the
+    checkout's ``./runs``. A test about the default store deletes the variable itself."""
+    monkeypatch.setenv("COMERA_HOME", str(tmp_path_factory.mktemp("comera-home")))
 
 
 @pytest.fixture(scope="session")

@@ -73,7 +73,8 @@ def test_schema_version_wal_and_marker(store):
     con = sqlite3.connect(store.path)
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert con.execute("PRAGMA application_id").fetchone()[0] == schema.APPLICATION_ID
-    assert [r[0] for r in con.execute("SELECT version FROM schema_version")] == [SCHEMA_VERSION]
+    versions = [r[0] for r in con.execute("SELECT version FROM schema_version")]
+    assert versions == list(range(1, SCHEMA_VERSION + 1))
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"runs", "metrics", "rank_snapshots", "events", "artifacts"} <= tables
     con.close()
@@ -431,15 +432,82 @@ def test_migrations_upgrade_an_older_store_in_place(tmp_path, monkeypatch):
     rid = st.create_run("kept", {"a": 1})
     st.close()
 
-    def to_2(c: sqlite3.Connection) -> None:
+    def to_next(c: sqlite3.Connection) -> None:
         c.execute("ALTER TABLE runs ADD COLUMN tags TEXT")
 
-    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (2, to_2)])
-    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
+    nxt = schema.SCHEMA_VERSION + 1
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (nxt, to_next)])
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", nxt)
     st2 = RunStore(path)
     assert st2.get_run(rid)["name"] == "kept" and "tags" in st2.get_run(rid)
     versions = st2.read(lambda c: [r[0] for r in c.execute("SELECT version FROM schema_version")])
-    assert versions == [1, 2]
+    assert versions == list(range(1, nxt + 1))
+
+
+def test_a_version_1_store_gains_sweeps_and_phases_and_keeps_its_runs(tmp_path, monkeypatch):
+    path = tmp_path / "comera.db"
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 1)
+    st = RunStore(path)
+    rid = "20250101-000000-abcd"
+    st.write(lambda c: c.execute(
+        "INSERT INTO runs (id, name, config, status, created_at, updated_at) "
+        "VALUES (?, 'old', '{\"a\": 1}', 'finished', 0, 0)", (rid,)))
+    st.close()
+    monkeypatch.undo()
+    st2 = RunStore(path)
+    run = st2.get_run(rid)
+    assert run["name"] == "old" and run["folder"] is None and run["sweep_id"] is None
+    assert st2.run_dir(rid) == tmp_path / rid
+    sid = st2.create_sweep("s", {"a": 1}, {"comera.target_compression": [5, 10]}, 1)
+    assert st2.get_sweep(sid)["status"] == "finished" and st2.list_sweeps()[0]["id"] == sid
+
+
+def test_sweep_cells_wait_for_their_sweeps_parallel_limit(tmp_path):
+    st = RunStore(tmp_path)
+    sid = st.create_sweep("s", {}, {"x": [1, 2, 3]}, 1, max_parallel=2)
+    cells = [st.create_run(f"c{i}", {}, sweep_id=sid, cell={"x": i}) for i in range(3)]
+    other = st.create_run("plain", {})
+    ray = st.create_sweep("r", {}, {"x": [1]}, 1, backend="ray")
+    st.create_run("on-ray", {}, sweep_id=ray, cell={"x": 1})
+    # two cells, then the sweep is full: the plain run goes next; Ray cells never
+    assert [st.claim_queued() for _ in range(4)] == [cells[0], cells[1], other, None]
+    assert st.get_sweep(sid)["counts"] == {"queued": 3}
+    st.set_status(cells[0], "running")
+    st.set_status(cells[0], "finished")
+    assert st.claim_queued() == cells[2]
+    assert st.get_run(cells[2])["cell"] == {"x": 2}
+    st.set_status(cells[1], "crashed")
+    st.set_status(cells[2], "finished")
+    assert st.get_sweep(sid)["status"] == "failed"
+    assert st.resolve_sweep(sid[len("sweep-"):]) == sid and st.resolve_sweep("s") == sid
+    assert [r["id"] for r in st.sweep_runs(sid)] == cells
+
+
+@pytest.mark.parametrize("statuses, expected", [
+    ([], "finished"), (["queued", "queued"], "queued"), (["finished", "queued"], "running"),
+    (["running", "stopped"], "running"), (["finished", "finished"], "finished"),
+    (["finished", "stopped"], "stopped"), (["stopped", "crashed"], "failed"),
+])
+def test_sweep_status_reads_its_cells(statuses, expected):
+    from comera_engine.store import sweep_status
+
+    assert sweep_status(statuses) == expected
+
+
+def test_phase_and_foreign_folder_are_recorded(tmp_path):
+    st = RunStore(tmp_path / "s")
+    rid = st.create_run("fg", {}, "running", folder=tmp_path / "elsewhere")
+    assert st.run_dir(rid) == tmp_path / "elsewhere"
+    assert st.run_for_folder(tmp_path / "elsewhere") == rid
+    plain = st.create_run("p", {})
+    assert st.run_for_folder(st.run_dir(plain)) == plain
+    assert st.run_for_folder(tmp_path / "nowhere") is None
+    st.set_phase(rid, "training", 1.7)
+    run = st.get_run(rid)
+    assert (run["phase"], run["phase_progress"]) == ("training", 1.0)
+    with pytest.raises(ValueError, match="phase"):
+        st.set_phase(rid, "napping")
 
 
 def test_newer_schema_is_refused_untouched(tmp_path):

@@ -3,10 +3,10 @@
 Modules: ``layout`` (where the file and the run folders are, reading a run's log and
 checkpoints), ``schema`` (tables, migrations, recognising a store file), ``connection``
 (WAL, busy retries, the per-file connection count), ``runs`` (run rows and status
-transitions), ``metrics`` (what a run logs, batched writes, reads for plots),
-``run_store`` (:class:`RunStore`, made of those) and ``sink`` (:class:`StoreSink`).
-Whether a run's process is alive, and marking dead runs crashed, is the launcher's
-(:mod:`comera_engine.launch.liveness`).
+transitions), ``sweeps`` (sweeps of runs), ``metrics`` (what a run logs, batched writes,
+reads for plots), ``run_store`` (:class:`RunStore`, made of those) and ``sink``
+(:class:`StoreSink`). Whether a run's process is alive, and marking dead runs crashed,
+is the launcher's (:mod:`comera_engine.launch.liveness`).
 
 >>> store = RunStore()                       # $COMERA_HOME/comera.db or ./runs/comera.db
 >>> rid = store.create_run("digits", {"model": {"kind": "tt_mlp"}})
@@ -35,12 +35,14 @@ from comera_engine.store.runs import (
     ACTIVE_STATUSES,
     FINAL_STATUSES,
     HEARTBEAT_TIMEOUT_S,
+    PHASES,
     RESUMABLE_STATUSES,
     STATUSES,
     new_run_id,
 )
 from comera_engine.store.schema import MIGRATIONS, SCHEMA_VERSION
 from comera_engine.store.sink import StoreSink
+from comera_engine.store.sweeps import SWEEP_BACKENDS, new_sweep_id, sweep_status
 
 __all__ = [
     "ACTIVE_STATUSES",
@@ -49,9 +51,11 @@ __all__ = [
     "HEARTBEAT_TIMEOUT_S",
     "LOG_FILENAME",
     "MIGRATIONS",
+    "PHASES",
     "RESUMABLE_STATUSES",
     "SCHEMA_VERSION",
     "STATUSES",
+    "SWEEP_BACKENDS",
     "RunNotFoundError",
     "RunStore",
     "StoreError",
@@ -60,6 +64,8 @@ __all__ = [
     "extract_traceback",
     "list_checkpoints",
     "new_run_id",
+    "new_sweep_id",
     "read_log_tail",
     "resolve_store_path",
+    "sweep_status",
 ]

@@ -2,7 +2,8 @@
 
 :class:`~comera_engine.store.connection.Database` opens the file (WAL, busy retries,
 schema checks); :class:`~comera_engine.store.runs.RunRows` adds the runs and their
-folders; :class:`~comera_engine.store.metrics.MetricRows` what runs log. Store-wide
+folders; :class:`~comera_engine.store.sweeps.SweepRows` the sweeps;
+:class:`~comera_engine.store.metrics.MetricRows` what runs log. Store-wide
 settings (``max_concurrent``, the dashboard's launch tokens) live here.
 """
 
@@ -13,9 +14,10 @@ from typing import Any
 
 from comera_engine.store.metrics import MetricRows
 from comera_engine.store.runs import RunRows
+from comera_engine.store.sweeps import SweepRows
 
 
-class RunStore(RunRows, MetricRows):
+class RunStore(RunRows, SweepRows, MetricRows):
     """The SQLite run store: one file (default ``./runs/comera.db``, or
     ``$COMERA_HOME/comera.db``) in WAL mode; the run folder of run ``id`` is
     ``<store dir>/<id>/``.

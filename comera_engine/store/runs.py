@@ -11,6 +11,7 @@ Whether a run's process is alive is the launcher's business
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import sqlite3
@@ -77,8 +78,16 @@ _RUN_COLUMNS = frozenset(
         "exit_code",
         "last_step",
         "error",
+        "folder",
+        "phase",
+        "phase_progress",
+        "sweep_id",
+        "cell",
     }
 )
+#: What a run can be doing (``runs.phase``), in the order a run goes through them.
+PHASES = ("preparing data", "training tokenizer", "building", "training", "evaluating",
+          "checkpointing", "exporting", "done")
 
 
 def new_run_id() -> str:
@@ -175,6 +184,11 @@ def _run_dict(row: sqlite3.Row) -> dict[str, Any]:
     except (TypeError, ValueError):
         pass
     d["resume_pending"] = bool(d.get("resume_pending"))
+    if d.get("cell"):
+        try:
+            d["cell"] = json.loads(d["cell"])
+        except (TypeError, ValueError):
+            pass
     return d
 
 
@@ -184,8 +198,13 @@ class RunRows(Database):
     # ---- paths -----------------------------------------------------------------------
 
     def run_dir(self, run_id: str) -> Path:
-        """The run folder ``<store dir>/<run_id>/`` (not created here)."""
-        return run_folder(self.root, run_id)
+        """The run folder (not created here): ``<store dir>/<run_id>/``, or the folder a
+        foreground run recorded (``comera train --run-dir DIR``)."""
+        path = run_folder(self.root, run_id)  # validates the id
+        rows = self._rows("SELECT folder FROM runs WHERE id = ?", (run_id,))
+        if rows and rows[0][0]:
+            return Path(rows[0][0])
+        return path
 
     def log_path(self, run_id: str) -> Path:
         """The trainer's stdout/stderr log, ``<run_dir>/train.log``."""
@@ -204,10 +223,17 @@ class RunRows(Database):
         nproc: int = 1,
         cwd: str | None = None,
         run_id: str | None = None,
+        folder: str | os.PathLike[str] | None = None,
+        sweep_id: str | None = None,
+        cell: Mapping[str, Any] | None = None,
     ) -> str:
-        """Insert a run and return its id (``YYYYmmdd-HHMMSS-xxxx`` unless given)."""
+        """Insert a run and return its id (``YYYYmmdd-HHMMSS-xxxx`` unless given).
+        ``folder``: its run folder when not ``<store dir>/<id>/`` (stored absolute);
+        ``sweep_id`` / ``cell``: the sweep it is a cell of, and that cell's settings."""
         _check_status(status)
         config_json = json.dumps(dict(config), default=str)
+        folder_text = str(Path(folder).absolute()) if folder is not None else None
+        cell_json = json.dumps(dict(cell), default=str) if cell is not None else None
         for _ in range(20):
             rid = run_id or new_run_id()
             self.run_dir(rid)  # validates the id
@@ -218,8 +244,8 @@ class RunRows(Database):
                     return False
                 c.execute(
                     "INSERT INTO runs (id, name, config, status, created_at, updated_at, "
-                    "queued_at, started_at, device, gpus, nproc, cwd) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "queued_at, started_at, device, gpus, nproc, cwd, folder, sweep_id, "
+                    "cell) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         rid,
                         name,
@@ -233,6 +259,9 @@ class RunRows(Database):
                         gpus,
                         int(nproc),
                         cwd,
+                        folder_text,
+                        sweep_id,
+                        cell_json,
                     ),
                 )
                 return True
@@ -250,8 +279,9 @@ class RunRows(Database):
         _check_columns(fields)
         if "status" in fields and fields["status"] not in STATUSES:
             raise ValueError(f"status: must be one of {', '.join(STATUSES)}")
-        if isinstance(fields.get("config"), Mapping):
-            fields["config"] = json.dumps(dict(fields["config"]), default=str)
+        for key in ("config", "cell"):
+            if isinstance(fields.get(key), Mapping):
+                fields[key] = json.dumps(dict(fields[key]), default=str)
         fields["updated_at"] = time.time()
         cols = ", ".join(f"{k} = ?" for k in fields)
         self.write(
@@ -281,6 +311,21 @@ class RunRows(Database):
 
         return self.write(upd)
 
+    def set_phase(self, run_id: str, phase: str | None, progress: float | None = None) -> None:
+        """Record what the run is doing now (one of :data:`PHASES`, or ``None``) and how
+        far along that phase is (0..1, or ``None`` when unknown)."""
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"phase: must be one of {', '.join(PHASES)}, got {phase!r}")
+        if progress is not None:
+            progress = min(1.0, max(0.0, float(progress)))
+        now = time.time()
+        self.write(
+            lambda c: c.execute(
+                "UPDATE runs SET phase = ?, phase_progress = ?, updated_at = ? WHERE id = ?",
+                (phase, progress, now, run_id),
+            )
+        )
+
     def heartbeat(self, run_id: str) -> None:
         now = time.time()
         self.write(
@@ -295,23 +340,32 @@ class RunRows(Database):
                 c.execute(f"DELETE FROM {t} WHERE run_id = ?", (run_id,))
             c.execute("DELETE FROM runs WHERE id = ?", (run_id,))
 
+        folder = self.run_dir(run_id)
         self.write(rm)
         if remove_files:
-            shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
 
     def claim_queued(self, max_active: int | None = None) -> str | None:
         """Atomically pick the oldest queued, undispatched run while fewer than
         ``max_active`` runs are active (running, stopping or dispatched); mark it
-        dispatched and return its id, else ``None``."""
+        dispatched and return its id, else ``None``. A sweep's cell waits while its sweep
+        has ``max_parallel`` cells active; cells of a sweep on another backend (Ray) are
+        that backend's to start and never picked here."""
 
         def claim(c: sqlite3.Connection) -> str | None:
             if max_active:
                 (n,) = c.execute(f"SELECT COUNT(*) FROM runs WHERE {_ACTIVE_WHERE}").fetchone()
                 if n >= max_active:
                     return None
+            active = _ACTIVE_WHERE.replace("status", "a.status").replace(
+                "dispatched_at", "a.dispatched_at")
             row = c.execute(
-                "SELECT id FROM runs WHERE status = 'queued' AND dispatched_at IS NULL "
-                "ORDER BY queued_at, created_at LIMIT 1"
+                "SELECT r.id FROM runs r LEFT JOIN sweeps s ON r.sweep_id = s.id "
+                "WHERE r.status = 'queued' AND r.dispatched_at IS NULL AND ("
+                "r.sweep_id IS NULL OR s.id IS NULL OR (s.backend = 'local' AND ("
+                "s.max_parallel IS NULL OR s.max_parallel < 1 OR (SELECT COUNT(*) FROM runs a "
+                f"WHERE a.sweep_id = s.id AND ({active})) < s.max_parallel))) "
+                "ORDER BY r.queued_at, r.created_at LIMIT 1"
             ).fetchone()
             if row is None:
                 return None
@@ -332,6 +386,20 @@ class RunRows(Database):
         """The run as a dict (``config`` parsed), or ``None``."""
         rows = self._rows("SELECT * FROM runs WHERE id = ?", (run_id,))
         return _run_dict(rows[0]) if rows else None
+
+    def run_for_folder(self, folder: str | os.PathLike[str]) -> str | None:
+        """The id of the run whose folder is ``folder``, or ``None``."""
+        path = Path(folder).absolute()
+        rows = self._rows("SELECT id FROM runs WHERE folder = ? ORDER BY created_at DESC",
+                          (str(path),))
+        if rows:
+            return str(rows[0][0])
+        if path.resolve().parent == self.root.resolve():
+            rows = self._rows("SELECT id FROM runs WHERE id = ? AND folder IS NULL",
+                              (path.name,))
+            if rows:
+                return str(rows[0][0])
+        return None
 
     def active_runs(self) -> list[dict[str, Any]]:
         """Runs that have, or are about to have, a process: running, stopping, or queued

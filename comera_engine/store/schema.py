@@ -15,7 +15,7 @@ from pathlib import Path
 
 from comera_engine.store.errors import StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x434D5241  # "CMRA" in the SQLite header (offset 68)
 MARKER = "comera-run-store"
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -111,9 +111,43 @@ def _migrate_to_1(c: sqlite3.Connection) -> None:
     c.execute("INSERT INTO comera_meta (key, value) VALUES ('app', ?)", (MARKER,))
 
 
+def _migrate_to_2(c: sqlite3.Connection) -> None:
+    """Foreground runs, run phases and sweeps.
+
+    ``runs.folder``: the run folder when it is not ``<store dir>/<id>/`` (a foreground
+    ``comera train --run-dir DIR``); ``runs.phase`` / ``phase_progress`` (0..1 or NULL):
+    what the run is doing now (preparing data, training, ...); ``runs.sweep_id`` and
+    ``runs.cell`` (JSON: the cell's overrides and seed) tie a run to its sweep. A sweep is
+    its base config, its grid, the seeds and how many cells run at once."""
+    _execute_script(
+        c,
+        """
+        ALTER TABLE runs ADD COLUMN folder TEXT;
+        ALTER TABLE runs ADD COLUMN phase TEXT;
+        ALTER TABLE runs ADD COLUMN phase_progress REAL;
+        ALTER TABLE runs ADD COLUMN sweep_id TEXT;
+        ALTER TABLE runs ADD COLUMN cell TEXT;
+        CREATE INDEX runs_sweep ON runs (sweep_id);
+        CREATE TABLE sweeps (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            config TEXT NOT NULL,
+            grid TEXT NOT NULL,
+            seeds INTEGER NOT NULL,
+            max_parallel INTEGER,
+            backend TEXT NOT NULL DEFAULT 'local',
+            address TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        """,
+    )
+
+
 #: ``(version, migration)`` in order; migration ``v`` takes a store at ``v - 1`` to ``v``.
 MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
     (1, _migrate_to_1),
+    (2, _migrate_to_2),
 ]
 
 
