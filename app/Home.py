@@ -32,6 +32,7 @@ pages = {
     "Train": [
         st.Page(ui.NEW_PAGE, title="New experiment", icon=":material/add_circle:"),
         st.Page(ui.LIVE_PAGE, title="Live run", icon=":material/monitoring:"),
+        st.Page(ui.SWEEPS_PAGE, title="Sweeps", icon=":material/grid_view:"),
         st.Page(ui.COMPARE_PAGE, title="Compare", icon=":material/compare_arrows:"),
     ],
     "Understand & ship": [

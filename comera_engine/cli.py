@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     launch_cli.add_subparsers(sub)
+    from comera_engine.launch import sweep_cli
+
+    sweep_cli.add_subparsers(sub, check=_check_cell)
     from comera_engine.export import add_subparsers as add_export
 
     add_export(sub)
@@ -81,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "or ./runs)")
     p.set_defaults(func=cmd_app)
     return parser
+
+
+def _check_cell(cfg: Any) -> None:
+    """What ``comera launch`` checks before queueing, for one cell of a sweep."""
+    from comera_engine.preview import check_runnable
+
+    check_runnable(_plan_target(cfg, quiet=True), nproc=1)
 
 
 def dashboard_launcher() -> Path:

@@ -332,3 +332,55 @@ def test_two_sessions_start_one_run_and_watch_it(browser: Any, server: Server) -
     assert len(server.store().list_runs()) == 1
     a_ctx.close()
     b_ctx.close()
+
+
+def test_a_terminal_run_and_a_sweep_show_up_live(browser: Any, server: Server) -> None:
+    """``comera train`` started in a terminal is a run like any other: ``comera runs``
+    lists it and the Live page follows it; a sweep's cells appear on the Sweeps page with
+    their Pareto front."""
+    import json
+
+    env = {**os.environ, "COMERA_HOME": str(server.home)}
+    config = str(ROOT / "experiments" / "configs" / "digits_tt_mlp.toml")
+    fg = subprocess.Popen(
+        [sys.executable, "-m", "comera_engine.cli", "train", config, "--no-progress",
+         "--set", "train.steps=4000", "--set", "train.eval_every=500"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def listed() -> list[dict[str, Any]]:
+            out = subprocess.run([sys.executable, "-m", "comera_engine.cli", "runs", "--json"],
+                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            rows = json.loads(out.stdout or "[]")
+            return [r for r in rows if r["status"] == "running" and r["pid"] == fg.pid]
+
+        rid = wait_until(listed, 120, "the terminal run in `comera runs --json`")[0]["id"]
+        ctx = browser.new_context(viewport=VIEWPORT)
+        page = ctx.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(f"{server.url}/live_run?run={rid}")
+        s1 = wait_until(lambda: current_step(page) > 0 and current_step(page), 120,
+                        "the terminal run's steps on the live page")
+        wait_until(lambda: current_step(page) > s1, 60, "its step count to rise")
+        assert "running" in run_status_header(page)
+        no_exception(page, "live (terminal run)")
+        shot(page, "12-live-terminal-run")
+    finally:
+        fg.terminate()
+        fg.wait(timeout=60)
+    assert server.store().get_run(rid)["status"] == "stopped"  # SIGTERM: checkpoint, stop
+
+    out = subprocess.run(
+        [sys.executable, "-m", "comera_engine.cli", "sweep", config, "--grid",
+         "comera.target_compression=5,20", "--max-parallel", "2", "--set", "train.steps=60",
+         "--set", "train.eval_every=30", "--wait", "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sid = json.loads(out.stdout)["sweep"]["id"]
+    page.goto(f"{server.url}/sweeps?sweep={sid}")
+    page.get_by_text("Per grid point", exact=True).wait_for()
+    wait_until(lambda: page.locator(".js-plotly-plot").count() >= 1, 60, "the Pareto chart")
+    settle(page)
+    no_exception(page, "sweeps")
+    assert "finished" in metric_text(page, "Status")
+    shot(page, "13-sweeps")
+    ctx.close()

@@ -329,3 +329,61 @@ def size_bar(dense: float, start: float, floor: float, target: float | None,
     fig.update_layout(hovermode="closest", showlegend=False,
                       margin={"l": 10, "r": 10, "t": 25, "b": 10})
     return fig
+
+
+def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression reached"
+                 ) -> go.Figure:
+    """A sweep's grid points as mean ± std (error bars over seeds) of its score against
+    the compression reached, every finished cell as a faint dot, the Pareto front as a
+    dashed line (``report``: :func:`comera_engine.launch.sweep.sweep_report`)."""
+    metric = report.get("metric") or "score"
+    groups = [g for g in report.get("groups", [])
+              if is_finite(g.get("score")) and is_finite(g.get("compression"))]
+    if not groups:
+        return empty_figure("No finished cells yet", 400, title)
+    fig = go.Figure()
+    cells = [c for c in report.get("cells", []) if c.get("status") == "finished"
+             and is_finite(c.get("score")) and is_finite(c.get("compression"))]
+    if cells:
+        fig.add_trace(go.Scatter(
+            x=[c["compression"] for c in cells], y=[c["score"] for c in cells], mode="markers",
+            name="cells (each seed)", text=[c["label"] for c in cells],
+            marker={"size": 7, "color": COLORS[0], "opacity": 0.35},
+            hovertemplate="%{text}<br>%{x:.3g}×<br>" + metric + " %{y:.4f}<extra></extra>",
+        ))
+    front = sorted((g for g in groups if g.get("pareto")), key=lambda g: g["compression"])
+    if len(front) > 1:
+        fig.add_trace(go.Scatter(
+            x=[g["compression"] for g in front], y=[g["score"] for g in front], mode="lines",
+            name="Pareto front", line={"color": "#94A3B8", "width": 2, "dash": "dash"},
+            hoverinfo="skip",
+        ))
+    fig.add_trace(go.Scatter(
+        x=[g["compression"] for g in groups], y=[g["score"] for g in groups],
+        mode="markers+text", name="grid point (mean ± std)",
+        text=[g["label"] for g in groups], textposition="top center", textfont={"size": 10},
+        error_y={"type": "data", "array": [g.get("score_std") or 0.0 for g in groups],
+                 "thickness": 1.2, "width": 4},
+        error_x={"type": "data", "array": [g.get("compression_std") or 0.0 for g in groups],
+                 "thickness": 1.2, "width": 4},
+        marker={"size": 13, "color": [COLORS[1] if g.get("pareto") else COLORS[0]
+                                      for g in groups], "line": {"width": 1, "color": "white"}},
+        hovertemplate="%{text}<br>%{x:.3g}×<br>" + metric + " %{y:.4f}<extra></extra>",
+    ))
+    xs = [g["compression"] for g in groups] + [c["compression"] for c in cells]
+    if xs and min(xs) > 0 and max(xs) / min(xs) >= 3:
+        log_ticks(fig, "x")
+        lo, hi = math.log10(min(xs)), math.log10(max(xs))
+        pad = max(0.15, 0.12 * (hi - lo))
+        fig.update_xaxes(range=[lo - pad, hi + pad])
+        x_title = "compression reached (×, log)"
+    else:
+        x_title = "compression reached (×)"
+    fig = base_layout(fig, title, 420, x_title, metric)
+    legend_below(fig)
+    fig.update_layout(hovermode="closest")
+    return fig
+
+
+def is_finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -34,6 +34,7 @@ __all__ = [
     "final_metrics",
     "flatten",
     "guarded_launch",
+    "guarded_sweep",
     "is_live",
     "notices",
     "open_store",
@@ -47,6 +48,8 @@ __all__ = [
 
 #: Store setting prefix that maps a launch token to the run it started.
 TOKEN_PREFIX = "launch_token:"
+#: Store setting prefix that maps a sweep form's token to the sweep it started.
+SWEEP_TOKEN_PREFIX = "sweep_token:"
 _LOCK_NAME = ".launch.lock"
 _thread_lock = threading.Lock()
 
@@ -123,6 +126,57 @@ def guarded_launch(
         rid = launch(dict(config), store=store, name=name, gpus=gpus)
         store.set_setting(TOKEN_PREFIX + token, rid)
         return rid, True
+
+
+def launched_sweep(store: RunStore, token: str) -> str | None:
+    """The sweep a token already started (and that still exists), else ``None``."""
+    sid = store.get_setting(SWEEP_TOKEN_PREFIX + token)
+    return str(sid) if sid and store.get_sweep(str(sid)) is not None else None
+
+
+def guarded_sweep(
+    store: RunStore,
+    config: Mapping[str, Any],
+    token: str,
+    grid: Mapping[str, list[Any]],
+    seeds: int,
+    *,
+    max_parallel: int | None = None,
+    gpus: str | None = None,
+) -> tuple[str, bool]:
+    """Start a sweep of ``config`` once per ``token`` (see :func:`guarded_launch`):
+    returns ``(sweep_id, started_now)``."""
+    from comera_engine.launch.sweep import create_sweep
+
+    with launch_lock(store):
+        existing = launched_sweep(store, token)
+        if existing is not None:
+            return existing, False
+        sid = create_sweep(dict(config), grid, seeds, store=store, max_parallel=max_parallel,
+                           gpus=gpus)
+        store.set_setting(SWEEP_TOKEN_PREFIX + token, sid)
+        return sid, True
+
+
+def parse_targets(text: str) -> list[float]:
+    """``"5, 10, 30x"`` -> ``[5.0, 10.0, 30.0]``; raises ValueError naming the field."""
+    out: list[float] = []
+    for part in text.replace(";", ",").split(","):
+        part = part.strip().rstrip("x×").strip()
+        if not part:
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"targets: {part!r} is not a number; give e.g. 5, 10, 30, 100"
+                             ) from None
+        if not math.isfinite(value) or value <= 1.0:
+            raise ValueError(f"targets: {part} must be a compression above 1×")
+        if value not in out:
+            out.append(value)
+    if not out:
+        raise ValueError("targets: give at least one target, e.g. 5, 10, 30, 100")
+    return out
 
 
 # ------------------------------------------------------------------ run facts

@@ -16,6 +16,7 @@ HOME_PAGE = "views/overview.py"
 NEW_PAGE = "views/new_experiment.py"
 LIVE_PAGE = "views/live_run.py"
 COMPARE_PAGE = "views/compare.py"
+SWEEPS_PAGE = "views/sweeps.py"
 LEARN_PAGE = "views/learn.py"
 EXPORT_PAGE = "views/export.py"
 
@@ -85,6 +86,10 @@ def reap(store: RunStore, every: float = 5.0) -> None:
 
 def go_live(run_id: str) -> None:
     st.switch_page(LIVE_PAGE, query_params={"run": run_id})
+
+
+def go_sweep(sweep_id: str) -> None:
+    st.switch_page(SWEEPS_PAGE, query_params={"sweep": sweep_id})
 
 
 GO_LIVE = "_go_live"

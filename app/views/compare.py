@@ -25,7 +25,27 @@ if not all_runs:
 by_id = {r["id"]: r for r in all_runs}
 done = [r["id"] for r in all_runs if r["status"] in ("finished", "stopped")]
 default = (done or [r["id"] for r in all_runs])[:6]
-picked = st.multiselect("Runs", list(by_id), default=default, key="cmp-runs",
+sweeps = store.list_sweeps()
+
+
+def _load_sweep() -> None:
+    """Pick the cells of the chosen sweep (and nothing else)."""
+    sid = st.session_state.get("cmp-sweep")
+    if sid:
+        st.session_state["cmp-runs"] = [r["id"] for r in store.sweep_runs(sid)
+                                        if r["id"] in by_id]
+
+
+if sweeps:
+    sweep_names = {s["id"]: f"{s['name']} · {s['cells']} cells · {s['id']}" for s in sweeps}
+    st.selectbox("Load a sweep", [None, *sweep_names], key="cmp-sweep",
+                 format_func=lambda i: "—" if i is None else sweep_names[i],
+                 on_change=_load_sweep,
+                 help="Puts every cell of a sweep in the run list below (the Sweeps page "
+                 "shows the same front as mean ± std per target).")
+if "cmp-runs" not in st.session_state:
+    st.session_state["cmp-runs"] = default
+picked = st.multiselect("Runs", list(by_id), key="cmp-runs",
                         format_func=lambda i: runs.run_label(by_id[i]),
                         help="Finished and stopped runs are picked by default.")
 if not picked:

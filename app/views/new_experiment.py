@@ -340,6 +340,49 @@ n_errors = sum(1 for v in msgs.values() for level, _ in v if level == "error")
 
 # ---------------------------------------------------------------- launch
 
+
+def _sweep_section() -> None:
+    """Launch this form's config as a sweep: several targets × seeds, N at once."""
+    from comera_engine.launch.sweep import default_parallel
+
+    with st.expander("Sweep several targets", icon=":material/grid_view:"):
+        st.caption("Runs this configuration once per target and seed, as ordinary runs, a "
+                   "few at a time; the Sweeps page shows them together with the Pareto "
+                   "front of accuracy against compression.")
+        text = st.text_input("Targets (×)", value="5, 10, 30, 100", key="sw-targets",
+                             help="Compressions to sweep, separated by commas")
+        c1, c2 = st.columns(2)
+        seeds = int(c1.number_input("Seeds per target", 1, 10, 3, key="sw-seeds"))
+        parallel = int(c2.number_input(
+            "Cells at once", 1, 64, default_parallel("cpu" if device == "cpu" else "auto"),
+            key="sw-parallel", help="Default: one per GPU, else one per 4 CPU cores"))
+        problem = None
+        try:
+            targets = runs.parse_targets(text)
+        except ValueError as e:
+            targets, problem = [], str(e)
+        if dense:
+            problem = "A dense baseline has no target to sweep; switch Dense baseline off."
+        if problem:
+            st.error(problem, icon=":material/error:")
+        else:
+            st.caption(f"{len(targets) * seeds} runs: "
+                       f"{', '.join(f'{t:g}×' for t in targets)} × {seeds} seed(s).")
+        ui.save_form(SAVED, {"sw-targets", "sw-seeds", "sw-parallel"})
+        grid = {"comera.target_compression": targets}
+        sweep_token = runs.config_token(nonce, raw, {"gpus": gpu_ids, "grid": grid,
+                                                     "seeds": seeds, "parallel": parallel})
+        if st.button("Launch sweep", key="sw-launch", icon=":material/rocket_launch:",
+                     disabled=bool(problem or n_errors), width="stretch"):
+            try:
+                sid, _ = runs.guarded_sweep(store, raw, sweep_token, grid, seeds,
+                                            max_parallel=parallel, gpus=gpu_ids)
+            except (ConfigError, ValueError) as e:
+                st.error(str(e), icon=":material/error:")
+                return
+            ui.go_sweep(sid)
+
+
 nonce = st.session_state.setdefault("form_nonce", uuid.uuid4().hex)
 token = runs.config_token(nonce, raw, {"gpus": gpu_ids})
 already = runs.launched_run(store, token)
@@ -372,6 +415,7 @@ with left:
                          if started else f"Already launched as `{rid}`")
             status.update(label="Launched", state="complete")
         ui.go_live(rid)
+    _sweep_section()
 
 # ---------------------------------------------------------------- preview
 

@@ -51,6 +51,7 @@ __all__ = [
     "launch",
     "logs",
     "open_store",
+    "queue_run",
     "reap",
     "resolve_config",
     "resume",
@@ -135,8 +136,6 @@ def launch(
     store's limit on runs at once (``0`` for none); further runs wait as ``queued``.
     An invalid config raises :class:`ConfigError` and writes nothing.
     """
-    from comera_engine.config import to_toml
-
     cfg = resolve_config(config, overrides)
     if name is not None:
         if not str(name).strip():
@@ -147,9 +146,33 @@ def launch(
         not isinstance(max_concurrent, int) or max_concurrent < 0
     ):
         raise ConfigError("max_concurrent", f"must be an integer >= 0, got {max_concurrent!r}")
-    text = to_toml(cfg)
-
     st = open_store(store)
+    rid = queue_run(st, cfg, gpus=gpus, nproc=nproc)
+    if max_concurrent is not None:
+        set_max_concurrent(st, max_concurrent)
+    dispatch(st)
+    return rid
+
+
+def queue_run(
+    st: RunStore,
+    cfg: Any,
+    *,
+    gpus: str | None = None,
+    nproc: int = 1,
+    sweep_id: str | None = None,
+    cell: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> str:
+    """Record a validated config (``comera_engine.config.Config``) as a ``queued`` run:
+    its folder with ``config.toml`` and ``launch_env.json`` (``env``, default
+    :func:`run_env`), and its row (of sweep ``sweep_id``, as ``cell``). Starts nothing
+    (:func:`dispatch` does). Returns the run id; on failure nothing is left behind."""
+    import json
+
+    from comera_engine.config import to_toml
+
+    text = to_toml(cfg)
     device = cfg.train.device
     if gpus is not None and device in ("auto", "cpu"):
         device = "cuda" if device == "auto" else device
@@ -165,9 +188,7 @@ def launch(
         raise LaunchError("launch: could not allocate a run folder")
     try:
         (run_dir / CONFIG_FILENAME).write_text(text, encoding="utf-8")
-        import json
-
-        env_text = json.dumps(run_env(), indent=1)
+        env_text = json.dumps(dict(run_env() if env is None else env), indent=1)
         (run_dir / ENV_FILENAME).write_text(env_text, encoding="utf-8")
         st.create_run(
             cfg.name,
@@ -178,14 +199,13 @@ def launch(
             nproc=nproc,
             cwd=cfg.base_dir or os.getcwd(),
             run_id=rid,
+            sweep_id=sweep_id,
+            cell=cell,
         )
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
     st.log_event(rid, "launch", f"queued {cfg.name} (nproc={nproc}, gpus={gpus or 'default'})")
-    if max_concurrent is not None:
-        set_max_concurrent(st, max_concurrent)
-    dispatch(st)
     return rid
 
 

@@ -95,8 +95,9 @@ def add_subparsers(subparsers: Any) -> None:
     _add_store(p)
     p.set_defaults(func=cmd_logs)
 
-    p = subparsers.add_parser("stop", help="stop a run gracefully (checkpoint, then stop)")
-    p.add_argument("run", help="run id, unique id prefix or run name")
+    p = subparsers.add_parser("stop", help="stop a run (or every cell of a sweep) gracefully "
+                              "(checkpoint, then stop)")
+    p.add_argument("run", help="run or sweep id, unique id prefix or name")
     p.add_argument(
         "--timeout",
         type=float,
@@ -108,8 +109,9 @@ def add_subparsers(subparsers: Any) -> None:
     _add_store(p)
     p.set_defaults(func=cmd_stop)
 
-    p = subparsers.add_parser("resume", help="resume a stopped, crashed or failed run")
-    p.add_argument("run", help="run id, unique id prefix or run name")
+    p = subparsers.add_parser("resume", help="resume a stopped, crashed or failed run (or "
+                              "those cells of a sweep)")
+    p.add_argument("run", help="run or sweep id, unique id prefix or name")
     _add_store(p)
     p.set_defaults(func=cmd_resume)
 
@@ -277,6 +279,14 @@ def _follow(st: RunStore, rid: str, tail: int | None) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     try:
         st = _existing_store(args.store)
+        if st.is_sweep(args.run):
+            from comera_engine.launch.sweep import stop_sweep
+
+            sid = st.resolve_sweep(args.run)
+            counts = stop_sweep(sid, st, timeout=args.timeout, wait=not args.no_wait)
+            print(f"{sid}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+            live = [k for k in counts if k not in FINAL_STATUSES]
+            return 1 if live and not args.no_wait else 0
         rid = st.resolve(args.run)
         status = stop(rid, timeout=args.timeout, store=st, wait=not args.no_wait)
     except ValueError as e:
@@ -293,6 +303,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     try:
         st = _existing_store(args.store)
+        if st.is_sweep(args.run):
+            from comera_engine.launch.sweep import resume_sweep
+
+            sid = st.resolve_sweep(args.run)
+            again = resume_sweep(sid, st)
+            print(f"{sid}: {len(again)} cells queued again")
+            return 0
         rid = resume(args.run, store=st)
     except ValueError as e:
         return _fail(e)

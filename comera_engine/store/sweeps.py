@@ -93,6 +93,10 @@ class SweepRows(Database):
         self.write(ins)
         return sid
 
+    def delete_sweep(self, sweep_id: str) -> None:
+        """Delete a sweep row (its cells are runs: delete those with ``delete_run``)."""
+        self.write(lambda c: c.execute("DELETE FROM sweeps WHERE id = ?", (sweep_id,)))
+
     def set_sweep_parallel(self, sweep_id: str, max_parallel: int | None) -> None:
         """Change how many of the sweep's cells may run at once (``None``: no limit)."""
         now = time.time()

@@ -1,0 +1,124 @@
+"""Sweeps: a grid of targets × seeds run as ordinary runs; per-cell status, mean ± std per
+grid point and the score-vs-compression Pareto front, stop/resume of the whole sweep."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from app.lib import fmt, plots, ui
+from comera_engine.launch.sweep import resume_sweep, stop_sweep, sweep_report
+
+REFRESH_S = 2.0
+
+store = ui.require_store()
+ui.reap(store)
+ui.page_header(
+    "Sweeps",
+    "Several targets × seeds at once: each cell is an ordinary run (open it live, export "
+    "it, compare it); here you see them together and where the best trade-offs lie.",
+    ":material/grid_view:",
+)
+
+sweeps = store.list_sweeps()
+if not sweeps:
+    with st.container(border=True):
+        st.markdown(
+            "#### :material/grid_view: No sweeps yet\nOn **New experiment**, open **Sweep "
+            "several targets** under the Launch button, or from a terminal:\n\n"
+            "```\ncomera sweep experiments/configs/digits_tt_mlp.toml "
+            "--grid comera.target_compression=5,10,30,100 --seeds 3\n```")
+        if st.button("Design a sweep", icon=":material/tune:", key="sw-new"):
+            st.switch_page(ui.NEW_PAGE)
+    st.stop()
+
+ids = [s["id"] for s in sweeps]
+by_id = {s["id"]: s for s in sweeps}
+wanted = st.query_params.get("sweep")
+SID = st.selectbox(
+    "Sweep", ids, index=ids.index(wanted) if wanted in ids else 0, key="sw-pick",
+    format_func=lambda i: f"{by_id[i]['name']} · {by_id[i]['status']} · {i}")
+if st.query_params.get("sweep") != SID:
+    st.query_params["sweep"] = SID
+LIVE_AT_START = by_id[SID]["status"] in ("queued", "running")
+
+
+def _stop() -> None:
+    try:
+        stop_sweep(SID, store, wait=False)
+        st.session_state["sw-note"] = "Stop requested: waiting cells will not start, running " \
+            "ones write a checkpoint and stop."
+    except Exception as e:  # noqa: BLE001 - shown on the page
+        st.session_state["sw-note"] = f"Stop failed: {e}"
+
+
+def _resume() -> None:
+    try:
+        again = resume_sweep(SID, store)
+        st.session_state["sw-note"] = f"{len(again)} cell(s) queued again."
+    except Exception as e:  # noqa: BLE001 - shown on the page
+        st.session_state["sw-note"] = f"Resume failed: {e}"
+
+
+def view() -> None:
+    rep = sweep_report(store, SID)
+    sweep = rep["sweep"]
+    counts = sweep["counts"]
+    done = sum(n for k, n in counts.items() if k not in ("queued", "running", "stopping"))
+    c1, c2, c3, c4 = st.columns(4)
+    c1.metric("Status", sweep["status"])
+    c2.metric("Cells", f"{done} / {sweep['cells']} ended")
+    c3.metric("At once", sweep.get("max_parallel") or "-")
+    c4.metric("Backend", sweep.get("backend") or "local")
+    st.progress(done / max(1, sweep["cells"]),
+                text=" · ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    b1, b2, _ = st.columns([1, 1, 4])
+    live = sweep["status"] in ("queued", "running")
+    b1.button("Stop sweep", key="sw-stop", disabled=not live, on_click=_stop,
+              icon=":material/stop_circle:", width="stretch")
+    resumable = any(k in ("stopped", "crashed", "failed") for k in counts)
+    b2.button("Resume sweep", key="sw-resume", disabled=live or not resumable,
+              on_click=_resume, icon=":material/play_circle:", width="stretch")
+    note = st.session_state.pop("sw-note", None)
+    if note:
+        st.info(note, icon=":material/info:")
+
+    metric = rep["metric"] or "score"
+    st.plotly_chart(plots.sweep_pareto(rep, f"{metric} vs compression reached"),
+                    width="stretch", key="sw-pareto")
+    st.subheader("Per grid point", anchor=False)
+    st.dataframe(
+        [{"grid point": g["label"], "target": g["target"],
+          f"{metric} mean": g["score"], "± std": g["score_std"],
+          "compression": g["compression"], "± std ": g["compression_std"],
+          "finished": f"{g['finished']}/{g['cells']}", "Pareto": g["pareto"],
+          "step time": g["step_time_s"], "peak memory": fmt.mib(g["peak_mem_mb"])}
+         for g in rep["groups"]],
+        hide_index=True, width="stretch",
+        column_config={
+            f"{metric} mean": st.column_config.NumberColumn(format="%.4f"),
+            "± std": st.column_config.NumberColumn(format="%.4f"),
+            "compression": st.column_config.NumberColumn(format="%.1f×"),
+            "± std ": st.column_config.NumberColumn(format="%.1f"),
+            "target": st.column_config.NumberColumn(format="%g×"),
+            "step time": st.column_config.NumberColumn(format="%.4f s"),
+        })
+    st.subheader("Cells", anchor=False)
+    st.dataframe(
+        [{"run": f"/live_run?run={c['run']}", "cell": c["label"], "status": c["status"],
+          "step": c["step"], metric: c["score"], "compression": c["compression"],
+          "params": c["params"]} for c in rep["cells"]],
+        hide_index=True, width="stretch",
+        column_config={
+            "run": st.column_config.LinkColumn("run", display_text=r"run=(.*)$",
+                                               help="Open the cell's Live run page"),
+            metric: st.column_config.NumberColumn(format="%.4f"),
+            "compression": st.column_config.NumberColumn(format="%.1f×"),
+            "params": st.column_config.NumberColumn(format="compact"),
+        })
+    if LIVE_AT_START != live:
+        st.rerun()
+
+
+st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
+if LIVE_AT_START:
+    st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while the sweep runs.")

@@ -1,0 +1,167 @@
+"""Sweeps in the dashboard (Streamlit AppTest): the Sweeps page (status, Pareto front,
+mean ± std per grid point, stop/resume), launching a sweep from New experiment once per
+submission, and loading a sweep's cells on Compare."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from comera_engine.store import RunStore  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HOME = str(ROOT / "app" / "Home.py")
+TIMEOUT = 120
+
+
+@pytest.fixture()
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    h = tmp_path / "home"
+    monkeypatch.setenv("COMERA_HOME", str(h))
+    monkeypatch.chdir(ROOT)
+    return h
+
+
+def app(page: str, **query: str) -> AppTest:
+    at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+    at.switch_page(page)
+    for k, v in query.items():
+        at.query_params[k] = v
+    return at.run()
+
+
+def no_exception(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def texts(at: AppTest) -> str:
+    parts = [m.value for m in at.markdown] + [c.value for c in at.caption]
+    parts += [e.value for e in at.error] + [i.value for i in at.info]
+    return "\n".join(str(p) for p in parts)
+
+
+ACCS = {(5.0, 0): 0.95, (5.0, 1): 0.93, (20.0, 0): 0.91, (20.0, 1): 0.85}
+COMPS = {(5.0, 0): 5.1, (5.0, 1): 4.9, (20.0, 0): 20.4, (20.0, 1): 19.8}
+
+
+def seed_sweep(st: RunStore, unfinished: bool = False) -> tuple[str, list[str]]:
+    """A 2 targets × 2 seeds sweep written through the store API, as its trainers would
+    have left it (``unfinished``: the last cell still queued)."""
+    sid = st.create_sweep("digits", {"name": "digits"}, {"comera.target_compression": [5, 20]},
+                          2, max_parallel=2)
+    ids = []
+    for (target, seed), acc in ACCS.items():
+        cfg = {"name": "digits", "model": {"name": "tt_mlp"},
+               "comera": {"target_compression": target, "target_scope": "tensorized"},
+               "train": {"steps": 100, "seed": seed}}
+        rid = st.create_run(f"digits · {target:g}× seed {seed}", cfg, "running", sweep_id=sid,
+                            cell={"overrides": {"comera.target_compression": target},
+                                  "seed": seed})
+        last = unfinished and (target, seed) == (20.0, 1)
+        if last:
+            st.update_run(rid, status="queued")
+            st.run_dir(rid).mkdir(parents=True)  # what a resume starts from
+            (st.run_dir(rid) / "config.toml").write_text(
+                (ROOT / "experiments" / "configs" / "digits_tt_mlp.toml").read_text())
+        else:
+            t = time.time()
+            st.write_batch(rid, metrics=[(100, "eval/acc", acc, t),
+                                         (100, "compression/tensorized", COMPS[target, seed], t),
+                                         (100, "params/effective", 1000.0 / target, t)])
+            st.set_status(rid, "finished")
+        ids.append(rid)
+    return sid, ids
+
+
+def test_sweeps_page_without_sweeps_says_how_to_make_one(home: Path) -> None:
+    at = app("views/sweeps.py")
+    no_exception(at)
+    assert "No sweeps yet" in texts(at) and "comera sweep" in texts(at)
+
+
+def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None:
+    st = RunStore(home / "comera.db")
+    sid, ids = seed_sweep(st)
+    at = app("views/sweeps.py", sweep=sid)
+    no_exception(at)
+    assert at.selectbox(key="sw-pick").value == sid
+    assert len(at.get("plotly_chart")) == 1
+    groups, cells = at.dataframe[0].value, at.dataframe[1].value
+    assert len(groups) == 2 and len(cells) == 4
+    for target in (5.0, 20.0):
+        row = groups[groups["target"] == target].iloc[0]
+        accs = [a for (t, _), a in ACCS.items() if t == target]
+        assert row["eval/acc mean"] == pytest.approx(statistics.fmean(accs))
+        assert row["± std"] == pytest.approx(statistics.stdev(accs))
+        assert row["finished"] == "2/2" and bool(row["Pareto"])  # neither beats the other
+    assert set(cells["status"]) == {"finished"}
+    assert at.button(key="sw-stop").disabled and at.button(key="sw-resume").disabled
+
+
+def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("comera_engine.launch.dispatch", lambda *a, **k: [])  # start nothing
+    st = RunStore(home / "comera.db")
+    sid, ids = seed_sweep(st, unfinished=True)
+    at = app("views/sweeps.py", sweep=sid)
+    no_exception(at)
+    assert not at.button(key="sw-stop").disabled
+    at.button(key="sw-stop").click().run()
+    no_exception(at)
+    assert st.get_run(ids[-1])["status"] == "stopped"  # the waiting cell never starts
+    assert st.get_sweep(sid)["status"] == "stopped"
+    assert not at.button(key="sw-resume").disabled
+    at.button(key="sw-resume").click().run()
+    no_exception(at)
+    assert "1 cell(s) queued again" in texts(at)
+    assert st.get_run(ids[-1])["status"] == "queued"
+    assert [st.get_run(i)["status"] for i in ids[:3]] == ["finished"] * 3
+
+
+def test_new_experiment_launches_a_sweep_once(home: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("comera_engine.launch.dispatch", lambda *a, **k: [])  # start nothing
+    at = app("views/new_experiment.py")
+    no_exception(at)
+    at.text_input(key="sw-targets").set_value("5, 10x, 5").run()
+    at.number_input(key="sw-seeds").set_value(2).run()
+    at.number_input(key="sw-parallel").set_value(2).run()
+    assert "4 runs: 5×, 10× × 2 seed(s)." in texts(at)
+    at.button(key="sw-launch").click().run()
+    no_exception(at)
+    st = RunStore(home / "comera.db")
+    sweeps = st.list_sweeps()
+    assert len(sweeps) == 1 and sweeps[0]["cells"] == 4 and sweeps[0]["max_parallel"] == 2
+    cells = st.sweep_runs(sweeps[0]["id"])
+    assert sorted((c["config"]["comera"]["target_compression"], c["config"]["train"]["seed"])
+                  for c in cells) == [(5, 0), (5, 1), (10, 0), (10, 1)]
+    assert at.selectbox(key="sw-pick").value == sweeps[0]["id"]  # on the Sweeps page
+    at.switch_page("views/new_experiment.py").run()
+    at.button(key="sw-launch").click().run()  # the same submission: no second sweep
+    assert len(st.list_sweeps()) == 1
+
+
+def test_new_experiment_refuses_bad_sweep_targets(home: Path) -> None:
+    at = app("views/new_experiment.py")
+    at.text_input(key="sw-targets").set_value("5, ten").run()
+    assert any("targets: 'ten' is not a number" in e.value for e in at.error)
+    assert at.button(key="sw-launch").disabled
+    at.text_input(key="sw-targets").set_value("0.5").run()
+    assert any("above 1×" in e.value for e in at.error)
+
+
+def test_compare_loads_a_sweeps_cells(home: Path) -> None:
+    st = RunStore(home / "comera.db")
+    sid, ids = seed_sweep(st)
+    st.create_run("other", {"name": "other"}, "finished")
+    at = app("views/compare.py")
+    no_exception(at)
+    at.selectbox(key="cmp-sweep").set_value(sid).run()
+    no_exception(at)
+    assert sorted(at.multiselect(key="cmp-runs").value) == sorted(ids)
