@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test bench lint install clean
+.PHONY: run test bench reproduce lint install clean
 
 $(VENV)/.installed: pyproject.toml $(wildcard comera_engine/backends/cpu/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ bench: $(VENV)/.installed
 	$(PY) experiments/bench_tt_embedding.py
 	$(PY) experiments/bench_train_step.py
 	$(PY) experiments/bench_step_overheads.py
+
+# The paper's claims side by side with the peers, CPU size (< 60 min on 2 cores); every
+# cell is a run in the store (see the dashboard's Sweeps page); then docs/RESULTS.md.
+# REPRODUCE_ARGS="--quick" for a smoke run, "--scale paper" on a GPU machine.
+REPRODUCE_ARGS ?=
+reproduce: $(VENV)/.installed
+	$(PY) experiments/reproduce.py $(REPRODUCE_ARGS)
+	$(PY) experiments/reproduce_report.py $(if $(findstring --quick,$(REPRODUCE_ARGS)),--quick,)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,266 @@
+"""Reproduce the paper's claims side by side with the peers: target compression × seeds
+for each task and method, every cell an ordinary run through the launcher and the run
+store (so the dashboard's Sweeps and Compare pages show them), then one JSON per task.
+
+    python experiments/reproduce.py                      # CPU size (make reproduce)
+    python experiments/reproduce.py --quick              # 1 seed, 2 targets, fewer steps
+    python experiments/reproduce.py --scale paper        # the paper-size configs (GPU)
+    python experiments/reproduce.py --tasks digits --methods dense comera fixed
+    python experiments/reproduce_report.py               # docs/RESULTS.md + figures
+
+Methods (same task, data, steps and evaluation; docs/METHODS.md):
+  dense      the dense model (every layer nn.Linear / nn.Embedding)
+  comera     CoMERA: rank gates, early + late stage, the target enforced
+  fixed      fixed-rank TT of the target's size, trained from scratch without gates
+  tt_svd     the trained dense model (same seed) cut to the target by TT-SVD, no training
+  tt_svd_ft  the same, then fine-tuned for a fraction of the steps
+  tltorch    tensorly-torch TT-factorised linear layers at the target's size (linear tasks)
+
+Results go to experiments/results/reproduce/<task>.json; the store (``--store``, default
+$COMERA_HOME or ./runs) keeps every run. A task whose data is missing is skipped with
+the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import machine  # noqa: E402
+
+from comera_engine.errors import ConfigError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "experiments" / "configs"
+OUT = ROOT / "experiments" / "results" / "reproduce"
+TARGETS = (5.0, 10.0, 30.0, 100.0)
+QUICK_TARGETS = (10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: a config per scale, overrides for that scale, and which methods apply."""
+
+    name: str
+    title: str
+    config: dict[str, str]  # scale -> config file under experiments/configs
+    overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)  # scale -> --set
+    quick: tuple[str, ...] = ()  # --set for --quick (fewer steps)
+    linear: bool = True  # has TT linear layers (tltorch applies)
+    needs: str | None = None  # a file that must exist (relative to the repository)
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (
+    Task("digits", "scikit-learn digits, TT MLP",
+         {"cpu": "digits_tt_mlp.toml", "paper": "digits_tt_mlp_paper.toml"},
+         quick=("train.steps=300", "train.eval_every=100")),
+    Task("snli_tiny", "SNLI (dev split), transformer tiny",
+         {"cpu": "snli_transformer_tiny.toml", "paper": "mnli_transformer_paper.toml"},
+         quick=("train.steps=300", "train.eval_every=100"),
+         needs="../shared/data/snli/dev.jsonl"),
+    Task("snli_small", "SNLI (dev split), transformer small",
+         {"cpu": "snli_transformer_tiny.toml", "paper": "mnli_transformer_paper.toml"},
+         overrides={"cpu": ("model.preset=\"small\"",)},
+         quick=("train.steps=300", "train.eval_every=100"),
+         needs="../shared/data/snli/dev.jsonl"),
+    Task("code_mlm", "code MLM on the standard library",
+         {"cpu": "code_mlm_tiny.toml", "paper": "code_mlm_paper.toml"},
+         quick=("train.steps=150",)),
+)}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method as ``--set`` overrides of the task's config, per target (``None``: the
+    dense model, which has no target) and, for TT-SVD, the dense run it starts from."""
+
+    name: str
+    title: str
+    overrides: Callable[[float | None, str | None], list[str]]
+    per_target: bool = True  # False: one cell per seed (dense)
+    needs_dense: bool = False  # starts from the trained dense run of the same seed
+    linear_only: bool = False
+
+
+def _target(t: float | None) -> list[str]:
+    return [] if t is None else [f"comera.target_compression={t}"]
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("dense", "dense", lambda t, d: ["model.dense=true"], per_target=False),
+    Method("comera", "CoMERA", lambda t, d: _target(t)),
+)}
+
+
+def check_task(task: Task, scale: str) -> str | None:
+    """Why ``task`` cannot run here, or ``None``."""
+    if scale not in task.config:
+        return f"no {scale}-size config"
+    if task.needs and not (ROOT / task.needs).exists():
+        return f"{task.needs} is missing"
+    return None
+
+
+def cell_overrides(task: Task, scale: str, quick: bool) -> list[str]:
+    return [*task.overrides.get(scale, ()), *(task.quick if quick else ())]
+
+
+def run_task(task: Task, methods: list[str], scale: str, targets: list[float], seeds: int,
+             quick: bool, store: Any, parallel: int) -> dict[str, Any]:
+    """Queue every method's sweep for ``task`` (TT-SVD after its dense runs), wait for all
+    of them, and return the task's results (:func:`sweep_report` per method)."""
+    from comera_engine.launch.sweep import create_sweep, sweep_report
+
+    config = CONFIGS / task.config[scale]
+    base = cell_overrides(task, scale, quick)
+    sweeps: dict[str, list[str]] = {}
+    t0 = time.time()
+    order = [m for m in methods if not METHODS[m].needs_dense]
+    later = [m for m in methods if METHODS[m].needs_dense]
+    if later and "dense" not in order:
+        order.insert(0, "dense")
+    for name in order:
+        m = METHODS[name]
+        grid = ({"comera.target_compression": list(targets)} if m.per_target
+                else {"model.dense": [True]})
+        sets = [*base, *m.overrides(None, None)]
+        sweeps[name] = [create_sweep(config, grid, seeds, sets, store,
+                                     name=f"reproduce {task.name} {name}",
+                                     max_parallel=parallel)]
+        print(f"{task.name}/{name}: sweep {sweeps[name][0]}", file=sys.stderr)
+    if later:
+        wait(store, sweeps["dense"])
+        dense_dirs = {r["cell"]["seed"]: str(store.run_dir(r["id"]))
+                      for r in store.sweep_runs(sweeps["dense"][0]) if r["status"] == "finished"}
+        for name in later:
+            m = METHODS[name]
+            sweeps[name] = []
+            for seed, folder in sorted(dense_dirs.items()):
+                sets = [*base, *m.overrides(None, folder), f"train.seed={seed}"]
+                sweeps[name].append(create_sweep(
+                    config, {"comera.target_compression": list(targets)}, 1, sets, store,
+                    name=f"reproduce {task.name} {name} seed {seed}", max_parallel=parallel))
+    wait(store, [s for ids in sweeps.values() for s in ids])
+    results: dict[str, Any] = {}
+    for name, ids in sweeps.items():
+        reps = [sweep_report(store, s) for s in ids]
+        results[name] = merge_reports(reps, METHODS[name].per_target)
+        results[name]["sweeps"] = ids
+    return {"task": task.name, "title": task.title, "scale": scale, "quick": quick,
+            "config": task.config[scale], "overrides": base, "targets": list(targets),
+            "seeds": seeds, "wall_s": time.time() - t0, "machine": machine(),
+            "methods": results}
+
+
+def merge_reports(reports: list[dict[str, Any]], per_target: bool = True) -> dict[str, Any]:
+    """One method's results from its sweeps (TT-SVD has one sweep per seed): the cells of
+    all, regrouped per target (``per_target=False``: one group, target ``None``: dense)."""
+    from comera_engine.launch.sweep import _mean_std
+
+    cells = [c for r in reports for c in r["cells"]]
+    metric = next((r["metric"] for r in reports if r["metric"]), None)
+    higher = next((r["higher_is_better"] for r in reports if r["metric"]), True)
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault(c["target"] if per_target else None, []).append(c)
+    rows = []
+    for target, cs in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+        done = [c for c in cs if c["status"] == "finished"]
+        row: dict[str, Any] = {"target": target, "cells": len(cs), "finished": len(done),
+                               "statuses": sorted({c["status"] for c in cs})}
+        for key in ("score", "compression", "step_time_s", "peak_mem_mb", "params"):
+            mean, std = _mean_std([c[key] for c in done])
+            row[key], row[f"{key}_std"] = mean, std
+        rows.append(row)
+    return {"metric": metric, "higher_is_better": higher, "groups": rows, "cells": cells}
+
+
+def wait(store: Any, sweep_ids: list[str], poll: float = 2.0) -> None:
+    """Until every cell of these sweeps has ended (the launcher's housekeeping meanwhile:
+    dead cells are marked crashed, waiting cells start)."""
+    from comera_engine.launch import housekeeping
+
+    last = ""
+    while True:
+        housekeeping(store)
+        sweeps = [store.get_sweep(s) for s in sweep_ids]
+        counts: dict[str, int] = {}
+        for s in sweeps:
+            for k, n in s["counts"].items():
+                counts[k] = counts.get(k, 0) + n
+        text = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        if text != last:
+            print(f"  {time.strftime('%H:%M:%S')} {text}", file=sys.stderr)
+            last = text
+        if all(s["status"] not in ("queued", "running") for s in sweeps):
+            return
+        time.sleep(poll)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", choices=("cpu", "paper"), default="cpu")
+    ap.add_argument("--quick", action="store_true", help="1 seed, targets 10 and 30, fewer "
+                    "steps (a smoke test of the whole pipeline)")
+    ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None)
+    ap.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=None)
+    ap.add_argument("--targets", nargs="+", type=float, default=None)
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--max-parallel", type=int, default=None,
+                    help="cells at once in all (default: one per GPU, else one per 2 cores)")
+    ap.add_argument("--store", default=None, help="run store (default: $COMERA_HOME or ./runs)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    import os
+
+    from comera_engine.launch import open_store, set_max_concurrent
+
+    targets = args.targets or list(QUICK_TARGETS if args.quick else TARGETS)
+    seeds = args.seeds or (1 if args.quick else 3)
+    if seeds < 1 or any(t <= 1 for t in targets):
+        ap.error("--seeds must be >= 1 and every --targets value above 1")
+    parallel = args.max_parallel or max(1, (os.cpu_count() or 1) // 2)
+    store = open_store(args.store)
+    before = store.get_setting("max_concurrent")
+    set_max_concurrent(store, parallel)  # all the sweeps together; restored at the end
+    try:
+        return _run_all(args, store, targets, seeds, parallel)
+    finally:
+        set_max_concurrent(store, before)
+
+
+def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: int,
+             parallel: int) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    methods = args.methods or list(METHODS)
+    for name in args.tasks or list(TASKS):
+        task = TASKS[name]
+        why = check_task(task, args.scale)
+        if why:
+            print(f"skip {name}: {why}", file=sys.stderr)
+            continue
+        use = [m for m in methods if task.linear or not METHODS[m].linear_only]
+        print(f"{name}: {', '.join(use)} × {len(targets)} targets × {seeds} seeds",
+              file=sys.stderr)
+        try:
+            result = run_task(task, use, args.scale, targets, seeds, args.quick, store,
+                              parallel)
+        except ConfigError as e:
+            print(f"skip {name}: {e}", file=sys.stderr)
+            continue
+        suffix = "_quick" if args.quick else ("" if args.scale == "cpu" else f"_{args.scale}")
+        path = args.out / f"{name}{suffix}.json"
+        path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+        print(f"{name}: {result['wall_s'] / 60:.1f} min -> {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""docs/RESULTS.md and its figures from experiments/results/reproduce/*.json (written by
+experiments/reproduce.py): per task a table of every method at every target (mean ± std
+over seeds, compression reached vs asked), the paper's claims checked against the
+numbers, and an accuracy-vs-compression Pareto figure (PNG).
+
+    python experiments/reproduce_report.py                    # the CPU-size results
+    python experiments/reproduce_report.py --results DIR --out docs/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results" / "reproduce"
+DOC = ROOT / "docs" / "RESULTS.md"
+MEMORY = ROOT / "experiments" / "results" / "bench_memory_peers.json"
+ORDER = ("dense", "comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch")
+TITLES = {"dense": "dense", "comera": "CoMERA", "fixed": "fixed-rank TT",
+          "tt_svd": "TT-SVD (no fine-tune)", "tt_svd_ft": "TT-SVD + fine-tune",
+          "tltorch": "tltorch TT"}
+#: Where a claim is checked: (task, target, points within dense).
+CLAIMS = (("digits", 10.0, 1.0), ("snli_small", 10.0, 1.0), ("digits", 30.0, 2.0),
+          ("snli_small", 30.0, 2.0))
+
+
+def _ok(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def fmt_score(g: dict[str, Any] | None, pct: bool) -> str:
+    if not g or not _ok(g.get("score")):
+        return "—"
+    k = 100.0 if pct else 1.0
+    sd = g.get("score_std") or 0.0
+    return f"{g['score'] * k:.1f} ± {sd * k:.1f}" if pct else f"{g['score']:.3f} ± {sd:.3f}"
+
+
+def fmt_comp(g: dict[str, Any] | None, target: float | None) -> str:
+    if not g or not _ok(g.get("compression")):
+        return ""
+    c = g["compression"]
+    if target is None:
+        return f"{c:.1f}×"
+    err = (c - target) / target
+    return f"{c:.1f}× ({err:+.0%})"
+
+
+def group(res: dict[str, Any], method: str, target: float | None) -> dict[str, Any] | None:
+    for g in res["methods"].get(method, {}).get("groups", []):
+        if (g["target"] is None and target is None) or (
+                g["target"] is not None and target is not None and abs(g["target"] - target)
+                < 1e-9):
+            return g
+    return None
+
+
+def task_table(res: dict[str, Any]) -> list[str]:
+    """Rows: targets; columns: methods (score mean ± std, compression reached)."""
+    methods = [m for m in ORDER if m in res["methods"]]
+    metric = next((r["metric"] for r in res["methods"].values() if r.get("metric")), "score")
+    pct = metric in ("eval/acc", "eval/auc")
+    head = ["target", *(TITLES[m] for m in methods if m != "dense")]
+    lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
+    dense = group(res, "dense", None)
+    for t in res["targets"]:
+        cells = [f"{t:g}×"]
+        for m in methods:
+            if m == "dense":
+                continue
+            g = group(res, m, t)
+            cells.append(f"{fmt_score(g, pct)}<br>{fmt_comp(g, t)}" if g else "—")
+        lines.append(f"| {' | '.join(cells)} |")
+    unit = " (%)" if pct else ""
+    note = (f"Dense: **{fmt_score(dense, pct)}**{unit} {metric}. " if dense else "") + \
+        f"Each cell: {metric}{unit} mean ± std over {res['seeds']} seed(s), then the " \
+        "compression reached (and its error against the target)."
+    return [note, "", *lines]
+
+
+def claims(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's targets, checked against the numbers, whatever they come out as."""
+    out = ["| claim | measured | met |", "|---|---|---|"]
+    for task, target, pts in CLAIMS:
+        res = results.get(task)
+        if res is None:
+            out.append(f"| CoMERA within {pts:g} point(s) of dense at {target:g}× on {task} | "
+                       "not run | — |")
+            continue
+        d, c = group(res, "dense", None), group(res, "comera", target)
+        if not (d and c and _ok(d.get("score")) and _ok(c.get("score"))):
+            out.append(f"| CoMERA within {pts:g} point(s) of dense at {target:g}× on {task} | "
+                       "missing cells | — |")
+            continue
+        gap = (d["score"] - c["score"]) * 100.0
+        out.append(f"| CoMERA within {pts:g} point(s) of dense at {target:g}× on {task} | "
+                   f"gap {gap:.1f} points | {'yes' if gap <= pts else '**no**'} |")
+    worst = 0.0
+    n = 0
+    for res in results.values():
+        for m in ("comera",):
+            for g in res["methods"].get(m, {}).get("groups", []):
+                if g["target"] and _ok(g.get("compression")):
+                    worst = max(worst, abs(g["compression"] - g["target"]) / g["target"])
+                    n += 1
+    if n:
+        out.append(f"| compression within ±10 % of the target in every CoMERA cell | worst "
+                   f"{worst:.1%} over {n} grid points | {'yes' if worst <= 0.10 else '**no**'} |")
+    beaten = []
+    for task, res in results.items():
+        for t in res["targets"]:
+            if t < 10:
+                continue
+            c = group(res, "comera", t)
+            for peer in ("fixed", "tt_svd", "tt_svd_ft"):
+                p = group(res, peer, t)
+                if c and p and _ok(c.get("score")) and _ok(p.get("score")):
+                    higher = res["methods"]["comera"].get("higher_is_better", True)
+                    worse = c["score"] < p["score"] if higher else c["score"] > p["score"]
+                    if worse:
+                        beaten.append(f"{task} {t:g}× by {TITLES[peer]}")
+    out.append("| CoMERA at least as good as fixed-rank TT and TT-SVD at every target ≥ 10× | "
+               + ("; ".join(beaten) if beaten else "no exception") + " | "
+               + ("**no**" if beaten else "yes") + " |")
+    return out
+
+
+def figure(res: dict[str, Any], path: Path) -> bool:
+    """Accuracy (or the task's score) against compression reached, one line per method,
+    error bars over seeds; the dense model as a dashed line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: figures skipped (pip install matplotlib)", file=sys.stderr)
+        return False
+    metric = next((r["metric"] for r in res["methods"].values() if r.get("metric")), "score")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for m in ORDER:
+        if m == "dense" or m not in res["methods"]:
+            continue
+        gs = [g for g in res["methods"][m]["groups"]
+              if _ok(g.get("score")) and _ok(g.get("compression"))]
+        if not gs:
+            continue
+        gs.sort(key=lambda g: g["compression"])
+        ax.errorbar([g["compression"] for g in gs], [g["score"] for g in gs],
+                    yerr=[g.get("score_std") or 0 for g in gs],
+                    xerr=[g.get("compression_std") or 0 for g in gs], marker="o",
+                    capsize=3, label=TITLES[m])
+    dense = group(res, "dense", None)
+    if dense and _ok(dense.get("score")):
+        ax.axhline(dense["score"], color="black", linestyle="--", linewidth=1,
+                   label="dense")
+    ax.set_xscale("log")
+    ax.set_xlabel("compression reached (×, log)")
+    ax.set_ylabel(metric)
+    ax.set_title(res["title"])
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def memory_table(path: Path) -> list[str]:
+    if not path.exists():
+        return [f"Not measured yet (`python experiments/bench_memory_peers.py` writes "
+                f"`{path.relative_to(ROOT)}`)."]
+    data = json.loads(path.read_text())
+    rows = data.get("rows", [])
+    if not rows:
+        return ["No rows in the memory benchmark's JSON."]
+    keys = list(rows[0])
+    lines = [f"| {' | '.join(keys)} |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+    mach = data.get("machine", {})
+    return [f"Machine: {mach.get('cpu_model', mach.get('processor', '?'))}.", "", *lines]
+
+
+def build(results_dir: Path, out: Path, suffix: str = "") -> str:
+    results = {}
+    for p in sorted(results_dir.glob(f"*{suffix}.json")):
+        stem = p.stem[: -len(suffix)] if suffix else p.stem
+        if not suffix and "_" in stem and stem.rsplit("_", 1)[1] in ("quick", "paper"):
+            continue
+        results[stem] = json.loads(p.read_text())
+    figs = out.parent / "figures"
+    src = results_dir.relative_to(ROOT) if results_dir.is_relative_to(ROOT) else results_dir
+    lines = ["# Results: CoMERA side by side with the peers", "",
+             f"Generated by `python experiments/reproduce_report.py` from `{src}`"
+             " (written by `python experiments/reproduce.py`, `make reproduce`). Every "
+             "cell is an ordinary run in the run store: the dashboard's Sweeps and Compare "
+             "pages show the same numbers. Methods: `docs/METHODS.md`.", ""]
+    if not results:
+        lines.append("No results yet: run `make reproduce`.")
+    else:
+        any_res = next(iter(results.values()))
+        m = any_res.get("machine", {})
+        lines += [f"Machine: {m.get('cpu_model', m.get('processor', '?'))}, "
+                  f"{m.get('cpu_count', '?')} cores, torch {m.get('torch', '?')}"
+                  + (f", {m['gpu']}" if m.get("gpu") else "") + f"; scale `{any_res['scale']}`"
+                  + (" (quick)" if any_res.get("quick") else "") + ".", "",
+                  "## The claims, checked", "", *claims(results), ""]
+    for name, res in results.items():
+        lines += [f"## {res['title']}", "",
+                  f"Config `experiments/configs/{res['config']}`"
+                  + (f" with `{' '.join(res['overrides'])}`" if res["overrides"] else "")
+                  + f"; {res['wall_s'] / 60:.1f} min for the whole task.", ""]
+        lines += task_table(res)
+        png = figs / f"reproduce_{name}{suffix}.png"
+        if figure(res, png):
+            lines += ["", f"![{res['title']}](figures/{png.name})"]
+        lines.append("")
+    lines += ["## Peak training memory (GaLore vs CoMERA)", "", *memory_table(MEMORY), ""]
+    text = "\n".join(lines)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: docs/RESULTS.md (--quick: beside the results)")
+    ap.add_argument("--quick", action="store_true", help="report the --quick results")
+    args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = args.results / "RESULTS_quick.md" if args.quick else DOC
+    build(args.results, args.out, "_quick" if args.quick else "")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
