@@ -159,6 +159,19 @@ def cmd_train(args: argparse.Namespace) -> int:
                           "--run-dir DIR (the same for every process), or use "
                           "`comera launch --nproc N`")
     record = _Record(args) if is_main and not args.no_store else None
+    try:
+        return _train(args, cfg, record, is_main)
+    finally:
+        if record is not None:
+            record.close()
+
+
+def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: bool) -> int:
+    """:func:`cmd_train` once the config is loaded: check, prepare, train."""
+    from comera_engine.config import to_toml
+
+    early = _EarlyPhase(record)
+    early("preparing data")
     run_dir = _run_dir(args, cfg.name, record)
     saved_tok = run_dir / "tokenizer.json"
     if saved_tok.is_file() and isinstance(cfg.data, dict) and "tokenizer_path" not in cfg.data:
@@ -172,7 +185,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_runnable(_plan_target(cfg, quiet=True),
                        nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     cfg = _plan_target(cfg)  # before any data is read: refuses an unreachable target
-    bundle = _prepare(cfg, run_dir, args.resume)  # validates data and model, writes nothing
+    bundle = _prepare(cfg, run_dir, args.resume, early)  # validates data and model
     if not is_main:
         return _run(cfg, run_dir, bundle, args, None)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -240,6 +253,42 @@ class _Record:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+class _EarlyPhase:
+    """A launched run's phase before its trainer claims the run (``--run-id``: the row
+    exists from the start), as ``on_phase(phase, progress)``. Written only while the
+    row's owner already names this process or its parent (the supervisor records the
+    trainer's pid), with that token checked in the write: a second trainer on a live run
+    writes nothing before it is refused. A foreground run has no row yet: nothing is
+    written. Store problems are left for :class:`_Writer` to report."""
+
+    def __init__(self, record: _Record | None) -> None:
+        self.store: Any = None
+        self.run_id: str | None = None
+        self.owner: dict[str, Any] | None = None
+        if record is None or record.wanted is None:
+            return
+        from comera_engine.launch.owner import owned_here
+
+        try:
+            self.store = record.open()
+            self.run_id = record.run_id
+            self.owner = owned_here(self.store, str(self.run_id))
+        except (ConfigError, ValueError):  # no such store or run: _Writer says so
+            record.close()  # so that _Writer opens (and resolves) it afresh
+
+    def __call__(self, phase: str, progress: float | None = None) -> None:
+        if self.owner is None:
+            return
+        from comera_engine.store.errors import NotOwnerError
+
+        try:
+            self.store.write_batch(str(self.run_id), phase=(phase, progress), owner=self.owner)
+        except NotOwnerError:  # another process took the run: write nothing more
+            self.owner = None
+        except ValueError:  # a busy store: the next phase (or the sink) writes it
+            pass
 
 
 class _Writer:
@@ -381,8 +430,10 @@ def _plan_target(cfg: Any, quiet: bool = False) -> Any:
     return cfg
 
 
-def _prepare(cfg: Any, run_dir: Path, resume: bool) -> Any:
-    """Build the dataset and a throwaway model: every ConfigError surfaces here."""
+def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any:
+    """Build the dataset and a throwaway model: every ConfigError surfaces here.
+    ``on_phase(phase, progress)`` hears the phases (preparing data, training tokenizer,
+    building)."""
     from comera_engine.data import build_dataset
     from comera_engine.models import build_model
     from comera_engine.train.loop import data_config
@@ -393,7 +444,7 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool) -> Any:
         from comera_engine.store.layout import resume_point
 
         resume_point(run_dir / "checkpoints")  # every checkpoint damaged: one line
-    bundle = build_dataset(data_config(cfg), base_dir=cfg.base_dir)
+    bundle = build_dataset(data_config(cfg), base_dir=cfg.base_dir, on_phase=on_phase)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.train.batch_size * world > len(bundle.train):
         raise ConfigError(
@@ -403,6 +454,8 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool) -> Any:
         )
     from comera_engine.train.tt import CoMERAState
 
+    if on_phase is not None:
+        on_phase("building")
     CoMERAState(build_model(cfg.model, bundle), cfg.comera)  # e.g. an unreachable target
     return bundle
 

@@ -26,6 +26,12 @@ class MetricsSink(Protocol):
     - ``log_artifact(kind, path)``: a file written for the run (checkpoint, export, log).
     - ``set_status(status, error=None)``: lifecycle status (running, finished, stopped,
       failed, diverged).
+    - ``set_phase(phase, progress=None)``: what the run is doing now (one of
+      :data:`comera_engine.store.PHASES`: preparing data, training tokenizer, building,
+      training, evaluating, checkpointing, exporting, done) and how far along (0..1,
+      ``None``: unknown). Called on every phase change, and with progress within a long
+      phase (per eval batch): a sink keeps that cheap (writes progress at most every
+      so often, or not at all).
     - ``flush()`` / ``close()``.
     """
 
@@ -34,6 +40,7 @@ class MetricsSink(Protocol):
     def log_event(self, kind: str, text: str, step: int | None = None) -> None: ...
     def log_artifact(self, kind: str, path: str) -> None: ...
     def set_status(self, status: str, error: str | None = None) -> None: ...
+    def set_phase(self, phase: str, progress: float | None = None) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
@@ -47,6 +54,8 @@ class JSONLSink:
     """Append-only JSON-lines file: one record per line, ``{"t": time, "type": ..., ...}``.
 
     Lines are flushed at most ``flush_every`` seconds apart, and always on ``flush``/``close``.
+    A phase is one ``{"type": "phase", "phase": ..., "progress": ...}`` line when it
+    changes; progress within a phase is not written.
     """
 
     def __init__(self, path: str | os.PathLike[str], flush_every: float = 0.5) -> None:
@@ -55,6 +64,7 @@ class JSONLSink:
         self._f = open(self.path, "a", encoding="utf-8")
         self._flush_every = flush_every
         self._last_flush = time.monotonic()
+        self._phase: str | None = None
 
     def _write(self, record: dict[str, Any]) -> None:
         record = {"t": time.time(), **record}
@@ -77,6 +87,11 @@ class JSONLSink:
     def set_status(self, status: str, error: str | None = None) -> None:
         self._write({"type": "status", "status": status, "error": error})
 
+    def set_phase(self, phase: str, progress: float | None = None) -> None:
+        if phase != self._phase:
+            self._phase = phase
+            self._write({"type": "phase", "phase": phase, "progress": progress})
+
     def flush(self) -> None:
         if not self._f.closed:
             self._f.flush()
@@ -89,7 +104,8 @@ class JSONLSink:
 
 
 class MultiSink:
-    """Fan records out to several sinks."""
+    """Fan records out to several sinks (a sink without ``set_phase``, written before the
+    protocol had it, is skipped for phases)."""
 
     def __init__(self, *sinks: MetricsSink) -> None:
         self.sinks = list(sinks)
@@ -113,6 +129,11 @@ class MultiSink:
     def set_status(self, status: str, error: str | None = None) -> None:
         for s in self.sinks:
             s.set_status(status, error)
+
+    def set_phase(self, phase: str, progress: float | None = None) -> None:
+        for s in self.sinks:
+            if hasattr(s, "set_phase"):
+                s.set_phase(phase, progress)
 
     def flush(self) -> None:
         for s in self.sinks:

@@ -356,6 +356,38 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     assert {"stage", "checkpoint", "rank change"} <= set(events["kind"])
 
 
+def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
+    """A run at step 0 that is preparing its data says so instead of showing empty
+    charts; a phase whose progress is known (evaluating) is a progress bar."""
+    st = store_at(home)
+    rid = st.create_run("starting", config("starting"), "running")
+    st.heartbeat(rid)  # alive
+    st.set_phase(rid, "preparing data")
+    at = app("live")
+    no_exception(at)
+    assert at.selectbox(key="live-run").value == rid
+    assert [i.value for i in at.info] == ["Preparing data…"]
+    assert "now preparing data" in texts(at)
+    assert not at.get("plotly_chart") and "charts appear with the first training step" in texts(at)
+    assert [(p.value, p.text) for p in at.progress] == [(0, "step 0 of 600")]
+    t = time.time()
+    st.write_batch(rid, metrics=[(s, "loss/task", 1.0 / s, t) for s in range(1, 101)],
+                   phase=("evaluating", 0.4), heartbeat=True)
+    at.run()
+    no_exception(at)
+    bars = [(p.value, p.text) for p in at.progress]
+    assert bars == [(16, "step 100 of 600"), (40, "Evaluating · 40 %")]
+    assert not at.info and "now evaluating" in texts(at)
+    assert len(at.get("plotly_chart")) == 8  # metrics: the charts are back
+    st.set_phase(rid, "training")
+    at.run()
+    assert [p.text for p in at.progress] == ["step 100 of 600"]  # the step bar says it
+    st.set_phase(rid, "done")
+    st.set_status(rid, "finished")
+    at.run()
+    assert "now " not in texts(at) and [p.text for p in at.progress] == ["step 100 of 600"]
+
+
 def test_live_page_states_the_target_outcome_and_slower_paths(home: Path) -> None:
     """The run's final word on its target and any fallback to a slower path (a CUDA
     graph capture that failed) are banners above the charts, read from the store."""

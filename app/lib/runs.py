@@ -38,6 +38,8 @@ __all__ = [
     "is_live",
     "notices",
     "open_store",
+    "phase_of",
+    "phase_text",
     "peak_memory_mb",
     "run_label",
     "stage_steps",
@@ -185,6 +187,22 @@ def parse_targets(text: str) -> list[float]:
 def is_live(run: Mapping[str, Any]) -> bool:
     """Queued, running or stopping: a run whose page should keep refreshing."""
     return run.get("status") in ("queued", *ACTIVE_STATUSES)
+
+
+def phase_of(run: Mapping[str, Any]) -> tuple[str, float | None] | None:
+    """``(phase, progress)`` of a live run that has reported one (progress 0..1, or
+    ``None`` while unknown); ``None`` for a run that is over or has said nothing yet."""
+    phase = run.get("phase")
+    if not phase or not is_live(run):
+        return None
+    progress = run.get("phase_progress")
+    return str(phase), (None if progress is None else min(1.0, max(0.0, float(progress))))
+
+
+def phase_text(phase: str, progress: float | None = None) -> str:
+    """``"Evaluating · 40 %"``, or ``"Preparing data…"`` while the progress is unknown."""
+    name = phase[:1].upper() + phase[1:]
+    return f"{name}…" if progress is None else f"{name} · {progress * 100:.0f} %"
 
 
 def run_label(run: Mapping[str, Any]) -> str:

@@ -111,12 +111,28 @@ def header(run: dict[str, Any], latest: dict[str, float]) -> None:
         eta = elapsed / step * (total - step) if elapsed else None
     stage = latest.get("stage")
     stage_txt = "" if stage is None else (" · late stage" if stage >= 0.5 else " · early stage")
+    phase = runs.phase_of(run)
     st.caption(
         f"`{run['id']}` · {_device_text(run, latest)}"
         f" · started {fmt.clock(started)} · elapsed {fmt.duration(elapsed)}"
         + (f" · ETA {fmt.duration(eta)}" if eta is not None else "") + stage_txt
+        + (f" · now {phase[0]}" if phase else "")
     )
     st.progress(min(1.0, step / total) if total else 0.0, text=f"step {step:,} of {total:,}")
+    phase_note(phase)
+
+
+def phase_note(phase: tuple[str, float | None] | None) -> None:
+    """What a live run is doing besides stepping: a progress bar for a phase whose
+    progress is known (evaluating), a note while it is not (preparing data, training a
+    tokenizer, building). Training itself is the step bar above."""
+    if phase is None or phase[0] == "done" or phase == ("training", None):
+        return
+    name, progress = phase
+    if progress is None:
+        st.info(runs.phase_text(name), icon=":material/hourglass_top:")
+    else:
+        st.progress(progress, text=runs.phase_text(name, progress))
 
 
 def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float | None],
@@ -298,7 +314,7 @@ def _view() -> None:
         st.error(f"**{run['status']}**: {first}", icon=":material/error:")
         with st.expander("Full error"):
             st.code(err, language=None)
-    elif run["status"] == "queued":
+    elif run["status"] == "queued" and runs.phase_of(run) is None:
         st.info("Queued: the trainer is starting (building the dataset and the model)…",
                 icon=":material/hourglass_top:")
     if "perf/tokens_per_s" in latest:
@@ -318,7 +334,11 @@ def _view() -> None:
         icon = {"success": ":material/check_circle:", "warning": ":material/warning:",
                 "info": ":material/info:"}[level]
         getattr(st, level)(text, icon=icon)
-    charts(run, latest)
+    if runs.is_live(run) and not latest:  # nothing to plot yet: no empty charts
+        st.caption(":material/hourglass_top: The charts appear with the first training "
+                   "step.")
+    else:
+        charts(run, latest)
     events(run)
     if LIVE_AT_START != runs.is_live(run):
         st.rerun()  # the run started or ended: rebuild with(out) the 1 s refresh

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from comera_engine._lazy import lazy_getattr
+from comera_engine.data import phases
 from comera_engine.data.registry import (
     DatasetInfo,
     dataset_info,
@@ -63,7 +64,8 @@ def available_datasets() -> list[str]:
     return sorted(dataset_names())
 
 
-def build_dataset(cfg: Mapping[str, Any], base_dir: str | Path | None = None) -> DataBundle:
+def build_dataset(cfg: Mapping[str, Any], base_dir: str | Path | None = None,
+                  on_phase: phases.PhaseCallback | None = None) -> DataBundle:
     """Build the dataset described by ``cfg`` (the ``[data]`` section of a run config),
     through the registry (:mod:`comera_engine.data.registry`).
 
@@ -71,6 +73,10 @@ def build_dataset(cfg: Mapping[str, Any], base_dir: str | Path | None = None) ->
         cfg: e.g. ``{"name": "snli", "path": "../shared/data/snli/dev.jsonl",
             "seq_len": 64, "vocab_size": 4000, "split_fraction": 0.8, "seed": 0}``.
         base_dir: folder that relative paths are taken from (default: the working dir).
+        on_phase: told ``(phase, progress)`` as the build goes: ``"preparing data"`` at
+            the start and ``"training tokenizer"`` (progress ``None``) while a WordPiece
+            tokenizer is trained, then ``"preparing data"`` again
+            (:mod:`comera_engine.data.phases`).
 
     Raises:
         ConfigError: bad input; the message names the field (``data.path: ...``) and the fix.
@@ -78,7 +84,9 @@ def build_dataset(cfg: Mapping[str, Any], base_dir: str | Path | None = None) ->
     if not isinstance(cfg, Mapping):
         raise ConfigError("data", f"must be a table (dict) with at least 'name', got {cfg!r}")
     info = dataset_info(cfg.get("name"))
-    return resolve_builder(info)(cfg, base_dir)
+    builder = resolve_builder(info)
+    with phases.reporting(on_phase):
+        return builder(cfg, base_dir)
 
 
 __all__ = [

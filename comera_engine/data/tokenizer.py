@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from comera_engine.data.base import BaseDir, field_name, get_str, missing_package, resolve_path
+from comera_engine.data.phases import phase
 from comera_engine.errors import ConfigError
 
 SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -77,8 +78,16 @@ class WordPieceTokenizer:
         continuation characters in hash-map order, and those ids break ties between
         equally frequent merges); here every continuation character of the alphabet is
         numbered up front, in sorted order (:func:`continuation_alphabet`), so nothing is
-        left to that order.
+        left to that order. A dataset build that listens for phases hears
+        ``"training tokenizer"`` meanwhile (:mod:`comera_engine.data.phases`).
         """
+        with phase("training tokenizer"):
+            return cls._train(texts, vocab_size, min_frequency, lowercase, limit_alphabet)
+
+    @classmethod
+    def _train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int,
+               lowercase: bool, limit_alphabet: int) -> WordPieceTokenizer:
+        """:meth:`train` without the phase report."""
         import json
 
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers

@@ -14,6 +14,16 @@ crashed``; ``stopped``, ``crashed`` and ``failed`` runs can be resumed as the sa
 from their newest checkpoint that reads back whole. A run has one writer
 (:mod:`comera_engine.launch.owner`): a resume of a run whose folder is still locked by a
 live trainer is refused.
+
+Phase: while it runs, a run's row also says what its trainer is doing (``runs.phase``,
+one of :data:`comera_engine.store.PHASES`: preparing data → training tokenizer →
+building → training ⇄ evaluating / checkpointing → done) and how far along a long phase
+is (``runs.phase_progress``, 0..1, or NULL when unknown: evaluation reports it per eval
+batch, written at most every 0.5 s). A launched trainer reports from its first moment
+(the data preparation before it takes the run); a foreground ``comera train`` from its
+row's creation (building on). ``comera runs`` shows it beside the status (``running ·
+evaluating 40%``), the Live run page as a progress bar. The phase a run failed or
+crashed in stays in its row; a resume clears it.
 """
 
 from __future__ import annotations
@@ -71,8 +81,9 @@ _ENV_PREFIXES = ("COMERA_", "OMP_", "MKL_", "OPENBLAS_", "CUDA_", "NCCL_", "TORC
 _SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 #: What a requeued run (a resume) starts afresh; ``queued_at`` and ``resume_pending`` are
-#: set beside these.
-_REQUEUE_CLEARS = dict.fromkeys(("dispatched_at", "ended_at", "exit_code", "stop_deadline"))
+#: set beside these. Its phase too: the new attempt reports its own.
+_REQUEUE_CLEARS = dict.fromkeys(("dispatched_at", "ended_at", "exit_code", "stop_deadline",
+                                 "phase", "phase_progress"))
 
 
 class LaunchError(ValueError):

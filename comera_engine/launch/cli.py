@@ -78,7 +78,7 @@ def add_subparsers(subparsers: Any) -> None:
     _add_store(p)
     p.set_defaults(func=cmd_launch)
 
-    p = subparsers.add_parser("runs", help="list runs with their status")
+    p = subparsers.add_parser("runs", help="list runs with their status (and phase)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--status", action="append", default=None, choices=STATUSES,
                    help="only this status (repeatable)")
@@ -172,6 +172,16 @@ def _fmt_target(st: RunStore, rid: str) -> str:
     return target_outcome(target, reached, short=True)
 
 
+def _fmt_status(run: dict[str, Any]) -> str:
+    """The status, and for a run that is not over its phase (with its progress when
+    known): ``running · evaluating 40%``."""
+    status, phase = str(run["status"]), run.get("phase")
+    if status in FINAL_STATUSES or not phase:
+        return status
+    progress = run.get("phase_progress")
+    return f"{status} · {phase}" + ("" if progress is None else f" {progress * 100:.0f}%")
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     path = resolve_store_path(args.store)
     if not path.exists():
@@ -197,7 +207,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
             (
                 r["id"],
                 _printable(r["name"]),
-                r["status"],
+                _printable(_fmt_status(r)),
                 "-" if r["last_step"] is None else str(r["last_step"]),
                 _fmt_target(st, r["id"]),
                 _fmt_time(r["started_at"] or r["created_at"]),

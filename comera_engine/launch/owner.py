@@ -30,7 +30,8 @@ from comera_engine.launch.liveness import pid_alive, this_process
 from comera_engine.store import RunNotFoundError, RunStore
 from comera_engine.store.runs import OWNER_COLUMNS, owner_token, same_owner
 
-__all__ = ["LOCK_FILENAME", "RunBusyError", "RunLock", "claim_run", "lock_holder"]
+__all__ = ["LOCK_FILENAME", "RunBusyError", "RunLock", "claim_run", "lock_holder",
+           "owned_here"]
 
 #: The lock file in a run folder.
 LOCK_FILENAME = ".lock"
@@ -141,6 +142,27 @@ def _ancestors(pid: int) -> set[int]:
         return set()
 
 
+def _mine(held: Mapping[str, Any], me: Mapping[str, Any], parents: set[int]) -> bool:
+    """Whether the owner token ``held`` names ``me`` or one of my parents (the supervisor
+    records the trainer's pid, or torchrun's)."""
+    return bool(held["pid"]) and held["host"] == me["host"] and (
+        same_owner(held, me) or held["pid"] in parents)
+
+
+def owned_here(store: RunStore, run_id: str,
+               me: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The run's owner token when it already names this process (``me``, default
+    :func:`this_process`) or a parent of it, else ``None``; changes nothing. A launched
+    trainer uses it to report its phase before it has claimed the run (a trainer that
+    is not the run's will be refused by :func:`claim_run`, and must not write before)."""
+    run = store.get_run(run_id)
+    if run is None:
+        return None
+    me = dict(me or this_process())
+    held = owner_token(run)
+    return held if _mine(held, me, _ancestors(int(me["pid"]))) else None
+
+
 def claim_run(
     store: RunStore, run_id: str, me: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -161,9 +183,9 @@ def claim_run(
         if row is None:
             raise RunNotFoundError(f"run_id: no run {run_id!r} in {store.path}")
         held = owner_token(row)
+        if _mine(held, me, parents):
+            return held
         if held["pid"] and held["host"] == me["host"]:
-            if same_owner(held, me) or held["pid"] in parents:
-                return held
             if pid_alive(held["pid"], held["pid_started"]):
                 raise RunBusyError(
                     f"{run_id} is {row['status']} and owned by {_describe(held)}; "

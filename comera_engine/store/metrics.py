@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from comera_engine.store.connection import Database
-from comera_engine.store.runs import check_owner_in, set_status_in
+from comera_engine.store.runs import check_owner_in, set_phase_in, set_status_in
 
 MetricRow = tuple[int, str, float | None, float]
 """``(step, name, value, time)``."""
@@ -139,6 +139,7 @@ class MetricRows(Database):
         heartbeat: bool = False,
         status: tuple[str, str | None, tuple[str, ...] | None] | None = None,
         owner: Mapping[str, Any] | None = None,
+        phase: tuple[str | None, float | None] | None = None,
     ) -> bool:
         """Write buffered records of one run in one transaction.
 
@@ -146,7 +147,9 @@ class MetricRows(Database):
         time)``; ``events``: ``(time, step, kind, text)``; ``artifacts``: ``(kind, path,
         size, time)``. ``rewind_from``: first delete metrics and rank snapshots at steps
         ``>= rewind_from`` (rows of an earlier attempt that a resumed run logs again).
-        ``status``: ``(status, error, only_from)`` set after the records. ``owner``: the
+        ``status``: ``(status, error, only_from)`` set after the records. ``phase``:
+        ``(phase, progress)`` the run is in now (see
+        :meth:`~comera_engine.store.runs.RunRows.set_phase`). ``owner``: the
         writer's owner token (``pid``, ``pid_started``, ``host``); when given, nothing is
         written unless it still owns the run (:class:`~comera_engine.store.errors.NotOwnerError`).
         Returns whether the status changed (``True`` when no status was given).
@@ -166,6 +169,8 @@ class MetricRows(Database):
                 params.append(max(m[0] for m in metrics))
             if sets:
                 c.execute(f"UPDATE runs SET {', '.join(sets)} WHERE id = ?", (*params, run_id))
+            if phase is not None:
+                set_phase_in(c, run_id, *phase)
             if status is not None:
                 st, err, only = status
                 return set_status_in(c, run_id, st, err, only, {})

@@ -6,6 +6,11 @@ leave, ``where`` columns such as the attempt still equal), so a stale process ca
 a run that has gone on. The run folder of run ``id`` is ``<store dir>/<id>/``.
 Whether a run's process is alive is the launcher's business
 (:mod:`comera_engine.launch.liveness`); the store records what it decides.
+
+Phase: beside its status a run records what its trainer is doing (``phase``, one of
+:data:`PHASES`) and how far along (``phase_progress``, 0..1 or NULL): written by the
+trainer's :class:`~comera_engine.store.StoreSink` (a change at once, progress with its
+batched flush, both checked against the owner token); see :mod:`comera_engine.launch`.
 """
 
 from __future__ import annotations
@@ -177,6 +182,29 @@ def set_status_in(
     return True
 
 
+def check_phase(phase: str | None, progress: float | None = None
+                ) -> tuple[str | None, float | None]:
+    """``(phase, progress)`` validated: ``phase`` one of :data:`PHASES` (or ``None``),
+    ``progress`` clamped to 0..1 (or ``None`` when unknown). A bad phase raises
+    ValueError."""
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"phase: must be one of {', '.join(PHASES)}, got {phase!r}")
+    if progress is not None:
+        progress = min(1.0, max(0.0, float(progress)))
+    return phase, progress
+
+
+def set_phase_in(c: sqlite3.Connection, run_id: str, phase: str | None,
+                 progress: float | None = None) -> None:
+    """Set a run's phase and its progress inside the caller's transaction (see
+    :meth:`RunRows.set_phase`)."""
+    phase, progress = check_phase(phase, progress)
+    c.execute(
+        "UPDATE runs SET phase = ?, phase_progress = ?, updated_at = ? WHERE id = ?",
+        (phase, progress, time.time(), run_id),
+    )
+
+
 def _run_dict(row: sqlite3.Row) -> dict[str, Any]:
     d = dict(row)
     try:
@@ -313,18 +341,11 @@ class RunRows(Database):
 
     def set_phase(self, run_id: str, phase: str | None, progress: float | None = None) -> None:
         """Record what the run is doing now (one of :data:`PHASES`, or ``None``) and how
-        far along that phase is (0..1, or ``None`` when unknown)."""
-        if phase is not None and phase not in PHASES:
-            raise ValueError(f"phase: must be one of {', '.join(PHASES)}, got {phase!r}")
-        if progress is not None:
-            progress = min(1.0, max(0.0, float(progress)))
-        now = time.time()
-        self.write(
-            lambda c: c.execute(
-                "UPDATE runs SET phase = ?, phase_progress = ?, updated_at = ? WHERE id = ?",
-                (phase, progress, now, run_id),
-            )
-        )
+        far along that phase is (0..1, or ``None`` when unknown). Unguarded: a trainer
+        writes its phase through its :class:`~comera_engine.store.StoreSink`, which checks
+        that it still owns the run."""
+        phase, progress = check_phase(phase, progress)
+        self.write(lambda c: set_phase_in(c, run_id, phase, progress))
 
     def heartbeat(self, run_id: str) -> None:
         now = time.time()

@@ -14,7 +14,7 @@ from typing import Any
 from comera_engine.store.errors import NotOwnerError, RunNotFoundError
 from comera_engine.store.metrics import artifact_row, metric_value
 from comera_engine.store.run_store import RunStore
-from comera_engine.store.runs import FINAL_STATUSES
+from comera_engine.store.runs import FINAL_STATUSES, check_phase
 
 
 class StoreSink:
@@ -25,6 +25,10 @@ class StoreSink:
     pays for a list append and a crash loses at most the last ``flush_every`` seconds.
     ``set_status``, ``flush`` and ``close`` write synchronously. A failed write keeps the
     records and tries again on the next flush.
+
+    ``set_phase`` writes a new phase through at once; progress within the same phase is
+    kept (the newest only) and written with the next background flush, so a caller may
+    report it per batch and the store sees it at most every ``flush_every`` seconds.
 
     The first step this sink logs rewinds the run: metrics and rank snapshots at that step
     or later (left by an earlier attempt of a resumed run) are deleted in the same
@@ -74,6 +78,8 @@ class StoreSink:
         self._ranks: list[tuple[int, str, str, float]] = []
         self._events: list[tuple[float, int | None, str, str]] = []
         self._artifacts: list[tuple[str, str, int | None, float]] = []
+        self._phase: str | None = None  # the phase last reported
+        self._phase_pending: tuple[str | None, float | None] | None = None  # not written yet
         self._closed = False
         self._warned = False
         #: ``flushes``, ``rows`` written, ``flush_cpu_s`` (CPU time of the flushing thread
@@ -150,6 +156,23 @@ class StoreSink:
             if run is not None and not run["pid"]:
                 self.store.update_run(self.run_id, **self._process)
 
+    def set_phase(self, phase: str, progress: float | None = None) -> None:
+        """Record what the run is doing (one of :data:`~comera_engine.store.PHASES`) and
+        how far along it is (0..1, ``None``: unknown). A phase change is written through
+        at once, with everything logged before it (a failed write is retried by the
+        background flush, never raised); progress within the same phase waits for the
+        next background flush. A bad phase raises ValueError here, in the caller."""
+        value = check_phase(phase, progress)
+        with self._lock:
+            changed = value[0] != self._phase
+            self._phase = value[0]
+            self._phase_pending = value
+        if changed:
+            try:
+                self._flush()
+            except Exception:  # the background thread retries; never fail the trainer
+                pass
+
     def flush(self) -> None:
         self._flush()
 
@@ -174,7 +197,8 @@ class StoreSink:
     def pending(self) -> int:
         """Number of buffered records not yet written."""
         with self._lock:
-            return len(self._metrics) + len(self._ranks) + len(self._events) + len(self._artifacts)
+            return (len(self._metrics) + len(self._ranks) + len(self._events)
+                    + len(self._artifacts) + int(self._phase_pending is not None))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.flush_every):
@@ -196,9 +220,10 @@ class StoreSink:
                 ranks, self._ranks = self._ranks, []
                 events, self._events = self._events, []
                 artifacts, self._artifacts = self._artifacts, []
+                phase, self._phase_pending = self._phase_pending, None
                 rewind = self._first_step if self._rewind_pending and (metrics or ranks) else None
             if self.owner_lost or not (
-                metrics or ranks or events or artifacts or heartbeat or status
+                metrics or ranks or events or artifacts or heartbeat or status or phase
             ):
                 return
             c0, w0 = time.thread_time(), time.perf_counter()
@@ -213,6 +238,7 @@ class StoreSink:
                     heartbeat=heartbeat or status is not None,
                     status=status,
                     owner=self._owner,
+                    phase=phase,
                 )
             except NotOwnerError as e:  # another process owns the run: write nothing more
                 self.owner_lost = True
@@ -224,6 +250,8 @@ class StoreSink:
                     self._ranks[:0] = ranks
                     self._events[:0] = events
                     self._artifacts[:0] = artifacts
+                    if self._phase_pending is None:  # unless a newer one came meanwhile
+                        self._phase_pending = phase
                 raise
             if rewind is not None:
                 self._rewind_pending = False

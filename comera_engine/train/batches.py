@@ -142,6 +142,12 @@ def iterate_batches(
         yield start + i, batch
 
 
+def eval_batch_count(n: int, batch_size: int, max_batches: int | None = None) -> int:
+    """How many batches :func:`eval_batches` yields for ``n`` examples."""
+    count = -(-n // batch_size)
+    return count if max_batches is None else min(count, max_batches)
+
+
 def eval_batches(
     dataset: Dataset, batch_size: int, max_batches: int | None = None
 ) -> Iterator[Batch]:

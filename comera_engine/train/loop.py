@@ -14,6 +14,13 @@ Read top to bottom, one run is:
    flag (checkpoint, status ``stopped``);
 6. a final evaluation and checkpoint (status ``finished``).
 
+Phases (``sink.set_phase``, only when they change: nothing per training step):
+``preparing data`` (when ``train`` builds the dataset itself; ``training tokenizer``
+while a WordPiece tokenizer is trained), ``building`` (model, optimizer, resume, and the
+first steps until a CUDA graph is captured or given up), ``training``, ``evaluating``
+(progress over the eval batches), ``checkpointing``, and ``done`` before the final
+status.
+
 Before step 1 the target is planned from shapes alone (:func:`plan_initial_ranks`):
 refused when unreachable, initial ranks chosen from it when ``model.rank`` is not fixed
 and the preset's ranks already compress more than asked.
@@ -42,6 +49,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +70,13 @@ from comera_engine.metrics import (
 )
 from comera_engine.models import TaskModel, build_model, roc_auc
 from comera_engine.train import checkpoint as ckpt
-from comera_engine.train.batches import BatchPlan, eval_batches, iterate_batches, mix_seed
+from comera_engine.train.batches import (
+    BatchPlan,
+    eval_batch_count,
+    eval_batches,
+    iterate_batches,
+    mix_seed,
+)
 from comera_engine.train.distributed import (
     DistInfo,
     all_reduce_values,
@@ -72,7 +86,7 @@ from comera_engine.train.distributed import (
     shutdown,
 )
 from comera_engine.train.progress import ProgressBar
-from comera_engine.train.step import GraphedStep, TrainStep
+from comera_engine.train.step import GraphedStep, TrainStep, settled
 from comera_engine.train.sysinfo import MemoryMeter
 from comera_engine.train.tt import CoMERAState, plan_initial_ranks, tt_layers
 
@@ -162,6 +176,9 @@ class _Run:
         self.cfg, self.run_dir, self.sink, self.dist = cfg, run_dir, sink, dist
         self.device, self.stop_flag, self.show_progress = device, stop_flag, progress
         self.ckpt_dir = run_dir / "checkpoints"
+        # a sink written before the protocol had phases has no set_phase: phases are skipped
+        self._phase_fn = getattr(sink, "set_phase", None)
+        self._phase_now: str | None = None
         t = cfg.train
         if t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda"):
             self.autocast_dtype: torch.dtype | None = torch.bfloat16
@@ -171,7 +188,10 @@ class _Run:
         if bundle is None:
             from comera_engine.data import build_dataset
 
-            bundle = build_dataset(data_config(cfg), base_dir=cfg.base_dir)
+            self._set_phase("preparing data")
+            bundle = build_dataset(data_config(cfg), base_dir=cfg.base_dir,
+                                   on_phase=self._set_phase)
+        self._set_phase("building")
         self.bundle = bundle
         # the target's feasibility and the initial ranks, before any weight is made
         cfg, self.target_plan = plan_initial_ranks(cfg, bundle)
@@ -195,6 +215,15 @@ class _Run:
         self._ranks_cache: dict[str, list[int]] | None = None
 
     # ------------------------------------------------------------------ setup
+
+    def _set_phase(self, phase: str, progress: float | None = None) -> None:
+        """Tell the sink the run's phase; a call that repeats the current phase without
+        progress costs a comparison and reaches no sink."""
+        if phase == self._phase_now and progress is None:
+            return
+        self._phase_now = phase
+        if self._phase_fn is not None:
+            self._phase_fn(phase, progress)
 
     def _build_optimizer(self) -> None:
         self.optimizer = self.comera.make_optimizer(capturable=self.use_graph)
@@ -289,6 +318,10 @@ class _Run:
             if "gate_counts" not in out:  # the reference gate refresh (reads on the host)
                 rank_events = self.comera.after_step(self.step)
             raw, counts = _to_floats(out)  # one host sync
+            if self._phase_now != "training" and (
+                self._phase_now != "building" or settled(self.stepper)
+            ):
+                self._set_phase("training")  # building lasts until a graph is captured
             if counts is not None:  # the step refreshed the gates on the device
                 rank_events = self.comera.events_from_counts(self.step, counts)
             step_time = time.perf_counter() - t0
@@ -351,6 +384,7 @@ class _Run:
         if outcome:
             self.sink.log_event("target", outcome, self.step)
             self._say(outcome)
+        self._set_phase("done")
         self.sink.set_status(status, error)
         self.sink.flush()
         graph_reason = self.stepper.reason if isinstance(self.stepper, GraphedStep) else None
@@ -439,8 +473,10 @@ class _Run:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Metrics on the eval split (rank 0 computes them; the others wait)."""
+        """Metrics on the eval split (rank 0 computes them; the others wait); phase
+        ``evaluating`` with its progress over the eval batches."""
         out: dict[str, float] = {}
+        self._set_phase("evaluating", 0.0)
         if self.dist.is_main:
             out = evaluate(
                 self.task_model,
@@ -449,6 +485,7 @@ class _Run:
                 self.device,
                 self.autocast_dtype,
                 self.cfg.train.eval_batches,
+                progress=lambda done: self._set_phase("evaluating", done),
             )
         barrier(self.dist)
         return out
@@ -478,6 +515,7 @@ class _Run:
 
     def save(self, reason: str) -> None:
         """Truncate the TT cores to their effective ranks, then checkpoint (rank 0)."""
+        self._set_phase("checkpointing")
         if not self._truncate() and reason == "stage":
             self._wrap()  # the objective changed: re-capture
         if self.dist.is_main:
@@ -554,13 +592,16 @@ def evaluate(
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
     max_batches: int | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> dict[str, float]:
-    """``eval/loss``, ``eval/acc`` (+ ``eval/auc`` for clicks, ``eval/ppl`` for MLM)."""
+    """``eval/loss``, ``eval/acc`` (+ ``eval/auc`` for clicks, ``eval/ppl`` for MLM);
+    ``progress(fraction)`` after each batch (fraction of the batches done)."""
     was_training = task_model.training
     task_model.eval()
     loss_sum = correct = count = 0.0
     scores, targets = [], []
-    for batch in eval_batches(dataset, batch_size, max_batches):
+    total = eval_batch_count(len(dataset), batch_size, max_batches)
+    for index, batch in enumerate(eval_batches(dataset, batch_size, max_batches), 1):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         if autocast_dtype is not None:
             with torch.autocast(device.type, dtype=autocast_dtype):
@@ -574,6 +615,8 @@ def evaluate(
         if out["scores"].numel():
             scores.append(out["scores"].float().cpu())
             targets.append(out["targets"].float().cpu())
+        if progress is not None:
+            progress(index / max(total, 1))
     task_model.train(was_training)
     metrics = {"eval/loss": loss_sum / max(count, 1.0), "eval/acc": correct / max(count, 1.0)}
     if scores:

@@ -100,6 +100,14 @@ class TrainStep:
         return result
 
 
+def settled(stepper: object) -> bool:
+    """Whether a step function is past its warm-up: an eager step always, a
+    :class:`GraphedStep` once its graph is captured or the graph path is off."""
+    if not isinstance(stepper, GraphedStep):
+        return True
+    return stepper.active or stepper.reason is not None
+
+
 class GraphedStep:
     """:class:`TrainStep` captured into a CUDA graph (see the module docstring).
 
