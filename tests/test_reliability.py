@@ -392,3 +392,26 @@ def test_train_into_a_missing_store_or_run_is_one_line_exit_2(tmp_path, capsys):
         assert _one_line(capsys.readouterr().err).startswith("comera: error: --store: ")
         assert not (run_dir / "config.toml").exists() and lock_holder(run_dir) is None
     assert not (tmp_path / "none.db").exists() and st.list_runs() == []
+
+
+#: A dense digits MLP wide enough that one step takes about 1.5 s on 2 cores.
+SLOW_STEPS = ["model.dense=true", "model.hidden=[4096, 4096]", "train.batch_size=1024",
+              "train.steps=1000", "train.eval_every=0", "train.ckpt_every=0"]
+
+
+def test_a_graceful_stop_ends_within_its_timeout_plus_one_step(store):
+    """Case 7: a stop during long steps ends ``stopped`` (with a checkpoint at the step it
+    stopped at) within the timeout plus one step, not killed as ``crashed``."""
+    rid = launch(CONFIG, SLOW_STEPS, store=store)
+    wait_for(lambda: (store.get_run(rid)["last_step"] or 0) >= 2, START_TIMEOUT + 60,
+             "two slow steps")
+    step_s = max(store.series(rid, "perf/step_time_s")["value"])
+    timeout = 10.0
+    t0 = time.monotonic()
+    assert stop(rid, timeout=timeout, store=store) == "stopped"
+    took = time.monotonic() - t0
+    run = store.get_run(rid)
+    assert took <= timeout + step_s + 2.0, (took, step_s)
+    assert (store.run_dir(rid) / "checkpoints" / f"step_{run['last_step']:06d}.json").is_file()
+    assert [e["text"] for e in store.events(rid) if e["kind"] == "stop"][0].startswith(
+        "stop requested")
