@@ -202,13 +202,11 @@ def test_two_cells_run_as_ray_tasks_and_come_back_into_the_store(
 def test_a_cell_that_fails_at_run_time_fails_alone(ray_address: str, tmp_path: Path) -> None:
     """The clicks file a cell was made with is gone when it runs (as on a worker that
     does not have it): that cell fails with the trainer's one line, the other finishes."""
-    import tomllib
-
     st = RunStore(tmp_path / "store")
     sid, (ok,) = _digits_sweep(st, [SHORT])
     data = tmp_path / "clicks.tsv"
     data.write_text("0" + "\t" * 39 + "\n")
-    raw = tomllib.loads((ROOT / "experiments/configs/dlrm_synthetic_tiny.toml").read_text())
+    raw = load_config(ROOT / "experiments/configs/dlrm_synthetic_tiny.toml").to_dict()
     raw["data"] = {"name": "clicks", "path": str(data), "bucket_sizes": 20}
     raw["train"]["steps"] = 10
     bad = _cell(st, sid, resolve_config(raw), {"data.path": str(data)})  # validated

@@ -484,7 +484,7 @@ class RayDriver:
         restore = self._trap_sigterm()
         try:
             try:
-                while self._tick():
+                while self._tick_safely():
                     pass
             except KeyboardInterrupt:
                 self.stop_reason = "interrupted (Ctrl-C)"
@@ -505,6 +505,15 @@ class RayDriver:
 
         old = signal.signal(signal.SIGTERM, on_term)
         return lambda: signal.signal(signal.SIGTERM, old)
+
+    def _tick_safely(self) -> bool:
+        """:meth:`_tick`, going on through a passing store error (a locked database)."""
+        try:
+            return self._tick()
+        except StoreError as e:
+            _say(f"store error, trying again: {e}")
+            time.sleep(self.poll)
+            return True
 
     def _tick(self) -> bool:
         """One round: carry out stops, submit what fits, beat, then wait up to ``poll``
