@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -300,3 +301,5 @@ def test_a_detached_driver_stops_on_sigterm_and_its_death_is_reaped(
         return True
 
     _wait_for("Ray to end the dead driver's trainer", trainer_gone, timeout=30)
+    for left in Path(tempfile.gettempdir()).glob(f"comera-{cell}-*"):  # killed: no cleanup
+        shutil.rmtree(left, ignore_errors=True)

@@ -276,6 +276,20 @@ def _shielded(fn: Callable[[], Any], tries: int = 3) -> Any:
     return None  # pragma: no cover
 
 
+def _cancellable() -> Callable[[], None]:
+    """Let a graceful ``ray.cancel`` reach this task: Ray raises its KeyboardInterrupt
+    the way SIGINT does, which does nothing where SIGINT is ignored (a worker of a Ray
+    started in the background inherits that). Returns what puts the old handler back."""
+    try:
+        old = signal.getsignal(signal.SIGINT)
+        if old in (signal.SIG_IGN, signal.SIG_DFL, None):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            return lambda: signal.signal(signal.SIGINT, old)
+    except ValueError:  # not the main thread: nothing to change from here
+        pass
+    return lambda: None
+
+
 def run_cell(
     config_text: str,
     env: Mapping[str, str] | None = None,
@@ -293,6 +307,7 @@ def run_cell(
     trainer gracefully within ``stop_timeout`` seconds. Returns ``{"exit_code", "log",
     "archive", "folder", "host", "cancelled"}`` (``archive``: :func:`pack_run_folder`,
     ``folder``: the temporary run folder, gone once this returns)."""
+    restore = _cancellable()
     tmp = Path(tempfile.mkdtemp(prefix=f"comera-{run_id}-"))
     run_dir = tmp / "run"
     run_dir.mkdir()
@@ -324,6 +339,7 @@ def run_cell(
             "folder": str(run_dir), "host": this_host(), "cancelled": cancelled})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        restore()
 
 
 # ---------------------------------------------------------------------- back in the store
