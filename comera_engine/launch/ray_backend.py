@@ -684,24 +684,42 @@ class RayDriver:
                 return None, "cancelled by force"
             return None, f"{type(e).__name__}: {e}"
 
+    def _bring_back(self, rid: str, result: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Append the task's log to the cell's ``train.log``, unpack its folder into the
+        cell's run folder and import its metrics; returns the trainer's last status
+        record."""
+        st = self.store
+        with open(st.log_path(rid), "a", encoding="utf-8") as f:
+            f.write(str(result.get("log") or ""))
+        unpack_run_folder(result["archive"], st.run_dir(rid))
+        return import_metrics(st, rid, st.run_dir(rid) / "metrics.jsonl", str(result["folder"]))
+
     def _finish(self, cell: _Cell) -> None:
+        """:meth:`_record` a task that ended; through a store error the cell stays in
+        flight, so the next round brings it back again."""
+        self.inflight.pop(cell.run_id, None)
+        try:
+            self._record(cell)
+        except StoreError:
+            self.inflight[cell.run_id] = cell
+            raise
+
+    def _record(self, cell: _Cell) -> None:
         """Bring a finished task's results into the cell's folder and the store, and
-        record its final status."""
+        record its final status (a result that cannot be brought back fails the cell)."""
         st, rid = self.store, cell.run_id
-        self.inflight.pop(rid, None)
         result, failure = self._result(cell)
         run = st.get_run(rid)
         if run is None:
             return
-        run_dir = st.run_dir(rid)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        st.run_dir(rid).mkdir(parents=True, exist_ok=True)
         final, log, code = None, "", None
         if result is not None:
-            code, log = int(result["exit_code"]), str(result.get("log") or "")
-            with open(st.log_path(rid), "a", encoding="utf-8") as f:
-                f.write(log)
-            unpack_run_folder(result["archive"], run_dir)
-            final = import_metrics(st, rid, run_dir / "metrics.jsonl", str(result["folder"]))
+            try:
+                final = self._bring_back(rid, result)
+                code, log = int(result["exit_code"]), str(result.get("log") or "")
+            except (OSError, ValueError, KeyError, TypeError, tarfile.TarError) as e:
+                failure = f"its results could not be brought back: {type(e).__name__}: {e}"
         stop_requested = cell.stop_deadline is not None or run["status"] == "stopping"
         status, error = cell_outcome(code, final, log, stop_requested, failure)
         where = {"attempt": cell.attempt, "pid": self.pid}
