@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 BLOCKED = ["streamlit", "plotly", "datasets", "tokenizers", "sklearn", "pynvml", "onnx",
-           "onnxruntime", "pandas", "pyarrow", "playwright", "psutil", "tqdm"]
+           "onnxruntime", "pandas", "pyarrow", "playwright", "psutil", "tqdm", "ray"]
 
 
 def test_engine_core_imports_and_trains_without_optional_packages() -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "checkpoint_steps",
     "dispatch",
     "housekeeping",
+    "is_ray_cell",
     "launch",
     "logs",
     "open_store",
@@ -386,7 +387,9 @@ def stop(
     and reports ``stopped``; after ``timeout`` seconds it is killed and, once it is gone,
     recorded as ``crashed``.
 
-    A queued run that has not started becomes ``stopped`` at once. With ``wait`` this
+    A queued run that has not started becomes ``stopped`` at once. A cell of a Ray
+    sweep is only marked ``stopping``: its driver cancels the task (:func:`is_ray_cell`;
+    the cell's pid is the driver's, which is never signalled). With ``wait`` this
     returns the final status (or ``stopping`` when the owner could not be stopped:
     ``comera stop`` then says so and exits 1); without, it
     returns right after the request (the supervisor enforces the timeout).
@@ -404,6 +407,8 @@ def stop(
             return "stopped"
         run = st.get_run(rid)
         assert run is not None
+    if is_ray_cell(st, run):
+        return _stop_ray_cell(st, rid, timeout, wait)
     if run["host"] and run["host"] != this_host():
         raise LaunchError(f"run: {rid} runs on host {run['host']}; stop it there")
     deadline = time.time() + float(timeout)
@@ -437,6 +442,41 @@ def stop(
                 )
         if now > deadline + 15.0:
             return str(run["status"])
+        time.sleep(0.1)
+
+
+def is_ray_cell(st: RunStore, run: Mapping[str, Any]) -> bool:
+    """Whether ``run`` is a cell of a sweep whose cells run as Ray tasks
+    (:mod:`comera_engine.launch.ray_backend`). Such a cell's ``pid`` is the sweep's
+    driver, shared by every cell it runs: never a trainer to signal or kill."""
+    sid = run.get("sweep_id")
+    if not sid:
+        return False
+    sweep = st.get_sweep(str(sid))
+    return sweep is not None and sweep.get("backend") == "ray"
+
+
+def _stop_ray_cell(st: RunStore, rid: str, timeout: float, wait: bool) -> str:
+    """Stop a Ray cell: only mark it ``stopping`` (with its deadline). Its driver, which
+    polls the store, cancels the task (the trainer checkpoints and reports ``stopped``)
+    and forces the cancel after the deadline; nothing here signals a process. With
+    ``wait``, waits for the final status (a driver that died meanwhile has its cells
+    marked crashed), else returns at once."""
+    deadline = time.time() + float(timeout)
+    if st.set_status(rid, "stopping", only_from=("queued", "running"), stop_deadline=deadline):
+        st.log_event(rid, "stop", "stop requested (the sweep's Ray driver cancels the task, "
+                     f"by force after {timeout:g} s)")
+    last_reap = time.monotonic()
+    while True:
+        run = st.get_run(rid)
+        assert run is not None
+        if not wait or run["status"] in FINAL_STATUSES:
+            return str(run["status"])
+        if time.time() > (run["stop_deadline"] or deadline) + 15.0:
+            return str(run["status"])
+        if time.monotonic() - last_reap > 1.0:
+            last_reap = time.monotonic()
+            reap(st)  # a driver that is gone (pid here, heartbeat elsewhere): crashed
         time.sleep(0.1)
 
 
@@ -483,6 +523,9 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
             f"run: {rid} is {run['status']}; only stopped, crashed or failed runs can be "
             "resumed"
         )
+    if is_ray_cell(st, run):  # the local launcher never starts a Ray sweep's cells
+        raise LaunchError(f"run: {rid} is a cell of Ray sweep {run['sweep_id']}; a Ray "
+                          "cell cannot be resumed yet (run its config again)")
     if not _wait_gone(run, 10.0):
         raise LaunchError(f"run: {rid} still has a live process (pid {run['pid']}); try again")
     holder = lock_holder(st.run_dir(rid))

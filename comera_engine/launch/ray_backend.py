@@ -1,0 +1,825 @@
+"""Sweeps on many machines: a sweep's cells as Ray tasks.
+
+The driver (:func:`run_ray_sweep`, or detached: ``python -m
+comera_engine.launch.ray_backend --store DB --sweep-id ID``, started by
+:func:`spawn_ray_driver`) connects to a Ray cluster (``address``: ``"auto"``, ``ray://...``
+or ``host:port``; ``None``/``"local"`` starts a Ray instance on this machine) and sends
+each queued cell of a ``backend = 'ray'`` sweep to it as one task, at most the sweep's
+``max_parallel`` (else as many as the cluster has CPUs for) at once; the rest wait as
+``queued``. A submitted cell is ``running`` with the driver's pid and host, so if the
+driver dies, :func:`comera_engine.launch.liveness.reap` marks it ``crashed``.
+
+A task (:func:`run_cell`, on whichever machine Ray picks) writes the cell's
+``config.toml`` into a temporary folder there, trains it as a subprocess (``python -m
+comera_engine.cli train config.toml --run-dir DIR --no-store --no-progress``, so a stop
+or a kill is the trainer's own), and returns its exit code, the last
+:data:`LOG_LIMIT` bytes of its log and a gzipped tar of the run folder: the top-level
+files (``config.toml``, ``metrics.jsonl``, ``data_spec.json``, ``dataset.json``,
+``tokenizer.json``, ...) and the **newest checkpoint only**. That archive is how a result
+comes back from another machine: about the size of one checkpoint (model and optimizer
+state) plus ``metrics.jsonl`` (some 20 KB per 20 steps of a small model); the digits
+model's comes to some 150 KB, a model with 100 M parameters to about 1.2 GB, all of it
+held in Ray's object store until the driver has it.
+
+When a task ends the driver unpacks the archive into the cell's own run folder
+(``store.run_dir(id)``), appends the log to its ``train.log``, imports ``metrics.jsonl``
+(metrics, rank snapshots, events, artifacts with their paths moved to the run folder)
+into the store and records the final status: ``finished`` / ``stopped`` as the trainer
+reported them, ``diverged`` (exit 3), else ``failed`` with the error (the traceback or the
+last log lines). A task that raised or whose worker died fails its cell alone.
+
+Stopping: ``comera stop CELL`` only marks a Ray cell ``stopping`` (see
+:func:`comera_engine.launch.stop`); the driver then cancels its task gracefully
+(``ray.cancel``: the task sends SIGTERM to the trainer, which writes a checkpoint and
+reports ``stopped``, and its results come back as usual) and, if nothing came back by the
+stop deadline, with ``force=True`` (the worker is killed; the cell is recorded
+``stopped`` with nothing copied back). Queued cells that are stopped never run. Ctrl-C or
+SIGTERM to the driver stops every cell in flight the same way (a second Ctrl-C forces)
+and records the queued ones ``stopped``.
+
+Ray is optional (``pip install 'comera-studio[cluster]'``) and imported only here, inside
+functions: the engine imports and runs without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from comera_engine.errors import ConfigError
+from comera_engine.launch import (
+    CONFIG_FILENAME,
+    DEFAULT_STOP_TIMEOUT,
+    child_env,
+    open_store,
+    recorded_env,
+)
+from comera_engine.launch.liveness import process_start_time, reap, this_host
+from comera_engine.store import (
+    LOG_FILENAME,
+    RunStore,
+    StoreError,
+    extract_traceback,
+    list_checkpoints,
+)
+from comera_engine.store.metrics import ArtifactRow, EventRow, MetricRow, RankRow
+
+__all__ = [
+    "LOG_LIMIT",
+    "RAY_MISSING",
+    "RayDriver",
+    "cell_outcome",
+    "connect",
+    "driver_log_path",
+    "engine_runtime_env",
+    "import_metrics",
+    "import_ray",
+    "main",
+    "pack_run_folder",
+    "run_cell",
+    "run_ray_sweep",
+    "spawn_ray_driver",
+    "unpack_run_folder",
+]
+
+#: The one line a Ray sweep gives when Ray is not installed.
+RAY_MISSING = "Ray is not installed; pip install 'comera-studio[cluster]'"
+#: The most of a trainer's log (its end) a task sends back, in bytes.
+LOG_LIMIT = 256 * 1024
+#: Seconds between the driver's heartbeats of the cells it runs.
+HEARTBEAT_EVERY_S = 2.0
+#: Seconds after a cell's stop deadline before its task is cancelled with ``force=True``.
+FORCE_AFTER_S = 5.0
+#: How often (seconds) a task looks at its trainer, so a cancel reaches it at once.
+_TASK_POLL_S = 0.2
+_ENGINE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _say(text: str) -> None:
+    print(f"comera ray: {text}", file=sys.stderr, flush=True)
+
+
+def _stamp(path: Path, text: str) -> None:
+    """Append a ``[comera time] text`` line to a cell's ``train.log``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"[comera {time.strftime('%Y-%m-%d %H:%M:%S')}] {text}\n")
+
+
+# ---------------------------------------------------------------------- Ray itself
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or :class:`ConfigError` (``backend``) when it is missing."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("backend", RAY_MISSING) from None
+    return ray
+
+
+def engine_runtime_env() -> dict[str, Any]:
+    """Ray's job ``runtime_env`` that ships this engine (``comera_engine/``, under 1 MB)
+    to every worker, so the cells run the driver's code whatever is installed there
+    (their Python still needs torch and the engine's other dependencies)."""
+    return {"py_modules": [str(_ENGINE_DIR)], "excludes": ["__pycache__", "*.pyc"]}
+
+
+def connect(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Connect this process to Ray; returns whether it did (``False``: already connected,
+    which is kept as it is; the caller shuts down only what it connected).
+
+    ``address`` ``None`` or ``"local"``: start a Ray instance on this machine with
+    ``num_cpus`` CPUs (default: all) and no dashboard; otherwise join that cluster
+    (``"auto"``, ``host:port``, ``ray://host:10001``)."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    import logging
+
+    common = {"runtime_env": engine_runtime_env(), "log_to_driver": False,
+              "logging_level": logging.WARNING}
+    if address in (None, "", "local"):
+        cpus = int(num_cpus or os.cpu_count() or 1)
+        ray.init(num_cpus=cpus, include_dashboard=False, **common)
+        _say(f"started a local Ray instance ({cpus} CPUs, no dashboard); for several "
+             "machines run `ray start --head` and pass --address auto")
+    else:
+        ray.init(address=address, **common)
+        _say(f"connected to the Ray cluster at {address}")
+    return True
+
+
+# ---------------------------------------------------------------------- the task
+
+
+def _newest_checkpoint(run_dir: Path) -> set[str]:
+    """Names (relative to ``run_dir``) of the newest complete checkpoint's two files."""
+    found = list_checkpoints(run_dir / "checkpoints")
+    if not found:
+        return set()
+    sidecar = found[-1][1]
+    tensors = sidecar.with_suffix(".safetensors")
+    return {f"checkpoints/{sidecar.name}", f"checkpoints/{tensors.name}"}
+
+
+def pack_run_folder(run_dir: str | os.PathLike[str]) -> bytes:
+    """A gzipped tar of what a cell sends back: ``run_dir``'s top-level files (not its
+    ``.lock``) and its newest complete checkpoint (older ones stay behind)."""
+    folder = Path(run_dir)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != ".lock")
+    names += sorted(_newest_checkpoint(folder))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
+        for name in names:
+            tar.add(folder / name, arcname=name, recursive=False)
+    return buf.getvalue()
+
+
+def _safe_member(member: tarfile.TarInfo) -> bool:
+    path = PurePosixPath(member.name)
+    return (member.isfile() and not path.is_absolute() and ".." not in path.parts
+            and len(path.parts) <= 2)
+
+
+def unpack_run_folder(data: bytes, run_dir: str | os.PathLike[str]) -> list[str]:
+    """Unpack :func:`pack_run_folder`'s archive into ``run_dir`` (files replaced; a
+    member that is not a plain file inside the folder is skipped). Returns the names."""
+    folder = Path(run_dir)
+    names = []
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            if not _safe_member(member):
+                continue
+            src = tar.extractfile(member)
+            if src is None:
+                continue
+            target = folder / member.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".part")
+            with open(tmp, "wb") as out:
+                shutil.copyfileobj(src, out)
+            os.replace(tmp, target)
+            names.append(member.name)
+    return names
+
+
+def _wait_trainer(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for the trainer in short slices: Ray delivers a cancel (KeyboardInterrupt)
+    between Python bytecodes, never inside a blocking wait."""
+    while True:
+        try:
+            return proc.wait(timeout=_TASK_POLL_S)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _stop_trainer(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """SIGTERM to the trainer (it checkpoints and reports ``stopped``), SIGKILL to its
+    process group after ``grace`` seconds. Returns its exit code."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            return proc.wait(timeout=_TASK_POLL_S)
+        except subprocess.TimeoutExpired:
+            continue
+        except KeyboardInterrupt:  # a second cancel: no more waiting
+            break
+    _kill_group(proc)
+    return proc.wait()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _log_tail(path: Path, limit: int = LOG_LIMIT) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _shielded(fn: Callable[[], Any], tries: int = 3) -> Any:
+    """``fn()``, run again when a late cancel interrupts it (the trainer has already
+    ended, so its results are still worth sending)."""
+    for attempt in range(tries):
+        try:
+            return fn()
+        except KeyboardInterrupt:
+            if attempt == tries - 1:
+                raise
+    return None  # pragma: no cover
+
+
+def _cancellable() -> Callable[[], None]:
+    """Let a graceful ``ray.cancel`` reach this task: Ray raises its KeyboardInterrupt
+    the way SIGINT does, which does nothing where SIGINT is ignored (a worker of a Ray
+    started in the background inherits that). Returns what puts the old handler back."""
+    try:
+        old = signal.getsignal(signal.SIGINT)
+        if old in (signal.SIG_IGN, signal.SIG_DFL, None):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            return lambda: signal.signal(signal.SIGINT, old)
+    except ValueError:  # not the main thread: nothing to change from here
+        pass
+    return lambda: None
+
+
+def run_cell(
+    config_text: str,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    run_id: str = "cell",
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Train one cell in a temporary folder on this machine (what a Ray task runs).
+
+    ``config_text``: the cell's ``config.toml``; ``env``: its recorded launch environment
+    (replaces this machine's run-shaping variables; ``OMP_NUM_THREADS`` defaults to
+    ``threads``, the CPUs Ray gave the task); ``cwd``: where relative data paths are
+    taken from, when that folder exists here. A cancel (KeyboardInterrupt) stops the
+    trainer gracefully within ``stop_timeout`` seconds. Returns ``{"exit_code", "log",
+    "archive", "folder", "host", "cancelled"}`` (``archive``: :func:`pack_run_folder`,
+    ``folder``: the temporary run folder, gone once this returns)."""
+    restore = _cancellable()
+    tmp = Path(tempfile.mkdtemp(prefix=f"comera-{run_id}-"))
+    run_dir = tmp / "run"
+    run_dir.mkdir()
+    log_path = tmp / LOG_FILENAME
+    try:
+        (run_dir / CONFIG_FILENAME).write_text(config_text, encoding="utf-8")
+        cmd = [sys.executable, "-m", "comera_engine.cli", "train", str(run_dir / CONFIG_FILENAME),
+               "--run-dir", str(run_dir), "--no-store", "--no-progress"]
+        recorded = dict(env or {})
+        recorded.setdefault("OMP_NUM_THREADS", str(max(1, int(threads))))
+        child = child_env(os.environ.get("CUDA_VISIBLE_DEVICES"), recorded)  # Ray's GPUs
+        workdir = cwd if cwd and os.path.isdir(cwd) else str(tmp)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=workdir, env=child,
+                                    start_new_session=True)
+        cancelled = False
+        try:
+            code = _wait_trainer(proc)
+        except KeyboardInterrupt:  # ray.cancel(ref): the trainer checkpoints and stops
+            cancelled = True
+            code = _shielded(lambda: _stop_trainer(proc, stop_timeout))
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+                proc.wait()
+        return _shielded(lambda: {
+            "exit_code": code, "log": _log_tail(log_path), "archive": pack_run_folder(run_dir),
+            "folder": str(run_dir), "host": this_host(), "cancelled": cancelled})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        restore()
+
+
+# ---------------------------------------------------------------------- back in the store
+
+
+def _rows(records: Iterable[Mapping[str, Any]], worker_dir: str, run_dir: Path
+          ) -> tuple[list[MetricRow], list[RankRow], list[EventRow], list[ArtifactRow],
+                     dict[str, Any] | None]:
+    """The store rows of ``metrics.jsonl``'s records, and its last status record."""
+    metrics: list[MetricRow] = []
+    ranks: list[RankRow] = []
+    events: list[EventRow] = []
+    artifacts: list[ArtifactRow] = []
+    status = None
+    for r in records:
+        t = float(r.get("t") or time.time())
+        kind = r.get("type")
+        if kind == "metrics":
+            for name, value in dict(r.get("values") or {}).items():
+                try:
+                    metrics.append((int(r["step"]), str(name), float(value), t))
+                except (TypeError, ValueError):
+                    continue  # not a number: the trainer logs none, skip rather than fail
+        elif kind == "ranks":
+            for layer, rs in dict(r.get("ranks") or {}).items():
+                ranks.append((int(r["step"]), str(layer), json.dumps([int(x) for x in rs]), t))
+        elif kind == "event":
+            step = r.get("step")
+            events.append((t, None if step is None else int(step), str(r.get("kind")),
+                           str(r.get("text"))))
+        elif kind == "artifact":
+            artifacts.append(_artifact(str(r.get("kind")), str(r.get("path")), worker_dir,
+                                       run_dir, t))
+        elif kind == "status":
+            status = dict(r)
+    return metrics, ranks, events, artifacts, status
+
+
+def _artifact(kind: str, path: str, worker_dir: str, run_dir: Path, t: float) -> ArtifactRow:
+    """An artifact row with a worker path moved into ``run_dir`` (its size when the file
+    came back, else ``None``: older checkpoints stay on the worker)."""
+    if worker_dir and (path == worker_dir or path.startswith(worker_dir.rstrip("/") + "/")):
+        path = str(run_dir / os.path.relpath(path, worker_dir))
+    try:
+        size: int | None = os.path.getsize(path)
+    except OSError:
+        size = None
+    return (kind, path, size, t)
+
+
+def import_metrics(store: RunStore, run_id: str, jsonl: str | os.PathLike[str],
+                   worker_dir: str = "") -> dict[str, Any] | None:
+    """Write a cell's ``metrics.jsonl`` into the store in one transaction (replacing rows
+    from its first step on) and return its last status record (``None`` when it has
+    none). Artifact paths under ``worker_dir`` (the folder it trained in) are moved to
+    the cell's run folder."""
+    from comera_engine.metrics import read_jsonl
+
+    path = Path(jsonl)
+    if not path.is_file():
+        return None
+    metrics, ranks, events, artifacts, status = _rows(read_jsonl(path), worker_dir,
+                                                      store.run_dir(run_id))
+    steps = [m[0] for m in metrics] + [r[0] for r in ranks]
+    store.write_batch(run_id, metrics=metrics, ranks=ranks, events=events,
+                      artifacts=artifacts, rewind_from=min(steps) if steps else None)
+    return status
+
+
+def _signame(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _log_error(log: str) -> str:
+    """A failed trainer's error: its traceback, else its last non-blank log lines."""
+    tb = extract_traceback(log)
+    if tb:
+        return tb
+    return "\n".join([ln for ln in log.splitlines() if ln.strip()][-10:])
+
+
+def cell_outcome(
+    exit_code: int | None,
+    final: Mapping[str, Any] | None,
+    log: str = "",
+    stop_requested: bool = False,
+    failure: str | None = None,
+) -> tuple[str, str | None]:
+    """``(status, error)`` of a cell whose task ended.
+
+    ``exit_code``/``final``/``log``: the trainer's exit code, last status record and log
+    (``None`` when the task itself failed with ``failure``, e.g. its worker died or it
+    was cancelled by force); ``stop_requested``: a stop was asked for."""
+    reported = (final or {}).get("status")
+    if exit_code is None:
+        if stop_requested:
+            return "stopped", None
+        return "failed", f"the Ray task failed: {failure or 'no result'}"
+    if exit_code == 3:
+        return "diverged", (final or {}).get("error")
+    if exit_code == 0 and reported in ("finished", "stopped"):
+        return str(reported), None
+    if stop_requested and (exit_code == 0 or exit_code < 0):
+        return "stopped", None
+    if exit_code < 0:
+        how = _signame(exit_code)
+        return "failed", f"the trainer was killed by {how}; last log lines:\n{_log_error(log)}"
+    if exit_code == 0:
+        return "failed", "the trainer exited (code 0) without a final status"
+    error = (final or {}).get("error") if reported == "failed" else None
+    return "failed", error or _log_error(log) or f"the trainer exited with code {exit_code}"
+
+
+# ---------------------------------------------------------------------- the driver
+
+
+def _waiting(run: Mapping[str, Any]) -> bool:
+    """A cell that waits for the driver: queued and not yet submitted."""
+    return run["status"] == "queued" and run["dispatched_at"] is None
+
+
+@dataclass
+class _Cell:
+    """A cell in flight: its Ray task and what the driver asked of it."""
+
+    run_id: str
+    ref: Any
+    attempt: int
+    stop_deadline: float | None = None  # set once a graceful cancel was sent
+    forced: bool = False
+
+
+class RayDriver:
+    """Runs one Ray sweep's queued cells to their end (see the module docstring)."""
+
+    def __init__(self, store: RunStore, sweep_id: str, poll: float = 0.5,
+                 cpus_per_cell: float = 1.0, stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+        self.ray = import_ray()
+        self.store, self.sweep_id, self.poll = store, sweep_id, float(poll)
+        self.cpus = float(cpus_per_cell)
+        self.stop_timeout = float(stop_timeout)
+        self.pid = os.getpid()
+        self.owner = {"pid": self.pid, "pid_started": process_start_time(self.pid),
+                      "host": this_host()}
+        self.inflight: dict[str, _Cell] = {}
+        self.stop_reason: str | None = None
+        self._last_beat = 0.0
+        self._task = self.ray.remote(max_retries=0)(run_cell)
+
+    # ---- the loop
+
+    def run(self) -> dict[str, int]:
+        """Run until no cell is queued or in flight, or the driver is stopped. Returns
+        the sweep's cells per status."""
+        restore = self._trap_sigterm()
+        try:
+            try:
+                while self._tick_safely():
+                    pass
+            except KeyboardInterrupt:
+                self.stop_reason = "interrupted (Ctrl-C)"
+            if self.stop_reason is not None:
+                self._shutdown(self.stop_reason)
+        finally:
+            restore()
+        sweep = self.store.get_sweep(self.sweep_id) or {}
+        return dict(sweep.get("counts", {}))
+
+    def _trap_sigterm(self) -> Callable[[], None]:
+        """SIGTERM stops the sweep like Ctrl-C (only from the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_term(signum: int, frame: Any) -> None:
+            self.stop_reason = "the driver got SIGTERM"
+
+        old = signal.signal(signal.SIGTERM, on_term)
+        return lambda: signal.signal(signal.SIGTERM, old)
+
+    def _tick_safely(self) -> bool:
+        """:meth:`_tick`, going on through a passing store error (a locked database)."""
+        try:
+            return self._tick()
+        except StoreError as e:
+            _say(f"store error, trying again: {e}")
+            time.sleep(self.poll)
+            return True
+
+    def _tick(self) -> bool:
+        """One round: carry out stops, submit what fits, beat, then wait up to ``poll``
+        for tasks to end and collect them. Returns whether there is more to do."""
+        cells = {r["id"]: r for r in self.store.sweep_runs(self.sweep_id)}
+        self._carry_out_stops(cells)
+        self._submit([r for r in cells.values() if _waiting(r)])
+        self._beat()
+        self._collect(self.poll)
+        if self.stop_reason is not None:
+            return False
+        return bool(self.inflight) or any(
+            _waiting(r) for r in self.store.sweep_runs(self.sweep_id))
+
+    def _collect(self, timeout: float) -> None:
+        """Finish the tasks that have ended, waiting up to ``timeout`` for the first."""
+        if not self.inflight:
+            time.sleep(timeout)
+            return
+        refs = [c.ref for c in self.inflight.values()]
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            cell = next(c for c in self.inflight.values() if c.ref == ref)
+            self._finish(cell)
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat < HEARTBEAT_EVERY_S:
+            return
+        self._last_beat = now
+        for rid in list(self.inflight):
+            self.store.heartbeat(rid)
+
+    # ---- submitting
+
+    def _limit(self) -> int:
+        """Cells in flight at once: the sweep's ``max_parallel``, at most what the
+        cluster has CPUs for (at least one)."""
+        cpus = float(self.ray.cluster_resources().get("CPU", 1.0))
+        limit = max(1, int(cpus // max(self.cpus, 1e-9)))
+        sweep = self.store.get_sweep(self.sweep_id) or {}
+        parallel = sweep.get("max_parallel")
+        return min(limit, int(parallel)) if parallel and int(parallel) > 0 else limit
+
+    def _submit(self, queued: list[dict[str, Any]]) -> None:
+        free = self._limit() - len(self.inflight)
+        for run in queued[:max(0, free)]:
+            self._start(run)
+
+    def _gpus(self, run: Mapping[str, Any]) -> float:
+        """One GPU for a cell whose config asks for CUDA (or ``auto`` on a cluster that
+        has GPUs), else none."""
+        device = str(((run.get("config") or {}).get("train") or {}).get("device", "auto"))
+        if device.startswith("cuda"):
+            return 1.0
+        has_gpu = float(self.ray.cluster_resources().get("GPU", 0.0)) >= 1.0
+        return 1.0 if device == "auto" and has_gpu else 0.0
+
+    def _start(self, run: Mapping[str, Any]) -> None:
+        """Mark a queued cell ``running`` (owned by this driver) and submit its task."""
+        st, rid = self.store, run["id"]
+        attempt = int(run["attempt"] or 0) + 1
+        claimed = st.set_status(
+            rid, "running", None, only_from=("queued",), where={"dispatched_at": None},
+            dispatched_at=time.time(), heartbeat_at=time.time(), attempt=attempt,
+            resume_pending=0, exit_code=None, stop_deadline=None, supervisor_pid=None,
+            **self.owner)
+        if not claimed:  # stopped (or taken) meanwhile
+            return
+        run_dir = st.run_dir(rid)
+        try:
+            text = (run_dir / CONFIG_FILENAME).read_text(encoding="utf-8")
+        except OSError as e:
+            st.set_status(rid, "failed", f"ray: cannot read the cell's config: {e}",
+                          only_from=("running",))
+            return
+        gpus = self._gpus(run)
+        ref = self._task.options(num_cpus=self.cpus, num_gpus=gpus,
+                                 name=f"comera-cell-{rid}").remote(
+            text, recorded_env(run_dir), run.get("cwd"), rid, self.stop_timeout,
+            max(1, int(self.cpus)))
+        self.inflight[rid] = _Cell(rid, ref, attempt)
+        where = f"Ray task ({self.cpus:g} CPU, {gpus:g} GPU), driver pid {self.pid}"
+        _stamp(st.log_path(rid), f"attempt {attempt}: {where}")
+        st.log_event(rid, "start", f"attempt {attempt}: {where}")
+        _say(f"cell {rid} submitted ({len(self.inflight)} in flight)")
+
+    # ---- stopping
+
+    def _carry_out_stops(self, cells: Mapping[str, Mapping[str, Any]]) -> None:
+        """Cancel the tasks of cells marked ``stopping``; force those past their deadline."""
+        now = time.time()
+        for rid, cell in list(self.inflight.items()):
+            run = cells.get(rid)
+            if run is None:  # the row was deleted: nothing to record
+                self.ray.cancel(cell.ref, force=True)
+                del self.inflight[rid]
+            elif run["status"] == "stopping" and cell.stop_deadline is None:
+                self._cancel(cell, run.get("stop_deadline") or now + self.stop_timeout)
+            elif cell.stop_deadline is not None and not cell.forced and \
+                    now > cell.stop_deadline + FORCE_AFTER_S:
+                self._force(cell)
+
+    def _cancel(self, cell: _Cell, deadline: float) -> None:
+        cell.stop_deadline = float(deadline)
+        _stamp(self.store.log_path(cell.run_id), "stop requested: cancelling the Ray task")
+        self.ray.cancel(cell.ref, force=False)
+
+    def _force(self, cell: _Cell) -> None:
+        cell.forced = True
+        _stamp(self.store.log_path(cell.run_id),
+               "stop timed out: cancelling the Ray task by force (nothing comes back)")
+        self.ray.cancel(cell.ref, force=True)
+
+    def _shutdown(self, reason: str) -> None:
+        """Stop the sweep: queued cells ``stopped``, cells in flight cancelled (gracefully,
+        by force after their deadline or on a second Ctrl-C) and collected."""
+        _say(f"stopping the sweep: {reason}")
+        st = self.store
+        for run in st.sweep_runs(self.sweep_id):
+            if _waiting(run) and st.set_status(run["id"], "stopped", None, only_from=("queued",),
+                                               where={"dispatched_at": None}):
+                st.log_event(run["id"], "stop", f"stopped while queued: {reason}")
+        deadline = time.time() + self.stop_timeout
+        for cell in self.inflight.values():
+            if st.set_status(cell.run_id, "stopping", only_from=("running",),
+                             stop_deadline=deadline):
+                st.log_event(cell.run_id, "stop", f"stop requested: {reason}")
+            if cell.stop_deadline is None:
+                self._cancel(cell, deadline)
+        while self.inflight:
+            try:
+                self._collect(self.poll)
+                for cell in list(self.inflight.values()):
+                    if not cell.forced and time.time() > (cell.stop_deadline or 0) + FORCE_AFTER_S:
+                        self._force(cell)
+            except KeyboardInterrupt:  # again: no more waiting
+                for cell in list(self.inflight.values()):
+                    if not cell.forced:
+                        self._force(cell)
+
+    # ---- a task ended
+
+    def _result(self, cell: _Cell) -> tuple[dict[str, Any] | None, str | None]:
+        """The task's result, or ``None`` and why there is none."""
+        try:
+            return self.ray.get(cell.ref), None
+        except Exception as e:  # the task raised, its worker or node died, a forced cancel
+            if cell.forced:  # TaskCancelledError, or WorkerCrashedError in some versions
+                return None, "cancelled by force"
+            return None, f"{type(e).__name__}: {e}"
+
+    def _bring_back(self, rid: str, result: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Append the task's log to the cell's ``train.log``, unpack its folder into the
+        cell's run folder and import its metrics; returns the trainer's last status
+        record."""
+        st = self.store
+        with open(st.log_path(rid), "a", encoding="utf-8") as f:
+            f.write(str(result.get("log") or ""))
+        unpack_run_folder(result["archive"], st.run_dir(rid))
+        return import_metrics(st, rid, st.run_dir(rid) / "metrics.jsonl", str(result["folder"]))
+
+    def _finish(self, cell: _Cell) -> None:
+        """:meth:`_record` a task that ended; through a store error the cell stays in
+        flight, so the next round brings it back again."""
+        self.inflight.pop(cell.run_id, None)
+        try:
+            self._record(cell)
+        except StoreError:
+            self.inflight[cell.run_id] = cell
+            raise
+
+    def _record(self, cell: _Cell) -> None:
+        """Bring a finished task's results into the cell's folder and the store, and
+        record its final status (a result that cannot be brought back fails the cell)."""
+        st, rid = self.store, cell.run_id
+        result, failure = self._result(cell)
+        run = st.get_run(rid)
+        if run is None:
+            return
+        st.run_dir(rid).mkdir(parents=True, exist_ok=True)
+        final, log, code = None, "", None
+        if result is not None:
+            try:
+                final = self._bring_back(rid, result)
+                code, log = int(result["exit_code"]), str(result.get("log") or "")
+            except (OSError, ValueError, KeyError, TypeError, tarfile.TarError) as e:
+                failure = f"its results could not be brought back: {type(e).__name__}: {e}"
+        stop_requested = cell.stop_deadline is not None or run["status"] == "stopping"
+        status, error = cell_outcome(code, final, log, stop_requested, failure)
+        where = {"attempt": cell.attempt, "pid": self.pid}
+        if st.set_status(rid, status, error, only_from=("running", "stopping"), where=where,
+                         exit_code=code):
+            host = f" on {result['host']}" if result else ""
+            note = f"{status}{host}" + (f": {failure}" if failure else "")
+            st.log_event(rid, "stop" if status == "stopped" else "end", note)
+        how = "no result" if code is None else f"code {code}"
+        _stamp(st.log_path(rid), f"Ray task ended ({how}); status {status}")
+        _say(f"cell {rid} {status}")
+
+
+def run_ray_sweep(
+    store: RunStore | str | os.PathLike[str] | None,
+    sweep_id: str,
+    address: str | None = None,
+    poll: float = 0.5,
+    *,
+    cpus_per_cell: float = 1.0,
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+) -> dict[str, int]:
+    """Run a Ray sweep's queued cells as Ray tasks until none is left; returns the
+    sweep's cells per status (e.g. ``{"finished": 3, "failed": 1}``).
+
+    ``address``: the cluster (default: the sweep's recorded address; ``None``/``"local"``
+    starts a Ray instance here). A process already connected to Ray keeps its connection
+    (and it is not shut down). ``poll``: seconds between looks at the store;
+    ``cpus_per_cell``: CPUs each task asks Ray for; ``stop_timeout``: seconds a stopped
+    cell's trainer has to checkpoint before its task is cancelled by force.
+    Raises :class:`ConfigError` (``backend``) without Ray, or for a sweep that is not a
+    Ray sweep."""
+    import_ray()
+    st = open_store(store)
+    sweep = st.get_sweep(sweep_id)
+    if sweep is None:
+        raise ConfigError("sweep", f"no sweep {sweep_id!r} in {st.path}")
+    if sweep.get("backend") != "ray":
+        raise ConfigError("backend", f"sweep {sweep_id} runs on the {sweep.get('backend')!r} "
+                          "backend, not 'ray'")
+    reap(st)  # cells of an earlier driver that died are crashed, not ours to run
+    owned = connect(address if address is not None else sweep.get("address"))
+    try:
+        return RayDriver(st, sweep_id, poll, cpus_per_cell, stop_timeout).run()
+    finally:
+        if owned:
+            import_ray().shutdown()
+
+
+# ---------------------------------------------------------------------- detached driver
+
+
+def driver_log_path(store: RunStore, sweep_id: str) -> Path:
+    """Where a detached driver's output goes: ``<store dir>/<sweep_id>.log``."""
+    return store.root / f"{sweep_id}.log"
+
+
+def spawn_ray_driver(store: RunStore | str | os.PathLike[str] | None, sweep_id: str,
+                     address: str | None = None) -> int:
+    """Start a detached driver for the sweep (its own session, output appended to
+    :func:`driver_log_path`), so the sweep outlives the dashboard that started it.
+    Returns its pid."""
+    st = open_store(store)
+    cmd = [sys.executable, "-m", "comera_engine.launch.ray_backend", "--store", str(st.path),
+           "--sweep-id", sweep_id]
+    if address:
+        cmd += ["--address", address]
+    with open(driver_log_path(st, sweep_id), "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True, close_fds=True)
+    # reap the child when it exits so a long-lived starter (the dashboard) keeps no zombie
+    threading.Thread(target=proc.wait, name=f"reap-{sweep_id}", daemon=True).start()
+    return proc.pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m comera_engine.launch.ray_backend --store DB --sweep-id ID
+    [--address ADDR]``: run the sweep's cells on Ray. Exit 0 when every cell ran, 2 for
+    a bad request (one line), 1 otherwise."""
+    p = argparse.ArgumentParser(prog="python -m comera_engine.launch.ray_backend")
+    p.add_argument("--store", required=True, help="run store (.db file or its folder)")
+    p.add_argument("--sweep-id", required=True)
+    p.add_argument("--address", default=None, help="Ray cluster (default: the sweep's)")
+    p.add_argument("--poll", type=float, default=0.5)
+    args = p.parse_args(argv)
+    try:
+        st = RunStore(args.store, create=False)
+        _say(f"driver pid {os.getpid()} for sweep {args.sweep_id} ({st.path})")
+        counts = run_ray_sweep(st, args.sweep_id, args.address, args.poll)
+    except (ConfigError, StoreError) as e:
+        _say(f"error: {e}")
+        return 2
+    _say("done: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    # run the module's own copy, not __main__'s: Ray sends run_cell to the workers by
+    # reference (comera_engine.launch.ray_backend.run_cell), never __main__'s by value
+    from comera_engine.launch.ray_backend import main as _main
+
+    sys.exit(_main())
