@@ -393,6 +393,10 @@ def validate_methods(cfg: Config) -> None:
     if m.tt_impl is not None:
         _choice("model.tt_impl", m.tt_impl, TT_IMPLS)
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    if m.tt_impl == "tltorch" and not m.dense and c.method == "tt_svd":
+        raise ConfigError("model.tt_impl", 'TT-SVD initialises the engine\'s TT layers; use '
+                                           'model.tt_impl = "comera" with comera.method = '
+                                           '"tt_svd"')
     if m.tt_impl == "tltorch" and not m.dense and c.method != "fixed":
         raise ConfigError("comera.method", f"tltorch layers have no rank gates, so "
                                            f"{c.method!r} cannot train them; set "
