@@ -77,6 +77,14 @@ class ModelConfig:
     bottom_mlp: list[int] | None = None
     top_mlp: list[int] | None = None
     tt_min_rows: int | None = None  # tables with fewer rows stay dense
+    # Which implementation the TT layer kinds get (docs/METHODS.md). None or "comera":
+    # the engine's gated TT layers; "tltorch": tensorly-torch's TT-matrix layers (no rank
+    # gates: needs comera.method = "fixed"; the optional `peers` extra).
+    tt_impl: str | None = None
+    # A dense run of the same model (its run folder, checkpoints folder, a checkpoint's
+    # .json/.safetensors, or a state dict .safetensors/.pt): comera.method = "tt_svd"
+    # initialises every TT layer by TT-SVD of its dense weight and copies the rest.
+    init_from: str | None = None
 
 
 @dataclass
@@ -84,6 +92,10 @@ class CoMERAConfig:
     """Rank-adaptive multi-objective training (method page, section 2) and the optimiser."""
 
     enabled: bool = True  # false: plain task-loss training (ranks fixed)
+    # How the TT model is trained (docs/METHODS.md): "comera" (rank gates, the two stages,
+    # the target), "fixed" (gate-free TT at fixed ranks: with a target, the ranks that make
+    # the model that size) or "tt_svd" ("fixed" initialised by TT-SVD of model.init_from)
+    method: str = "comera"
     gamma: float = 0.01  # early stage: weight of the size surrogate
     gamma_warmup: int = 0  # steps over which gamma ramps up from 0
     tau: float = 1e-2  # gate threshold: |g| <= tau prunes a rank for good
@@ -127,6 +139,12 @@ class TrainConfig:
     cuda_graph: bool = True  # capture the whole step into a CUDA graph (GPU only)
     seed: int = 0
     num_workers: int = 0  # background batch-building processes
+    # adamw (CoMERA's groups) | galore: GaLore AdamW (galore-torch) on the dense model's
+    # linear weight matrices, AdamW on every other parameter (docs/METHODS.md)
+    optimizer: str = "adamw"
+    galore_rank: int | None = None  # projection rank; None: a quarter of each matrix's smaller side
+    galore_update_proj_gap: int = 200  # steps between recomputing the projections (SVD)
+    galore_scale: float = 0.25  # GaLore's alpha: scale of the projected-back update
 
 
 @dataclass
@@ -349,8 +367,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.n_heads", f"must divide d_model={m.d_model}, got {m.n_heads}")
 
     validate_comera(c)
+    validate_methods(cfg)
 
-    _positive_int("train.steps", t.steps)
+    if not (t.steps == 0 and m.init_from is not None):  # 0: evaluate an initialised model
+        _positive_int("train.steps", t.steps)
     _positive_int("train.batch_size", t.batch_size)
     for key in ("eval_every", "ckpt_every", "num_workers"):
         if getattr(t, key) < 0:
@@ -363,6 +383,48 @@ def validate(cfg: Config) -> None:
         t.device.startswith("cuda:") and t.device[5:].isdigit()
     ):
         raise ConfigError("train.device", f"must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+def validate_methods(cfg: Config) -> None:
+    """The peer methods' switches (docs/METHODS.md) against each other: ``comera.method``,
+    ``model.tt_impl``, ``model.init_from`` and ``train.optimizer`` with its settings."""
+    m, c, t = cfg.model, cfg.comera, cfg.train
+    _choice("comera.method", c.method, METHODS)
+    if m.tt_impl is not None:
+        _choice("model.tt_impl", m.tt_impl, TT_IMPLS)
+    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    if m.tt_impl == "tltorch" and not m.dense and c.method == "tt_svd":
+        raise ConfigError("model.tt_impl", 'TT-SVD initialises the engine\'s TT layers; use '
+                                           'model.tt_impl = "comera" with comera.method = '
+                                           '"tt_svd"')
+    if m.tt_impl == "tltorch" and not m.dense and c.method != "fixed":
+        raise ConfigError("comera.method", f"tltorch layers have no rank gates, so "
+                                           f"{c.method!r} cannot train them; set "
+                                           'comera.method = "fixed"')
+    if c.method == "tt_svd":
+        if m.init_from is None:
+            raise ConfigError("model.init_from", 'comera.method = "tt_svd" decomposes a '
+                                                 "trained dense model: name its run folder "
+                                                 "or checkpoint")
+        if m.dense:
+            raise ConfigError("model.dense", 'comera.method = "tt_svd" builds the TT model; '
+                                             "set model.dense = false")
+    elif m.init_from is not None:
+        raise ConfigError("model.init_from", 'is only read by comera.method = "tt_svd" '
+                                             f"(method is {c.method!r}); drop it or set the method")
+    if m.init_from is not None and not m.init_from.strip():
+        raise ConfigError("model.init_from", "must name a run folder or checkpoint, got ''")
+    if t.steps == 0 and m.init_from is None:
+        raise ConfigError("train.steps", "must be a positive integer, got 0 (0 evaluates "
+                                         "without training: only with model.init_from)")
+    if t.optimizer == "galore" and not m.dense:
+        raise ConfigError("train.optimizer", "GaLore optimises the dense model's weight "
+                                             "matrices; set model.dense = true (TT models "
+                                             'use train.optimizer = "adamw")')
+    _positive_int("train.galore_rank", t.galore_rank)
+    _positive_int("train.galore_update_proj_gap", t.galore_update_proj_gap)
+    if not (math.isfinite(t.galore_scale) and t.galore_scale > 0):
+        raise ConfigError("train.galore_scale", f"must be a positive number, got {t.galore_scale}")
 
 
 def validate_comera(c: CoMERAConfig) -> None:
@@ -396,11 +458,12 @@ def validate_comera(c: CoMERAConfig) -> None:
             raise ConfigError("comera.switch_epoch",
                               f"give either comera.switch ({c.switch!r}) or comera.switch_epoch, "
                               "not both")
-        if c.enabled and c.target_compression is None:
+        if c.enabled and c.method == "comera" and c.target_compression is None:
             raise ConfigError("comera.target_compression",
                               "the late stage (comera.switch_epoch) needs a target compression "
                               "ratio; set one or drop comera.switch_epoch")
-    if c.enabled and c.switch not in ("never", "auto") and c.target_compression is None:
+    if (c.enabled and c.method == "comera" and c.switch not in ("never", "auto")
+            and c.target_compression is None):
         raise ConfigError(
             "comera.target_compression",
             f"the late stage (comera.switch = {c.switch!r}) needs a target compression ratio; "
@@ -439,6 +502,9 @@ _MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     "tt_min_rows": ("dlrm",),
     "embedding_rank": (*_TRANSFORMERS, "dlrm"),
 }
+METHODS = ("comera", "fixed", "tt_svd")
+TT_IMPLS = ("comera", "tltorch")
+OPTIMIZERS = ("adamw", "galore")
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:

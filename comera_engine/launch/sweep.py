@@ -236,10 +236,9 @@ def _start(st: RunStore, sweep_id: str, backend: str) -> None:
     from comera_engine.launch import dispatch
 
     if backend == "ray":
-        import importlib
+        from comera_engine.launch.ray_backend import spawn_ray_driver
 
-        ray_backend = importlib.import_module("comera_engine.launch.ray_backend")
-        ray_backend.spawn_ray_driver(st, sweep_id)
+        spawn_ray_driver(st, sweep_id)
     else:
         dispatch(st)
 

@@ -1,8 +1,10 @@
-"""TT layers (drop-ins for ``nn.Linear`` / ``nn.Embedding``) and model-level helpers."""
+"""TT layers (drop-ins for ``nn.Linear`` / ``nn.Embedding``) and model-level helpers;
+the peer (tltorch) TT layers of docs/METHODS.md in :mod:`.peers`."""
 
+from .peers import PEER_LAYERS, TLTorchEmbedding, TLTorchLinear, peer_layers
 from .tensorize import TT_LAYERS, size_report, tensorize, truncate, tt_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
-__all__ = ["TT_LAYERS", "TTEmbedding", "TTLinear", "size_report", "tensorize", "truncate",
-           "tt_layers"]
+__all__ = ["PEER_LAYERS", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS", "TTEmbedding",
+           "TTLinear", "peer_layers", "size_report", "tensorize", "truncate", "tt_layers"]

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from .peers import peer_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
@@ -135,6 +136,9 @@ def size_report(model: nn.Module) -> dict:
     Totals: ``model`` (every parameter) and ``tensorized`` (the TT layers only), each
     with ``dense_params``, ``allocated_params``, ``effective_params``, the ``*_bytes``
     and ``compression`` (dense / effective) and ``compression_allocated``.
+
+    Peer TT layers (tltorch, :mod:`.peers`: fixed ranks, no gates) count as tensorized
+    layers the same way (allocated = effective).
     """
     layers = []
     tt_param_ids: set[int] = set()
@@ -172,6 +176,28 @@ def size_report(model: nn.Module) -> dict:
         tot["dense_b"] += row["dense_bytes"]
         tot["alloc_b"] += row["allocated_bytes"]
         tot["eff_b"] += row["effective_bytes"]
+    for name, layer in peer_layers(model):
+        core0 = layer.factors()[0]
+        tt_param_ids.update(id(p) for p in layer.parameters())
+        dense, eff = layer.dense_num_params(), layer.num_params()
+        linear = hasattr(layer, "in_features")
+        layers.append({
+            "name": name,
+            "kind": "linear" if linear else "embedding",
+            "shape": ([layer.in_features, layer.out_features] if linear
+                      else [layer.num_embeddings, layer.embedding_dim]),
+            "factors": ([list(layer.in_factors), list(layer.out_factors)] if linear
+                        else [list(layer.vocab_factors), list(layer.dim_factors)]),
+            "allocated_ranks": layer.effective_ranks(),
+            "effective_ranks": layer.effective_ranks(),
+            "dense_params": dense, "allocated_params": eff, "effective_params": eff,
+            "dense_bytes": _bytes(core0, dense), "allocated_bytes": _bytes(core0, eff),
+            "effective_bytes": _bytes(core0, eff),
+            "compression": dense / eff if eff else float("inf"),
+        })
+        for key, n in (("dense", dense), ("alloc", eff), ("eff", eff)):
+            tot[key] += n
+            tot[f"{key}_b"] += _bytes(core0, n)
     other = other_b = 0
     for p in model.parameters():
         if id(p) not in tt_param_ids:

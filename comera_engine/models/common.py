@@ -27,6 +27,9 @@ class LayerFactory:
         dense: build every layer dense (the baseline).
         min_dim: linears whose smaller side is below this stay dense (a TT factorisation
             of a 13-wide input saves nothing).
+        impl: ``"comera"`` (the engine's gated ``TTLinear`` / ``TTEmbedding``) or
+            ``"tltorch"`` (tensorly-torch's TT-matrix layers, ``layers.peers``;
+            ``model.tt_impl``).
     """
 
     tt_kinds: Sequence[str]
@@ -34,6 +37,7 @@ class LayerFactory:
     embedding_rank: int
     dense: bool = False
     min_dim: int = 16
+    impl: str = "comera"
 
     def is_tt(self, kind: str) -> bool:
         return not self.dense and kind in self.tt_kinds
@@ -49,9 +53,9 @@ class LayerFactory:
     ) -> nn.Module:
         """``TTLinear`` for a TT kind (and both sides >= ``min_dim``), else ``nn.Linear``."""
         if self.is_tt(kind) and min(in_features, out_features) >= self.min_dim:
-            from comera_engine.layers import TTLinear
+            from comera_engine.layers import TLTorchLinear, TTLinear
 
-            return TTLinear(
+            return (TLTorchLinear if self.impl == "tltorch" else TTLinear)(
                 in_features,
                 out_features,
                 rank=self.rank,
@@ -73,9 +77,9 @@ class LayerFactory:
     ) -> nn.Module:
         """``TTEmbedding`` (TTM) for a TT kind with at least ``min_rows`` rows, else dense."""
         if self.is_tt(kind) and num_embeddings >= max(min_rows, 2):
-            from comera_engine.layers import TTEmbedding
+            from comera_engine.layers import TLTorchEmbedding, TTEmbedding
 
-            return TTEmbedding(
+            return (TLTorchEmbedding if self.impl == "tltorch" else TTEmbedding)(
                 num_embeddings,
                 embedding_dim,
                 rank=self.embedding_rank,

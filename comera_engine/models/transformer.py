@@ -246,8 +246,8 @@ class TransformerMLM(nn.Module):
         word = self.encoder.word
         if isinstance(word, nn.Embedding):
             scores = h @ word.weight.to(h.dtype).t()
-        else:  # contract with the TT cores: no V x d table is built (ops/ttm_decode.py)
-            scores = word.decode(h)
+        else:  # contract with the TT cores: no V x d table is built (ops/ttm_decode.py;
+            scores = word.decode(h)  # a peer's tltorch table is rebuilt, layers/peers.py)
         return scores + self.decoder_bias.to(h.dtype)
 
 
@@ -256,8 +256,8 @@ def _init_dense(model: nn.Module) -> None:
     entry std (its cores start with entries of variance 1, like ``nn.Embedding``); TT
     linears keep their ``nn.Linear``-like initialisation."""
     word = model.encoder.word  # type: ignore[union-attr]
-    if not isinstance(word, nn.Embedding):
-        cores = list(word.tt.cores)
+    if not isinstance(word, nn.Embedding):  # TTEmbedding, or a peer's (tltorch) table
+        cores = list(word.tt.cores) if hasattr(word, "tt") else word.factors()
         with torch.no_grad():
             for core in cores:
                 core.mul_(0.02 ** (1.0 / len(cores)))

@@ -11,13 +11,14 @@ from .optim import (
 )
 from .pace import PacePlan, entry_scores, grow_to, host_size, prune_to
 from .size import dense_size, effective_size, min_size, model_sizes, size_spec, surrogate_size
-from .target import TargetPlan, plan_target
+from .target import TargetPlan, plan_fixed_ranks, plan_target
 
 __all__ = [
     "CoMERAObjective", "PlateauDetector", "RankEvent", "RankTracker", "dense_size",
     "effective_size", "entry_scores", "gamma_ramp", "grow_to", "host_size", "min_size",
     "model_sizes", "PacePlan", "param_groups", "prune_to",
-    "plan_target", "refresh_gates", "refresh_gates_on_device", "size_spec", "surrogate_size",
+    "plan_fixed_ranks", "plan_target", "refresh_gates", "refresh_gates_on_device", "size_spec",
+    "surrogate_size",
     "TargetPlan",
     "truncate_model_and_optimizer",
 ]

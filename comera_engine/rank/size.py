@@ -31,7 +31,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor, nn
 
-from ..layers import TTEmbedding, TTLinear, tt_layers
+from ..layers import TTEmbedding, TTLinear, peer_layers, tt_layers
 from .target import LayerSpec, SizeSpec
 
 __all__ = ["dense_size", "effective_size", "layer_size", "layer_size_surrogate", "min_size",
@@ -118,7 +118,7 @@ def _surrogate_plan(key: tuple, device: torch.device, dtype: torch.dtype
 
 def _other_params(model: nn.Module) -> int:
     tt_ids = set()
-    for _, m in tt_layers(model):
+    for _, m in tt_layers(model) + peer_layers(model):
         tt_ids.update(id(p) for p in m.parameters())
     return sum(p.numel() for p in model.parameters() if id(p) not in tt_ids)
 
@@ -179,7 +179,20 @@ def effective_size(model: nn.Module, scope: str) -> Tensor:
 
 def size_spec(model: nn.Module) -> SizeSpec:
     """The shapes :func:`comera_engine.rank.target.plan_target` needs, read off ``model``
-    (a meta-device model is enough: only shapes and allocated ranks are read)."""
+    (a meta-device model is enough: only shapes and allocated ranks are read).
+
+    The engine's TT layers first, then the peer (tltorch) layers, each in model order
+    (a model has one kind or the other; the fixed-rank plans list ranks in this order)."""
+    peers = tuple(
+        LayerSpec(
+            kind="linear" if hasattr(m, "in_features") else "embedding",
+            mode_sizes=tuple(m.mode_sizes),
+            ranks=tuple(m.effective_ranks()),
+            bias=_bias(m),
+            dense=m.dense_num_params(),
+        )
+        for _, m in peer_layers(model)
+    )
     layers = tuple(
         LayerSpec(
             kind="linear" if isinstance(m, TTLinear) else "embedding",
@@ -191,4 +204,4 @@ def size_spec(model: nn.Module) -> SizeSpec:
         )
         for _, m in tt_layers(model)
     )
-    return SizeSpec(layers, _other_params(model))
+    return SizeSpec(layers + peers, _other_params(model))

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["HEADROOM", "LayerSpec", "SizeSpec", "TargetPlan", "plan_target", "tt_core_size"]
+__all__ = ["HEADROOM", "LayerSpec", "SizeSpec", "TargetPlan", "bond_caps", "plan_fixed_ranks",
+           "plan_target", "tt_core_size"]
 
 HEADROOM = 3.0
 
@@ -73,6 +74,9 @@ class TargetPlan:
     rank: int | None = None
     embedding_rank: int | None = None
     note: str = ""
+    #: fixed-rank methods (:func:`plan_fixed_ranks`): the internal ranks of every TT layer,
+    #: in the order of ``SizeSpec.layers`` (``None``: the ranks are learnt, or the config's)
+    bond_ranks: tuple[tuple[int, ...], ...] | None = None
 
     def ratio(self, size: float | None) -> float | None:
         """``dense / size`` (``None`` for no size)."""
@@ -166,3 +170,95 @@ def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
         note += "; even full ranks do not exceed the target size, nothing to prune"
     return TargetPlan(scope, dense, start, floor, target, compression,
                       rank=new_rank, embedding_rank=new_emb, note=note)
+
+
+# --------------------------------------------------------------------------- fixed ranks
+
+
+def bond_caps(mode_sizes: tuple[int, ...], ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The largest useful rank of each internal bond given its neighbours' ranks:
+    ``min(full TT rank, r_{k-1}·s_k, s_{k+1}·r_{k+1})`` (a bigger rank adds parameters
+    but no expressiveness; a TT-SVD could not produce it)."""
+    r = (1, *ranks, 1)
+    full = _full_ranks(mode_sizes)
+    return tuple(min(full[k], r[k] * mode_sizes[k], mode_sizes[k + 1] * r[k + 2])
+                 for k in range(len(ranks)))
+
+
+def plan_fixed_ranks(spec: SizeSpec, scope: str, compression: float) -> TargetPlan:
+    """The ranks a fixed-rank TT model (no gates, no pruning) needs to be ``compression``
+    times smaller than dense in ``scope``: the size is at most the target size
+    ``T = dense / compression`` and as close to it as one more rank on any bond allows.
+
+    1. One rank ``r`` for every bond of every TT layer (linear and embedding alike, each
+       bond capped by its full TT rank): the largest ``r`` whose size is at most ``T``.
+    2. Then, in model order (layers, bonds left to right), one more rank on each bond
+       whose increase still fits in ``T`` (and stays useful: :func:`bond_caps`), in passes
+       until no bond can grow. The size then ends within one bond's increment below ``T``
+       (well inside the 10 % the sweep allows for all but the tiniest layers).
+
+    Returns a :class:`TargetPlan` whose ``bond_ranks`` hold the internal ranks per layer
+    (in ``spec.layers`` order), ``rank`` / ``embedding_rank`` the largest of the linear /
+    embedding layers (what to allocate before slicing to ``bond_ranks``) and ``start``
+    the planned size.
+
+    Raises:
+        ConfigError: ``T`` is below the size at rank 1 everywhere
+            (``comera.target_compression``).
+    """
+    dense = sum(layer.dense for layer in spec.layers) + (spec.other if scope == "model" else 0)
+    floor = _size(spec, scope, None, floor=True)
+    target = dense / compression
+    if not spec.layers:
+        return TargetPlan(scope, dense, dense, floor, None, None)
+    if target < floor:
+        raise ConfigError(
+            "comera.target_compression",
+            f"{compression:g}x is beyond the smallest TT model: it needs a {scope} size of "
+            f"{target:.0f} params, below the {floor} that rank 1 everywhere allows; choose "
+            f"at most {math.floor(dense / floor * 10) / 10:g}x")
+    fixed = sum(layer.bias for layer in spec.layers) + (spec.other if scope == "model" else 0)
+    full = [_full_ranks(layer.mode_sizes) for layer in spec.layers]
+
+    def uniform(r: int) -> list[list[int]]:
+        return [[min(r, c) for c in caps] for caps in full]
+
+    def total(ranks: list[list[int]]) -> int:
+        return fixed + sum(tt_core_size(layer.mode_sizes, tuple(rk))
+                           for layer, rk in zip(spec.layers, ranks))
+
+    top = max((c for caps in full for c in caps), default=1)
+    r = 1
+    while r < top and total(uniform(r + 1)) <= target:
+        r += 1
+    ranks = uniform(r)
+    size = total(ranks)
+    grown = 0
+    changed = True
+    while changed:
+        changed = False
+        for layer, rk in zip(spec.layers, ranks):
+            for k in range(len(rk)):
+                if rk[k] >= bond_caps(layer.mode_sizes, tuple(rk))[k]:
+                    continue
+                before = tt_core_size(layer.mode_sizes, tuple(rk))
+                rk[k] += 1
+                step = tt_core_size(layer.mode_sizes, tuple(rk)) - before
+                if size + step <= target:
+                    size += step
+                    grown += 1
+                    changed = True
+                else:
+                    rk[k] -= 1
+    has = {layer.kind for layer in spec.layers}
+
+    def top_of(kind: str) -> int | None:
+        return max((max(rk, default=1) for layer, rk in zip(spec.layers, ranks)
+                    if layer.kind == kind), default=1) if kind in has else None
+
+    note = (f"fixed ranks for the {compression:g}x target: rank {r} on every bond"
+            + (f", one more on {grown} bonds" if grown else "")
+            + f": size {size} params ({scope}), {dense / size:.2f}x")
+    return TargetPlan(scope, dense, size, floor, target, compression,
+                      rank=top_of("linear"), embedding_rank=top_of("embedding"), note=note,
+                      bond_ranks=tuple(tuple(rk) for rk in ranks))

@@ -127,8 +127,13 @@ def tt_svd(
             c = s[:r, None] * vt[:r]
             r_prev = r
         ranks = chosen
-    tt = tensor_train(t, [1, *ranks, 1])
-    return [np.asarray(f) for f in tt]
+    import tensorly as tl
+
+    # NumPy arrays in, NumPy cores out, whatever tensorly's global backend is (importing
+    # tltorch, a peer method's layers, switches it to PyTorch for the whole process)
+    with tl.backend_context("numpy"):
+        tt = tensor_train(t, [1, *ranks, 1])
+        return [np.asarray(f) for f in tt]
 
 
 class TensorTrain(nn.Module):

@@ -68,8 +68,9 @@ from comera_engine.metrics import (
     target_error,
     target_outcome,
 )
-from comera_engine.models import TaskModel, build_model, roc_auc
+from comera_engine.models import TaskModel, roc_auc
 from comera_engine.train import checkpoint as ckpt
+from comera_engine.train import methods
 from comera_engine.train.batches import (
     BatchPlan,
     eval_batch_count,
@@ -88,7 +89,7 @@ from comera_engine.train.distributed import (
 from comera_engine.train.progress import ProgressBar
 from comera_engine.train.step import GraphedStep, TrainStep, settled
 from comera_engine.train.sysinfo import MemoryMeter
-from comera_engine.train.tt import CoMERAState, plan_initial_ranks, tt_layers
+from comera_engine.train.tt import CoMERAState, factorized_layers, plan_initial_ranks
 
 
 @dataclass
@@ -197,7 +198,8 @@ class _Run:
         cfg, self.target_plan = plan_initial_ranks(cfg, bundle)
         self.cfg = cfg
         _seed_everything(t.seed)
-        self.model = build_model(cfg.model, bundle)
+        # the method's model: CoMERA's, fixed ranks, TT-SVD of a dense run (train/methods.py)
+        self.model = methods.build_run_model(cfg, bundle, self.target_plan)
         self.task_model = TaskModel(self.model, bundle.task).to(device)
         self.plan = BatchPlan(len(bundle.train), t.batch_size, t.seed, dist.rank, dist.world_size)
         self.use_graph = t.cuda_graph and device.type == "cuda"
@@ -226,7 +228,10 @@ class _Run:
             self._phase_fn(phase, progress)
 
     def _build_optimizer(self) -> None:
-        self.optimizer = self.comera.make_optimizer(capturable=self.use_graph)
+        if self.cfg.train.optimizer == "galore":  # the dense model's GaLore peer
+            self.optimizer = methods.galore_optimizer(self.model, self.cfg)
+        else:
+            self.optimizer = self.comera.make_optimizer(capturable=self.use_graph)
 
     def _wrap(self) -> None:
         """(Re)build the DDP wrapper and the step function (after setup or a truncation)."""
@@ -252,6 +257,9 @@ class _Run:
             self.stepper = GraphedStep(step, log=self._slow_path)
             if self.dist.enabled:
                 self.stepper.disable("DistributedDataParallel runs eagerly (no whole-step graph)")
+            if self.cfg.train.optimizer == "galore":
+                self.stepper.disable("GaLore's optimizer step (SVDs, host-side step counts) "
+                                     "cannot be captured")
         self._size_cache = None
 
     def _resume(self) -> bool:
@@ -378,6 +386,8 @@ class _Run:
                 self._truncate()  # pruned ranks stop costing compute and memory
             if stop:
                 break
+        if t.steps == 0:  # evaluate only (a model initialised from model.init_from)
+            metrics = self._evaluate_only()
         if bar is not None:
             bar.close()
         outcome = self._target_outcome(metrics)
@@ -393,6 +403,17 @@ class _Run:
                 "train.cuda_graph = false" if self.device.type == "cuda" else "not on a GPU"
             )
         return TrainResult(status, self.step, metrics, self.last_ckpt, graph_reason, outcome)
+
+    def _evaluate_only(self) -> dict[str, float]:
+        """A run of ``train.steps = 0``: sizes, one evaluation and the target metrics at
+        step 0, and a final checkpoint (the initialised model)."""
+        metrics = {**self.comera.size_metrics(), **self.memory.read(), **self.evaluate()}
+        metrics.update(self._target_metrics(metrics))
+        self._log_ranks(force=True)
+        self.sink.log_metrics(0, metrics)
+        self.last_metrics = metrics
+        self.save("final")
+        return metrics
 
     def _target_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """``compression/target`` and ``compression/error`` (``reached/target - 1``, in
@@ -570,7 +591,7 @@ class _Run:
         if plan is not None and plan.note:
             self._info(plan.note)
         size = self.comera.size_metrics()
-        n_tt = len(tt_layers(self.model))
+        n_tt = len(factorized_layers(self.model))  # the engine's or a peer's TT layers
         what = "dense baseline" if n_tt == 0 else f"{n_tt} TT layers"
         self._info(
             f"{self.cfg.model.name}/{self.cfg.model.preset} ({what}), "

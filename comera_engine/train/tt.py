@@ -30,6 +30,15 @@ def tt_layers(model: nn.Module) -> dict[str, nn.Module]:
     return dict(pairs(model))
 
 
+def factorized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The engine's TT layers and the peer (tltorch) TT layers of ``model``, by name, in
+    the order :func:`comera_engine.rank.size_spec` lists them."""
+    from comera_engine.layers import peer_layers
+    from comera_engine.layers import tt_layers as pairs
+
+    return dict(pairs(model) + peer_layers(model))
+
+
 def _what(changes: dict[str, list[tuple[int, int, int]]]) -> str:
     """``layer bonds k: old->new, …; …`` for a pace message."""
     return "; ".join(f"{name} bonds " + ", ".join(f"{k}: {o}->{n}" for k, o, n in ch)
@@ -46,6 +55,13 @@ def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
     and the :class:`~comera_engine.rank.TargetPlan` (``None``: no target to plan for:
     dense baseline, ``comera.enabled = false``, or no target).
 
+    The fixed-rank methods (``comera.method`` ``"fixed"`` / ``"tt_svd"``, docs/METHODS.md)
+    with a target get :func:`comera_engine.rank.plan_fixed_ranks`: the per-bond ranks of
+    the TT model of the target size (``plan.bond_ranks``, applied by
+    :func:`comera_engine.train.methods.build_run_model`), ``model.rank`` /
+    ``model.embedding_rank`` set to the largest of them (the ranks are the target's:
+    the config's are not read, so planning a planned config gives the same plan).
+
     Raises:
         ConfigError: the target is below the floor, or a fixed ``model.rank`` already
             compresses more than asked.
@@ -56,12 +72,19 @@ def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
     from comera_engine.models import build_model
 
     c = cfg.comera
-    if cfg.model.dense or not c.enabled or c.target_compression is None:
+    fixed = c.method != "comera"  # "fixed" / "tt_svd": the ranks that meet the target
+    if cfg.model.dense or not (c.enabled or fixed) or c.target_compression is None:
         return cfg, None
     with torch.device("meta"):
         model = build_model(cfg.model, data)
-    if not tt_layers(model):
+    if not factorized_layers(model):
         return cfg, None
+    if fixed:
+        plan = rank.plan_fixed_ranks(rank.size_spec(model), c.target_scope,
+                                     c.target_compression)
+        changes = {k: v for k, v in (("rank", plan.rank),
+                                     ("embedding_rank", plan.embedding_rank)) if v is not None}
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes)), plan
     plan = rank.plan_target(rank.size_spec(model), c.target_scope, c.target_compression,
                             rank_fixed=cfg.model.rank is not None,
                             embedding_rank_fixed=cfg.model.embedding_rank is not None)
@@ -84,7 +107,10 @@ class CoMERAState:
         self.cfg = cfg
         self.model = model
         self.has_tt = bool(tt_layers(model))
-        self.enabled = cfg.enabled and self.has_tt
+        # the CoMERA objective runs for comera.method = "comera" only: "fixed" / "tt_svd"
+        # train the task loss at fixed ranks (gates frozen: train.methods.freeze_gates)
+        self.enabled = cfg.enabled and cfg.method == "comera" and self.has_tt
+        self.has_peers = len(factorized_layers(model)) > len(tt_layers(model))
         self.objective: Any = None
         self.plateau: Any = None
         self.steps_per_epoch = 0  # set by the loop; turns comera.switch_epoch into a step
@@ -121,6 +147,20 @@ class CoMERAState:
             groups = rank.param_groups(
                 self.model, c.lr_cores, c.lr_gates, c.lr_dense, c.weight_decay
             )
+            for g in groups:  # frozen gates (fixed ranks) are not optimised
+                g["params"] = [p for p in g["params"] if p.requires_grad]
+            groups = [g for g in groups if g["params"]]
+        elif self.has_peers:  # peer TT cores learn at lr_cores, like the engine's
+            from comera_engine.layers import peer_layers
+
+            cores = [f for _, m in peer_layers(self.model) for f in m.factors()]
+            ids = {id(p) for p in cores}
+            rest = [p for p in self.model.parameters() if p.requires_grad and id(p) not in ids]
+            groups = [{"name": "cores", "params": cores, "lr": c.lr_cores,
+                       "weight_decay": c.weight_decay},
+                      {"name": "dense", "params": rest, "lr": c.lr_dense,
+                       "weight_decay": c.weight_decay}]
+            groups = [g for g in groups if g["params"]]
         else:
             params = [p for p in self.model.parameters() if p.requires_grad]
             groups = [{"name": "dense", "params": params, "lr": c.lr_dense}]
@@ -337,7 +377,7 @@ class CoMERAState:
 
     def size_metrics(self) -> dict[str, float]:
         """Parameters, bytes and compression vs the dense baseline (effective ranks)."""
-        if not self.has_tt:
+        if not self.has_tt and not self.has_peers:
             params = list(self.model.parameters())
             n = float(sum(p.numel() for p in params))
             nbytes = float(sum(p.numel() * p.element_size() for p in params))
