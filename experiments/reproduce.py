@@ -63,12 +63,15 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          quick=("train.steps=300", "train.eval_every=100")),
     Task("snli_tiny", "SNLI (dev split), transformer tiny",
          {"cpu": "snli_transformer_tiny.toml", "paper": "mnli_transformer_paper.toml"},
-         quick=("train.steps=300", "train.eval_every=100"),
+         overrides={"cpu": ("train.steps=400", "train.eval_every=200", "train.ckpt_every=400")},
+         quick=("train.steps=150", "train.eval_every=150"),
          needs="../shared/data/snli/dev.jsonl"),
+    # the small preset is 8x slower a step on a CPU: 200 steps fit the CPU-size budget
     Task("snli_small", "SNLI (dev split), transformer small",
          {"cpu": "snli_transformer_tiny.toml", "paper": "mnli_transformer_paper.toml"},
-         overrides={"cpu": ("model.preset=\"small\"",)},
-         quick=("train.steps=300", "train.eval_every=100"),
+         overrides={"cpu": ("model.preset=\"small\"", "train.steps=200", "train.eval_every=100",
+                            "train.ckpt_every=200")},
+         quick=("train.steps=60", "train.eval_every=60"),
          needs="../shared/data/snli/dev.jsonl"),
     Task("code_mlm", "code MLM on the standard library",
          {"cpu": "code_mlm_tiny.toml", "paper": "code_mlm_paper.toml"},
@@ -93,10 +96,23 @@ def _target(t: float | None) -> list[str]:
     return [] if t is None else [f"comera.target_compression={t}"]
 
 
+def _from_dense(folder: str | None) -> list[str]:
+    return ['comera.method="tt_svd"', f"model.init_from={json.dumps(str(folder))}"]
+
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dense", "dense", lambda t, d: ["model.dense=true"], per_target=False),
     Method("comera", "CoMERA", lambda t, d: _target(t)),
+    Method("fixed", "fixed-rank TT", lambda t, d: ['comera.method="fixed"', *_target(t)]),
+    Method("tt_svd", "TT-SVD", lambda t, d: [*_from_dense(d), "train.steps=0", *_target(t)],
+           needs_dense=True),
+    Method("tt_svd_ft", "TT-SVD + fine-tune", lambda t, d: [*_from_dense(d), *_target(t)],
+           needs_dense=True),
+    Method("tltorch", "tltorch TT", lambda t, d: ['model.tt_impl="tltorch"',
+                                                  'comera.method="fixed"', *_target(t)]),
 )}
+#: The fine-tune after TT-SVD gets this fraction of the task's steps.
+FINE_TUNE_FRACTION = 0.25
 
 
 def check_task(task: Task, scale: str) -> str | None:
@@ -106,6 +122,18 @@ def check_task(task: Task, scale: str) -> str | None:
     if task.needs and not (ROOT / task.needs).exists():
         return f"{task.needs} is missing"
     return None
+
+
+def fine_tune_steps(config: Path, base: list[str]) -> list[str]:
+    """``train.steps`` (and a matching eval cadence) for the fine-tune after TT-SVD:
+    :data:`FINE_TUNE_FRACTION` of the task's steps."""
+    from comera_engine.launch import resolve_config
+
+    train = resolve_config(config, base).train
+    steps = max(1, int(train.steps * FINE_TUNE_FRACTION))
+    every = min(train.eval_every, steps) if train.eval_every else 0
+    return [f"train.steps={steps}", f"train.eval_every={every}",
+            f"train.ckpt_every={steps}"]
 
 
 def cell_overrides(task: Task, scale: str, quick: bool) -> list[str]:
@@ -144,9 +172,11 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
             sweeps[name] = []
             for seed, folder in sorted(dense_dirs.items()):
                 sets = [*base, *m.overrides(None, folder), f"train.seed={seed}"]
+                if name == "tt_svd_ft":
+                    sets += fine_tune_steps(config, base)
                 sweeps[name].append(create_sweep(
                     config, {"comera.target_compression": list(targets)}, 1, sets, store,
-                    name=f"reproduce {task.name} {name} seed {seed}", max_parallel=parallel))
+                    name=f"reproduce {task.name} {name}", max_parallel=parallel))
     wait(store, [s for ids in sweeps.values() for s in ids])
     results: dict[str, Any] = {}
     for name, ids in sweeps.items():

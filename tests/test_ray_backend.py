@@ -303,3 +303,25 @@ def test_a_detached_driver_stops_on_sigterm_and_its_death_is_reaped(
     _wait_for("Ray to end the dead driver's trainer", trainer_gone, timeout=30)
     for left in Path(tempfile.gettempdir()).glob(f"comera-{cell}-*"):  # killed: no cleanup
         shutil.rmtree(left, ignore_errors=True)
+
+
+def test_comera_sweep_with_the_ray_backend_end_to_end(ray_address: str, tmp_path: Path) -> None:
+    """``comera sweep --backend ray --address ADDR --wait``: the cells are created by the
+    sweep launcher, run by a detached driver on the cluster, and reported like local ones."""
+    import json
+
+    env = {**os.environ, "COMERA_HOME": str(tmp_path / "home")}
+    out = subprocess.run(
+        [sys.executable, "-m", "comera_engine.cli", "sweep", str(DIGITS), "--grid",
+         "comera.target_compression=10,20", "--backend", "ray", "--address", ray_address,
+         "--max-parallel", "2", *[a for s in SHORT for a in ("--set", s)], "--wait", "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = json.loads(out.stdout)
+    assert rep["sweep"]["backend"] == "ray" and rep["sweep"]["counts"] == {"finished": 2}
+    st = RunStore(tmp_path / "home")
+    for c in rep["cells"]:
+        assert c["score"] is not None and c["step"] == 20
+        rows = _metric_rows_of_jsonl(st.run_dir(c["run"]) / "metrics.jsonl")
+        assert rows == _metric_rows_of_store(st, c["run"])
+    assert [g["target"] for g in rep["groups"]] == [10, 20]

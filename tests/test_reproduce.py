@@ -1,0 +1,91 @@
+"""The reproduction pipeline, smoke-tested: ``experiments/reproduce.py --quick`` on digits
+runs every method as sweeps of ordinary runs in the store, the JSON agrees with the runs'
+own metrics files, the compressions are near the targets, and
+``experiments/reproduce_report.py`` turns it into a results page with a figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comera_engine.metrics import read_jsonl
+from comera_engine.store import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def last_eval(folder: Path, name: str) -> float:
+    values = [r["values"][name] for r in read_jsonl(folder / "metrics.jsonl")
+              if r["type"] == "metrics" and name in r["values"]]
+    return values[-1]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, RunStore, Path]:
+    pytest.importorskip("tltorch", reason="tensorly-torch is not installed (the peers extra)")
+    tmp = tmp_path_factory.mktemp("reproduce")
+    env = {**os.environ, "COMERA_HOME": str(tmp / "home")}
+    out = subprocess.run(
+        [sys.executable, "experiments/reproduce.py", "--quick", "--tasks", "digits",
+         "--max-parallel", "2", "--out", str(tmp / "out")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp / "out" / "digits_quick.json").read_text())
+    return result, RunStore(tmp / "home"), tmp
+
+
+def test_every_method_ran_at_every_target_through_the_store(quick) -> None:
+    result, st, _ = quick
+    methods = result["methods"]
+    assert set(methods) == {"dense", "comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch"}
+    assert result["targets"] == [10.0, 30.0] and result["seeds"] == 1
+    assert [g["target"] for g in methods["dense"]["groups"]] == [None]
+    for name, res in methods.items():
+        for g in res["groups"]:
+            assert g["finished"] == g["cells"] == 1, (name, g)
+        for cell in res["cells"]:  # the score is the run's own last evaluation
+            run = st.get_run(cell["run"])
+            assert run["status"] == "finished" and run["sweep_id"] in res["sweeps"]
+            assert cell["score"] == pytest.approx(
+                last_eval(st.run_dir(cell["run"]), "eval/acc"))
+    assert len(st.list_sweeps()) == 4 + 2  # dense, comera, fixed, tltorch; TT-SVD per seed
+    for name in ("comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch"):
+        for g in methods[name]["groups"]:
+            assert g["compression"] == pytest.approx(g["target"], rel=0.10), (name, g)
+
+
+def test_tt_svd_starts_from_the_dense_run_of_its_seed(quick) -> None:
+    result, st, _ = quick
+    dense = result["methods"]["dense"]["cells"][0]
+    for cell in result["methods"]["tt_svd"]["cells"]:
+        cfg = st.get_run(cell["run"])["config"]
+        assert cfg["model"]["init_from"] == str(st.run_dir(dense["run"]))
+        assert cfg["train"]["steps"] == 0 and cell["step"] == 0
+    for cell in result["methods"]["tt_svd_ft"]["cells"]:
+        assert st.get_run(cell["run"])["config"]["train"]["steps"] == 75  # 300 × 0.25
+
+
+def test_the_report_tabulates_the_json_and_draws_the_front(quick) -> None:
+    pytest.importorskip("matplotlib")
+    result, _, tmp = quick
+    page = tmp / "RESULTS.md"
+    out = subprocess.run([sys.executable, "experiments/reproduce_report.py", "--quick",
+                          "--results", str(tmp / "out"), "--out", str(page)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = page.read_text()
+    assert (tmp / "figures" / "reproduce_digits_quick.png").stat().st_size > 5000
+    comera = {g["target"]: g for g in result["methods"]["comera"]["groups"]}
+    row = next(line for line in text.splitlines() if line.startswith("| 10× |"))
+    assert f"{comera[10.0]['score'] * 100:.1f} ± 0.0" in row
+    dense = result["methods"]["dense"]["groups"][0]["score"]
+    gap = (dense - comera[10.0]["score"]) * 100
+    claim = next(line for line in text.splitlines()
+                 if "of dense at 10× on digits" in line)
+    assert f"gap {gap:.1f} points" in claim
+    assert ("| yes |" in claim) == (gap <= 1.0)
