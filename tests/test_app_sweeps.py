@@ -156,6 +156,20 @@ def test_new_experiment_refuses_bad_sweep_targets(home: Path) -> None:
     assert any("above 1×" in e.value for e in at.error)
 
 
+def test_a_sweep_with_an_unreachable_target_is_refused_whole(home: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    monkeypatch.setattr("comera_engine.launch.dispatch", lambda *a, **k: [])
+    at = app("views/new_experiment.py")
+    at.text_input(key="sw-targets").set_value("5, 100000").run()
+    at.button(key="sw-launch").click().run()
+    no_exception(at)
+    assert any("comera.target_compression" in e.value and "cell 100000× seed 0" in e.value
+               for e in at.error), [e.value for e in at.error]
+    st = RunStore(home / "comera.db")
+    assert st.list_sweeps() == [] and st.list_runs() == []
+
+
 def test_compare_loads_a_sweeps_cells(home: Path) -> None:
     st = RunStore(home / "comera.db")
     sid, ids = seed_sweep(st)

@@ -149,13 +149,14 @@ def guarded_sweep(
     """Start a sweep of ``config`` once per ``token`` (see :func:`guarded_launch`):
     returns ``(sweep_id, started_now)``."""
     from comera_engine.launch.sweep import create_sweep
+    from comera_engine.preview import check_runnable
 
     with launch_lock(store):
         existing = launched_sweep(store, token)
         if existing is not None:
             return existing, False
         sid = create_sweep(dict(config), grid, seeds, store=store, max_parallel=max_parallel,
-                           gpus=gpus)
+                           gpus=gpus, check=check_runnable)  # every cell, as launch checks
         store.set_setting(SWEEP_TOKEN_PREFIX + token, sid)
         return sid, True
 

@@ -370,12 +370,18 @@ def _sweep_section() -> None:
                        f"{', '.join(f'{t:g}×' for t in targets)} × {seeds} seed(s).")
         ui.save_form(SAVED, {"sw-targets", "sw-seeds", "sw-parallel"})
         grid = {"comera.target_compression": targets}
-        sweep_token = runs.config_token(nonce, raw, {"gpus": gpu_ids, "grid": grid,
-                                                     "seeds": seeds, "parallel": parallel})
+        # each cell's ranks are chosen from its own target (a fixed rank fits one target)
+        sweep_raw = json.loads(json.dumps(raw))
+        for key in ("rank", "embedding_rank"):
+            sweep_raw.get("model", {}).pop(key, None)
+        st.caption("The initial ranks of each run are chosen from its target.")
+        sweep_token = runs.config_token(nonce, sweep_raw, {"gpus": gpu_ids, "grid": grid,
+                                                           "seeds": seeds,
+                                                           "parallel": parallel})
         if st.button("Launch sweep", key="sw-launch", icon=":material/rocket_launch:",
                      disabled=bool(problem or n_errors), width="stretch"):
             try:
-                sid, _ = runs.guarded_sweep(store, raw, sweep_token, grid, seeds,
+                sid, _ = runs.guarded_sweep(store, sweep_raw, sweep_token, grid, seeds,
                                             max_parallel=parallel, gpus=gpu_ids)
             except (ConfigError, ValueError) as e:
                 st.error(str(e), icon=":material/error:")
