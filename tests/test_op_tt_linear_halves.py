@@ -3,9 +3,8 @@ reference: float64 outputs and gradients, gradcheck, gates with dead entries, od
 shapes; on the pure PyTorch path and, where it is built, through the CPU backend
 (tests/op_checks.py)."""
 
-from op_checks import op_tests
-
 from comera_engine.ops.tt_linear_halves import tt_linear_halves, tt_linear_halves_reference
+from tests.op_checks import op_tests
 
 test_matches_reference_float64, test_gradcheck = op_tests(tt_linear_halves,
                                                           tt_linear_halves_reference)
