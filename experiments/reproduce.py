@@ -234,6 +234,18 @@ def wait(store: Any, sweep_ids: list[str], poll: float = 2.0) -> None:
         time.sleep(poll)
 
 
+def _default_parallel() -> int:
+    """One cell per GPU; on a CPU one per core (each cell then trains on one thread: the
+    CPU-size models gain little from more, and two cells use both cores fully)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(1, os.cpu_count() or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", choices=("cpu", "paper"), default="cpu")
@@ -244,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", nargs="+", type=float, default=None)
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--max-parallel", type=int, default=None,
-                    help="cells at once in all (default: one per GPU, else one per 2 cores)")
+                    help="cells at once in all (default: one per GPU, else one per core)")
     ap.add_argument("--store", default=None, help="run store (default: $COMERA_HOME or ./runs)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -256,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds or (1 if args.quick else 3)
     if seeds < 1 or any(t <= 1 for t in targets):
         ap.error("--seeds must be >= 1 and every --targets value above 1")
-    parallel = args.max_parallel or max(1, (os.cpu_count() or 1) // 2)
+    parallel = args.max_parallel or _default_parallel()
     store = open_store(args.store)
     before = store.get_setting("max_concurrent")
     set_max_concurrent(store, parallel)  # all the sweeps together; restored at the end

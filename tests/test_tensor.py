@@ -78,13 +78,15 @@ def test_to_dense_matches_tensorly(d: int) -> None:
     with torch.no_grad():
         for g in tt.gates:
             g.uniform_(0.5, 1.5)  # non-trivial gates: absorbed into cores in the reference
-    ref = tl.tt_to_tensor([c.detach().numpy() for c in tt.gated_cores()])
+    with tl.backend_context("numpy"):  # importing tltorch elsewhere switches the default
+        ref = tl.tt_to_tensor([c.detach().numpy() for c in tt.gated_cores()])
     np.testing.assert_allclose(tt.to_dense().detach().numpy(), ref, rtol=1e-12, atol=1e-12)
     assert tt.to_matrix().shape == (math.prod(ins), math.prod(outs))
 
     rows, cols = _rand_linear_shapes(rng, d)
     ttm = TTMCores(rows, cols, [min(r, 3) for r in ranks[:d - 1]], dtype=DT)
-    ref_m = tt_matrix_to_tensor([c.detach().numpy() for c in ttm.gated_cores()])
+    with tl.backend_context("numpy"):
+        ref_m = tt_matrix_to_tensor([c.detach().numpy() for c in ttm.gated_cores()])
     np.testing.assert_allclose(ttm.to_dense().detach().numpy(), ref_m, rtol=1e-12, atol=1e-12)
 
 
