@@ -260,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", default=None, help="run store (default: $COMERA_HOME or ./runs)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
-    import os
 
     from comera_engine.launch import open_store, set_max_concurrent
 
