@@ -415,3 +415,37 @@ def test_a_graceful_stop_ends_within_its_timeout_plus_one_step(store):
     assert (store.run_dir(rid) / "checkpoints" / f"step_{run['last_step']:06d}.json").is_file()
     assert [e["text"] for e in store.events(rid) if e["kind"] == "stop"][0].startswith(
         "stop requested")
+
+
+def test_a_foreground_run_is_recorded_crashes_when_killed_and_resumes_as_itself(tmp_path):
+    """Issue 18: ``comera train`` in a terminal records its run (running, owned by its own
+    process); ``kill -9`` makes it ``crashed`` (reap); ``--resume`` of its folder continues
+    the same run to the end, steps contiguous."""
+    env = {**os.environ, "COMERA_HOME": str(tmp_path / "home")}
+    folder = tmp_path / "fg"
+    args = [sys.executable, "-m", "comera_engine.cli", "train", str(CONFIG), "--no-progress",
+            "--run-dir", str(folder), "--set", "train.steps=3000", "--set",
+            "train.ckpt_every=200", "--set", "train.eval_every=0"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    store = RunStore(tmp_path / "home")
+    try:
+        def recorded() -> dict | None:
+            runs = store.list_runs() if store.path.exists() else []
+            return runs[0] if runs and (runs[0]["last_step"] or 0) > 250 else None
+
+        run = wait_for(recorded, START_TIMEOUT + 60, "the terminal run past a checkpoint")
+        assert run["status"] == "running" and run["pid"] == proc.pid
+        assert run["folder"] == str(folder) and store.run_dir(run["id"]) == folder
+    finally:
+        proc.kill()
+        proc.wait()
+    from comera_engine.launch import reap
+
+    assert reap(store) == [run["id"]] and _status(store, run["id"]) == "crashed"
+    done = subprocess.run([*args, "--resume"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [r["id"] for r in store.list_runs()] == [run["id"]]  # the same run, not a new one
+    assert _status(store, run["id"]) == "finished"
+    assert _steps(store, run["id"]) == list(range(1, 3001))
