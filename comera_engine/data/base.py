@@ -61,8 +61,9 @@ class DataBundle:
             ``"nli"`` (``input_ids``/``token_type_ids``/``attention_mask`` [B, L] long,
             ``labels`` [B] long), ``"mlm"`` (after ``collate_fn``: ``input_ids``,
             ``attention_mask`` [B, L] long, ``labels`` [B, L] long with -100 on unmasked
-            positions) or ``"ctr"`` (``dense`` [B, 13] float, ``sparse`` [B, 26] long,
-            ``labels`` [B] float in {0, 1}).
+            positions), ``"text"`` (the ``"nli"`` keys for one text, or a text's two parts,
+            and its class) or ``"ctr"`` (``dense`` [B, num_dense] float, ``sparse``
+            [B, num_sparse] long, ``labels`` [B] float in {0, 1}; Criteo: 13 and 26).
         train, eval: map-style datasets whose items are dicts of tensors (see ``task``).
         identity: JSON-serialisable description saved with each run (``dataset_identity``).
         num_classes: classes of the target (10, 3, 2), or ``None`` for MLM.

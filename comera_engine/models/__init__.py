@@ -37,7 +37,7 @@ __all__ = [
 
 #: The dataset task each model trains on.
 MODEL_TASKS: dict[str, tuple[str, ...]] = {
-    "transformer_cls": ("nli",),
+    "transformer_cls": ("nli", "text"),
     "transformer_mlm": ("mlm",),
     "dlrm": ("ctr",),
     "tt_mlp": ("classification",),

@@ -7,8 +7,9 @@ the forward call) only ever calls this wrapper, so the models keep a plain
 tensors-in/logits-out ``forward`` for export.
 
 Tasks and batch keys (see ``comera_engine.data.DataBundle``):
-``classification`` (``x``, ``labels``), ``nli`` (``input_ids``, ``token_type_ids``,
-``attention_mask``, ``labels``), ``mlm`` (``input_ids``, ``attention_mask``, ``labels``
+``classification`` (``x``, ``labels``), ``nli`` and ``text`` (``input_ids``,
+``token_type_ids``, ``attention_mask``, ``labels``: a sentence pair, or a text's parts,
+one class each), ``mlm`` (``input_ids``, ``attention_mask``, ``labels``
 with -100 on positions that are not predicted) and ``ctr`` (``dense``, ``sparse``,
 ``labels`` in {0, 1}).
 """
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TASKS = ("classification", "nli", "mlm", "ctr")
+TASKS = ("classification", "nli", "text", "mlm", "ctr")
 IGNORE_INDEX = -100
 
 
@@ -36,7 +37,7 @@ class TaskModel(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.task == "classification":
             return _classify(self.model(batch["x"]), batch["labels"])
-        if self.task == "nli":
+        if self.task in ("nli", "text"):
             logits = self.model(
                 batch["input_ids"], batch.get("token_type_ids"), batch.get("attention_mask")
             )
@@ -76,15 +77,19 @@ def _static_shapes_needed(t: torch.Tensor) -> bool:
 
 
 def _classify(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Cross-entropy and hits; with two classes also the class-1 probabilities as
+    ``scores`` (the evaluation's AUC, telling more than the accuracy when one class
+    dominates)."""
     logits = logits.float()
     loss = F.cross_entropy(logits, labels)
     correct = (logits.argmax(-1) == labels).sum().float()
+    binary = logits.shape[-1] == 2
     return {
         "loss": loss,
         "correct": correct,
         "count": logits.new_full((), float(labels.numel())),
-        "scores": logits.new_zeros(0),
-        "targets": logits.new_zeros(0),
+        "scores": torch.softmax(logits.detach(), -1)[:, 1] if binary else logits.new_zeros(0),
+        "targets": labels.float() if binary else logits.new_zeros(0),
     }
 
 
