@@ -73,6 +73,14 @@ TASKS: dict[str, Task] = {t.name: t for t in (
                             "train.ckpt_every=200")},
          quick=("train.steps=60", "train.eval_every=60"),
          needs="../shared/data/snli/dev.jsonl"),
+    Task("movielens", "MovieLens-100k clicks (rating ≥ 4), DLRM with TT embeddings",
+         {"cpu": "dlrm_movielens_tiny.toml"}, quick=("train.steps=200",)),
+    Task("adult", "Adult income, DLRM with TT embeddings",
+         {"cpu": "dlrm_adult_tiny.toml"}, quick=("train.steps=200",)),
+    Task("reviews", "Women's clothing reviews (recommended), transformer tiny",
+         {"cpu": "reviews_transformer_tiny.toml"},
+         overrides={"cpu": ("train.steps=400", "train.eval_every=200", "train.ckpt_every=400")},
+         quick=("train.steps=100", "train.eval_every=100")),
     Task("code_mlm", "code MLM on the standard library",
          {"cpu": "code_mlm_tiny.toml", "paper": "code_mlm_paper.toml"},
          quick=("train.steps=150",)),
@@ -124,6 +132,27 @@ def check_task(task: Task, scale: str) -> str | None:
     return None
 
 
+def feasible_targets(config: Path, base: list[str], targets: list[float]
+                     ) -> tuple[list[float], dict[str, str]]:
+    """The targets every TT method can reach on this task (the launcher's own check, for
+    CoMERA's plan and for the fixed ranks), and why the others are refused."""
+    from comera_engine.launch import resolve_config
+    from comera_engine.preview import check_runnable
+
+    ok, refused = [], {}
+    for t in targets:
+        try:
+            for method in ("comera", "fixed"):
+                cfg = resolve_config(config, [*base, f'comera.method="{method}"',
+                                              f"comera.target_compression={t}"])
+                check_runnable(cfg)
+            ok.append(t)
+        except ConfigError as e:
+            refused[f"{t:g}"] = str(e)
+            print(f"  {t:g}× refused: {e}", file=sys.stderr)
+    return ok, refused
+
+
 def fine_tune_steps(config: Path, base: list[str]) -> list[str]:
     """``train.steps`` (and a matching eval cadence) for the fine-tune after TT-SVD:
     :data:`FINE_TUNE_FRACTION` of the task's steps."""
@@ -148,6 +177,10 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
 
     config = CONFIGS / task.config[scale]
     base = cell_overrides(task, scale, quick)
+    targets, refused = feasible_targets(config, base, targets)
+    if not targets:
+        raise ConfigError("comera.target_compression", "no target of the sweep fits this "
+                          "task: " + "; ".join(refused.values()))
     sweeps: dict[str, list[str]] = {}
     t0 = time.time()
     order = [m for m in methods if not METHODS[m].needs_dense]
@@ -185,6 +218,7 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
         results[name]["sweeps"] = ids
     return {"task": task.name, "title": task.title, "scale": scale, "quick": quick,
             "config": task.config[scale], "overrides": base, "targets": list(targets),
+            "refused": refused,
             "seeds": seeds, "wall_s": time.time() - t0, "machine": machine(),
             "methods": results}
 
