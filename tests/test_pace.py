@@ -181,11 +181,18 @@ def test_every_shipped_config_with_a_target_is_feasible_and_paced(path: Path) ->
     assert cfg.comera.pace and cfg.comera.switch_by < cfg.comera.reach_at
 
 
+#: Configs trained with fewer steps here than they ship with (the pace plan scales with
+#: the run's length; experiments/target_check.py trains them at their own count): the
+#: reviews transformer evaluates 4,500 reviews every 100 steps, minutes on a loaded CPU.
+SUITE_STEPS = {"reviews_transformer_tiny": 300}
+
+
 @pytest.mark.parametrize("path", [p for p in _targeted_configs() if "paper" not in p.stem],
                          ids=lambda p: p.stem)
 def test_every_cpu_size_shipped_config_ends_within_5_percent(path: Path) -> None:
-    """Each CPU-size shipped config with a target, trained at its own step count, ends
-    within ±5 % of its target (experiments/target_check.py runs the same function)."""
+    """Each CPU-size shipped config with a target, trained at its own step count (or
+    :data:`SUITE_STEPS`), ends within ±5 % of its target (experiments/target_check.py
+    runs the same function)."""
     raw = tomllib.loads(path.read_text())
     data_path = raw.get("data", {}).get("path")
     if data_path and not (ROOT / data_path).exists():
@@ -195,7 +202,7 @@ def test_every_cpu_size_shipped_config_ends_within_5_percent(path: Path) -> None
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        row = run_one(path, seed=0)
+        row = run_one(path, seed=0, steps=SUITE_STEPS.get(path.stem))
     finally:
         torch.set_num_threads(before)
     print(f"{path.stem}: target {row['target']:g}x, reached {row['reached']:.2f}x, "

@@ -449,3 +449,9 @@ def test_a_foreground_run_is_recorded_crashes_when_killed_and_resumes_as_itself(
     assert [r["id"] for r in store.list_runs()] == [run["id"]]  # the same run, not a new one
     assert _status(store, run["id"]) == "finished"
     assert _steps(store, run["id"]) == list(range(1, 3001))
+    out = tmp_path / "model.safetensors"  # exportable by its id, like a launched run
+    exported = subprocess.run([sys.executable, "-m", "comera_engine.cli", "export", run["id"],
+                               "--out", str(out)], env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert out.stat().st_size > 0 and "compressed" in exported.stdout + exported.stderr
