@@ -81,8 +81,11 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          {"cpu": "reviews_transformer_tiny.toml"},
          overrides={"cpu": ("train.steps=400", "train.eval_every=200", "train.ckpt_every=400")},
          quick=("train.steps=100", "train.eval_every=100")),
+    # the shipped code-MLM configs never start the late stage (switch = "never"): a
+    # target sweep needs it, so the stage switch is the default here
     Task("code_mlm", "code MLM on the standard library",
          {"cpu": "code_mlm_tiny.toml", "paper": "code_mlm_paper.toml"},
+         overrides={"cpu": ('comera.switch="auto"',), "paper": ('comera.switch="auto"',)},
          quick=("train.steps=150",)),
 )}
 
@@ -246,6 +249,23 @@ def merge_reports(reports: list[dict[str, Any]], per_target: bool = True) -> dic
     return {"metric": metric, "higher_is_better": higher, "groups": rows, "cells": cells}
 
 
+def rereport(folder: Path, store_path: str | None) -> int:
+    """Rewrite every result JSON under ``folder`` from its sweeps in the store."""
+    from comera_engine.launch import open_store
+    from comera_engine.launch.sweep import sweep_report
+
+    store = open_store(store_path)
+    for path in sorted(folder.glob("*.json")):
+        result = json.loads(path.read_text())
+        for name, old in result["methods"].items():
+            reps = [sweep_report(store, s) for s in old["sweeps"]]
+            result["methods"][name] = merge_reports(reps, METHODS[name].per_target)
+            result["methods"][name]["sweeps"] = old["sweeps"]
+        path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+        print(f"rewrote {path}", file=sys.stderr)
+    return 0
+
+
 def wait(store: Any, sweep_ids: list[str], poll: float = 2.0) -> None:
     """Until every cell of these sweeps has ended (the launcher's housekeeping meanwhile:
     dead cells are marked crashed, waiting cells start)."""
@@ -293,7 +313,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="cells at once in all (default: one per GPU, else one per core)")
     ap.add_argument("--store", default=None, help="run store (default: $COMERA_HOME or ./runs)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--rereport", action="store_true",
+                    help="train nothing: read the sweeps recorded in the JSON files under "
+                    "--out back from the store and rewrite them (e.g. after a change to "
+                    "how cells are scored)")
     args = ap.parse_args(argv)
+    if args.rereport:
+        return rereport(args.out, args.store)
 
     from comera_engine.launch import open_store, set_max_concurrent
 

@@ -290,8 +290,9 @@ def resume_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None 
 
 def score_metric(names: Sequence[str]) -> tuple[str | None, bool]:
     """The metric a sweep is scored on, from what its runs logged, and whether higher is
-    better: ``eval/acc``, else ``eval/auc``, else ``eval/loss`` (lower is better)."""
-    for name, higher in (("eval/acc", True), ("eval/auc", True), ("eval/loss", False)):
+    better: ``eval/auc`` (click and binary tasks log it), else ``eval/acc``, else
+    ``eval/loss`` (lower is better)."""
+    for name, higher in (("eval/auc", True), ("eval/acc", True), ("eval/loss", False)):
         if name in names:
             return name, higher
     return None, True
