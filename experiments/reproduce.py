@@ -176,7 +176,7 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
              quick: bool, store: Any, parallel: int) -> dict[str, Any]:
     """Queue every method's sweep for ``task`` (TT-SVD after its dense runs), wait for all
     of them, and return the task's results (:func:`sweep_report` per method)."""
-    from comera_engine.launch.sweep import create_sweep, sweep_report
+    from comera_engine.launch.sweep import create_sweep, sweep_report, wait_sweeps
 
     config = CONFIGS / task.config[scale]
     base = cell_overrides(task, scale, quick)
@@ -200,7 +200,7 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
                                      max_parallel=parallel)]
         print(f"{task.name}/{name}: sweep {sweeps[name][0]}", file=sys.stderr)
     if later:
-        wait(store, sweeps["dense"])
+        wait_sweeps(store, sweeps["dense"], 2.0, indent="  ")
         dense_dirs = {r["cell"]["seed"]: str(store.run_dir(r["id"]))
                       for r in store.sweep_runs(sweeps["dense"][0]) if r["status"] == "finished"}
         for name in later:
@@ -213,7 +213,7 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
                 sweeps[name].append(create_sweep(
                     config, {"comera.target_compression": list(targets)}, 1, sets, store,
                     name=f"reproduce {task.name} {name}", max_parallel=parallel))
-    wait(store, [s for ids in sweeps.values() for s in ids])
+    wait_sweeps(store, [s for ids in sweeps.values() for s in ids], 2.0, indent="  ")
     results: dict[str, Any] = {}
     for name, ids in sweeps.items():
         reps = [sweep_report(store, s) for s in ids]
@@ -264,28 +264,6 @@ def rereport(folder: Path, store_path: str | None) -> int:
         path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
         print(f"rewrote {path}", file=sys.stderr)
     return 0
-
-
-def wait(store: Any, sweep_ids: list[str], poll: float = 2.0) -> None:
-    """Until every cell of these sweeps has ended (the launcher's housekeeping meanwhile:
-    dead cells are marked crashed, waiting cells start)."""
-    from comera_engine.launch import housekeeping
-
-    last = ""
-    while True:
-        housekeeping(store)
-        sweeps = [store.get_sweep(s) for s in sweep_ids]
-        counts: dict[str, int] = {}
-        for s in sweeps:
-            for k, n in s["counts"].items():
-                counts[k] = counts.get(k, 0) + n
-        text = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-        if text != last:
-            print(f"  {time.strftime('%H:%M:%S')} {text}", file=sys.stderr)
-            last = text
-        if all(s["status"] not in ("queued", "running") for s in sweeps):
-            return
-        time.sleep(poll)
 
 
 def _default_parallel() -> int:

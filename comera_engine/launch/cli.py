@@ -216,10 +216,15 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 (_printable(err[0][:60]) if err else ""),
             )
         )
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    for row in (header, *rows):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print_table([header, *rows])
     return 0
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    """Print ``rows`` (the header first) as left-aligned columns two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
 def _positive_int(text: str) -> int:

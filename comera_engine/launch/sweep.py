@@ -35,6 +35,7 @@ __all__ = [
     "score_metric",
     "stop_sweep",
     "sweep_report",
+    "wait_sweeps",
 ]
 
 #: The most cells one sweep may have (a typo like ``--seeds 300`` is refused).
@@ -283,6 +284,32 @@ def resume_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None 
     if again and sweep.get("backend") == "ray":
         _start(st, sid, "ray")
     return again
+
+
+def wait_sweeps(store: RunStore, sweep_ids: Sequence[str], poll: float = 1.0, *,
+                label: str = "", indent: str = "") -> None:
+    """Until every cell of these sweeps has ended, running the launcher's housekeeping
+    meanwhile (a cell whose process died is marked crashed, waiting cells start); prints
+    ``{indent}HH:MM:SS {label}<cells per status>`` to stderr whenever the counts change."""
+    import sys
+
+    from comera_engine.launch import housekeeping
+
+    last = ""
+    while True:
+        housekeeping(store)
+        sweeps = [store.get_sweep(s) or {} for s in sweep_ids]
+        counts: dict[str, int] = {}
+        for sweep in sweeps:
+            for k, n in sweep.get("counts", {}).items():
+                counts[k] = counts.get(k, 0) + n
+        text = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        if text != last:
+            print(f"{indent}{time.strftime('%H:%M:%S')} {label}{text}", file=sys.stderr)
+            last = text
+        if all(sweep.get("status") not in ("queued", "running") for sweep in sweeps):
+            return
+        time.sleep(poll)
 
 
 # ------------------------------------------------------------------------------ report

@@ -14,11 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
-from comera_engine.launch.sweep import create_sweep, parse_grid, sweep_report
+from comera_engine.launch.cli import (
+    _add_store,
+    _fail,
+    _fmt_time,
+    _positive_int,
+    add_override_option,
+    print_table,
+)
+from comera_engine.launch.sweep import create_sweep, parse_grid, sweep_report, wait_sweeps
 from comera_engine.store import RunStore, resolve_store_path
 
 __all__ = ["add_subparsers", "print_report"]
@@ -27,8 +34,6 @@ __all__ = ["add_subparsers", "print_report"]
 def add_subparsers(subparsers: Any, check: Callable[[Any], Any] | None = None) -> None:
     """Register ``sweep`` and ``sweeps``. ``check``: run on every cell's config before
     the sweep is written (the top-level CLI passes its device/data/memory check)."""
-    from comera_engine.launch.cli import _add_store, _positive_int, add_override_option
-
     p = subparsers.add_parser("sweep", help="run a grid of configs × seeds as runs")
     p.add_argument("config", help="TOML run config (the base of every cell)")
     p.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
@@ -57,11 +62,6 @@ def add_subparsers(subparsers: Any, check: Callable[[Any], Any] | None = None) -
     p.set_defaults(func=cmd_sweeps)
 
 
-def _fail(e: BaseException) -> int:
-    print(f"comera: error: {e}", file=sys.stderr)
-    return 2
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     if args.address and args.backend != "ray":
         return _fail(ValueError("--address: only with --backend ray"))
@@ -85,29 +85,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   f"with `comera sweeps {sid}`", file=sys.stderr)
         return 0
     try:
-        _wait(st, sid)
+        wait_sweeps(st, [sid], label=f"{sid}: ")
     except KeyboardInterrupt:
         print(f"comera: still running; stop it with `comera stop {sid}`", file=sys.stderr)
         return 130
     return print_report(st, sid, args.json)
-
-
-def _wait(st: RunStore, sid: str, poll: float = 1.0) -> None:
-    """Until every cell has a final status; runs the launcher's housekeeping meanwhile
-    (a cell whose process died is marked crashed, waiting cells start)."""
-    from comera_engine.launch import housekeeping
-
-    last = ""
-    while True:
-        housekeeping(st)
-        sweep = st.get_sweep(sid) or {}
-        counts = ", ".join(f"{n} {s}" for s, n in sorted(sweep.get("counts", {}).items()))
-        if counts != last:
-            print(f"{time.strftime('%H:%M:%S')} {sid}: {counts}", file=sys.stderr)
-            last = counts
-        if sweep.get("status") not in ("queued", "running"):
-            return
-        time.sleep(poll)
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -128,7 +110,7 @@ def print_report(st: RunStore, sid: str, as_json: bool = False) -> int:
         rows.append((c["run"], c["label"], c["status"], _fmt(c["step"], "d"),
                      _fmt(c["score"], ".4f"), _fmt(c["compression"], ".1f"),
                      _fmt(c["target"], "g")))
-    _table(rows)
+    print_table(rows)
     print()
     rows = [("GRID POINT", f"{metric.upper()} (MEAN ± STD)", "COMPRESSION", "DONE", "PARETO")]
     for g in rep["groups"]:
@@ -137,14 +119,8 @@ def print_report(st: RunStore, sid: str, as_json: bool = False) -> int:
             f"{g['compression']:.1f} ± {g['compression_std']:.1f}"
         rows.append((g["label"], score, comp, f"{g['finished']}/{g['cells']}",
                      "*" if g["pareto"] else ""))
-    _table(rows)
+    print_table(rows)
     return 0
-
-
-def _table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 def cmd_sweeps(args: argparse.Namespace) -> int:
@@ -173,6 +149,6 @@ def cmd_sweeps(args: argparse.Namespace) -> int:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(s["counts"].items()))
         rows.append((s["id"], s["name"], s["status"], counts or "0",
                      str(s.get("max_parallel") or "-"), s["backend"],
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["created_at"]))))
-    _table(rows)
+                     _fmt_time(s["created_at"])))
+    print_table(rows)
     return 0
