@@ -30,9 +30,6 @@ from comera_engine.data.base import (
     field_name,
     get_bool,
     get_existing_file,
-    get_float,
-    get_int,
-    get_optional_int,
     get_str,
     missing_package,
     seeded_subset,
@@ -40,7 +37,12 @@ from comera_engine.data.base import (
 )
 from comera_engine.data.identity import dataset_identity
 from comera_engine.data.registry import dataset_info
-from comera_engine.data.tokenizer import load_existing_tokenizer, tokenizer_path, train_tokenizer
+from comera_engine.data.tokenizer import (
+    TextSettings,
+    full_fraction,
+    load_or_train_tokenizer,
+    token_meta,
+)
 from comera_engine.errors import ConfigError
 
 LABEL_NAMES: tuple[str, ...] = ("entailment", "neutral", "contradiction")
@@ -328,14 +330,8 @@ def build_nli(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
     name = str(cfg["name"])
     defaults = dataset_info(str(cfg.get("name") or "nli")).defaults
     check_keys(cfg, defaults)
-    seed = get_int(cfg, "seed", defaults["seed"])
-    seq_len = get_int(cfg, "seq_len", defaults["seq_len"], minimum=4)
-    vocab_size = get_int(cfg, "vocab_size", defaults["vocab_size"], minimum=64)
-    min_frequency = get_int(cfg, "min_frequency", defaults["min_frequency"], minimum=1)
-    lowercase = get_bool(cfg, "lowercase", defaults["lowercase"])
-    fraction = get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0, 1.0)
-    max_train = get_optional_int(cfg, "max_examples")
-    max_eval = get_optional_int(cfg, "max_eval_examples")
+    text = TextSettings.read(cfg, defaults)
+    seed, seq_len, fraction = text.seed, text.seq_len, text.split_fraction
     use_hub = get_bool(cfg, "hub", defaults["hub"])
 
     if use_hub:
@@ -345,16 +341,11 @@ def build_nli(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
     else:
         train_ex, eval_ex, files, info = _nli_from_files(cfg, name, base_dir, fraction, seed)
         source = "files"
-    train_ex = train_ex.subset(seeded_subset(len(train_ex), max_train, seed))
-    eval_ex = eval_ex.subset(seeded_subset(len(eval_ex), max_eval, seed + 1))
+    train_ex = train_ex.subset(seeded_subset(len(train_ex), text.max_examples, seed))
+    eval_ex = eval_ex.subset(seeded_subset(len(eval_ex), text.max_eval_examples, seed + 1))
 
-    tok_path = tokenizer_path(cfg, base_dir)
-    tokenizer = load_existing_tokenizer(tok_path)
-    trained = tokenizer is None
-    if tokenizer is None:
-        tokenizer = train_tokenizer(pair_texts(train_ex), vocab_size, min_frequency, lowercase)
-        if tok_path is not None:
-            tokenizer.save(tok_path)
+    tokenizer, trained, tok_path = load_or_train_tokenizer(
+        cfg, base_dir, text, lambda: pair_texts(train_ex))
 
     train = _encode_nli(tokenizer, train_ex, seq_len)
     evals = _encode_nli(tokenizer, eval_ex, seq_len)
@@ -366,19 +357,19 @@ def build_nli(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
         files=files,
         params={
             "seq_len": seq_len,
-            "vocab_size": vocab_size,
-            "min_frequency": min_frequency,
-            "lowercase": lowercase,
+            "vocab_size": text.vocab_size,
+            "min_frequency": text.min_frequency,
+            "lowercase": text.lowercase,
             "split_fraction": None if (use_hub or cfg.get("eval_path")) else fraction,
-            "max_examples": max_train,
-            "max_eval_examples": max_eval,
+            "max_examples": text.max_examples,
+            "max_eval_examples": text.max_eval_examples,
         },
         extra={
             **info,
             "label_counts": {"train": train_ex.label_counts(), "eval": eval_ex.label_counts()},
             "tokenizer_sha256": tokenizer.sha256,
             "tokenizer_vocab_size": tokenizer.vocab_size,
-            "truncated_fraction": _full_fraction(train.tensors["attention_mask"]),
+            "truncated_fraction": full_fraction(train.tensors["attention_mask"]),
         },
         notes={
             "tokenizer_trained": trained,
@@ -395,14 +386,7 @@ def build_nli(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundle:
         vocab_size=tokenizer.vocab_size,
         seq_len=seq_len,
         tokenizer=tokenizer,
-        meta={
-            "label_names": list(LABEL_NAMES),
-            "pad_id": tokenizer.pad_id,
-            "cls_id": tokenizer.cls_id,
-            "sep_id": tokenizer.sep_id,
-            "mask_id": tokenizer.mask_id,
-            "type_vocab_size": 2,
-        },
+        meta=token_meta(tokenizer, LABEL_NAMES),
     )
 
 
@@ -462,9 +446,3 @@ def _encode_nli(tokenizer: Any, examples: Any, seq_len: int) -> TensorDictDatase
     enc["labels"] = torch.tensor(examples.labels, dtype=torch.long)
     return TensorDictDataset(enc)
 
-
-def _full_fraction(attention_mask: torch.Tensor) -> float:
-    """Fraction of rows that fill every position (likely truncated)."""
-    if attention_mask.shape[0] == 0:
-        return 0.0
-    return float(attention_mask.bool().all(dim=1).float().mean())

