@@ -95,6 +95,25 @@ def _full_ranks(mode_sizes: tuple[int, ...]) -> tuple[int, ...]:
                  for k in range(1, len(mode_sizes)))
 
 
+def _dense_size(spec: SizeSpec, scope: str) -> int:
+    """The dense size the ratio is measured against: the TT-able layers' dense
+    parameters, plus everything else when ``scope`` is ``"model"``."""
+    return sum(layer.dense for layer in spec.layers) + (spec.other if scope == "model" else 0)
+
+
+def _reachable(dense: int, floor: int, compression: float, scope: str) -> float:
+    """The target size ``dense / compression``; a ConfigError naming
+    ``comera.target_compression`` when it is below ``floor`` (rank 1 everywhere)."""
+    target = dense / compression
+    if target < floor:
+        raise ConfigError(
+            "comera.target_compression",
+            f"{compression:g}x is beyond the smallest TT model: it needs a {scope} size of "
+            f"{target:.0f} params, below the {floor} that rank 1 everywhere allows; choose "
+            f"at most {math.floor(dense / floor * 10) / 10:g}x")
+    return target
+
+
 def _size(spec: SizeSpec, scope: str, ranks_of: dict[str, int] | None,
           floor: bool = False) -> int:
     """Size in ``scope``: every layer at its allocated ranks (``ranks_of`` None), at
@@ -120,18 +139,12 @@ def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
         ConfigError: the target is below the floor (``comera.target_compression``), or
             the fixed ``model.rank`` already compresses more than asked (``model.rank``).
     """
-    dense = sum(layer.dense for layer in spec.layers) + (spec.other if scope == "model" else 0)
+    dense = _dense_size(spec, scope)
     start = _size(spec, scope, None)
     floor = _size(spec, scope, None, floor=True)
     if compression is None or not spec.layers:
         return TargetPlan(scope, dense, start, floor, None, None)
-    target = dense / compression
-    if target < floor:
-        raise ConfigError(
-            "comera.target_compression",
-            f"{compression:g}x is beyond the smallest TT model: it needs a {scope} size of "
-            f"{target:.0f} params, below the {floor} that rank 1 everywhere allows; choose "
-            f"at most {math.floor(dense / floor * 10) / 10:g}x")
+    target = _reachable(dense, floor, compression, scope)
     plan = TargetPlan(scope, dense, start, floor, target, compression)
     if start > target:
         return plan
@@ -206,17 +219,11 @@ def plan_fixed_ranks(spec: SizeSpec, scope: str, compression: float) -> TargetPl
         ConfigError: ``T`` is below the size at rank 1 everywhere
             (``comera.target_compression``).
     """
-    dense = sum(layer.dense for layer in spec.layers) + (spec.other if scope == "model" else 0)
+    dense = _dense_size(spec, scope)
     floor = _size(spec, scope, None, floor=True)
-    target = dense / compression
     if not spec.layers:
         return TargetPlan(scope, dense, dense, floor, None, None)
-    if target < floor:
-        raise ConfigError(
-            "comera.target_compression",
-            f"{compression:g}x is beyond the smallest TT model: it needs a {scope} size of "
-            f"{target:.0f} params, below the {floor} that rank 1 everywhere allows; choose "
-            f"at most {math.floor(dense / floor * 10) / 10:g}x")
+    target = _reachable(dense, floor, compression, scope)
     fixed = sum(layer.bias for layer in spec.layers) + (spec.other if scope == "model" else 0)
     full = [_full_ranks(layer.mode_sizes) for layer in spec.layers]
 
