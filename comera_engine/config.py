@@ -117,6 +117,9 @@ class CoMERAConfig:
     pace: bool = True
     switch_by: float = 0.5  # the late stage starts by this fraction of the steps at the latest
     reach_at: float = 0.8  # the size is at the target by this fraction of the steps
+    # initial ranks chosen from a target start at about this many times the target size
+    # (only when model.rank is not fixed; docs/SIZE_AND_TARGET.md)
+    headroom: float = 3.0
     lr_cores: float = 1e-4
     lr_gates: float = 1e-3
     lr_dense: float = 5e-5
@@ -478,6 +481,10 @@ def validate_comera(c: CoMERAConfig) -> None:
         raise ConfigError("comera.switch_by",
                           f"must be below comera.reach_at ({c.reach_at}): the late stage needs "
                           f"steps to reach the target; got {c.switch_by}")
+    if not (math.isfinite(c.headroom) and c.headroom >= 1.0):
+        raise ConfigError("comera.headroom",
+                          f"must be a number >= 1 (the start size over the target size), "
+                          f"got {c.headroom}")
     _positive_int("comera.plateau_patience", c.plateau_patience)
     _nonneg("comera.plateau_min_delta", c.plateau_min_delta)
     for key in ("rho_f", "rho_s", "weight_decay"):

@@ -35,6 +35,7 @@ BAD_SETTINGS = [
     ("comera.switch_by=0", "comera.switch_by"),
     ("comera.reach_at=1.5", "comera.reach_at"),
     ("comera.switch_by=0.9", "comera.switch_by"),
+    ("comera.headroom=0.5", "comera.headroom"),
     ("comera.plateau_patience=0", "comera.plateau_patience"),
     ("train.steps=0", "train.steps"),
     ("train.batch_size=0", "train.batch_size"),

@@ -65,9 +65,22 @@ def test_tt_core_size_and_floor_by_hand() -> None:
     assert tt_core_size((4, 4, 4, 4), (2, 2, 2)) == 48
     spec = SizeSpec((LayerSpec("linear", (4, 4, 4, 4), (2, 2, 2), bias=16, dense=256 + 16),),
                     other=100)
-    plan = plan_target(spec, "tensorized", 5.0)  # 272/5 = 54.4 < 64: feasible as it is
+    # 272/5 = 54.4 < 64: feasible as it is, and kept when the ranks are fixed
+    plan = plan_target(spec, "tensorized", 5.0, rank_fixed=True)
     assert (plan.dense, plan.start, plan.floor, plan.rank) == (272, 48 + 16, 16 + 16, None)
     assert plan.target == pytest.approx(54.4)
+    # not fixed: the smallest rank whose start is >= 3·54.4 = 163.2; full ranks (4, 16, 4),
+    # so rank r <= 4 gives 4r + 4r² + 4r² + 4r + 16: 112 at r = 3, 176 at r = 4
+    plan = plan_target(spec, "tensorized", 5.0)
+    assert (plan.rank, plan.start) == (4, 176)
+    # headroom 1.5: >= 81.6, so r = 3 (112)
+    assert plan_target(spec, "tensorized", 5.0, headroom=1.5).rank == 3
+    # from the full ranks (4, 16, 4) the ranks come down to the same rank 4
+    full = SizeSpec((LayerSpec("linear", (4, 4, 4, 4), (4, 16, 4), bias=16, dense=272),),
+                    other=100)
+    down = plan_target(full, "tensorized", 5.0)
+    assert (down.rank, down.start) == (4, 176)
+    assert plan_target(full, "tensorized", 5.0, rank_fixed=True).rank is None
     # 2x asks for 136 > 64: ranks grow until the start is >= 3·136 = 408; full ranks are
     # (4, 16, 4), so rank r gives 4·min(r,4)·2 + 2·4·min(r,4)·r + 16 = 432 at r = 12 (400 at 11)
     plan = plan_target(spec, "tensorized", 2.0)
@@ -110,11 +123,29 @@ def test_target_below_initial_ranks_chooses_ranks_with_headroom() -> None:
     assert not pv.errors and any("chosen from the 10x target" in n for n in pv.notes)
 
 
-def test_feasible_target_keeps_the_config() -> None:
-    cfg = _cfg(CONFIGS / "digits_tt_mlp.toml")
+def test_fixed_ranks_above_the_target_are_kept() -> None:
+    cfg = _cfg(CONFIGS / "digits_tt_mlp.toml", "model.rank=8")
     new, plan = plan_initial_ranks(cfg, data_shape(cfg.data))
     assert new is cfg and plan is not None and plan.rank is None
     assert plan.floor < plan.target < plan.start
+
+
+@pytest.mark.parametrize("target,headroom", [(100.0, 3.0), (60.0, 3.0), (10.0, 1.5)])
+def test_ranks_are_chosen_from_the_target_up_or_down(target: float, headroom: float) -> None:
+    """Digits' preset rank 8 gives 24x: a 100x target lowers the ranks, 60x and 10x raise
+    them; in each case the smallest rank that starts at headroom x the target size, counted
+    independently on the model the trainer builds."""
+    cfg = _cfg(CONFIGS / "digits_tt_mlp.toml", f"comera.target_compression={target}",
+               f"comera.headroom={headroom}")
+    shape = data_shape(cfg.data)
+    new, plan = plan_initial_ranks(cfg, shape)
+    assert plan is not None and plan.rank is not None
+    assert (plan.rank < 8) == (target > 24 * headroom)
+    _, alloc = _tensorized_by_hand(build_model(new.model, shape))
+    assert alloc == plan.start >= headroom * plan.target
+    fewer = _cfg(CONFIGS / "digits_tt_mlp.toml", f"model.rank={plan.rank - 1}")
+    _, alloc_fewer = _tensorized_by_hand(build_model(fewer.model, shape))
+    assert alloc_fewer < headroom * plan.target
 
 
 def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -251,6 +282,7 @@ def test_objective_logs_preview_and_card_count_the_same_size(which: str) -> None
     else:
         cfg = _cfg(CONFIGS / "digits_tt_mlp.toml")
     shape = data_shape(cfg.data)
+    cfg, _ = plan_initial_ranks(cfg, shape)  # the ranks the run starts from
     model = build_model(cfg.model, shape)
     scope = cfg.comera.target_scope
     dense, alloc = _tensorized_by_hand(model)  # the independent count
@@ -258,7 +290,8 @@ def test_objective_logs_preview_and_card_count_the_same_size(which: str) -> None
     state = CoMERAState(model, cfg.comera)
     obj = state.objective
     logged = state.size_metrics()
-    plan = plan_target(size_spec(model), scope, cfg.comera.target_compression)
+    plan = plan_target(size_spec(model), scope, cfg.comera.target_compression,
+                       rank_fixed=cfg.model.rank is not None)
     pv = make_preview(cfg)
     card = _target_line({"config": cfg.to_dict(), "sizes": rep})
 

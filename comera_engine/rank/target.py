@@ -13,16 +13,17 @@ Rules, with ``T = dense / target_compression`` the target size, ``S₀`` the siz
 initial ranks and ``F`` the floor (rank 1 on every bond):
 
 - ``T < F``: refused (``comera.target_compression``): no ranks reach it.
-- ``S₀ <= T`` (the initial ranks already compress more than asked, so the late stage
-  could only stop or overshoot): if ``model.rank`` is fixed, refused (``model.rank``);
-  otherwise the initial ranks are chosen from the target: the linear rank ``r`` grows
-  from the preset's in steps of one, the embedding rank in proportion
-  (``ceil(r_emb · r / r_preset)``, unless ``model.embedding_rank`` is fixed), every bond
-  capped by its full TT rank, until ``S₀ >= HEADROOM · T`` (``HEADROOM = 3``, i.e. start
-  about 3× the target size: room for the early stage to find which ranks matter). If
-  even the full-rank TT stays at or below ``T``, the full ranks are used (the late
-  stage then has nothing to prune; the plan's note says so).
-- otherwise nothing changes.
+- ``model.rank`` fixed: kept when ``S₀ > T``; refused (``model.rank``) when the initial
+  ranks already compress more than asked (``S₀ <= T``: the late stage could only stop
+  or overshoot).
+- otherwise the initial ranks are chosen from the target: the smallest linear rank
+  ``r`` (the embedding rank in proportion, ``ceil(r_emb · r / r_preset)``, unless
+  ``model.embedding_rank`` is fixed; every bond capped by its full TT rank) with
+  ``S₀ >= headroom · T`` (``comera.headroom``, default ``HEADROOM = 3``: room for the
+  early stage to find which ranks matter, not so much that pruning it away costs more
+  than it gains). This raises the preset's ranks or lowers them. If even the full-rank
+  TT stays at or below ``T``, the full ranks are used (the late stage then has nothing
+  to prune; the plan's note says so).
 """
 
 from __future__ import annotations
@@ -131,9 +132,11 @@ def _size(spec: SizeSpec, scope: str, ranks_of: dict[str, int] | None,
 
 
 def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
-                rank_fixed: bool = False, embedding_rank_fixed: bool = False) -> TargetPlan:
+                rank_fixed: bool = False, embedding_rank_fixed: bool = False,
+                headroom: float = HEADROOM) -> TargetPlan:
     """Feasibility of ``compression`` (dense / target size, over ``scope``) for the model
-    ``spec`` describes, and the initial ranks to start from (rules in the module doc).
+    ``spec`` describes, and the initial ranks to start from (rules in the module doc;
+    ``headroom``: the start size over the target size, ``comera.headroom``).
 
     Raises:
         ConfigError: the target is below the floor (``comera.target_compression``), or
@@ -146,9 +149,9 @@ def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
         return TargetPlan(scope, dense, start, floor, None, None)
     target = _reachable(dense, floor, compression, scope)
     plan = TargetPlan(scope, dense, start, floor, target, compression)
-    if start > target:
-        return plan
     if rank_fixed:
+        if start > target:
+            return plan
         raise ConfigError(
             "model.rank",
             f"the fixed ranks already give {dense / start:.1f}x ({scope}), more than the "
@@ -162,14 +165,16 @@ def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
     lead = "linear" if any(layer.kind == "linear" for layer in spec.layers) else "embedding"
     other = "embedding" if lead == "linear" else "linear"
     ranks = dict(base)
-    for r in range(base[lead], caps[lead] + 1):
+    for r in range(1, caps[lead] + 1):
         ranks[lead] = r
         if not (other == "embedding" and embedding_rank_fixed):
             grown = math.ceil(base[other] * r / base[lead])
-            ranks[other] = min(caps[other], max(base[other], grown))
+            ranks[other] = min(caps[other], max(1, grown))
         size = _size(spec, scope, ranks)
-        if size >= HEADROOM * target:
+        if size >= headroom * target:
             break
+    if ranks == base:
+        return plan
     start = _size(spec, scope, ranks)
     has = {layer.kind for layer in spec.layers}
     new_rank = ranks["linear"] if "linear" in has else None

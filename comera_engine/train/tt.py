@@ -87,7 +87,8 @@ def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes)), plan
     plan = rank.plan_target(rank.size_spec(model), c.target_scope, c.target_compression,
                             rank_fixed=cfg.model.rank is not None,
-                            embedding_rank_fixed=cfg.model.embedding_rank is not None)
+                            embedding_rank_fixed=cfg.model.embedding_rank is not None,
+                            headroom=c.headroom)
     if plan.rank is None and plan.embedding_rank is None:
         return cfg, plan
     changes = {k: v for k, v in (("rank", plan.rank), ("embedding_rank", plan.embedding_rank))
