@@ -55,6 +55,10 @@ class Task:
     quick: tuple[str, ...] = ()  # --set for --quick (fewer steps)
     linear: bool = True  # has TT linear layers (tltorch applies)
     needs: str | None = None  # a file that must exist (relative to the repository)
+    # at CPU size (no --quick, --targets or --methods given): fewer targets / methods for
+    # the slow tasks, so that the whole of `make reproduce` fits in an hour on 2 cores
+    cpu_targets: tuple[float, ...] | None = None
+    cpu_methods: tuple[str, ...] | None = None
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (
@@ -66,13 +70,15 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          overrides={"cpu": ("train.steps=400", "train.eval_every=200", "train.ckpt_every=400")},
          quick=("train.steps=150", "train.eval_every=150"),
          needs="../shared/data/snli/dev.jsonl"),
-    # the small preset is 8x slower a step on a CPU: 200 steps fit the CPU-size budget
+    # the small preset is 8x slower a step on a CPU: 200 steps, the targets the claims
+    # name (10x, 30x) and the methods without a second dense-size training fit the budget
     Task("snli_small", "SNLI (dev split), transformer small",
          {"cpu": "snli_transformer_tiny.toml", "paper": "mnli_transformer_paper.toml"},
          overrides={"cpu": ("model.preset=\"small\"", "train.steps=200", "train.eval_every=100",
                             "train.ckpt_every=200")},
          quick=("train.steps=60", "train.eval_every=60"),
-         needs="../shared/data/snli/dev.jsonl"),
+         needs="../shared/data/snli/dev.jsonl",
+         cpu_targets=(10.0, 30.0), cpu_methods=("dense", "comera", "fixed", "tt_svd_ft")),
     Task("movielens", "MovieLens-100k clicks (rating ≥ 4), DLRM with TT embeddings",
          {"cpu": "dlrm_movielens_tiny.toml"}, quick=("train.steps=200",)),
     Task("adult", "Adult income, DLRM with TT embeddings",
@@ -80,13 +86,13 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("reviews", "Women's clothing reviews (recommended), transformer tiny",
          {"cpu": "reviews_transformer_tiny.toml"},
          overrides={"cpu": ("train.steps=400", "train.eval_every=200", "train.ckpt_every=400")},
-         quick=("train.steps=100", "train.eval_every=100")),
+         quick=("train.steps=100", "train.eval_every=100"), cpu_targets=(10.0, 30.0)),
     # the shipped code-MLM configs never start the late stage (switch = "never"): a
     # target sweep needs it, so the stage switch is the default here
     Task("code_mlm", "code MLM on the standard library",
          {"cpu": "code_mlm_tiny.toml", "paper": "code_mlm_paper.toml"},
          overrides={"cpu": ('comera.switch="auto"',), "paper": ('comera.switch="auto"',)},
-         quick=("train.steps=150",)),
+         quick=("train.steps=150",), cpu_methods=("dense", "comera", "fixed", "tt_svd_ft")),
 )}
 
 
@@ -315,21 +321,31 @@ def main(argv: list[str] | None = None) -> int:
         set_max_concurrent(store, before)
 
 
+def task_grid(task: Task, args: argparse.Namespace, targets: list[float]
+              ) -> tuple[list[str], list[float]]:
+    """The methods and targets ``task`` runs: the command line's, else at CPU size (not
+    ``--quick``) the task's own ``cpu_methods`` / ``cpu_targets`` when it has them."""
+    cpu = args.scale == "cpu" and not args.quick
+    methods = args.methods or list(task.cpu_methods if cpu and task.cpu_methods else METHODS)
+    if not args.targets and cpu and task.cpu_targets:
+        targets = list(task.cpu_targets)
+    return [m for m in methods if task.linear or not METHODS[m].linear_only], targets
+
+
 def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: int,
              parallel: int) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
-    methods = args.methods or list(METHODS)
     for name in args.tasks or list(TASKS):
         task = TASKS[name]
         why = check_task(task, args.scale)
         if why:
             print(f"skip {name}: {why}", file=sys.stderr)
             continue
-        use = [m for m in methods if task.linear or not METHODS[m].linear_only]
-        print(f"{name}: {', '.join(use)} × {len(targets)} targets × {seeds} seeds",
+        use, task_targets = task_grid(task, args, targets)
+        print(f"{name}: {', '.join(use)} × {len(task_targets)} targets × {seeds} seeds",
               file=sys.stderr)
         try:
-            result = run_task(task, use, args.scale, targets, seeds, args.quick, store,
+            result = run_task(task, use, args.scale, task_targets, seeds, args.quick, store,
                               parallel)
         except ConfigError as e:
             print(f"skip {name}: {e}", file=sys.stderr)

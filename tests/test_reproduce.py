@@ -89,3 +89,24 @@ def test_the_report_tabulates_the_json_and_draws_the_front(quick) -> None:
                  if "of dense at 10× on digits" in line)
     assert f"gap {gap:.1f} points" in claim
     assert ("| yes |" in claim) == (gap <= 1.0)
+
+
+def test_slow_tasks_run_a_smaller_grid_at_cpu_size_unless_told() -> None:
+    """At CPU size the slow tasks keep to their own targets and methods (the hour budget);
+    --quick, --targets and --methods win over them."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce
+
+    def grid(task: str, **kw: object) -> tuple[list[str], list[float]]:
+        args = argparse.Namespace(**{"scale": "cpu", "quick": False, "methods": None,
+                                     "targets": None, **kw})
+        return reproduce.task_grid(reproduce.TASKS[task], args, list(reproduce.TARGETS))
+
+    assert grid("snli_small") == (["dense", "comera", "fixed", "tt_svd_ft"], [10.0, 30.0])
+    assert grid("digits") == (list(reproduce.METHODS), list(reproduce.TARGETS))
+    assert grid("snli_small", quick=True)[0] == list(reproduce.METHODS)
+    assert grid("snli_small", targets=[5.0])[1] == list(reproduce.TARGETS)  # main() passes them
+    assert grid("snli_small", methods=["dense"])[0] == ["dense"]
+    assert grid("snli_small", scale="paper")[1] == list(reproduce.TARGETS)
