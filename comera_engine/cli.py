@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -406,9 +405,11 @@ def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None)
         if record is not None and record.wanted is None and args.resume:
             record.find(folder)
         return folder
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    from comera_engine.store.runs import new_run_id  # time + random: runs started in
+    # the same second get their own folders
+
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
-    return Path("runs") / f"{stamp}-{safe}"
+    return Path("runs") / f"{new_run_id()}-{safe}"
 
 
 def _plan_target(cfg: Any, quiet: bool = False) -> Any:

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results" / "reproduce"
 DOC = ROOT / "docs" / "RESULTS.md"
 MEMORY = ROOT / "experiments" / "results" / "bench_memory_peers.json"
+#: Written by hand after a run: where the claims are missed, by how much, what was tried.
+NOTES = "notes.md"
 ORDER = ("dense", "comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch")
 TITLES = {"dense": "dense", "comera": "CoMERA", "fixed": "fixed-rank TT",
           "tt_svd": "TT-SVD (no fine-tune)", "tt_svd_ft": "TT-SVD + fine-tune",
@@ -98,8 +100,11 @@ def claims(results: dict[str, dict[str, Any]]) -> list[str]:
                        "missing cells | — |")
             continue
         gap = (d["score"] - c["score"]) * 100.0
+        # a dense model well below CoMERA did not train at these steps: no fair check
+        met = "yes" if -pts <= gap <= pts else (
+            "**no**" if gap > pts else "not a fair check: dense undertrained")
         out.append(f"| CoMERA within {pts:g} point(s) of dense at {target:g}× on {task} | "
-                   f"gap {gap:.1f} points | {'yes' if gap <= pts else '**no**'} |")
+                   f"gap {gap:.1f} points | {met} |")
     worst = 0.0
     n = 0
     for res in results.values():
@@ -121,9 +126,11 @@ def claims(results: dict[str, dict[str, Any]]) -> list[str]:
                 p = group(res, peer, t)
                 if c and p and _ok(c.get("score")) and _ok(p.get("score")):
                     higher = res["methods"]["comera"].get("higher_is_better", True)
-                    worse = c["score"] < p["score"] if higher else c["score"] > p["score"]
-                    if worse:
-                        beaten.append(f"{task} {t:g}× by {TITLES[peer]}")
+                    lead = (p["score"] - c["score"]) * (1 if higher else -1)
+                    # a lead within the seeds' spread is a tie, not a loss
+                    if lead > max(c.get("score_std") or 0.0, p.get("score_std") or 0.0):
+                        beaten.append(f"{task} {t:g}× by {TITLES[peer]} "
+                                      f"({abs(c['score'] - p['score']) * 100:.1f})")
     if MEMORY.exists():
         rows = json.loads(MEMORY.read_text()).get("rows", [])
         one = {(r["preset"], r["method"]): r for r in rows if r["batch"] == 1}
@@ -135,7 +142,8 @@ def claims(results: dict[str, dict[str, Any]]) -> list[str]:
             out.append(f"| Training memory at batch 1 at least 5× below GaLore (transformer "
                        f"{presets[0]}) | {ratio:.2f}× ({g['held_mib']:.1f} vs "
                        f"{c['held_mib']:.1f} MiB held) | {'yes' if ratio >= 5 else '**no**'} |")
-    out.append("| CoMERA at least as good as fixed-rank TT and TT-SVD at every target ≥ 10× | "
+    out.append("| CoMERA at least as good as fixed-rank TT and TT-SVD at every target ≥ 10× "
+               "(a peer ahead by less than the larger seed std counts as a tie) | "
                + ("; ".join(beaten) if beaten else "no exception") + " | "
                + ("**no**" if beaten else "yes") + " |")
     return out
@@ -234,7 +242,12 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
                   f"{m.get('cpu_count', '?')} cores, torch {m.get('torch', '?')}"
                   + (f", {m['gpu']}" if m.get("gpu") else "") + f"; scale `{any_res['scale']}`"
                   + (" (quick)" if any_res.get("quick") else "") + ".", "",
+                  f"The tasks took {sum(r['wall_s'] for r in results.values()) / 60:.0f} "
+                  "min in all (one after the other).", "",
                   "## The claims, checked", "", *claims(results), ""]
+        notes = results_dir / NOTES
+        if notes.exists():
+            lines += [notes.read_text(encoding="utf-8").rstrip(), ""]
     for name, res in results.items():
         lines += [f"## {res['title']}", "",
                   f"Config `experiments/configs/{res['config']}`"

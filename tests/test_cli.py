@@ -389,3 +389,16 @@ def test_train_refuses_a_run_that_does_not_fit_before_writing(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("comera: error: model: the run needs about")
     assert "GiB is free on the CPU" in err[-1] and not run_dir.exists()
+
+
+def test_runs_outside_the_store_started_in_the_same_second_get_their_own_folders() -> None:
+    """Two ``--no-store`` runs launched together once shared ``runs/<second>-<name>``,
+    and the second was refused as "in use"."""
+    import argparse
+
+    from comera_engine.cli import _run_dir
+
+    args = argparse.Namespace(run_dir=None, run_id=None, resume=False, config="x.toml")
+    folders = {_run_dir(args, "snli tiny") for _ in range(20)}
+    assert len(folders) == 20
+    assert all(f.parent == Path("runs") and f.name.endswith("-snli-tiny") for f in folders)

@@ -88,7 +88,45 @@ def test_the_report_tabulates_the_json_and_draws_the_front(quick) -> None:
     claim = next(line for line in text.splitlines()
                  if "of dense at 10× on digits" in line)
     assert f"gap {gap:.1f} points" in claim
-    assert ("| yes |" in claim) == (gap <= 1.0)
+    assert ("| yes |" in claim) == (-1.0 <= gap <= 1.0)
+
+
+def _result(dense: float, comera: float) -> dict:
+    groups = {"dense": [{"target": None, "score": dense, "compression": 1.0}],
+              "comera": [{"target": 10.0, "score": comera, "compression": 10.1}]}
+    return {"targets": [10.0], "methods": {m: {"groups": g, "higher_is_better": True}
+                                           for m, g in groups.items()}}
+
+
+@pytest.mark.parametrize("dense, comera, verdict", [
+    (0.976, 0.958, "| **no** |"),  # 1.8 points below dense
+    (0.960, 0.955, "| yes |"),  # within the point
+    (0.331, 0.388, "not a fair check"),  # the dense model did not train
+])
+def test_the_claims_table_judges_the_gap_to_dense(dense, comera, verdict) -> None:
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce_report
+
+    rows = reproduce_report.claims({"digits": _result(dense, comera)})
+    row = next(r for r in rows if "of dense at 10× on digits" in r)
+    assert f"gap {(dense - comera) * 100:.1f} points" in row and verdict in row
+
+
+def test_a_peer_wins_only_by_more_than_the_seed_spread() -> None:
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce_report
+
+    def verdict(fixed: float, std: float) -> str:
+        res = _result(0.976, 0.950)
+        res["targets"] = [10.0]
+        res["methods"]["comera"]["groups"][0]["score_std"] = std
+        res["methods"]["fixed"] = {"groups": [{"target": 10.0, "score": fixed,
+                                               "score_std": std, "compression": 10.0}]}
+        return next(r for r in reproduce_report.claims({"digits": res})
+                    if "as good as fixed-rank" in r)
+
+    assert verdict(0.955, 0.01).endswith("| yes |")  # 0.5 points, std 1 point: a tie
+    assert "digits 10× by fixed-rank TT (2.0)" in verdict(0.970, 0.01)
 
 
 def test_slow_tasks_run_a_smaller_grid_at_cpu_size_unless_told() -> None:
