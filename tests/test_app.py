@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
 
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
@@ -177,11 +178,24 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     assert launch.label == "Launch" and not launch.disabled
     charts = at.get("plotly_chart")
     assert len(charts) == 4
-    # start, target and floor as one bar: the digits preset starts at 24.2x, asks 60x
+    # start, target and floor as one bar: the digits preset asks 60x and, its ranks not
+    # fixed, starts where `comera train` starts it: about 3x the target size (<= 20x)
+    from comera_engine.preview import preview
+
+    shipped = preview(tomllib.loads((ROOT / "experiments/configs/digits_tt_mlp.toml")
+                                    .read_text()))
     bar = {t.get("name"): t for t in json.loads(charts[0].proto.spec)["data"]}
     start, target, floor = (bar[n]["x"][0] for n in ("start", "target", "floor"))
-    assert target == 60.0 and start == pytest.approx(24.2, abs=0.05) and floor > target
+    assert target == 60.0 and floor > target
+    assert start == pytest.approx(shipped.compression(), abs=0.05) and start <= 20.0
     assert bar[None]["base"][0] == start and bar[None]["x"][0] == pytest.approx(floor - start)
+    assert at.toggle(key="digits_tt_mlp:auto_rank").value
+    assert any("Starts at max rank" in c.value for c in at.caption)
+    # the toggle off: the preset's rank 8 is the start (24.2x)
+    at.toggle(key="digits_tt_mlp:auto_rank").set_value(False).run()
+    bar = {t.get("name"): t for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"]}
+    assert bar["start"]["x"][0] == pytest.approx(24.2, abs=0.05)
+    charts = at.get("plotly_chart")
     charts = charts[1:]
     # the per-layer bars carry the table's numbers: dense, TT as allocated, TT at target
     params = json.loads(charts[0].proto.spec)["data"]
@@ -221,6 +235,7 @@ def test_new_experiment_validation_messages(home: Path) -> None:
     at.selectbox(key="digits_tt_mlp:precision").set_value("bf16").run()
     assert "bf16 autocast on a CPU" in " ".join(w.value for w in at.warning)
 
+    at.toggle(key="digits_tt_mlp:auto_rank").set_value(False).run()
     at.number_input(key="digits_tt_mlp:rank:tiny").set_value(0).run()
     assert "model.rank: must be a positive integer" in " ".join(e.value for e in at.error)
 

@@ -80,3 +80,39 @@ def test_bad_form_values_are_refused_naming_the_field(field: str, over: dict) ->
     with pytest.raises(ConfigError) as exc:
         resolve_config(raw)
     assert exc.value.field == field and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("key", sorted(PRESETS))
+def test_ranks_from_the_target_start_where_comera_train_starts(key: str) -> None:
+    """With "Initial ranks from the target" on, the form leaves model.rank unset, so the
+    run starts where `comera train` starts with the same config: the plan's ranks, at
+    least ``headroom`` times the target size (or the full-rank TT)."""
+    from comera_engine.preview import data_shape, preview
+    from comera_engine.train.tt import plan_initial_ranks
+
+    preset = PRESETS[key]
+    before = preset.config()
+    if "target_compression" not in before.get("comera", {}):
+        pytest.skip(f"{key} asks for no target")
+    target = float(before["comera"]["target_compression"])
+    raw, _ = form_to_config(before, _values(
+        preset, auto_rank=True, headroom=2.0, target=target, rank=1, embedding_rank=1,
+        scope=before["comera"].get("target_scope", "tensorized")))
+    assert "rank" not in raw["model"] and "embedding_rank" not in raw["model"]
+    cli = {**before, "comera": {**before["comera"], "headroom": 2.0}}
+    cli["model"] = {k: v for k, v in before["model"].items()
+                    if k not in ("rank", "embedding_rank")}
+    cfg_form, cfg_cli = resolve_config(raw), resolve_config(cli)
+    shape = data_shape(raw["data"])
+    planned = [plan_initial_ranks(c, shape)[0].model for c in (cfg_form, cfg_cli)]
+    assert (planned[0].rank, planned[0].embedding_rank) == (
+        planned[1].rank, planned[1].embedding_rank)
+    pv = preview(raw)
+    assert pv.start_size >= 2.0 * pv.target_size or pv.compression() < 2.0 * target
+
+
+def test_fixed_ranks_are_kept_when_the_toggle_is_off() -> None:
+    preset = PRESETS["digits_tt_mlp"]
+    raw, _ = form_to_config(preset.config(), _values(preset, auto_rank=False, rank=5,
+                                                     headroom=2.0))
+    assert raw["model"]["rank"] == 5 and "headroom" not in raw["comera"]

@@ -17,7 +17,9 @@ class FormValues:
     ``schedule``: ``"step"`` (late stage from ``switch_step``), ``"plateau"`` (when the
     loss plateaus, after ``patience`` steps without improvement) or ``"never"``.
     ``device``: ``"cpu"`` or ``"cuda:N"``. ``embedding_rank`` is ``None`` when the model
-    has no TT embedding.
+    has no TT embedding. ``auto_rank``: the initial ranks are chosen from the target
+    (``headroom`` × its size, as ``comera train`` does with a config that leaves
+    ``model.rank`` unset) and ``rank`` / ``embedding_rank`` are not used.
     """
 
     data: dict[str, Any]
@@ -28,6 +30,8 @@ class FormValues:
     scope: str = "tensorized"
     rank: int = 8
     embedding_rank: int | None = None
+    auto_rank: bool = False
+    headroom: float | None = None
     schedule: str = "plateau"
     switch_step: int | None = None
     patience: int | None = None
@@ -58,13 +62,19 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
     raw["data"] = dict(v.data)
     m["preset"] = v.size
     m["dense"] = bool(v.dense)
-    m["rank"] = int(v.rank)
-    if v.embedding_rank is not None:
-        m["embedding_rank"] = int(v.embedding_rank)
     if v.use_target and not v.dense:
         c["target_compression"] = float(v.target)
     else:
         c.pop("target_compression", None)
+    if v.auto_rank and "target_compression" in c:  # the plan picks them (docs/SIZE_AND_TARGET)
+        m.pop("rank", None)
+        m.pop("embedding_rank", None)
+        if v.headroom is not None:
+            c["headroom"] = float(v.headroom)
+    else:
+        m["rank"] = int(v.rank)
+        if v.embedding_rank is not None:
+            m["embedding_rank"] = int(v.embedding_rank)
     c["target_scope"] = v.scope
     if v.schedule == "step":
         c["switch"] = int(v.switch_step if v.switch_step is not None else 0)

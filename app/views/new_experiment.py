@@ -179,10 +179,24 @@ with left:
         tt_kinds = default_tt_layers(model_name)
     has_emb = "embedding" in tt_kinds
     c1, c2 = st.columns(2)
+    auto_rank = c1.toggle(
+        "Initial ranks from the target", value=m.get("rank") is None, key=k("auto_rank"),
+        disabled=dense or not use_target,
+        help="Start at about this many times the target size and let the late stage prune "
+             "to it (what `comera train` does when the config leaves model.rank unset). Off: "
+             "start at the ranks below (refused if they already compress more than asked).")
+    auto = bool(auto_rank) and bool(use_target) and not dense
+    headroom = c2.number_input(
+        "Start at (× the target size)", min_value=1.0, max_value=100.0,
+        value=float(c.get("headroom", 3.0)), step=0.5, format="%.1f", key=k("headroom"),
+        disabled=not auto,
+        help="comera.headroom: 3 suits the transformers and the MLP; the DLRM presets start "
+             "at 1.5 (docs/SIZE_AND_TARGET.md, \"How much headroom\").")
+    c1, c2 = st.columns(2)
     max_rank = c1.number_input(
         "Max rank (linear layers)", min_value=0, max_value=512,
         value=int(m.get("rank") or rank_default) if size == m.get("preset", "tiny")
-        else rank_default, step=1, key=k(f"rank:{size}"), disabled=dense,
+        else rank_default, step=1, key=k(f"rank:{size}"), disabled=dense or auto,
         help="TT ranks start here (clamped per bond to what the shapes allow) and are "
              "pruned by the rank gates while training.",
     )
@@ -192,7 +206,7 @@ with left:
             "Max rank (embeddings)", min_value=0, max_value=512,
             value=int(m.get("embedding_rank") or emb_default)
             if size == m.get("preset", "tiny") else emb_default,
-            step=1, key=k(f"erank:{size}"), disabled=dense,
+            step=1, key=k(f"erank:{size}"), disabled=dense or auto,
         )
     slots["rank"] = st.container()
 
@@ -262,6 +276,7 @@ ui.save_form(SAVED, FORM_KEYS)
 raw, gpu_ids = form_to_config(raw, FormValues(
     data=data, size=size, dense=bool(dense), use_target=bool(use_target), target=float(target),
     scope=scope, rank=int(max_rank), embedding_rank=None if emb_rank is None else int(emb_rank),
+    auto_rank=auto, headroom=float(headroom) if auto else None,
     schedule=sched, switch_step=None if switch_step is None else int(switch_step),
     patience=None if patience is None else int(patience), steps=int(steps),
     batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
@@ -318,7 +333,14 @@ if pv is not None:
         say(FIELD_SLOTS.get(field, "target"), "error", text)
     requested = {"linear": int(max_rank), "embedding": int(emb_rank or 0)}
     clamped = [layer for layer in pv.layers if max(layer.ranks) < requested[layer.kind]]
-    if clamped and not dense:
+    if auto and pv.layers:
+        chosen = {kind: max(max(la.ranks) for la in pv.layers if la.kind == kind)
+                  for kind in sorted({la.kind for la in pv.layers})}
+        say("rank", "note", "Starts at max rank " + ", ".join(
+            f"{r} ({kind})" for kind, r in chosen.items()) + f": {pv.compression():.1f}× "
+            f"smaller, about {float(headroom):g}× the target size; the late stage prunes to "
+            "the target.")
+    elif clamped and not dense:
         ex = clamped[0]
         say("rank", "note", f"Clamped per bond to what the shapes allow in {len(clamped)} "
             f"layer(s), e.g. {ex.name}: ranks {'-'.join(map(str, ex.ranks[1:-1]))}.")
