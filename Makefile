@@ -46,6 +46,7 @@ bench: $(VENV)/.installed
 REPRODUCE_ARGS ?=
 reproduce: $(VENV)/.installed
 	$(PY) experiments/reproduce.py $(REPRODUCE_ARGS)
+	$(if $(findstring --quick,$(REPRODUCE_ARGS)),,$(PY) experiments/bench_memory_peers.py)
 	$(PY) experiments/reproduce_report.py $(if $(findstring --quick,$(REPRODUCE_ARGS)),--quick,)
 
 lint: $(VENV)/.installed

@@ -25,7 +25,8 @@ optimizer state (GaLore's projections included), then one measured step. Two fig
   temporaries and allocator slack (freed memory is kept, as ``train`` keeps it), with
   the parameters themselves already resident before.
 
-Writes ``experiments/results/bench_memory_peers.json``.
+Writes ``experiments/results/reproduce/memory/bench_memory_peers.json`` (kept with the
+reproduction results: ``docs/RESULTS.md`` checks the GaLore claim from it).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ METHODS = {
     "fixed-tt": {"comera.method": "fixed"},
 }
 MIB = 2**20
+
+
+MEMORY_DIR = ROOT / "experiments" / "results" / "reproduce" / "memory"
 
 
 def _raw(preset: str, method: str) -> dict[str, Any]:
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("optim_mib", "optim MiB", ".2f"), ("saved_mib", "saved act MiB", ".2f"),
                        ("held_mib", "held MiB", ".2f"), ("rss_train_mib", "RSS +train MiB", ".1f")])
     out = write_json("bench_memory_peers", {"machine": machine(), "config": str(
-        CONFIG.relative_to(ROOT)), "rows": rows})
+        CONFIG.relative_to(ROOT)), "rows": rows}, MEMORY_DIR)
     print(f"wrote {out.relative_to(ROOT)}")
     return 0
 
