@@ -81,6 +81,11 @@ class ModelConfig:
     # the engine's gated TT layers; "tltorch": tensorly-torch's TT-matrix layers (no rank
     # gates: needs comera.method = "fixed"; the optional `peers` extra).
     tt_impl: str | None = None
+    # Core layout of the engine's TT linears (docs/METHODS.md). None or "tt": the paper's
+    # order-2d train (input factors, then output factors); "ttm": a TT matrix (one input
+    # and one output factor per core, as tltorch's blocktt): higher matrix rank at the same
+    # size, computed like a dense layer (W materialised each step).
+    linear_layout: str | None = None
     # A dense run of the same model (its run folder, checkpoints folder, a checkpoint's
     # .json/.safetensors, or a state dict .safetensors/.pt): comera.method = "tt_svd"
     # initialises every TT layer by TT-SVD of its dense weight and copies the rest.
@@ -395,6 +400,12 @@ def validate_methods(cfg: Config) -> None:
     _choice("comera.method", c.method, METHODS)
     if m.tt_impl is not None:
         _choice("model.tt_impl", m.tt_impl, TT_IMPLS)
+    if m.linear_layout is not None:
+        _choice("model.linear_layout", m.linear_layout, LINEAR_LAYOUTS)
+    if m.linear_layout == "ttm" and m.tt_impl == "tltorch" and not m.dense:
+        raise ConfigError("model.linear_layout", 'sets the engine\'s TT linears; tltorch '
+                                                 "linears are TT matrices already: drop "
+                                                 'it or set model.tt_impl = "comera"')
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     if m.tt_impl == "tltorch" and not m.dense and c.method == "tt_svd":
         raise ConfigError("model.tt_impl", 'TT-SVD initialises the engine\'s TT layers; use '
@@ -511,6 +522,7 @@ _MODEL_FIELDS: dict[str, tuple[str, ...]] = {
 }
 METHODS = ("comera", "fixed", "tt_svd")
 TT_IMPLS = ("comera", "tltorch")
+LINEAR_LAYOUTS = ("tt", "ttm")  # comera_engine.layers.tt_linear.LINEAR_LAYOUTS
 OPTIMIZERS = ("adamw", "galore")
 
 

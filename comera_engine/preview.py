@@ -42,6 +42,7 @@ class LayerPreview:
     target_macs: float
     path: str  # planner path at the allocated ranks ("lookup" for embeddings)
     target_path: str
+    layout: str = "tt"  # a linear's core layout: "tt" (the paper's) or "ttm" (model.linear_layout)
 
     @property
     def compression(self) -> float:
@@ -227,11 +228,14 @@ def scaled_ranks(ranks: list[int], caps: list[int], s: float) -> list[int]:
 
 
 def linear_macs(batch: int, in_f: tuple[int, ...], out_f: tuple[int, ...], ranks: list[int],
-                device: str) -> tuple[float, str]:
-    """Forward MACs per row on the planner's path (merges amortised over the batch)."""
-    from comera_engine.tensor import explain
+                device: str, layout: str = "tt") -> tuple[float, str]:
+    """Forward MACs per row on the planner's path (merges amortised over the batch). A
+    ``"ttm"`` linear has one path, ``dense``: ``N·M`` per row plus the materialisation of
+    ``W`` from the cores amortised over the batch."""
+    from comera_engine.tensor import explain, explain_ttm
 
-    info = explain(batch, in_f, out_f, ranks, device, training=True)
+    info = (explain_ttm if layout == "ttm" else explain)(batch, in_f, out_f, ranks, device,
+                                                         training=True)
     path = info["path"]
     return info["paths"][path]["macs_fwd"] / max(batch, 1), path
 
@@ -409,13 +413,15 @@ def make_preview(cfg: Any, device: str = "cpu") -> Preview:
             tt_param_ids.update(id(p) for p in mod.parameters())
             ranks = list(mod.tt.ranks)
             bias = mod.bias.numel() if mod.bias is not None else 0
-            macs, path = linear_macs(tokens, mod.in_factors, mod.out_factors, ranks, device)
+            macs, path = linear_macs(tokens, mod.in_factors, mod.out_factors, ranks, device,
+                                     mod.layout)
             layers.append(LayerPreview(
                 name, "linear", (mod.in_features, mod.out_features),
                 (tuple(mod.in_factors), tuple(mod.out_factors)), tuple(mod.tt.mode_sizes),
                 ranks, ranks, bias, mod.dense_num_params(),
                 tt_params(tuple(mod.tt.mode_sizes), ranks) + bias, 0,
                 float(mod.in_features * mod.out_features), macs, macs, path, path,
+                mod.layout,
             ))
         elif isinstance(mod, TTEmbedding):
             tt_param_ids.update(id(p) for p in mod.parameters())
@@ -498,7 +504,7 @@ def _fit_target(pv: Preview, device: str, tokens: int) -> None:
         layer.target_params = tt_params(layer.mode_sizes, r) + layer.bias
         if layer.kind == "linear":
             layer.target_macs, layer.target_path = linear_macs(
-                tokens, layer.factors[0], layer.factors[1], r, device
+                tokens, layer.factors[0], layer.factors[1], r, device, layer.layout
             )
         else:
             layer.target_macs = embedding_macs(layer.factors[0], layer.factors[1], r)
@@ -531,7 +537,9 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
             if isinstance(mod, TTLinear):
                 acts += tokens * mod.in_features * act_b  # saved input
                 acts += tokens * mod.out_features * act_b  # output (feeds the next op)
-                if tt:
+                if tt and mod.layout == "ttm":  # W materialised, and its gradient
+                    acts += 2 * math.prod(mod.tt.shape) * _FP32
+                elif tt:
                     acts += tokens * mod.tt.ranks[mod.tt.d] * act_b  # X·L
             elif isinstance(mod, nn.Linear):
                 acts += tokens * (mod.in_features + mod.out_features) * act_b

@@ -115,10 +115,13 @@ def _tt_name_set(model: nn.Module) -> list[tuple[str, nn.Module]]:
 @torch.no_grad()
 def _layer_info(name: str, layer: nn.Module, ranks: list[int]) -> dict[str, Any]:
     if isinstance(layer, TTLinear):
-        return {"name": name, "kind": "linear",
+        info = {"name": name, "kind": "linear",
                 "shape": [layer.in_features, layer.out_features],
                 "factors": [list(layer.in_factors), list(layer.out_factors)],
                 "bias": layer.bias is not None, "tau": layer.tt.tau, "ranks": ranks}
+        if layer.layout != "tt":  # absent: the paper's layout
+            info["layout"] = layer.layout
+        return info
     return {"name": name, "kind": "embedding",
             "shape": [layer.num_embeddings, layer.embedding_dim],
             "factors": [list(layer.vocab_factors), list(layer.dim_factors)],
@@ -202,10 +205,15 @@ def _expected_state(skeleton: nn.Module, fmt: str, infos: list[dict] | None,
     ranks_of: dict[str, list[int]] = {}
     for name, layer in layers.items():
         info = given[name]
-        want = _layer_info(name, layer, [])["factors"]
+        mine = _layer_info(name, layer, [])
+        want = mine["factors"]
         if info.get("factors") != want:
             raise ConfigError(f"{where}.tt_layers.{name}.factors",
                               f"{info.get('factors')} disagree with the model's {want}")
+        if info.get("layout", "tt") != mine.get("layout", "tt"):
+            raise ConfigError(f"{where}.tt_layers.{name}.layout",
+                              f"{info.get('layout', 'tt')!r} disagrees with the model's "
+                              f"{mine.get('layout', 'tt')!r}")
         ranks = info.get("ranks")
         K = layer.tt.num_cores
         if not isinstance(ranks, list) or len(ranks) != K - 1 or not all(
@@ -330,7 +338,8 @@ def _layer_rows(model: nn.Module, sizes: dict[str, Any]) -> list[dict[str, Any]]
     return rows
 
 
-_FILE_KEYS = ("name", "kind", "shape", "factors", "ranks", "tau", "bias", "padding_idx")
+_FILE_KEYS = ("name", "kind", "shape", "factors", "ranks", "tau", "bias", "padding_idx",
+              "layout")
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:

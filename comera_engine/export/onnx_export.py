@@ -52,12 +52,15 @@ def _params(cores: list[torch.Tensor]) -> nn.ParameterList:
 
 
 class OnnxTTLinear(nn.Module):
-    """Export form of a :class:`TTLinear`: the two-half contraction on the cores."""
+    """Export form of a :class:`TTLinear`: the two-half contraction on the cores (layout
+    ``"tt"``), or ``W`` multiplied out from the TT-matrix cores then one matmul
+    (``"ttm"``)."""
 
     def __init__(self, layer: TTLinear) -> None:
         super().__init__()
         cores, ranks = layer.tt.effective_cores()
         self.d = layer.tt.d
+        self.layout = layer.layout
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.N, self.M = layer.tt.shape
         self.zero = 0 in ranks
@@ -72,14 +75,30 @@ class OnnxTTLinear(nn.Module):
             if self.N != self.in_features:
                 x = F.pad(x, (0, self.N - self.in_features))
             cores = list(self.cores)
-            left = merge_left(cores[: self.d])[-1]  # (N, r_d)
-            right = merge_right(cores[self.d:])[0]  # (r_d, M)
-            y = torch.matmul(torch.matmul(x, left), right)
+            if self.layout == "ttm":
+                y = torch.matmul(x, self._ttm_weight(cores))
+            else:
+                left = merge_left(cores[: self.d])[-1]  # (N, r_d)
+                right = merge_right(cores[self.d:])[0]  # (r_d, M)
+                y = torch.matmul(torch.matmul(x, left), right)
             if self.M != self.out_features:
                 y = y[..., : self.out_features]
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+    def _ttm_weight(self, cores: list[torch.Tensor]) -> torch.Tensor:
+        """``W`` ``(N, M)`` from TT-matrix cores ``(r, n_k, m_k, r')`` (static shapes)."""
+        rows = [int(c.shape[1]) for c in cores]
+        cols = [int(c.shape[2]) for c in cores]
+        acc = cores[0].reshape(rows[0] * cols[0], -1)
+        for c in cores[1:]:
+            acc = torch.matmul(acc, c.reshape(c.shape[0], -1)).reshape(-1, c.shape[-1])
+        d = len(cores)
+        t = acc.reshape([x for k in range(d) for x in (rows[k], cols[k])])
+        perm = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
+        return t.permute(perm).reshape(self.N, self.M)
 
 
 class OnnxTTEmbedding(nn.Module):

@@ -117,10 +117,13 @@ def _tree_spec(m: nn.Module, where: str) -> dict[str, Any]:
                 "children": [[n, _tree_spec(c, f"{where}.{n}" if where else n)]
                              for n, c in m.named_children()]}
     if t is TTLinear:
-        return {"type": "TTLinear", "in_features": m.in_features,
-                "out_features": m.out_features, "in_factors": list(m.in_factors),
-                "out_factors": list(m.out_factors), "bias": m.bias is not None,
-                "tau": m.tt.tau}
+        out = {"type": "TTLinear", "in_features": m.in_features,
+               "out_features": m.out_features, "in_factors": list(m.in_factors),
+               "out_factors": list(m.out_factors), "bias": m.bias is not None,
+               "tau": m.tt.tau}
+        if m.layout != "tt":  # absent: the paper's layout (files written before layouts)
+            out["layout"] = m.layout
+        return out
     if t is TTEmbedding:
         return {"type": "TTEmbedding", "num_embeddings": m.num_embeddings,
                 "embedding_dim": m.embedding_dim, "padding_idx": m.padding_idx,
@@ -219,9 +222,12 @@ def _build_tree(spec: Any, where: str, dense: bool, depth: int = 0) -> nn.Module
             bias = _bool(spec, "bias", where)
             if t == "Linear" or dense:
                 return nn.Linear(i, o, bias=bias)
+            layout = spec.get("layout", "tt")
+            if layout not in ("tt", "ttm"):
+                raise ConfigError(f"{where}.layout", f"must be tt or ttm, got {layout!r}")
             return TTLinear(i, o, rank=1, in_factors=_ints(spec, "in_factors", where),
                             out_factors=_ints(spec, "out_factors", where), bias=bias,
-                            tau=_num(spec, "tau", where))
+                            tau=_num(spec, "tau", where), layout=layout)
         if t == "TTEmbedding" or t == "Embedding":
             n, e = _int(spec, "num_embeddings", where), _int(spec, "embedding_dim", where)
             pad = _pad(spec, where)

@@ -45,6 +45,7 @@ def tensorize(
     min_features: int = 8,
     d: int | None = None,
     tau: float = 1e-2,
+    layout: str = "tt",
 ) -> list[dict]:
     """Replace ``nn.Linear`` / ``nn.Embedding`` modules by TT layers, in place.
 
@@ -56,6 +57,8 @@ def tensorize(
             (rank cap ``rank``); ``False`` gives a fresh random init (training from scratch).
         min_features: layers with a side smaller than this stay dense (e.g. a 3-way head).
         d: factors per side (default: 3 for linears, 3/4 for embeddings).
+        layout: core layout of the ``TTLinear`` layers (``"tt"``, the paper's, or
+            ``"ttm"``; see :class:`TTLinear`).
 
     Returns one report row per candidate layer: ``name``, ``kind``, ``shape``,
     ``factors``, ``ranks``, ``params_before``, ``params_after``, ``replaced`` (and
@@ -85,11 +88,11 @@ def tensorize(
         w = mod.weight
         if isinstance(mod, nn.Linear):
             if from_pretrained:
-                new = TTLinear.from_linear(mod, rank=rank, d=d, tau=tau)
+                new = TTLinear.from_linear(mod, rank=rank, d=d, tau=tau, layout=layout)
             else:
                 new = TTLinear(mod.in_features, mod.out_features, rank=rank,
                                bias=mod.bias is not None, d=d, tau=tau, dtype=w.dtype,
-                               device=w.device)
+                               device=w.device, layout=layout)
             row["factors"] = [list(new.in_factors), list(new.out_factors)]
         else:
             if from_pretrained:

@@ -11,13 +11,32 @@ from torch import Tensor, nn
 
 from ..tensor.contract import explain, tt_linear
 from ..tensor.factorize import Factorization, resolve_factors
-from ..tensor.tt import TTLinearCores
+from ..tensor.planner import explain_ttm
+from ..tensor.tt import TTLinearCores, TTMCores
 
-__all__ = ["TTLinear"]
+__all__ = ["LINEAR_LAYOUTS", "TTLinear"]
+
+#: Core layouts of a TT linear weight: ``"tt"`` (the paper's order-2d train, input factors
+#: then output factors) and ``"ttm"`` (a TT matrix: one input and one output factor per core).
+LINEAR_LAYOUTS = ("tt", "ttm")
 
 
 class TTLinear(nn.Module):
-    """``y = x·Wᵀ + b`` with ``W`` (out × in) stored as an order-2d tensor train.
+    """``y = x·Wᵀ + b`` with ``W`` (out × in) stored as a gated tensor train.
+
+    Two layouts of the cores (``layout``):
+
+    * ``"tt"`` (default, the CoMERA paper's): an order-2d train, the ``d`` input factors
+      then the ``d`` output factors, cores ``(r_{k-1}, s_k, r_k)``. The matrix rank of
+      ``W`` is at most the middle rank ``r_d``; the planner's halves / sweep paths
+      contract ``x`` with the cores and save MACs against a dense layer.
+    * ``"ttm"``: a TT matrix (tensorly-torch's ``blocktt``), ``d`` cores
+      ``(r_{k-1}, n_k, m_k, r_k)`` each pairing one input and one output factor
+      (:class:`~comera_engine.tensor.tt.TTMCores`, the same gates, pruning and
+      truncation). Forward materialises ``W`` from the gated cores (about
+      ``N·M·r_{d-1}`` MACs per step, batch independent: small against the batch's
+      ``B·N·M``) and runs one dense GEMM, so a TTM linear computes like ``nn.Linear``:
+      it saves parameters, not MACs, and its matrix rank is not capped by one bond.
 
     Args:
         in_features, out_features: as ``nn.Linear``.
@@ -29,6 +48,9 @@ class TTLinear(nn.Module):
         d: number of factors per side when factors are chosen automatically (default 3).
         tau: rank-gate threshold.
         path: force a contraction path (``halves``/``sweep``/``dense``); default: planner.
+            ``"ttm"`` has one path (``dense``: materialise ``W``).
+        layout: ``"tt"`` or ``"ttm"`` (above); ``"ttm"`` needs as many input as output
+            factors (``d`` each).
 
     Initialisation matches ``nn.Linear``: the reconstructed weight has variance
     ``1/(3·in_features)`` and the bias is ``U(±1/sqrt(in_features))``.
@@ -47,8 +69,14 @@ class TTLinear(nn.Module):
         path: str | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        layout: str = "tt",
     ) -> None:
         super().__init__()
+        if layout not in LINEAR_LAYOUTS:
+            raise ValueError(f"layout: must be one of {', '.join(LINEAR_LAYOUTS)}, "
+                             f"got {layout!r}")
+        if layout == "ttm" and path not in (None, "dense"):
+            raise ValueError(f"path: a ttm layer has one path, dense; got {path!r}")
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
@@ -62,8 +90,11 @@ class TTLinear(nn.Module):
         if out_factors is None:  # mirror the input side: [12,8,8 | 8,8,12] as in the paper
             fout = Factorization(out_features, tuple(sorted(fout.factors)))
         self.path = path
-        self.tt = TTLinearCores(fin.factors, fout.factors, rank, tau=tau,
-                                init_var=1.0 / (3 * in_features), dtype=dtype, device=device)
+        self.layout = layout
+        cls = TTMCores if layout == "ttm" else TTLinearCores
+        self.tt: TTLinearCores | TTMCores = cls(
+            fin.factors, fout.factors, rank, tau=tau, init_var=1.0 / (3 * in_features),
+            dtype=dtype, device=device)
         if bias:
             bound = 1.0 / math.sqrt(in_features)
             self.bias = nn.Parameter(
@@ -73,17 +104,22 @@ class TTLinear(nn.Module):
 
     @property
     def in_factors(self) -> tuple[int, ...]:
-        return self.tt.in_factors
+        tt = self.tt
+        return tt.row_factors if isinstance(tt, TTMCores) else tt.in_factors
 
     @property
     def out_factors(self) -> tuple[int, ...]:
-        return self.tt.out_factors
+        tt = self.tt
+        return tt.col_factors if isinstance(tt, TTMCores) else tt.out_factors
 
     def forward(self, x: Tensor) -> Tensor:
         N, M = self.tt.shape
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dimension {x.shape[-1]} != in_features "
                              f"{self.in_features}")
+        if self.layout == "ttm":  # materialise W (in, out) from the gated cores, one GEMM
+            W = self.tt.to_matrix()[: self.in_features, : self.out_features]
+            return F.linear(x, W.t(), self.bias)
         if N != self.in_features:
             x = F.pad(x, (0, N - self.in_features))
         bias = self.bias
@@ -114,29 +150,46 @@ class TTLinear(nn.Module):
         return self.in_features * self.out_features + b
 
     def explain(self, batch: int, training: bool = True) -> dict:
-        """The planner's view of this layer at ``batch`` rows (effective ranks)."""
+        """The planner's view of this layer at ``batch`` rows (effective ranks); a
+        ``"ttm"`` layer has the one ``dense`` path (materialise ``W``, one GEMM)."""
         ranks = [1, *self.effective_ranks(), 1]
         p = self.tt.cores[0]
+        if self.layout == "ttm":
+            return explain_ttm(batch, self.in_factors, self.out_factors, ranks, p.device,
+                               p.dtype, training)
         return explain(batch, self.in_factors, self.out_factors, ranks, p.device, p.dtype,
                        training)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int | Sequence[int] | None = None,
                     tol: float | None = None, **kw) -> TTLinear:
-        """TT-SVD of a trained ``nn.Linear`` (rank cap and/or relative tolerance)."""
+        """TT-SVD of a trained ``nn.Linear`` (rank cap and/or relative tolerance), in
+        the layout ``layout`` (a keyword, default ``"tt"``)."""
         layer = cls(linear.in_features, linear.out_features, rank=rank or 1,
                     bias=linear.bias is not None, dtype=linear.weight.dtype,
                     device=linear.weight.device, **kw)
-        src = TTLinearCores.from_matrix(linear.weight.detach().t(), layer.in_factors,
-                                        layer.out_factors, max_rank=rank, tol=tol,
-                                        tau=layer.tt.tau)
-        layer.tt.load_cores_([c.detach() for c in src.cores])
+        layer.tt.load_cores_(layer.svd_cores(linear.weight.detach().t(), rank, tol))
         if linear.bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(linear.bias)
         return layer
 
+    def svd_cores(self, W: Tensor, max_rank: int | Sequence[int] | None = None,
+                  tol: float | None = None) -> list:
+        """TT-SVD cores of a weight ``W`` ``(in_features, out_features)`` (as the cores
+        hold it: inputs × outputs) in this layer's layout and factors, zero-padded to the
+        factor products (a rank cap and/or relative tolerance)."""
+        if self.layout == "ttm":
+            N, M = self.tt.shape
+            if tuple(W.shape) != (self.in_features, self.out_features):
+                raise ValueError(f"W: shape {tuple(W.shape)}, expected "
+                                 f"{(self.in_features, self.out_features)}")
+            W = F.pad(W, (0, M - W.shape[1], 0, N - W.shape[0]))
+            return TTMCores._svd_cores(W, self.in_factors, self.out_factors, max_rank, tol)
+        return TTLinearCores._svd_cores(W, self.in_factors, self.out_factors, max_rank, tol)
+
     def extra_repr(self) -> str:
+        lay = ", layout=ttm" if self.layout == "ttm" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"factors={list(self.in_factors)}|{list(self.out_factors)}, "
-                f"ranks={self.tt.ranks}, bias={self.bias is not None}")
+                f"ranks={self.tt.ranks}, bias={self.bias is not None}{lay}")

@@ -67,6 +67,7 @@ def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Mo
     dense = cfg.dense if dense is None else dense
     kinds = cfg.tt_layers if cfg.tt_layers is not None else DEFAULT_TT_LAYERS[cfg.name]
     impl = getattr(cfg, "tt_impl", None) or "comera"  # model.tt_impl (docs/METHODS.md)
+    layout = getattr(cfg, "linear_layout", None) or "tt"  # model.linear_layout
     meta = dict(getattr(data, "meta", {}) or {})
 
     if cfg.name in ("transformer_cls", "transformer_mlm"):
@@ -80,7 +81,8 @@ def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Mo
             rank=cfg.rank,
             embedding_rank=cfg.embedding_rank,
         )
-        factory = LayerFactory(kinds, size.rank, size.embedding_rank, dense=dense, impl=impl)
+        factory = LayerFactory(kinds, size.rank, size.embedding_rank, dense=dense, impl=impl,
+                                linear_layout=layout)
         vocab, max_len = int(data.vocab_size), int(data.seq_len)
         pad_id = meta.get("pad_id", 0)
         if cfg.name == "transformer_cls":
@@ -99,7 +101,8 @@ def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Mo
             embedding_rank=cfg.embedding_rank or base.embedding_rank,
             tt_min_rows=cfg.tt_min_rows if cfg.tt_min_rows is not None else base.tt_min_rows,
         )
-        factory = LayerFactory(kinds, size.rank, size.embedding_rank, dense=dense, impl=impl)
+        factory = LayerFactory(kinds, size.rank, size.embedding_rank, dense=dense, impl=impl,
+                                linear_layout=layout)
         return DLRM(size, factory, int(meta["num_dense"]), list(meta["bucket_sizes"]))
 
     base = mlp.PRESETS[cfg.preset]
@@ -108,5 +111,6 @@ def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Mo
         rank=cfg.rank or base.rank,
         dropout=cfg.dropout if cfg.dropout is not None else base.dropout,
     )
-    factory = LayerFactory(kinds, size.rank, size.rank, dense=dense, impl=impl)
+    factory = LayerFactory(kinds, size.rank, size.rank, dense=dense, impl=impl,
+                                linear_layout=layout)
     return TTMLP(size, factory, int(meta["input_dim"]), int(data.num_classes))

@@ -30,6 +30,8 @@ class LayerFactory:
         impl: ``"comera"`` (the engine's gated ``TTLinear`` / ``TTEmbedding``) or
             ``"tltorch"`` (tensorly-torch's TT-matrix layers, ``layers.peers``;
             ``model.tt_impl``).
+        linear_layout: core layout of the engine's ``TTLinear`` (``"tt"``, the paper's, or
+            ``"ttm"``; ``model.linear_layout``).
     """
 
     tt_kinds: Sequence[str]
@@ -38,6 +40,7 @@ class LayerFactory:
     dense: bool = False
     min_dim: int = 16
     impl: str = "comera"
+    linear_layout: str = "tt"
 
     def is_tt(self, kind: str) -> bool:
         return not self.dense and kind in self.tt_kinds
@@ -55,6 +58,7 @@ class LayerFactory:
         if self.is_tt(kind) and min(in_features, out_features) >= self.min_dim:
             from comera_engine.layers import TLTorchLinear, TTLinear
 
+            kw = {"layout": self.linear_layout} if self.impl != "tltorch" else {}
             return (TLTorchLinear if self.impl == "tltorch" else TTLinear)(
                 in_features,
                 out_features,
@@ -62,6 +66,7 @@ class LayerFactory:
                 in_factors=list(in_factors) if in_factors else None,
                 out_factors=list(out_factors) if out_factors else None,
                 bias=bias,
+                **kw,
             )
         return nn.Linear(in_features, out_features, bias=bias)
 

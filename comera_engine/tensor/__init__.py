@@ -2,11 +2,11 @@
 
 from .factorize import Factorization, factorize, resolve_factors
 from .lookup import ttm_lookup, ttm_lookup_naive
-from .planner import PATHS, estimate, explain, plan, tt_linear
+from .planner import PATHS, estimate, explain, explain_ttm, plan, tt_linear
 from .tt import RankChange, TensorTrain, TTLinearCores, TTMCores, max_tt_ranks, tt_svd
 
 __all__ = [
     "PATHS", "Factorization", "RankChange", "TTLinearCores", "TTMCores", "TensorTrain",
-    "estimate", "explain", "factorize", "max_tt_ranks", "plan", "resolve_factors",
+    "estimate", "explain", "explain_ttm", "factorize", "max_tt_ranks", "plan", "resolve_factors",
     "tt_linear", "tt_svd", "ttm_lookup", "ttm_lookup_naive",
 ]

@@ -27,8 +27,9 @@ from ..ops.merges import layout, merge_left, merge_right
 from ..ops.tt_linear_halves import tt_linear_halves
 from ..ops.tt_linear_sweep import sweep_merges, tt_linear_sweep
 
-__all__ = ["DEVICE_MODELS", "PATHS", "DeviceModel", "PathCost", "estimate", "explain",
-           "plan", "tt_linear", "tt_linear_dense"]
+__all__ = ["DEVICE_MODELS", "PATHS", "DeviceModel", "PathCost", "estimate", "estimate_ttm",
+           "explain", "explain_ttm", "plan", "tt_linear", "tt_linear_dense",
+           "ttm_reconstruct_macs"]
 
 PATHS = ("halves", "sweep", "dense")
 
@@ -272,6 +273,73 @@ def explain(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
     }
 
 
+
+# ---------------------------------------------------------------------------- TTM layout
+def ttm_reconstruct_macs(in_factors: Sequence[int], out_factors: Sequence[int],
+                         ranks: Sequence[int]) -> int:
+    """MACs that materialise a TT-matrix weight ``W`` (``N×M``) from its ``d`` cores
+    ``(r_{k-1}, n_k, m_k, r_k)``, left to right: ``Σ_k (∏_{j<=k} n_j m_j)·r_k·n_{k+1}
+    m_{k+1}·r_{k+1}`` (the last product alone is ``N·M·r_{d-1}``). ``ranks``:
+    ``[1, r_1, …, r_{d-1}, 1]``."""
+    sizes = [n * m for n, m in zip(in_factors, out_factors)]
+    done, macs = sizes[0], 0
+    for k in range(1, len(sizes)):
+        macs += done * ranks[k] * sizes[k] * ranks[k + 1]
+        done *= sizes[k]
+    return macs
+
+
+def estimate_ttm(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
+                 ranks: Sequence[int], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, training: bool = True,
+                 need_dx: bool = True) -> PathCost:
+    """Cost of a ``"ttm"`` TT linear's one path (``dense``): materialise ``W`` from the
+    gated cores (:func:`ttm_reconstruct_macs`, batch independent), then ``X·W``; its
+    backward ``dW``, ``dX`` and the reconstruction's backward (twice its MACs)."""
+    d = len(in_factors)
+    if len(out_factors) != d or len(ranks) != d + 1:
+        raise ValueError(f"ranks: need d+1 = {d + 1} ranks for d = {d} TTM cores, "
+                         f"got {len(ranks)}")
+    N, M = math.prod(in_factors), math.prod(out_factors)
+    sizes = [n * m for n, m in zip(in_factors, out_factors)]
+    f, g = (_Acc(DeviceModel.for_device(device), torch.empty((), dtype=dtype).element_size())
+            for _ in range(2))
+    for _ in range(d - 1):  # gate scaling of each core
+        f.copy(0)
+    done = sizes[0]
+    for k in range(1, d):
+        f.gemm(done, ranks[k], sizes[k] * ranks[k + 1])
+        g.gemm(done, sizes[k] * ranks[k + 1], ranks[k])
+        g.gemm(ranks[k], done, sizes[k] * ranks[k + 1])
+        done *= sizes[k]
+    f.copy(N * M)  # (n1, m1, n2, m2, …) -> (N, M)
+    f.gemm(B, N, M)
+    g.gemm(N, B, M)  # dW
+    if need_dx:
+        g.gemm(B, M, N)
+    secs = f.t + (g.t if training else 0.0)
+    return PathCost("dense", f.macs, g.macs, f.bytes, g.bytes, f.ops, g.ops, secs)
+
+
+def explain_ttm(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
+                ranks: Sequence[int], device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32, training: bool = True) -> dict:
+    """:func:`explain` for a ``"ttm"`` TT linear: one path, ``dense`` (materialise ``W``
+    from the cores, one GEMM); ``ranks`` is ``[1, r_1, …, r_{d-1}, 1]``. Same keys as
+    :func:`explain`, plus ``layout`` and ``reconstruct_macs``."""
+    cost = estimate_ttm(B, in_factors, out_factors, ranks, device, dtype, training)
+    N, M = math.prod(in_factors), math.prod(out_factors)
+    return {
+        "path": "dense",
+        "layout": "ttm",
+        "device_model": DeviceModel.for_device(device).name,
+        "batch": int(B),
+        "ranks": list(ranks),
+        "dense_linear_macs_fwd": B * N * M,
+        "dense_linear_macs_fwd_bwd": 3 * B * N * M,
+        "reconstruct_macs": ttm_reconstruct_macs(in_factors, out_factors, ranks),
+        "paths": {"dense": asdict(cost)},
+    }
 
 
 def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = None,

@@ -123,7 +123,7 @@ def init_from_dense(model: nn.Module, dense: nn.Module) -> None:
         ConfigError: the two models do not match (``model.init_from``).
     """
     from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
-    from comera_engine.tensor.tt import TTLinearCores, TTMCores
+    from comera_engine.tensor.tt import TTMCores
 
     own = dict(factorized_layers(model))
     if len(own) != len(tt_layers(model)):
@@ -135,9 +135,8 @@ def init_from_dense(model: nn.Module, dense: nn.Module) -> None:
         ranks = [int(g.shape[0]) for g in layer.tt.gates]
         if isinstance(layer, TTLinear) and isinstance(src, nn.Linear) and (
                 src.in_features, src.out_features) == (layer.in_features, layer.out_features):
-            W = src.weight.detach().t().double()  # (in, out), as TTLinearCores holds it
-            cores = TTLinearCores._svd_cores(W, layer.in_factors, layer.out_factors, ranks,
-                                             None)
+            W = src.weight.detach().t().double()  # (in, out), as the cores hold it
+            cores = layer.svd_cores(W, ranks)  # in the layer's layout (tt or ttm)
             layer.tt.load_cores_(cores)
             if layer.bias is not None:
                 layer.bias.copy_(src.bias)
@@ -224,7 +223,7 @@ def load_init_state(cfg: ModelConfig, base_dir: str | None = None) -> dict[str, 
 
 #: ``[model]`` keys that may differ between the dense run and the TT run it initialises.
 _FREE_KEYS = frozenset({"dense", "tt_layers", "rank", "embedding_rank", "tt_impl", "init_from",
-                        "tt_min_rows"})
+                        "tt_min_rows", "linear_layout"})
 
 
 def _check_same_model(cfg: ModelConfig, saved: dict[str, Any], path: Path) -> None:
