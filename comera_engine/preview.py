@@ -322,7 +322,7 @@ def memory_problem(pv: Preview, device: str, nproc: int = 1) -> tuple[str, str] 
     free = available_memory(device)
     if free is None or need <= free:
         return None
-    acts = mem["activations"] > mem["total"] / 2
+    acts = mem["activations"] > mem["total"] / 2  # else the model's size is what to cut
     field = "train.batch_size" if acts else "model"
     fix = ("lower train.batch_size" if acts else
            "make the model smaller (width, layers or rank) or tensorise more layers")
@@ -514,7 +514,9 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
             ) -> dict[str, dict[str, float]]:
     """Rough training memory (bytes): fp32 weights, gradients and two AdamW moments per
     parameter, plus activations saved for backward (inputs of every linear layer, the TT
-    halves' ``X·L``, attention scores when no fused kernel is used)."""
+    halves' ``X·L``, attention scores when no fused kernel is used), plus what is built
+    from the cores each step whatever the batch (``materialised``: a ttm linear's ``W``,
+    a TT embedding's two half tables, with their gradients)."""
     from torch import nn
 
     from comera_engine.layers import TTEmbedding, TTLinear
@@ -532,13 +534,14 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
         weights = params * _FP32
         grads = params * _FP32
         optim = params * 2 * _FP32
-        acts = 0.0
+        acts = 0.0  # grows with the batch
+        built = 0.0  # tables built from the cores each step: batch independent
         for mod in model.modules():
             if isinstance(mod, TTLinear):
                 acts += tokens * mod.in_features * act_b  # saved input
                 acts += tokens * mod.out_features * act_b  # output (feeds the next op)
                 if tt and mod.layout == "ttm":  # W materialised, and its gradient
-                    acts += 2 * math.prod(mod.tt.shape) * _FP32
+                    built += 2 * math.prod(mod.tt.shape) * _FP32
                 elif tt:
                     acts += tokens * mod.tt.ranks[mod.tt.d] * act_b  # X·L
             elif isinstance(mod, nn.Linear):
@@ -552,13 +555,14 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
                     h = split_point(vf, df, r)
                     tables = (math.prod(vf[:h]) * math.prod(df[:h])
                               + math.prod(vf[h:]) * math.prod(df[h:])) * r[h]
-                    acts += 2 * tables * _FP32
+                    built += 2 * tables * _FP32
             elif isinstance(mod, nn.Embedding):
                 acts += tokens * mod.embedding_dim * act_b
             heads = getattr(mod, "n_heads", None)
             if heads and device != "cuda":  # CPU attention keeps the score matrix
                 acts += 2 * B * heads * seq * seq * act_b
         return {"weights": weights, "gradients": grads, "optimizer": optim,
-                "activations": acts, "total": weights + grads + optim + acts}
+                "activations": acts, "materialised": built,
+                "total": weights + grads + optim + acts + built}
 
     return {"tt": estimate(True), "dense": estimate(False)}

@@ -471,7 +471,7 @@ def _layer_bars(pv: Preview, names: list[str], what: str, text: list[str] | None
 
 
 def _memory_chart(pv: Preview) -> None:
-    parts = ["weights", "gradients", "optimizer", "activations"]
+    parts = ["weights", "gradients", "optimizer", "activations", "materialised"]
     fig = go.Figure()
     for i, part in enumerate(parts):
         fig.add_bar(y=["TT model", "dense model"],
