@@ -191,10 +191,13 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     assert bar[None]["base"][0] == start and bar[None]["x"][0] == pytest.approx(floor - start)
     assert at.toggle(key="digits_tt_mlp:auto_rank").value
     assert any("Starts at max rank" in c.value for c in at.caption)
-    # the toggle off: the preset's rank 8 is the start (24.2x)
+    # the toggle off: the preset's rank 8 is the start
     at.toggle(key="digits_tt_mlp:auto_rank").set_value(False).run()
+    raw8 = tomllib.loads((ROOT / "experiments/configs/digits_tt_mlp.toml").read_text())
+    raw8["model"]["rank"] = 8
     bar = {t.get("name"): t for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"]}
-    assert bar["start"]["x"][0] == pytest.approx(24.2, abs=0.05)
+    assert bar["start"]["x"][0] == pytest.approx(preview(raw8).compression(), abs=0.05)
+    assert bar["start"]["x"][0] != pytest.approx(start, abs=0.05)
     charts = at.get("plotly_chart")
     charts = charts[1:]
     # the per-layer bars carry the table's numbers: dense, TT as allocated, TT at target
