@@ -402,10 +402,10 @@ def validate_methods(cfg: Config) -> None:
         _choice("model.tt_impl", m.tt_impl, TT_IMPLS)
     if m.linear_layout is not None:
         _choice("model.linear_layout", m.linear_layout, LINEAR_LAYOUTS)
-    if m.linear_layout == "ttm" and m.tt_impl == "tltorch" and not m.dense:
-        raise ConfigError("model.linear_layout", 'sets the engine\'s TT linears; tltorch '
-                                                 "linears are TT matrices already: drop "
-                                                 'it or set model.tt_impl = "comera"')
+    if m.linear_layout == "tt" and m.tt_impl == "tltorch" and not m.dense:
+        raise ConfigError("model.linear_layout", 'tltorch linears are TT matrices ("ttm"), '
+                                                 'not the "tt" layout: set it to "ttm", drop '
+                                                 'it, or set model.tt_impl = "comera"')
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     if m.tt_impl == "tltorch" and not m.dense and c.method == "tt_svd":
         raise ConfigError("model.tt_impl", 'TT-SVD initialises the engine\'s TT layers; use '

@@ -247,10 +247,12 @@ def test_tensorized_tree_export_round_trips(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("over, field", [
     ({"model.linear_layout": "blocktt"}, "model.linear_layout"),
-    ({"model.linear_layout": "ttm", "model.tt_impl": "tltorch", "comera.method": "fixed"},
+    ({"model.linear_layout": "tt", "model.tt_impl": "tltorch", "comera.method": "fixed"},
      "model.linear_layout"),
 ])
 def test_layout_refusals_name_the_field_in_one_line(over, field, capsys) -> None:
+    """A layout that is not one, and the paper's tt layout asked of tltorch's linears
+    (TT matrices: "ttm" with tltorch is what they are, and accepted)."""
     raw = digits_cfg()
     for key, value in over.items():
         section, name = key.split(".")
@@ -264,3 +266,11 @@ def test_layout_refusals_name_the_field_in_one_line(over, field, capsys) -> None
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"comera: error: {field}"), err
+
+
+def test_tltorch_linears_accept_the_ttm_layout_they_have() -> None:
+    raw = digits_cfg()
+    raw["model"].update(linear_layout="ttm", tt_impl="tltorch")
+    raw["comera"]["method"] = "fixed"
+    cfg = config_from_dict(raw)
+    assert cfg.model.linear_layout == "ttm" and cfg.model.tt_impl == "tltorch"
