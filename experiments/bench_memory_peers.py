@@ -1,9 +1,11 @@
 """Peak training memory of the peer methods on the SNLI transformer (docs/METHODS.md):
 dense + AdamW, dense + GaLore, CoMERA's TT model (gated, at the ranks the trainer starts
 from for the config's target) and the fixed-rank TT of the same target, at batch 1 and 32,
-for ``experiments/configs/snli_transformer_tiny.toml`` and its ``small`` preset.
+for ``experiments/configs/snli_transformer_tiny.toml``, its ``small`` preset and the
+paper's transformer (``paper``: d 768, sequence 128, 30522 words, ranks 30 / 32, the 80x
+whole-model target; batch 1, as the paper compares with GaLore).
 
-    python experiments/bench_memory_peers.py                 # tiny and small, batch 1 and 32
+    python experiments/bench_memory_peers.py                 # tiny, small (batch 1, 32), paper (1)
     python experiments/bench_memory_peers.py --presets tiny --batches 1
 
 Each case runs in its own process (a fresh heap) with the trainer's own pieces: the run's
@@ -60,9 +62,21 @@ MIB = 2**20
 MEMORY_DIR = ROOT / "experiments" / "results" / "reproduce" / "memory"
 
 
+#: The paper's comparison with GaLore (batch 1, RTX 3090): its six-encoder transformer at
+#: d 768, sequence 128, a 30522-word vocabulary, TT ranks 30 (linears) and 32 (the TTM
+#: word embedding) as CoMERA starts, and the 80x whole-model size it ends at. The
+#: batches are SNLI's, tokenised to that vocabulary size.
+PAPER = {"data.seq_len": 128, "data.vocab_size": 30522, "model.rank": 30,
+         "model.embedding_rank": 32, "comera.target_compression": 80.0,
+         "comera.target_scope": "model"}
+
+
 def _raw(preset: str, method: str) -> dict[str, Any]:
     raw = tomllib.loads(CONFIG.read_text())
     raw["model"]["preset"] = preset
+    for key, value in (PAPER if preset == "paper" else {}).items():
+        section, name = key.split(".")
+        raw.setdefault(section, {})[name] = value
     for key, value in METHODS[method].items():
         section, name = key.split(".")
         raw.setdefault(section, {})[name] = value
@@ -175,8 +189,12 @@ def measure(preset: str, method: str, batch_size: int, batches: Path) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--presets", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small", "paper"],
+                    choices=["tiny", "small", "paper"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--paper-batches", nargs="+", type=int, default=[1],
+                    help="batch sizes for the paper preset (default 1, the paper's GaLore "
+                         "comparison; 32 takes minutes a step on one CPU thread)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -186,14 +204,15 @@ def main(argv: list[str] | None = None) -> int:
         preset, method, b, path = args.child
         print(json.dumps(measure(preset, method, int(b), Path(path))))
         return 0
-    if any(b < 1 for b in args.batches):
-        ap.error("--batches: must be positive integers")
+    if any(b < 1 for b in [*args.batches, *args.paper_batches]):
+        ap.error("--batches, --paper-batches: must be positive integers")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
             path = Path(tmp) / f"{preset}.pt"
-            _batches(preset, args.batches, path)
-            for b in args.batches:
+            batches = args.paper_batches if preset == "paper" else args.batches
+            _batches(preset, batches, path)
+            for b in batches:
                 for method in args.methods:
                     cmd = [sys.executable, __file__, "--threads", str(args.threads),
                            "--child", preset, method, str(b), str(path)]
