@@ -35,7 +35,7 @@ split_fraction = 0.8
 [comera]
 gamma = 0.01
 tau = 0.01
-target_compression = 60.0  # starts at 17.8x (rank 6: about 3x the target size); the late stage prunes
+target_compression = 60.0  # starts at 17.8x (rank 6: ~3x the target size)
 target_scope = "tensorized"
 switch = 150             # late stage after 150 steps
 lr_cores = 3e-3
