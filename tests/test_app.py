@@ -166,6 +166,7 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
         "Model preset", "Dataset", "Model size", "Dense baseline", "Target compression (×)",
         "Max rank (linear layers)", "Stage schedule", "Late stage from step", "Device",
         "Precision", "Steps", "CUDA Graph", "Enforce a target compression",
+        "Initial ranks from the target", "TT linear layout",
     }
     assert "cpu" in at.selectbox(key="device").options[0].lower()
     metrics = {m.label: m.value for m in at.metric}
@@ -198,6 +199,12 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     bar = {t.get("name"): t for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"]}
     assert bar["start"]["x"][0] == pytest.approx(preview(raw8).compression(), abs=0.05)
     assert bar["start"]["x"][0] != pytest.approx(start, abs=0.05)
+    # the paper's tt layout at the same rank: its own start (cores of other shapes)
+    at.radio(key="digits_tt_mlp:layout").set_value("tt").run()
+    raw8["model"]["linear_layout"] = "tt"
+    bar = {t.get("name"): t for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"]}
+    assert bar["start"]["x"][0] == pytest.approx(preview(raw8).compression(), abs=0.05)
+    at.radio(key="digits_tt_mlp:layout").set_value("ttm").run()
     charts = at.get("plotly_chart")
     charts = charts[1:]
     # the per-layer bars carry the table's numbers: dense, TT as allocated, TT at target

@@ -116,3 +116,21 @@ def test_fixed_ranks_are_kept_when_the_toggle_is_off() -> None:
     raw, _ = form_to_config(preset.config(), _values(preset, auto_rank=False, rank=5,
                                                      headroom=2.0))
     assert raw["model"]["rank"] == 5 and "headroom" not in raw["comera"]
+
+
+@pytest.mark.parametrize("layout", ["tt", "ttm"])
+def test_the_linear_layout_reaches_the_model(layout: str) -> None:
+    """The form's layout choice builds TT linears of that layout (the digits preset ships
+    ttm; choosing tt gives the paper's order-2d train)."""
+    from comera_engine.layers import TTLinear
+    from comera_engine.models import build_model
+    from comera_engine.preview import data_shape
+
+    preset = PRESETS["digits_tt_mlp"]
+    raw, _ = form_to_config(preset.config(), _values(preset, linear_layout=layout))
+    cfg = resolve_config(raw)
+    model = build_model(cfg.model, data_shape(raw["data"]))
+    layers = [m for m in model.modules() if isinstance(m, TTLinear)]
+    assert layers and {m.layout for m in layers} == {layout}
+    kept, _ = form_to_config(preset.config(), _values(preset))  # None: the preset's
+    assert kept["model"]["linear_layout"] == preset.config()["model"]["linear_layout"]

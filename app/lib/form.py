@@ -32,6 +32,7 @@ class FormValues:
     embedding_rank: int | None = None
     auto_rank: bool = False
     headroom: float | None = None
+    linear_layout: str | None = None  # "tt" | "ttm"; None: the preset's
     schedule: str = "plateau"
     switch_step: int | None = None
     patience: int | None = None
@@ -62,6 +63,8 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
     raw["data"] = dict(v.data)
     m["preset"] = v.size
     m["dense"] = bool(v.dense)
+    if v.linear_layout is not None:
+        m["linear_layout"] = v.linear_layout
     if v.use_target and not v.dense:
         c["target_compression"] = float(v.target)
     else:

@@ -31,6 +31,10 @@ SCHEDULES = {
     "plateau": "Early stage, then late stage when the loss plateaus",
     "never": "Early stage only (no late stage)",
 }
+LAYOUTS = {
+    "tt": "tt (the paper's)",
+    "ttm": "ttm (TT matrix)",
+}
 PRECISIONS = {
     "auto": "auto",
     "fp32": "fp32",
@@ -208,6 +212,14 @@ with left:
             if size == m.get("preset", "tiny") else emb_default,
             step=1, key=k(f"erank:{size}"), disabled=dense or auto,
         )
+    layout = None
+    if any(kind != "embedding" for kind in tt_kinds) and m.get("tt_impl") != "tltorch":
+        layout = st.radio(
+            "TT linear layout", list(LAYOUTS), format_func=LAYOUTS.get, horizontal=True,
+            index=list(LAYOUTS).index(m.get("linear_layout") or "tt"), key=k("layout"),
+            disabled=dense,
+            help="model.linear_layout: tt, the paper's (saves MACs); ttm, a TT matrix "
+                 "(computes like a dense layer, more accurate at high compression).")
     slots["rank"] = st.container()
 
     sw = c.get("switch", "plateau")
@@ -276,7 +288,7 @@ ui.save_form(SAVED, FORM_KEYS)
 raw, gpu_ids = form_to_config(raw, FormValues(
     data=data, size=size, dense=bool(dense), use_target=bool(use_target), target=float(target),
     scope=scope, rank=int(max_rank), embedding_rank=None if emb_rank is None else int(emb_rank),
-    auto_rank=auto, headroom=float(headroom) if auto else None,
+    auto_rank=auto, headroom=float(headroom) if auto else None, linear_layout=layout,
     schedule=sched, switch_step=None if switch_step is None else int(switch_step),
     patience=None if patience is None else int(patience), steps=int(steps),
     batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
@@ -287,8 +299,8 @@ raw, gpu_ids = form_to_config(raw, FormValues(
 FIELD_SLOTS = {
     "data": "data", "model.preset": "data", "model.name": "data",
     "comera.target_compression": "target", "comera.target_scope": "target",
-    "model.rank": "rank", "model.embedding_rank": "rank", "comera.switch": "schedule",
-    "comera.plateau_patience": "schedule", "train.device": "device",
+    "model.rank": "rank", "model.linear_layout": "rank", "model.embedding_rank": "rank",
+    "comera.switch": "schedule", "comera.plateau_patience": "schedule", "train.device": "device",
     "train.precision": "device", "train.steps": "steps", "train.batch_size": "advanced",
     "train.eval_every": "advanced", "train.ckpt_every": "advanced", "name": "advanced",
 }
