@@ -183,12 +183,15 @@ def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: 
 
         check_runnable(_plan_target(cfg, quiet=True),
                        nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    cfg = _plan_target(cfg)  # before any data is read: refuses an unreachable target
+    notes: list[str] = []  # said once this process owns the run (a refusal is one line)
+    cfg = _plan_target(cfg, notes=notes)  # before any data is read: refuses an unreachable target
     bundle = _prepare(cfg, run_dir, args.resume, early)  # validates data and model
     if not is_main:
         return _run(cfg, run_dir, bundle, args, None)
     run_dir.mkdir(parents=True, exist_ok=True)
     with _Writer(run_dir, record, cfg) as writer:  # or RunBusyError: exit 2
+        for note in notes:
+            print(note, file=sys.stderr)
         _write_config(run_dir, args.config, to_toml(cfg))
         _write_data_record(run_dir, bundle)
         return _run(cfg, run_dir, bundle, args, writer)
@@ -412,12 +415,12 @@ def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None)
     return Path("runs") / f"{new_run_id()}-{safe}"
 
 
-def _plan_target(cfg: Any, quiet: bool = False) -> Any:
+def _plan_target(cfg: Any, quiet: bool = False, notes: list[str] | None = None) -> Any:
     """The target plan from the config and the dataset registry's shape facts alone (no
     data is read): a ConfigError for an unreachable target, else ``cfg`` with the initial
     ranks chosen from the target when ``model.rank`` is not fixed (written to the run's
     config.toml, so a resume starts from the same ranks). ``quiet``: do not print the
-    plan's note (the trainer logs it as an event)."""
+    plan's note (the trainer logs it as an event); ``notes``: append it there instead."""
     from comera_engine.preview import data_shape
     from comera_engine.train.tt import plan_initial_ranks
 
@@ -427,7 +430,10 @@ def _plan_target(cfg: Any, quiet: bool = False) -> Any:
         return cfg
     cfg, plan = plan_initial_ranks(cfg, shape)
     if plan is not None and plan.note and not quiet:
-        print(plan.note, file=sys.stderr)
+        if notes is not None:
+            notes.append(plan.note)
+        else:
+            print(plan.note, file=sys.stderr)
     return cfg
 
 
