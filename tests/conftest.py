@@ -65,3 +65,16 @@ def op_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     else:
         request.getfixturevalue("cpu_backend")
     return request.param
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread for the test (tiny models train far faster single-threaded on
+    small shared CPUs: threading overhead dominates); the count is restored after.
+    Modules that want it for every test: ``pytestmark = pytest.mark.usefixtures(...)``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -33,15 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 SNLI_DEV = REPO.parent / "shared/data/snli/dev.jsonl"
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models train far faster single-threaded on small shared CPUs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
     """Area under the ROC curve via the rank-sum formula (no ties expected)."""
     ranks = np.empty(len(scores))

@@ -23,13 +23,7 @@ from comera_engine.rank import (
 )
 from comera_engine.rank.size import model_sizes
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threading overhead dominates on 2 cores
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_surrogate_equals_size_with_unit_gates() -> None:

@@ -33,12 +33,7 @@ SNLI_DEV = ROOT.parent / "shared" / "data" / "snli" / "dev.jsonl"
 TIMING = ("perf/", "mem/")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def digits_cfg(**sections: dict[str, Any]) -> dict[str, Any]:

@@ -24,12 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def reference_weight(cores: list[torch.Tensor], gates: list[torch.Tensor],
