@@ -39,6 +39,7 @@ from comera_engine.export.container import METADATA_KEY, BadExportFile, write_at
 from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
 from comera_engine.tensor.contract import merge_left, merge_right
 from comera_engine.tensor.lookup import merge_tables, split_point
+from comera_engine.tensor.tt import ttm_matrix
 
 __all__ = ["OnnxTTEmbedding", "OnnxTTLinear", "export_onnx", "onnx_export_copy",
            "read_onnx_metadata"]
@@ -76,7 +77,7 @@ class OnnxTTLinear(nn.Module):
                 x = F.pad(x, (0, self.N - self.in_features))
             cores = list(self.cores)
             if self.layout == "ttm":
-                y = torch.matmul(x, self._ttm_weight(cores))
+                y = torch.matmul(x, ttm_matrix(cores))  # W (N, M) from the cores
             else:
                 left = merge_left(cores[: self.d])[-1]  # (N, r_d)
                 right = merge_right(cores[self.d:])[0]  # (r_d, M)
@@ -86,19 +87,6 @@ class OnnxTTLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
-
-
-    def _ttm_weight(self, cores: list[torch.Tensor]) -> torch.Tensor:
-        """``W`` ``(N, M)`` from TT-matrix cores ``(r, n_k, m_k, r')`` (static shapes)."""
-        rows = [int(c.shape[1]) for c in cores]
-        cols = [int(c.shape[2]) for c in cores]
-        acc = cores[0].reshape(rows[0] * cols[0], -1)
-        for c in cores[1:]:
-            acc = torch.matmul(acc, c.reshape(c.shape[0], -1)).reshape(-1, c.shape[-1])
-        d = len(cores)
-        t = acc.reshape([x for k in range(d) for x in (rows[k], cols[k])])
-        perm = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
-        return t.permute(perm).reshape(self.N, self.M)
 
 
 class OnnxTTEmbedding(nn.Module):

@@ -29,6 +29,7 @@ from torch import nn
 
 from comera_engine.errors import ConfigError
 from comera_engine.layers import TTEmbedding, TTLinear
+from comera_engine.layers.tt_linear import LINEAR_LAYOUTS
 
 __all__ = [
     "FAMILIES",
@@ -223,8 +224,9 @@ def _build_tree(spec: Any, where: str, dense: bool, depth: int = 0) -> nn.Module
             if t == "Linear" or dense:
                 return nn.Linear(i, o, bias=bias)
             layout = spec.get("layout", "tt")
-            if layout not in ("tt", "ttm"):
-                raise ConfigError(f"{where}.layout", f"must be tt or ttm, got {layout!r}")
+            if layout not in LINEAR_LAYOUTS:
+                raise ConfigError(f"{where}.layout", f"must be one of "
+                                  f"{', '.join(LINEAR_LAYOUTS)}, got {layout!r}")
             return TTLinear(i, o, rank=1, in_factors=_ints(spec, "in_factors", where),
                             out_factors=_ints(spec, "out_factors", where), bias=bias,
                             tau=_num(spec, "tau", where), layout=layout)

@@ -30,9 +30,33 @@ __all__ = [
     "TensorTrain",
     "TTLinearCores",
     "TTMCores",
+    "contract_chain",
     "max_tt_ranks",
+    "ttm_matrix",
     "tt_svd",
 ]
+
+
+def contract_chain(cores: Sequence[Tensor]) -> Tensor:
+    """Contract a train of cores ``(r_{k-1}, *s_k, r_k)`` left to right (``r_0 = r_d =
+    1``): the full tensor flattened, ``(∏_k ∏ s_k, 1)``, modes in core order. Shapes are
+    read as Python ints, so an ONNX trace keeps them static."""
+    acc = cores[0].reshape(-1, int(cores[0].shape[-1]))
+    for c in cores[1:]:
+        acc = (acc @ c.reshape(int(c.shape[0]), -1)).reshape(-1, int(c.shape[-1]))
+    return acc
+
+
+def ttm_matrix(cores: Sequence[Tensor]) -> Tensor:
+    """The matrix ``(∏ n_k, ∏ m_k)`` of TT-matrix cores ``(r_{k-1}, n_k, m_k, r_k)``:
+    :func:`contract_chain` gives modes ``(n_1, m_1, n_2, m_2, …)``, permuted to
+    ``(n_1..n_d, m_1..m_d)``."""
+    rows = [int(c.shape[1]) for c in cores]
+    cols = [int(c.shape[2]) for c in cores]
+    d = len(cores)
+    t = contract_chain(cores).reshape([x for k in range(d) for x in (rows[k], cols[k])])
+    perm = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
+    return t.permute(perm).reshape(math.prod(rows), math.prod(cols))
 
 
 @dataclass(frozen=True)
@@ -245,11 +269,7 @@ class TensorTrain(nn.Module):
         shape = [x for m in self.mode_shapes for x in m]
         if min(self.ranks) == 0:  # a bond of rank 0: the zero tensor
             return cores[0].new_zeros(shape)
-        acc = cores[0].reshape(-1, cores[0].shape[-1])  # (s_1, r_1)
-        for c in cores[1:]:
-            r = c.shape[0]
-            acc = (acc @ c.reshape(r, -1)).reshape(-1, c.shape[-1])
-        return acc.reshape(shape)
+        return contract_chain(cores).reshape(shape)
 
     def to_dense(self) -> Tensor:
         """The full tensor (same layout as tensorly's ``tt_to_tensor``)."""
