@@ -522,7 +522,10 @@ _MODEL_FIELDS: dict[str, tuple[str, ...]] = {
 }
 METHODS = ("comera", "fixed", "tt_svd")
 TT_IMPLS = ("comera", "tltorch")
-LINEAR_LAYOUTS = ("tt", "ttm")  # comera_engine.layers.tt_linear.LINEAR_LAYOUTS
+#: Core layouts of a TT linear weight (model.linear_layout; layers.tt_linear.TTLinear):
+#: "tt" (the paper's order-2d train, input factors then output factors) and "ttm" (a TT
+#: matrix: one input and one output factor per core).
+LINEAR_LAYOUTS = ("tt", "ttm")
 OPTIMIZERS = ("adamw", "galore")
 
 

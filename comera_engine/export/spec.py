@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_engine.config import LINEAR_LAYOUTS
 from comera_engine.errors import ConfigError
 from comera_engine.layers import TTEmbedding, TTLinear
-from comera_engine.layers.tt_linear import LINEAR_LAYOUTS
 
 __all__ = [
     "FAMILIES",

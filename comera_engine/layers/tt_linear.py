@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config import LINEAR_LAYOUTS  # "tt" (the paper's order-2d train) | "ttm" (TT matrix)
 from ..tensor.contract import explain, tt_linear
 from ..tensor.factorize import Factorization, resolve_factors
 from ..tensor.planner import explain_ttm
@@ -16,9 +17,6 @@ from ..tensor.tt import TTLinearCores, TTMCores
 
 __all__ = ["LINEAR_LAYOUTS", "TTLinear"]
 
-#: Core layouts of a TT linear weight: ``"tt"`` (the paper's order-2d train, input factors
-#: then output factors) and ``"ttm"`` (a TT matrix: one input and one output factor per core).
-LINEAR_LAYOUTS = ("tt", "ttm")
 
 
 class TTLinear(nn.Module):

@@ -112,5 +112,5 @@ def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Mo
         dropout=cfg.dropout if cfg.dropout is not None else base.dropout,
     )
     factory = LayerFactory(kinds, size.rank, size.rank, dense=dense, impl=impl,
-                                linear_layout=layout)
+                           linear_layout=layout)
     return TTMLP(size, factory, int(meta["input_dim"]), int(data.num_classes))
