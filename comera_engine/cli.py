@@ -408,8 +408,7 @@ def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None)
         if record is not None and record.wanted is None and args.resume:
             record.find(folder)
         return folder
-    from comera_engine.store.runs import new_run_id  # time + random: runs started in
-    # the same second get their own folders
+    from comera_engine.store.runs import new_run_id  # time + random: one folder per run
 
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
     return Path("runs") / f"{new_run_id()}-{safe}"

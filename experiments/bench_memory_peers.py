@@ -57,10 +57,7 @@ METHODS = {
     "fixed-tt": {"comera.method": "fixed"},
 }
 MIB = 2**20
-
-
 MEMORY_DIR = ROOT / "experiments" / "results" / "reproduce" / "memory"
-
 
 #: The paper's comparison with GaLore (batch 1, RTX 3090): its six-encoder transformer at
 #: d 768, sequence 128, a 30522-word vocabulary, TT ranks 30 (linears) and 32 (the TTM
@@ -74,10 +71,7 @@ PAPER = {"data.seq_len": 128, "data.vocab_size": 30522, "model.rank": 30,
 def _raw(preset: str, method: str) -> dict[str, Any]:
     raw = tomllib.loads(CONFIG.read_text())
     raw["model"]["preset"] = preset
-    for key, value in (PAPER if preset == "paper" else {}).items():
-        section, name = key.split(".")
-        raw.setdefault(section, {})[name] = value
-    for key, value in METHODS[method].items():
+    for key, value in {**(PAPER if preset == "paper" else {}), **METHODS[method]}.items():
         section, name = key.split(".")
         raw.setdefault(section, {})[name] = value
     return raw

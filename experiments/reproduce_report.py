@@ -19,7 +19,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results" / "reproduce"
 DOC = ROOT / "docs" / "RESULTS.md"
-MEMORY = ROOT / "experiments" / "results" / "reproduce" / "memory" / "bench_memory_peers.json"
+MEMORY = RESULTS / "memory" / "bench_memory_peers.json"  # experiments/bench_memory_peers.py
 #: Written by hand after a run: where the claims are missed, by how much, what was tried.
 NOTES = "notes.md"
 ORDER = ("dense", "comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch")
