@@ -297,7 +297,10 @@ def estimate_ttm(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
     gated cores (:func:`ttm_reconstruct_macs`, batch independent), then ``X·W``; its
     backward ``dW``, ``dX`` and the reconstruction's backward (twice its MACs)."""
     d = len(in_factors)
-    if len(out_factors) != d or len(ranks) != d + 1:
+    if len(out_factors) != d:
+        raise ValueError(f"out_factors: a TT matrix pairs them with the {d} in_factors, "
+                         f"got {len(out_factors)}")
+    if len(ranks) != d + 1:
         raise ValueError(f"ranks: need d+1 = {d + 1} ranks for d = {d} TTM cores, "
                          f"got {len(ranks)}")
     N, M = math.prod(in_factors), math.prod(out_factors)
