@@ -126,6 +126,10 @@ class CoMERAConfig:
     # (only when model.rank is not fixed; docs/SIZE_AND_TARGET.md)
     headroom: float = 3.0
     lr_cores: float = 1e-4
+    # the TT embedding tables' cores (their own AdamW group); None: lr_cores. A table's
+    # rows move only through shared cores and want a larger step than the linears'
+    # (docs/BENCHMARKS.md, "Embedding learning rate")
+    lr_embedding: float | None = None
     lr_gates: float = 1e-3
     lr_dense: float = 5e-5
     weight_decay: float = 0.01
@@ -500,8 +504,10 @@ def validate_comera(c: CoMERAConfig) -> None:
     _nonneg("comera.plateau_min_delta", c.plateau_min_delta)
     for key in ("rho_f", "rho_s", "weight_decay"):
         _nonneg(f"comera.{key}", getattr(c, key))
-    for key in ("lr_cores", "lr_gates", "lr_dense"):
+    for key in ("lr_cores", "lr_embedding", "lr_gates", "lr_dense"):
         value = getattr(c, key)
+        if key == "lr_embedding" and value is None:
+            continue
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"comera.{key}", f"must be a positive number, got {value}")
 

@@ -32,6 +32,7 @@ BAD_SETTINGS = [
     ('comera.target_scope="all"', "comera.target_scope"),
     ('comera.switch="later"', "comera.switch"),
     ("comera.lr_cores=0", "comera.lr_cores"),
+    ("comera.lr_embedding=-1e-3", "comera.lr_embedding"),
     ("comera.switch_by=0", "comera.switch_by"),
     ("comera.reach_at=1.5", "comera.reach_at"),
     ("comera.switch_by=0.9", "comera.switch_by"),

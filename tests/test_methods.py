@@ -314,6 +314,25 @@ def test_tltorch_transformer_builds_at_the_target() -> None:
     assert logits.shape == (2, 3)
 
 
+def test_tltorch_embedding_cores_take_lr_embedding() -> None:
+    """The peer's embedding factors join the ``embedding`` group as the engine's cores
+    do, so a comparison at a given ``lr_embedding`` is like for like."""
+    pytest.importorskip("tltorch")
+    from comera_engine.config import CoMERAConfig
+    from comera_engine.layers import TLTorchEmbedding, TLTorchLinear
+    from comera_engine.train.tt import CoMERAState
+
+    model, _ = planned_model(snli_tiny(**{"model.tt_impl": "tltorch",
+                                          "comera.method": "fixed"}))
+    cfg = CoMERAConfig(method="fixed", lr_cores=1e-4, lr_embedding=3e-3, lr_dense=1e-3)
+    groups = {g["name"]: g for g in CoMERAState(model, cfg).make_optimizer().param_groups}
+    emb = [f for m in model.modules() if isinstance(m, TLTorchEmbedding) for f in m.factors()]
+    lin = [f for m in model.modules() if isinstance(m, TLTorchLinear) for f in m.factors()]
+    assert {id(p) for p in groups["embedding"]["params"]} == {id(p) for p in emb}
+    assert {id(p) for p in groups["cores"]["params"]} == {id(p) for p in lin}
+    assert (groups["embedding"]["lr"], groups["cores"]["lr"]) == (3e-3, 1e-4)
+
+
 def test_missing_tltorch_names_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tltorch", None)  # import fails
     with pytest.raises(ConfigError) as exc:

@@ -206,3 +206,49 @@ def test_surrogate_size_in_one_pass_matches_the_per_layer_sum() -> None:
     m[2].tt.refresh_()
     m[2].tt.truncate_()  # new gate sizes: a new plan
     check()
+
+
+def test_embedding_cores_learn_at_their_own_rate() -> None:
+    """``lr_embedding`` puts the TT embedding's cores in their own AdamW group: AdamW's
+    first step moves each entry by ``lr·sign(grad)`` (plus the decay ``lr·wd·p``), so
+    the largest move of a core is its group's rate, measured on the parameters."""
+    from comera_engine import TTEmbedding
+
+    torch.manual_seed(0)
+    emb, lin = TTEmbedding(60, 16, rank=4), TTLinear(16, 16, rank=4)
+    model = nn.ModuleDict({"emb": emb, "lin": lin})
+    assert [g["name"] for g in param_groups(model)] == ["cores", "gates", "dense"]
+    groups = param_groups(model, lr_cores=1e-4, lr_gates=1e-3, lr_dense=1e-3,
+                          lr_embedding=3e-3)
+    by_name = {g["name"]: g for g in groups}
+    assert {id(p) for p in by_name["embedding"]["params"]} == {id(p) for p in emb.tt.cores}
+    assert {id(p) for p in by_name["cores"]["params"]} == {id(p) for p in lin.tt.cores}
+    before = [p.detach().clone() for p in [*emb.tt.cores, *lin.tt.cores]]
+    opt = torch.optim.AdamW(groups)  # param_groups' default weight decay is 0
+    lin(emb(torch.arange(60))).square().mean().backward()
+    opt.step()
+    after = [*emb.tt.cores, *lin.tt.cores]
+    moves = [float((a.detach() - b).abs().max()) for a, b in zip(after, before)]
+    n_emb = len(emb.tt.cores)
+    for m in moves[:n_emb]:
+        assert m == pytest.approx(3e-3, rel=1e-3)
+    for m in moves[n_emb:]:
+        assert m == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_a_loss_stuck_where_it_started_is_not_a_plateau() -> None:
+    """A classifier at chance (loss ln 3 plus batch noise) has not converged: with
+    ``min_drop`` the detector waits for the loss to fall first, then finds the plateau."""
+    g = torch.Generator().manual_seed(0)
+    stuck = (1.0986 + 0.013 * torch.randn(300, generator=g)).tolist()
+    plain = PlateauDetector(patience=100)
+    guarded = PlateauDetector(patience=100, min_drop=0.01)
+    assert any(plain.update(v) for v in stuck)  # the plain rule calls chance a plateau
+    assert not any(guarded.update(v) for v in stuck)
+    assert guarded.start == pytest.approx(sum(stuck[:20]) / 20)
+    twin = PlateauDetector(patience=100, min_drop=0.01)
+    twin.load_state_dict(guarded.state_dict())
+    learning = torch.linspace(1.0986, 0.9, 200).tolist() + [0.9] * 200
+    fired = [i for i, v in enumerate(learning) if guarded.update(v)]
+    assert fired and 300 <= fired[0] <= 400  # ~100 updates after the smoothed fall ends
+    assert [i for i, v in enumerate(learning) if twin.update(v)] == fired

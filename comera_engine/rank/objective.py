@@ -165,35 +165,66 @@ class PlateauDetector:
     """Detects a loss plateau: an exponential moving average of the loss that has not
     improved by ``rel_tol`` (relative) for ``patience`` updates, after ``min_steps``.
 
+    With ``min_drop`` the patience runs only while the smoothed loss is that much
+    (relative) below where it started, the mean of the first ``head`` losses: a model
+    stuck at its initial loss (a classifier at chance) has not converged, and switching it
+    to the late stage would prune a network that has learned nothing.
+
     ``value`` is the smoothed loss (used as ``z_f``).
     """
 
     def __init__(self, patience: int = 100, rel_tol: float = 1e-3, beta: float = 0.95,
-                 min_steps: int = 0) -> None:
+                 min_steps: int = 0, min_drop: float = 0.0, head: int = 20) -> None:
         if patience < 1:
             raise ValueError(f"patience: must be >= 1, got {patience}")
+        if not 0.0 <= min_drop < 1.0 or head < 1:
+            raise ValueError(f"min_drop, head: need 0 <= min_drop < 1 and head >= 1, "
+                             f"got {min_drop}, {head}")
         self.patience, self.rel_tol, self.beta, self.min_steps = patience, rel_tol, beta, min_steps
+        self.min_drop, self.head = min_drop, head
         self.value: float | None = None
         self.best = math.inf
         self.since_best = 0
         self.n = 0
+        self.head_sum = 0.0
+        self.start: float | None = None  # mean of the first `head` losses
+
+    @property
+    def learned(self) -> bool:
+        """The smoothed loss is now ``min_drop`` below its start (always, without
+        ``min_drop``). The current value, not the best: the first smoothed values are
+        single noisy batches."""
+        if self.min_drop <= 0.0:
+            return True
+        return (self.start is not None and self.value is not None
+                and self.value < self.start * (1.0 - self.min_drop))
 
     def update(self, loss: float) -> bool:
-        """Feed one loss; True once the loss has plateaued."""
+        """Feed one loss; True once the loss has plateaued (after learning something)."""
         self.n += 1
+        if self.n <= self.head:
+            self.head_sum += loss
+            if self.n == self.head:
+                self.start = self.head_sum / self.head
         self.value = loss if self.value is None else self.beta * self.value + (1 - self.beta) * loss
         if self.value < self.best * (1 - self.rel_tol):
             self.best = self.value
             self.since_best = 0
-        else:
+        elif self.learned:  # the patience runs only once the loss has fallen
             self.since_best += 1
+        else:
+            self.since_best = 0
         return self.n >= self.min_steps and self.since_best >= self.patience
 
     def state_dict(self) -> dict:
-        return {"value": self.value, "best": self.best, "since_best": self.since_best, "n": self.n}
+        return {"value": self.value, "best": self.best, "since_best": self.since_best, "n": self.n,
+                "head_sum": self.head_sum, "start": self.start}
 
     def load_state_dict(self, s: dict) -> None:
         self.value, self.best = s["value"], s["best"]
         self.since_best, self.n = s["since_best"], s["n"]
+        # checkpoints from before min_drop: the start is unknown, so take the best so far
+        self.head_sum = s.get("head_sum", 0.0)
+        self.start = s.get("start", self.value if self.n >= self.head else None)
 
 

@@ -7,24 +7,28 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from ..layers import tt_layers
+from ..layers import TTEmbedding, tt_layers
 
 __all__ = ["RankEvent", "RankTracker", "param_groups", "refresh_gates",
            "refresh_gates_on_device", "truncate_model_and_optimizer"]
 
 
 def param_groups(model: nn.Module, lr_cores: float = 1e-4, lr_gates: float = 1e-3,
-                 lr_dense: float = 5e-5, weight_decay: float = 0.0) -> list[dict]:
-    """Three AdamW groups: ``cores`` (TT cores), ``gates`` (rank gates, no weight decay)
-    and ``dense`` (everything else). Empty groups are dropped."""
-    cores, gates, ids = [], [], set()
+                 lr_dense: float = 5e-5, weight_decay: float = 0.0,
+                 lr_embedding: float | None = None) -> list[dict]:
+    """AdamW groups: ``cores`` (TT cores), ``gates`` (rank gates, no weight decay) and
+    ``dense`` (everything else); with ``lr_embedding``, the cores of the TT embedding
+    tables form their own ``embedding`` group at that rate. Empty groups are dropped."""
+    cores, emb, gates = [], [], []
     for _, m in tt_layers(model):
-        cores.extend(m.tt.cores)
+        own = emb if lr_embedding is not None and isinstance(m, TTEmbedding) else cores
+        own.extend(m.tt.cores)
         gates.extend(m.tt.gates)
-    ids = {id(p) for p in cores + gates}
+    ids = {id(p) for p in cores + emb + gates}
     dense = [p for p in model.parameters() if id(p) not in ids]
     groups = [
         {"name": "cores", "params": cores, "lr": lr_cores, "weight_decay": weight_decay},
+        {"name": "embedding", "params": emb, "lr": lr_embedding, "weight_decay": weight_decay},
         {"name": "gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
         {"name": "dense", "params": dense, "lr": lr_dense, "weight_decay": weight_decay},
     ]

@@ -124,8 +124,10 @@ class CoMERAState:
 
             for layer in tt_layers(model).values():
                 layer.tt.tau = cfg.tau  # the gate threshold lives on the layers
+            # a plateau counts once the smoothed loss is 1 % below where it started:
+            # a network still at its initial loss (at chance) is not pruned for it
             self.plateau = rank.PlateauDetector(
-                patience=cfg.plateau_patience, rel_tol=cfg.plateau_min_delta
+                patience=cfg.plateau_patience, rel_tol=cfg.plateau_min_delta, min_drop=0.01
             )
         if self.enabled:
             from comera_engine import rank
@@ -146,18 +148,24 @@ class CoMERAState:
             from comera_engine import rank
 
             groups = rank.param_groups(
-                self.model, c.lr_cores, c.lr_gates, c.lr_dense, c.weight_decay
-            )
+                self.model, c.lr_cores, c.lr_gates, c.lr_dense, c.weight_decay,
+                lr_embedding=c.lr_embedding)
             for g in groups:  # frozen gates (fixed ranks) are not optimised
                 g["params"] = [p for p in g["params"] if p.requires_grad]
             groups = [g for g in groups if g["params"]]
-        elif self.has_peers:  # peer TT cores learn at lr_cores, like the engine's
-            from comera_engine.layers import peer_layers
+        elif self.has_peers:  # peer TT cores learn at lr_cores (and lr_embedding), like
+            from comera_engine.layers import TLTorchEmbedding, peer_layers  # the engine's
 
-            cores = [f for _, m in peer_layers(self.model) for f in m.factors()]
-            ids = {id(p) for p in cores}
+            cores, emb = [], []
+            for _, m in peer_layers(self.model):
+                own = (emb if c.lr_embedding is not None and isinstance(m, TLTorchEmbedding)
+                       else cores)
+                own.extend(m.factors())
+            ids = {id(p) for p in cores + emb}
             rest = [p for p in self.model.parameters() if p.requires_grad and id(p) not in ids]
             groups = [{"name": "cores", "params": cores, "lr": c.lr_cores,
+                       "weight_decay": c.weight_decay},
+                      {"name": "embedding", "params": emb, "lr": c.lr_embedding,
                        "weight_decay": c.weight_decay},
                       {"name": "dense", "params": rest, "lr": c.lr_dense,
                        "weight_decay": c.weight_decay}]
