@@ -186,8 +186,12 @@ class PlateauDetector:
         self.best = math.inf
         self.since_best = 0
         self.n = 0
-        self.head_sum = 0.0
-        self.start: float | None = None  # mean of the first `head` losses
+        self.head_sum = 0.0  # sum of the first `head` losses
+
+    @property
+    def start(self) -> float | None:
+        """Where the loss started: the mean of its first ``head`` values (None before)."""
+        return self.head_sum / self.head if self.n >= self.head else None
 
     @property
     def learned(self) -> bool:
@@ -204,8 +208,6 @@ class PlateauDetector:
         self.n += 1
         if self.n <= self.head:
             self.head_sum += loss
-            if self.n == self.head:
-                self.start = self.head_sum / self.head
         self.value = loss if self.value is None else self.beta * self.value + (1 - self.beta) * loss
         if self.value < self.best * (1 - self.rel_tol):
             self.best = self.value
@@ -218,13 +220,13 @@ class PlateauDetector:
 
     def state_dict(self) -> dict:
         return {"value": self.value, "best": self.best, "since_best": self.since_best, "n": self.n,
-                "head_sum": self.head_sum, "start": self.start}
+                "head_sum": self.head_sum}
 
     def load_state_dict(self, s: dict) -> None:
         self.value, self.best = s["value"], s["best"]
         self.since_best, self.n = s["since_best"], s["n"]
-        # checkpoints from before min_drop: the start is unknown, so take the best so far
-        self.head_sum = s.get("head_sum", 0.0)
-        self.start = s.get("start", self.value if self.n >= self.head else None)
+        # checkpoints from before min_drop kept no start: the smoothed loss stands in
+        # for the losses seen of the first `head`
+        self.head_sum = s.get("head_sum", (self.value or 0.0) * min(self.n, self.head))
 
 

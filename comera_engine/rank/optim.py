@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from ..layers import TTEmbedding, tt_layers
+from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
 
 __all__ = ["RankEvent", "RankTracker", "param_groups", "refresh_gates",
            "refresh_gates_on_device", "truncate_model_and_optimizer"]
@@ -16,14 +16,17 @@ __all__ = ["RankEvent", "RankTracker", "param_groups", "refresh_gates",
 def param_groups(model: nn.Module, lr_cores: float = 1e-4, lr_gates: float = 1e-3,
                  lr_dense: float = 5e-5, weight_decay: float = 0.0,
                  lr_embedding: float | None = None) -> list[dict]:
-    """AdamW groups: ``cores`` (TT cores), ``gates`` (rank gates, no weight decay) and
-    ``dense`` (everything else); with ``lr_embedding``, the cores of the TT embedding
-    tables form their own ``embedding`` group at that rate. Empty groups are dropped."""
+    """AdamW groups: ``cores`` (TT cores: the engine's layers' and the tltorch peers'
+    factors), ``gates`` (rank gates, no weight decay) and ``dense`` (everything else);
+    with ``lr_embedding``, the cores of the TT embedding tables form their own
+    ``embedding`` group at that rate. Empty groups are dropped."""
     cores, emb, gates = [], [], []
+    tables = (TTEmbedding, TLTorchEmbedding) if lr_embedding is not None else ()
     for _, m in tt_layers(model):
-        own = emb if lr_embedding is not None and isinstance(m, TTEmbedding) else cores
-        own.extend(m.tt.cores)
+        (emb if isinstance(m, tables) else cores).extend(m.tt.cores)
         gates.extend(m.tt.gates)
+    for _, m in peer_layers(model):  # TT-matrix factors, no gates
+        (emb if isinstance(m, tables) else cores).extend(m.factors())
     ids = {id(p) for p in cores + emb + gates}
     dense = [p for p in model.parameters() if id(p) not in ids]
     groups = [

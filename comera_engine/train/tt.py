@@ -137,14 +137,15 @@ class CoMERAState:
     # ------------------------------------------------------------------ optimizer
 
     def make_optimizer(self, capturable: bool = False) -> torch.optim.Optimizer:
-        """AdamW with groups ``cores``, ``gates`` and ``dense`` (each its own lr).
+        """AdamW with the groups of :func:`comera_engine.rank.param_groups` (``cores``,
+        ``embedding`` with ``lr_embedding``, ``gates``, ``dense``; each its own lr).
 
         On CPU the fused AdamW kernel: a TT model has hundreds of small parameters
         (cores and gates of every layer), and the default per-parameter loop costs more
         than the update itself (``experiments/bench_step_overheads.py``). Elsewhere
         torch's default (``foreach`` on CUDA)."""
         c = self.cfg
-        if self.has_tt:
+        if self.has_tt or self.has_peers:  # peer TT cores learn at lr_cores too
             from comera_engine import rank
 
             groups = rank.param_groups(
@@ -152,23 +153,6 @@ class CoMERAState:
                 lr_embedding=c.lr_embedding)
             for g in groups:  # frozen gates (fixed ranks) are not optimised
                 g["params"] = [p for p in g["params"] if p.requires_grad]
-            groups = [g for g in groups if g["params"]]
-        elif self.has_peers:  # peer TT cores learn at lr_cores (and lr_embedding), like
-            from comera_engine.layers import TLTorchEmbedding, peer_layers  # the engine's
-
-            cores, emb = [], []
-            for _, m in peer_layers(self.model):
-                own = (emb if c.lr_embedding is not None and isinstance(m, TLTorchEmbedding)
-                       else cores)
-                own.extend(m.factors())
-            ids = {id(p) for p in cores + emb}
-            rest = [p for p in self.model.parameters() if p.requires_grad and id(p) not in ids]
-            groups = [{"name": "cores", "params": cores, "lr": c.lr_cores,
-                       "weight_decay": c.weight_decay},
-                      {"name": "embedding", "params": emb, "lr": c.lr_embedding,
-                       "weight_decay": c.weight_decay},
-                      {"name": "dense", "params": rest, "lr": c.lr_dense,
-                       "weight_decay": c.weight_decay}]
             groups = [g for g in groups if g["params"]]
         else:
             params = [p for p in self.model.parameters() if p.requires_grad]
