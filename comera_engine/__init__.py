@@ -1,9 +1,19 @@
 """CoMERA engine: rank-adaptive tensor-train training (arXiv 2405.14377).
 
+The method for your own model and training loop (README, "Your own model and training
+loop")::
+
+    ce.tensorize(model, rank="auto", target_compression=20, exclude=["head"])
+    comera = ce.CoMERA(model, target_compression=20, total_steps=1500)
+    opt = torch.optim.AdamW(comera.param_groups())
+    ...  # loss = comera.loss(task_loss); backward; opt.step(); comera.step(opt)
+    ce.save(model, "small.safetensors"); ce.load_into(MyNet(), "small.safetensors")
+
 ``import comera_engine`` is cheap: the layers (and torch) load on first use of
-``TTLinear``, ``TTEmbedding``, ``tensorize``, ``truncate``, ``size_report`` or the TT math
-(``tt_svd``, ``max_tt_ranks``, ``plan``, ``estimate``, ``explain``), so the run
-store, the launcher and the CLI's light commands start fast. It needs only torch, numpy
+``CoMERA``, ``TTLinear``, ``TTEmbedding``, ``tensorize``, ``truncate``, ``size_report``,
+``save`` / ``load_into`` or the TT math (``tt_svd``, ``max_tt_ranks``, ``plan``,
+``estimate``, ``explain``), so the run store, the launcher and the CLI's light commands
+start fast. It needs only torch, numpy
 and tensorly; datasets, tokenizers, streamlit, pynvml and onnx are imported where used.
 """
 
@@ -15,17 +25,21 @@ from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
-__all__ = ["TTEmbedding", "TTLinear", "__version__", "estimate", "explain", "load",
-           "max_tt_ranks", "plan", "size_report", "tensorize", "truncate", "tt_svd"]
+__all__ = ["CoMERA", "TTEmbedding", "TTLinear", "__version__", "estimate", "explain", "load",
+           "load_into", "max_tt_ranks", "plan", "save", "size_report", "tensorize",
+           "truncate", "tt_svd"]
 
 #: Public names that load torch on first use, and the module each lives in.
-_LAZY = {"TTEmbedding": "layers", "TTLinear": "layers", "size_report": "layers",
-         "tensorize": "layers", "truncate": "layers", "tt_svd": "tensor",
+_LAZY = {"CoMERA": "rank", "TTEmbedding": "layers", "TTLinear": "layers",
+         "size_report": "layers", "tensorize": "rank", "truncate": "layers",
+         "save": "export.weights", "load_into": "export.weights", "tt_svd": "tensor",
          "max_tt_ranks": "tensor", "explain": "tensor", "plan": "tensor",
          "estimate": "tensor"}
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .layers import TTEmbedding, TTLinear, size_report, tensorize, truncate
+    from .export.weights import load_into, save
+    from .layers import TTEmbedding, TTLinear, size_report, truncate
+    from .rank import CoMERA, tensorize
     from .tensor import estimate, explain, max_tt_ranks, plan, tt_svd
 
 

@@ -421,7 +421,7 @@ def _plan_target(cfg: Any, quiet: bool = False, notes: list[str] | None = None) 
     config.toml, so a resume starts from the same ranks). ``quiet``: do not print the
     plan's note (the trainer logs it as an event); ``notes``: append it there instead."""
     from comera_engine.preview import data_shape
-    from comera_engine.train.tt import plan_initial_ranks
+    from comera_engine.train.plan import plan_initial_ranks
 
     try:
         shape = data_shape(cfg.data)
@@ -458,11 +458,11 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any
             f"a global batch of {cfg.train.batch_size * world} exceeds the "
             f"{len(bundle.train)} training examples",
         )
-    from comera_engine.train.tt import CoMERAState
+    from comera_engine.rank import CoMERA
 
     if on_phase is not None:
         on_phase("building")
-    CoMERAState(build_model(cfg.model, bundle), cfg.comera)  # e.g. an unreachable target
+    CoMERA(build_model(cfg.model, bundle), config=cfg.comera)  # e.g. an unreachable target
     return bundle
 
 

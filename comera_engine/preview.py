@@ -392,7 +392,7 @@ def make_preview(cfg: Any, device: str = "cpu") -> Preview:
 
     from comera_engine.errors import ConfigError
     from comera_engine.layers import TTEmbedding, TTLinear
-    from comera_engine.train.tt import plan_initial_ranks
+    from comera_engine.train.plan import plan_initial_ranks
 
     shape = data_shape(cfg.data)
     plan_error: tuple[str, str] | None = None

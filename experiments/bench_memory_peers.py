@@ -113,9 +113,10 @@ def measure(preset: str, method: str, batch_size: int, batches: Path) -> dict[st
     from comera_engine.config import config_from_dict
     from comera_engine.models import TaskModel
     from comera_engine.preview import data_shape
+    from comera_engine.rank import CoMERA
     from comera_engine.train.methods import build_run_model, galore_optimizer
+    from comera_engine.train.plan import plan_initial_ranks
     from comera_engine.train.step import TrainStep
-    from comera_engine.train.tt import CoMERAState, plan_initial_ranks
 
     keep_freed_memory_as_training_does()
     torch.manual_seed(0)
@@ -128,7 +129,7 @@ def measure(preset: str, method: str, batch_size: int, batches: Path) -> dict[st
     cfg, plan = plan_initial_ranks(cfg, shape)
     model = build_run_model(cfg, shape, plan)
     task = TaskModel(model, "nli")
-    state = CoMERAState(model, cfg.comera)
+    state = CoMERA(model, config=cfg.comera)
     if cfg.train.optimizer == "galore":
         opt = galore_optimizer(model, cfg)
     else:

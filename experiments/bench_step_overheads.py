@@ -62,8 +62,7 @@ def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
 
 
 def run(preset: str, rounds: int, reps: int) -> list[dict]:
-    from comera_engine.config import CoMERAConfig
-    from comera_engine.train.tt import CoMERAState
+    from comera_engine.rank import CoMERA
 
     rows = []
     for variant in ("comera", "dense"):
@@ -72,7 +71,7 @@ def run(preset: str, rounds: int, reps: int) -> list[dict]:
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             p.grad = torch.randn_like(p)
-        groups = CoMERAState(model, CoMERAConfig()).make_optimizer().param_groups
+        groups = CoMERA(model).make_optimizer().param_groups
         opts = {}
         for impl in ("per-parameter", "foreach", "fused"):
             opt = torch.optim.AdamW([{k: v for k, v in g.items()

@@ -61,10 +61,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     import psutil
     import torch
 
-    from comera_engine.config import CoMERAConfig
     from comera_engine.models import TaskModel
+    from comera_engine.rank import CoMERA
     from comera_engine.train.step import GraphedStep, TrainStep
-    from comera_engine.train.tt import CoMERAState
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
@@ -75,7 +74,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     model = build_transformer(spec["preset"], dense=spec["variant"] == "dense")
     task_model = TaskModel(model, "nli").to(device)
-    state = CoMERAState(model, CoMERAConfig())
+    state = CoMERA(model)
     optimizer = state.make_optimizer(capturable=spec["graph"])
     step = TrainStep(
         task_model,

@@ -88,7 +88,7 @@ def test_ranks_from_the_target_start_where_comera_train_starts(key: str) -> None
     run starts where `comera train` starts with the same config: the plan's ranks, at
     least ``headroom`` times the target size (or the full-rank TT)."""
     from comera_engine.preview import data_shape, preview
-    from comera_engine.train.tt import plan_initial_ranks
+    from comera_engine.train.plan import plan_initial_ranks
 
     preset = PRESETS[key]
     before = preset.config()

@@ -22,7 +22,7 @@ from comera_engine.models import build_model
 from comera_engine.preview import data_shape
 from comera_engine.train.loop import train
 from comera_engine.train.methods import build_run_model, galore_optimizer, init_from_dense
-from comera_engine.train.tt import plan_initial_ranks
+from comera_engine.train.plan import plan_initial_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,13 +138,13 @@ def test_fixed_ranks_meet_the_target_size(which: str, target: float) -> None:
 def test_fixed_ranks_are_useful_and_follow_the_plan() -> None:
     """Every bond within its useful cap (no rank a TT-SVD could not fill), and the plan's
     ranks are the model's."""
+    from comera_engine.layers import factorized_layers
     from comera_engine.rank.target import bond_caps
-    from comera_engine.train.tt import factorized_layers
 
     with torch.device("meta"):
         model, plan = planned_model(snli_tiny(**{"comera.method": "fixed",
                                                  "comera.target_compression": 30.0}))
-    layers = list(factorized_layers(model).values())
+    layers = [m for _, m in factorized_layers(model)]
     for layer, ranks in zip(layers, plan.bond_ranks):
         assert list(layer.tt.ranks[1:-1]) == list(ranks)
         assert all(r <= c for r, c in zip(ranks, bond_caps(tuple(layer.tt.mode_sizes),
@@ -320,12 +320,12 @@ def test_tltorch_embedding_cores_take_lr_embedding() -> None:
     pytest.importorskip("tltorch")
     from comera_engine.config import CoMERAConfig
     from comera_engine.layers import TLTorchEmbedding, TLTorchLinear
-    from comera_engine.train.tt import CoMERAState
+    from comera_engine.rank import CoMERA
 
     model, _ = planned_model(snli_tiny(**{"model.tt_impl": "tltorch",
                                           "comera.method": "fixed"}))
     cfg = CoMERAConfig(method="fixed", lr_cores=1e-4, lr_embedding=3e-3, lr_dense=1e-3)
-    groups = {g["name"]: g for g in CoMERAState(model, cfg).make_optimizer().param_groups}
+    groups = {g["name"]: g for g in CoMERA(model, config=cfg).make_optimizer().param_groups}
     emb = [f for m in model.modules() if isinstance(m, TLTorchEmbedding) for f in m.factors()]
     lin = [f for m in model.modules() if isinstance(m, TLTorchLinear) for f in m.factors()]
     assert {id(p) for p in groups["embedding"]["params"]} == {id(p) for p in emb}

@@ -11,9 +11,13 @@ from torch import nn
 
 from comera_engine.config import ModelConfig
 from comera_engine.errors import ConfigError
+from comera_engine.layers import tt_layers as _pairs
 from comera_engine.models import DLRM, TTMLP, TaskModel, build_model, roc_auc
 from comera_engine.models.transformer import TransformerClassifier, TransformerMLM
-from comera_engine.train.tt import tt_layers
+
+
+def tt_layers(model: torch.nn.Module) -> dict:
+    return dict(_pairs(model))
 
 
 def nli_data(vocab: int = 300, seq: int = 16) -> SimpleNamespace:

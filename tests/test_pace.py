@@ -14,14 +14,13 @@ import pytest
 import tomllib
 import torch
 
-from comera_engine.config import CoMERAConfig, ModelConfig, config_from_dict
+from comera_engine.config import ModelConfig, config_from_dict
 from comera_engine.layers import size_report
 from comera_engine.layers import tt_layers as _pairs
 from comera_engine.metrics import JSONLSink, read_jsonl
 from comera_engine.models import build_model
-from comera_engine.rank import PacePlan, entry_scores, prune_to
+from comera_engine.rank import CoMERA, PacePlan, entry_scores, prune_to
 from comera_engine.train import train
-from comera_engine.train.tt import CoMERAState
 
 
 def tt_layers(model: torch.nn.Module) -> dict:
@@ -101,15 +100,14 @@ def test_prune_to_reaches_the_goal_in_the_band_lowest_scores_first(factor: float
 
 def test_freezing_fixes_the_ranks_and_survives_a_checkpoint() -> None:
     model = _model()
-    state = CoMERAState(model, CoMERAConfig(target_compression=30.0))
-    state.total_steps = 100
+    state = CoMERA(model, target_compression=30.0, total_steps=100)
     state.freeze()
     with torch.no_grad():
         for layer in tt_layers(model).values():
             layer.tt.gates[0].mul_(1e-3)  # far below the old threshold
-    assert state.after_step(1) == []  # nothing dies once the ranks are fixed
+    assert state.step(loss=1.0) == []  # nothing dies once the ranks are fixed
     saved = state.state_dict()
-    again = CoMERAState(_model(), CoMERAConfig(target_compression=30.0))
+    again = CoMERA(_model(), target_compression=30.0, total_steps=100)
     again.load_state_dict(saved)
     assert again.frozen and again.objective.frozen
     assert all(m.tt.tau == 0.0 for m in tt_layers(again.model).values())

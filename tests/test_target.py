@@ -25,10 +25,10 @@ from comera_engine.layers import size_report
 from comera_engine.metrics import JSONLSink, read_jsonl, target_outcome
 from comera_engine.models import build_model
 from comera_engine.preview import data_shape, make_preview
-from comera_engine.rank import CoMERAObjective, effective_size, plan_target, size_spec
+from comera_engine.rank import CoMERA, CoMERAObjective, effective_size, plan_target, size_spec
 from comera_engine.rank.target import LayerSpec, SizeSpec, tt_core_size
 from comera_engine.train.loop import train
-from comera_engine.train.tt import CoMERAState, plan_initial_ranks
+from comera_engine.train.plan import plan_initial_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "experiments" / "configs"
@@ -292,7 +292,7 @@ def test_objective_logs_preview_and_card_count_the_same_size(which: str) -> None
     scope = cfg.comera.target_scope
     dense, alloc = _tensorized_by_hand(model)  # the independent count
     rep = size_report(model)
-    state = CoMERAState(model, cfg.comera)
+    state = CoMERA(model, config=cfg.comera)
     obj = state.objective
     logged = state.size_metrics()
     plan = plan_target(size_spec(model), scope, cfg.comera.target_compression,

@@ -461,9 +461,12 @@ def test_objective_matches_the_method_formula_in_float64(scope) -> None:
     from types import SimpleNamespace
 
     from comera_engine.config import CoMERAConfig, ModelConfig
+    from comera_engine.layers import tt_layers as pairs
     from comera_engine.models import build_model
-    from comera_engine.rank import gamma_ramp
-    from comera_engine.train.tt import CoMERAState, tt_layers
+    from comera_engine.rank import CoMERA, gamma_ramp, refresh_gates
+
+    def tt_layers(m: torch.nn.Module) -> dict:
+        return dict(pairs(m))
 
     torch.manual_seed(0)
     data = SimpleNamespace(name="x", task="classification", num_classes=10, meta={"input_dim": 64})
@@ -472,15 +475,15 @@ def test_objective_matches_the_method_formula_in_float64(scope) -> None:
     cfg = CoMERAConfig(
         gamma=0.3, gamma_warmup=10, target_compression=target, target_scope=scope, l2_cores=1e-3
     )
-    state = CoMERAState(model, cfg)
+    state = CoMERA(model, config=cfg)
     with torch.no_grad():  # kill a few ranks so that the masks matter
         for layer in tt_layers(model).values():
             layer.tt.gates[1][:3] = 0.0
-    state.after_step(0)
+    refresh_gates(model)
     obj = state.objective
 
     def check(f_value: float, step: int = 100) -> float:
-        state.begin_step(step)
+        state.steps_done = step  # the γ warm-up of the step after `step` steps
         model.zero_grad()
         f = torch.tensor(f_value, requires_grad=True)
         total, info = obj(f)
@@ -520,8 +523,8 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
     from comera_engine.config import CoMERAConfig, ModelConfig
     from comera_engine.data import build_dataset
     from comera_engine.models import TaskModel, build_model
+    from comera_engine.rank import CoMERA
     from comera_engine.train.step import TrainStep
-    from comera_engine.train.tt import CoMERAState
 
     bundle = build_dataset({"name": "digits"})
     x, y = bundle.train.tensors["x"], bundle.train.tensors["labels"]
@@ -538,7 +541,7 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
     for graph_safe in (False, True):
         torch.manual_seed(0)
         model = build_model(ModelConfig(name="tt_mlp", preset="tiny", dropout=0.0), bundle)
-        state = CoMERAState(model, cfg)
+        state = CoMERA(model, config=cfg)
         opt = state.make_optimizer()
         step = TrainStep(
             TaskModel(model, "classification"),
@@ -554,13 +557,10 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
             if i == 20:
                 state.objective.switch_to_late(z_f=0.3)
                 step.objective = state.objective_fn()
-            state.begin_step(i)
             out = step({"x": x[i * 32 : (i + 1) * 32], "labels": y[i * 32 : (i + 1) * 32]})
-            if graph_safe:
-                counts = out["gate_counts"].tolist()
-                events += state.events_from_counts(i + 1, counts)
-            else:
-                events += state.after_step(i + 1)
+            counts = out["gate_counts"].tolist() if graph_safe else None
+            done = state.step(opt, loss=float(out["loss/task"]), counts=counts, truncate=False)
+            events += [e.text for e in done if e.kind == "rank_change"]
             losses.append(float(out["loss/total"]))
         runs.append((losses, events, state.effective_ranks()))
     (l1, e1, r1), (l2, e2, r2) = runs
@@ -572,9 +572,12 @@ def test_device_gate_refresh_equals_the_reference() -> None:
     from types import SimpleNamespace
 
     from comera_engine.config import ModelConfig
+    from comera_engine.layers import tt_layers as pairs
     from comera_engine.models import build_model
     from comera_engine.rank import refresh_gates, refresh_gates_on_device
-    from comera_engine.train.tt import tt_layers
+
+    def tt_layers(m: torch.nn.Module) -> dict:
+        return dict(pairs(m))
 
     data = SimpleNamespace(name="x", task="classification", num_classes=10, meta={"input_dim": 64})
     torch.manual_seed(0)
@@ -595,10 +598,9 @@ def test_device_gate_refresh_equals_the_reference() -> None:
     ref = [int(m.tt.alive(k).sum()) for m in tt_layers(a).values() for k in range(5)]
     assert counts.tolist() == ref
     # the loop logs ranks from these counts (no gate reads): same as reading the gates
-    from comera_engine.config import CoMERAConfig
-    from comera_engine.train.tt import CoMERAState
+    from comera_engine.rank import CoMERA
 
-    state = CoMERAState(b, CoMERAConfig())
+    state = CoMERA(b)
     assert state.effective_ranks(counts.tolist()) == state.effective_ranks()
     assert len(events) > 0 and any(e.new == 1 for e in events)
     assert tt_layers(b)["body.0"].tt.gates[2][1].item() == pytest.approx(-0.015)
@@ -649,19 +651,19 @@ def test_ddp_two_processes_match_one_process_with_the_global_batch(tmp_path) -> 
 
 _FAIL_ON_RANK_1 = """
 import os, sys
-from comera_engine.train import tt
+from comera_engine.rank import controller
 from comera_engine import cli
 
-_begin = tt.CoMERAState.begin_step
+_step = controller.CoMERA.step
 
 
-def begin_step(self, index):
-    if os.environ["RANK"] == "1" and index == 3:
+def step(self, *args, **kwargs):
+    if os.environ["RANK"] == "1" and self.steps_done == 3:
         raise RuntimeError("injected failure on rank 1")
-    return _begin(self, index)
+    return _step(self, *args, **kwargs)
 
 
-tt.CoMERAState.begin_step = begin_step
+controller.CoMERA.step = step
 sys.exit(cli.main())
 """
 
@@ -689,12 +691,11 @@ def test_ddp_one_failing_process_ends_the_job(tmp_path) -> None:
 
 _RECORD_EACH_PROCESS = """
 import json, os, sys
-from comera_engine.rank import objective
-from comera_engine.train import tt
+from comera_engine.rank import controller, objective
 from comera_engine import cli
 
 out = os.path.join(sys.argv.pop(1), "process_" + os.environ["RANK"] + ".jsonl")
-_call, _truncate = objective.CoMERAObjective.__call__, tt.CoMERAState.truncate
+_call, _truncate = objective.CoMERAObjective.__call__, controller.CoMERA.truncate
 
 
 def call(self, f):
@@ -705,17 +706,17 @@ def call(self, f):
     return total, info
 
 
-def truncate(self, optimizer):
-    done = _truncate(self, optimizer)
+def truncate(self, optimizer, **kwargs):
+    done = _truncate(self, optimizer, **kwargs)
     with open(out, "a") as fh:
         fh.write(json.dumps({"ranks": self.effective_ranks(),
                              "shapes": {n: list(m.tt.ranks) for n, m in
-                                        tt.tt_layers(self.model).items()}}) + "\\n")
+                                        self._layers.items()}}) + "\\n")
     return done
 
 
 objective.CoMERAObjective.__call__ = call
-tt.CoMERAState.truncate = truncate
+controller.CoMERA.truncate = truncate
 sys.exit(cli.main())
 """
 

@@ -2,9 +2,17 @@
 the peer (tltorch) TT layers of docs/METHODS.md in :mod:`.peers`."""
 
 from .peers import PEER_LAYERS, TLTorchEmbedding, TLTorchLinear, peer_layers
-from .tensorize import TT_LAYERS, size_report, tensorize, truncate, tt_layers
+from .tensorize import (
+    TT_LAYERS,
+    factorized_layers,
+    size_report,
+    tensorize,
+    truncate,
+    tt_layers,
+)
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
 __all__ = ["PEER_LAYERS", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS", "TTEmbedding",
-           "TTLinear", "peer_layers", "size_report", "tensorize", "truncate", "tt_layers"]
+           "TTLinear", "factorized_layers", "peer_layers", "size_report", "tensorize",
+           "truncate", "tt_layers"]

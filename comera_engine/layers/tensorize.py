@@ -16,7 +16,8 @@ from .peers import peer_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
-__all__ = ["TT_LAYERS", "tensorize", "truncate", "size_report", "tt_layers"]
+__all__ = ["TT_LAYERS", "factorized_layers", "tensorize", "truncate", "size_report",
+           "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
 
@@ -24,6 +25,12 @@ TT_LAYERS = (TTLinear, TTEmbedding)
 def tt_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, layer)`` for every TT layer in ``model``."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, TT_LAYERS)]
+
+
+def factorized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The engine's TT layers, then the peer (tltorch) TT layers of ``model``, each in
+    model order (the order :func:`comera_engine.rank.size_spec` lists them in)."""
+    return tt_layers(model) + peer_layers(model)
 
 
 def _matches(name: str, patterns: Iterable[str] | None) -> bool:
@@ -46,8 +53,13 @@ def tensorize(
     d: int | None = None,
     tau: float = 1e-2,
     layout: str = "tt",
+    embedding_rank: int | Sequence[int] | None = None,
+    dry_run: bool = False,
 ) -> list[dict]:
     """Replace ``nn.Linear`` / ``nn.Embedding`` modules by TT layers, in place.
+
+    (``comera_engine.tensorize`` adds ``rank="auto"``: initial ranks chosen from a target
+    compression; see :func:`comera_engine.rank.tensorize`.)
 
     Args:
         rank: TT rank for every replaced layer.
@@ -59,12 +71,16 @@ def tensorize(
         d: factors per side (default: 3 for linears, 3/4 for embeddings).
         layout: core layout of the ``TTLinear`` layers (``"tt"``, the paper's, or
             ``"ttm"``; see :class:`TTLinear`).
+        embedding_rank: TT rank of the replaced embeddings (default: ``rank``).
+        dry_run: replace nothing; build each TT layer on the meta device (no memory) and
+            return it in its row under ``module`` (for planning from shapes).
 
     Returns one report row per candidate layer: ``name``, ``kind``, ``shape``,
     ``factors``, ``ranks``, ``params_before``, ``params_after``, ``replaced`` (and
     ``reason`` when skipped).
     """
     report = []
+    emb_rank = rank if embedding_rank is None else embedding_rank
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, (nn.Linear, nn.Embedding)) or isinstance(mod, TT_LAYERS):
             continue
@@ -86,24 +102,28 @@ def tensorize(
             report.append(row)
             continue
         w = mod.weight
+        device = torch.device("meta") if dry_run else w.device
         if isinstance(mod, nn.Linear):
-            if from_pretrained:
+            if from_pretrained and not dry_run:
                 new = TTLinear.from_linear(mod, rank=rank, d=d, tau=tau, layout=layout)
             else:
                 new = TTLinear(mod.in_features, mod.out_features, rank=rank,
                                bias=mod.bias is not None, d=d, tau=tau, dtype=w.dtype,
-                               device=w.device, layout=layout)
+                               device=device, layout=layout)
             row["factors"] = [list(new.in_factors), list(new.out_factors)]
         else:
-            if from_pretrained:
-                new = TTEmbedding.from_embedding(mod, rank=rank, d=d, tau=tau)
+            if from_pretrained and not dry_run:
+                new = TTEmbedding.from_embedding(mod, rank=emb_rank, d=d, tau=tau)
             else:
-                new = TTEmbedding(mod.num_embeddings, mod.embedding_dim, rank=rank,
+                new = TTEmbedding(mod.num_embeddings, mod.embedding_dim, rank=emb_rank,
                                   padding_idx=mod.padding_idx, d=d, tau=tau, dtype=w.dtype,
-                                  device=w.device)
+                                  device=device)
             row["factors"] = [list(new.vocab_factors), list(new.dim_factors)]
-        _set_module(model, name, new)
-        row.update(replaced=True, ranks=new.tt.ranks, params_after=new.num_params(False))
+        if dry_run:
+            row["module"] = new
+        else:
+            _set_module(model, name, new)
+        row.update(replaced=not dry_run, ranks=new.tt.ranks, params_after=new.num_params(False))
         report.append(row)
     return report
 

@@ -1,5 +1,8 @@
-"""Rank-adaptive multi-objective training (comera-method.md §2)."""
+"""Rank-adaptive multi-objective training (comera-method.md §2): the rank controller
+:class:`CoMERA` (the method for any model and loop), ``tensorize`` with initial ranks from
+a target, and the pieces it is made of (objective, pace, sizes, target plans)."""
 
+from .controller import EVENT_KINDS, CoMERA, Event
 from .objective import CoMERAObjective, PlateauDetector, gamma_ramp
 from .optim import (
     RankEvent,
@@ -12,13 +15,13 @@ from .optim import (
 from .pace import PacePlan, entry_scores, grow_to, host_size, prune_to
 from .size import dense_size, effective_size, min_size, model_sizes, size_spec, surrogate_size
 from .target import TargetPlan, plan_fixed_ranks, plan_target
+from .tensorize import plan_ranks, tensorize
 
 __all__ = [
-    "CoMERAObjective", "PlateauDetector", "RankEvent", "RankTracker", "dense_size",
-    "effective_size", "entry_scores", "gamma_ramp", "grow_to", "host_size", "min_size",
-    "model_sizes", "PacePlan", "param_groups", "prune_to",
-    "plan_fixed_ranks", "plan_target", "refresh_gates", "refresh_gates_on_device", "size_spec",
-    "surrogate_size",
-    "TargetPlan",
+    "CoMERA", "CoMERAObjective", "EVENT_KINDS", "Event", "PacePlan", "PlateauDetector",
+    "RankEvent", "RankTracker", "TargetPlan", "dense_size", "effective_size", "entry_scores",
+    "gamma_ramp", "grow_to", "host_size", "min_size", "model_sizes", "param_groups",
+    "plan_fixed_ranks", "plan_ranks", "plan_target", "prune_to", "refresh_gates",
+    "refresh_gates_on_device", "size_spec", "surrogate_size", "tensorize",
     "truncate_model_and_optimizer",
 ]

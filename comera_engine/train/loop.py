@@ -61,14 +61,15 @@ from torch import nn
 from comera_engine.backends import keep_freed_memory
 from comera_engine.config import Config
 from comera_engine.errors import ConfigError
+from comera_engine.layers import factorized_layers
 from comera_engine.metrics import (
     TARGET_TOLERANCE,
     MetricsSink,
     NullSink,
     target_error,
-    target_outcome,
 )
 from comera_engine.models import TaskModel, roc_auc
+from comera_engine.rank import CoMERA, Event
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train import methods
 from comera_engine.train.batches import (
@@ -86,10 +87,10 @@ from comera_engine.train.distributed import (
     resolve_device,
     shutdown,
 )
+from comera_engine.train.plan import plan_initial_ranks
 from comera_engine.train.progress import ProgressBar
 from comera_engine.train.step import GraphedStep, TrainStep, settled
 from comera_engine.train.sysinfo import MemoryMeter
-from comera_engine.train.tt import CoMERAState, factorized_layers, plan_initial_ranks
 
 
 @dataclass
@@ -203,9 +204,9 @@ class _Run:
         self.task_model = TaskModel(self.model, bundle.task).to(device)
         self.plan = BatchPlan(len(bundle.train), t.batch_size, t.seed, dist.rank, dist.world_size)
         self.use_graph = t.cuda_graph and device.type == "cuda"
-        self.comera = CoMERAState(self.model, cfg.comera)
-        self.comera.steps_per_epoch = self.plan.steps_per_epoch
-        self.comera.total_steps = t.steps
+        # the method itself: gates, stages, pace, truncation (comera_engine.rank.CoMERA)
+        self.comera = CoMERA(self.model, config=cfg.comera, total_steps=t.steps,
+                             steps_per_epoch=self.plan.steps_per_epoch)
         self.step = 0
         self.ddp: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -288,6 +289,7 @@ class _Run:
         self.comera.load_state_dict(meta["comera"])
         _set_rng_state(meta["rng"])
         self.step = int(meta["step"])
+        self.comera.steps_done = self.step  # checkpoints before the controller kept no count
         self.last_ckpt = str(path.with_suffix(".safetensors"))
         self.sink.log_event("info", f"resumed from {path.name} (step {self.step})", self.step)
         return True
@@ -319,20 +321,14 @@ class _Run:
         for index, batch in batches:
             t0 = time.perf_counter()
             torch.manual_seed(mix_seed(t.seed, index, self.dist.rank, 0x5EED))
-            self.comera.begin_step(index)
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             out = self.stepper(batch)  # type: ignore[misc]
             self.step = index + 1
-            if "gate_counts" not in out:  # the reference gate refresh (reads on the host)
-                rank_events = self.comera.after_step(self.step)
             raw, counts = _to_floats(out)  # one host sync
             if self._phase_now != "training" and (
                 self._phase_now != "building" or settled(self.stepper)
             ):
                 self._set_phase("training")  # building lasts until a graph is captured
-            if counts is not None:  # the step refreshed the gates on the device
-                rank_events = self.comera.events_from_counts(self.step, counts)
-            step_time = time.perf_counter() - t0
             raw = self._reduce(raw)
 
             if not all(math.isfinite(raw[k]) for k in ("loss/task", "loss/total", "grad_norm")):
@@ -347,22 +343,16 @@ class _Run:
                 error = text  # the run's error column says why it stopped
                 break
 
-            metrics = self._step_metrics(raw, step_time, batch)
-            for text in rank_events:
-                self.sink.log_event("rank_change", text, self.step)
-            self._log_ranks(counts=counts)
-            switched = self.comera.maybe_switch(self.step, raw["loss/task"])
-            if switched:
-                self.sink.log_event("stage", switched, self.step)
-                self._say(switched)
-            paced, fixed = self.comera.pace_step(self.step, bool(rank_events), counts)
-            for text in paced:
-                self.sink.log_event("pace", text, self.step)
-            if fixed:
-                self._say(paced[-1])
+            stage = self.comera.stage_name  # the stage this step trained in
+            # gates, stage switch, pace (the loop truncates at evaluations and checkpoints,
+            # where it rebuilds the DDP wrapper and the captured graph)
+            events = self.comera.step(self.optimizer, loss=raw["loss/task"], counts=counts,
+                                      truncate=False)
+            step_time = time.perf_counter() - t0
+            metrics = self._step_metrics(raw, step_time, batch, stage)
+            switched, fixed = self._log_events(events, counts)
+            paced = any(e.kind in ("pace", "target_met") for e in events)
             if paced:
-                self._size_cache = None
-                self._log_ranks()
                 metrics.update(self.comera.size_metrics())
             if fixed and not switched:
                 self._wrap()  # the gate threshold changed: new step (re-captured graph)
@@ -419,23 +409,17 @@ class _Run:
         """``compression/target`` and ``compression/error`` (``reached/target - 1``, in
         the target's scope) and ``compression/target_met`` (1: within
         ``TARGET_TOLERANCE`` below the target or beyond it), at an evaluation."""
-        plan = self.target_plan
-        reached = metrics.get(f"compression/{plan.scope}") if plan is not None else None
-        if plan is None or plan.compression is None or reached is None:
+        target = self.comera.target_compression
+        reached = metrics.get(f"compression/{self.comera.cfg.target_scope}")
+        if target is None or reached is None:
             return {}
-        err = target_error(plan.compression, reached)
-        return {"compression/target": plan.compression, "compression/error": err,
+        err = target_error(target, reached)
+        return {"compression/target": target, "compression/error": err,
                 "compression/target_met": float(err >= -TARGET_TOLERANCE)}
 
     def _target_outcome(self, metrics: dict[str, float]) -> str | None:
         """The run's final word on its target (``None`` without one)."""
-        plan = self.target_plan
-        reached = metrics.get(f"compression/{plan.scope}") if plan is not None else None
-        if plan is None or plan.compression is None or reached is None:
-            return None
-        reason = ("the late stage never started" if self.comera.stage_name == "early" else
-                  f"the late stage did not prune enough by step {self.step}")
-        return target_outcome(plan.compression, reached, reason)
+        return self.comera.outcome(metrics.get(f"compression/{self.comera.cfg.target_scope}"))
 
     def _reduce(self, raw: dict[str, float]) -> dict[str, float]:
         """Average the step's scalars over processes (counts are summed)."""
@@ -453,8 +437,34 @@ class _Run:
         flag = float(self.stop_flag.is_set())
         return all_reduce_values(self.dist, [flag], "max")[0] > 0
 
+    def _log_events(self, events: list[Event], counts: list[float] | None) -> tuple[bool, bool]:
+        """Log one step's controller events (rank changes, the stage switch, the pace, the
+        target met) and the ranks; returns (the stage switched, the ranks were fixed)."""
+        switched = fixed = False
+        for e in events:
+            if e.kind == "rank_change":
+                self.sink.log_event("rank_change", e.text, self.step)
+        self._log_ranks(counts=counts)
+        for e in events:
+            if e.kind == "stage":
+                switched = True
+                self.sink.log_event("stage", e.text, self.step)
+                self._say(e.text)
+            elif e.kind in ("pace", "target_met"):
+                # the store keeps the target met among the pace's events (the dashboard
+                # reads "ranks fixed" there)
+                self.sink.log_event("pace", e.text, self.step)
+                if e.kind == "target_met":
+                    fixed = True
+                    self._say(e.text)
+        if any(e.kind in ("pace", "target_met") for e in events):
+            self._size_cache = None
+            self._log_ranks()
+        return switched, fixed
+
     def _step_metrics(
-        self, raw: dict[str, float], step_time: float, batch: dict[str, torch.Tensor]
+        self, raw: dict[str, float], step_time: float, batch: dict[str, torch.Tensor],
+        stage: str,
     ) -> dict[str, float]:
         samples = self.plan.global_batch
         m: dict[str, float] = {
@@ -471,7 +481,7 @@ class _Run:
             m["perf/tokens_per_s"] = tokens / max(step_time, 1e-12)
         m.update({k: v for k, v in raw.items() if k.startswith("comera/") and k != "comera/stage"})
         if self.comera.enabled:
-            m["stage"] = float(self.comera.stage_name == "late")
+            m["stage"] = float(stage == "late")
         assert self.optimizer is not None
         for i, group in enumerate(self.optimizer.param_groups):
             lr = group["lr"]
@@ -530,7 +540,8 @@ class _Run:
                 self.stepper = None
             gc.collect()
         truncated = self.comera.truncate(self.optimizer)
-        self.sink.log_event("truncate", f"physically truncated: {truncated}", self.step)
+        if truncated is not None:
+            self.sink.log_event("truncate", f"physically truncated: {truncated}", self.step)
         self._wrap()
         return True
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from comera_engine.config import Config, ModelConfig
 from comera_engine.errors import ConfigError
-from comera_engine.train.tt import factorized_layers
+from comera_engine.layers import factorized_layers
 
 __all__ = ["GALORE_MIN_SIDE", "apply_bond_ranks", "build_run_model", "freeze_gates",
            "galore_optimizer", "init_from_dense", "load_init_state"]
@@ -41,7 +41,7 @@ __all__ = ["GALORE_MIN_SIDE", "apply_bond_ranks", "build_run_model", "freeze_gat
 def build_run_model(cfg: Config, data: Any, plan: Any = None) -> nn.Module:
     """The run's model for its method: :func:`~comera_engine.models.build_model`, then for
     ``comera.method`` ``"fixed"`` / ``"tt_svd"`` the planned per-bond ranks
-    (``plan.bond_ranks`` from :func:`~comera_engine.train.tt.plan_initial_ranks`, if
+    (``plan.bond_ranks`` from :func:`~comera_engine.train.plan.plan_initial_ranks`, if
     any) and frozen gates, and for ``"tt_svd"`` the TT-SVD initialisation from
     ``model.init_from``.
 
@@ -88,7 +88,7 @@ def apply_bond_ranks(model: nn.Module, bond_ranks: Sequence[Sequence[int]]) -> N
     first entries and the left core is scaled by ``sqrt(old/new)``, so the layer keeps the
     variance of its own initialisation (random cores: the reconstructed entries' variance
     is proportional to the product of the ranks)."""
-    layers = list(factorized_layers(model).values())
+    layers = [m for _, m in factorized_layers(model)]
     if len(layers) != len(bond_ranks):
         raise ValueError(f"bond_ranks: {len(bond_ranks)} layers planned, the model has "
                          f"{len(layers)}")

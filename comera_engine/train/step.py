@@ -149,7 +149,8 @@ class GraphedStep:
         self._graph = None
         self._static_in = None
         self._static_out = None
-        self.step.optimizer.zero_grad(set_to_none=True)  # grads lived in the graph's pool
+        if self.step is not None:  # None: released before a truncation under DDP
+            self.step.optimizer.zero_grad(set_to_none=True)  # grads lived in the graph's pool
 
     def __call__(self, batch: Batch) -> dict[str, torch.Tensor]:
         if self.reason is not None:

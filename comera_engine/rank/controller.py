@@ -1,0 +1,621 @@
+"""``CoMERA``: the rank controller, CoMERA's method for any model and any training loop.
+
+::
+
+    import comera_engine as ce
+
+    model = MyNet()                                         # any nn.Module
+    ce.tensorize(model, rank="auto", target_compression=20, exclude=["head"])
+    comera = ce.CoMERA(model, target_compression=20, total_steps=1500)
+    opt = torch.optim.AdamW(comera.param_groups())          # each group its own lr
+    for step in range(1500):
+        loss = comera.loss(task_loss(model, batch))         # + the stage's rank terms
+        opt.zero_grad(); loss.backward(); opt.step()
+        comera.step(opt)                                    # gates, stages, pace, truncation
+    comera.report()["message"]                              # "target 20x · reached 20.4x (+2 %)"
+
+What one :meth:`CoMERA.step` does, after the optimizer step (docs/SIZE_AND_TARGET.md):
+
+1. **gates**: entries with ``|g| <= tau`` die for good (a bond keeps at least one);
+   one ``rank_change`` event per bond whose rank changed;
+2. **stage**: the early stage (task loss + ``γ``·size surrogate) switches to the late
+   one (achievement scalarisation toward the target) at ``comera.switch`` or on a loss
+   plateau, and by ``switch_by`` of ``total_steps`` at the latest (a ``stage`` event);
+3. **pace** (with a target and ``total_steps``): the size follows a path planned from the
+   late stage's start to the target by ``reach_at`` of the steps; ranks that lag it are
+   pruned by importance (``pace`` events), and once the size is at the target the ranks
+   are fixed and the rest of the run fine-tunes (a ``target_met`` event);
+4. **truncation**: dead rank entries are sliced out of the cores and out of the
+   optimizer's state (AdamW/Adam ``exp_avg``, ``exp_avg_sq``, SGD's momentum: any state
+   tensor shaped like its parameter), so they stop costing compute and memory; the
+   ``nn.Parameter`` objects are kept, so the optimizer stays valid (a ``truncate``
+   event).
+
+The settings are the ``[comera]`` table's keys (:class:`~comera_engine.config.CoMERAConfig`:
+one set of names and defaults for the config file, ``comera train`` and this class),
+given as keywords or as ``config=``. ``comera train`` is one recipe over this class
+(:mod:`comera_engine.train.loop`).
+
+Under DDP the late stage's ``λ`` and the plateau are decided from the loss averaged over
+the processes; shapes must not change under a live ``DistributedDataParallel`` wrapper,
+so pass ``truncate=False`` and call :meth:`CoMERA.truncate` when you rebuild it (as the
+built-in trainer does). :meth:`CoMERA.loss` is free of host synchronisation, so it can be
+captured in a CUDA graph; :meth:`CoMERA.step` runs on the host between graph replays
+(:meth:`CoMERA.refresh_fn` gives the gate refresh as device work for a captured step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..config import CoMERAConfig, validate_comera
+from ..errors import ConfigError
+from ..layers import factorized_layers, size_report, tt_layers
+from ..metrics import TARGET_TOLERANCE, target_outcome
+from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
+from .optim import RankEvent, param_groups, refresh_gates_on_device
+from .optim import truncate_model_and_optimizer as _truncate_all
+from .pace import PacePlan, grow_to, host_size, prune_to
+from .size import dense_size, model_sizes
+
+__all__ = ["EVENT_KINDS", "CoMERA", "Event"]
+
+#: What :class:`Event` ``kind`` can be.
+EVENT_KINDS = ("rank_change", "stage", "pace", "target_met", "truncate")
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the controller did at ``step`` (the number of steps done): ``kind`` one
+    of :data:`EVENT_KINDS`, ``text`` one line for a log, ``data`` the facts (e.g.
+    ``layer``, ``bond``, ``old``, ``new`` for a rank change)."""
+
+    step: int
+    kind: str
+    text: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _what(changes: dict[str, list[tuple[int, int, int]]]) -> str:
+    """``layer bonds k: old->new, …; …`` for a pace message."""
+    return "; ".join(f"{name} bonds " + ", ".join(f"{k}: {o}->{n}" for k, o, n in ch)
+                     for name, ch in changes.items())
+
+
+def _settings(config: CoMERAConfig | None, target_compression: float | None,
+              settings: dict[str, Any]) -> CoMERAConfig:
+    """``config`` (or the defaults) with ``target_compression`` and ``settings`` applied,
+    validated; an unknown key is refused naming it."""
+    known = {f.name for f in dataclasses.fields(CoMERAConfig)}
+    for key in settings:
+        if key not in known:
+            raise ConfigError(f"comera.{key}", "is not a CoMERA setting; the settings are "
+                                               "the [comera] table's keys: "
+                                               + ", ".join(sorted(known)))
+    cfg = dataclasses.replace(config or CoMERAConfig(), **settings)
+    if target_compression is not None:
+        cfg = dataclasses.replace(cfg, target_compression=float(target_compression))
+    validate_comera(cfg)
+    return cfg
+
+
+class CoMERA:
+    """The rank controller of one model (see the module doc for the loop it drops into).
+
+    Args:
+        model: a model with TT layers (:func:`comera_engine.tensorize`). A model without
+            any trains on the task loss alone (the dense baseline).
+        target_compression: dense size / size asked, in ``target_scope`` (``None``: no
+            target; the early stage alone, pruning what the size surrogate finds
+            unneeded). Overrides ``config``'s.
+        total_steps: the steps the loop will run: the pace plans the path to the target
+            over them (``0``: no pace, the paper's objective alone decides the size).
+        steps_per_epoch: turns ``switch_epoch`` into a step.
+        config: a :class:`~comera_engine.config.CoMERAConfig` (the ``[comera]`` table);
+            keywords in ``settings`` override its fields.
+        on_event: called with every :class:`Event` as it happens (e.g. to log it to
+            TensorBoard or W&B); :attr:`events` keeps them all.
+        **settings: any ``[comera]`` key: ``gamma``, ``tau``, ``switch``, ``lr_cores``, …
+
+    Raises:
+        ConfigError: an unknown or out-of-range setting, or a target beyond what rank 1
+            everywhere allows (the field and the fix in one line).
+    """
+
+    def __init__(self, model: nn.Module, target_compression: float | None = None,
+                 total_steps: int = 0, *, steps_per_epoch: int = 0,
+                 config: CoMERAConfig | None = None,
+                 on_event: Callable[[Event], None] | None = None, **settings: Any) -> None:
+        for name, value in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(name, f"must be a whole number of steps >= 0, got {value!r}")
+        self.cfg = cfg = _settings(config, target_compression, settings)
+        self.model = model
+        self.total_steps = total_steps
+        self.steps_per_epoch = steps_per_epoch
+        self.on_event = on_event
+        self.events: list[Event] = []
+        self._layers = dict(tt_layers(model))
+        self.has_tt = bool(self._layers)
+        self.has_peers = len(factorized_layers(model)) > len(self._layers)
+        # the objective runs for method "comera" only; "fixed" / "tt_svd" train the task
+        # loss at fixed ranks (their gates frozen by the trainer)
+        self.enabled = cfg.enabled and cfg.method == "comera" and self.has_tt
+        self.objective: CoMERAObjective | None = None
+        self.plateau: PlateauDetector | None = None
+        self.pace: PacePlan | None = None  # the planned size path once the late stage runs
+        self.frozen = False  # the target size was reached: ranks are fixed from here
+        self._steps = 0
+        self._counts: list[int] | None = None  # alive count per bond (device refresh)
+        self._extra_size: float | None = None
+        self._task_loss: Tensor | None = None
+        self._dirty = False  # entries died since the last truncation
+        self.info: dict[str, Tensor] = {}  # the last loss()'s terms (0-d device tensors)
+        for layer in self._layers.values():
+            layer.tt.tau = cfg.tau  # the gate threshold lives on the layers
+        if self.has_tt:
+            # a plateau counts once the smoothed loss is 1 % below where it started: a
+            # network still at its initial loss (at chance) is not pruned for it
+            self.plateau = PlateauDetector(patience=cfg.plateau_patience,
+                                           rel_tol=cfg.plateau_min_delta, min_drop=0.01)
+        if self.enabled:
+            self.objective = CoMERAObjective(model, cfg)
+
+    # ------------------------------------------------------------------ optimizer
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Optimizer parameter groups, each with its ``lr`` and ``weight_decay``:
+        ``cores`` (TT cores, ``lr_cores``), ``embedding`` (the TT embedding tables' cores,
+        ``lr_embedding``, when set), ``gates`` (``lr_gates``, no weight decay) and
+        ``dense`` (every other parameter, ``lr_dense``). Parameters that do not require
+        grad (frozen gates of a fixed-rank model) are left out, empty groups dropped."""
+        c = self.cfg
+        if self.has_tt or self.has_peers:  # peer TT cores learn at lr_cores too
+            groups = param_groups(self.model, c.lr_cores, c.lr_gates, c.lr_dense,
+                                  c.weight_decay, lr_embedding=c.lr_embedding)
+            for g in groups:
+                g["params"] = [p for p in g["params"] if p.requires_grad]
+            return [g for g in groups if g["params"]]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return [{"name": "dense", "params": params, "lr": c.lr_dense,
+                 "weight_decay": c.weight_decay}]
+
+    def make_optimizer(self, capturable: bool = False) -> torch.optim.Optimizer:
+        """AdamW over :meth:`param_groups`. On CPU the fused kernel: a TT model has
+        hundreds of small parameters and the default per-parameter loop costs more than
+        the update (``experiments/bench_step_overheads.py``); elsewhere torch's default.
+        ``capturable``: state on the device, for a CUDA graph."""
+        groups = self.param_groups()
+        params = [p for g in groups for p in g["params"]]
+        cpu = bool(params) and all(p.device.type == "cpu" and p.is_floating_point()
+                                   for p in params)
+        if cpu and not capturable:
+            return torch.optim.AdamW(groups, fused=True)
+        return torch.optim.AdamW(groups, capturable=capturable)
+
+    # ------------------------------------------------------------------ the loss
+
+    @property
+    def stage(self) -> str:
+        """``"early"``, ``"late"``, ``"fixed"`` (ranks fixed at the target) or ``"plain"``
+        (no CoMERA objective: a dense model, or a fixed-rank method)."""
+        if not self.enabled:
+            return "plain"
+        if self.frozen:
+            return "fixed"
+        assert self.objective is not None
+        return self.objective.stage
+
+    @property
+    def stage_name(self) -> str:
+        """The objective's stage, ``"early"`` / ``"late"`` / ``"plain"`` (``"late"`` also
+        once the ranks are fixed: the metric ``stage`` and the checkpoints use it)."""
+        return self.objective.stage if self.objective is not None else "plain"
+
+    def objective_fn(self) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]] | None:
+        """``task_loss -> (total, info)`` of the current stage, free of host reads (a CUDA
+        graph can capture it), or ``None`` for plain task-loss training."""
+        return self.objective
+
+    def loss(self, task_loss: Tensor) -> Tensor:
+        """``task_loss`` plus the current stage's rank terms (the task loss itself when
+        the objective is off). Keeps the task loss for the plateau of :meth:`step`
+        and the terms in :attr:`info`. No host synchronisation."""
+        f = task_loss if task_loss.dtype in (torch.float32, torch.float64) else task_loss.float()
+        self._task_loss = f.detach()
+        if self.objective is None:
+            self.info = {}
+            return task_loss
+        total, self.info = self.objective(f)
+        return total
+
+    # ------------------------------------------------------------------ the step
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps :meth:`step` has seen (restored by :meth:`load_state_dict`)."""
+        return self._steps
+
+    @steps_done.setter
+    def steps_done(self, value: int) -> None:
+        self._steps = int(value)
+        if self.objective is not None:
+            self.objective.begin_step(self._steps)  # the γ warm-up's next step
+
+    def step(self, optimizer: torch.optim.Optimizer | None = None, *,
+             loss: float | Tensor | None = None, counts: list[float] | None = None,
+             truncate: bool = True) -> list[Event]:
+        """After ``optimizer.step()``: gates, stage switch, pace, truncation (module doc).
+
+        Args:
+            optimizer: the optimizer built from :meth:`param_groups`; its state is
+                truncated with the cores (``None``: no truncation).
+            loss: this step's task loss, for the plateau (default: the one
+                :meth:`loss` saw, averaged over DDP processes). A float is taken as
+                already agreed by every process.
+            counts: the bond counts a device refresh (:meth:`refresh_fn`) returned.
+            truncate: slice dead rank entries out of the cores and the optimizer state
+                now (``False``: leave them masked until :meth:`truncate`).
+
+        Returns this step's events (also appended to :attr:`events`).
+        """
+        self._steps += 1
+        step = self._steps
+        events: list[Event] = []
+        rank_events = self._refresh(step, counts)
+        events += [Event(step, "rank_change", str(e), e.as_dict()) for e in rank_events]
+        if self.objective is not None and self.objective.stage == "early":
+            switched = self._maybe_switch(step, self._loss_value(loss))
+            if switched is not None:
+                events.append(switched)
+        events += self._pace_step(step, bool(rank_events), counts)
+        if rank_events or any(e.kind in ("pace", "target_met") for e in events):
+            self._dirty = True
+        if truncate and optimizer is not None and self._dirty:
+            done = self.truncate(optimizer, emit=False)
+            if done is not None:
+                events.append(done)
+        if self.objective is not None:
+            self.objective.begin_step(step)  # the γ warm-up's next step
+        self._emit(events)
+        return events
+
+    def _emit(self, events: list[Event]) -> None:
+        self.events.extend(events)
+        if self.on_event is not None:
+            for e in events:
+                self.on_event(e)
+
+    def _loss_value(self, loss: float | Tensor | None) -> float:
+        if loss is None:
+            if self._task_loss is None:
+                raise RuntimeError("CoMERA.step: no task loss to judge the plateau by; call "
+                                   "comera.loss(task_loss) in the step, or pass "
+                                   "comera.step(opt, loss=...)")
+            return float(_mean_over_processes(self._task_loss))
+        if isinstance(loss, Tensor):
+            return float(_mean_over_processes(loss.detach().float()))
+        return float(loss)
+
+    # ------------------------------------------------------------------ gates
+
+    def _refresh(self, step: int, counts: list[float] | None) -> list[RankEvent]:
+        """Make the gates' verdicts permanent (host path) or read them off the counts a
+        device refresh returned; the rank changes as events."""
+        if not self.has_tt:
+            return []
+        if counts is not None:
+            return self._events_from_counts(step, counts)
+        from .optim import refresh_gates
+
+        return refresh_gates(self.model, step)
+
+    def refresh_fn(self) -> Callable[[], Tensor] | None:
+        """The gate refresh as device work (for a captured step): returns the alive count
+        of every bond, to pass to :meth:`step` as ``counts``."""
+        if not self.has_tt:
+            return None
+        self._counts = [int(m.tt.alive(k).sum()) for m in self._layers.values()
+                        for k in range(len(m.tt.gates))]
+        model = self.model
+        return lambda: refresh_gates_on_device(model)
+
+    def _events_from_counts(self, step: int, counts: list[float]) -> list[RankEvent]:
+        bonds = [(n, k) for n, m in self._layers.items() for k in range(len(m.tt.gates))]
+        new = [int(c) for c in counts]
+        if self._counts is None:  # refresh_fn() takes the first snapshot
+            self._counts = new
+            return []
+        events = [RankEvent(step, name, k, old, now)
+                  for (name, k), old, now in zip(bonds, self._counts, new) if old != now]
+        self._counts = new
+        return events
+
+    def _sync_counts(self) -> None:
+        """After a prune or a revival: the device refresh's bond snapshot follows, so
+        the next step reports no rank change for what the pace did (it has its event)."""
+        if self._counts is not None:
+            self._counts = [int(mk.sum()) for m in self._layers.values()
+                            for mk in m.tt.masks()]
+
+    # ------------------------------------------------------------------ stages
+
+    def _step_of(self, fraction: float) -> int:
+        return max(1, math.ceil(fraction * self.total_steps))
+
+    def _pacing(self) -> bool:
+        """The pace is on: ``pace`` with a target and a step budget."""
+        return (self.objective is not None and self.cfg.pace
+                and self.objective.target_size is not None and self.total_steps > 0)
+
+    def _maybe_switch(self, step: int, task_loss: float) -> Event | None:
+        """Switch to the late stage when its time has come."""
+        assert self.objective is not None and self.plateau is not None
+        c = self.cfg
+        switch = c.switch
+        if c.switch_epoch is not None and self.steps_per_epoch:
+            switch = c.switch_epoch * self.steps_per_epoch
+        if switch == "auto":
+            switch = "plateau" if c.target_compression is not None else "never"
+        plateaued = self.plateau.update(task_loss)
+        due = (switch == "plateau" and plateaued) or (isinstance(switch, int) and step >= switch)
+        latest = self._pacing() and switch != "never" and step >= self._step_of(c.switch_by)
+        if not (due or latest):
+            return None
+        self.objective.switch_to_late(z_f=self.plateau.value)  # type: ignore[arg-type]
+        text = f"late stage after step {step} (z_f = {self.objective.z_f:.4g})"
+        if latest and not due:
+            text += f" (comera.switch_by: the latest start, {c.switch_by} of the steps)"
+        data: dict[str, Any] = {"z_f": self.objective.z_f}
+        if self._pacing() and not self.frozen:
+            self.pace = PacePlan(step, self.current_size(), self._step_of(c.reach_at),
+                                 float(self.objective.target_size))  # type: ignore[arg-type]
+            text += (f"; size {self.pace.start_size:.0f} -> target "
+                     f"{self.pace.target:.0f} by step {self.pace.reach_step}")
+            data["pace"] = self.pace.state_dict()
+        return Event(step, "stage", text, data)
+
+    # ------------------------------------------------------------------ pace
+
+    def _extra(self) -> float:
+        """Parameters in the target's scope outside the TT cores (TT biases; with the
+        ``model`` scope every other parameter too): constant through training."""
+        if self._extra_size is None:
+            full = model_sizes(self.model)
+            cores = sum(m.tt.num_params(True) for m in self._layers.values())
+            extra = full["tensorized"] - cores
+            if self.cfg.target_scope == "model":
+                extra += full["other"]
+            self._extra_size = float(extra)
+        return self._extra_size
+
+    def current_size(self, counts: list[float] | None = None) -> float:
+        """The effective size in the target's scope, from the bond counts a device refresh
+        returned (or the gates): the same count as ``size_report``."""
+        ranks = self.effective_ranks(counts)
+        return host_size([list(m.tt.mode_sizes) for m in self._layers.values()],
+                         [ranks[n] for n in self._layers], self._extra())
+
+    def _pace_step(self, step: int, ranks_changed: bool, counts: list[float] | None
+                   ) -> list[Event]:
+        """Prune ranks that lag the planned path (at every pace check, and every step from
+        ``reach_at`` on until the target is met), and fix the ranks once the size is at
+        the target."""
+        if not self._pacing() or self.frozen:
+            return []
+        assert self.objective is not None and self.objective.target_size is not None
+        target = float(self.objective.target_size)
+        events: list[Event] = []
+        pace = self.pace
+        check = pace is not None and (step >= pace.reach_step
+                                      or (step - pace.start_step) % pace.every() == 0)
+        if not (check or ranks_changed):
+            return []
+        size = self.current_size(counts)
+        low = target / (1 + TARGET_TOLERANCE)
+        if check and pace is not None and size > pace.goal(step):
+            goal = pace.goal(step)
+            new, changes = prune_to(self.model, goal, low if goal <= target else 0.0,
+                                    self._extra())
+            if changes:
+                events.append(Event(step, "pace", f"pace: pruned to size {new:.0f} (planned "
+                                    f"{goal:.0f} at step {step}, was {size:.0f}): "
+                                    f"{_what(changes)}", {"size": new, "changes": changes}))
+            size = new
+        if size > target * (1 + 2 * TARGET_TOLERANCE):
+            self._sync_counts()
+            return events
+        # close to the target: land in the band [T/(1+tol), T] here, then fix the ranks
+        if size > target:
+            new, changes = prune_to(self.model, target, low, self._extra())
+            if changes:
+                events.append(Event(step, "pace", f"pace: pruned to the target, size "
+                                    f"{new:.0f} (was {size:.0f}): {_what(changes)}",
+                                    {"size": new, "changes": changes}))
+            size = new
+        if size < low:
+            new, changes = grow_to(self.model, low, target, self._extra())
+            if changes:
+                events.append(Event(step, "pace", f"pace: the last deaths overshot (size "
+                                    f"{size:.0f}, below {low:.0f}); revived {_what(changes)}: "
+                                    f"size {new:.0f}", {"size": new, "changes": changes}))
+            size = new
+        self._sync_counts()
+        self.freeze()
+        dense = dense_size(self.model)[self.cfg.target_scope]
+        events.append(Event(step, "target_met", f"target size reached at step {step}: "
+                            f"{size:.0f} params ({dense / size:.1f}x); ranks fixed from here",
+                            {"size": size, "compression": dense / size}))
+        return events
+
+    def freeze(self) -> None:
+        """Fix the ranks: no gate entry dies any more (threshold 0) and the objective is
+        the task loss alone."""
+        self.frozen = True
+        for layer in self._layers.values():
+            layer.tt.tau = 0.0
+        if self.objective is not None:
+            self.objective.frozen = True
+
+    # ------------------------------------------------------------------ truncation
+
+    def needs_truncation(self) -> bool:
+        """Some bond holds dead rank entries (fewer effective than allocated ranks)."""
+        return any(int(mk.sum()) < mk.numel() for m in self._layers.values()
+                   for mk in m.tt.masks())
+
+    def truncate(self, optimizer: torch.optim.Optimizer | None, *, emit: bool = True
+                 ) -> Event | None:
+        """Slice every TT layer to its effective ranks, and ``optimizer``'s state with the
+        same indices (outputs unchanged). Returns the ``truncate`` event (``None`` when
+        nothing shrank)."""
+        self._dirty = False
+        if not self.has_tt:
+            return None
+        changed = _truncate_all(self.model, optimizer)
+        if not changed:
+            return None
+        bonds = sum(len(v) for v in changed.values())
+        event = Event(self._steps, "truncate", f"{bonds} bonds in {len(changed)} layers",
+                      {"changes": changed})
+        if emit:
+            self._emit([event])
+        return event
+
+    # ------------------------------------------------------------------ sizes
+
+    def effective_ranks(self, counts: list[float] | None = None) -> dict[str, list[int]]:
+        """Effective internal ranks per TT layer. ``counts``: the bond counts a device
+        refresh just returned (used as they are, without reading the gates)."""
+        if counts is None:
+            return {name: list(m.effective_ranks()) for name, m in self._layers.items()}
+        out, i = {}, 0
+        for name, m in self._layers.items():
+            n = len(m.tt.gates)
+            out[name] = [int(c) for c in counts[i : i + n]]
+            i += n
+        return out
+
+    def size_metrics(self) -> dict[str, float]:
+        """Parameters, bytes and compression against the dense model, at the effective
+        ranks (``size_report``'s count): ``params/*``, ``bytes/*``, ``compression/*``."""
+        if not self.has_tt and not self.has_peers:
+            params = list(self.model.parameters())
+            n = float(sum(p.numel() for p in params))
+            nbytes = float(sum(p.numel() * p.element_size() for p in params))
+            return {"params/effective": n, "params/allocated": n, "params/dense": n,
+                    "bytes/effective": nbytes, "bytes/dense": nbytes,
+                    "compression/model": 1.0}
+        rep = size_report(self.model)
+        model, tensorized = rep["model"], rep["tensorized"]
+        return {
+            "params/effective": float(model["effective_params"]),
+            "params/allocated": float(model["allocated_params"]),
+            "params/dense": float(model["dense_params"]),
+            "bytes/effective": float(model["effective_bytes"]),
+            "bytes/dense": float(model["dense_bytes"]),
+            "compression/model": float(model["compression"]),
+            "compression/tensorized": float(tensorized["compression"]),
+            "params/tensorized_effective": float(tensorized["effective_params"]),
+        }
+
+    @property
+    def target_compression(self) -> float | None:
+        """The target this model is held to (``None``: none, or nothing to compress)."""
+        factorized = self.has_tt or self.has_peers
+        if not factorized or not (self.cfg.enabled or self.cfg.method != "comera"):
+            return None
+        return self.cfg.target_compression
+
+    def outcome(self, reached: float | None, final: bool = True) -> str | None:
+        """One line on the target at compression ``reached`` (in the target's scope):
+        ``"target 20x · reached 20.4x (+2 %)"`` or ``"… missed by X % (why)"`` when
+        ``final``; before the end of the steps and the ranks are fixed, progress:
+        ``"target 20x · now 8.1x at step 300 of 1500 (early stage)"``. ``None`` without a
+        target."""
+        target = self.target_compression
+        if target is None or reached is None:
+            return None
+        if not final:
+            of = f" of {self.total_steps}" if self.total_steps else ""
+            return (f"target {target:g}x · now {reached:.1f}x at step {self._steps}{of} "
+                    f"({self.stage} stage)")
+        reason = ("the late stage never started" if self.stage_name == "early" else
+                  f"the late stage did not prune enough by step {self._steps}")
+        return target_outcome(target, reached, reason)
+
+    def report(self) -> dict[str, Any]:
+        """Where the model stands, from ``size_report``: ``compression`` (in the target's
+        scope, ``scope``), ``target`` (``None`` without one), ``ranks`` (effective, per
+        TT layer), ``params`` (effective, whole model), ``dense_params``, ``stage``,
+        ``step`` and ``message`` (:meth:`outcome`: a verdict once the ranks are fixed or
+        the steps are done, progress before)."""
+        rep = size_report(self.model)
+        scope = self.cfg.target_scope
+        reached = float(rep[scope]["compression"])
+        done = self.frozen or (self.total_steps > 0 and self._steps >= self.total_steps)
+        message = self.outcome(reached, final=done or not self.total_steps)
+        if message is None:
+            message = f"{reached:.1f}x smaller than dense ({scope}); no target"
+        return {"compression": reached, "scope": scope, "target": self.target_compression,
+                "ranks": self.effective_ranks(), "params": int(rep["model"]["effective_params"]),
+                "dense_params": int(rep["model"]["dense_params"]), "stage": self.stage,
+                "step": self._steps, "message": message}
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values (JSON and ``torch.load(weights_only=True)`` alike): the stage,
+        ``z_f``, the plateau, the pace plan, whether the ranks are fixed, the steps done
+        and every TT layer's allocated ranks (so :meth:`load_state_dict` can shape a
+        fresh model before its weights are loaded)."""
+        obj = self.objective
+        return {
+            "stage": obj.stage if obj is not None else None,
+            "z_f": obj.z_f if obj is not None else None,
+            "plateau": self.plateau.state_dict() if self.plateau is not None else None,
+            "pace": self.pace.state_dict() if self.pace is not None else None,
+            "frozen": self.frozen,
+            "step": self._steps,
+            "ranks": {n: [int(g.shape[0]) for g in m.tt.gates]
+                      for n, m in self._layers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where :meth:`state_dict` left off. Call it on a freshly tensorized
+        model *before* ``model.load_state_dict``: TT layers whose saved ranks differ are
+        reallocated at them (values are then filled by the model's state dict). Older
+        states without ``step`` / ``ranks`` keep the current ones."""
+        for name, ranks in (state.get("ranks") or {}).items():
+            layer = self._layers.get(name)
+            if layer is None:
+                raise ConfigError("state", f"the saved controller has a TT layer {name!r} "
+                                           "this model does not; tensorize it the same way")
+            if [int(g.shape[0]) for g in layer.tt.gates] != list(ranks):
+                layer.tt.resize_(ranks)
+        if self.plateau is not None and state.get("plateau") is not None:
+            self.plateau.load_state_dict(state["plateau"])
+        if self.objective is not None and state.get("stage") == "late":
+            self.objective.switch_to_late(z_f=state["z_f"])
+        if self.objective is not None and state.get("pace"):
+            self.pace = PacePlan(**state["pace"])
+        if state.get("frozen"):
+            self.freeze()
+        if "step" in state:
+            self.steps_done = int(state["step"])
+        self._extra_size = None
+
+    def __repr__(self) -> str:
+        target = self.target_compression
+        return (f"CoMERA({len(self._layers)} TT layers, stage {self.stage}, step {self._steps}"
+                + (f", target {target:g}x {self.cfg.target_scope}" if target else "") + ")")
