@@ -562,10 +562,15 @@ class CoMERA:
         the steps are done, progress before)."""
         rep = size_report(self.model)
         scope = self.cfg.target_scope
-        reached = float(rep[scope]["compression"])
+        if self.has_tt or self.has_peers:
+            reached = float(rep[scope]["compression"])
+        else:  # nothing tensorized: the model is its own dense baseline
+            reached = 1.0
         done = self.frozen or (self.total_steps > 0 and self._steps >= self.total_steps)
         message = self.outcome(reached, final=done or not self.total_steps)
-        if message is None:
+        if message is None and not (self.has_tt or self.has_peers):
+            message = "dense model (no TT layers: comera_engine.tensorize makes them); no target"
+        elif message is None:
             message = f"{reached:.1f}x smaller than dense ({scope}); no target"
         return {"compression": reached, "scope": scope, "target": self.target_compression,
                 "ranks": self.effective_ranks(), "params": int(rep["model"]["effective_params"]),

@@ -160,6 +160,24 @@ def tt_svd(
         return [np.asarray(f) for f in tt]
 
 
+def _reshape_param(p: nn.Parameter, data: Tensor) -> None:
+    """Give ``p`` ``data`` of another shape, keeping the Python object (so optimizer groups
+    and state keyed by it stay valid) and dropping its gradient.
+
+    Where the autograd engine allows, the tensor underneath is swapped for a fresh one
+    (``torch.utils.swap_tensors``): a graph the caller still holds from the last step
+    (``loss`` of a training loop, alive until the next assignment) keeps the parameter's
+    gradient accumulator, which remembers the old shape, so the next backward would
+    fail against it. Otherwise ``p.data`` is replaced."""
+    new = nn.Parameter(data, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)  # swapped into p with the tensor
+    try:
+        torch.utils.swap_tensors(p, new)
+    except RuntimeError:
+        p.data = data
+    p.grad = None
+
+
 class TensorTrain(nn.Module):
     """Gated tensor train with cores of shape ``(r_{k-1}, *mode_shapes[k], r_k)``.
 
@@ -350,8 +368,7 @@ class TensorTrain(nn.Module):
             for p, dim in ((left, left.dim() - 1), (right, 0), (gate, 0)):
                 if on_slice is not None:
                     on_slice(p, dim, keep)
-                p.data = p.data.index_select(dim, keep).contiguous()
-                p.grad = None
+                _reshape_param(p, p.data.index_select(dim, keep).contiguous())
             setattr(self, f"alive_{k}", self.alive(k).index_select(0, keep).contiguous())
             changes.append(RankChange(k, old, int(keep.numel())))
         return changes

@@ -1,0 +1,367 @@
+"""The rank controller for your own model and loop (``comera_engine.CoMERA``): a network
+defined here (not a preset: an embedding and linears, the head kept dense) trained with
+the public API in a hand-written loop on scikit-learn's digits."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_engine as ce
+from comera_engine.errors import ConfigError
+from comera_engine.layers import TTEmbedding, TTLinear, size_report, tt_layers
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TARGET = 20.0
+STEPS = 360
+
+
+class PixelNet(nn.Module):
+    """Digits as 64 tokens (pixel position × intensity 0–16) in an embedding table, the
+    mean of the 64 vectors through two hidden layers to a 10-way head."""
+
+    def __init__(self, dim: int = 32, hidden: int = 256) -> None:
+        super().__init__()
+        self.table = nn.Embedding(64 * 17, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 10)
+        self.register_buffer("offset", torch.arange(64) * 17)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = self.table(pixels + self.offset).mean(1)
+        h = F.relu(self.mid(F.relu(self.up(h))))
+        return self.head(h)
+
+
+@pytest.fixture(scope="module")
+def digits() -> dict[str, torch.Tensor]:
+    """scikit-learn's digits as intensity ids, 1,400 to train on and the rest held out."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(y), generator=g)
+    x = torch.as_tensor(x, dtype=torch.long)[order]
+    y = torch.as_tensor(y, dtype=torch.long)[order]
+    return {"x": x[:1400], "y": y[:1400], "x_test": x[1400:], "y_test": y[1400:]}
+
+
+def _batch(data: dict[str, torch.Tensor], step: int, size: int = 64) -> tuple:
+    i = (step * size) % (len(data["y"]) - size)
+    return data["x"][i : i + size], data["y"][i : i + size]
+
+
+def _setup(seed: int = 0, target: float = TARGET, steps: int = STEPS, **settings) -> tuple:
+    torch.manual_seed(seed)
+    model = PixelNet()
+    ce.tensorize(model, rank="auto", target_compression=target, exclude=["head"])
+    comera = ce.CoMERA(model, target_compression=target, total_steps=steps, switch=60,
+                       lr_cores=3e-3, lr_embedding=1e-2, lr_gates=1e-2, lr_dense=3e-3,
+                       weight_decay=0.0, **settings)
+    opt = torch.optim.AdamW(comera.param_groups())
+    return model, comera, opt
+
+
+def _train(model: nn.Module, comera: ce.CoMERA, opt: torch.optim.Optimizer,
+           data: dict[str, torch.Tensor], start: int, stop: int) -> list[float]:
+    losses = []
+    for step in range(start, stop):
+        x, y = _batch(data, step)
+        loss = comera.loss(F.cross_entropy(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        comera.step(opt)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((model(x).argmax(1) == y).float().mean())
+
+
+@pytest.fixture(scope="module")
+def trained(digits) -> tuple:
+    model, comera, opt = _setup()
+    _train(model, comera, opt, digits, 0, STEPS)
+    return model, comera, opt
+
+
+def test_own_loop_lands_at_the_target_and_report_agrees_with_size_report(trained, digits):
+    model, comera, opt = trained
+    rep, sizes = comera.report(), size_report(model)
+    assert isinstance(model.head, nn.Linear) and not isinstance(model.head, TTLinear)
+    assert isinstance(model.table, TTEmbedding) and isinstance(model.mid, TTLinear)
+    # the target, within the ±5 % the method promises (tensorized scope, the default)
+    assert abs(rep["compression"] / TARGET - 1) <= 0.05, rep["message"]
+    assert rep["compression"] == sizes["tensorized"]["compression"]
+    assert rep["params"] == sizes["model"]["effective_params"]
+    assert rep["ranks"] == {row["name"]: row["effective_ranks"] for row in sizes["layers"]}
+    assert rep["target"] == TARGET and rep["stage"] == "fixed" and rep["step"] == STEPS
+    assert rep["message"].startswith(f"target {TARGET:g}x · reached")
+    kinds = [e.kind for e in comera.events]
+    assert {"stage", "pace", "target_met", "truncate"} <= set(kinds)
+    # truncation happened in the loop: cores hold only live entries, and the optimizer's
+    # state has the cores' shapes
+    assert all(bool(mk.all()) for _, m in tt_layers(model) for mk in m.tt.masks())
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for v in opt.state[p].values():
+                if torch.is_tensor(v) and v.dim():
+                    assert v.shape == p.shape
+    # learning, not a benchmark (experiments/own_loop.py compares with dense)
+    assert _accuracy(model, digits["x_test"], digits["y_test"]) > 0.7
+
+
+def test_save_then_load_into_a_fresh_instance_gives_equal_outputs(trained, digits, tmp_path):
+    model, comera, _ = trained
+    path = ce.save(model, tmp_path / "small.safetensors")
+    fresh = ce.load_into(PixelNet(), path)
+    assert isinstance(fresh.table, TTEmbedding) and isinstance(fresh.mid, TTLinear)
+    assert fresh.mid.effective_ranks() == model.mid.effective_ranks()
+    model.eval()
+    fresh.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(digits["x_test"]), model(digits["x_test"]),
+                                   rtol=1e-5, atol=1e-6)
+    # the file holds the effective size (4-byte floats) plus the buffer and a small header
+    effective = size_report(model)["model"]["effective_bytes"]
+    assert effective < path.stat().st_size < effective + 64 * 8 + 16_000
+
+
+def test_load_into_refuses_another_model_and_leaves_it_untouched(trained, tmp_path):
+    model, _, _ = trained
+    path = ce.save(model, tmp_path / "small.safetensors")
+    other = PixelNet(hidden=128)
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ConfigError, match="load into a fresh instance of the class"):
+        ce.load_into(other, path)
+    assert isinstance(other.mid, nn.Linear) and not isinstance(other.mid, TTLinear)
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k])
+    pickle = tmp_path / "model.pt"
+    torch.save(model.state_dict(), pickle)
+    with pytest.raises(ConfigError, match="not a safetensors file"):
+        ce.load_into(PixelNet(), pickle)
+
+
+def test_state_dict_round_trip_resumes_to_the_same_ranks_and_losses(digits):
+    """Stopped after the late stage began and after truncations, rebuilt from a fresh
+    instance through state dicts alone, the run goes on exactly as the uninterrupted one."""
+    whole = _setup()
+    whole_losses = _train(*whole, digits, 0, 200)
+    first = _setup()
+    _train(*first, digits, 0, 120)
+    model, comera, opt = first
+    assert comera.stage == "late" and any(e.kind == "truncate" for e in comera.events)
+    saved = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+             "comera": copy.deepcopy(comera.state_dict())}
+    torch.manual_seed(123)  # a different initialisation: everything must come from `saved`
+    again = PixelNet()
+    ce.tensorize(again, rank="auto", target_compression=TARGET, exclude=["head"])
+    resumed = ce.CoMERA(again, target_compression=TARGET, total_steps=STEPS, switch=60,
+                        lr_cores=3e-3, lr_embedding=1e-2, lr_gates=1e-2, lr_dense=3e-3,
+                        weight_decay=0.0)
+    resumed.load_state_dict(saved["comera"])  # reshapes the TT layers first
+    again.load_state_dict(saved["model"])
+    opt2 = torch.optim.AdamW(resumed.param_groups())
+    opt2.load_state_dict(saved["opt"])
+    assert resumed.pace == comera.pace and resumed.stage == comera.stage
+    assert resumed.steps_done == 120
+    losses = _train(again, resumed, opt2, digits, 120, 200)
+    assert losses == pytest.approx(whole_losses[120:], rel=1e-6, abs=1e-7)
+    assert resumed.report()["ranks"] == whole[1].report()["ranks"]
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda g: torch.optim.AdamW(g),
+    lambda g: torch.optim.Adam(g),
+    lambda g: torch.optim.SGD(g, momentum=0.9),
+], ids=["adamw", "adam", "sgd-momentum"])
+def test_truncation_keeps_outputs_and_slices_optimizer_state_float64(make_opt) -> None:
+    """After ranks die, ``step(opt)`` slices the cores and every state tensor of the
+    optimizer with the same indices; the outputs (float64) do not move."""
+    torch.manual_seed(0)
+    model = PixelNet(dim=16, hidden=64).double()
+    ce.tensorize(model, rank=6, exclude=["head"])
+    comera = ce.CoMERA(model)
+    opt = make_opt(comera.param_groups())
+    x = torch.randint(0, 17, (32, 64))
+    y = torch.randint(0, 10, (32,))
+    for _ in range(3):
+        loss = comera.loss(F.cross_entropy(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        comera.step(opt)
+    layer = model.mid
+    with torch.no_grad():  # two entries of the middle bond fall below the threshold
+        layer.tt.gates[1][[1, 4]] = 1e-3
+    keep = torch.tensor([j for j in range(layer.tt.ranks[2]) if j not in (1, 4)])
+    left, right = layer.tt.cores[1], layer.tt.cores[2]
+    want = {id(p): {k: v.index_select(dim, keep).clone() for k, v in opt.state[p].items()
+                    if torch.is_tensor(v) and v.shape == p.shape}
+            for p, dim in ((left, left.dim() - 1), (right, 0), (layer.tt.gates[1], 0))}
+    with torch.no_grad():
+        before = model(x)  # entries at |g| <= tau are masked out already
+    assert float(left.detach()[..., [1, 4]].abs().min()) > 0  # what is cut held values
+    events = comera.step(opt)
+    assert [e.kind for e in events] == ["rank_change", "truncate"]
+    assert layer.tt.ranks[2] == keep.numel() and left.shape[-1] == keep.numel()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=1e-12, atol=1e-12)
+    for p in (left, right, layer.tt.gates[1]):
+        assert want[id(p)], "the optimizer kept state for this parameter"
+        for key, value in want[id(p)].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=0, atol=0)
+    loss = comera.loss(F.cross_entropy(model(x), y))  # and training goes on
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    assert math.isfinite(float(loss.detach()))
+
+
+def test_events_reach_the_callback_and_bf16_autocast_trains(digits) -> None:
+    seen: list[ce.rank.Event] = []
+    torch.manual_seed(0)
+    model = PixelNet()
+    ce.tensorize(model, rank="auto", target_compression=TARGET, exclude=["head"])
+    comera = ce.CoMERA(model, target_compression=TARGET, total_steps=120, on_event=seen.append,
+                       switch=20, lr_cores=3e-3, lr_gates=1e-2, lr_dense=3e-3)
+    opt = torch.optim.AdamW(comera.param_groups())
+    for step in range(120):
+        x, y = _batch(digits, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            task = F.cross_entropy(model(x), y)
+        loss = comera.loss(task)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        comera.step(opt)
+        assert math.isfinite(float(loss.detach()))
+    assert seen == comera.events and {"stage", "target_met"} <= {e.kind for e in seen}
+    assert abs(comera.report()["compression"] / TARGET - 1) <= 0.05
+
+
+def test_plain_model_trains_on_the_task_loss_alone() -> None:
+    model = PixelNet()
+    comera = ce.CoMERA(model, lr_dense=1e-3)
+    assert [g["name"] for g in comera.param_groups()] == ["dense"]
+    task = F.cross_entropy(model(torch.randint(0, 17, (4, 64))), torch.tensor([0, 1, 2, 3]))
+    assert comera.loss(task) is task and comera.step() == []
+    rep = comera.report()
+    assert rep["compression"] == 1.0 and rep["message"].endswith("no target")
+
+
+def test_bad_settings_and_unreachable_targets_are_refused_in_one_line() -> None:
+    model = PixelNet()
+    with pytest.raises(ConfigError, match="comera.gama") as info:
+        ce.CoMERA(model, gama=0.1)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="comera.tau"):
+        ce.CoMERA(model, tau=2.0)
+    with pytest.raises(ConfigError, match="total_steps"):
+        ce.CoMERA(model, total_steps=-5)
+    with pytest.raises(ConfigError, match="rank"):
+        ce.tensorize(model, rank="auto")
+    with pytest.raises(ConfigError, match="target_compression") as info:
+        ce.tensorize(model, rank="auto", target_compression=1e6, exclude=["head"])
+    assert "\n" not in str(info.value) and "choose at most" in str(info.value)
+    assert not tt_layers(model)  # nothing was replaced
+    with pytest.raises(ConfigError, match="rank"):  # rank 8 is already smaller than 1.5x
+        ce.tensorize(model, rank=8, target_compression=1.5, exclude=["head"])
+    assert not tt_layers(model)
+
+
+def test_auto_ranks_start_at_the_headroom_the_trainer_uses() -> None:
+    """``rank="auto"`` starts at the smallest rank whose TT layers are ``headroom`` times
+    the target size (counted independently here), as ``comera train`` does."""
+    model = PixelNet()
+    ce.tensorize(model, rank="auto", target_compression=TARGET, exclude=["head"],
+                 headroom=3.0)
+    rows = size_report(model)["layers"]
+    dense = sum(r["dense_params"] for r in rows)
+    start = sum(r["allocated_params"] for r in rows)
+    assert start >= 3.0 * dense / TARGET
+    rank = max(model.mid.tt.ranks)
+    smaller = PixelNet()
+    ce.tensorize(smaller, rank=rank - 1, exclude=["head"])
+    below = sum(r["allocated_params"] for r in size_report(smaller)["layers"])
+    assert below < 3.0 * dense / TARGET
+
+
+_DDP_LOOP = """
+import json, os, sys
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+sys.path.insert(0, sys.argv[2])
+import comera_engine as ce
+from test_controller import PixelNet
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.set_num_threads(1)
+torch.manual_seed(0)  # the same initial model in both processes
+model = PixelNet(dim=16, hidden=64)
+ce.tensorize(model, rank="auto", target_compression=8, exclude=["head"])
+comera = ce.CoMERA(model, target_compression=8, total_steps=90, switch="plateau",
+                   plateau_patience=5, plateau_min_delta=0.05, gamma=0.5, lr_cores=3e-3,
+                   lr_gates=5e-2, lr_dense=3e-3)
+opt = torch.optim.AdamW(comera.param_groups())
+ddp = DDP(model)
+g = torch.Generator().manual_seed(1 + rank)  # each process its own examples
+x = torch.randint(0, 17, (90, 32, 64), generator=g)
+y = (x[..., :8].sum(-1) % 10)  # a task the loss can learn, different per process
+out = {"lambda": [], "switch": None}
+for step in range(90):
+    loss = comera.loss(F.cross_entropy(ddp(x[step]), y[step]))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    events = comera.step(opt, truncate=False)  # no shape change under a live DDP wrapper
+    out["lambda"].append(float(comera.info["lambda"]))
+    if any(e.kind == "stage" for e in events):
+        out["switch"] = comera.steps_done
+del ddp
+comera.truncate(opt)  # what a loop does when it rebuilds the wrapper
+out["ranks"] = comera.report()["ranks"]
+out["z_f"] = comera.state_dict()["z_f"]  # the smoothed loss the plateau judged
+out["shapes"] = {n: list(p.shape) for n, p in model.named_parameters()}
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as fh:
+    json.dump(out, fh)
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_processes_agree_on_the_switch_lambda_and_ranks(tmp_path) -> None:
+    """Two gloo processes, each with its own examples (so its own loss), in a
+    hand-written DDP loop: the plateau and λ are judged on the loss averaged over the
+    processes, so both switch at the same step with the same plateau loss ``z_f`` (each
+    process's own loss gives each its own), take the same λ at every step and end at the
+    same ranks."""
+    script = tmp_path / "loop.py"
+    script.write_text(_DDP_LOOP)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(script), str(tmp_path), str(root / "tests")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert a["switch"] is not None and a["switch"] == b["switch"] and a["z_f"] == b["z_f"]
+    assert a["lambda"] == b["lambda"] and {0.0, 1.0} <= set(a["lambda"])
+    assert a["ranks"] == b["ranks"] and a["shapes"] == b["shapes"]
