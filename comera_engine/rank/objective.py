@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
-from .size import dense_size, effective_size, size_spec, surrogate_size
+from .size import dense_size, effective_core_size, gate_sizes, size_extra, size_spec
 from .target import plan_target
 
 __all__ = ["CoMERAObjective", "PlateauDetector", "gamma_ramp"]
@@ -61,8 +61,9 @@ class CoMERAObjective:
     """The task loss combined with the size objective of the current stage.
 
     ``obj(f)`` returns ``(total_loss, info)``: ``info`` holds 0-d device tensors for
-    logging (``size_surrogate``, ``lambda``, ``gamma`` in the early stage, ``size`` and
-    ``z_f`` in the late one, ``target_size`` when a target is set). Nothing is read back
+    logging (``lambda``; ``size_surrogate`` until the ranks are fixed; ``gamma`` in the
+    early stage, ``size`` and ``z_f`` in the late one, ``target_size`` when a target is
+    set). Nothing is read back
     to the host, so the call can be captured into a CUDA graph. :meth:`begin_step` sets
     the step that drives the ``γ`` warm-up (in place on the device).
 
@@ -82,6 +83,10 @@ class CoMERAObjective:
         self._ramp: Tensor | None = None
         self.target_size: float | None = None
         self.frozen = False  # ranks fixed at the target: the task loss alone
+        self._fixed_size: Tensor | None = None  # the size once frozen (a constant)
+        self._consts: dict[str, tuple] = {}
+        # the target scope's parameters outside the TT cores (TT biases, other layers)
+        self._extra = size_extra(model, cfg.target_scope)
         if cfg.target_compression is not None:  # refuses a target below the floor
             self.target_size = plan_target(size_spec(model), cfg.target_scope,
                                            cfg.target_compression).target
@@ -108,43 +113,58 @@ class CoMERAObjective:
 
     def __call__(self, f: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, model = self.cfg, self.model
-        s_hat = surrogate_size(model).to(f.dtype) / self.S0
         reg = f.new_zeros(())
         if cfg.l2_cores > 0:
             for _, m in tt_layers(model):
                 for c in m.tt.cores:
                     reg = reg + c.pow(2).sum()
             reg = cfg.l2_cores * reg
-        info: dict[str, Tensor] = {"size_surrogate": s_hat.detach() * self.S0}
-        if self.frozen:
+        info: dict[str, Tensor] = {}
+        if self.frozen:  # ranks fixed: the size is a constant, counted once
+            if self._fixed_size is None or self._fixed_size.device != f.device:
+                self._fixed_size = (effective_core_size(model) + self._extra).to(f.dtype)
             total = f + reg
             info["lambda"] = f.new_zeros(())
-            info["size"] = effective_size(model, cfg.target_scope).to(f.dtype)
-        elif self.stage == "early":
+            info["size"] = self._fixed_size
+            if self.target_size is not None:
+                info["target_size"] = self._const(f, "target_size", self.target_size)
+            return total, info
+        late = self.stage != "early"
+        s_raw, cores64 = gate_sizes(model, counts=late)  # one pass over the gates
+        s_hat = s_raw.to(f.dtype) / self.S0
+        info["size_surrogate"] = s_raw.detach()
+        if not late:
             ramp = self._ramp_on(f.device).to(f.dtype)
             total = f + cfg.gamma * ramp * s_hat + reg
             info["lambda"] = f.new_zeros(())
             info["gamma"] = cfg.gamma * ramp
         else:
             assert self.z_f is not None and self.target_size is not None
-            size = effective_size(model, cfg.target_scope).to(f.dtype)
-            cores = effective_size(model, "cores").to(f.dtype)
+            assert cores64 is not None
+            size = (cores64 + self._extra).to(f.dtype)
+            cores = cores64.to(f.dtype)
             s_hat = s_hat * (self.S0 / cores.clamp_min(1.0))  # Ŝ / S_c
             fv = _mean_over_processes(f.detach())  # every process picks the same λ
-            gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, torch.zeros_like(fv))
-            gap_s = torch.where(size > 0, (size - self.target_size) / size,
-                                -torch.ones_like(size))
-            reached = size <= self.target_size
-            lam = ((gap_f < gap_s) & ~reached).to(f.dtype)
-            rho_s = torch.where(reached, torch.zeros_like(s_hat),
-                                torch.full_like(s_hat, cfg.rho_s))
-            total = cfg.rho_f * f + rho_s * s_hat + lam * s_hat + (1 - lam) * f + reg
+            gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, 0.0)
+            gap_s = torch.where(size > 0, (size - self.target_size) / size, -1.0)
+            pursue = (size > self.target_size).to(f.dtype)  # the size terms, until reached
+            lam = (gap_f < gap_s).to(f.dtype) * pursue
+            total = cfg.rho_f * f + (pursue * cfg.rho_s) * s_hat + lam * s_hat + (1 - lam) * f + reg
             info["lambda"] = lam
             info["size"] = size
-            info["z_f"] = f.new_full((), self.z_f)
+            info["z_f"] = self._const(f, "z_f", self.z_f)
         if self.target_size is not None:
-            info["target_size"] = f.new_full((), self.target_size)
+            info["target_size"] = self._const(f, "target_size", self.target_size)
         return total, info
+
+    def _const(self, like: Tensor, name: str, value: float) -> Tensor:
+        """``value`` as a 0-d tensor like ``like``, made once (logged every step)."""
+        key = (name, value, like.device, like.dtype)
+        t = self._consts.get(name)
+        if t is None or t[0] != key:
+            t = (key, like.new_full((), value))
+            self._consts[name] = t
+        return t[1]
 
 
 def _mean_over_processes(value: Tensor) -> Tensor:

@@ -34,8 +34,9 @@ from torch import Tensor, nn
 from ..layers import TTEmbedding, TTLinear, peer_layers, tt_layers
 from .target import LayerSpec, SizeSpec
 
-__all__ = ["dense_size", "effective_size", "layer_size", "layer_size_surrogate", "min_size",
-           "model_sizes", "size_spec", "surrogate_size"]
+__all__ = ["dense_size", "effective_core_size", "effective_size", "layer_size",
+           "layer_size_surrogate", "min_size", "model_sizes", "size_extra", "size_spec",
+           "surrogate_size"]
 
 
 def layer_size_surrogate(layer: TTLinear | TTEmbedding) -> Tensor:
@@ -57,63 +58,149 @@ def layer_size(layer: TTLinear | TTEmbedding) -> int:
 
 def surrogate_size(model: nn.Module) -> Tensor:
     """``Σ Ŝ_layer`` over the TT layers of ``model`` (as :func:`layer_size_surrogate`
-    per layer, summed), in one pass over all gates of the model.
+    per layer, summed), in one pass over all gates of the model (:func:`gate_sizes`)."""
+    return gate_sizes(model)[0]
+
+
+def gate_sizes(model: nn.Module, counts: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``Ŝ`` (differentiable in the gates) and, with ``counts``, the cores' effective
+    size ``S`` (float64, :func:`effective_core_size`) from the same pass over the gates.
 
     Called every training step: per layer and bond it would be a few dozen small ops
-    for every layer (``experiments/bench_step_overheads.py``). Instead, with ``g`` all gate entries
-    concatenated: ``a = |g|`` where active else 0; bond norms ``R`` as row sums of ``a``
-    gathered into a (bonds × largest rank) table padded with zeros; then
+    for every layer (``experiments/bench_step_overheads.py``). Instead, with ``g`` all
+    gate entries concatenated: ``a = |g|`` where active else 0; bond norms ``R`` as row
+    sums of ``a`` gathered into a (bonds × largest rank) table padded with zeros; then
     ``Σ s · R[left] · R[right]`` over every core of every layer, the indices (``R[0] = 1``
-    for the outer bonds) built once per model structure (:func:`_surrogate_plan`). No
-    scatter-add: every sum has a fixed order, and in backward each gate entry and each
-    bond norm receives at most two contributions, so the result and its gradients are
-    the same run to run on GPUs too."""
+    for the outer bonds) built once per model structure (:func:`_surrogate_plan`). One
+    ``autograd.Function`` (:class:`_GateSize`) with the gradient written out:
+    ``∂Ŝ/∂g_j = sign(g_j) · [active_j] · (s_k R_{k-1} + s_{k+1} R_{k+1})`` for the entry's
+    bond ``k``, each term multiplied in the order autograd would (the same bits as
+    differentiating the expression). No scatter-add: each bond norm receives exactly two
+    contributions, so the result and its gradients are the same run to run on GPUs too."""
     layers = [m for _, m in tt_layers(model)]
     if not layers:
-        return torch.zeros(())
+        return torch.zeros(()), (torch.zeros((), dtype=torch.float64) if counts else None)
     parts = [m.tt.parts() for m in layers]
     gates = [g for _, gs, _ in parts for g in gs]
-    if not gates:
-        return torch.stack([layer_size_surrogate(m) for m in layers]).sum()
-    g = torch.cat(gates)
-    alive = torch.cat([a for _, _, al in parts for a in al])
-    key = tuple((tuple(int(v.shape[0]) for v in gs), tuple(m.tt.mode_sizes), m.tt.tau)
-                for m, (_, gs, _) in zip(layers, parts))
-    table, tau, li, ri, sizes = _surrogate_plan(key, g.device, g.dtype)
-    a = g.abs()
-    a = torch.where(alive & (a > tau), a, 0.0)
-    R = torch.cat([g.new_ones(1), torch.cat([a, a.new_zeros(1)])[table].sum(1)])
-    return (sizes * R[li] * R[ri]).sum()
+    if not gates:  # single-core layers only: no bond, nothing the gates control
+        s_hat = torch.stack([layer_size_surrogate(m) for m in layers]).sum()
+        return s_hat, (effective_core_size(model) if counts else None)
+    alive = [a for _, _, al in parts for a in al]
+    key = _gate_key(layers, parts)
+    plan = _surrogate_plan(key, gates[0].device, gates[0].dtype)
+    plan64 = _surrogate_plan(key, gates[0].device, torch.float64) if counts else None
+    s_hat, cores = _GateSize.apply(plan, plan64, len(layers), len(gates), *gates, *alive)
+    return s_hat, (cores if counts else None)
+
+
+class _GateSize(torch.autograd.Function):
+    """``(Ŝ, S)`` of :func:`gate_sizes`: inputs the two index plans (``plan64`` ``None``:
+    no ``S``), the numbers of layers and of gate vectors, the gates, then their ``alive``
+    vectors."""
+
+    @staticmethod
+    def forward(ctx, plan: tuple, plan64: tuple | None, n_layers: int,  # noqa: ANN001
+                n: int, *tensors: Tensor) -> tuple[Tensor, Tensor]:
+        table, tau, li, ri, sizes = plan[:5]
+        g = torch.cat(tensors[:n])
+        live = torch.cat(tensors[n:]) & (g.abs() > tau)
+        a = torch.where(live, g.abs(), 0.0)
+        R = torch.cat([g.new_ones(1), torch.cat([a, a.new_zeros(1)])[table].sum(1)])
+        left = sizes * R[li]
+        s_hat = (left * R[ri]).sum()
+        ctx.save_for_backward(g, live, R, left)
+        ctx.plan, ctx.sizes = plan, [int(t.shape[0]) for t in tensors[:n]]
+        cores = g.new_zeros((), dtype=torch.float64)
+        if plan64 is not None:
+            cores = _core_size(live, plan64, n_layers)
+        ctx.mark_non_differentiable(cores)
+        return s_hat, cores
+
+    @staticmethod
+    def backward(ctx, d_s: Tensor, _d_cores: Tensor):  # type: ignore[override]  # noqa: ANN205
+        g, live, R, left = ctx.saved_tensors
+        _, _, li, ri, sizes, _, _, lc, rc, entry_bond = ctx.plan
+        # autograd's own products for Σ (s·R[li])·R[ri]: into R[li] (d·R[ri])·s, into
+        # R[ri] d·(s·R[li]); bond b is the left bond of core rc[b], the right of lc[b]
+        via_left = (d_s * R[ri]) * sizes
+        via_right = d_s * left
+        d_bond = via_left[rc] + via_right[lc]
+        d_g = torch.where(live, d_bond[entry_bond], 0.0) * g.sgn()
+        return (None, None, None, None, *d_g.split(ctx.sizes), *([None] * len(ctx.sizes)))
+
+
+def _core_size(live: Tensor, plan64: tuple, n_layers: int) -> Tensor:
+    """The cores' effective size (float64) from the active-entry mask ``live``."""
+    table, _, li, ri, sizes, core_layer, bond_layer, _, _, _ = plan64
+    on = live.to(torch.float64)
+    counts = torch.cat([on, on.new_zeros(1)])[table].sum(1)
+    R = torch.cat([counts.new_ones(1), counts])
+    per_layer = counts.new_zeros(n_layers).index_add_(0, core_layer, sizes * R[li] * R[ri])
+    dead = counts.new_zeros(n_layers).index_add_(0, bond_layer, (counts == 0).double())
+    return torch.where(dead > 0, 0.0, per_layer).sum()
+
+
+def _gate_key(layers: list[nn.Module], parts: list[tuple]) -> tuple:
+    """What the index plan of :func:`_surrogate_plan` depends on: per layer its gate
+    sizes, mode sizes and threshold."""
+    return tuple((tuple(int(v.shape[0]) for v in gs), tuple(m.tt.mode_sizes), m.tt.tau)
+                 for m, (_, gs, _) in zip(layers, parts))
 
 
 @lru_cache(maxsize=64)
-def _surrogate_plan(key: tuple, device: torch.device, dtype: torch.dtype
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Index tensors for :func:`surrogate_size`. ``key``: per layer (gate sizes, mode
-    sizes, tau). Returns the (bonds × largest rank) table of each bond's entry positions
-    in the concatenated gates (padded with the position one past the end, a zero); per
-    gate entry its tau; per core the indices of its left and right bond norms in
-    ``[1, R_1, …]`` (0: an outer bond, norm 1) and its mode size."""
+def _surrogate_plan(key: tuple, device: torch.device, dtype: torch.dtype) -> tuple:
+    """Index tensors for :func:`gate_sizes`. ``key``: per layer (gate sizes, mode sizes,
+    tau). Returns the (bonds × largest rank) table of each bond's entry positions in the
+    concatenated gates (padded with the position one past the end, a zero); per gate
+    entry its tau (``dtype``); per core the indices of its left and right bond norms in
+    ``[1, R_1, …]`` (0: an outer bond, norm 1) and its mode size (``dtype``); per core
+    and per bond the index of its layer; per bond the core on its left and the core on
+    its right; per gate entry its bond."""
     rows: list[list[int]] = []
-    tau, li, ri, sizes = [], [], [], []
-    bond = pos = 0
-    for gsizes, modes, t in key:
+    tau, li, ri, sizes, core_layer, bond_layer, lc, rc, entry_bond = ([] for _ in range(9))
+    bond = pos = core = 0
+    for layer, (gsizes, modes, t) in enumerate(key):
         first = bond + 1  # position of this layer's first bond norm in [1, R...]
-        for r in gsizes:
+        for k, r in enumerate(gsizes):
             rows.append(list(range(pos, pos + r)))
             pos += r
             tau += [t] * r
+            entry_bond += [bond + k] * r
+            bond_layer.append(layer)
+            lc.append(core + k)  # bond k of a layer sits between its cores k and k+1
+            rc.append(core + k + 1)
         K = len(modes)
         for k, s in enumerate(modes):
             li.append(first + k - 1 if k > 0 else 0)
             ri.append(first + k if k < K - 1 else 0)
             sizes.append(float(s))
+            core_layer.append(layer)
         bond += len(gsizes)
+        core += K
     width = max([1, *(len(r) for r in rows)])
     table = [r + [pos] * (width - len(r)) for r in rows]
-    return tuple(torch.tensor(v, dtype=dt, device=device)  # type: ignore[return-value]
-                 for v, dt in ((table, torch.long), (tau, dtype), (li, torch.long),
-                               (ri, torch.long), (sizes, dtype)))
+    long = torch.long
+    return tuple(torch.tensor(v, dtype=dt, device=device)
+                 for v, dt in ((table, long), (tau, dtype), (li, long), (ri, long),
+                               (sizes, dtype), (core_layer, long), (bond_layer, long),
+                               (lc, long), (rc, long), (entry_bond, long)))
+
+
+def effective_core_size(model: nn.Module) -> Tensor:
+    """``Σ_layers Σ_k s_k R_{k-1} R_k`` over the TT layers' cores at their effective ranks
+    (the gate-mask counts; a layer with a rank-0 bond counts 0), a float64 device scalar,
+    in one pass over all gates of the model."""
+    layers = [m for _, m in tt_layers(model)]
+    parts = [m.tt.parts() for m in layers]
+    gates = [g for _, gs, _ in parts for g in gs]
+    if not gates:  # no TT layer, or only single-core ones (no bond): their full size
+        return torch.tensor(float(sum(m.tt.num_params(True) for m in layers)),
+                            dtype=torch.float64)
+    g = torch.cat(gates)
+    key = _gate_key(layers, parts)
+    tau = _surrogate_plan(key, g.device, g.dtype)[1]
+    live = torch.cat([a for _, _, al in parts for a in al]) & (g.abs() > tau)
+    return _core_size(live, _surrogate_plan(key, g.device, torch.float64), len(layers))
 
 
 def _other_params(model: nn.Module) -> int:
@@ -156,25 +243,19 @@ def min_size(model: nn.Module) -> dict[str, int]:
 
 def effective_size(model: nn.Module, scope: str) -> Tensor:
     """Effective size ``S`` (``"tensorized"`` or ``"model"``; ``"cores"``: the TT cores
-    alone, no bias) as a device tensor: per TT layer ``Σ_k s_k R_{k-1} R_k`` over
-    gate-mask counts (0 if a bond is dead) + bias."""
-    total: Tensor | None = None
-    for _, layer in tt_layers(model):
-        tt = layer.tt
-        counts = [m.sum().to(torch.float64) for m in tt.masks()]
-        one = tt.cores[0].new_ones((), dtype=torch.float64)
-        ranks = [one, *counts, one]
-        size = sum(s * ranks[k] * ranks[k + 1] for k, s in enumerate(tt.mode_sizes))
-        alive = torch.stack([r > 0 for r in ranks]).all()
-        size = torch.where(alive, size, torch.zeros_like(size))
-        if scope != "cores":
-            size = size + _bias(layer)
-        total = size if total is None else total + size
-    if total is None:
-        total = torch.zeros((), dtype=torch.float64)
-    if scope == "model":
-        total = total + dense_size(model)["other"]
-    return total
+    alone, no bias) as a float64 device tensor: :func:`effective_core_size` plus the TT
+    biases, plus every other parameter for ``"model"``."""
+    return effective_core_size(model) + size_extra(model, scope)
+
+
+def size_extra(model: nn.Module, scope: str) -> float:
+    """What ``scope`` counts beyond the TT cores, constant through training: the TT
+    biases (``"tensorized"``), plus every parameter outside the TT layers (``"model"``);
+    0 for ``"cores"``."""
+    if scope == "cores":
+        return 0.0
+    extra = sum(_bias(m) for _, m in tt_layers(model))
+    return float(extra + (_other_params(model) if scope == "model" else 0))
 
 
 def size_spec(model: nn.Module) -> SizeSpec:

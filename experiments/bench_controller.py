@@ -1,0 +1,143 @@
+"""What the rank controller costs: a CoMERA training step against the same TT model at
+fixed ranks, side by side in one process.
+
+For each shipped config (default: digits and SNLI-tiny) the model is built at the ranks
+the run starts from (``comera train``'s plan) and trained on one batch of the config's
+shape, through the trainer's own step (:class:`comera_engine.train.step.TrainStep`, the
+fused CPU AdamW) followed by :meth:`comera_engine.CoMERA.step`, in four variants:
+
+* ``fixed``: gates frozen at 1 (``comera.method = "fixed"``: task loss alone, no gate
+  gradients, the controller's step a no-op refresh);
+* ``early``: the CoMERA objective of the early stage (size surrogate, gate gradients,
+  gate refresh, plateau);
+* ``late``: the late stage (λ, the effective size, the pace's checks);
+* ``fixed ranks reached``: after the target is met (ranks fixed, task loss alone).
+
+No gate dies while timing (the threshold is 0), so every variant keeps the same ranks.
+Rows are the median of alternating rounds (a new random order each round), in
+milliseconds per step; ``overhead`` is against ``fixed``. Prints a table and writes
+experiments/results/bench_controller_cpu.json.
+
+    python experiments/bench_controller.py [--configs digits_tt_mlp snli_transformer_tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import (  # noqa: E402
+    keep_freed_memory_as_training_does,
+    machine,
+    print_table,
+    time_rounds,
+    write_json,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "experiments" / "configs"
+
+
+def _batch(shape, batch_size: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """A random batch of the dataset's shape (values do not change the time)."""
+    g = torch.Generator().manual_seed(0)
+    classes = shape.num_classes or 2
+    if shape.seq_len is not None:
+        ids = torch.randint(1, shape.vocab_size, (batch_size, shape.seq_len), generator=g)
+        return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids),
+                "attention_mask": torch.ones_like(ids),
+                "labels": torch.randint(0, classes, (batch_size,), generator=g)}
+    dim = int(shape.meta["input_dim"])
+    return {"x": torch.randn(batch_size, dim, generator=g),
+            "labels": torch.randint(0, classes, (batch_size,), generator=g)}
+
+
+def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
+    """One step function per variant, each over its own copy of the model."""
+    from comera_engine.config import load_config
+    from comera_engine.models import TaskModel
+    from comera_engine.preview import data_shape
+    from comera_engine.rank import CoMERA
+    from comera_engine.train.methods import build_run_model, freeze_gates
+    from comera_engine.train.plan import plan_initial_ranks
+    from comera_engine.train.step import TrainStep
+
+    cfg = load_config(CONFIGS / f"{config}.toml", base_dir=ROOT)
+    shape = data_shape(cfg.data)
+    cfg, plan = plan_initial_ranks(cfg, shape)
+    torch.manual_seed(0)
+    base = build_run_model(cfg, shape, plan)
+    batch = _batch(shape, cfg.train.batch_size)
+    task = shape.task
+    fns: dict[str, Callable[[], object]] = {}
+    info: dict = {"params": sum(p.numel() for p in base.parameters()),
+                  "batch": cfg.train.batch_size}
+    for variant in ("fixed", "early", "late", "fixed ranks reached"):
+        model = copy.deepcopy(base)
+        settings = dataclasses.replace(cfg.comera, tau=0.0)
+        if variant == "fixed":
+            freeze_gates(model)
+            settings = dataclasses.replace(settings, method="fixed")
+        comera = CoMERA(model, config=settings, total_steps=10**6)
+        if variant == "late" or variant == "fixed ranks reached":
+            comera.objective.switch_to_late(z_f=1.0)  # type: ignore[union-attr]
+        if variant == "fixed ranks reached":
+            comera.freeze()
+        opt = comera.make_optimizer()
+        step = TrainStep(TaskModel(model, task), opt, comera.objective_fn(),
+                         model.parameters(), cfg.train.grad_clip, None)
+
+        def run(step: TrainStep = step, comera: CoMERA = comera,
+                opt: torch.optim.Optimizer = opt) -> None:
+            out = step(batch)
+            comera.step(opt, loss=float(out["loss/task"]), truncate=False)
+
+        fns[variant] = run
+    return fns, info
+
+
+def bench(config: str, rounds: int, reps: int) -> list[dict]:
+    fns, info = _variants(config)
+    times = time_rounds(fns, torch.device("cpu"), rounds, reps, warmup=3)
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return [{"config": config, "variant": k, "ms": v, "overhead": v / ms["fixed"] - 1.0,
+             **info} for k, v in ms.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", default=["digits_tt_mlp", "snli_transformer_tiny"])
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds")
+    ap.add_argument("--reps", type=int, default=20, help="steps per round and variant")
+    ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    args = ap.parse_args(argv)
+    for name in ("threads", "rounds", "reps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: must be a positive integer")
+    for name in args.configs:
+        if not (CONFIGS / f"{name}.toml").is_file():
+            ap.error(f"--configs: no experiments/configs/{name}.toml")
+    keep_freed_memory_as_training_does()
+    torch.set_num_threads(args.threads)
+    rows = [row for name in args.configs for row in bench(name, args.rounds, args.reps)]
+    print(f"\nrank controller cost per training step, CPU, {args.threads} thread(s)")
+    print_table(rows, [("config", "config", ""), ("variant", "variant", ""),
+                       ("ms", "ms per step", ".3f"), ("overhead", "vs fixed", "+.1%")])
+    out = write_json("bench_controller_cpu", {"machine": machine(), "threads": args.threads,
+                                              "rounds": args.rounds, "reps": args.reps,
+                                              "rows": rows}, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
