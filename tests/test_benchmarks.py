@@ -191,3 +191,35 @@ def test_bench_tt_linear_key_row_and_backend_check(tmp_path, cpu_backend_dir) ->
                                         "speedup_off", "backend_speedup"))
         assert set(chk["ways"]) >= {"halves-fwd", "halves-bwd"}
         assert "backend check" in out.stdout
+
+
+def test_bench_controller_writes_table_and_json(tmp_path) -> None:
+    """The controller's cost against fixed ranks: every stage's row, at the same ranks."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_controller.py"), "--configs",
+           "digits_tt_mlp", "--rounds", "1", "--reps", "1", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench_controller_cpu.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fixed", "early", "late", "fixed ranks reached"]
+    assert all(r["ms"] > 0 for r in rows) and rows[0]["overhead"] == 0.0
+    assert "| digits_tt_mlp" in out.stdout
+    bad = subprocess.run([*cmd[:2], "--configs", "no_such_config"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--configs" in bad.stderr
+
+
+def test_own_loop_example_trains_to_the_target_against_dense(tmp_path) -> None:
+    """experiments/own_loop.py (the README's loop) end to end, briefly: both methods per
+    seed, the target reached within ±5 %, the JSON written."""
+    out_json = tmp_path / "own_loop.json"
+    cmd = [sys.executable, str(ROOT / "experiments" / "own_loop.py"), "--steps", "200",
+           "--seeds", "0", "--target", "10", "--out", str(out_json)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out_json.read_text())
+    assert [r["method"] for r in data["runs"]] == ["dense", "CoMERA"]
+    comera = data["runs"][1]
+    assert abs(comera["compression"] / 10 - 1) <= 0.05 and comera["test_acc"] > 0.5
+    assert "target 10x" in out.stdout and "dense" in out.stdout
