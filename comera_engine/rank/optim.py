@@ -57,9 +57,26 @@ class RankEvent:
 
 def refresh_gates(model: nn.Module, step: int = 0) -> list[RankEvent]:
     """After an optimizer step: make pruning permanent in every TT layer and return one
-    event per bond whose effective rank changed."""
+    event per bond whose effective rank changed.
+
+    First one check over every gate of the model (concatenated: a handful of ops and one
+    host read, whatever the number of layers): when no live entry is at or below its
+    threshold nothing dies and nothing is touched (a dead entry's gate, zeroed when it
+    died, is masked everywhere, so the optimizer's drift of it changes nothing)."""
+    layers = tt_layers(model)
+    parts = [m.tt.parts() for _, m in layers]
+    gates = [g for _, gs, _ in parts for g in gs]
+    if not gates:
+        return []
+    from .size import _gate_key, _surrogate_plan
+
+    g = torch.cat(gates).detach()
+    tau = _surrogate_plan(_gate_key([m for _, m in layers], parts), g.device, g.dtype)[1]
+    alive = torch.cat([a for _, _, al in parts for a in al])
+    if not bool((alive & (g.abs() <= tau)).any()):
+        return []
     events = []
-    for name, m in tt_layers(model):
+    for name, m in layers:
         for ch in m.tt.refresh_():
             events.append(RankEvent(step, name, ch.bond, ch.old, ch.new))
     return events
