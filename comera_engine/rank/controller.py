@@ -145,7 +145,8 @@ class CoMERA:
         self.steps_per_epoch = steps_per_epoch
         self.on_event = on_event
         self.events: list[Event] = []
-        self._layers = dict(tt_layers(model))
+        self._pairs = tt_layers(model)  # the model's structure is fixed: walked once
+        self._layers = dict(self._pairs)
         self.has_tt = bool(self._layers)
         self.has_peers = len(factorized_layers(model)) > len(self._layers)
         # the objective runs for method "comera" only; "fixed" / "tt_svd" train the task
@@ -318,7 +319,7 @@ class CoMERA:
             return self._events_from_counts(step, counts)
         from .optim import refresh_gates
 
-        return refresh_gates(self.model, step)
+        return refresh_gates(self.model, step, layers=self._pairs)
 
     def refresh_fn(self) -> Callable[[], Tensor] | None:
         """The gate refresh as device work (for a captured step): returns the alive count

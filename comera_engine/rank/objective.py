@@ -77,7 +77,8 @@ class CoMERAObjective:
         self.cfg = cfg
         self.stage = "early"
         self.z_f: float | None = None
-        self.S0 = float(max(1, sum(m.tt.num_params(False) for _, m in tt_layers(model))))
+        self._layers = [m for _, m in tt_layers(model)]  # the model's structure is fixed
+        self.S0 = float(max(1, sum(m.tt.num_params(False) for m in self._layers)))
         self.dense = dense_size(model)
         self.step_index = 0
         self._ramp: Tensor | None = None
@@ -115,7 +116,7 @@ class CoMERAObjective:
         cfg, model = self.cfg, self.model
         reg = f.new_zeros(())
         if cfg.l2_cores > 0:
-            for _, m in tt_layers(model):
+            for m in self._layers:
                 for c in m.tt.cores:
                     reg = reg + c.pow(2).sum()
             reg = cfg.l2_cores * reg
@@ -130,7 +131,7 @@ class CoMERAObjective:
                 info["target_size"] = self._const(f, "target_size", self.target_size)
             return total, info
         late = self.stage != "early"
-        s_raw, cores64 = gate_sizes(model, counts=late)  # one pass over the gates
+        s_raw, cores64 = gate_sizes(model, counts=late, layers=self._layers)  # one pass
         s_hat = s_raw.to(f.dtype) / self.S0
         info["size_surrogate"] = s_raw.detach()
         if not late:

@@ -55,15 +55,17 @@ class RankEvent:
         return f"{self.layer} bond {self.bond}: rank {self.old} -> {self.new} (step {self.step})"
 
 
-def refresh_gates(model: nn.Module, step: int = 0) -> list[RankEvent]:
+def refresh_gates(model: nn.Module, step: int = 0,
+                  layers: list[tuple[str, nn.Module]] | None = None) -> list[RankEvent]:
     """After an optimizer step: make pruning permanent in every TT layer and return one
     event per bond whose effective rank changed.
 
     First one check over every gate of the model (concatenated: a handful of ops and one
     host read, whatever the number of layers): when no live entry is at or below its
     threshold nothing dies and nothing is touched (a dead entry's gate, zeroed when it
-    died, is masked everywhere, so the optimizer's drift of it changes nothing)."""
-    layers = tt_layers(model)
+    died, is masked everywhere, so the optimizer's drift of it changes nothing). ``layers``:
+    ``model``'s ``(name, TT layer)`` pairs when the caller keeps them."""
+    layers = tt_layers(model) if layers is None else layers
     parts = [m.tt.parts() for _, m in layers]
     gates = [g for _, gs, _ in parts for g in gs]
     if not gates:

@@ -62,7 +62,8 @@ def surrogate_size(model: nn.Module) -> Tensor:
     return gate_sizes(model)[0]
 
 
-def gate_sizes(model: nn.Module, counts: bool = False) -> tuple[Tensor, Tensor | None]:
+def gate_sizes(model: nn.Module, counts: bool = False,
+               layers: list[nn.Module] | None = None) -> tuple[Tensor, Tensor | None]:
     """``Ŝ`` (differentiable in the gates) and, with ``counts``, the cores' effective
     size ``S`` (float64, :func:`effective_core_size`) from the same pass over the gates.
 
@@ -76,8 +77,11 @@ def gate_sizes(model: nn.Module, counts: bool = False) -> tuple[Tensor, Tensor |
     ``∂Ŝ/∂g_j = sign(g_j) · [active_j] · (s_k R_{k-1} + s_{k+1} R_{k+1})`` for the entry's
     bond ``k``, each term multiplied in the order autograd would (the same bits as
     differentiating the expression). No scatter-add: each bond norm receives exactly two
-    contributions, so the result and its gradients are the same run to run on GPUs too."""
-    layers = [m for _, m in tt_layers(model)]
+    contributions, so the result and its gradients are the same run to run on GPUs too.
+    ``layers``: ``model``'s TT layers when the caller keeps them (saves a walk over the
+    modules every step)."""
+    if layers is None:
+        layers = [m for _, m in tt_layers(model)]
     if not layers:
         return torch.zeros(()), (torch.zeros((), dtype=torch.float64) if counts else None)
     parts = [m.tt.parts() for m in layers]
