@@ -754,6 +754,88 @@ def test_ddp_processes_agree_on_lambda_and_on_the_ranks_after_truncation(tmp_pat
     assert ranks_a[-1]["ranks"] != first  # ranks were pruned and truncated on the way
 
 
+def test_slice_at_the_prune_the_next_step_runs_on_truncated_cores(tmp_path, monkeypatch
+                                                                  ) -> None:
+    """After every prune (the gates' or the pace's) the cores and the optimizer state are
+    sliced before the next step: every step starts with no dead entry allocated, and the
+    optimizer's moments have the cores' shapes."""
+    from comera_engine.layers import tt_layers
+    from comera_engine.train import step as step_module
+
+    seen: list[tuple[bool, bool, list[int]]] = []
+    call = step_module.TrainStep.__call__
+
+    def recording(self, batch):  # noqa: ANN001, ANN202
+        model = self.task_model.model
+        layers = [m for _, m in tt_layers(model)]
+        clean = all(bool(mk.all()) for m in layers for mk in m.tt.masks())
+        state = self.optimizer.state
+        fits = all(v.shape == p.shape for m in layers for p in m.tt.cores
+                   for v in state.get(p, {}).values() if torch.is_tensor(v) and v.dim())
+        seen.append((clean, fits, [r for m in layers for r in m.tt.ranks]))
+        return call(self, batch)
+
+    monkeypatch.setattr(step_module.TrainStep, "__call__", recording)
+    raw = digits_cfg(model={"linear_layout": "ttm"},
+                     train={"steps": 200, "eval_every": 0, "ckpt_every": 0})
+    result, records = run(raw, tmp_path / "run")
+    assert result.status == "finished" and len(seen) == 200
+    assert all(clean and fits for clean, fits, _ in seen)
+    assert seen[-1][2] != seen[0][2]  # the ranks did shrink on the way
+    pruned = [r["step"] for r in records if r["type"] == "event" and r["kind"] == "pace"]
+    cut = [r["step"] for r in records if r["type"] == "event" and r["kind"] == "truncate"]
+    assert pruned and set(pruned) <= set(cut)  # each prune is sliced at its own step
+
+
+_GRAPHED_STEP_UNDER_DDP = """
+import sys
+from comera_engine import cli
+from comera_engine.rank import controller
+from comera_engine.train import loop
+
+_init, _make = loop._Run.__init__, controller.CoMERA.make_optimizer
+
+
+def init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.use_graph = True  # the CUDA path's GraphedStep, here on CPU: DDP turns graphs off
+
+
+def make_optimizer(self, capturable=False):
+    return _make(self, capturable=False)  # capturable AdamW needs a GPU
+
+
+loop._Run.__init__ = init
+controller.CoMERA.make_optimizer = make_optimizer
+sys.exit(cli.main())
+"""
+
+
+def test_ddp_truncation_through_a_graphed_step_with_graphs_off(tmp_path) -> None:
+    """The multi-GPU path on CPU: under DDP the step is a GraphedStep with graphs disabled
+    and a device-side gate refresh; truncations release the wrapper and the step, then
+    rebuild both (this crashed with an AttributeError in GraphedStep.reset)."""
+    raw = digits_cfg(comera={"switch": 20}, train={"steps": 80, "batch_size": 16,
+                                                   "eval_every": 40, "ckpt_every": 0})
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(to_toml(config_from_dict(raw)))
+    launcher = tmp_path / "graphed.py"
+    launcher.write_text(_GRAPHED_STEP_UNDER_DDP)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(launcher), "train", str(cfg), "--run-dir", str(tmp_path / "run"), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    events = [r for r in records if r["type"] == "event"]
+    assert any(e["kind"] == "slow_path" and "DistributedDataParallel" in e["text"]
+               for e in events)
+    assert sum(e["kind"] == "truncate" for e in events) >= 2
+    assert [r["status"] for r in records if r["type"] == "status"][-1] == "finished"
+
+
 # ---------------------------------------------------------------------- CUDA graphs
 
 

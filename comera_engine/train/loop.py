@@ -8,9 +8,10 @@ Read top to bottom, one run is:
 4. AdamW with separate groups for TT cores, rank gates and dense parameters;
 5. loop over steps: deterministic batch -> one step (eager or CUDA graph) -> metrics;
    rank-change events; the switch from the early to the late CoMERA stage (at a step or
-   on a loss plateau); evaluation every ``eval_every`` steps; checkpoints every
-   ``ckpt_every`` steps and at stage changes (physically truncating the TT cores and the
-   optimizer state first); stop on NaN/inf (status ``diverged``) or on SIGTERM / a stop
+   on a loss plateau) and the pace (all :class:`comera_engine.rank.CoMERA`); after every
+   prune the TT cores and the optimizer state are physically truncated before the next
+   step; evaluation every ``eval_every`` steps; checkpoints every ``ckpt_every`` steps and
+   at stage changes; stop on NaN/inf (status ``diverged``) or on SIGTERM / a stop
    flag (checkpoint, status ``stopped``);
 6. a final evaluation and checkpoint (status ``finished``).
 
@@ -344,17 +345,21 @@ class _Run:
                 break
 
             stage = self.comera.stage_name  # the stage this step trained in
-            # gates, stage switch, pace (the loop truncates at evaluations and checkpoints,
-            # where it rebuilds the DDP wrapper and the captured graph)
+            # gates, stage switch, pace; the truncation is the loop's (below), which
+            # rebuilds the DDP wrapper and the captured graph around the new shapes
             events = self.comera.step(self.optimizer, loss=raw["loss/task"], counts=counts,
                                       truncate=False)
             step_time = time.perf_counter() - t0
             metrics = self._step_metrics(raw, step_time, batch, stage)
             switched, fixed = self._log_events(events, counts)
             paced = any(e.kind in ("pace", "target_met") for e in events)
-            if paced:
+            pruned = paced or any(e.kind == "rank_change" for e in events)
+            # slice at the prune: the next step runs on the truncated cores and optimizer
+            # state, so pruned ranks stop costing compute and memory at once
+            shrunk = pruned and self._truncate()
+            if pruned:
                 metrics.update(self.comera.size_metrics())
-            if fixed and not switched:
+            if fixed and not switched and not shrunk:
                 self._wrap()  # the gate threshold changed: new step (re-captured graph)
             is_last = self.step == t.steps
             evaluating = (t.eval_every and self.step % t.eval_every == 0) or is_last
@@ -372,8 +377,6 @@ class _Run:
                 status = "stopped"
             if switched or stop or is_last or (t.ckpt_every and self.step % t.ckpt_every == 0):
                 self.save(_ckpt_reason(stop, is_last, bool(switched)))
-            elif evaluating:
-                self._truncate()  # pruned ranks stop costing compute and memory
             if stop:
                 break
         if t.steps == 0:  # evaluate only (a model initialised from model.init_from)
