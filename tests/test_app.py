@@ -170,8 +170,13 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     }
     assert "cpu" in at.selectbox(key="device").options[0].lower()
     metrics = {m.label: m.value for m in at.metric}
-    assert {"Parameters", "Compression", "MACs / example", "Train memory"} <= set(metrics)
-    assert metrics["Compression"].endswith("×")
+    assert {"Parameters", "Compression (TT layers)", "MACs / example",
+            "Train memory"} <= set(metrics)
+    assert metrics["Compression (TT layers)"].endswith("×")
+    # at the end of the run: the 60x target itself (the pace prunes to it), not the
+    # whole-rank illustration of the per-layer table
+    comp = next(m for m in at.metric if m.label == "Compression (TT layers)")
+    assert comp.proto.delta == "60.0× at the end"
     table = at.dataframe[0].value
     assert list(table["layer"]) == ["body.0", "body.3"]
     assert set(table["path"]) <= {"halves", "sweep", "dense"}
@@ -235,8 +240,26 @@ def test_new_experiment_validation_messages(home: Path) -> None:
     at.number_input(key="digits_tt_mlp:switch_step").set_value(300).run()
     at.number_input(key="digits_tt_mlp:steps").set_value(200).run()
     assert not at.error
-    assert "after the run ends at step 200" in " ".join(w.value for w in at.warning)
+    assert "starts the late stage after step 100, not 300" in " ".join(
+        w.value for w in at.warning)  # the engine's switch_by (tests/test_form.py)
     assert not at.button(key="launch").disabled
+
+    # values a widget used to clamp silently reach the engine and are refused by it
+    at.number_input(key="digits_tt_mlp:target").set_value(1e9).run()
+    assert "comera.target_compression: 1e+09x is beyond the smallest TT model" in " ".join(
+        e.value for e in at.error)
+    assert at.button(key="launch").disabled
+    at.number_input(key="digits_tt_mlp:target").set_value(40.0).run()
+    at.number_input(key="digits_tt_mlp:steps").set_value(-5).run()
+    assert "train.steps: must be a positive integer, got -5" in " ".join(
+        e.value for e in at.error)
+    assert at.button(key="launch").disabled
+    at.number_input(key="digits_tt_mlp:steps").set_value(200).run()
+    at.text_input(key="digits_tt_mlp:name").set_value("").run()
+    assert "name: must be a non-empty string" in " ".join(e.value for e in at.error)
+    assert at.button(key="launch").disabled
+    at.text_input(key="digits_tt_mlp:name").set_value("mine").run()
+    assert not at.error and not at.button(key="launch").disabled
 
     at.number_input(key="digits_tt_mlp:batch").set_value(5000).run()
     assert "train.batch_size: 5000 exceeds" in " ".join(e.value for e in at.error)
@@ -369,7 +392,7 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     assert at.selectbox(key="live-run").value == rid
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Step"] == "396 / 600"
-    assert metrics["Compression"] == "24.0×"
+    assert metrics["Compression (TT layers)"] == "24.0×"
     assert "Samples / s" in metrics and "Memory (RSS)" in metrics
     assert not at.button(key="stop").disabled
     assert at.button(key="resume").disabled
@@ -429,8 +452,37 @@ def test_live_page_states_the_target_outcome_and_slower_paths(home: Path) -> Non
     st.log_event(met, "target", "target 60x · reached 60.3x (+0 %)", 600)
     from app.lib import runs
 
-    assert runs.notices(st, met) == [("success", "target 60x · reached 60.3x (+0 %)")]
-    assert runs.notices(st, rid)[0][0] == "warning"
+    assert runs.notices(st, st.get_run(met)) == [
+        ("success", "target 60x · reached 60.3x (+0 %)")]
+    assert runs.notices(st, st.get_run(rid))[0][0] == "warning"
+
+
+def test_a_stopped_then_resumed_run_shows_progress_not_its_old_verdict(home: Path) -> None:
+    """The trainer writes a ``target`` event when an attempt ends, stopped ones too; the
+    page states a verdict only for a run that finished its steps. Stopped: where it
+    stopped, toward the target; resumed and training on: progress, never the verdict."""
+    from app.lib import runs
+
+    st = store_at(home)
+    rid = seed_run(st, "resumed", "stopped", steps=20000, upto=551, comp=26.8, target=60.0)
+    st.log_event(rid, "target", "target 60x · reached 26.8x: missed by 55 % (the late stage "
+                 "did not prune enough by step 551)", 551)
+    (level, text), *_ = runs.notices(st, st.get_run(rid))
+    assert level == "info" and "missed" not in text
+    assert text == ("target 60x · 26.8x at step 551 of 20,000 when it stopped: resume it to "
+                    "go on toward the target")
+    st.set_status(rid, "running")  # resumed: it trains on toward the target
+    st.heartbeat(rid)
+    at = app("live")
+    no_exception(at)
+    shown = " ".join(x.value for x in [*at.info, *at.warning, *at.success])
+    assert "missed" not in shown
+    assert "target 60x · now 26.8x at step 551 of 20,000 (still training)" in shown
+    st.set_status(rid, "finished")  # an attempt that ran its steps: its verdict
+    st.log_event(rid, "target", "target 60x · reached 60.3x (+0 %)", 20000)
+    st.update_run(rid, last_step=20000)
+    assert runs.notices(st, st.get_run(rid))[0] == ("success",
+                                                   "target 60x · reached 60.3x (+0 %)")
 
 
 def test_live_page_failed_run_shows_the_error(home: Path) -> None:

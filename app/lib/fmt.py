@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import time
 
+from comera_engine.metrics import format_ratio
+
 STATUS_ICON = {
     "queued": ":material/hourglass_top:",
     "running": ":material/play_circle:",
@@ -58,11 +60,8 @@ def mib(mb: float | None) -> str:
 
 
 def ratio(x: float | None) -> str:
-    if x is not None and isinstance(x, float) and math.isinf(x):
-        return "∞×"
-    if not is_num(x):
-        return "–"
-    return f"{x:.1f}×" if x < 100 else f"{x:.0f}×"
+    """``60.6×`` (the engine's one format for a compression: ``format_ratio``)."""
+    return format_ratio(x)
 
 
 def pct(x: float | None) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from comera_engine.metrics import SCOPE_LABELS
+
 COLORS = [
     "#4F46E5",  # indigo
     "#F97316",  # orange
@@ -376,9 +378,11 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
         lo, hi = math.log10(min(xs)), math.log10(max(xs))
         pad = max(0.15, 0.12 * (hi - lo))
         fig.update_xaxes(range=[lo - pad, hi + pad])
-        x_title = "compression reached (×, log)"
+        x_title = "×, log"
     else:
-        x_title = "compression reached (×)"
+        x_title = "×"
+    scopes = sorted({SCOPE_LABELS.get(c.get("scope"), "TT layers") for c in cells})
+    x_title = f"compression reached ({' / '.join(scopes) or 'TT layers'}; {x_title})"
     fig = base_layout(fig, title, 420, x_title, metric)
     legend_below(fig)
     fig.update_layout(hovermode="closest")

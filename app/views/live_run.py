@@ -10,6 +10,7 @@ import streamlit as st
 
 from app.lib import fmt, plots, runs, ui
 from app.lib.devices import gpu_status
+from comera_engine.metrics import SCOPE_LABELS
 from comera_engine.store import RunStore, StoreError
 
 REFRESH_S = 1.0
@@ -140,9 +141,7 @@ def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float |
     total = runs.total_steps(run) or 0
     step = int(run.get("last_step") or 0)
     target = runs.target_of(run)
-    comp = latest.get(runs.target_metric(run))
-    if comp is None:
-        comp = latest.get("compression/model")
+    comp = runs.compression(run, latest)
     acc_name = "eval/acc" if "eval/acc" in latest else "acc/train"
     c = st.columns(6)
     c[0].metric("Step", f"{step:,} / {total:,}")
@@ -151,10 +150,12 @@ def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float |
                 delta_arrow="off")
     c[2].metric("Eval accuracy" if acc_name == "eval/acc" else "Train accuracy",
                 fmt.pct(latest.get(acc_name)))
-    c[3].metric("Compression", fmt.ratio(comp),
+    c[3].metric(f"Compression ({comp.label})", fmt.ratio(comp.value),
                 delta=f"target {fmt.ratio(target)}" if target else "no target",
                 delta_color="off", delta_arrow="off",
-                help="Dense / effective parameters, on the scope the target is measured on.")
+                help=f"Dense / effective parameters of the {comp.label}: the scope the "
+                     "run's target is measured on (comera.target_scope); every page shows "
+                     "this figure.")
     c[4].metric(tput[0], fmt.count(tput[1]))
     c[5].metric(mem[0], mem[1], delta=mem[2], delta_color="off", delta_arrow="off")
 
@@ -182,14 +183,16 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     c1, c2 = st.columns(2)
     with c1:
         target = runs.target_of(run)
-        metric = runs.target_metric(run)
-        series = [("whole model", *_series(store, rid, "compression/model"))]
-        if metric == "compression/tensorized" or "compression/tensorized" in latest:
-            series.append(("TT layers", *_series(store, rid, "compression/tensorized")))
+        comp = runs.compression(run, latest)
+        other = "model" if comp.scope == "tensorized" else "tensorized"
+        series = [(comp.label, *_series(store, rid, runs.target_metric(run)))]
+        if f"compression/{other}" in latest:
+            series.append((f"{SCOPE_LABELS[other]} (other scope)",
+                           *_series(store, rid, f"compression/{other}")))
         st.plotly_chart(
-            plots.lines(series, "Compression vs dense", "× smaller", stages=stages,
-                        hline=(target, f"target {target:g}× "
-                               f"({'TT layers' if metric.endswith('tensorized') else 'model'})")
+            plots.lines(series, f"Compression vs dense ({comp.label})", "× smaller",
+                        stages=stages, dashes=[None, "dot"],
+                        hline=(target, f"target {target:g}× ({comp.label})")
                         if target else None),
             width="stretch", key="ch-comp",
         )
@@ -330,7 +333,7 @@ def _view() -> None:
     else:
         mem = ("Memory (RSS)", fmt.mib(latest.get("mem/rss_mb")), None)
     kpis(run, latest, tput, mem)
-    for level, text in runs.notices(store, RID):
+    for level, text in runs.notices(store, run):
         icon = {"success": ":material/check_circle:", "warning": ":material/warning:",
                 "info": ":material/info:"}[level]
         getattr(st, level)(text, icon=icon)

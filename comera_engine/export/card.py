@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from comera_engine.metrics import SCOPE_LABELS, compression_scope
+
 __all__ = ["model_card"]
 
 
@@ -195,7 +197,7 @@ def model_card(result: Any, sha256: str) -> str:
     """Markdown for an :class:`~comera_engine.export.core.ExportResult`."""
     doc = result.metadata
     sizes = doc.get("sizes") or {}
-    m, t = sizes.get("model") or {}, sizes.get("tensorized") or {}
+    m = sizes.get("model") or {}
     recipe = doc.get("model") or {}
     cfg = recipe.get("model_config") or {}
     title = doc.get("name") or recipe.get("family") or "model"
@@ -225,12 +227,17 @@ def model_card(result: Any, sha256: str) -> str:
               f"| dense model | {_num(m.get('dense_params'))} | {_bytes(m.get('dense_bytes'))} |",
               f"| compressed model (effective ranks) | {_num(m.get('effective_params'))} | "
               f"{_bytes(m.get('effective_bytes'))} |",
-              f"| this file ({result.format}) | | {_bytes(result.file_bytes)} |", "",
-              f"Whole model: **{_ratio(m.get('compression'))} smaller** than dense "
-              f"({_ratio(m.get('compression_allocated'))} at the allocated ranks). "
-              f"TT layers alone: {_ratio(t.get('compression'))} "
-              f"({_num(t.get('dense_params'))} → {_num(t.get('effective_params'))} parameters).",
-              ""]
+              f"| this file ({result.format}) | | {_bytes(result.file_bytes)} |", ""]
+    scope = compression_scope(doc.get("config"))
+    other = "model" if scope == "tensorized" else "tensorized"
+    mine, theirs = sizes.get(scope) or {}, sizes.get(other) or {}
+    lines += [f"**Compression: {_ratio(mine.get('compression'))} ({SCOPE_LABELS[scope]})**, "
+              f"dense / effective parameters of the {SCOPE_LABELS[scope]} "
+              f"({_num(mine.get('dense_params'))} → {_num(mine.get('effective_params'))}): "
+              "the scope the run's target is asked in (`comera.target_scope`), the figure "
+              "the studio and `comera runs` show. Other scope: "
+              f"{SCOPE_LABELS[other]} {_ratio(theirs.get('compression'))}; whole model at the "
+              f"allocated ranks {_ratio(m.get('compression_allocated'))}.", ""]
     outcome = _target_line(doc)
     if outcome:
         lines += [f"**Target**: {outcome}.", ""]
