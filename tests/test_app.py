@@ -8,6 +8,7 @@ real (short) run through the launcher for the export page.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -391,17 +392,32 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     no_exception(at)
     assert at.selectbox(key="live-run").value == rid
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Step"] == "396 / 600"
+    step = next(m for m in at.metric if m.label == "Step")
+    assert (step.value, step.proto.delta) == ("396", "of 600")  # never cut to "396 / 6…"
     assert metrics["Compression (TT layers)"] == "24.0×"
     assert "Samples / s" in metrics and "Memory (RSS)" in metrics
     assert not at.button(key="stop").disabled
     assert at.button(key="resume").disabled
     charts = at.get("plotly_chart")
-    assert len(charts) == 8
+    assert len(charts) == 7 and "ch-util" not in {c.key for c in charts}  # a CPU run
+    spec = {c.key: json.loads(c.proto.spec)["layout"] for c in charts}
+    assert spec["ch-acc"]["yaxis"]["tickformat"] == ".0%"  # % like the accuracy tile
+    assert spec["ch-acc"]["yaxis"]["title"]["text"] == "accuracy"
+    assert spec["ch-loss"]["yaxis"]["title"]["text"] == "loss"
+    assert spec["ch-mem"]["yaxis"]["rangemode"] == "tozero"
+    assert "TT layers" in spec["ch-comp"]["title"]["text"]
     body = texts(at)
     assert "running" in body and "Refreshing every 1 s" in body
     events = at.dataframe[0].value
     assert {"stage", "checkpoint", "rank change"} <= set(events["kind"])
+    # the trainer log: its last 30 lines, the newest included (the browser test checks
+    # that the panel shows its last line)
+    log = st.log_path(rid)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(f"step {i} loss 0.{i:03d}\n" for i in range(1, 245)))
+    at.run()
+    (code,) = [c for c in at.code if "step 244" in c.value]
+    assert code.value.splitlines() == [f"step {i} loss 0.{i:03d}" for i in range(215, 245)]
 
 
 def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
@@ -426,7 +442,7 @@ def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
     bars = [(p.value, p.text) for p in at.progress]
     assert bars == [(16, "step 100 of 600"), (40, "Evaluating · 40 %")]
     assert not at.info and "now evaluating" in texts(at)
-    assert len(at.get("plotly_chart")) == 8  # metrics: the charts are back
+    assert len(at.get("plotly_chart")) == 7  # metrics: the charts are back
     st.set_phase(rid, "training")
     at.run()
     assert [p.text for p in at.progress] == ["step 100 of 600"]  # the step bar says it
@@ -605,6 +621,14 @@ def test_compare_page(home: Path) -> None:
     assert "No dense baseline" not in texts(at)
     at.selectbox(key="cmp-m1").set_value("compression/tensorized").run()
     no_exception(at)
+    # the picker names metrics in words, not by their keys
+    picker = at.selectbox(key="cmp-m1")
+    assert "Compression (TT layers)" in picker.options and not any(
+        re.fullmatch(r"[a-z_]+/[a-z_]+", o) for o in picker.options)
+    # one compression figure per run, with its scope (the target's): the seeded TT runs
+    # log 24x / 50x on the TT layers (0.6 of that on the whole model)
+    assert sorted(final["compression"]) == [1.0, 24.0, 50.0]
+    assert set(final["scope"]) == {"TT layers"}
 
 
 # ------------------------------------------------------------------ export (real run)
@@ -661,7 +685,7 @@ def test_live_and_compare_pages_on_a_real_run(trained: tuple[Path, str],
     monkeypatch.chdir(ROOT)
     at = app("live")
     no_exception(at)
-    assert {m.label: m.value for m in at.metric}["Step"] == "40 / 40"
+    assert {m.label: m.value for m in at.metric}["Step"] == "40"
     assert "finished" in texts(at)
     at.switch_page(PAGES["compare"]).run()
     no_exception(at)

@@ -70,7 +70,7 @@ if not names:
 def _pick(default: str, key: str, title: str) -> str:
     options = names
     idx = options.index(default) if default in options else 0
-    return st.selectbox(title, options, index=idx, key=key)
+    return st.selectbox(title, options, index=idx, key=key, format_func=fmt.metric_label)
 
 
 st.subheader("Curves", anchor=False)
@@ -79,15 +79,18 @@ with c1:
     m1 = _pick("loss/task", "cmp-m1", "Metric (left)")
     series = [(label(r), *(lambda s: (s["step"], s["value"]))(store.series(r["id"], m1, 1000)))
               for r in sel]
-    st.plotly_chart(plots.lines(series, m1, log_y=m1.startswith("loss"), smooth=0.1),
+    st.plotly_chart(plots.lines(series, fmt.metric_label(m1), fmt.metric_label(m1),
+                                log_y=m1.startswith("loss"), smooth=0.1,
+                                percent=plots.is_fraction(m1)),
                     width="stretch", key="cmp-c1")
 with c2:
     default2 = "eval/acc" if "eval/acc" in names else "acc/train"
     m2 = _pick(default2, "cmp-m2", "Metric (right)")
     series = [(label(r), *(lambda s: (s["step"], s["value"]))(store.series(r["id"], m2, 1000)))
               for r in sel]
-    st.plotly_chart(plots.lines(series, m2, markers=m2.startswith("eval")), width="stretch",
-                    key="cmp-c2")
+    st.plotly_chart(plots.lines(series, fmt.metric_label(m2), fmt.metric_label(m2),
+                                markers=m2.startswith("eval"), percent=plots.is_fraction(m2)),
+                    width="stretch", key="cmp-c2")
 
 # ------------------------------------------------------------------ Pareto
 
@@ -130,11 +133,12 @@ with c1:
                        "accuracy", "Accuracy vs compression", x_include=[1.0])
     fig.add_vline(x=1.0, line={"color": plots.COLORS[1], "dash": "dot", "width": 1},
                   annotation_text="dense 1×", annotation_position="bottom right")
-    st.plotly_chart(fig, width="stretch", key="cmp-pareto")
+    st.plotly_chart(fig.update_yaxes(tickformat=".0%"), width="stretch", key="cmp-pareto")
 with c2:
     st.plotly_chart(
         plots.pareto(points, "mem", "acc", "peak training memory (MiB, log)", "accuracy",
-                     "Accuracy vs training memory", higher_x_better=False),
+                     "Accuracy vs training memory", higher_x_better=False
+                     ).update_yaxes(tickformat=".0%"),
         width="stretch", key="cmp-pareto-mem",
     )
 
