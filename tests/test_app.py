@@ -56,6 +56,15 @@ def app(page: str | None = None) -> AppTest:
     return at
 
 
+def live_charts(at: AppTest) -> dict[str, dict]:
+    """The Live page's in-place charts (``app.lib.livechart``): key -> Plotly figure."""
+    from app.lib.livechart import figure_of
+
+    return {e.proto.id.rsplit("-", 2)[-2] + "-" + e.proto.id.rsplit("-", 1)[-1]:
+            figure_of(e.proto.json_args) for e in at.get("component_instance")
+            if e.proto.component_name.endswith("live_chart")}
+
+
 def no_exception(at: AppTest) -> None:
     assert not at.exception, [e.value for e in at.exception]
 
@@ -398,9 +407,9 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     assert "Samples / s" in metrics and "Memory (RSS)" in metrics
     assert not at.button(key="stop").disabled
     assert at.button(key="resume").disabled
-    charts = at.get("plotly_chart")
-    assert len(charts) == 7 and "ch-util" not in {c.key for c in charts}  # a CPU run
-    spec = {c.key: json.loads(c.proto.spec)["layout"] for c in charts}
+    charts = live_charts(at)
+    assert len(charts) == 7 and "ch-util" not in charts  # a CPU run: no GPU panel
+    spec = {k: fig["layout"] for k, fig in charts.items()}
     assert spec["ch-acc"]["yaxis"]["tickformat"] == ".0%"  # % like the accuracy tile
     assert spec["ch-acc"]["yaxis"]["title"]["text"] == "accuracy"
     assert spec["ch-loss"]["yaxis"]["title"]["text"] == "loss"
@@ -432,7 +441,7 @@ def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
     assert at.selectbox(key="live-run").value == rid
     assert [i.value for i in at.info] == ["Preparing data…"]
     assert "now preparing data" in texts(at)
-    assert not at.get("plotly_chart") and "charts appear with the first training step" in texts(at)
+    assert not live_charts(at) and "charts appear with the first training step" in texts(at)
     assert [(p.value, p.text) for p in at.progress] == [(0, "step 0 of 600")]
     t = time.time()
     st.write_batch(rid, metrics=[(s, "loss/task", 1.0 / s, t) for s in range(1, 101)],
@@ -442,7 +451,7 @@ def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
     bars = [(p.value, p.text) for p in at.progress]
     assert bars == [(16, "step 100 of 600"), (40, "Evaluating · 40 %")]
     assert not at.info and "now evaluating" in texts(at)
-    assert len(at.get("plotly_chart")) == 7  # metrics: the charts are back
+    assert len(live_charts(at)) == 7  # metrics: the charts are back
     st.set_phase(rid, "training")
     at.run()
     assert [p.text for p in at.progress] == ["step 100 of 600"]  # the step bar says it

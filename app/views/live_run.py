@@ -1,4 +1,7 @@
-"""Live run: metrics, ranks, memory and events of one run, refreshed every second."""
+"""Live run: metrics, ranks, memory and events of one run, refreshed every second.
+
+The charts are in-place charts (:mod:`app.lib.livechart`): a refresh hands each one its
+new figure, and none is taken down and drawn again."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import streamlit as st
 
 from app.lib import fmt, plots, runs, ui
 from app.lib.devices import gpu_status
+from app.lib.livechart import live_chart
 from comera_engine.metrics import SCOPE_LABELS
 from comera_engine.store import StoreError
 
@@ -171,18 +175,15 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     with c1:
         s_task = _series(DB, rid, "loss/task")
         s_total = _series(DB, rid, "loss/total")
-        st.plotly_chart(
-            plots.lines([("task loss", *s_task), ("total (objective)", *s_total)], "Loss",
-                        "loss", stages=stages, smooth=0.1, dashes=[None, "dash"]),
-            width="stretch", key="ch-loss",
-        )
+        live_chart(plots.lines([("task loss", *s_task), ("total (objective)", *s_total)],
+                               "Loss", "loss", stages=stages, smooth=0.1,
+                               dashes=[None, "dash"]), key="ch-loss")
     with c2:
         s_tr = _series(DB, rid, "acc/train")
         s_ev = _series(DB, rid, "eval/acc")
-        st.plotly_chart(
+        live_chart(
             plots.lines([("train", *s_tr), ("eval", *s_ev)], "Accuracy", "accuracy",
-                        stages=stages, smooth=0.1, percent=True),
-            width="stretch", key="ch-acc",
+                        stages=stages, smooth=0.1, percent=True), key="ch-acc",
         )
     c1, c2 = st.columns(2)
     with c1:
@@ -193,31 +194,27 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
         if f"compression/{other}" in latest:
             series.append((f"{SCOPE_LABELS[other]} (other scope)",
                            *_series(DB, rid, f"compression/{other}")))
-        st.plotly_chart(
+        live_chart(
             plots.lines(series, f"Compression vs dense ({comp.label})", "× smaller",
                         stages=stages, dashes=[None, "dot"],
                         hline=(target, f"target {target:g}× ({comp.label})")
-                        if target else None),
-            width="stretch", key="ch-comp",
+                        if target else None), key="ch-comp",
         )
     with c2:
         name = "perf/tokens_per_s" if "perf/tokens_per_s" in latest else "perf/samples_per_s"
-        st.plotly_chart(
+        live_chart(
             plots.lines([(name.split("/")[1].replace("_per_s", "/s"),
                           *_series(DB, rid, name))], "Throughput",
                         "tokens/s" if "tokens" in name else "samples/s", stages=stages,
-                        smooth=0.05),
-            width="stretch", key="ch-tput",
+                        smooth=0.05), key="ch-tput",
         )
     history = DB.rank_history(rid)
     c1, c2 = st.columns([3, 2])
     with c1:
-        st.plotly_chart(plots.rank_heatmap(history, stages=stages,
-                                           until=run.get("last_step")),
-                        width="stretch", key="ch-heat")
+        live_chart(plots.rank_heatmap(history, stages=stages, until=run.get("last_step")),
+                   key="ch-heat")
     with c2:
-        st.plotly_chart(plots.rank_bars(DB.latest_ranks(rid)), width="stretch",
-                        key="ch-bars")
+        live_chart(plots.rank_bars(DB.latest_ranks(rid)), key="ch-bars")
     gpu = _nvml_index(run) is not None
     c1, c2 = st.columns(2) if gpu else (st.container(), None)
     with c1:
@@ -234,7 +231,7 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
             fig = plots.lines([("process RSS", *_series(DB, rid, "mem/rss_mb"))],
                               "Memory (CPU run: process RSS)", "MiB", stages=stages,
                               from_zero=True)
-        st.plotly_chart(fig, width="stretch", key="ch-mem")
+        live_chart(fig, key="ch-mem")
     if c2 is not None:  # a CPU run has no GPU to sample: no empty panel
         with c2:
             utilisation(run)
@@ -257,16 +254,15 @@ def utilisation(run: dict[str, Any]) -> None:
     if hist["t"]:
         t0 = hist["t"][0]
         x = [t - t0 for t in hist["t"]]
-        st.plotly_chart(
+        live_chart(
             plots.lines([("GPU utilisation %", x, hist["util"]), ("memory used %", x,
                          hist["mem"])], f"GPU {idx} utilisation (NVML, sampled here)", "%",
-                        x_title="seconds since this page opened"),
-            width="stretch", key="ch-util",
+                        x_title="seconds since this page opened"), key="ch-util",
         )
     else:
         msg = ("CPU run: no GPU to sample" if idx is None
                else "GPU utilisation is sampled while the run lives")
-        st.plotly_chart(plots.empty_figure(msg, title="GPU utilisation"), width="stretch",
+        live_chart(plots.empty_figure(msg, title="GPU utilisation"),
                         key="ch-util")
 
 
