@@ -237,6 +237,12 @@ def drawn_live_charts(page: Any) -> int:
     return sum(n > 0 for n in live_chart_traces(page).values())
 
 
+def control(page: Any, name: str) -> Any:
+    """The Live page's Stop / Resume button on screen (a button whose state changed can
+    linger hidden in the page for a moment beside its successor)."""
+    return page.get_by_role("button", name=name).filter(visible=True).first
+
+
 def run_status_header(page: Any) -> str:
     h = page.locator("h3").filter(has_text=re.compile(
         r"queued|running|stopping|finished|stopped|failed|crashed|diverged"))
@@ -287,13 +293,13 @@ def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
     no_exception(page, "live (running)")
     shot(page, "03-live-running")
 
-    page.get_by_role("button", name="Stop").click()
+    control(page, "Stop").click()
     wait_until(lambda: "stopped" in run_status_header(page), 90,
                "the status to become stopped")
     assert server.store().get_run(rid)["status"] == "stopped"
     settle(page)
     no_exception(page, "live (stopped)")
-    assert page.get_by_role("button", name="Resume").is_enabled()
+    assert control(page, "Resume").is_enabled()
     shot(page, "04-live-stopped")
 
     nav(page, "Compare")
@@ -355,7 +361,8 @@ def test_two_sessions_start_one_run_and_watch_it(browser: Any, server: Server) -
     shot(a, "12-two-sessions-a")
     shot(b, "13-two-sessions-b")
     if server.store().get_run(rid_a)["status"] in ("queued", "running"):
-        a.get_by_role("button", name="Stop").click()
+        with contextlib.suppress(Exception):  # the short run may finish meanwhile
+            control(a, "Stop").click(timeout=10_000)
     final = wait_until(
         lambda: server.store().get_run(rid_a)["status"] in ("stopped", "finished")
         and server.store().get_run(rid_a)["status"], 90, "the run to end")
@@ -570,7 +577,7 @@ def test_stop_resume_shows_progress_and_the_live_page_holds_steady(browser: Any,
     notices = page.locator('[data-testid="stAlertContentInfo"], '
                            '[data-testid="stAlertContentWarning"], '
                            '[data-testid="stAlertContentSuccess"]')
-    page.get_by_role("button", name="Stop").click()
+    control(page, "Stop").click()
     wait_until(lambda: "stopped" in run_status_header(page), 90, "the run to stop")
     stopped_at = server.store().get_run(rid)["last_step"]
     wait_until(lambda: any("when it stopped" in t for t in notices.all_inner_texts()), 30,
@@ -578,7 +585,7 @@ def test_stop_resume_shows_progress_and_the_live_page_holds_steady(browser: Any,
     assert not any("missed" in t for t in notices.all_inner_texts())
     assert any("target" in e["kind"] for e in server.store().events(rid))  # a verdict exists
     shot(page, "23-live-stopped")
-    page.get_by_role("button", name="Resume").click()
+    control(page, "Resume").click()
     wait_until(lambda: "running" in run_status_header(page), 120, "the run to resume")
     wait_until(lambda: current_step(page) > stopped_at + 20, 120, "steps after the resume")
     wait_until(lambda: any("(still training)" in t for t in notices.all_inner_texts()), 30,
