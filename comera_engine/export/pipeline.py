@@ -189,10 +189,15 @@ def wrap(network: nn.Module, pipeline: Mapping[str, Any] | None) -> nn.Module:
 def raw_example(pipeline: Mapping[str, Any], args: tuple[torch.Tensor, ...], seed: int = 0
                 ) -> tuple[torch.Tensor, ...]:
     """Raw inputs shaped like the network's example ``args`` (for tracing and checking
-    the ONNX graph): pixels 0..16, counts, hash values with some missing."""
+    the ONNX graph): pixels 0..16 spread as the training images', counts, hash values
+    with some missing."""
     g = torch.Generator().manual_seed(seed)
-    if pipeline["kind"] == "pixels":
-        return (torch.randint(0, 17, args[0].shape, generator=g).float(),)
+    if pipeline["kind"] == "pixels":  # like the training images: mean ± std per pixel
+        mean = torch.tensor(pipeline["mean"])
+        std = torch.tensor(pipeline["std"])
+        z = torch.randn(args[0].shape, generator=g)
+        x = ((mean + std * z) / float(pipeline["scale"])).round()
+        return (x.clamp(0, round(1 / float(pipeline["scale"]))),)
     if pipeline["kind"] == "criteo":
         dense, sparse = args
         counts = torch.randint(0, 1000, dense.shape, generator=g).float()
