@@ -8,8 +8,11 @@ values so every sink can persist them without knowing the trainer.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -183,3 +186,94 @@ def target_outcome(target: float, reached: float, reason: str = "", short: bool 
         return (f"target {target:g}x · reached {reached:.1f}x: missed by {-err * 100:.0f} %"
                 + (f" ({reason})" if reason else ""))
     return f"target {target:g}x · reached {reached:.1f}x ({err * 100:+.0f} %)"
+
+
+# ---------------------------------------------------------------------- the compression figure
+
+#: What a compression is measured on (``comera.target_scope``), as every page names it.
+SCOPE_LABELS = {"tensorized": "TT layers", "model": "whole model"}
+
+
+def compression_scope(config: Mapping[str, Any] | None) -> str:
+    """The scope a run's compression is stated in: the one its target is asked in
+    (``comera.target_scope``, default ``tensorized``), with or without a target."""
+    comera = (config or {}).get("comera") if isinstance(config, Mapping) else None
+    scope = comera.get("target_scope") if isinstance(comera, Mapping) else None
+    return scope if scope in SCOPE_LABELS else "tensorized"
+
+
+def compression_metric(scope: str) -> str:
+    """The metric holding the compression in ``scope``: ``compression/tensorized`` or
+    ``compression/model``."""
+    return f"compression/{scope}"
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A run's compression (dense / effective parameters) in its scope."""
+
+    value: float | None
+    scope: str
+
+    @property
+    def label(self) -> str:
+        """``"TT layers"`` or ``"whole model"``."""
+        return SCOPE_LABELS[self.scope]
+
+    def text(self, unit: str = "×") -> str:
+        """``"60.6× (TT layers)"``, ``"– (TT layers)"`` before the first evaluation."""
+        return f"{format_ratio(self.value, unit)} ({self.label})"
+
+
+def format_ratio(x: float | None, unit: str = "×") -> str:
+    """``60.6×`` (one decimal, as the tables' ``%.1f×`` columns show it); ``∞×`` for a
+    model pruned to nothing; ``–`` when unknown. One format, so a figure reads the same
+    wherever it is shown."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        if math.isinf(x) and x > 0:
+            return f"∞{unit}"
+        if math.isfinite(x):
+            return f"{x:.1f}{unit}"
+    return "–"
+
+
+def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any]) -> Compression:
+    """THE compression of a run, everywhere it is shown: its latest value of the metric in
+    its scope (:func:`compression_scope`); a dense baseline is 1× by definition.
+    ``latest`` maps metric names to values (or ``(step, value)`` pairs, as the store's
+    ``latest_metrics`` gives them)."""
+    scope = compression_scope(config)
+    model = (config or {}).get("model") if isinstance(config, Mapping) else None
+    if isinstance(model, Mapping) and model.get("dense"):
+        return Compression(1.0, scope)
+    value = latest.get(compression_metric(scope))
+    if isinstance(value, (tuple, list)):
+        value = value[1]
+    return Compression(float(value) if isinstance(value, (int, float)) else None, scope)
+
+
+#: Statuses of a run that trains no further unless it is resumed (comera_engine.store).
+_HALTED = ("stopped", "failed", "crashed", "diverged")
+
+
+def target_status(target: float, reached: float | None, status: str, step: int | None = None,
+                  steps: int | None = None, short: bool = False) -> str:
+    """Where a run stands with its target, in one line. A verdict (reached, or missed by
+    how much: :func:`target_outcome`) belongs to a run that finished its steps; a run
+    still training, or stopped, failed or crashed part way, shows its progress toward
+    the target instead: ``"target 60x · now 26.8x at step 551 of 20,000 (still
+    training)"`` (``short``: ``"60x, now 26.8x"``, ``"60x, at 26.8x (stopped)"``)."""
+    if reached is None:
+        return f"{target:g}x, not measured yet" if short else (
+            f"target {target:g}x · not measured yet")
+    if status == "finished":
+        return target_outcome(target, reached, short=short)
+    halted = status in _HALTED
+    ratio = format_ratio(reached, "x")
+    if short:
+        return f"{target:g}x, at {ratio} ({status})" if halted else f"{target:g}x, now {ratio}"
+    where = "" if step is None else f" at step {step:,}" + (f" of {steps:,}" if steps else "")
+    if not halted:
+        return f"target {target:g}x · now {ratio}{where} (still training)"
+    return (f"target {target:g}x · {ratio}{where} when it {status}"
+            + (": resume it to go on toward the target" if status != "diverged" else ""))

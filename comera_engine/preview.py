@@ -49,6 +49,77 @@ class LayerPreview:
         return self.dense_params / self.tt_params if self.tt_params else float("inf")
 
 
+@dataclass(frozen=True)
+class LateStage:
+    """When the trainer's late stage starts, and whether it drives the size to the target
+    (:func:`late_stage`).
+
+    ``step``: the late stage starts after this step at the latest (``None``: it never
+    starts, or only on a plateau with no latest step); ``how``: in words;
+    ``pursued``: the run ends at the target (within the 5 % tolerance) when it runs its
+    steps; ``why_not``: what keeps it from that; ``moved``: the engine's own change of the
+    configured switch step (``comera.switch_by``), ``None`` when it keeps it."""
+
+    step: int | None
+    how: str
+    pursued: bool
+    why_not: str | None = None
+    moved: str | None = None
+
+
+def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
+    """The late stage of a run with these ``[comera]`` settings and ``train.steps``, as the
+    trainer decides it (``comera_engine.train.tt.CoMERAState.maybe_switch``): the switch
+    is ``comera.switch`` (a step, ``"plateau"``, ``"never"``; ``"auto"``: plateau with a
+    target, else never) or ``comera.switch_epoch``, and with the pace on (``comera.pace``,
+    a target, a step budget) it comes after ``ceil(switch_by · steps)`` at the latest,
+    whatever the switch says. ``tensorized``: the model has TT layers (a dense model has
+    no stages)."""
+    c = comera
+    target = c.target_compression
+    if not (c.enabled and c.method == "comera" and tensorized):
+        why = ("a dense model has no ranks to prune" if not tensorized else
+               f"comera.method = {c.method!r} trains at fixed ranks" if c.method != "comera"
+               else "comera.enabled = false")
+        return LateStage(None, "no late stage", False, why)
+    switch: Any = c.switch
+    if switch == "auto":
+        switch = "plateau" if target is not None else "never"
+    pacing = bool(c.pace and target is not None and steps > 0)
+    latest = max(1, math.ceil(c.switch_by * steps)) if pacing and switch != "never" else None
+    if switch == "never" and c.switch_epoch is None:
+        return LateStage(None, "no late stage", False,
+                         "no late stage (comera.switch = \"never\"): only the early stage's "
+                         "size penalty shrinks the ranks")
+    by = f"after step {latest:,} at the latest (comera.switch_by = {c.switch_by:g} of " \
+         f"{steps:,} steps)" if latest is not None else None
+    if c.switch_epoch is not None or switch == "plateau":
+        when = (f"after epoch {c.switch_epoch}" if c.switch_epoch is not None
+                else "when the loss plateaus")
+        how = f"{when}, {by}" if by else when
+        step = latest
+    else:
+        step = int(switch) if latest is None else min(int(switch), latest)
+        how = f"after step {step:,}"
+        if latest is not None and latest < int(switch):
+            moved = (f"The engine starts the late stage after step {latest:,}, not "
+                     f"{int(switch):,}: with the pace on it starts by comera.switch_by = "
+                     f"{c.switch_by:g} of the {steps:,} steps at the latest, to reach the "
+                     "target by step "
+                     f"{max(1, math.ceil(c.reach_at * steps)):,}.")
+            return LateStage(step, how, True, None, moved)
+    if target is None:
+        return LateStage(step, how, False, "no target: the late stage has nothing to reach")
+    if step is not None and step >= steps:
+        return LateStage(step, how, False, f"the late stage would start after step {step:,}, "
+                         f"when the run has ended ({steps:,} steps): the target is never "
+                         "pursued")
+    if not c.pace:
+        return LateStage(step, how, False, "comera.pace = false: the objective alone pulls the "
+                         "size toward the target and may stop short of it")
+    return LateStage(step, how, True)
+
+
 @dataclass
 class Preview:
     layers: list[LayerPreview]
@@ -64,6 +135,19 @@ class Preview:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)  # tt / dense -> parts
     notes: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)  # (field, message)
+    stage: LateStage | None = None  # when the late stage starts (late_stage)
+
+    @property
+    def at_target(self) -> tuple[float | None, str]:
+        """``(compression the run ends at, why)``: the target itself when the run pursues
+        it (the pace prunes to it: within 5 %), else ``None`` and the reason."""
+        if self.target is None:
+            return None, "no target"
+        if self.errors:
+            return None, self.errors[0][1]
+        if self.stage is not None and not self.stage.pursued:
+            return None, self.stage.why_not or "the target is not pursued"
+        return float(self.target), "the pace prunes to the target by comera.reach_at"
 
     # totals -------------------------------------------------------------------------
     @property
@@ -455,6 +539,7 @@ def make_preview(cfg: Any, device: str = "cpu") -> Preview:
         min_tt_params=sum(tt_params(layer.mode_sizes, [1] * (len(layer.mode_sizes) + 1))
                           + layer.bias for layer in layers),
     )
+    pv.stage = late_stage(c, cfg.train.steps, tensorized=bool(layers) and not cfg.model.dense)
     if plan is not None and plan.note:
         pv.notes.append(plan.note[0].upper() + plan.note[1:] + ".")
     if plan_error is not None:

@@ -8,6 +8,7 @@ real (short) run through the launcher for the export page.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,15 @@ def app(page: str | None = None) -> AppTest:
     if page is not None:
         at.switch_page(PAGES[page]).run()
     return at
+
+
+def live_charts(at: AppTest) -> dict[str, dict]:
+    """The Live page's in-place charts (``app.lib.livechart``): key -> Plotly figure."""
+    from app.lib.livechart import figure_of
+
+    return {e.proto.id.rsplit("-", 2)[-2] + "-" + e.proto.id.rsplit("-", 1)[-1]:
+            figure_of(e.proto.json_args) for e in at.get("component_instance")
+            if e.proto.component_name.endswith("live_chart")}
 
 
 def no_exception(at: AppTest) -> None:
@@ -170,8 +180,13 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     }
     assert "cpu" in at.selectbox(key="device").options[0].lower()
     metrics = {m.label: m.value for m in at.metric}
-    assert {"Parameters", "Compression", "MACs / example", "Train memory"} <= set(metrics)
-    assert metrics["Compression"].endswith("×")
+    assert {"Parameters", "Compression (TT layers)", "MACs / example",
+            "Train memory"} <= set(metrics)
+    assert metrics["Compression (TT layers)"].endswith("×")
+    # at the end of the run: the 60x target itself (the pace prunes to it), not the
+    # whole-rank illustration of the per-layer table
+    comp = next(m for m in at.metric if m.label == "Compression (TT layers)")
+    assert comp.proto.delta == "60.0× at the end"
     table = at.dataframe[0].value
     assert list(table["layer"]) == ["body.0", "body.3"]
     assert set(table["path"]) <= {"halves", "sweep", "dense"}
@@ -235,8 +250,26 @@ def test_new_experiment_validation_messages(home: Path) -> None:
     at.number_input(key="digits_tt_mlp:switch_step").set_value(300).run()
     at.number_input(key="digits_tt_mlp:steps").set_value(200).run()
     assert not at.error
-    assert "after the run ends at step 200" in " ".join(w.value for w in at.warning)
+    assert "starts the late stage after step 100, not 300" in " ".join(
+        w.value for w in at.warning)  # the engine's switch_by (tests/test_form.py)
     assert not at.button(key="launch").disabled
+
+    # values a widget used to clamp silently reach the engine and are refused by it
+    at.number_input(key="digits_tt_mlp:target").set_value(1e9).run()
+    assert "comera.target_compression: 1e+09x is beyond the smallest TT model" in " ".join(
+        e.value for e in at.error)
+    assert at.button(key="launch").disabled
+    at.number_input(key="digits_tt_mlp:target").set_value(40.0).run()
+    at.number_input(key="digits_tt_mlp:steps").set_value(-5).run()
+    assert "train.steps: must be a positive integer, got -5" in " ".join(
+        e.value for e in at.error)
+    assert at.button(key="launch").disabled
+    at.number_input(key="digits_tt_mlp:steps").set_value(200).run()
+    at.text_input(key="digits_tt_mlp:name").set_value("").run()
+    assert "name: must be a non-empty string" in " ".join(e.value for e in at.error)
+    assert at.button(key="launch").disabled
+    at.text_input(key="digits_tt_mlp:name").set_value("mine").run()
+    assert not at.error and not at.button(key="launch").disabled
 
     at.number_input(key="digits_tt_mlp:batch").set_value(5000).run()
     assert "train.batch_size: 5000 exceeds" in " ".join(e.value for e in at.error)
@@ -368,17 +401,32 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     no_exception(at)
     assert at.selectbox(key="live-run").value == rid
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Step"] == "396 / 600"
-    assert metrics["Compression"] == "24.0×"
+    step = next(m for m in at.metric if m.label == "Step")
+    assert (step.value, step.proto.delta) == ("396", "of 600")  # never cut to "396 / 6…"
+    assert metrics["Compression (TT layers)"] == "24.0×"
     assert "Samples / s" in metrics and "Memory (RSS)" in metrics
     assert not at.button(key="stop").disabled
     assert at.button(key="resume").disabled
-    charts = at.get("plotly_chart")
-    assert len(charts) == 8
+    charts = live_charts(at)
+    assert len(charts) == 7 and "ch-util" not in charts  # a CPU run: no GPU panel
+    spec = {k: fig["layout"] for k, fig in charts.items()}
+    assert spec["ch-acc"]["yaxis"]["tickformat"] == ".0%"  # % like the accuracy tile
+    assert spec["ch-acc"]["yaxis"]["title"]["text"] == "accuracy"
+    assert spec["ch-loss"]["yaxis"]["title"]["text"] == "loss"
+    assert spec["ch-mem"]["yaxis"]["rangemode"] == "tozero"
+    assert "TT layers" in spec["ch-comp"]["title"]["text"]
     body = texts(at)
     assert "running" in body and "Refreshing every 1 s" in body
     events = at.dataframe[0].value
     assert {"stage", "checkpoint", "rank change"} <= set(events["kind"])
+    # the trainer log: its last 30 lines, the newest included (the browser test checks
+    # that the panel shows its last line)
+    log = st.log_path(rid)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(f"step {i} loss 0.{i:03d}\n" for i in range(1, 245)))
+    at.run()
+    (code,) = [c for c in at.code if "step 244" in c.value]
+    assert code.value.splitlines() == [f"step {i} loss 0.{i:03d}" for i in range(215, 245)]
 
 
 def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
@@ -393,7 +441,7 @@ def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
     assert at.selectbox(key="live-run").value == rid
     assert [i.value for i in at.info] == ["Preparing data…"]
     assert "now preparing data" in texts(at)
-    assert not at.get("plotly_chart") and "charts appear with the first training step" in texts(at)
+    assert not live_charts(at) and "charts appear with the first training step" in texts(at)
     assert [(p.value, p.text) for p in at.progress] == [(0, "step 0 of 600")]
     t = time.time()
     st.write_batch(rid, metrics=[(s, "loss/task", 1.0 / s, t) for s in range(1, 101)],
@@ -403,7 +451,7 @@ def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
     bars = [(p.value, p.text) for p in at.progress]
     assert bars == [(16, "step 100 of 600"), (40, "Evaluating · 40 %")]
     assert not at.info and "now evaluating" in texts(at)
-    assert len(at.get("plotly_chart")) == 8  # metrics: the charts are back
+    assert len(live_charts(at)) == 7  # metrics: the charts are back
     st.set_phase(rid, "training")
     at.run()
     assert [p.text for p in at.progress] == ["step 100 of 600"]  # the step bar says it
@@ -429,8 +477,37 @@ def test_live_page_states_the_target_outcome_and_slower_paths(home: Path) -> Non
     st.log_event(met, "target", "target 60x · reached 60.3x (+0 %)", 600)
     from app.lib import runs
 
-    assert runs.notices(st, met) == [("success", "target 60x · reached 60.3x (+0 %)")]
-    assert runs.notices(st, rid)[0][0] == "warning"
+    assert runs.notices(st, st.get_run(met)) == [
+        ("success", "target 60x · reached 60.3x (+0 %)")]
+    assert runs.notices(st, st.get_run(rid))[0][0] == "warning"
+
+
+def test_a_stopped_then_resumed_run_shows_progress_not_its_old_verdict(home: Path) -> None:
+    """The trainer writes a ``target`` event when an attempt ends, stopped ones too; the
+    page states a verdict only for a run that finished its steps. Stopped: where it
+    stopped, toward the target; resumed and training on: progress, never the verdict."""
+    from app.lib import runs
+
+    st = store_at(home)
+    rid = seed_run(st, "resumed", "stopped", steps=20000, upto=551, comp=26.8, target=60.0)
+    st.log_event(rid, "target", "target 60x · reached 26.8x: missed by 55 % (the late stage "
+                 "did not prune enough by step 551)", 551)
+    (level, text), *_ = runs.notices(st, st.get_run(rid))
+    assert level == "info" and "missed" not in text
+    assert text == ("target 60x · 26.8x at step 551 of 20,000 when it stopped: resume it to "
+                    "go on toward the target")
+    st.set_status(rid, "running")  # resumed: it trains on toward the target
+    st.heartbeat(rid)
+    at = app("live")
+    no_exception(at)
+    shown = " ".join(x.value for x in [*at.info, *at.warning, *at.success])
+    assert "missed" not in shown
+    assert "target 60x · now 26.8x at step 551 of 20,000 (still training)" in shown
+    st.set_status(rid, "finished")  # an attempt that ran its steps: its verdict
+    st.log_event(rid, "target", "target 60x · reached 60.3x (+0 %)", 20000)
+    st.update_run(rid, last_step=20000)
+    assert runs.notices(st, st.get_run(rid))[0] == ("success",
+                                                   "target 60x · reached 60.3x (+0 %)")
 
 
 def test_live_page_failed_run_shows_the_error(home: Path) -> None:
@@ -553,6 +630,14 @@ def test_compare_page(home: Path) -> None:
     assert "No dense baseline" not in texts(at)
     at.selectbox(key="cmp-m1").set_value("compression/tensorized").run()
     no_exception(at)
+    # the picker names metrics in words, not by their keys
+    picker = at.selectbox(key="cmp-m1")
+    assert "Compression (TT layers)" in picker.options and not any(
+        re.fullmatch(r"[a-z_]+/[a-z_]+", o) for o in picker.options)
+    # one compression figure per run, with its scope (the target's): the seeded TT runs
+    # log 24x / 50x on the TT layers (0.6 of that on the whole model)
+    assert sorted(final["compression"]) == [1.0, 24.0, 50.0]
+    assert set(final["scope"]) == {"TT layers"}
 
 
 # ------------------------------------------------------------------ export (real run)
@@ -609,7 +694,7 @@ def test_live_and_compare_pages_on_a_real_run(trained: tuple[Path, str],
     monkeypatch.chdir(ROOT)
     at = app("live")
     no_exception(at)
-    assert {m.label: m.value for m in at.metric}["Step"] == "40 / 40"
+    assert {m.label: m.value for m in at.metric}["Step"] == "40"
     assert "finished" in texts(at)
     at.switch_page(PAGES["compare"]).run()
     no_exception(at)

@@ -5,7 +5,12 @@
   step count rise and its plots update, press Stop and see the status become stopped;
   tour Compare, Learn and Export; no Streamlit exception anywhere;
 * two browser sessions press "Launch the default experiment" at once: one run starts and
-  both sessions watch it.
+  both sessions watch it;
+* the form: target 1e9 and steps -5 keep Launch disabled with the engine's message;
+* one run's compression reads the same on Live run, Overview, Compare, Sweeps, Export
+  and in ``comera runs``;
+* a long run's live page, sampled every 100 ms for 10 s, never has fewer drawn charts
+  than at the start, and stopped then resumed it shows progress, never a stale verdict.
 
 Screenshots of every page go to ``test-artifacts/`` (gitignored). Skips, saying why, when
 ``/usr/bin/chromium`` or the playwright package is missing (``.ci/run`` installs chromium).
@@ -185,23 +190,57 @@ def nav(page: Any, title: str) -> None:
 
 def metric_text(page: Any, label: str) -> str:
     loc = page.locator('[data-testid="stMetric"]').filter(
-        has=page.locator('[data-testid="stMetricLabel"]', has_text=re.compile(f"^{label}$")))
+        has=page.locator('[data-testid="stMetricLabel"]',
+                         has_text=re.compile(f"^{re.escape(label)}$")))
     if loc.count() == 0:
         return ""
     return loc.first.locator('[data-testid="stMetricValue"]').inner_text()
 
 
 def current_step(page: Any) -> int:
-    m = re.match(r"\s*([\d,]+)\s*/", metric_text(page, "Step"))
+    m = re.match(r"\s*([\d,]+)\s*$", metric_text(page, "Step"))
     return int(m.group(1).replace(",", "")) if m else -1
 
 
 def chart_points(page: Any, key: str) -> int:
-    loc = page.locator(f".st-key-{key} .js-plotly-plot")
+    """Points drawn in the Live page's in-place chart ``key`` (inside its frame)."""
+    if page.locator(f".st-key-{key} iframe").count() == 0:
+        return -1
+    loc = page.frame_locator(f".st-key-{key} iframe").locator(".js-plotly-plot")
     if loc.count() == 0:
         return -1
     return int(loc.first.evaluate(
         "el => (el.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0)"))
+
+
+def live_chart_traces(page: Any) -> dict[str, int]:
+    """Per Live-page chart on screen (key -> traces drawn in it): a chart being mounted
+    again is blank for a moment (0), one taken down is missing."""
+    out: dict[str, int] = {}
+    for handle in page.locator('[class*="st-key-ch-"] iframe').element_handles():
+        try:
+            key = handle.evaluate(
+                "f => Array.from(f.closest('[data-testid=\"stElementContainer\"]').classList)"
+                ".find(c => c.startsWith('st-key-')).slice(7)")
+            shown = handle.evaluate("f => f.getBoundingClientRect().height > 0")
+            frame = handle.content_frame()
+            out[key] = int(frame.evaluate(
+                "() => document.querySelectorAll('.live-chart .trace, .live-chart .hm, "
+                ".live-chart image').length")) if shown and frame else 0
+        except Exception:  # noqa: BLE001 - an element going away counts as not drawn
+            continue
+    return out
+
+
+def drawn_live_charts(page: Any) -> int:
+    """How many Live-page charts are on screen with their traces drawn."""
+    return sum(n > 0 for n in live_chart_traces(page).values())
+
+
+def control(page: Any, name: str) -> Any:
+    """The Live page's Stop / Resume button on screen (a button whose state changed can
+    linger hidden in the page for a moment beside its successor)."""
+    return page.get_by_role("button", name=name).filter(visible=True).first
 
 
 def run_status_header(page: Any) -> str:
@@ -254,13 +293,13 @@ def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
     no_exception(page, "live (running)")
     shot(page, "03-live-running")
 
-    page.get_by_role("button", name="Stop").click()
+    control(page, "Stop").click()
     wait_until(lambda: "stopped" in run_status_header(page), 90,
                "the status to become stopped")
     assert server.store().get_run(rid)["status"] == "stopped"
     settle(page)
     no_exception(page, "live (stopped)")
-    assert page.get_by_role("button", name="Resume").is_enabled()
+    assert control(page, "Resume").is_enabled()
     shot(page, "04-live-stopped")
 
     nav(page, "Compare")
@@ -322,7 +361,8 @@ def test_two_sessions_start_one_run_and_watch_it(browser: Any, server: Server) -
     shot(a, "12-two-sessions-a")
     shot(b, "13-two-sessions-b")
     if server.store().get_run(rid_a)["status"] in ("queued", "running"):
-        a.get_by_role("button", name="Stop").click()
+        with contextlib.suppress(Exception):  # the short run may finish meanwhile
+            control(a, "Stop").click(timeout=10_000)
     final = wait_until(
         lambda: server.store().get_run(rid_a)["status"] in ("stopped", "finished")
         and server.store().get_run(rid_a)["status"], 90, "the run to end")
@@ -383,4 +423,174 @@ def test_a_terminal_run_and_a_sweep_show_up_live(browser: Any, server: Server) -
     no_exception(page, "sweeps")
     assert "finished" in metric_text(page, "Status")
     shot(page, "13-sweeps")
+    ctx.close()
+
+
+# ------------------------------------------------------------------ what the studio says
+
+
+def table_rows(page: Any, *columns: str) -> list[dict[str, str]]:
+    """The rows of the dataframe that has these columns, read from the grid's accessible
+    table (the cells themselves are drawn on a canvas)."""
+    grids = page.locator('[data-testid="stDataFrame"] table[role="grid"]')
+    for i in range(grids.count()):
+        grid = grids.nth(i)
+        heads = grid.locator('th[role="columnheader"]').all_inner_texts()
+        if set(columns) <= set(heads):
+            rows = []
+            for tr in grid.locator('tbody tr').all():
+                cells = tr.locator("td").all_inner_texts()
+                rows.append(dict(zip(heads, cells)))
+            return rows
+    return []
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 300) -> str:
+    out = subprocess.run([sys.executable, "-m", "comera_engine.cli", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_the_form_refuses_what_the_engine_refuses(browser: Any, server: Server) -> None:
+    """Target 1e9 and steps -5 used to be clamped by the widgets (the run trained at the
+    old values); now they reach the engine, whose message shows and Launch stays off."""
+    ctx = browser.new_context(viewport=VIEWPORT)
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{server.url}/new_experiment")
+    page.get_by_text("Tensorisation preview", exact=True).wait_for()
+    settle(page)
+    launch = page.get_by_role("button", name="Launch", exact=True)
+    assert launch.is_enabled()
+    errors = page.locator('[data-testid="stAlertContentError"]')
+    for label, value, message in (
+            ("Target compression (×)", "1e9", "comera.target_compression: 1e+09x is beyond "
+                                              "the smallest TT model"),
+            ("Steps", "-5", "train.steps: must be a positive integer, got -5")):
+        field = page.get_by_label(label, exact=True)
+        field.fill(value)
+        field.press("Enter")
+        wait_until(lambda m=message: any(m in t for t in errors.all_inner_texts()), 60,
+                   f"the engine's message for {label} = {value}")
+        settle(page)
+        assert launch.is_disabled(), f"Launch is enabled with {label} = {value}"
+        shot(page, f"20-form-{value}")
+        field.fill({"Steps": "600"}.get(label, "60"))
+        field.press("Enter")
+        wait_until(lambda: errors.count() == 0, 60, "the error to clear")
+        settle(page)
+        assert launch.is_enabled()
+    assert server.store().list_runs() == []  # nothing was launched
+    no_exception(page, "new experiment (bad values)")
+    ctx.close()
+
+
+def test_one_compression_figure_on_every_page(browser: Any, server: Server) -> None:
+    """A sweep cell's compression reads the same on Live run, Overview, Compare, Sweeps,
+    Export and in `comera runs`, each time with its scope."""
+    import json
+
+    env = {**os.environ, "COMERA_HOME": str(server.home)}
+    config = str(ROOT / "experiments" / "configs" / "digits_tt_mlp.toml")
+    sweep = json.loads(cli(env, "sweep", config, "--grid", "comera.target_compression=20",
+                           "--max-parallel", "1", "--set", "train.steps=120", "--set",
+                           "train.eval_every=60", "--set", "comera.switch=40", "--wait",
+                           "--json"))
+    sid = sweep["sweep"]["id"]
+    (run,) = server.store().list_runs()
+    rid = run["id"]
+    assert run["status"] == "finished"
+    ctx = browser.new_context(viewport=VIEWPORT)
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+
+    label = "Compression (TT layers)"
+    page.goto(f"{server.url}/live_run?run={rid}")
+    wait_until(lambda: metric_text(page, label), 60, "the live compression tile")
+    live = metric_text(page, label)
+    assert re.fullmatch(r"\d+\.\d×", live), live
+    shown = {"live": live}
+
+    def from_table(path: str, key: str, value: str, *columns: str) -> None:
+        page.goto(f"{server.url}/{path}")
+        rows = wait_until(lambda: [r for r in table_rows(page, "compression", *columns)
+                                   if any(value in v for v in r.values())], 60,
+                          f"the run's row on {path}")
+        shown[key] = f"{float(rows[0]['compression']):.1f}×"
+        assert rows[0]["scope"] == "TT layers", rows[0]
+
+    from_table("", "overview", rid)
+    from_table("compare", "compare", rid[-4:])
+    from_table(f"sweeps?sweep={sid}", "sweeps", "seed 0", "cell")
+    page.goto(f"{server.url}/export?run={rid}")
+    page.get_by_role("button", name="Prepare export").click()
+    page.get_by_role("button", name="Download model", exact=True).wait_for(timeout=120_000)
+    shown["export"] = metric_text(page, label)
+    shot(page, "21-export-compression")
+    assert set(shown.values()) == {live}, shown
+    listed = cli(env, "runs")
+    assert f"{live.rstrip('×')}x TT layers" in listed, listed
+    no_exception(page, "export")
+    ctx.close()
+
+
+def test_stop_resume_shows_progress_and_the_live_page_holds_steady(browser: Any,
+                                                                  server: Server) -> None:
+    """A long run: sampled every 100 ms for 10 s the live page never has fewer charts
+    than at the start, none drawn faded; the log panel shows its newest line; stopped,
+    then resumed, it states where it stands toward the target, never a verdict."""
+    import json
+
+    env = {**os.environ, "COMERA_HOME": str(server.home)}
+    config = str(ROOT / "experiments" / "configs" / "digits_tt_mlp.toml")
+    rid = json.loads(cli(env, "launch", config, "--set", "train.steps=20000", "--set",
+                         "train.eval_every=50", "--set", "train.ckpt_every=0",
+                         "--json"))["run_id"]
+    ctx = browser.new_context(viewport=VIEWPORT)
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{server.url}/live_run?run={rid}")
+    wait_until(lambda: current_step(page) > 120, 150, "a few evaluations")
+    wait_until(lambda: len(live_chart_traces(page)) >= 7, 60, "the charts")
+    time.sleep(3)  # the first data in every chart
+    start = drawn_live_charts(page)
+    assert start >= 6, live_chart_traces(page)
+    stale = page.locator('[data-testid="stElementContainer"][data-stale="true"]')
+    counts, dim = [], 0
+    for _ in range(100):  # every 100 ms for 10 s
+        counts.append(drawn_live_charts(page))
+        dim += sum(float(o or 1) < 0.99 for o in stale.evaluate_all(
+            "els => els.map(el => getComputedStyle(el).opacity)"))
+        time.sleep(0.1)
+    assert min(counts) >= start, (start, counts)
+    assert dim == 0, f"{dim} faded element(s) seen"
+    shot(page, "22-live-steady")
+    # the trainer log panel: its last line is the log file's, and it is in view
+    log = page.locator('[data-testid="stCode"]').last
+    last_line = server.store().log_path(rid).read_text().rstrip("\n").splitlines()[-1]
+    assert log.evaluate("el => el.scrollHeight <= el.clientHeight + 2")
+    wait_until(lambda: log.inner_text().rstrip().splitlines()[-1] in (
+        server.store().log_path(rid).read_text()), 30, "the log's newest line")
+    assert last_line
+
+    notices = page.locator('[data-testid="stAlertContentInfo"], '
+                           '[data-testid="stAlertContentWarning"], '
+                           '[data-testid="stAlertContentSuccess"]')
+    control(page, "Stop").click()
+    wait_until(lambda: "stopped" in run_status_header(page), 90, "the run to stop")
+    stopped_at = server.store().get_run(rid)["last_step"]
+    wait_until(lambda: any("when it stopped" in t for t in notices.all_inner_texts()), 30,
+               "where the stopped run stands")
+    assert not any("missed" in t for t in notices.all_inner_texts())
+    assert any("target" in e["kind"] for e in server.store().events(rid))  # a verdict exists
+    shot(page, "23-live-stopped")
+    control(page, "Resume").click()
+    wait_until(lambda: "running" in run_status_header(page), 120, "the run to resume")
+    wait_until(lambda: current_step(page) > stopped_at + 20, 120, "steps after the resume")
+    wait_until(lambda: any("(still training)" in t for t in notices.all_inner_texts()), 30,
+               "its progress toward the target")
+    assert not any("missed" in t for t in notices.all_inner_texts())
+    shot(page, "24-live-resumed")
+    no_exception(page, "live (resumed)")
     ctx.close()

@@ -402,3 +402,31 @@ def test_runs_outside_the_store_started_in_the_same_second_get_their_own_folders
     folders = {_run_dir(args, "snli tiny") for _ in range(20)}
     assert len(folders) == 20
     assert all(f.parent == Path("runs") and f.name.endswith("-snli-tiny") for f in folders)
+
+
+def test_runs_shows_one_compression_and_a_verdict_only_when_finished(tmp_path, capsys) -> None:
+    """``comera runs``: COMPRESSION is the run's figure in its target's scope, named; TARGET
+    is a verdict for a finished run and progress for one still training or stopped."""
+    from comera_engine.store import RunStore
+
+    st = RunStore(tmp_path / "comera.db")
+    config = {"name": "d", "model": {"name": "tt_mlp"}, "data": {"name": "digits"},
+              "comera": {"target_compression": 60.0, "target_scope": "tensorized"},
+              "train": {"steps": 20000}}
+    rows = {}
+    for name, status in (("live", "running"), ("halted", "stopped"), ("done", "finished")):
+        rid = st.create_run(name, config, "running")
+        st.write_batch(rid, metrics=[(551, "compression/tensorized", 28.04, 0.0),
+                                     (551, "compression/model", 11.5, 0.0)])
+        if status != "running":
+            st.set_status(rid, status)
+        else:
+            st.heartbeat(rid)
+        rows[name] = rid
+    assert main(["runs", "--store", str(st.path)]) == 0
+    out = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    for name in rows:
+        assert "28.0x TT layers" in out[name] and "11.5x" not in out[name]
+    assert "60x, now 28.0x" in out["live"] and "miss" not in out["live"]
+    assert "60x, at 28.0x (stopped)" in out["halted"] and "miss" not in out["halted"]
+    assert "60x→28.0x miss 53%" in out["done"]

@@ -36,7 +36,7 @@ from comera_engine.models import build_model
 SPECS = {
     "tt_mlp": dict(name="digits", task="classification", num_classes=10, vocab_size=None,
                    seq_len=None, meta={"input_dim": 64}),
-    "dlrm": dict(name="clicks", task="ctr", num_classes=2, vocab_size=None, seq_len=None,
+    "dlrm": dict(name="movielens", task="ctr", num_classes=2, vocab_size=None, seq_len=None,
                  meta={"num_dense": 13, "bucket_sizes": [500, 40, 300, 7]}),
     "transformer_cls": dict(name="nli", task="nli", num_classes=3, vocab_size=300, seq_len=16,
                             meta={"pad_id": 0}),
@@ -346,8 +346,8 @@ def test_export_run_checkpoints_every_format(trained_run: SimpleNamespace,
     res = export_run(run.run_dir, format="compressed", out=tmp_path / "c.safetensors")
     assert res.file_bytes > 0 and res.tensor_bytes == size_report(trained)["model"][
         "effective_bytes"]
-    loaded = load(res.path)
-    assert max_diff(trained, loaded, (x,)) <= 1e-6
+    loaded = load(res.path)  # takes raw pixels (tests/test_export_raw.py); .network: x
+    assert max_diff(trained, loaded.network, (x,)) <= 1e-6
     doc = read_metadata(res.path)
     assert {r["name"]: r["ranks"] for r in doc["tt_layers"]} == sidecar["ranks"]
     assert doc["metrics"]["eval/acc"] == pytest.approx(run.result.metrics["eval/acc"])
@@ -357,11 +357,11 @@ def test_export_run_checkpoints_every_format(trained_run: SimpleNamespace,
     assert "eval/acc" in res.card.read_text()
 
     dense = load(export_run(run.run_dir, format="dense", out=tmp_path / "d.safetensors").path)
-    assert not tt_layers(dense) and max_diff(trained, dense, (x,)) <= 1e-5
+    assert not tt_layers(dense) and max_diff(trained, dense.network, (x,)) <= 1e-5
 
     older = export_run(run.run_dir, checkpoint=2, format="compressed", out=tmp_path)
     assert read_metadata(older.path)["run"]["step"] == 2
-    assert max_diff(_trained_model(run, 2), load(older.path), (x,)) <= 1e-6
+    assert max_diff(_trained_model(run, 2), load(older.path).network, (x,)) <= 1e-6
 
     pytest.importorskip("onnxruntime")
     res_o = export_run(run.run_dir, format="onnx", out=tmp_path / "m.onnx")
@@ -486,6 +486,19 @@ def _hostile_cases(good: Path, d: Path) -> list[tuple[Path, str | None]]:
     add("deep.safetensors", hdr, data, "'comera' is not valid JSON")
     add("rank.safetensors", _with_doc(header, lambda d_: d_["model"]["model_config"].__setitem__(
         "rank", 10**9)), data, None)  # a huge allocated rank is harmless: loads at file ranks
+    # an input pipeline that would divide by zero, name an unknown kind or be huge
+    pixels = {"kind": "pixels", "scale": 0.0625, "mean": [0.0] * 64, "std": [1.0] * 64}
+    add("std.safetensors", _with_doc(header, lambda d_: d_.__setitem__(
+        "input_pipeline", {**pixels, "std": [0.0] * 64})), data,
+        "input_pipeline.std: must be a list of positive numbers")
+    add("kind.safetensors", _with_doc(header, lambda d_: d_.__setitem__(
+        "input_pipeline", {**pixels, "kind": "eval"})), data, "input_pipeline.kind")
+    add("wide.safetensors", _with_doc(header, lambda d_: d_.__setitem__(
+        "input_pipeline", {**pixels, "mean": [0.0] * 10**4})), data,
+        "input_pipeline.mean: must be a list of finite numbers")
+    add("narrow.safetensors", _with_doc(header, lambda d_: d_.__setitem__(
+        "input_pipeline", {**pixels, "mean": [0.0] * 8, "std": [1.0] * 8})), data,
+        "input_pipeline.mean: has 8 entries, the network takes 64")
     # JSON metadata that is not an object; no CoMERA metadata at all
     hdr = json.loads(json.dumps(header))
     hdr["__metadata__"]["comera"] = "[1, 2, 3]"

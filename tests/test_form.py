@@ -17,7 +17,8 @@ PRESETS = load_presets()
 def _values(preset, **over) -> FormValues:
     raw = preset.config()
     base = dict(data=dict(raw.get("data", {})), size=raw["model"].get("preset", "tiny"),
-                rank=int(raw["model"].get("rank") or 4), steps=40, batch_size=16)
+                rank=int(raw["model"].get("rank") or 4), steps=40, batch_size=16,
+                run_name=raw["name"])  # the form starts with the preset's name
     base.update(over)
     return FormValues(**base)
 
@@ -62,9 +63,10 @@ def test_schedule_gpu_name_and_patience() -> None:
         use_target=False))
     assert gpus == "1" and raw["train"]["device"] == "cuda"
     assert raw["comera"]["switch"] == "plateau" and raw["comera"]["plateau_patience"] == 33
-    assert raw["name"] == "mine" and "target_compression" not in raw["comera"]
+    assert raw["name"].strip() == "mine" and "target_compression" not in raw["comera"]
     raw, _ = form_to_config(preset.config(), _values(preset, run_name="   "))
-    assert raw["name"] == preset.config()["name"]  # blank name: the preset's
+    with pytest.raises(ConfigError, match="^name: must be a non-empty string"):
+        resolve_config(raw)  # a blank name is refused, never silently replaced
 
 
 @pytest.mark.parametrize("field, over", [
@@ -73,6 +75,9 @@ def test_schedule_gpu_name_and_patience() -> None:
     ("train.batch_size", {"batch_size": 0}),
     ("comera.target_compression", {"target": 0.5}),
     ("train.precision", {"precision": "fp8"}),
+    ("train.steps", {"steps": -5}),
+    ("comera.headroom", {"auto_rank": True, "headroom": 0.5}),
+    ("name", {"run_name": ""}),
 ])
 def test_bad_form_values_are_refused_naming_the_field(field: str, over: dict) -> None:
     preset = PRESETS["digits_tt_mlp"]
@@ -134,3 +139,48 @@ def test_the_linear_layout_reaches_the_model(layout: str) -> None:
     assert layers and {m.layout for m in layers} == {layout}
     kept, _ = form_to_config(preset.config(), _values(preset))  # None: the preset's
     assert kept["model"]["linear_layout"] == preset.config()["model"]["linear_layout"]
+
+
+def test_a_target_beyond_the_floor_is_refused_by_the_engines_plan() -> None:
+    """Target 1e9: the config is well formed, the engine's plan refuses it; the preview
+    the form shows carries that refusal (the form disables Launch on it)."""
+    from comera_engine.preview import preview
+    from comera_engine.train.tt import plan_initial_ranks
+
+    preset = PRESETS["digits_tt_mlp"]
+    raw, _ = form_to_config(preset.config(), _values(preset, target=1e9))
+    cfg = resolve_config(raw)
+    from comera_engine.preview import data_shape
+
+    with pytest.raises(ConfigError) as exc:
+        plan_initial_ranks(cfg, data_shape(raw["data"]))
+    pv = preview(raw)
+    assert pv.errors == [(exc.value.field, exc.value.problem)]
+    assert pv.at_target[0] is None and pv.at_target[1] == exc.value.problem
+
+
+@pytest.mark.parametrize("steps, switch", [(200, 150), (600, 5000), (600, 150)])
+def test_the_late_stage_the_form_states_is_where_the_engine_switches(
+        steps: int, switch: int, tmp_path) -> None:
+    """``preview.late_stage`` (what the form shows) against the trainer itself: the step
+    of its ``stage`` event, and that the run then reaches the target."""
+    from comera_engine.metrics import JSONLSink, read_jsonl
+    from comera_engine.preview import late_stage
+    from comera_engine.train.loop import train
+
+    preset = PRESETS["digits_tt_mlp"]
+    raw, _ = form_to_config(preset.config(), _values(
+        preset, steps=steps, schedule="step", switch_step=switch, target=10.0, batch_size=64,
+        auto_rank=True, headroom=3.0,
+        eval_every=0, ckpt_every=0))
+    cfg = resolve_config(raw)
+    stage = late_stage(cfg.comera, steps)
+    assert stage.pursued
+    assert (stage.moved is not None) == (switch > steps // 2)  # switch_by 0.5: the latest
+    sink = JSONLSink(tmp_path / "metrics.jsonl")
+    result = train(cfg, tmp_path, sink, progress=False)
+    sink.close()
+    events = [r for r in read_jsonl(tmp_path / "metrics.jsonl")
+              if r.get("type") == "event" and r["kind"] == "stage"]
+    assert [e["step"] for e in events] == [stage.step]
+    assert abs(result.metrics["compression/error"]) <= 0.05

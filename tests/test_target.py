@@ -261,7 +261,9 @@ def test_runs_listing_shows_the_target(tmp_path: Path, capsys: pytest.CaptureFix
 
     st = RunStore(tmp_path / "runs.db")
     rid = st.create_run("digits", {"comera": {"target_compression": 60.0}})
-    st.log_metrics(rid, 100, {"compression/target": 60.0, "compression/error": -0.3367})
+    st.log_metrics(rid, 100, {"compression/target": 60.0, "compression/error": -0.3367,
+                              "compression/tensorized": 39.8})
+    st.set_status(rid, "finished")  # a verdict belongs to a finished run (test_cli.py)
     other = st.create_run("plain", {})
     st.close()
     import argparse

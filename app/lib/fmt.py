@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import time
 
+from comera_engine.metrics import format_ratio
+
 STATUS_ICON = {
     "queued": ":material/hourglass_top:",
     "running": ":material/play_circle:",
@@ -58,11 +60,8 @@ def mib(mb: float | None) -> str:
 
 
 def ratio(x: float | None) -> str:
-    if x is not None and isinstance(x, float) and math.isinf(x):
-        return "∞×"
-    if not is_num(x):
-        return "–"
-    return f"{x:.1f}×" if x < 100 else f"{x:.0f}×"
+    """``60.6×`` (the engine's one format for a compression: ``format_ratio``)."""
+    return format_ratio(x)
 
 
 def pct(x: float | None) -> str:
@@ -109,3 +108,35 @@ def status_badge(status: str) -> str:
     color = STATUS_COLOR.get(status, "gray")
     icon = STATUS_ICON.get(status, "")
     return f":{color}-badge[{icon} {status}]"
+
+
+#: How the pages name the metrics a run logs (``metric_label``).
+METRIC_LABELS = {
+    "loss/task": "Task loss", "loss/total": "Total loss (objective)",
+    "acc/train": "Train accuracy", "eval/acc": "Eval accuracy", "eval/loss": "Eval loss",
+    "eval/auc": "Eval AUC", "eval/ppl": "Eval perplexity",
+    "compression/tensorized": "Compression (TT layers)",
+    "compression/model": "Compression (whole model)",
+    "compression/target": "Target compression", "compression/error": "Error vs target",
+    "compression/target_met": "Target met (1 = within 5 %)",
+    "params/effective": "Parameters (effective)", "params/allocated": "Parameters (allocated)",
+    "params/dense": "Parameters (dense model)",
+    "params/tensorized_effective": "Parameters of the TT layers (effective)",
+    "bytes/effective": "Model bytes (effective)", "bytes/dense": "Model bytes (dense)",
+    "perf/samples_per_s": "Samples / s", "perf/tokens_per_s": "Tokens / s",
+    "perf/step_time_s": "Step time (s)", "mem/rss_mb": "Process memory, RSS (MiB)",
+    "mem/cuda_max_allocated_mb": "GPU memory, torch peak allocated (MiB)",
+    "mem/cuda_max_reserved_mb": "GPU memory, torch peak reserved (MiB)",
+    "mem/gpu_used_mb": "GPU memory used, NVML (MiB)", "mem/gpu_total_mb": "GPU memory (MiB)",
+    "comera/lambda": "CoMERA λ (late stage: 1 = size step)",
+    "comera/size": "CoMERA size estimate Ŝ (parameters)", "comera/gamma": "CoMERA γ (size weight)",
+    "comera/z_f": "CoMERA z_f (plateau loss the late stage keeps)",
+    "comera/target_size": "CoMERA target size (parameters)", "stage": "Stage (1 = late)",
+}
+
+
+def metric_label(name: str) -> str:
+    """``"comera/z_f"`` -> ``"CoMERA z_f (plateau loss the late stage keeps)"``; a metric
+    without a label reads as its key, words spaced (``"perf/foo_bar"`` -> ``"perf · foo
+    bar"``)."""
+    return METRIC_LABELS.get(name) or name.replace("/", " · ").replace("_", " ")

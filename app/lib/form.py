@@ -52,14 +52,14 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
 
     ``preset`` is the chosen preset's config (left unchanged); every form value replaces
     the field it edits, and the rest of the preset is kept. The dense baseline trains
-    without stages and without a target. Nothing is validated here: the launcher's
-    validation names any bad field.
+    without stages and without a target. Nothing is validated or replaced here (a blank
+    run name stays blank): the launcher's validation names any bad field.
     """
     raw = copy.deepcopy(preset)
     m = raw.setdefault("model", {})
     c = raw.setdefault("comera", {})
     t = raw.setdefault("train", {})
-    raw["name"] = v.run_name.strip() or str(raw.get("name", "run"))
+    raw["name"] = v.run_name  # a blank name is refused by the validation, never replaced
     raw["data"] = dict(v.data)
     m["preset"] = v.size
     m["dense"] = bool(v.dense)

@@ -8,6 +8,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from comera_engine.metrics import SCOPE_LABELS
+
 COLORS = [
     "#4F46E5",  # indigo
     "#F97316",  # orange
@@ -77,11 +79,14 @@ def lines(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title:
           y_title: str | None = None, x_title: str = "step", height: int = 300,
           stages: Sequence[tuple[int, str]] = (), hline: tuple[float, str] | None = None,
           log_y: bool = False, markers: bool = False, empty: str = "No data yet",
-          smooth: float | None = None, dashes: Sequence[str | None] = ()) -> go.Figure:
+          smooth: float | None = None, dashes: Sequence[str | None] = (),
+          percent: bool = False, from_zero: bool = False) -> go.Figure:
     """Several ``(label, x, y)`` curves on one plot, with optional stage markers and a
     horizontal reference line ``(y, label)``. ``smooth``: draw each curve faintly and an
     exponential moving average (weight ``smooth``) over it. ``dashes``: line dash per
-    curve (e.g. ``[None, "dash"]``)."""
+    curve (e.g. ``[None, "dash"]``). ``percent``: fractions drawn on a % axis (as the
+    tiles state them); ``from_zero``: the y axis starts at 0 (a flat memory curve stays
+    flat instead of a few MiB filling the plot)."""
     fig = go.Figure()
     any_points = False
     for i, (label, x, y) in enumerate(series):
@@ -118,7 +123,16 @@ def lines(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title:
     xs = [v for _, x, _ in series for v in x if isinstance(v, (int, float))]
     if x_title == "step" and xs and max(xs) - min(xs) < 10:
         fig.update_xaxes(dtick=1)  # no half steps on a short run
+    if percent:
+        fig.update_yaxes(tickformat=".0%", hoverformat=".1%")
+    if from_zero:
+        fig.update_yaxes(rangemode="tozero")
     return base_layout(fig, title, height, x_title, y_title)
+
+
+def is_fraction(metric: str) -> bool:
+    """A metric logged as a fraction that the pages state in % (accuracies)."""
+    return metric in ("acc/train", "eval/acc")
 
 
 def legend_below(fig: go.Figure) -> go.Figure:
@@ -376,9 +390,11 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
         lo, hi = math.log10(min(xs)), math.log10(max(xs))
         pad = max(0.15, 0.12 * (hi - lo))
         fig.update_xaxes(range=[lo - pad, hi + pad])
-        x_title = "compression reached (×, log)"
+        x_title = "×, log"
     else:
-        x_title = "compression reached (×)"
+        x_title = "×"
+    scopes = sorted({SCOPE_LABELS.get(c.get("scope"), "TT layers") for c in cells})
+    x_title = f"compression reached ({' / '.join(scopes) or 'TT layers'}; {x_title})"
     fig = base_layout(fig, title, 420, x_title, metric)
     legend_below(fig)
     fig.update_layout(hovermode="closest")

@@ -16,6 +16,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from comera_engine.metrics import (
+    Compression,
+    compression_metric,
+    compression_scope,
+    run_compression,
+    target_status,
+)
 from comera_engine.store import (
     ACTIVE_STATUSES,
     FINAL_STATUSES,
@@ -29,6 +36,7 @@ __all__ = [
     "FINAL_STATUSES",
     "RESUMABLE_STATUSES",
     "checkpoints",
+    "compression",
     "config_diff",
     "config_token",
     "final_metrics",
@@ -233,12 +241,14 @@ def is_dense(run: Mapping[str, Any]) -> bool:
 
 
 def target_metric(run: Mapping[str, Any]) -> str:
-    """The compression metric the run's target is measured on."""
-    try:
-        scope = run["config"]["comera"].get("target_scope", "tensorized")
-    except (KeyError, TypeError, AttributeError):
-        scope = "tensorized"
-    return "compression/model" if scope == "model" else "compression/tensorized"
+    """The compression metric the run's figure (and target) is measured on."""
+    return compression_metric(compression_scope(run.get("config")))
+
+
+def compression(run: Mapping[str, Any], latest: Mapping[str, Any]) -> Compression:
+    """The run's one compression figure with its scope (``latest``: its latest metrics):
+    what every page shows (:func:`comera_engine.metrics.run_compression`)."""
+    return run_compression(run.get("config"), latest)
 
 
 def final_metrics(store: RunStore, run_id: str) -> dict[str, float]:
@@ -265,22 +275,31 @@ def stage_steps(store: RunStore, run_id: str) -> list[tuple[int, str]]:
     return out
 
 
-def notices(store: RunStore, run_id: str) -> list[tuple[str, str]]:
+def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
     """What the Live page states above the charts, as ``(level, text)`` with level
-    ``success``/``warning``/``info``: the run's final word on its target (``target``
-    event: a miss is a warning), the moment its ranks were fixed at the target (``pace``),
-    and every slower path the trainer fell back to (``slow_path``: e.g. a CUDA graph
-    capture that failed)."""
+    ``success``/``warning``/``info``: where the run stands with its target (a verdict,
+    the trainer's ``target`` event, only for a run that finished its steps: a miss is a
+    warning; otherwise its progress toward the target, never an old verdict of an
+    attempt that was stopped and resumed), the moment its ranks were fixed at the target
+    (``pace``), and every slower path the trainer fell back to (``slow_path``: e.g. a
+    CUDA graph capture that failed)."""
     out: list[tuple[str, str]] = []
-    evs = store.events(run_id, kinds=["target", "pace", "slow_path"])
-    finals = [e for e in evs if e["kind"] == "target"]
-    if finals:
+    rid = run["id"]
+    step = int(run.get("last_step") or 0)
+    evs = store.events(rid, kinds=["target", "pace", "slow_path"])
+    finals = [e for e in evs if e["kind"] == "target" and (e.get("step") or 0) >= step]
+    target = target_of(run)
+    if run.get("status") == "finished" and finals:
         text = str(finals[-1]["text"])
         out.append(("warning" if "missed" in text else "success", text))
-    else:
-        fixed = [e for e in evs if e["kind"] == "pace" and "ranks fixed" in str(e["text"])]
-        if fixed:
-            out.append(("info", str(fixed[-1]["text"])))
+    elif target is not None and not is_dense(run):
+        reached = compression(run, store.latest_metrics(rid)).value
+        if reached is not None:
+            out.append(("info", target_status(target, reached, str(run.get("status")), step,
+                                              total_steps(run))))
+    fixed = [e for e in evs if e["kind"] == "pace" and "ranks fixed" in str(e["text"])]
+    if fixed and not (run.get("status") == "finished" and finals):
+        out.append(("info", str(fixed[-1]["text"])))
     seen = set()
     for e in evs:
         if e["kind"] == "slow_path" and e["text"] not in seen:
@@ -334,8 +353,8 @@ def summary_rows(store: RunStore, runs: list[Mapping[str, Any]]) -> list[dict[st
                 "dense": is_dense(r),
                 "eval acc": m.get("eval/acc"),
                 "task loss": m.get("loss/task"),
-                "compression (model)": m.get("compression/model"),
-                "compression (TT layers)": m.get("compression/tensorized"),
+                "compression": compression(r, m).value,
+                "scope": compression(r, m).label,
                 "target": target_of(r),
                 "params": m.get("params/effective"),
                 "created": r.get("created_at"),

@@ -10,7 +10,7 @@ import streamlit as st
 from app.lib import runs
 from app.lib.defaults import default_config
 from comera_engine.launch import reap as reap_dead_runs
-from comera_engine.store import RunStore
+from comera_engine.store import RunStore, StoreError
 
 HOME_PAGE = "views/overview.py"
 NEW_PAGE = "views/new_experiment.py"
@@ -189,3 +189,38 @@ def pick_run(store: RunStore, label: str, key: str, runs_list: list[dict[str, An
     if st.query_params.get("run") != rid:
         st.query_params["run"] = rid
     return by_id[rid]
+
+
+class SteadyReads:
+    """The run store's read methods, each answer remembered for this session: when the
+    store is busy (:class:`StoreError`, another process holding its lock), a read gives
+    its last answer instead of failing, so a page that refreshes every second redraws
+    what it showed rather than dropping its charts for a warning. ``busy`` counts the
+    reads answered so in the last pass."""
+
+    def __init__(self, store: RunStore, memo: dict[str, Any]) -> None:
+        self._store = store
+        self._memo = memo
+        self.busy = 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+        if not callable(method):
+            return method
+
+        def read(*args: Any, **kwargs: Any) -> Any:
+            key = repr((name, args, sorted(kwargs.items())))
+            try:
+                self._memo[key] = method(*args, **kwargs)
+            except StoreError:
+                if key not in self._memo:
+                    raise
+                self.busy += 1
+            return self._memo[key]
+
+        return read
+
+
+def steady(store: RunStore, page: str) -> SteadyReads:
+    """:class:`SteadyReads` of ``store`` for ``page`` in this session."""
+    return SteadyReads(store, st.session_state.setdefault(f"_steady:{page}", {}))

@@ -70,7 +70,7 @@ if not names:
 def _pick(default: str, key: str, title: str) -> str:
     options = names
     idx = options.index(default) if default in options else 0
-    return st.selectbox(title, options, index=idx, key=key)
+    return st.selectbox(title, options, index=idx, key=key, format_func=fmt.metric_label)
 
 
 st.subheader("Curves", anchor=False)
@@ -79,28 +79,33 @@ with c1:
     m1 = _pick("loss/task", "cmp-m1", "Metric (left)")
     series = [(label(r), *(lambda s: (s["step"], s["value"]))(store.series(r["id"], m1, 1000)))
               for r in sel]
-    st.plotly_chart(plots.lines(series, m1, log_y=m1.startswith("loss"), smooth=0.1),
+    st.plotly_chart(plots.lines(series, fmt.metric_label(m1), fmt.metric_label(m1),
+                                log_y=m1.startswith("loss"), smooth=0.1,
+                                percent=plots.is_fraction(m1)),
                     width="stretch", key="cmp-c1")
 with c2:
     default2 = "eval/acc" if "eval/acc" in names else "acc/train"
     m2 = _pick(default2, "cmp-m2", "Metric (right)")
     series = [(label(r), *(lambda s: (s["step"], s["value"]))(store.series(r["id"], m2, 1000)))
               for r in sel]
-    st.plotly_chart(plots.lines(series, m2, markers=m2.startswith("eval")), width="stretch",
-                    key="cmp-c2")
+    st.plotly_chart(plots.lines(series, fmt.metric_label(m2), fmt.metric_label(m2),
+                                markers=m2.startswith("eval"), percent=plots.is_fraction(m2)),
+                    width="stretch", key="cmp-c2")
 
 # ------------------------------------------------------------------ Pareto
 
 st.subheader("Accuracy for the size", anchor=False)
 points = []
 rows = []
+scopes: set[str] = set()
 for r in sel:
     m = runs.final_metrics(store, r["id"])
     peak, what = runs.peak_memory_mb(store, r["id"])
     acc = m.get("eval/acc", m.get("acc/train"))
-    comp = 1.0 if runs.is_dense(r) else m.get("compression/model")
+    comp = runs.compression(r, m)
+    scopes.add(comp.label)
     points.append({"label": label(r), "dense": runs.is_dense(r), "acc": acc,
-                   "comp": comp, "mem": peak, "bytes": m.get("bytes/effective")})
+                   "comp": comp.value, "mem": peak, "bytes": m.get("bytes/effective")})
     rows.append({
         "run": label(r),
         "status": r["status"],
@@ -109,8 +114,8 @@ for r in sel:
         "eval acc": m.get("eval/acc"),
         "eval loss": m.get("eval/loss"),
         "task loss": m.get("loss/task"),
-        "compression (model)": comp,
-        "compression (TT layers)": m.get("compression/tensorized"),
+        "compression": comp.value,
+        "scope": comp.label,
         "target": runs.target_of(r),
         "params": m.get("params/effective"),
         "model size": fmt.nbytes(m.get("bytes/effective")),
@@ -123,15 +128,17 @@ if not any(p["dense"] for p in points):
                "is 1× by definition.")
 c1, c2 = st.columns(2)
 with c1:
-    fig = plots.pareto(points, "comp", "acc", "compression vs dense (×, log)", "accuracy",
-                       "Accuracy vs compression", x_include=[1.0])
+    fig = plots.pareto(points, "comp", "acc",
+                       f"compression vs dense ({' / '.join(sorted(scopes))}; ×, log)",
+                       "accuracy", "Accuracy vs compression", x_include=[1.0])
     fig.add_vline(x=1.0, line={"color": plots.COLORS[1], "dash": "dot", "width": 1},
                   annotation_text="dense 1×", annotation_position="bottom right")
-    st.plotly_chart(fig, width="stretch", key="cmp-pareto")
+    st.plotly_chart(fig.update_yaxes(tickformat=".0%"), width="stretch", key="cmp-pareto")
 with c2:
     st.plotly_chart(
         plots.pareto(points, "mem", "acc", "peak training memory (MiB, log)", "accuracy",
-                     "Accuracy vs training memory", higher_x_better=False),
+                     "Accuracy vs training memory", higher_x_better=False
+                     ).update_yaxes(tickformat=".0%"),
         width="stretch", key="cmp-pareto-mem",
     )
 
@@ -142,8 +149,9 @@ st.dataframe(
         "eval acc": st.column_config.NumberColumn(format="%.4f"),
         "eval loss": st.column_config.NumberColumn(format="%.4f"),
         "task loss": st.column_config.NumberColumn(format="%.4f"),
-        "compression (model)": st.column_config.NumberColumn(format="%.1f×"),
-        "compression (TT layers)": st.column_config.NumberColumn(format="%.1f×"),
+        "compression": st.column_config.NumberColumn(
+            format="%.1f×", help="Dense / effective parameters in the run's scope (the "
+            "one its target is asked in): the figure every page shows."),
         "target": st.column_config.NumberColumn(format="%.0f×"),
         "params": st.column_config.NumberColumn(format="compact"),
         "samples/s": st.column_config.NumberColumn(format="%.0f"),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import streamlit as st
 
 from app.lib import fmt, runs, ui
+from comera_engine.metrics import SCOPE_LABELS, compression_scope
 
 FORMAT_HELP = {
     "compressed": "Truncated TT cores + dense parameters (safetensors). The small model: "
@@ -69,6 +71,17 @@ key = f"{rid}:{checkpoint['path']}:{fmt_name}"
 results: dict[str, Any] = st.session_state.setdefault("exports", {})
 
 
+def download_name(run: dict[str, Any], path: str | Path) -> str:
+    """``<run name>-<run id>-step<N>[.dense].<ext>`` for an export at
+    ``exports/step_XXXXXX/<file>``: one name per run, checkpoint and format, so downloads
+    do not all arrive as ``model.safetensors``."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(run.get("name") or "run")).strip("-.") or "run"
+    p = Path(path)
+    digits = p.parent.name.removeprefix("step_")
+    step = f"-step{int(digits)}" if digits.isdigit() else ""
+    return f"{name}-{run['id']}{step}{p.name.removeprefix('model')}"
+
+
 def _inside_store(path: str | Path) -> bool:
     try:
         return Path(path).resolve().is_relative_to(store.root.resolve())
@@ -96,24 +109,35 @@ res = results.get(key)
 if res is not None and _inside_store(res.path) and Path(res.path).is_file():
     with st.container(border=True):
         st.markdown(f"#### :material/check_circle: `{Path(res.path).name}`")
-        dense_b = res.sizes.get("model", {}).get("dense_bytes") if isinstance(res.sizes, dict) \
-            else None
+        sizes = res.sizes if isinstance(res.sizes, dict) else {}
+        dense_b = (sizes.get("model") or {}).get("dense_bytes")
+        scope = compression_scope(run.get("config"))
+        comp = (sizes.get(scope) or {}).get("compression")
         k = st.columns(4)
-        k[0].metric("File size", fmt.nbytes(res.file_bytes))
-        k[1].metric("Tensor bytes", fmt.nbytes(res.tensor_bytes),
+        k[0].metric(f"Compression ({SCOPE_LABELS[scope]})", fmt.ratio(comp),
+                    help="Dense / effective parameters of the exported model in the run's "
+                         "scope (the one its target is asked in): the figure every page "
+                         "shows for this run at this checkpoint.")
+        k[1].metric("File size", fmt.nbytes(res.file_bytes),
+                    delta=f"dense model {fmt.nbytes(dense_b)}", delta_color="off",
+                    delta_arrow="off")
+        k[2].metric("Tensor bytes", fmt.nbytes(res.tensor_bytes),
                     delta=f"expected {fmt.nbytes(res.expected_bytes)}", delta_color="off",
                     delta_arrow="off")
-        k[2].metric("Dense model", fmt.nbytes(dense_b))
-        k[3].metric("Smaller than dense",
-                    fmt.ratio(dense_b / res.file_bytes) if dense_b and res.file_bytes else "–")
+        k[3].metric("File vs dense model bytes",
+                    fmt.ratio(dense_b / res.file_bytes) if dense_b and res.file_bytes else "–",
+                    help="Bytes of the dense model over this file's bytes (header, ONNX "
+                         "graph and, for a whole-model view, every dense layer included): "
+                         "another scope than the compression beside it.")
         d1, d2, _ = st.columns([1, 1, 2])
         d1.download_button("Download model", data=Path(res.path).read_bytes,
-                           file_name=Path(res.path).name, type="primary",
+                           file_name=download_name(run, res.path), type="primary",
                            icon=":material/download:", key="dl-model",
                            mime="application/octet-stream", on_click="ignore")
         if res.card and Path(res.card).is_file() and _inside_store(res.card):
             card = Path(res.card).read_text(encoding="utf-8", errors="replace")
-            d2.download_button("Download model card", data=card, file_name=Path(res.card).name,
+            d2.download_button("Download model card", data=card,
+                               file_name=download_name(run, res.path) + ".md",
                                icon=":material/description:", key="dl-card",
                                mime="text/markdown", on_click="ignore")
             with st.expander("Model card"):
@@ -129,6 +153,6 @@ if previous:
         c1.markdown(f"`{p.name}` · {a['kind'].removeprefix('export_')} · {fmt.when(a['time'])}")
         c2.caption(fmt.nbytes(a.get("size")))
         if p.is_file():
-            c3.download_button("Download", data=p.read_bytes, file_name=p.name,
+            c3.download_button("Download", data=p.read_bytes, file_name=download_name(run, p),
                                key=f"dl-prev-{i}", icon=":material/download:",
                                on_click="ignore")

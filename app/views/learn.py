@@ -170,8 +170,8 @@ with tab2:
     st.markdown(
         "A 768×768 weight (a BERT attention projection) has **589,824** numbers. Write "
         "768 = 12·8·8 for the inputs and 8·8·12 for the outputs, reshape $W$ into a 6-way "
-        "tensor and store it as six cores $G_k \\in \\mathbb{R}^{r_{k-1} \\times s_k "
-        "\\times r_k}$. The paper uses these factors with rank 30."
+        "tensor and store it as one core per factor, $G_k \\in \\mathbb{R}^{r_{k-1} "
+        "\\times s_k \\times r_k}$ (six here). The paper uses these factors with rank 30."
     )
     c1, c2 = st.columns([1, 2])
     r2 = c1.slider("Rank", 1, 64, 30, key="l-core-rank")
@@ -184,6 +184,7 @@ with tab2:
     }[fac]
     shapes = tt_layer_cores(in_f, out_f, r2)
     tt_p = sum(a * s * b for a, s, b in shapes)
+    st.caption(f"With {fac.split(' (')[0]}: a {len(shapes)}-way tensor, **{len(shapes)} cores**.")
     k = st.columns(3)
     k[0].metric("Dense parameters", f"{768 * 768:,}")
     k[1].metric("TT parameters", f"{tt_p:,}", help="Σ r_{k-1}·s_k·r_k over the cores.")

@@ -1,4 +1,7 @@
-"""Live run: metrics, ranks, memory and events of one run, refreshed every second."""
+"""Live run: metrics, ranks, memory and events of one run, refreshed every second.
+
+The charts are in-place charts (:mod:`app.lib.livechart`): a refresh hands each one its
+new figure, and none is taken down and drawn again."""
 
 from __future__ import annotations
 
@@ -10,10 +13,13 @@ import streamlit as st
 
 from app.lib import fmt, plots, runs, ui
 from app.lib.devices import gpu_status
-from comera_engine.store import RunStore, StoreError
+from app.lib.livechart import live_chart
+from comera_engine.metrics import SCOPE_LABELS
+from comera_engine.store import StoreError
 
 REFRESH_S = 1.0
 MAX_POINTS = 800
+LOG_LINES = 30
 
 store = ui.require_store()
 ui.reap(store)
@@ -34,10 +40,12 @@ chosen = ui.pick_run(store, "Run", "live-run", all_runs)
 assert chosen is not None
 RID = chosen["id"]
 LIVE_AT_START = runs.is_live(chosen)
+#: What the page reads, through a session memo: a busy store redraws the last answers.
+DB = ui.steady(store, "live")
 
 
-def _series(store: RunStore, rid: str, name: str) -> tuple[list[int], list[float]]:
-    s = store.series(rid, name, max_points=MAX_POINTS)
+def _series(db: ui.SteadyReads, rid: str, name: str) -> tuple[list[int], list[float]]:
+    s = db.series(rid, name, max_points=MAX_POINTS)
     return s["step"], s["value"]
 
 
@@ -140,94 +148,93 @@ def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float |
     total = runs.total_steps(run) or 0
     step = int(run.get("last_step") or 0)
     target = runs.target_of(run)
-    comp = latest.get(runs.target_metric(run))
-    if comp is None:
-        comp = latest.get("compression/model")
+    comp = runs.compression(run, latest)
     acc_name = "eval/acc" if "eval/acc" in latest else "acc/train"
     c = st.columns(6)
-    c[0].metric("Step", f"{step:,} / {total:,}")
+    c[0].metric("Step", f"{step:,}", delta=f"of {total:,}", delta_color="off",
+                delta_arrow="off")
     c[1].metric("Task loss", fmt.num(latest.get("loss/task")),
                 delta=f"total {fmt.num(latest.get('loss/total'))}", delta_color="off",
                 delta_arrow="off")
     c[2].metric("Eval accuracy" if acc_name == "eval/acc" else "Train accuracy",
                 fmt.pct(latest.get(acc_name)))
-    c[3].metric("Compression", fmt.ratio(comp),
+    c[3].metric(f"Compression ({comp.label})", fmt.ratio(comp.value),
                 delta=f"target {fmt.ratio(target)}" if target else "no target",
                 delta_color="off", delta_arrow="off",
-                help="Dense / effective parameters, on the scope the target is measured on.")
+                help=f"Dense / effective parameters of the {comp.label}: the scope the "
+                     "run's target is measured on (comera.target_scope); every page shows "
+                     "this figure.")
     c[4].metric(tput[0], fmt.count(tput[1]))
     c[5].metric(mem[0], mem[1], delta=mem[2], delta_color="off", delta_arrow="off")
 
 
 def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     rid = run["id"]
-    stages = runs.stage_steps(store, rid)
+    stages = runs.stage_steps(DB, rid)
     c1, c2 = st.columns(2)
     with c1:
-        s_task = _series(store, rid, "loss/task")
-        s_total = _series(store, rid, "loss/total")
-        st.plotly_chart(
-            plots.lines([("task loss", *s_task), ("total (objective)", *s_total)], "Loss",
-                        stages=stages, smooth=0.1, dashes=[None, "dash"]),
-            width="stretch", key="ch-loss",
-        )
+        s_task = _series(DB, rid, "loss/task")
+        s_total = _series(DB, rid, "loss/total")
+        live_chart(plots.lines([("task loss", *s_task), ("total (objective)", *s_total)],
+                               "Loss", "loss", stages=stages, smooth=0.1,
+                               dashes=[None, "dash"]), key="ch-loss")
     with c2:
-        s_tr = _series(store, rid, "acc/train")
-        s_ev = _series(store, rid, "eval/acc")
-        st.plotly_chart(
-            plots.lines([("train", *s_tr), ("eval", *s_ev)], "Accuracy", stages=stages,
-                        smooth=0.1),
-            width="stretch", key="ch-acc",
+        s_tr = _series(DB, rid, "acc/train")
+        s_ev = _series(DB, rid, "eval/acc")
+        live_chart(
+            plots.lines([("train", *s_tr), ("eval", *s_ev)], "Accuracy", "accuracy",
+                        stages=stages, smooth=0.1, percent=True), key="ch-acc",
         )
     c1, c2 = st.columns(2)
     with c1:
         target = runs.target_of(run)
-        metric = runs.target_metric(run)
-        series = [("whole model", *_series(store, rid, "compression/model"))]
-        if metric == "compression/tensorized" or "compression/tensorized" in latest:
-            series.append(("TT layers", *_series(store, rid, "compression/tensorized")))
-        st.plotly_chart(
-            plots.lines(series, "Compression vs dense", "× smaller", stages=stages,
-                        hline=(target, f"target {target:g}× "
-                               f"({'TT layers' if metric.endswith('tensorized') else 'model'})")
-                        if target else None),
-            width="stretch", key="ch-comp",
+        comp = runs.compression(run, latest)
+        other = "model" if comp.scope == "tensorized" else "tensorized"
+        series = [(comp.label, *_series(DB, rid, runs.target_metric(run)))]
+        if f"compression/{other}" in latest:
+            series.append((f"{SCOPE_LABELS[other]} (other scope)",
+                           *_series(DB, rid, f"compression/{other}")))
+        live_chart(
+            plots.lines(series, f"Compression vs dense ({comp.label})", "× smaller",
+                        stages=stages, dashes=[None, "dot"],
+                        hline=(target, f"target {target:g}× ({comp.label})")
+                        if target else None), key="ch-comp",
         )
     with c2:
         name = "perf/tokens_per_s" if "perf/tokens_per_s" in latest else "perf/samples_per_s"
-        st.plotly_chart(
+        live_chart(
             plots.lines([(name.split("/")[1].replace("_per_s", "/s"),
-                          *_series(store, rid, name))], "Throughput",
+                          *_series(DB, rid, name))], "Throughput",
                         "tokens/s" if "tokens" in name else "samples/s", stages=stages,
-                        smooth=0.05),
-            width="stretch", key="ch-tput",
+                        smooth=0.05), key="ch-tput",
         )
-    history = store.rank_history(rid)
+    history = DB.rank_history(rid)
     c1, c2 = st.columns([3, 2])
     with c1:
-        st.plotly_chart(plots.rank_heatmap(history, stages=stages,
-                                           until=run.get("last_step")),
-                        width="stretch", key="ch-heat")
+        live_chart(plots.rank_heatmap(history, stages=stages, until=run.get("last_step")),
+                   key="ch-heat")
     with c2:
-        st.plotly_chart(plots.rank_bars(store.latest_ranks(rid)), width="stretch",
-                        key="ch-bars")
-    c1, c2 = st.columns(2)
+        live_chart(plots.rank_bars(DB.latest_ranks(rid)), key="ch-bars")
+    gpu = _nvml_index(run) is not None
+    c1, c2 = st.columns(2) if gpu else (st.container(), None)
     with c1:
         if "mem/gpu_used_mb" in latest or "mem/cuda_max_allocated_mb" in latest:
             series = [
-                ("device used (NVML)", *_series(store, rid, "mem/gpu_used_mb")),
-                ("torch peak allocated", *_series(store, rid, "mem/cuda_max_allocated_mb")),
-                ("torch peak reserved", *_series(store, rid, "mem/cuda_max_reserved_mb")),
+                ("device used (NVML)", *_series(DB, rid, "mem/gpu_used_mb")),
+                ("torch peak allocated", *_series(DB, rid, "mem/cuda_max_allocated_mb")),
+                ("torch peak reserved", *_series(DB, rid, "mem/cuda_max_reserved_mb")),
             ]
             total = latest.get("mem/gpu_total_mb")
-            fig = plots.lines(series, "GPU memory", "MiB", stages=stages,
+            fig = plots.lines(series, "GPU memory", "MiB", stages=stages, from_zero=True,
                               hline=(total, f"device total {fmt.mib(total)}") if total else None)
         else:
-            fig = plots.lines([("process RSS", *_series(store, rid, "mem/rss_mb"))],
-                              "Memory (CPU run: process RSS)", "MiB", stages=stages)
-        st.plotly_chart(fig, width="stretch", key="ch-mem")
-    with c2:
-        utilisation(run)
+            fig = plots.lines([("process RSS", *_series(DB, rid, "mem/rss_mb"))],
+                              "Memory (CPU run: process RSS)", "MiB", stages=stages,
+                              from_zero=True)
+        live_chart(fig, key="ch-mem")
+    if c2 is not None:  # a CPU run has no GPU to sample: no empty panel
+        with c2:
+            utilisation(run)
 
 
 def utilisation(run: dict[str, Any]) -> None:
@@ -247,21 +254,20 @@ def utilisation(run: dict[str, Any]) -> None:
     if hist["t"]:
         t0 = hist["t"][0]
         x = [t - t0 for t in hist["t"]]
-        st.plotly_chart(
+        live_chart(
             plots.lines([("GPU utilisation %", x, hist["util"]), ("memory used %", x,
                          hist["mem"])], f"GPU {idx} utilisation (NVML, sampled here)", "%",
-                        x_title="seconds since this page opened"),
-            width="stretch", key="ch-util",
+                        x_title="seconds since this page opened"), key="ch-util",
         )
     else:
         msg = ("CPU run: no GPU to sample" if idx is None
                else "GPU utilisation is sampled while the run lives")
-        st.plotly_chart(plots.empty_figure(msg, title="GPU utilisation"), width="stretch",
+        live_chart(plots.empty_figure(msg, title="GPU utilisation"),
                         key="ch-util")
 
 
 def events(run: dict[str, Any]) -> None:
-    evs = store.events(run["id"])
+    evs = DB.events(run["id"])
     rows = [
         {"time": fmt.clock(e["time"]),
          "step": "" if e.get("step") is None else str(e["step"]),
@@ -284,39 +290,52 @@ def events(run: dict[str, Any]) -> None:
     with c2:
         from comera_engine.launch import logs
 
-        st.markdown("**Trainer log** (last 30 lines)")
+        st.markdown(f"**Trainer log** (last {LOG_LINES} lines, newest at the bottom)")
         try:
-            tail = logs(run["id"], tail=30, store=store)
+            tail = logs(run["id"], tail=LOG_LINES, store=store)
         except Exception as e:  # noqa: BLE001
             tail = f"(log unavailable: {e})"
-        st.code(tail or "(empty)", language=None, height=280)
+        # the whole tail, wrapped: nothing clipped, the newest line always in view
+        st.code(tail.rstrip("\n") or "(empty)", language=None, wrap_lines=True)
 
 
 def view() -> None:
+    DB.busy = 0
     try:
         _view()
-    except StoreError as e:  # a store locked for long: say so, the next refresh retries
+    except StoreError as e:  # busy before anything was read once: the next pass retries
         st.warning(f"The run store is busy ({e}); retrying…", icon=":material/sync_problem:")
 
 
 def _view() -> None:
+    """One pass of the page. Its parts sit in containers created in a fixed order, so a
+    part that grows or shrinks (a phase bar, a banner) never shifts the charts below it:
+    every chart keeps its place and updates in place, and none is taken down and drawn
+    again between refreshes."""
     ui.reap(store)  # a trainer that vanished shows up as crashed while we watch
-    run = store.get_run(RID)
+    run = DB.get_run(RID)
     if run is None:
         st.warning(f"Run {RID} is gone from the store.")
         return
-    latest = runs.final_metrics(store, RID)
-    header(run, latest)
-    controls(run)
-    if run["status"] in ("failed", "crashed", "diverged") and run.get("error"):
-        err = str(run["error"])
-        first = err.strip().splitlines()[-1] if err.strip() else err
-        st.error(f"**{run['status']}**: {first}", icon=":material/error:")
-        with st.expander("Full error"):
-            st.code(err, language=None)
-    elif run["status"] == "queued" and runs.phase_of(run) is None:
-        st.info("Queued: the trainer is starting (building the dataset and the model)…",
-                icon=":material/hourglass_top:")
+    top, notes, tiles, body, log = (st.container() for _ in range(5))
+    latest = runs.final_metrics(DB, RID)
+    with top:
+        header(run, latest)
+        controls(run)
+    with notes:
+        if run["status"] in ("failed", "crashed", "diverged") and run.get("error"):
+            err = str(run["error"])
+            first = err.strip().splitlines()[-1] if err.strip() else err
+            st.error(f"**{run['status']}**: {first}", icon=":material/error:")
+            with st.expander("Full error"):
+                st.code(err, language=None)
+        elif run["status"] == "queued" and runs.phase_of(run) is None:
+            st.info("Queued: the trainer is starting (building the dataset and the model)…",
+                    icon=":material/hourglass_top:")
+        for level, text in runs.notices(DB, run):
+            icon = {"success": ":material/check_circle:", "warning": ":material/warning:",
+                    "info": ":material/info:"}[level]
+            getattr(st, level)(text, icon=icon)
     if "perf/tokens_per_s" in latest:
         tput = ("Tokens / s", latest.get("perf/tokens_per_s"))
     else:
@@ -329,21 +348,25 @@ def _view() -> None:
         mem = ("GPU memory (torch peak)", fmt.mib(latest.get("mem/cuda_max_allocated_mb")), None)
     else:
         mem = ("Memory (RSS)", fmt.mib(latest.get("mem/rss_mb")), None)
-    kpis(run, latest, tput, mem)
-    for level, text in runs.notices(store, RID):
-        icon = {"success": ":material/check_circle:", "warning": ":material/warning:",
-                "info": ":material/info:"}[level]
-        getattr(st, level)(text, icon=icon)
-    if runs.is_live(run) and not latest:  # nothing to plot yet: no empty charts
-        st.caption(":material/hourglass_top: The charts appear with the first training "
-                   "step.")
-    else:
-        charts(run, latest)
-    events(run)
+    with tiles:
+        kpis(run, latest, tput, mem)
+    with body:
+        if runs.is_live(run) and not latest:  # nothing to plot yet: no empty charts
+            st.caption(":material/hourglass_top: The charts appear with the first training "
+                       "step.")
+        else:
+            charts(run, latest)
+    with log:
+        events(run)
     if LIVE_AT_START != runs.is_live(run):
         st.rerun()  # the run started or ended: rebuild with(out) the 1 s refresh
 
 
+# Elements a refresh has not redrawn yet are "stale"; Streamlit fades them, which on a
+# page redrawn every second reads as flicker. They are current to within a second: keep
+# them opaque.
+st.html("<style>[data-stale='true'] { opacity: 1 !important; transition: none !important; }"
+        "</style>")
 st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
 if LIVE_AT_START:
     st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while the run lives.")

@@ -15,6 +15,7 @@ from app.lib.devices import list_gpus
 from app.lib.form import FormValues, form_to_config
 from app.lib.presets import MODEL_LABELS, Preset, load_presets, preset_label
 from comera_engine.errors import ConfigError
+from comera_engine.metrics import SCOPE_LABELS
 from comera_engine.preview import (
     Preview,
     data_problems,
@@ -163,7 +164,7 @@ with left:
                                 "stage's size penalty).")
     c1, c2 = st.columns([1, 1])
     target = c1.number_input(
-        "Target compression (×)", min_value=0.0, max_value=100000.0,
+        "Target compression (×)",
         value=float(c.get("target_compression") or 20.0), step=5.0, format="%.1f",
         key=k("target"), disabled=dense or not use_target,
         help="How many times smaller than dense the late stage makes the model "
@@ -191,14 +192,14 @@ with left:
              "start at the ranks below (refused if they already compress more than asked).")
     auto = bool(auto_rank) and bool(use_target) and not dense
     headroom = c2.number_input(
-        "Start at (× the target size)", min_value=1.0, max_value=100.0,
+        "Start at (× the target size)",
         value=float(c.get("headroom", 3.0)), step=0.5, format="%.1f", key=k("headroom"),
         disabled=not auto,
         help="comera.headroom: 3 suits the transformers and the MLP; the DLRM presets start "
              "at 1.5 (docs/SIZE_AND_TARGET.md, \"How much headroom\").")
     c1, c2 = st.columns(2)
     max_rank = c1.number_input(
-        "Max rank (linear layers)", min_value=0, max_value=512,
+        "Max rank (linear layers)",
         value=int(m.get("rank") or rank_default) if size == m.get("preset", "tiny")
         else rank_default, step=1, key=k(f"rank:{size}"), disabled=dense or auto,
         help="TT ranks start here (clamped per bond to what the shapes allow) and are "
@@ -207,7 +208,7 @@ with left:
     emb_rank = None
     if has_emb:
         emb_rank = c2.number_input(
-            "Max rank (embeddings)", min_value=0, max_value=512,
+            "Max rank (embeddings)",
             value=int(m.get("embedding_rank") or emb_default)
             if size == m.get("preset", "tiny") else emb_default,
             step=1, key=k(f"erank:{size}"), disabled=dense or auto,
@@ -233,13 +234,13 @@ with left:
     switch_step = patience = None
     if sched == "step":
         switch_step = st.number_input(
-            "Late stage from step", min_value=0, max_value=10_000_000,
+            "Late stage from step",
             value=int(sw) if isinstance(sw, int) else max(1, steps_default // 2), step=50,
             key=k("switch_step"), disabled=dense,
         )
     elif sched == "plateau":
         patience = st.number_input(
-            "Plateau patience (steps)", min_value=1, max_value=1_000_000,
+            "Plateau patience (steps)",
             value=int(c.get("plateau_patience", 200)), step=50, key=k("patience"),
             disabled=dense,
             help="Steps without a relative loss improvement before the late stage starts.",
@@ -258,7 +259,7 @@ with left:
                              help="auto: bf16 autocast on a GPU, fp32 on a CPU.")
     slots["device"] = st.container()
     c1, c2 = st.columns(2)
-    steps = c1.number_input("Steps", min_value=0, max_value=10_000_000, value=steps_default,
+    steps = c1.number_input("Steps", value=steps_default,
                             step=100, key=k("steps"))
     cuda_graph = c2.toggle("CUDA Graph", value=bool(t.get("cuda_graph", True)),
                            key=k("cuda_graph"),
@@ -268,16 +269,16 @@ with left:
 
     with st.expander("More settings"):
         run_name = st.text_input("Run name", value=str(raw.get("name", pkey)), key=k("name"),
-                                 max_chars=80)
+                                 help="Required: the run's name in every list.")
         c1, c2 = st.columns(2)
-        batch = c1.number_input("Batch size", min_value=0, max_value=1_000_000,
+        batch = c1.number_input("Batch size",
                                 value=int(t.get("batch_size", 32)), step=16, key=k("batch"))
-        seed = c2.number_input("Seed", min_value=0, max_value=2**31 - 1,
+        seed = c2.number_input("Seed",
                                value=int(t.get("seed", 0)), key=k("seed"))
         c1, c2 = st.columns(2)
-        eval_every = c1.number_input("Evaluate every (steps)", min_value=0, max_value=10**7,
+        eval_every = c1.number_input("Evaluate every (steps)",
                                      value=int(t.get("eval_every", 100)), key=k("eval"))
-        ckpt_every = c2.number_input("Checkpoint every (steps)", min_value=0, max_value=10**7,
+        ckpt_every = c2.number_input("Checkpoint every (steps)",
                                      value=int(t.get("ckpt_every", 500)), key=k("ckpt"))
     slots["advanced"] = st.container()
 
@@ -293,7 +294,7 @@ raw, gpu_ids = form_to_config(raw, FormValues(
     patience=None if patience is None else int(patience), steps=int(steps),
     batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
     ckpt_every=int(ckpt_every), precision=precision, cuda_graph=bool(cuda_graph),
-    device=device, run_name=run_name or str(raw.get("name", pkey)),
+    device=device, run_name=run_name,
 ))
 
 FIELD_SLOTS = {
@@ -303,6 +304,7 @@ FIELD_SLOTS = {
     "comera.switch": "schedule", "comera.plateau_patience": "schedule", "train.device": "device",
     "train.precision": "device", "train.steps": "steps", "train.batch_size": "advanced",
     "train.eval_every": "advanced", "train.ckpt_every": "advanced", "name": "advanced",
+    "comera.headroom": "rank", "comera.switch_by": "schedule", "train.seed": "advanced",
 }
 
 cfg = None
@@ -321,13 +323,6 @@ for n in data_notes:
     say("data", "note", n)
 
 on_gpu = device != "cpu"
-if not dense:
-    if use_target and sched == "never":
-        say("schedule", "warning", "No late stage: the target is never enforced, only the "
-            "early stage's size penalty shrinks the ranks. Pick a late-stage schedule.")
-    if sched == "step" and switch_step is not None and steps and switch_step >= steps:
-        say("schedule", "warning", f"The late stage would start at step {switch_step}, after "
-            f"the run ends at step {steps}: the target is never pursued.")
 if precision == "bf16" and not on_gpu:
     say("device", "warning", "bf16 autocast on a CPU is slow and rarely worth it; use fp32.")
 if cuda_graph and not on_gpu:
@@ -342,7 +337,15 @@ if cfg is not None:
         say("data", "error", str(e))
 if pv is not None:
     for field, text in pv.errors:
-        say(FIELD_SLOTS.get(field, "target"), "error", text)
+        say(FIELD_SLOTS.get(field, "target"), "error", f"{field}: {text}")
+    stage = pv.stage  # the engine's own decision (comera_engine.preview.late_stage)
+    if stage is not None and not dense and use_target:
+        if stage.moved:
+            say("schedule", "warning", stage.moved)
+        elif not stage.pursued and stage.why_not and not pv.errors:
+            say("schedule", "warning", f"The target is not reached: {stage.why_not}.")
+        elif stage.step is not None and sched != "step":
+            say("schedule", "note", f"Late stage {stage.how}.")
     requested = {"linear": int(max_rank), "embedding": int(emb_rank or 0)}
     clamped = [layer for layer in pv.layers if max(layer.ranks) < requested[layer.kind]]
     if auto and pv.layers:
@@ -508,14 +511,16 @@ with right:
     if pv.dense_model:
         k2.metric("Compression", "1.0×", help="The dense baseline is the 1× reference.")
     else:
+        end, why = pv.at_target
+        scope_label = SCOPE_LABELS[pv.scope]
         k2.metric(
-            "Compression",
+            f"Compression ({scope_label})",
             fmt.ratio(pv.compression("alloc")),
-            delta=(f"{fmt.ratio(pv.compression('target'))} at target" if pv.target else
-                   "no target"),
+            delta=(f"{fmt.ratio(end)} at the end" if end is not None else
+                   "no target" if pv.target is None else "target not reached"),
             delta_color="off", delta_arrow="off",
-            help=f"Dense / TT parameters measured on "
-                 f"{'the TT layers' if pv.scope == 'tensorized' else 'the whole model'}.",
+            help=f"Dense / TT parameters of the {scope_label} (the target's scope) at the "
+                 f"start; at the end of the run: {why}.",
         )
     k3.metric(f"MACs / {unit}", fmt.count(pv.tt_macs),
               delta=f"dense {fmt.count(pv.dense_macs)}", delta_color="off", delta_arrow="off",
@@ -569,8 +574,9 @@ with right:
             },
         )
         if pv.target and not pv.dense_model:
-            st.caption("Ranks at target: every bond scaled by one factor until the TT layers "
-                       "fit the target; while training, the gates decide bond by bond.")
+            st.caption("Ranks at target: an illustration, every bond scaled by one factor "
+                       "until the TT layers fit the target (whole ranks, so they may land "
+                       "below it); the run itself prunes entry by entry to the target.")
         tab1, tab2, tab3 = st.tabs(["Parameters per layer", f"MACs per {unit}",
                                     "Training memory"])
         names = [layer.name for layer in pv.layers]

@@ -63,8 +63,8 @@ table = [
         "status": row["status"],
         "progress": min(1.0, row["step"] / row["steps"]) if row["steps"] else None,
         "eval acc": row["eval acc"],
-        "compression": row["compression (model)"],
-        "TT layers": row["compression (TT layers)"],
+        "compression": row["compression"],
+        "scope": row["scope"],
         "target": row["target"],
         "params": row["params"],
         "dense": row["dense"],
@@ -85,10 +85,8 @@ event = st.dataframe(
         ),
         "eval acc": st.column_config.NumberColumn(format="%.3f"),
         "compression": st.column_config.NumberColumn(
-            "compression", format="%.1f×", help="Whole model, dense / effective parameters."
-        ),
-        "TT layers": st.column_config.NumberColumn(
-            "TT layers", format="%.1f×", help="Compression of the tensorised layers only."
+            "compression", format="%.1f×", help="Dense / effective parameters, measured on "
+            "the scope named beside it (the one the run's target is asked in)."
         ),
         "target": st.column_config.NumberColumn(format="%.0f×"),
         "params": st.column_config.NumberColumn(format="compact"),

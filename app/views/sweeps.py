@@ -7,6 +7,7 @@ import streamlit as st
 
 from app.lib import fmt, plots, ui
 from comera_engine.launch.sweep import resume_sweep, stop_sweep, sweep_report
+from comera_engine.metrics import SCOPE_LABELS
 
 REFRESH_S = 2.0
 
@@ -59,6 +60,11 @@ def _resume() -> None:
         st.session_state["sw-note"] = f"Resume failed: {e}"
 
 
+def _scope(rep: dict) -> str:
+    """The scope the sweep's compressions are measured on (its cells' target scope)."""
+    return " / ".join(sorted({SCOPE_LABELS[c["scope"]] for c in rep["cells"]})) or "–"
+
+
 def view() -> None:
     rep = sweep_report(store, SID)
     sweep = rep["sweep"]
@@ -90,6 +96,7 @@ def view() -> None:
         [{"grid point": g["label"], "target": g["target"],
           f"{metric} mean": g["score"], "± std": g["score_std"],
           "compression": g["compression"], "± std ": g["compression_std"],
+          "scope": _scope(rep),
           "finished": f"{g['finished']}/{g['cells']}", "Pareto": g["pareto"],
           "step time": g["step_time_s"], "peak memory": fmt.mib(g["peak_mem_mb"])}
          for g in rep["groups"]],
@@ -106,6 +113,7 @@ def view() -> None:
     st.dataframe(
         [{"run": f"/live_run?run={c['run']}", "cell": c["label"], "status": c["status"],
           "step": c["step"], metric: c["score"], "compression": c["compression"],
+          "scope": SCOPE_LABELS[c["scope"]],
           "params": c["params"]} for c in rep["cells"]],
         hide_index=True, width="stretch",
         column_config={

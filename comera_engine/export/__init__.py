@@ -14,10 +14,13 @@ Formats (``FORMATS``):
   against PyTorch with onnxruntime when it is installed.
 
 Every export gets a markdown model card beside it (``<file>.md``) and, for text models,
-the tokenizer (``<file>.tokenizer.json``). ``load`` refuses bad, truncated or hostile
-files with a :class:`BadExportFile` (a ``ConfigError``, hence ``ValueError``) naming the
-file; nothing in a file is executed. ``export_run`` exports a run's checkpoint and
-``add_subparsers`` registers ``comera export``.
+the tokenizer (``<file>.tokenizer.json``, padding and truncating to the model's length).
+Exports carry their input pipeline (:mod:`comera_engine.export.pipeline`): the loaded
+model and the ONNX graph take raw data (digits pixels 0..16, Criteo counts and hashes)
+and prepare it as the run did; the card says what to feed. ``load`` refuses bad,
+truncated or hostile files with a :class:`BadExportFile` (a ``ConfigError``, hence
+``ValueError``) naming the file; nothing in a file is executed. ``export_run`` exports a
+run's checkpoint and ``add_subparsers`` registers ``comera export``.
 """
 
 from __future__ import annotations

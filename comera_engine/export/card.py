@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from comera_engine.metrics import SCOPE_LABELS, compression_scope
+
 __all__ = ["model_card"]
 
 
@@ -37,36 +39,120 @@ def _metric(v: Any) -> str:
     return str(v)
 
 
+#: What the two texts of a pair are, per text data set (the order the model was trained
+#: on); a data set not named here encodes single texts.
+PAIRS = {"reviews": ("titles", "review texts"), "snli": ("premises", "hypotheses"),
+         "mnli": ("premises", "hypotheses"), "nli": ("premises", "hypotheses")}
+
+
+def _encode_code(tokenizer: str, data_name: str | None) -> list[str]:
+    """The exact encoding of raw text for a ``tokens`` pipeline: a function ``encode``
+    that gives the model's three inputs as int64 arrays (the tests run this code)."""
+    first, second = PAIRS.get(str(data_name), ("texts", None))
+    sig = f"{first.replace(' ', '_')}, {second.replace(' ', '_')}" if second else \
+        first.replace(" ", "_")
+    zipped = (f"list(zip({sig}))" if second else f"list({sig})")
+    return ["```python", "import numpy as np", "from tokenizers import Tokenizer", "",
+            f'tok = Tokenizer.from_file("{tokenizer}")  # pads and truncates by itself', "",
+            "", f"def encode({sig}):",
+            f'    """{first}{f" and their {second}" if second else ""} (lists of str) -> '
+            'the model\'s inputs."""',
+            f"    enc = tok.encode_batch({zipped})",
+            '    return {"input_ids": np.array([e.ids for e in enc], dtype=np.int64),',
+            '            "token_type_ids": np.array([e.type_ids for e in enc], '
+            'dtype=np.int64),',
+            '            "attention_mask": np.array([e.attention_mask for e in enc], '
+            'dtype=np.int64)}',
+            "```", ""]
+
+
+def _inputs(result: Any, doc: dict[str, Any]) -> list[str]:
+    """What the model takes: the raw inputs of its pipeline, and how to prepare them."""
+    pipe = doc.get("input_pipeline")
+    onnx = result.format == "onnx"
+    lines = ["## Inputs", ""]
+    if pipe is None:
+        fam = (doc.get("model") or {}).get("family")
+        if fam is None:
+            return lines + ["The model takes what the exported module took.", ""]
+        ds = ((doc.get("model") or {}).get("data_spec") or {}).get("name")
+        return lines + [f"The model takes the prepared features of the `{ds}` data set "
+                        f"(`comera_engine.data.build_dataset({{\"name\": \"{ds}\", ...}})` "
+                        "builds them from the raw files, with the training split's "
+                        "statistics); raw values give wrong answers.", ""]
+    lines += [f"Raw inputs: {pipe.get('raw')}."]
+    if pipe["kind"] == "pixels":
+        lines += ["The model standardises them itself (`x/16`, then the training split's "
+                  "per-pixel mean and standard deviation, stored in the file).", "",
+                  "```python", "from sklearn.datasets import load_digits", "",
+                  "x = load_digits().data  # float64 [1797, 64], values 0..16", "```", ""]
+    elif pipe["kind"] == "criteo":
+        lines += ["The model applies `log(1 + max(x, 0))` to the counts and hashes the "
+                  "categorical values into its tables itself. One Criteo TSV line:", "",
+                  "```python", 'fields = line.rstrip("\\n").split("\\t")  '
+                  "# label, I1..I13, C1..C26",
+                  "dense = [float(v) if v else 0.0 for v in fields[1:14]]",
+                  "sparse = [int(v, 16) if v else -1 for v in fields[14:40]]", "```", ""]
+    elif result.tokenizer is not None:
+        ds = ((doc.get("model") or {}).get("data_spec") or {}).get("name")
+        lines += [f"Encode text with the tokenizer shipped beside the model "
+                  f"(`{result.tokenizer.name}`, the `tokenizers` library; "
+                  f"{pipe.get('seq_len')} tokens):", ""]
+        lines += _encode_code(result.tokenizer.name, ds)
+    else:
+        lines += ["No tokenizer was exported with this model (the run kept none): the "
+                  "token ids must come from the run's own tokenizer.", ""]
+    if not onnx and pipe["kind"] != "tokens":
+        lines += ["`model.network` is the bare network (it takes prepared features; "
+                  "`model.prepare(*raw)` gives them).", ""]
+    return lines
+
+
 def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
     name = result.path.name
     fam = (doc.get("model") or {}).get("family")
     onnx = doc.get("onnx") or {}
-    lines = ["## How to load it", ""]
+    pipe = doc.get("input_pipeline") or {}
+    kind = pipe.get("kind")
+    lines = _inputs(result, doc) + ["## How to load it", ""]
     if result.format == "onnx":
         shapes, dtypes = onnx.get("input_shapes", {}), onnx.get("input_dtypes", {})
         lines += ["Run it with onnxruntime (no PyTorch needed):", "", "```python",
                   "import numpy as np", "import onnxruntime as ort", "",
-                  f'session = ort.InferenceSession("{name}")', "inputs = {"]
-        for n in onnx.get("inputs", []):
-            shp = shapes.get(n, [])
-            dt = "np.int64" if "int" in str(dtypes.get(n, "")) else "np.float32"
-            fill = "ones" if n == "attention_mask" else "zeros"
-            lines.append(f'    "{n}": np.{fill}({tuple(shp)}, dtype={dt}),')
-        lines += ["}", f"({', '.join(onnx.get('outputs', ['out']))},) = session.run(None, inputs)",
-                  "```", ""]
+                  f'session = ort.InferenceSession("{name}")']
+        outs = ", ".join(onnx.get("outputs", ["out"]))
+        if kind == "tokens" and result.tokenizer is not None:
+            lines += [f"({outs},) = session.run(None, encode(...))  # encode: above"]
+        else:
+            lines += ["inputs = {"]
+            for n in onnx.get("inputs", []):
+                shp = shapes.get(n, [])
+                dt = "np.int64" if "int" in str(dtypes.get(n, "")) else "np.float32"
+                what = {"x": "x", "dense": "np.array([dense])",
+                        "sparse": "np.array([sparse])"}.get(n) if kind else None
+                if what:
+                    lines.append(f'    "{n}": np.asarray({what}, dtype={dt}),')
+                else:
+                    fill = "ones" if n == "attention_mask" else "zeros"
+                    lines.append(f'    "{n}": np.{fill}({tuple(shp)}, dtype={dt}),')
+            lines += ["}", f"({outs},) = session.run(None, inputs)"]
+        lines += ["```", ""]
         axes = onnx.get("dynamic_axes") or {}
         if axes:
             dyn = ", ".join(f"{k}: {sorted(v.values())}" for k, v in axes.items())
             lines += [f"Dynamic axes: {dyn}.", ""]
-        if result.tokenizer is not None:
-            lines += ["Tokenizer (the `tokenizers` library):", "", "```python",
-                      "from tokenizers import Tokenizer", "",
-                      f'tok = Tokenizer.from_file("{result.tokenizer.name}")', "```", ""]
         return lines
-    lines += ["```python", "import comera_engine", "",
+    lines += ["```python", "import torch", "import comera_engine", "",
               f'model = comera_engine.load("{name}")  # safetensors only: no pickle',
               "model.eval()"]
-    if fam in ("transformer_cls", "transformer_mlm"):
+    if kind == "tokens" and result.tokenizer is not None:
+        lines += ["inputs = encode(...)  # encode: above",
+                  "logits = model(*(torch.from_numpy(v) for v in inputs.values()))"]
+    elif kind == "pixels":
+        lines += ["logits = model(torch.as_tensor(x, dtype=torch.float32))  # raw pixels"]
+    elif kind == "criteo":
+        lines += ["logit = model(torch.tensor([dense]), torch.tensor([sparse]))  # raw row"]
+    elif fam in ("transformer_cls", "transformer_mlm"):
         lines += ["logits = model(input_ids, token_type_ids, attention_mask)  # int64 [B, L]"]
     elif fam == "dlrm":
         lines += ["logit = model(dense, sparse)  # float [B, num_dense], int64 [B, num_sparse]"]
@@ -79,15 +165,12 @@ def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
         lines += ["The file is a plain `state_dict` (`nn.Linear`/`nn.Embedding` with the "
                   "reconstructed TT weights) of the dense baseline of the same architecture; "
                   "`safetensors.torch.load_file` reads it directly, and the JSON metadata "
-                  "(`safetensors.safe_open(...).metadata()['comera']`) holds the config.", ""]
+                  "(`safetensors.safe_open(...).metadata()['comera']`) holds the config "
+                  "and the input pipeline.", ""]
     else:
         lines += ["TT layers come back as `TTLinear`/`TTEmbedding` at the exported ranks "
                   "(gates absorbed, set to 1). `comera_engine.export.read_metadata(path)` "
                   "returns this metadata without loading any tensor.", ""]
-    if result.tokenizer is not None:
-        lines += ["Tokenizer:", "", "```python",
-                  "from comera_engine.data.tokenizer import WordPieceTokenizer", "",
-                  f'tok = WordPieceTokenizer.load("{result.tokenizer.name}")', "```", ""]
     return lines
 
 
@@ -114,7 +197,7 @@ def model_card(result: Any, sha256: str) -> str:
     """Markdown for an :class:`~comera_engine.export.core.ExportResult`."""
     doc = result.metadata
     sizes = doc.get("sizes") or {}
-    m, t = sizes.get("model") or {}, sizes.get("tensorized") or {}
+    m = sizes.get("model") or {}
     recipe = doc.get("model") or {}
     cfg = recipe.get("model_config") or {}
     title = doc.get("name") or recipe.get("family") or "model"
@@ -144,12 +227,17 @@ def model_card(result: Any, sha256: str) -> str:
               f"| dense model | {_num(m.get('dense_params'))} | {_bytes(m.get('dense_bytes'))} |",
               f"| compressed model (effective ranks) | {_num(m.get('effective_params'))} | "
               f"{_bytes(m.get('effective_bytes'))} |",
-              f"| this file ({result.format}) | | {_bytes(result.file_bytes)} |", "",
-              f"Whole model: **{_ratio(m.get('compression'))} smaller** than dense "
-              f"({_ratio(m.get('compression_allocated'))} at the allocated ranks). "
-              f"TT layers alone: {_ratio(t.get('compression'))} "
-              f"({_num(t.get('dense_params'))} → {_num(t.get('effective_params'))} parameters).",
-              ""]
+              f"| this file ({result.format}) | | {_bytes(result.file_bytes)} |", ""]
+    scope = compression_scope(doc.get("config"))
+    other = "model" if scope == "tensorized" else "tensorized"
+    mine, theirs = sizes.get(scope) or {}, sizes.get(other) or {}
+    lines += [f"**Compression: {_ratio(mine.get('compression'))} ({SCOPE_LABELS[scope]})**, "
+              f"dense / effective parameters of the {SCOPE_LABELS[scope]} "
+              f"({_num(mine.get('dense_params'))} → {_num(mine.get('effective_params'))}): "
+              "the scope the run's target is asked in (`comera.target_scope`), the figure "
+              "the studio and `comera runs` show. Other scope: "
+              f"{SCOPE_LABELS[other]} {_ratio(theirs.get('compression'))}; whole model at the "
+              f"allocated ranks {_ratio(m.get('compression_allocated'))}.", ""]
     outcome = _target_line(doc)
     if outcome:
         lines += [f"**Target**: {outcome}.", ""]

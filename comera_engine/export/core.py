@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from comera_engine.errors import ConfigError
+from comera_engine.export import pipeline as _pipeline
 from comera_engine.export import spec as _spec
 from comera_engine.export.container import (
     FORMATS,
@@ -366,6 +367,10 @@ def _base_metadata(fmt: str, recipe: dict, metadata: Mapping[str, Any], model: n
         "tt_layers": [{k: r[k] for k in _FILE_KEYS if k in r} for r in infos],
         "sizes": {k: v for k, v in sizes.items() if k != "layers"},
     }
+    if recipe.get("builder") == "family":
+        pipe = _pipeline.pipeline_for(recipe.get("data_spec"), recipe.get("family"))
+        if pipe is not None:
+            doc["input_pipeline"] = pipe
     config = metadata.get("config")
     if isinstance(config, Mapping):
         doc["config"] = _jsonable(dict(config))
@@ -378,9 +383,11 @@ def _base_metadata(fmt: str, recipe: dict, metadata: Mapping[str, Any], model: n
     return doc
 
 
-def _stage_tokenizer(tok: Any, target: Path) -> tuple[Path | None, dict[str, Any] | None]:
+def _stage_tokenizer(tok: Any, target: Path, pipeline: Mapping[str, Any] | None = None
+                     ) -> tuple[Path | None, dict[str, Any] | None]:
     """Write the tokenizer to a temporary file beside ``target``; returns it (moved into
-    place by the caller once the export itself is written) and its metadata entry."""
+    place by the caller once the export itself is written) and its metadata entry. With a
+    ``tokens`` pipeline the file pads and truncates to the model's sequence length."""
     if tok is None:
         return None, None
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -401,6 +408,12 @@ def _stage_tokenizer(tok: Any, target: Path) -> tuple[Path | None, dict[str, Any
     else:
         raise ConfigError("metadata.tokenizer",
                           f"must be a tokenizer.json path or a tokenizer, got {type(tok).__name__}")
+    if pipeline is not None and pipeline.get("kind") == "tokens":
+        try:
+            _pipeline.bake_tokenizer(tmp, int(pipeline["seq_len"]), int(pipeline["pad_id"]))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return tmp, {"file": target.name, "sha256": _sha256(tmp)}
 
 
@@ -451,7 +464,8 @@ def export_model(
 
             doc = _base_metadata(format, recipe, metadata, model, sizes, infos)
             tok_tmp, doc["tokenizer"] = _stage_tokenizer(metadata.get("tokenizer"),
-                                                         tokenizer_path(path))
+                                                         tokenizer_path(path),
+                                                         doc.get("input_pipeline"))
             res = onnx_export.export_onnx(model, path, recipe, doc, example_inputs, verify)
             tensor_bytes, diff = res["initializer_bytes"], res["max_abs_diff"]
             expected = int(sizes["model"]["effective_bytes"])
@@ -466,7 +480,8 @@ def export_model(
             doc = _base_metadata(format, recipe, metadata, model, sizes, infos)
             _self_check(recipe, format, tensors, infos)
             tok_tmp, doc["tokenizer"] = _stage_tokenizer(metadata.get("tokenizer"),
-                                                         tokenizer_path(path))
+                                                         tokenizer_path(path),
+                                                         doc.get("input_pipeline"))
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
             from safetensors.torch import save_file
 
@@ -568,6 +583,9 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
     dtype = _DTYPE_NAMES[dtype_name]
     try:
         recipe = _spec.validate_recipe(doc.get("model"))
+        pipe = doc.get("input_pipeline")
+        if pipe is not None:
+            pipe = _pipeline.validate_pipeline(pipe, data_spec=recipe.get("data_spec"))
         if recipe["builder"] == "family":
             # TT layers are resized to the file's ranks below: allocate them at rank 1, so
             # that what the build allocates is bounded by the file's own tensors.
@@ -621,7 +639,7 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
                                f"{str(exc).splitlines()[0]}") from None
     model.to(map_location)
     model.eval()
-    return model
+    return _pipeline.wrap(model, pipe)
 
 
 def _cast_floating(model: nn.Module, dtype: torch.dtype) -> None:

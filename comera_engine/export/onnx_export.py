@@ -36,6 +36,7 @@ from torch import nn
 
 from comera_engine.errors import ConfigError
 from comera_engine.export.container import METADATA_KEY, BadExportFile, write_atomic
+from comera_engine.export.pipeline import RawInputs, raw_example
 from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
 from comera_engine.tensor.contract import merge_left, merge_right
 from comera_engine.tensor.lookup import merge_tables, split_point
@@ -230,12 +231,16 @@ def export_onnx(
     if any(t.device.type != "cpu" for t in model.parameters()):
         model = copy.deepcopy(model).cpu()  # traced and checked on the CPU
     names, args, outputs, axes = default_inputs(recipe, model)
+    pipe = doc.get("input_pipeline")
+    module = onnx_export_copy(model)
+    if pipe is not None and pipe.get("kind") != "tokens":  # the graph takes raw inputs
+        args = raw_example(pipe, args)
+        model, module = RawInputs(model, pipe).eval(), RawInputs(module, pipe).eval()
     if example_inputs is not None:
         args = tuple(a.cpu() for a in example_inputs)
         if len(args) != len(names):
             names = [f"input_{i}" for i in range(len(args))]
             axes = {n: {0: "batch"} for n in names} | {outputs[0]: {0: "batch"}}
-    module = onnx_export_copy(model)
     try:
         data = _trace(module, args, names, outputs, axes)
     except Exception as exc:

@@ -24,6 +24,7 @@ from comera_engine.launch import (
     resume,
     stop,
 )
+from comera_engine.metrics import format_ratio, run_compression, target_status
 from comera_engine.store import FINAL_STATUSES, RunStore, resolve_store_path
 from comera_engine.store.runs import STATUSES
 
@@ -159,17 +160,23 @@ def _fmt_duration(run: dict[str, Any]) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _fmt_target(st: RunStore, rid: str) -> str:
-    """The run's target and the compression at its latest evaluation, e.g.
-    ``10x→10.2x +2%`` or ``60x→39.8x miss 34%`` (``-``: no target)."""
-    from comera_engine.metrics import target_outcome
+def _fmt_compression(run: dict[str, Any], latest: dict[str, Any]) -> str:
+    """The run's compression in its scope (the one its target is asked in), e.g.
+    ``60.6x TT layers`` (``-`` before its first evaluation)."""
+    comp = run_compression(run.get("config"), latest)
+    return "-" if comp.value is None else f"{format_ratio(comp.value, 'x')} {comp.label}"
 
-    latest = st.latest_metrics(rid)
-    if "compression/target" not in latest or "compression/error" not in latest:
+
+def _fmt_target(run: dict[str, Any], latest: dict[str, Any]) -> str:
+    """The run's target and where it stands: a verdict once the run finished its steps
+    (``10x→10.2x +2%``, ``60x→39.8x miss 34%``), else its progress (``60x, now 28.0x``,
+    ``60x, at 28.0x (stopped)``); ``-``: no target."""
+    comera = (run.get("config") or {}).get("comera") or {}
+    target = comera.get("target_compression")
+    if target is None or ((run.get("config") or {}).get("model") or {}).get("dense"):
         return "-"
-    target = latest["compression/target"][1]
-    reached = target * (1.0 + latest["compression/error"][1])
-    return target_outcome(target, reached, short=True)
+    reached = run_compression(run.get("config"), latest).value
+    return target_status(float(target), reached, str(run["status"]), short=True)
 
 
 def _fmt_status(run: dict[str, Any]) -> str:
@@ -199,17 +206,20 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not runs:
         print("no runs")
         return 0
-    header = ("ID", "NAME", "STATUS", "STEP", "TARGET", "STARTED", "TIME", "DEVICE", "ERROR")
+    header = ("ID", "NAME", "STATUS", "STEP", "COMPRESSION", "TARGET", "STARTED", "TIME",
+              "DEVICE", "ERROR")
     rows = []
     for r in runs:
         err = (r["error"] or "").strip().splitlines()
+        latest = st.latest_metrics(r["id"])
         rows.append(
             (
                 r["id"],
                 _printable(r["name"]),
                 _printable(_fmt_status(r)),
                 "-" if r["last_step"] is None else str(r["last_step"]),
-                _fmt_target(st, r["id"]),
+                _fmt_compression(r, latest),
+                _fmt_target(r, latest),
                 _fmt_time(r["started_at"] or r["created_at"]),
                 _fmt_duration(r),
                 (r["device"] or "-") + (f" [{r['gpus']}]" if r["gpus"] else ""),

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from comera_engine.errors import ConfigError
+from comera_engine.metrics import compression_scope, run_compression
 from comera_engine.store import FINAL_STATUSES, RESUMABLE_STATUSES, RunStore
 
 __all__ = [
@@ -325,11 +326,6 @@ def score_metric(names: Sequence[str]) -> tuple[str | None, bool]:
     return None, True
 
 
-def _compression_metric(config: Mapping[str, Any]) -> str:
-    scope = ((config or {}).get("comera") or {}).get("target_scope", "tensorized")
-    return "compression/model" if scope == "model" else "compression/tensorized"
-
-
 def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     if not vals:
@@ -374,14 +370,14 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
         m = latest[r["id"]]
         cell = r.get("cell") if isinstance(r.get("cell"), dict) else {}
         target = ((r.get("config") or {}).get("comera") or {}).get("target_compression")
-        dense = bool(((r.get("config") or {}).get("model") or {}).get("dense", False))
         peak = m.get("mem/cuda_max_allocated_mb", m.get("mem/rss_mb"))
         cells.append({
             "run": r["id"], "label": cell_label(cell) if cell else r["name"],
             "grid": dict(cell.get("overrides") or {}), "seed": cell.get("seed"),
             "status": r["status"], "step": r.get("last_step"),
             "score": m.get(metric) if metric else None,
-            "compression": 1.0 if dense else m.get(_compression_metric(r.get("config"))),
+            "compression": run_compression(r.get("config"), m).value,
+            "scope": compression_scope(r.get("config")),
             "target": target, "params": m.get("params/effective"),
             "step_time_s": m.get("perf/step_time_s"), "peak_mem_mb": peak,
         })

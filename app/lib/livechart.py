@@ -1,0 +1,84 @@
+"""A Plotly chart that updates in place: for pages redrawn every second.
+
+``st.plotly_chart`` gives each chart an identity that hashes its figure, so a chart whose
+data changed is a new element: the browser mounts a fresh, empty plot and draws it
+again, and for that moment the chart is blank. This chart is a small Streamlit
+component keyed by name: its identity stays, and each refresh hands the new figure to
+the same plot, which ``Plotly.react`` updates in place.
+
+The component's two files live in ``<run store>/.ui/live-chart-<plotly version>/``: the
+page below and ``plotly.min.js`` copied from the installed ``plotly`` package (nothing is
+downloaded).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import plotly
+import plotly.graph_objects as go
+
+from app.lib import runs
+
+__all__ = ["live_chart", "spec_of"]
+
+PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><script src="plotly.min.js"></script>
+<style>html, body { margin: 0; padding: 0; overflow: hidden; background: transparent; }</style>
+</head><body><div id="chart" class="live-chart"></div><script>
+const chart = document.getElementById("chart");
+function send(type, data) {
+  window.parent.postMessage(Object.assign({isStreamlitMessage: true, type: type}, data), "*");
+}
+window.addEventListener("message", function (event) {
+  const msg = event.data;
+  if (!msg || msg.type !== "streamlit:render") return;
+  const spec = JSON.parse(msg.args.spec);
+  const height = msg.args.height;
+  chart.style.height = height + "px";
+  const layout = Object.assign({}, spec.layout, {height: height, autosize: true});
+  Plotly.react(chart, spec.data, layout, {displaylogo: false, responsive: true});
+  send("streamlit:setFrameHeight", {height: height});
+});
+send("streamlit:componentReady", {apiVersion: 1});
+</script></body></html>
+"""
+
+
+@functools.cache
+def _folder() -> Path:
+    """The component's folder, written once per plotly version and server."""
+    folder = runs.store_path().parent / ".ui" / f"live-chart-{plotly.__version__}"
+    page = folder / "index.html"
+    lib = folder / "plotly.min.js"
+    if not (page.is_file() and lib.is_file() and page.read_text() == PAGE):
+        folder.mkdir(parents=True, exist_ok=True)
+        source = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+        tmp = folder / f".plotly.min.js.{id(folder)}"
+        shutil.copyfile(source, tmp)
+        tmp.replace(lib)
+        page.write_text(PAGE)
+    return folder
+
+
+def spec_of(fig: go.Figure) -> str:
+    """The figure as Plotly JSON (what the chart draws)."""
+    return fig.to_json(validate=False)
+
+
+def live_chart(fig: go.Figure, key: str) -> None:
+    """Draw ``fig`` as the in-place chart ``key`` (its height is the figure's)."""
+    from streamlit.components.v1 import declare_component
+
+    component = declare_component("live_chart", path=str(_folder()))
+    height = int(fig.layout.height or 300)
+    component(spec=spec_of(fig), height=height, key=key, default=None)
+
+
+def figure_of(json_args: str) -> dict[str, Any]:
+    """The Plotly figure (``data``, ``layout``) a live chart element was given (tests)."""
+    return json.loads(json.loads(json_args)["spec"])
