@@ -445,6 +445,39 @@ def validate_methods(cfg: Config) -> None:
         raise ConfigError("train.galore_scale", f"must be a positive number, got {t.galore_scale}")
 
 
+@dataclass(frozen=True)
+class SwitchPlan:
+    """When the late stage starts, by the ``[comera]`` switch rule (:func:`switch_plan`):
+    ``switch`` a step, ``"plateau"`` or ``"never"``; ``latest`` the step by which it
+    starts whatever ``switch`` says (``None``: no deadline, the pace is off); ``reach``
+    the step by which the pace lands the size at the target (``None``: no pace)."""
+
+    switch: int | str
+    latest: int | None
+    reach: int | None
+
+
+def step_of(fraction: float, steps: int) -> int:
+    """The step at ``fraction`` of ``steps`` (at least 1): ``ceil(fraction · steps)``."""
+    return max(1, math.ceil(fraction * steps))
+
+
+def switch_plan(c: CoMERAConfig, steps: int, steps_per_epoch: int = 0) -> SwitchPlan:
+    """The one switch rule, for the rank controller and the preview alike: ``comera.switch``
+    (``"auto"``: on a loss plateau with a target, else never) or ``comera.switch_epoch``
+    epochs (with ``steps_per_epoch``); with the pace on (``comera.pace``, a target and a
+    step budget) the late stage starts by ``switch_by`` of the steps at the latest and the
+    size is at the target by ``reach_at`` of them."""
+    switch: int | str = c.switch
+    if c.switch_epoch is not None and steps_per_epoch:
+        switch = c.switch_epoch * steps_per_epoch
+    if switch == "auto":
+        switch = "plateau" if c.target_compression is not None else "never"
+    pacing = bool(c.pace and c.target_compression is not None and steps > 0)
+    latest = step_of(c.switch_by, steps) if pacing and switch != "never" else None
+    return SwitchPlan(switch, latest, step_of(c.reach_at, steps) if pacing else None)
+
+
 def validate_comera(c: CoMERAConfig) -> None:
     """Range and consistency checks of the ``[comera]`` section (also run by the
     objective, so settings built in code are checked the same way)."""

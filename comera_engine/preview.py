@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from comera_engine.config import switch_plan
+
 DIGITS_EXAMPLES = 1797
 _FP32 = 4
 
@@ -69,7 +71,7 @@ class LateStage:
 
 def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
     """The late stage of a run with these ``[comera]`` settings and ``train.steps``, as the
-    trainer decides it (``comera_engine.train.tt.CoMERAState.maybe_switch``): the switch
+    rank controller decides it (:func:`comera_engine.config.switch_plan`): the switch
     is ``comera.switch`` (a step, ``"plateau"``, ``"never"``; ``"auto"``: plateau with a
     target, else never) or ``comera.switch_epoch``, and with the pace on (``comera.pace``,
     a target, a step budget) it comes after ``ceil(switch_by · steps)`` at the latest,
@@ -82,11 +84,8 @@ def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
                f"comera.method = {c.method!r} trains at fixed ranks" if c.method != "comera"
                else "comera.enabled = false")
         return LateStage(None, "no late stage", False, why)
-    switch: Any = c.switch
-    if switch == "auto":
-        switch = "plateau" if target is not None else "never"
-    pacing = bool(c.pace and target is not None and steps > 0)
-    latest = max(1, math.ceil(c.switch_by * steps)) if pacing and switch != "never" else None
+    plan = switch_plan(c, steps)  # the rule the rank controller follows
+    switch, latest = plan.switch, plan.latest
     if switch == "never" and c.switch_epoch is None:
         return LateStage(None, "no late stage", False,
                          "no late stage (comera.switch = \"never\"): only the early stage's "
@@ -106,7 +105,7 @@ def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
                      f"{int(switch):,}: with the pace on it starts by comera.switch_by = "
                      f"{c.switch_by:g} of the {steps:,} steps at the latest, to reach the "
                      "target by step "
-                     f"{max(1, math.ceil(c.reach_at * steps)):,}.")
+                     f"{plan.reach:,}.")
             return LateStage(step, how, True, None, moved)
     if target is None:
         return LateStage(step, how, False, "no target: the late stage has nothing to reach")

@@ -47,7 +47,6 @@ captured in a CUDA graph; :meth:`CoMERA.step` runs on the host between graph rep
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..config import CoMERAConfig, validate_comera
+from ..config import CoMERAConfig, switch_plan, validate_comera
 from ..errors import ConfigError
 from ..layers import factorized_layers, size_report, tt_layers
 from ..metrics import TARGET_TOLERANCE, target_outcome
@@ -351,9 +350,6 @@ class CoMERA:
 
     # ------------------------------------------------------------------ stages
 
-    def _step_of(self, fraction: float) -> int:
-        return max(1, math.ceil(fraction * self.total_steps))
-
     def _pacing(self) -> bool:
         """The pace is on: ``pace`` with a target and a step budget."""
         return (self.objective is not None and self.cfg.pace
@@ -363,14 +359,11 @@ class CoMERA:
         """Switch to the late stage when its time has come."""
         assert self.objective is not None and self.plateau is not None
         c = self.cfg
-        switch = c.switch
-        if c.switch_epoch is not None and self.steps_per_epoch:
-            switch = c.switch_epoch * self.steps_per_epoch
-        if switch == "auto":
-            switch = "plateau" if c.target_compression is not None else "never"
+        plan = switch_plan(c, self.total_steps, self.steps_per_epoch)
         plateaued = self.plateau.update(task_loss)
-        due = (switch == "plateau" and plateaued) or (isinstance(switch, int) and step >= switch)
-        latest = self._pacing() and switch != "never" and step >= self._step_of(c.switch_by)
+        due = (plan.switch == "plateau" and plateaued) or (
+            isinstance(plan.switch, int) and step >= plan.switch)
+        latest = plan.latest is not None and step >= plan.latest
         if not (due or latest):
             return None
         self.objective.switch_to_late(z_f=self.plateau.value)  # type: ignore[arg-type]
@@ -378,8 +371,8 @@ class CoMERA:
         if latest and not due:
             text += f" (comera.switch_by: the latest start, {c.switch_by} of the steps)"
         data: dict[str, Any] = {"z_f": self.objective.z_f}
-        if self._pacing() and not self.frozen:
-            self.pace = PacePlan(step, self.current_size(), self._step_of(c.reach_at),
+        if self._pacing() and not self.frozen and plan.reach is not None:
+            self.pace = PacePlan(step, self.current_size(), plan.reach,
                                  float(self.objective.target_size))  # type: ignore[arg-type]
             text += (f"; size {self.pace.start_size:.0f} -> target "
                      f"{self.pace.target:.0f} by step {self.pace.reach_step}")
