@@ -150,13 +150,12 @@ def measure(preset: str, method: str, batch_size: int, batches: Path) -> dict[st
         f.write("5")
     before, _ = _rss()
     for i in range(3):  # the first two create the optimizer state (GaLore: projections)
-        state.begin_step(i)
         if i < 2:
-            step(batch)
+            out = step(batch)
         else:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                step(batch)
-        state.after_step(i + 1)
+                out = step(batch)
+        state.step(opt, loss=float(out["loss/task"]), truncate=False)
     _, peak = _rss()
 
     pbytes = sum(p.numel() * p.element_size() for p in params)

@@ -100,26 +100,23 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
 
-    for i in range(spec["warmup"]):
-        state.begin_step(i)
-        runner(batch)
-        if not spec["graph"]:
-            state.after_step(i + 1)
+    def after(out: dict) -> None:  # the controller's step: gate refresh, stage, pace
+        counts = out["gate_counts"].tolist() if "gate_counts" in out else None
+        state.step(optimizer, loss=float(out["loss/task"]), counts=counts, truncate=False)
+
+    for _ in range(spec["warmup"]):
+        after(runner(batch))
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
-    i = spec["warmup"]
     while len(times) < spec["steps"] or (
             sum(times) < spec.get("min_seconds", 0.0) and len(times) < 200):
         t0 = time.perf_counter()
-        state.begin_step(i)
         out = runner(batch)
-        if not spec["graph"]:
-            state.after_step(i + 1)  # the reference gate refresh (reads gates on the host)
+        after(out)
         sync()
         times.append(time.perf_counter() - t0)
-        i += 1
     loss = float(out["loss/task"])
     if cuda:
         peak = torch.cuda.max_memory_allocated()

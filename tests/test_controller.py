@@ -167,6 +167,8 @@ def test_state_dict_round_trip_resumes_to_the_same_ranks_and_losses(digits):
     _train(*first, digits, 0, 120)
     model, comera, opt = first
     assert comera.stage == "late" and any(e.kind == "truncate" for e in comera.events)
+    # on its way: progress toward the target, not a verdict
+    assert comera.report()["message"].endswith(f"at step 120 of {STEPS} (still training)")
     saved = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
              "comera": copy.deepcopy(comera.state_dict())}
     torch.manual_seed(123)  # a different initialisation: everything must come from `saved`

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from ..config import CoMERAConfig, switch_plan, validate_comera
 from ..errors import ConfigError
 from ..layers import factorized_layers, size_report, tt_layers
-from ..metrics import TARGET_TOLERANCE, target_outcome
+from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
 from .optim import RankEvent, param_groups, refresh_gates_on_device
 from .optim import truncate_model_and_optimizer as _truncate_all
@@ -534,16 +534,15 @@ class CoMERA:
     def outcome(self, reached: float | None, final: bool = True) -> str | None:
         """One line on the target at compression ``reached`` (in the target's scope):
         ``"target 20x · reached 20.4x (+2 %)"`` or ``"… missed by X % (why)"`` when
-        ``final``; before the end of the steps and the ranks are fixed, progress:
-        ``"target 20x · now 8.1x at step 300 of 1500 (early stage)"``. ``None`` without a
-        target."""
+        ``final``; before, progress (:func:`comera_engine.metrics.target_status`):
+        ``"target 20x · now 8.1x at step 300 of 1,500 (still training)"``. ``None``
+        without a target."""
         target = self.target_compression
         if target is None or reached is None:
             return None
-        if not final:
-            of = f" of {self.total_steps}" if self.total_steps else ""
-            return (f"target {target:g}x · now {reached:.1f}x at step {self._steps}{of} "
-                    f"({self.stage} stage)")
+        if not final:  # the studio's own words for a run on its way
+            return target_status(target, reached, "running", self._steps,
+                                 self.total_steps or None)
         reason = ("the late stage never started" if self.stage_name == "early" else
                   f"the late stage did not prune enough by step {self._steps}")
         return target_outcome(target, reached, reason)
