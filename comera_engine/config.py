@@ -114,12 +114,30 @@ class CoMERAConfig:
     plateau_min_delta: float = 1e-3  # relative improvement that resets the patience
     rho_f: float = 0.1  # late stage augmentation on the task loss
     rho_s: float = 0.01  # late stage augmentation on the size surrogate
+    # Which method runs (docs/METHODS.md, "Schedules"): "paper" (the spec's objective and
+    # nothing else), "comera" (the objective with our additions, no pace: the objective
+    # alone decides how many ranks go) or "paced" (the additions and the pace). Each
+    # addition below is its own switch; unset (None), it takes the schedule's value.
+    schedule: str = "paced"
+    # the late stage divides the size surrogate by the cores' current size ("current")
+    # or by their initial size, as the paper does ("initial")
+    late_norm: str | None = None
+    # once the size is at the target, the late stage's size terms are off (λ = 0, no ρ_S)
+    size_off_at_target: bool | None = None
+    # a loss plateau counts only once the smoothed loss is this much (relative) below its
+    # start: a network still at chance is not switched to the late stage (0: off)
+    plateau_min_drop: float | None = None
+    # no bond loses its last entry (the paper lets a layer become the zero map)
+    rank_floor: bool | None = None
+    # initial ranks chosen from the target (docs/SIZE_AND_TARGET.md) unless model.rank
+    # is fixed; off: the preset's ranks
+    ranks_from_target: bool | None = None
     # Reaching the target within the run (docs/SIZE_AND_TARGET.md). pace: the size follows
     # a planned path from the late stage's start to the target by reach_at of the steps;
     # ranks that lag the path are pruned by gate importance, and once the target size is
-    # reached the ranks are fixed (the rest of the run fine-tunes). false: the paper's
-    # objective alone (the size may stop short of the target).
-    pace: bool = True
+    # reached the ranks are fixed (the rest of the run fine-tunes). false: the objective
+    # alone (the size may stop short of the target).
+    pace: bool | None = None
     switch_by: float = 0.5  # the late stage starts by this fraction of the steps at the latest
     reach_at: float = 0.8  # the size is at the target by this fraction of the steps
     # initial ranks chosen from a target start at about this many times the target size
@@ -445,6 +463,61 @@ def validate_methods(cfg: Config) -> None:
         raise ConfigError("train.galore_scale", f"must be a positive number, got {t.galore_scale}")
 
 
+#: ``comera.schedule`` → the value of every switch it leaves unset (docs/METHODS.md).
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "paper": {"late_norm": "initial", "size_off_at_target": False, "plateau_min_drop": 0.0,
+              "rank_floor": False, "ranks_from_target": False, "pace": False},
+    "comera": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
+               "rank_floor": True, "ranks_from_target": True, "pace": False},
+    "paced": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
+              "rank_floor": True, "ranks_from_target": True, "pace": True},
+}
+
+
+def resolve_schedule(c: CoMERAConfig) -> CoMERAConfig:
+    """``c`` with every switch it leaves unset taken from its ``schedule``
+    (:data:`SCHEDULES`); an unknown schedule is refused naming the choices."""
+    _choice("comera.schedule", c.schedule, tuple(SCHEDULES))
+    unset = {k: v for k, v in SCHEDULES[c.schedule].items() if getattr(c, k) is None}
+    return dataclasses.replace(c, **unset) if unset else c
+
+
+def schedule_label(c: CoMERAConfig) -> str:
+    """The schedule, and the switches set against it: ``"paced"``,
+    ``"comera (pace on)"``."""
+    own = SCHEDULES.get(c.schedule, {})
+    changed = [f"{k} {_word(getattr(c, k))}" for k, v in own.items()
+               if getattr(c, k) is not None and getattr(c, k) != v]
+    return c.schedule + (f" ({', '.join(changed)})" if changed else "")
+
+
+def method_label(config: Any) -> str:
+    """Which method trained a run, in words, from its config (a :class:`Config` or its
+    plain ``to_dict``): ``"CoMERA, schedule paced"``, ``"fixed-rank TT"``,
+    ``"TT-SVD of a dense run"``, ``"dense baseline"``."""
+    raw = config.to_dict() if isinstance(config, Config) else dict(config or {})
+    model, c = raw.get("model") or {}, raw.get("comera") or {}
+    if model.get("dense"):
+        galore = (raw.get("train") or {}).get("optimizer") == "galore"
+        return "dense baseline" + (" (GaLore)" if galore else "")
+    method = c.get("method", "comera")
+    if method != "comera":
+        return {"fixed": "fixed-rank TT", "tt_svd": "TT-SVD of a dense run"}.get(method, method)
+    if not c.get("enabled", True):
+        return "TT at its initial ranks (comera.enabled = false)"
+    known = {f.name for f in dataclasses.fields(CoMERAConfig)}
+    try:
+        label = schedule_label(CoMERAConfig(**{k: v for k, v in c.items() if k in known}))
+    except TypeError:  # a value of the wrong kind in an old record
+        label = str(c.get("schedule", "paced"))
+    return f"CoMERA, schedule {label}"
+
+
+def _word(value: Any) -> str:
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else (
+        f"{value:g}" if isinstance(value, float) else str(value))
+
+
 @dataclass(frozen=True)
 class SwitchPlan:
     """When the late stage starts, by the ``[comera]`` switch rule (:func:`switch_plan`):
@@ -468,6 +541,7 @@ def switch_plan(c: CoMERAConfig, steps: int, steps_per_epoch: int = 0) -> Switch
     epochs (with ``steps_per_epoch``); with the pace on (``comera.pace``, a target and a
     step budget) the late stage starts by ``switch_by`` of the steps at the latest and the
     size is at the target by ``reach_at`` of them."""
+    c = resolve_schedule(c)
     switch: int | str = c.switch
     if c.switch_epoch is not None and steps_per_epoch:
         switch = c.switch_epoch * steps_per_epoch
@@ -494,6 +568,12 @@ def validate_comera(c: CoMERAConfig) -> None:
             f"must be a finite ratio > 1 (e.g. 50 for 50x smaller), got {c.target_compression}",
         )
     _choice("comera.target_scope", c.target_scope, ("model", "tensorized"))
+    _choice("comera.schedule", c.schedule, tuple(SCHEDULES))
+    if c.late_norm is not None:
+        _choice("comera.late_norm", c.late_norm, ("current", "initial"))
+    if c.plateau_min_drop is not None and not 0.0 <= c.plateau_min_drop < 1.0:
+        raise ConfigError("comera.plateau_min_drop",
+                          f"must be a fraction in [0, 1) (0: off), got {c.plateau_min_drop}")
     if isinstance(c.switch, str):
         _choice("comera.switch", c.switch, ("auto", "plateau", "never"))
     elif c.switch < 0:

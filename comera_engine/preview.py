@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comera_engine.config import switch_plan
+from comera_engine.config import resolve_schedule, switch_plan
 
 DIGITS_EXAMPLES = 1797
 _FP32 = 4
@@ -77,7 +77,7 @@ def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
     a target, a step budget) it comes after ``ceil(switch_by · steps)`` at the latest,
     whatever the switch says. ``tensorized``: the model has TT layers (a dense model has
     no stages)."""
-    c = comera
+    c = resolve_schedule(comera)  # every switch set, as the controller sees them
     target = c.target_compression
     if not (c.enabled and c.method == "comera" and tensorized):
         why = ("a dense model has no ranks to prune" if not tensorized else
@@ -114,7 +114,8 @@ def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
                          f"when the run has ended ({steps:,} steps): the target is never "
                          "pursued")
     if not c.pace:
-        return LateStage(step, how, False, "comera.pace = false: the objective alone pulls the "
+        return LateStage(step, how, False, f"comera.pace off (schedule {c.schedule!r}): the "
+                         "objective alone pulls the "
                          "size toward the target and may stop short of it")
     return LateStage(step, how, True)
 

@@ -367,3 +367,58 @@ def test_ddp_processes_agree_on_the_switch_lambda_and_ranks(tmp_path) -> None:
     assert a["switch"] is not None and a["switch"] == b["switch"] and a["z_f"] == b["z_f"]
     assert a["lambda"] == b["lambda"] and {0.0, 1.0} <= set(a["lambda"])
     assert a["ranks"] == b["ranks"] and a["shapes"] == b["shapes"]
+
+
+def test_schedules_set_every_switch_and_a_switch_set_against_one_is_named() -> None:
+    """``comera.schedule`` names the method; each addition of ours is its own switch with
+    the schedule's value unless set, and a switch set against the schedule is named."""
+    from comera_engine.config import SCHEDULES, CoMERAConfig, resolve_schedule, schedule_label
+
+    switches = set(SCHEDULES["paper"])
+    assert set(SCHEDULES["comera"]) == set(SCHEDULES["paced"]) == switches
+    for name, values in SCHEDULES.items():
+        resolved = resolve_schedule(CoMERAConfig(schedule=name))
+        assert {k: getattr(resolved, k) for k in switches} == values
+        assert schedule_label(resolved) == name
+    assert not SCHEDULES["paper"]["pace"] and not SCHEDULES["comera"]["pace"]
+    assert SCHEDULES["paced"]["pace"] and SCHEDULES["comera"]["rank_floor"]
+    model = PixelNet()
+    ce.tensorize(model, rank=8, exclude=["head"])
+    comera = ce.CoMERA(model, target_compression=2.0, total_steps=100, schedule="comera",
+                       pace=True)
+    assert comera.schedule == "comera (pace on)" and comera.report()["schedule"] == comera.schedule
+    assert comera.cfg.pace and comera.cfg.late_norm == "current"
+    assert ce.CoMERA(model, target_compression=2.0).schedule == "paced"
+    with pytest.raises(ConfigError, match="comera.schedule"):
+        ce.CoMERA(model, schedule="papr")
+    from comera_engine.config import method_label  # what cards and run records say
+
+    assert method_label({"comera": {"schedule": "paper"}}) == "CoMERA, schedule paper"
+    assert method_label({"comera": {"schedule": "comera", "pace": True}}) == (
+        "CoMERA, schedule comera (pace on)")
+    assert method_label({"comera": {"method": "fixed"}}) == "fixed-rank TT"
+    assert method_label({"model": {"dense": True}}) == "dense baseline"
+
+
+def test_the_paper_schedule_lets_a_bond_reach_rank_zero_and_plateaus_at_chance() -> None:
+    """Without the rank floor a bond whose every gate falls below the threshold reaches
+    rank 0 (the layer is the zero map and counts 0 parameters, as the spec says); with it
+    (ours) the strongest entry stays. Without the plateau guard a loss still at its start
+    counts as a plateau."""
+    for schedule, floor in (("paper", 0), ("paced", 1)):
+        torch.manual_seed(0)
+        model = PixelNet(dim=16, hidden=64)
+        ce.tensorize(model, rank=4, exclude=["head"])
+        comera = ce.CoMERA(model, target_compression=2.0, schedule=schedule, switch="never")
+        with torch.no_grad():
+            model.mid.tt.gates[1].fill_(1e-3)  # below tau = 0.01
+        events = comera.step(loss=1.0)
+        assert model.mid.effective_ranks()[1] == floor
+        assert [e.data["new"] for e in events if e.kind == "rank_change"] == [floor]
+        row = next(r for r in size_report(model)["layers"] if r["name"] == "mid")
+        assert (row["effective_params"] == model.mid.bias.numel()) == (floor == 0)
+    for schedule, fires in (("paper", True), ("paced", False)):
+        model = PixelNet()
+        ce.tensorize(model, rank=4, exclude=["head"])
+        detector = ce.CoMERA(model, schedule=schedule, plateau_patience=5).plateau
+        assert any(detector.update(2.3) for _ in range(40)) == fires  # flat at chance

@@ -150,6 +150,8 @@ def test_round_trip_every_format(family: str, tmp_path: Path) -> None:
     for text in ("dense model", "compressed model", "Ranks per TT layer", "0.8125",
                  "comera_engine.load", next(iter(ranks_before))):
         assert text in card
+    # which method trained it: the config has no [comera] table, so the defaults'
+    assert "**Trained by**: CoMERA, schedule paced" in card
 
     # dense: plain nn.Linear / nn.Embedding with the reconstructed weights
     res_d = export_model(model, tmp_path / "m.dense.safetensors", "dense", meta)

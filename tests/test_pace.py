@@ -176,7 +176,9 @@ def test_every_shipped_config_with_a_target_is_feasible_and_paced(path: Path) ->
     pv = make_preview(cfg, "cpu")
     assert not pv.errors, pv.errors
     assert pv.floor_size < pv.target_size < pv.start_size
-    assert cfg.comera.pace and cfg.comera.switch_by < cfg.comera.reach_at
+    from comera_engine.config import resolve_schedule
+
+    assert resolve_schedule(cfg.comera).pace and cfg.comera.switch_by < cfg.comera.reach_at
 
 
 #: Configs trained with fewer steps here than they ship with (the pace plan scales with

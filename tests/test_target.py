@@ -132,6 +132,24 @@ def test_fixed_ranks_above_the_target_are_kept() -> None:
     assert plan.floor < plan.target < plan.start
 
 
+def test_the_paper_schedule_keeps_the_presets_ranks() -> None:
+    """``comera.ranks_from_target`` (on in ours, off in the ``"paper"`` schedule): the
+    paper's run starts from the preset's ranks, ours from the ranks chosen from the
+    target; the paper's is refused, naming the fix, when those already compress more."""
+    digits = CONFIGS / "digits_tt_mlp.toml"
+    paced, plan = plan_initial_ranks(_cfg(digits), data_shape(_cfg(digits).data))
+    assert plan.rank is not None and paced.model.rank == plan.rank != 8
+    paper = _cfg(digits, 'comera.schedule="paper"')
+    new, plan = plan_initial_ranks(paper, data_shape(paper.data))
+    assert new is paper and new.model.rank is None and plan.rank is None
+    assert plan.start > plan.target  # the preset's rank 8, above the 60x target size
+    again = _cfg(digits, "comera.ranks_from_target=false")
+    assert plan_initial_ranks(again, data_shape(again.data))[0].model.rank is None
+    small = _cfg(TINY, 'comera.schedule="paper"')  # rank 8 already 16x, 10x asked
+    with pytest.raises(ConfigError, match="preset's ranks already give 16.2x.*larger model.rank"):
+        plan_initial_ranks(small, data_shape(small.data))
+
+
 @pytest.mark.parametrize("target,headroom", [(100.0, 3.0), (60.0, 3.0), (10.0, 1.5)])
 def test_ranks_are_chosen_from_the_target_up_or_down(target: float, headroom: float) -> None:
     """Digits' preset rank 8 gives 11x (ttm linears; 24x in the paper's tt layout): a

@@ -403,14 +403,16 @@ def test_sigterm_stops_a_cli_run(tmp_path) -> None:
 # ---------------------------------------------------------------------- objective
 
 
-def _objective_reference(model, cfg, stage, z_f, target_size, S0, ramp, f, frozen=False):
+def _objective_reference(model, cfg, stage, z_f, target_size, S0, ramp, f, frozen=False,
+                         paper=False):
     """comera-method.md §2 written out in float64 from the gates and cores alone:
     ``Ŝ = Σ_layers Σ_k s_k·‖g_{k-1}‖₁·‖g_k‖₁`` over active entries (outer bonds 1),
     ``S`` the same with entry counts (plus the TT biases; plus every other parameter for
     the model scope), then the early scalarisation (``Ŝ`` over the initial allocated
-    size) or the late one (over the current cores' size), or the task loss alone once
-    the ranks are fixed. Returns the
-    total and λ; gradients flow to ``f``, gates and cores (float64 leaves)."""
+    size) or the late one (over the current cores' size, the size terms off once the
+    target is reached), or the task loss alone once the ranks are fixed. ``paper``: the
+    spec's late stage as it is written (``Ŝ/S₀``; λ and ``ρ_S`` whatever the size).
+    Returns the total and λ; gradients flow to ``f``, gates and cores (float64 leaves)."""
     from comera_engine.layers import tt_layers
 
     s_hat = torch.zeros((), dtype=torch.float64)
@@ -444,20 +446,22 @@ def _objective_reference(model, cfg, stage, z_f, target_size, S0, ramp, f, froze
         return f + reg, 0.0, leaves
     if stage == "early":  # normalised by the initial allocated size
         return f + cfg.gamma * ramp * s_hat / S0 + reg, 0.0, leaves
-    s_hat = s_hat / cores_size  # the late stage: by the current size (a constant)
+    s_hat = s_hat / (S0 if paper else cores_size)  # ours: by the current size (a constant)
     fv = float(f.detach())
-    reached = size <= target_size
+    reached = size <= target_size and not paper
     lam = 1.0 if ((fv - z_f) / fv < (size - target_size) / size and not reached) else 0.0
     rho_s = 0.0 if reached else cfg.rho_s
     total = cfg.rho_f * f + rho_s * s_hat + lam * s_hat + (1 - lam) * f + reg
     return total, lam, leaves
 
 
+@pytest.mark.parametrize("schedule", ["paced", "paper"])
 @pytest.mark.parametrize("scope", ["tensorized", "model"])
-def test_objective_matches_the_method_formula_in_float64(scope) -> None:
+def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> None:
     """The one objective (device tensors, no host reads, the form CUDA graphs capture)
     gives the loss, lambda and gradients of the method's formula computed independently
-    in float64, in both stages, during the gamma warm-up and for both lambda outcomes."""
+    in float64, in both stages, during the gamma warm-up and for both lambda outcomes;
+    with ``comera.schedule = "paper"`` the spec's formula as written."""
     from types import SimpleNamespace
 
     from comera_engine.config import CoMERAConfig, ModelConfig
@@ -473,8 +477,9 @@ def test_objective_matches_the_method_formula_in_float64(scope) -> None:
     model = build_model(ModelConfig(name="tt_mlp", preset="tiny"), data)
     target = 40.0 if scope == "tensorized" else 20.0  # not reached yet (33x, 15x now)
     cfg = CoMERAConfig(
-        gamma=0.3, gamma_warmup=10, target_compression=target, target_scope=scope, l2_cores=1e-3
-    )
+        gamma=0.3, gamma_warmup=10, target_compression=target, target_scope=scope, l2_cores=1e-3,
+        schedule=schedule)
+    paper = schedule == "paper"
     state = CoMERA(model, config=cfg)
     with torch.no_grad():  # kill a few ranks so that the masks matter
         for layer in tt_layers(model).values():
@@ -491,7 +496,7 @@ def test_objective_matches_the_method_formula_in_float64(scope) -> None:
         f64 = torch.tensor(f_value, dtype=torch.float64, requires_grad=True)
         ref, lam, leaves = _objective_reference(
             model, cfg, obj.stage, obj.z_f, obj.target_size, obj.S0,
-            gamma_ramp(cfg.gamma_warmup, step), f64, frozen=obj.frozen)
+            gamma_ramp(cfg.gamma_warmup, step), f64, frozen=obj.frozen, paper=paper)
         ref.backward()
         assert float(total.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
         assert float(info["lambda"]) == lam
@@ -511,6 +516,8 @@ def test_objective_matches_the_method_formula_in_float64(scope) -> None:
     assert check(0.7) == 0.0
     obj.z_f, obj.target_size = 0.69, 1e9  # target reached: lambda 0, no size augmentation
     assert check(0.7) == 0.0
+    obj.z_f = 1e9  # reached, the loss far below z_f: ours keeps λ 0, the paper's gives 1
+    assert check(0.7) == (1.0 if paper else 0.0)
     state.freeze()  # ranks fixed at the target: the task loss alone, no gate dies
     assert check(0.7) == 0.0
     assert all(layer.tt.tau == 0.0 for layer in tt_layers(model).values())

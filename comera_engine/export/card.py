@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from comera_engine.config import method_label
 from comera_engine.metrics import SCOPE_LABELS, compression_scope
 
 __all__ = ["model_card"]
@@ -207,6 +208,7 @@ def model_card(result: Any, sha256: str) -> str:
     lines += [
         f"- **Model**: `{what}`{preset}",
         f"- **Task**: {(recipe.get('data_spec') or {}).get('task', '?')}",
+        f"- **Trained by**: {method_label(doc.get('config'))} (docs/METHODS.md)",
         f"- **Format**: `{result.format}` ({doc.get('format')} v{doc.get('format_version')})",
         f"- **File**: `{result.path.name}`, {_bytes(result.file_bytes)} "
         f"({result.file_bytes:,} bytes), sha256 `{sha256}`",

@@ -54,7 +54,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..config import CoMERAConfig, switch_plan, validate_comera
+from ..config import (
+    CoMERAConfig,
+    resolve_schedule,
+    schedule_label,
+    switch_plan,
+    validate_comera,
+)
 from ..errors import ConfigError
 from ..layers import factorized_layers, size_report, tt_layers
 from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
@@ -105,7 +111,7 @@ def _settings(config: CoMERAConfig | None, target_compression: float | None,
     if target_compression is not None:
         cfg = dataclasses.replace(cfg, target_compression=float(target_compression))
     validate_comera(cfg)
-    return cfg
+    return resolve_schedule(cfg)  # every switch set: the schedule's, or the caller's
 
 
 class CoMERA:
@@ -139,6 +145,8 @@ class CoMERA:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(name, f"must be a whole number of steps >= 0, got {value!r}")
         self.cfg = cfg = _settings(config, target_compression, settings)
+        #: which method runs: the schedule and any switch set against it ("paced")
+        self.schedule = schedule_label(cfg)
         self.model = model
         self.total_steps = total_steps
         self.steps_per_epoch = steps_per_epoch
@@ -167,7 +175,8 @@ class CoMERA:
             # a plateau counts once the smoothed loss is 1 % below where it started: a
             # network still at its initial loss (at chance) is not pruned for it
             self.plateau = PlateauDetector(patience=cfg.plateau_patience,
-                                           rel_tol=cfg.plateau_min_delta, min_drop=0.01)
+                                           rel_tol=cfg.plateau_min_delta,
+                                           min_drop=float(cfg.plateau_min_drop or 0.0))
         if self.enabled:
             self.objective = CoMERAObjective(model, cfg)
 
@@ -318,7 +327,8 @@ class CoMERA:
             return self._events_from_counts(step, counts)
         from .optim import refresh_gates
 
-        return refresh_gates(self.model, step, layers=self._pairs)
+        return refresh_gates(self.model, step, layers=self._pairs,
+                             floor=bool(self.cfg.rank_floor))
 
     def refresh_fn(self) -> Callable[[], Tensor] | None:
         """The gate refresh as device work (for a captured step): returns the alive count
@@ -327,8 +337,8 @@ class CoMERA:
             return None
         self._counts = [int(m.tt.alive(k).sum()) for m in self._layers.values()
                         for k in range(len(m.tt.gates))]
-        model = self.model
-        return lambda: refresh_gates_on_device(model)
+        model, floor = self.model, bool(self.cfg.rank_floor)
+        return lambda: refresh_gates_on_device(model, floor=floor)
 
     def _events_from_counts(self, step: int, counts: list[float]) -> list[RankEvent]:
         bonds = [(n, k) for n, m in self._layers.items() for k in range(len(m.tt.gates))]
@@ -551,8 +561,10 @@ class CoMERA:
         """Where the model stands, from ``size_report``: ``compression`` (in the target's
         scope, ``scope``), ``target`` (``None`` without one), ``ranks`` (effective, per
         TT layer), ``params`` (effective, whole model), ``dense_params``, ``stage``,
-        ``step`` and ``message`` (:meth:`outcome`: a verdict once the ranks are fixed or
-        the steps are done, progress before)."""
+        ``step``, ``schedule`` (which method ran: ``comera.schedule`` and the switches set
+        against it; the method's name when the objective is off) and ``message``
+        (:meth:`outcome`: a verdict once the ranks are fixed or the steps are done,
+        progress before)."""
         rep = size_report(self.model)
         scope = self.cfg.target_scope
         if self.has_tt or self.has_peers:
@@ -566,6 +578,7 @@ class CoMERA:
         elif message is None:
             message = f"{reached:.1f}x smaller than dense ({scope}); no target"
         return {"compression": reached, "scope": scope, "target": self.target_compression,
+                "schedule": self.schedule if self.enabled else self.cfg.method,
                 "ranks": self.effective_ranks(), "params": int(rep["model"]["effective_params"]),
                 "dense_params": int(rep["model"]["dense_params"]), "stage": self.stage,
                 "step": self._steps, "message": message}
@@ -615,5 +628,6 @@ class CoMERA:
 
     def __repr__(self) -> str:
         target = self.target_compression
-        return (f"CoMERA({len(self._layers)} TT layers, stage {self.stage}, step {self._steps}"
+        return (f"CoMERA({len(self._layers)} TT layers, schedule {self.schedule}, "
+                f"stage {self.stage}, step {self._steps}"
                 + (f", target {target:g}x {self.cfg.target_scope}" if target else "") + ")")

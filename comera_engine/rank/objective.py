@@ -9,10 +9,14 @@ Late stage (reach the requested size), achievement scalarisation toward ``z = (z
     λ = 1 if (f − z_f)/f < (S − z_S)/S else 0
     L = ρ_f·f + ρ_S·Ŝ/S_c + λ·Ŝ/S_c + (1−λ)·f
 
-Pruning is irreversible, so once ``S <= z_S`` the size terms are switched off (λ = 0,
-no ``ρ_S`` term): the size lands on the target instead of overshooting it while the loss
-happens to beat ``z_f``. Once the run fixes the ranks at the target (``frozen``, see
-:mod:`comera_engine.rank.pace`) the objective is the task loss alone.
+Two of our additions to the spec are switches (``comera.schedule``, docs/METHODS.md):
+pruning is irreversible, so once ``S <= z_S`` the size terms are switched off (λ = 0,
+no ``ρ_S`` term; ``size_off_at_target``): the size lands on the target instead of
+overshooting it while the loss happens to beat ``z_f``; and the late stage's ``Ŝ`` is
+divided by ``S_c`` (``late_norm = "current"``; the spec's ``"initial"`` divides by
+``S₀``). With ``schedule = "paper"`` both are off. Once the run fixes the ranks at the
+target (``frozen``, see :mod:`comera_engine.rank.pace`) the objective is the task loss
+alone.
 
 ``S₀`` is the initial allocated size of the TT cores (so ``Ŝ/S₀`` starts at 1); ``S_c``
 is the cores' *current* effective size (a constant in the gradient). The late stage
@@ -43,7 +47,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..config import CoMERAConfig, validate_comera
+from ..config import CoMERAConfig, resolve_schedule, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
 from .size import dense_size, effective_core_size, gate_sizes, size_extra, size_spec
@@ -74,7 +78,7 @@ class CoMERAObjective:
     def __init__(self, model: nn.Module, cfg: CoMERAConfig) -> None:
         validate_comera(cfg)
         self.model = model
-        self.cfg = cfg
+        self.cfg = cfg = resolve_schedule(cfg)
         self.stage = "early"
         self.z_f: float | None = None
         self._layers = [m for _, m in tt_layers(model)]  # the model's structure is fixed
@@ -143,12 +147,15 @@ class CoMERAObjective:
             assert self.z_f is not None and self.target_size is not None
             assert cores64 is not None
             size = (cores64 + self._extra).to(f.dtype)
-            cores = cores64.to(f.dtype)
-            s_hat = s_hat * (self.S0 / cores.clamp_min(1.0))  # Ŝ / S_c
+            if cfg.late_norm != "initial":  # Ŝ / S_c (ours); the paper's is Ŝ / S₀
+                s_hat = s_hat * (self.S0 / cores64.to(f.dtype).clamp_min(1.0))
             fv = _mean_over_processes(f.detach())  # every process picks the same λ
             gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, 0.0)
             gap_s = torch.where(size > 0, (size - self.target_size) / size, -1.0)
-            pursue = (size > self.target_size).to(f.dtype)  # the size terms, until reached
+            if cfg.size_off_at_target is False:  # the paper's: the size terms stay on
+                pursue = torch.ones_like(size)
+            else:  # the size terms, until the size is at the target
+                pursue = (size > self.target_size).to(f.dtype)
             lam = (gap_f < gap_s).to(f.dtype) * pursue
             total = cfg.rho_f * f + (pursue * cfg.rho_s) * s_hat + lam * s_hat + (1 - lam) * f + reg
             info["lambda"] = lam

@@ -56,7 +56,8 @@ class RankEvent:
 
 
 def refresh_gates(model: nn.Module, step: int = 0,
-                  layers: list[tuple[str, nn.Module]] | None = None) -> list[RankEvent]:
+                  layers: list[tuple[str, nn.Module]] | None = None,
+                  floor: bool = True) -> list[RankEvent]:
     """After an optimizer step: make pruning permanent in every TT layer and return one
     event per bond whose effective rank changed.
 
@@ -64,7 +65,8 @@ def refresh_gates(model: nn.Module, step: int = 0,
     host read, whatever the number of layers): when no live entry is at or below its
     threshold nothing dies and nothing is touched (a dead entry's gate, zeroed when it
     died, is masked everywhere, so the optimizer's drift of it changes nothing). ``layers``:
-    ``model``'s ``(name, TT layer)`` pairs when the caller keeps them."""
+    ``model``'s ``(name, TT layer)`` pairs when the caller keeps them; ``floor``: no bond
+    loses its last entry (``comera.rank_floor``)."""
     layers = tt_layers(model) if layers is None else layers
     parts = [m.tt.parts() for _, m in layers]
     gates = [g for _, gs, _ in parts for g in gs]
@@ -79,24 +81,24 @@ def refresh_gates(model: nn.Module, step: int = 0,
         return []
     events = []
     for name, m in layers:
-        for ch in m.tt.refresh_():
+        for ch in m.tt.refresh_(floor):
             events.append(RankEvent(step, name, ch.bond, ch.old, ch.new))
     return events
 
 
 @torch.no_grad()
-def refresh_gates_on_device(model: nn.Module) -> Tensor:
+def refresh_gates_on_device(model: nn.Module, floor: bool = True) -> Tensor:
     """``comera_engine.rank.refresh_gates`` without host reads: per bond, entries with
-    ``|g| <= tau`` die for good and are zeroed, except that a bond about to lose its last
-    entry keeps its strongest one, held at ``±1.5·tau``. Returns the alive count of every
-    bond (layers in ``tt_layers`` order), as one device tensor."""
+    ``|g| <= tau`` die for good and are zeroed, except that (with ``floor``) a bond about
+    to lose its last entry keeps its strongest one, held at ``±1.5·tau``. Returns the
+    alive count of every bond (layers in ``tt_layers`` order), as one device tensor."""
     counts = []
     for _, layer in tt_layers(model):
         tt = layer.tt
         for k, g in enumerate(tt.gates):
             alive = tt.alive(k)
             survivors = alive & (g.abs() > tt.tau)
-            rescue = alive.any() & ~survivors.any()
+            rescue = alive.any() & ~survivors.any() & floor
             strongest = torch.argmax(g.abs().masked_fill(~alive, -1.0))
             keep = (torch.arange(g.shape[0], device=g.device) == strongest) & rescue
             held = torch.where(g < 0, -1.5 * tt.tau, 1.5 * tt.tau).to(g.dtype)

@@ -295,11 +295,12 @@ class TensorTrain(nn.Module):
 
     # ----------------------------------------------------------------- pruning
     @torch.no_grad()
-    def refresh_(self) -> list[RankChange]:
+    def refresh_(self, floor: bool = True) -> list[RankChange]:
         """Make pruning permanent: entries with ``|g| <= tau`` become dead for good and
-        are set to exactly 0; a bond keeps at least one entry (its strongest, held at
-        ``1.5·tau``). Call after each optimizer step. Returns bonds whose
-        effective rank changed."""
+        are set to exactly 0; with ``floor`` a bond keeps at least one entry (its
+        strongest, held at ``1.5·tau``; without, a bond may reach rank 0 and the train is
+        the zero map, as the paper allows). Call after each optimizer step. Returns bonds
+        whose effective rank changed."""
         _, gates, alive = self.parts()
         if gates and bool(flat_mask(torch.cat(gates), self.tau, alive).all()):
             return []  # every entry alive and above tau: nothing to prune or to zero
@@ -308,7 +309,7 @@ class TensorTrain(nn.Module):
             alive = self.alive(k)
             old = int(alive.sum())
             survivors = alive & (g.abs() > self.tau)
-            if old > 0 and not bool(survivors.any()):
+            if floor and old > 0 and not bool(survivors.any()):
                 # never prune a bond to rank 0 (the layer would become the zero map): keep
                 # its strongest entry, held just above the threshold
                 j = int(torch.argmax(g.abs().masked_fill(~alive, -1.0)))

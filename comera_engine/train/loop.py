@@ -607,6 +607,10 @@ class _Run:
         size = self.comera.size_metrics()
         n_tt = len(factorized_layers(self.model))  # the engine's or a peer's TT layers
         what = "dense baseline" if n_tt == 0 else f"{n_tt} TT layers"
+        if self.comera.enabled:  # which method runs (docs/METHODS.md, "Schedules")
+            what += f", CoMERA schedule {self.comera.schedule}"
+        elif n_tt:
+            what += f", method {self.cfg.comera.method}"
         self._info(
             f"{self.cfg.model.name}/{self.cfg.model.preset} ({what}), "
             f"{int(size.get('params/effective', 0)):,} effective params, "

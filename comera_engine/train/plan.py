@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from comera_engine.config import Config
+from comera_engine.config import Config, resolve_schedule
+from comera_engine.errors import ConfigError
 from comera_engine.layers import factorized_layers
 
 __all__ = ["plan_initial_ranks"]
@@ -28,6 +29,9 @@ def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
     to the ranks chosen from the target when the plan chose them (else ``cfg`` itself),
     and the :class:`~comera_engine.rank.TargetPlan` (``None``: no target to plan for:
     dense baseline, ``comera.enabled = false``, or no target).
+
+    With ``comera.ranks_from_target`` off (the ``"paper"`` schedule) the config's ranks
+    are kept, and only checked against the target.
 
     The fixed-rank methods (``comera.method`` ``"fixed"`` / ``"tt_svd"``, docs/METHODS.md)
     with a target get :func:`comera_engine.rank.plan_fixed_ranks`: the per-bond ranks of
@@ -46,6 +50,8 @@ def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
     from comera_engine.models import build_model
 
     c = cfg.comera
+    # comera.ranks_from_target (off in the paper's schedule: the preset's ranks are kept)
+    chosen = bool(resolve_schedule(c).ranks_from_target)
     fixed = c.method != "comera"  # "fixed" / "tt_svd": the ranks that meet the target
     if cfg.model.dense or not (c.enabled or fixed) or c.target_compression is None:
         return cfg, None
@@ -59,10 +65,19 @@ def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
         changes = {k: v for k, v in (("rank", plan.rank),
                                      ("embedding_rank", plan.embedding_rank)) if v is not None}
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes)), plan
-    plan = rank.plan_target(rank.size_spec(model), c.target_scope, c.target_compression,
-                            rank_fixed=cfg.model.rank is not None,
-                            embedding_rank_fixed=cfg.model.embedding_rank is not None,
-                            headroom=c.headroom)
+    try:
+        plan = rank.plan_target(rank.size_spec(model), c.target_scope, c.target_compression,
+                                rank_fixed=cfg.model.rank is not None or not chosen,
+                                embedding_rank_fixed=cfg.model.embedding_rank is not None
+                                or not chosen,
+                                headroom=c.headroom)
+    except ConfigError as exc:
+        if chosen or cfg.model.rank is not None or exc.field != "model.rank":
+            raise
+        raise ConfigError("model.rank", exc.problem.split(", so ")[0].replace(
+            "the fixed ranks", "the preset's ranks") + f" with comera.schedule = "
+            f"{c.schedule!r}, which keeps them (comera.ranks_from_target off); set a "
+            "larger model.rank, or comera.ranks_from_target = true") from None
     if plan.rank is None and plan.embedding_rank is None:
         return cfg, plan
     changes = {k: v for k, v in (("rank", plan.rank), ("embedding_rank", plan.embedding_rank))
