@@ -6,6 +6,11 @@ prints target, reached, error and accuracy; writes experiments/results/target_ch
     python experiments/target_check.py --all           # also the paper (GPU-size) ones
     python experiments/target_check.py --only snli_transformer_tiny --seeds 0 1 2 --dense
     python experiments/target_check.py --only digits_tt_mlp --target 10 --seeds 0 1 2 --dense
+    python experiments/target_check.py --schedule comera --tolerance 0.10   # no pace
+
+``--schedule`` (and ``--set section.key=value``, repeatable) train another method than
+the config's (docs/METHODS.md, "Schedules"); the table says how many rank entries the
+objective's gates removed and how many the pace did.
 
 --dense also trains the dense model of the same architecture with the same steps and
 seeds, and prints mean ± std of the accuracy of both (CoMERA at the target vs dense).
@@ -47,12 +52,15 @@ def targeted() -> list[Path]:
 
 
 def run_one(path: Path, seed: int, steps: int | None = None, target: float | None = None,
-            dense: bool = False) -> dict:
-    """Train ``path`` (seed ``seed``; optionally another target, or its dense model) in a
-    temporary folder; the final metrics."""
+            dense: bool = False, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """Train ``path`` (seed ``seed``; optionally another target, ``--set`` style
+    ``overrides``, or its dense model) in a temporary folder; the final metrics."""
+    from comera_engine.config import apply_override, method_label
     from comera_engine.train import train
 
     raw = tomllib.loads(path.read_text())
+    for item in overrides:
+        apply_override(raw, item)
     raw.setdefault("train", {})["seed"] = seed
     if steps is not None:
         raw["train"]["steps"] = steps
@@ -73,10 +81,12 @@ def run_one(path: Path, seed: int, steps: int | None = None, target: float | Non
     reached = m.get(f"compression/{scope}")
     target = cfg.comera.target_compression
     return {"config": path.stem, "seed": seed, "steps": result.step, "scope": scope,
-            "target": target, "reached": reached, "error": reached / target - 1,
-            "within": abs(reached / target - 1) <= TARGET_TOLERANCE,
-            "eval_acc": m.get("eval/acc"), "seconds": time.perf_counter() - t0,
-            "outcome": result.target}
+            "method": method_label(cfg), "target": target, "reached": reached,
+            "error": reached / target - 1, "within": abs(reached / target - 1) <= TARGET_TOLERANCE,
+            "eval_acc": m.get("eval/acc"),
+            "by_objective": int(m.get("ranks/removed_by_objective", 0)),
+            "by_pace": int(m.get("ranks/removed_by_pace", 0)),
+            "seconds": time.perf_counter() - t0, "outcome": result.target}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,8 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=None, help="another target than the config's")
     ap.add_argument("--dense", action="store_true",
                     help="also the dense model (same steps, seeds): accuracy side by side")
+    ap.add_argument("--schedule", choices=["paper", "comera", "paced"], default=None,
+                    help="train this comera.schedule instead of the config's")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="SECTION.KEY=VALUE", help="a config override (repeatable)")
+    ap.add_argument("--tolerance", type=float, default=TARGET_TOLERANCE,
+                    help="the band around the target a run must end in (default 0.05)")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
     args = ap.parse_args(argv)
+    if not 0 < args.tolerance < 1:
+        ap.error("--tolerance: must be a fraction in (0, 1)")
+    overrides = [*args.overrides, *([f'comera.schedule="{args.schedule}"']
+                                    if args.schedule else [])]
     rows, dense, skipped = [], [], []
     for path in targeted():
         if args.only is not None and path.stem not in args.only:
@@ -98,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for seed in args.seeds:
             try:
-                rows.append(run_one(path, seed, target=args.target))
+                rows.append(run_one(path, seed, target=args.target, overrides=overrides))
+                rows[-1]["within"] = abs(rows[-1]["error"]) <= args.tolerance
                 if args.dense:
                     dense.append(run_one(path, seed, dense=True))
             except (ConfigError, FileNotFoundError) as exc:
@@ -107,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, [("config", "config", ""), ("seed", "seed", ""), ("steps", "steps", ""),
                        ("target", "target x", ".1f"), ("reached", "reached x", ".2f"),
                        ("error", "error", "+.1%"), ("eval_acc", "eval acc", ".3f"),
-                       ("seconds", "s", ".0f")])
+                       ("by_objective", "removed by objective", ""),
+                       ("by_pace", "by pace", ""), ("seconds", "s", ".0f")])
+    if rows:
+        print("method:", ", ".join(dict.fromkeys(r["method"] for r in rows)))
     for s in skipped:
         print(f"not run: {s['config']}: {s['why']}")
     summary = []

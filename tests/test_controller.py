@@ -114,6 +114,10 @@ def test_own_loop_lands_at_the_target_and_report_agrees_with_size_report(trained
     assert rep["message"].startswith(f"target {TARGET:g}x · reached")
     kinds = [e.kind for e in comera.events]
     assert {"stage", "pace", "target_met", "truncate"} <= set(kinds)
+    # who pruned: every entry that went, by the objective's gates or by the pace
+    start = sum(sum(r) for r in _setup()[1].report()["ranks"].values())
+    assert sum(rep["removed"].values()) == start - sum(sum(r) for r in rep["ranks"].values())
+    assert rep["removed"]["pace"] > 0
     # truncation happened in the loop: cores hold only live entries, and the optimizer's
     # state has the cores' shapes
     assert all(bool(mk.all()) for _, m in tt_layers(model) for mk in m.tt.masks())

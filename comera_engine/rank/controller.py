@@ -168,6 +168,9 @@ class CoMERA:
         self._extra_size: float | None = None
         self._task_loss: Tensor | None = None
         self._dirty = False  # entries died since the last truncation
+        #: rank entries removed so far by the objective (gates at or below tau) and by
+        #: the pace (its prunes, less what it revived)
+        self.removed = {"objective": 0, "pace": 0}
         self.info: dict[str, Tensor] = {}  # the last loss()'s terms (0-d device tensors)
         for layer in self._layers.values():
             layer.tt.tau = cfg.tau  # the gate threshold lives on the layers
@@ -283,11 +286,16 @@ class CoMERA:
         events: list[Event] = []
         rank_events = self._refresh(step, counts)
         events += [Event(step, "rank_change", str(e), e.as_dict()) for e in rank_events]
+        self.removed["objective"] += sum(e.old - e.new for e in rank_events)
         if self.objective is not None and self.objective.stage == "early":
             switched = self._maybe_switch(step, self._loss_value(loss))
             if switched is not None:
                 events.append(switched)
-        events += self._pace_step(step, bool(rank_events), counts)
+        paced = self._pace_step(step, bool(rank_events), counts)
+        self.removed["pace"] += sum(o - n for e in paced for ch in e.data.get("changes", {}
+                                                                           ).values()
+                                    for _, o, n in ch)
+        events += paced
         if rank_events or any(e.kind in ("pace", "target_met") for e in events):
             self._dirty = True
         if truncate and optimizer is not None and self._dirty:
@@ -561,7 +569,8 @@ class CoMERA:
         """Where the model stands, from ``size_report``: ``compression`` (in the target's
         scope, ``scope``), ``target`` (``None`` without one), ``ranks`` (effective, per
         TT layer), ``params`` (effective, whole model), ``dense_params``, ``stage``,
-        ``step``, ``schedule`` (which method ran: ``comera.schedule`` and the switches set
+        ``step``, ``removed`` (rank entries removed by the objective and by the pace),
+        ``schedule`` (which method ran: ``comera.schedule`` and the switches set
         against it; the method's name when the objective is off) and ``message``
         (:meth:`outcome`: a verdict once the ranks are fixed or the steps are done,
         progress before)."""
@@ -578,6 +587,7 @@ class CoMERA:
         elif message is None:
             message = f"{reached:.1f}x smaller than dense ({scope}); no target"
         return {"compression": reached, "scope": scope, "target": self.target_compression,
+                "removed": dict(self.removed),
                 "schedule": self.schedule if self.enabled else self.cfg.method,
                 "ranks": self.effective_ranks(), "params": int(rep["model"]["effective_params"]),
                 "dense_params": int(rep["model"]["dense_params"]), "stage": self.stage,
@@ -598,6 +608,7 @@ class CoMERA:
             "pace": self.pace.state_dict() if self.pace is not None else None,
             "frozen": self.frozen,
             "step": self._steps,
+            "removed": dict(self.removed),
             "ranks": {n: [int(g.shape[0]) for g in m.tt.gates]
                       for n, m in self._layers.items()},
         }
@@ -624,6 +635,8 @@ class CoMERA:
             self.freeze()
         if "step" in state:
             self.steps_done = int(state["step"])
+        if "removed" in state:
+            self.removed = {k: int(v) for k, v in state["removed"].items()}
         self._extra_size = None
 
     def __repr__(self) -> str:

@@ -34,7 +34,9 @@ terms), ``stage`` (0 early, 1 late; absent for plain training), ``lr/<group>``,
 reserved and NVML device used / total on GPU, RSS on CPU), ``epoch``; every
 ``eval_every`` steps also ``eval/loss``, ``eval/acc`` (and ``eval/auc`` for clicks,
 ``eval/ppl`` for MLM) and, with a target, ``compression/target``, ``compression/error``
-(``reached/target - 1``, signed) and ``compression/target_met``; at the end an event
+(``reached/target - 1``, signed) and ``compression/target_met``, and for CoMERA
+``ranks/removed_by_objective`` / ``ranks/removed_by_pace`` (rank entries each has
+removed so far: who pruned); at the end an event
 ``target`` says "target 10x · reached 10.2x (+2 %)" or "... missed by X % (why)" (also
 ``TrainResult.target``). Effective ranks per TT layer go to ``log_ranks`` at the first
 step, whenever they change and at each evaluation (they are piecewise constant).
@@ -366,6 +368,9 @@ class _Run:
             if evaluating:
                 metrics.update(self.evaluate())
                 metrics.update(self._target_metrics(metrics))
+                if self.comera.enabled:  # who pruned: the objective's gates or the pace
+                    metrics.update({f"ranks/removed_by_{k}": float(v)
+                                    for k, v in self.comera.removed.items()})
                 self._log_ranks(force=True, counts=None if paced else counts)
             self.sink.log_metrics(self.step, metrics)
             self.last_metrics = metrics
