@@ -638,6 +638,8 @@ def test_compare_page(home: Path) -> None:
     # log 24x / 50x on the TT layers (0.6 of that on the whole model)
     assert sorted(final["compression"]) == [1.0, 24.0, 50.0]
     assert set(final["scope"]) == {"TT layers"}
+    # which method trained each run
+    assert sorted(final["method"]) == ["CoMERA, schedule paced"] * 2 + ["dense baseline"]
 
 
 # ------------------------------------------------------------------ export (real run)

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from comera_engine.config import method_label
 from comera_engine.metrics import (
     Compression,
     compression_metric,
@@ -351,6 +352,7 @@ def summary_rows(store: RunStore, runs: list[Mapping[str, Any]]) -> list[dict[st
                 "step": r.get("last_step") or 0,
                 "steps": steps,
                 "dense": is_dense(r),
+                "method": method_label(r.get("config")),
                 "eval acc": m.get("eval/acc"),
                 "task loss": m.get("loss/task"),
                 "compression": compression(r, m).value,

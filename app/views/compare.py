@@ -6,6 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app.lib import fmt, plots, runs, ui
+from comera_engine.config import method_label
 
 store = ui.require_store()
 ui.reap(store)
@@ -109,6 +110,7 @@ for r in sel:
     rows.append({
         "run": label(r),
         "status": r["status"],
+        "method": method_label(r.get("config")),
         "dense": runs.is_dense(r),
         "steps": r.get("last_step"),
         "eval acc": m.get("eval/acc"),

@@ -61,6 +61,7 @@ table = [
         "run id": row["run"],
         "name": row["name"],
         "status": row["status"],
+        "method": row["method"],
         "progress": min(1.0, row["step"] / row["steps"]) if row["steps"] else None,
         "eval acc": row["eval acc"],
         "compression": row["compression"],
