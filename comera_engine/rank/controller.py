@@ -124,7 +124,7 @@ class CoMERA:
             target; the early stage alone, pruning what the size surrogate finds
             unneeded). Overrides ``config``'s.
         total_steps: the steps the loop will run: the pace plans the path to the target
-            over them (``0``: no pace, the paper's objective alone decides the size).
+            over them (``0``: no pace, the objective alone decides the size).
         steps_per_epoch: turns ``switch_epoch`` into a step.
         config: a :class:`~comera_engine.config.CoMERAConfig` (the ``[comera]`` table);
             keywords in ``settings`` override its fields.
