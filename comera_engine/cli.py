@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("app", help="start the Streamlit dashboard (127.0.0.1:8501)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    p.add_argument("--port", type=launch_cli.bounded_int(1, 65535), default=8501,
+                   help="port (default 8501)")
     p.add_argument("--store", help="run store folder or .db file (default: $COMERA_HOME "
                    "or ./runs)")
     p.set_defaults(func=cmd_app)
@@ -135,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             check_runnable(_plan_target(cfg, quiet=True), nproc=args.nproc)
         return int(args.func(args) or 0)
     except ConfigError as exc:
-        sys.stderr.write(f"comera: error: {exc}\n")
+        from comera_engine.launch.cli import one_line
+
+        sys.stderr.write(f"comera: error: {one_line(exc)}\n")
         return EXIT_BAD_INPUT
 
 
@@ -501,6 +504,8 @@ def _run(
                 print(f"comera: run {writer.run_id} recorded in {writer.store.path} "
                       f"(folder {run_dir})", file=sys.stderr)
         sink = MultiSink(*sinks)
+        if writer.store is not None:
+            sink.sinks.extend(_thread_budget(writer.store, sink))
     try:
         result = train(
             cfg,
@@ -517,6 +522,22 @@ def _run(
         where = f"; checkpoint {result.checkpoint}" if result.checkpoint else ""
         print(f"{result.status} at step {result.step}{where}", file=sys.stderr)
     return EXIT_DIVERGED if result.status == "diverged" else EXIT_OK
+
+
+def _thread_budget(store: Any, sink: Any) -> list[Any]:
+    """A launched run with ``COMERA_THREADS=auto`` follows its share of the cores while
+    other runs start and end (:mod:`comera_engine.launch.threads`); ``[]`` otherwise."""
+    from comera_engine.launch.threads import AUTO_KEY, cpu_cores, runs_in_flight
+
+    if os.environ.get(AUTO_KEY) != "auto" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return []
+    from comera_engine.train.threads import ThreadBudget
+
+    def changed(threads: int, runs: int) -> None:
+        sink.log_event("threads", f"{threads} thread(s): {cpu_cores()} cores shared by "
+                       f"{runs} run(s) in flight")
+
+    return [ThreadBudget(lambda: runs_in_flight(store), cpu_cores(), on_change=changed)]
 
 
 def rewind_jsonl(path: Path, step: int) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 from comera_engine.errors import ConfigError
 from comera_engine.launch.liveness import pid_alive, processes_alive, reap, this_host
 from comera_engine.launch.owner import lock_holder
+from comera_engine.launch.threads import AUTO_KEY, cpu_cores, runs_in_flight, thread_budget
 from comera_engine.store import (
     FINAL_STATUSES,
     RESUMABLE_STATUSES,
@@ -55,6 +56,7 @@ from comera_engine.store.layout import resume_point
 
 __all__ = [
     "LaunchError",
+    "assign_threads",
     "checkpoint_steps",
     "dispatch",
     "housekeeping",
@@ -200,8 +202,10 @@ def queue_run(
         raise LaunchError("launch: could not allocate a run folder")
     try:
         (run_dir / CONFIG_FILENAME).write_text(text, encoding="utf-8")
-        env_text = json.dumps(dict(run_env() if env is None else env), indent=1)
-        (run_dir / ENV_FILENAME).write_text(env_text, encoding="utf-8")
+        recorded = dict(run_env() if env is None else env)
+        if "OMP_NUM_THREADS" not in recorded:  # the launcher sets it at dispatch
+            recorded[AUTO_KEY] = "auto"
+        (run_dir / ENV_FILENAME).write_text(json.dumps(recorded, indent=1), encoding="utf-8")
         st.create_run(
             cfg.name,
             cfg.to_dict(),
@@ -294,10 +298,39 @@ def child_env(gpus: str | None = None, recorded: Mapping[str, str] | None = None
     return env
 
 
+def assign_threads(st: RunStore, rid: str) -> tuple[int, int, int] | None:
+    """Give a dispatched run whose launch environment asks for it (``COMERA_THREADS =
+    auto``, see :mod:`comera_engine.launch.threads`) its share of the cores: writes
+    ``OMP_NUM_THREADS`` into its ``launch_env.json`` and logs a ``threads`` event.
+    Returns ``(threads, cores, runs in flight)``, or ``None`` when the run keeps its
+    own setting."""
+    import json
+
+    run_dir = st.run_dir(rid)
+    env = recorded_env(run_dir)
+    if env is None or env.get(AUTO_KEY) != "auto":
+        return None
+    cores, runs = cpu_cores(), max(1, runs_in_flight(st))
+    threads = thread_budget(cores, runs)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["COMERA_THREADS_SHARED"] = f"{cores} cores, {runs} run(s) in flight"
+    tmp = run_dir / (ENV_FILENAME + ".tmp")
+    try:
+        tmp.write_text(json.dumps(env, indent=1), encoding="utf-8")
+        os.replace(tmp, run_dir / ENV_FILENAME)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    st.log_event(rid, "threads", f"{threads} thread(s): {cores} cores shared by {runs} "
+                 "run(s) in flight (OMP_NUM_THREADS)")
+    return threads, cores, runs
+
+
 def _spawn_supervisor(st: RunStore, rid: str) -> None:
     run = st.get_run(rid)
     assert run is not None
     st.run_dir(rid).mkdir(parents=True, exist_ok=True)
+    assign_threads(st, rid)
     cwd = run["cwd"] if run["cwd"] and os.path.isdir(run["cwd"]) else str(st.run_dir(rid))
     cmd = [
         sys.executable,
@@ -348,12 +381,24 @@ def signal_group(pid: int | None, sig: int) -> bool:
         return False
 
 
+def wake(pid: int | None) -> None:
+    """SIGCONT to ``pid``'s process group (or the process alone when it leads none): a
+    frozen (SIGSTOP-ed) trainer must run again to write its last checkpoint."""
+    if pid and not signal_group(pid, signal.SIGCONT):
+        try:
+            os.kill(int(pid), signal.SIGCONT)
+        except OSError:
+            pass
+
+
 def send_stop_signal(pid: int | None, nproc: int = 1) -> bool:
-    """SIGTERM to the trainer: the process itself (its data-loader workers are its own
-    business), or with torchrun (``nproc > 1``) its worker processes, so that torchrun
-    sees them end cleanly. Returns whether anything was signalled."""
+    """SIGTERM to the trainer, after a SIGCONT (a stopped process would never act on
+    it): the process itself (its data-loader workers are its own business), or with
+    torchrun (``nproc > 1``) its worker processes, so that torchrun sees them end
+    cleanly. Returns whether anything was signalled."""
     if not pid:
         return False
+    wake(pid)
     if nproc > 1:
         try:
             import psutil
@@ -364,6 +409,7 @@ def send_stop_signal(pid: int | None, nproc: int = 1) -> bool:
         sent = False
         for w in workers:
             try:
+                w.send_signal(signal.SIGCONT)
                 w.send_signal(signal.SIGTERM)
                 sent = True
             except Exception:
