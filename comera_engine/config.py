@@ -280,15 +280,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     for key in raw:
         if key not in allowed_top:
             _unknown(key, sorted(allowed_top) + _all_field_names())
-    name = raw.get("name", "run")
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError("name", f"must be a non-empty string, got {name!r}")
-    if len(name) > MAX_NAME:
-        raise ConfigError("name", f"at most {MAX_NAME} characters, got {len(name)}; "
-                                  "choose a shorter run name")
-    if any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in name):
-        raise ConfigError("name", "control characters (newlines, tabs, terminal escapes) "
-                                  "are not allowed in a run name; use plain text")
+    name = check_run_name(raw.get("name", "run"))
     data = raw.get("data", {})
     if not isinstance(data, dict):
         raise ConfigError("data", "must be a table ([data])")
@@ -303,6 +295,20 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     cfg = Config(name=name.strip(), data=dict(data), **sections)
     validate(cfg)
     return cfg
+
+
+def check_run_name(name: Any, field: str = "name") -> str:
+    """A run name, stripped: a non-empty string of at most :data:`MAX_NAME` characters
+    without control characters (newlines, tabs, terminal escapes); else ConfigError."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(field, f"must be a non-empty string, got {name!r}")
+    if len(name) > MAX_NAME:
+        raise ConfigError(field, f"at most {MAX_NAME} characters, got {len(name)}; "
+                                 "choose a shorter run name")
+    if any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in name):
+        raise ConfigError(field, "control characters (newlines, tabs, terminal escapes) "
+                                 "are not allowed in a run name; use plain text")
+    return name.strip()
 
 
 def _all_field_names() -> list[str]:

@@ -4,14 +4,22 @@ store is left as it was (or not created at all)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from comera_engine.cli import main
 from comera_engine.store import RunStore
+from tests.test_launch import store  # the fixture: a store whose processes are reaped
+
+__all__ = ["store"]
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
@@ -188,7 +196,8 @@ def _no_supervisor(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         def wait(self) -> int:
             return 0
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", _Proc)
+    monkeypatch.setattr(launcher, "subprocess", types.SimpleNamespace(
+        Popen=_Proc, DEVNULL=subprocess.DEVNULL, STDOUT=subprocess.STDOUT))
     return started
 
 
@@ -294,3 +303,262 @@ def test_a_long_value_is_cut_in_the_message(tmp_path: Path,
                  ["logs", "r" * 100_000, "--store", str(_seeded_store(tmp_path).path)]):
         assert main(argv) == 2
         assert len(capsys.readouterr().err) < 1000
+
+
+def _jsonl_steps(run_dir: Path) -> list[int]:
+    from comera_engine.metrics import read_jsonl
+
+    return [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")
+            if r.get("type") == "metrics" and "loss/task" in r["values"]]
+
+
+def _newest_checkpoint(run_dir: Path) -> int | None:
+    from comera_engine.launch import checkpoint_steps
+
+    steps = checkpoint_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+def test_closing_the_terminal_stops_a_foreground_run_like_ctrl_c(tmp_path: Path) -> None:
+    """Item 6: SIGHUP to a foreground ``comera train`` writing to a terminal that then
+    goes away: status ``stopped``, a checkpoint at its last step, exit 0, and every step
+    of ``metrics.jsonl`` in the store (steps 1..N)."""
+    import threading
+
+    from tests.test_launch import LONG, START_TIMEOUT, _steps, wait_for
+
+    master, slave = os.openpty()
+    run_dir, home = tmp_path / "run", tmp_path / "home"
+    cmd = [sys.executable, "-m", "comera_engine.cli", "train", str(CONFIG), "--run-dir",
+           str(run_dir), "--store", str(home), *[a for s in LONG for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    os.close(slave)
+
+    def drain() -> None:  # the terminal's reader, until it is closed
+        try:
+            while os.read(master, 4096):
+                pass
+        except OSError:
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(_jsonl_steps(run_dir))
+                 >= 30, START_TIMEOUT, "30 steps")
+        os.close(master)  # the terminal window closes ...
+        proc.send_signal(signal.SIGHUP)  # ... and its session gets SIGHUP
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = RunStore(home, create=False)
+    (run,) = st.list_runs()
+    assert run["status"] == "stopped" and run["error"] is None
+    steps = _jsonl_steps(run_dir)
+    assert steps == list(range(1, len(steps) + 1))
+    assert _steps(st, run["id"]) == steps
+    assert _newest_checkpoint(run_dir) == steps[-1] == run["last_step"]
+
+
+def test_a_frozen_trainer_shows_stalled_and_stop_wakes_it_for_its_checkpoint(
+        store: RunStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 5: a launched trainer frozen by SIGSTOP (its supervisor still beating the
+    heartbeat) is ``stalled`` in ``comera runs`` once it has made no step for the floor
+    (``COMERA_STALL_S``, lowered here from 60 s); a running one is not; ``comera stop``
+    sends SIGCONT first, so the run ends ``stopped`` with a checkpoint at its last step
+    and steps 1..N in the store."""
+    from comera_engine.launch import launch, stop
+    from tests.test_launch import LONG, START_TIMEOUT, _steps, wait_for
+
+    monkeypatch.setenv("COMERA_STALL_S", "2")
+    st = store
+    rid = launch(CONFIG, [*LONG, "train.ckpt_every=0"], store=st)
+    wait_for(lambda: (st.get_run(rid)["last_step"] or 0) >= 30, START_TIMEOUT, "30 steps")
+    run = st.get_run(rid)
+    assert st.stalled_for(run) is None
+    os.kill(run["pid"], signal.SIGSTOP)
+    wait_for(lambda: st.stalled_for(st.get_run(rid)) is not None, 60, "stalled", 0.2)
+    frozen = st.get_run(rid)
+    assert frozen["status"] == "running"
+    assert time.time() - frozen["heartbeat_at"] < 5  # the supervisor keeps beating
+    table = _runs_table(st)
+    assert "running · stalled" in table and f"at step {frozen['last_step']}" in table
+    assert stop(rid, timeout=30, store=st) == "stopped"
+    steps = _steps(st, rid)
+    assert steps == list(range(1, len(steps) + 1))
+    assert _newest_checkpoint(st.run_dir(rid)) == steps[-1]
+    assert st.stalled_for(st.get_run(rid)) is None
+
+
+def _runs_table(st: RunStore) -> str:
+    """``comera runs`` as it prints (in this process)."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["runs", "--store", str(st.path)]) == 0
+    return buf.getvalue()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # noqa: ANN201
+    """A 3 MB tmpfs where this process may mount one (``None`` elsewhere: the test then
+    simulates ENOSPC), unmounted afterwards."""
+
+    folder = tmp_path / "small"
+    folder.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs",
+                                  str(folder)], capture_output=True).returncode == 0
+    except OSError:  # no mount command
+        mounted = False
+    yield folder if mounted else None
+    if mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def _no_tmp_files(folder: Path) -> list[str]:
+    return [str(p) for p in folder.rglob("*") if ".tmp" in p.name]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(
+        small_disk: Path | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """Item 4, on a real 3 MB file system where it can be mounted (else ENOSPC
+    simulated): ``comera launch`` into a home without room for a checkpoint is refused
+    in one line, before a run folder exists; a foreground run that fills the disk ends
+    ``failed`` with ``disk full: free N MB in FOLDER`` as its error and one line on
+    stderr, no ``.tmp`` file, and the store and ``metrics.jsonl`` hold the same steps;
+    ``comera resume`` on the still-full disk is refused in one line and accepted once
+    there is room."""
+    import errno
+
+    from comera_engine.launch import resume
+    from tests.test_launch import LONG, _steps
+
+    home = small_disk or tmp_path / "home"
+    if small_disk is None:  # no tmpfs here: the disk has no room, by its own account
+        import shutil
+
+        from comera_engine.train import checkpoint
+
+        real = shutil.disk_usage
+        full = [True]
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20)
+                            if full[0] else real(p))
+        save = checkpoint.save_file
+
+        def save_file(tensors, path, metadata=None):  # noqa: ANN001, ANN202
+            save(tensors, path, metadata=metadata)  # a half-written file, then no room
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+
+        monkeypatch.setattr(checkpoint, "save_file", save_file)
+    _refused(["launch", str(CONFIG), "--store", str(home)], capsys, "disk full: free")
+    assert not home.exists() or [p.name for p in home.iterdir()] in ([], ["comera.db"])
+    run_dir = home / "run"
+    argv = ["train", str(CONFIG), "--run-dir", str(run_dir), "--store", str(home),
+            "--no-progress", *[a for s in [*LONG, "train.ckpt_every=50"] for a in ("--set", s)]]
+    if small_disk is not None:
+        out = subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        code, err = out.returncode, out.stderr
+    else:
+        code, err = main(argv), capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert [ln for ln in err.splitlines() if "error" in ln] == [
+        next(ln for ln in err.splitlines() if ln.startswith("comera: error: disk full: free"))]
+    st = RunStore(home, create=False)
+    (run,) = st.list_runs()
+    assert run["status"] == "failed"
+    assert run["error"].startswith("disk full: free ") and f"MB in {run_dir}" in run["error"]
+    assert "\n" not in run["error"] and _no_tmp_files(home) == []
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # no half-written record
+    steps, stored = _jsonl_steps(run_dir), _steps(st, run["id"])
+    assert steps == list(range(1, len(steps) + 1)) and stored == list(range(1, len(stored) + 1))
+    assert _newest_checkpoint(run_dir) <= min(len(steps), len(stored))
+    if small_disk is None:  # the trainer ran in this process, which lives on
+        st.update_run(run["id"], pid=None, pid_started=None)
+    with pytest.raises(ValueError, match="disk full: free"):
+        resume(run["id"], store=st)
+    assert st.get_run(run["id"])["status"] == "failed"
+    if small_disk is not None:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    else:
+        full[0] = False
+    _no_supervisor(monkeypatch)
+    assert resume(run["id"], store=st) == run["id"]
+    assert st.get_run(run["id"])["status"] == "queued" and _no_tmp_files(home) == []
+
+
+def _cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``comera ARGV`` in a fresh process (its own view of the store file)."""
+    return subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_damaged_store_under_a_live_run_is_stopped_and_rebuilt(store: RunStore) -> None:
+    """Item 2: page 1 of ``comera.db`` zeroed while one run trains and another has
+    finished: ``comera runs`` says so in one line naming ``comera repair``; ``comera
+    stop`` stops the live run through its folder; ``comera repair`` moves the damaged
+    file aside and rebuilds a store in which ``comera runs`` lists both runs with all
+    their steps (as in their ``metrics.jsonl``)."""
+    from comera_engine.launch import launch
+    from tests.test_launch import LONG, SHORT, START_TIMEOUT, wait_for
+
+    st = store
+    done = launch(CONFIG, SHORT, store=st)
+    live = launch(CONFIG, [*LONG, "train.ckpt_every=0"], store=st)
+    wait_for(lambda: st.get_run(done)["status"] == "finished"
+             and (st.get_run(live)["last_step"] or 0) >= 30, START_TIMEOUT, "both runs")
+    with open(st.path, "r+b") as f:  # the header page, as a truncated WAL left it
+        f.write(bytes(4096))
+    out = _cli("runs", "--store", str(st.path))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "comera repair" in out.stderr
+    out = _cli("stop", live, "--store", str(st.path), "--timeout", "30")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{live}: stopped (the store is damaged: run `comera repair`)"
+    out = _cli("repair", "--store", str(st.path))
+    assert out.returncode == 0, out.stderr
+    assert "rebuilt 2 run(s)" in out.stdout and "damaged file is kept" in out.stdout
+    out = _cli("runs", "--json", "--store", str(st.path))
+    runs = {r["id"]: r for r in json.loads(out.stdout)}
+    assert {runs[done]["status"], runs[live]["status"]} == {"finished", "stopped"}
+    rebuilt = RunStore(st.path, create=False)
+    for rid, n in ((done, 25), (live, None)):
+        steps = [r["step"] for r in rebuilt.metrics_since(rid, -1, names=["loss/task"])]
+        assert steps == _jsonl_steps(st.path.parent / rid)
+        assert steps == list(range(1, (n or len(steps)) + 1))
+        assert runs[rid]["last_step"] == steps[-1]
+    assert rebuilt.check() == ["ok"]
+    assert len(list(st.path.parent.glob("comera.db.damaged-*"))) >= 1
+
+
+def test_a_trainer_whose_store_is_damaged_says_so_once_and_writes_no_more(
+        store: RunStore, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2: a trainer's store sink (``keep_going``) meets a damaged store: its flush,
+    status and close never raise, it says so once, and it writes nothing more."""
+    from comera_engine.store import StoreError, StoreSink
+
+    rid = store.create_run("r", {})
+    calls = []
+
+    def broken(*a: object, **k: object) -> None:
+        calls.append(1)
+        raise StoreError(f"store: {store.path} is corrupt or unreadable (malformed)")
+
+    sink = StoreSink(store, rid, flush_every=60, keep_going=True)
+    monkeypatch.setattr(store, "write_batch", broken)
+    sink.log_metrics(1, {"a": 1.0})
+    sink.flush()
+    sink.log_metrics(2, {"a": 2.0})
+    sink.set_status("stopped")
+    sink.close()
+    assert sink.store_lost and len(calls) == 1 and sink.pending() == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "comera repair" in err[0]

@@ -52,7 +52,13 @@ from comera_engine.store import (
     new_run_id,
     read_log_tail,
 )
-from comera_engine.store.layout import resume_point
+from comera_engine.store.layout import (
+    check_free_space,
+    checkpoint_bytes,
+    disk_full_text,
+    is_disk_full,
+    resume_point,
+)
 
 __all__ = [
     "LaunchError",
@@ -68,8 +74,10 @@ __all__ = [
     "reap",
     "resolve_config",
     "resume",
+    "run_folder_of",
     "set_max_concurrent",
     "stop",
+    "stop_folder",
 ]
 
 #: Seconds a stop waits for the trainer's checkpoint before SIGKILL.
@@ -152,15 +160,16 @@ def launch(
     """
     cfg = resolve_config(config, overrides)
     if name is not None:
-        if not str(name).strip():
-            raise ConfigError("name", "must be a non-empty string")
-        cfg.name = str(name).strip()
+        from comera_engine.config import check_run_name
+
+        cfg.name = check_run_name(name)
     gpus = _check_gpus(gpus, nproc)
     if max_concurrent is not None and (
         not isinstance(max_concurrent, int) or max_concurrent < 0
     ):
         raise ConfigError("max_concurrent", f"must be an integer >= 0, got {max_concurrent!r}")
     st = open_store(store)
+    check_free_space(st.root, 0, "COMERA_HOME")  # the caller checks a checkpoint's size
     rid = queue_run(st, cfg, gpus=gpus, nproc=nproc)
     if max_concurrent is not None:
         set_max_concurrent(st, max_concurrent)
@@ -218,8 +227,12 @@ def queue_run(
             sweep_id=sweep_id,
             cell=cell,
         )
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a read-only home: one line
+            raise LaunchError(disk_full_text(st.root) if is_disk_full(e) else
+                              f"launch: cannot write the run folder {run_dir} "
+                              f"({e.strerror or e}); check COMERA_HOME") from None
         raise
     st.log_event(rid, "launch", f"queued {cfg.name} (nproc={nproc}, gpus={gpus or 'default'})")
     return rid
@@ -491,6 +504,47 @@ def stop(
         time.sleep(0.1)
 
 
+def run_folder_of(root: Path, ref: str) -> Path:
+    """The run folder ``<root>/<ref>``, or the one folder whose name starts with
+    ``ref``, found without the store (its file may be unreadable). LaunchError when
+    none or several match."""
+    root = Path(root)
+    if ref and "/" not in ref and (root / ref / CONFIG_FILENAME).is_file():
+        return root / ref
+    found = [p for p in (root.iterdir() if root.is_dir() else [])
+             if p.name.startswith(ref) and (p / CONFIG_FILENAME).is_file()]
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)}"
+        raise LaunchError(f"run: {what} run folder(s) named {ref!r}... in {root}")
+    return found[0]
+
+
+def stop_folder(folder: Path, timeout: float = DEFAULT_STOP_TIMEOUT) -> str:
+    """Stop the trainer that holds ``folder``'s lock, through the owner record in its
+    ``.lock`` alone (for a store that cannot be read): SIGCONT and SIGTERM, then after
+    ``timeout`` seconds SIGKILL. Returns ``stopped`` (it let go of its folder),
+    ``killed`` or ``not running``; LaunchError when the owner runs on another host or
+    outlives the kill."""
+    holder = lock_holder(folder)
+    if holder is None:
+        return "not running"
+    pid = holder.get("pid")
+    if not pid or (holder.get("host") and holder["host"] != this_host()):
+        raise LaunchError(f"run: {folder} is held by pid {pid} on {holder.get('host')}; "
+                          "stop it there")
+    send_stop_signal(int(pid))
+    deadline = time.monotonic() + float(timeout)
+    while lock_holder(folder) is not None:
+        if time.monotonic() > deadline:
+            _kill_owner({"pid": pid, "pid_started": holder.get("pid_started")})
+            time.sleep(0.2)
+            if lock_holder(folder) is not None:
+                raise LaunchError(f"run: pid {pid} still holds {folder} after SIGKILL")
+            return "killed"
+        time.sleep(0.1)
+    return "stopped"
+
+
 def is_ray_cell(st: RunStore, run: Mapping[str, Any]) -> bool:
     """Whether ``run`` is a cell of a sweep whose cells run as Ray tasks
     (:mod:`comera_engine.launch.ray_backend`). Such a cell's ``pid`` is the sweep's
@@ -580,9 +634,11 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
             f"run: {rid} is still being written by pid {holder.get('pid', '?')}; "
             "stop that process first"
         )
-    if not (st.run_dir(rid) / CONFIG_FILENAME).is_file():
-        raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {st.run_dir(rid)}")
-    start, _ = resume_point(st.run_dir(rid) / "checkpoints")  # all damaged: one line
+    run_dir = st.run_dir(rid)
+    if not (run_dir / CONFIG_FILENAME).is_file():
+        raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {run_dir}")
+    start, _ = resume_point(run_dir / "checkpoints")  # all damaged: one line
+    _check_resumable_folder(run_dir)
     ok = st.set_status(
         rid,
         "queued",
@@ -598,6 +654,33 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     st.log_event(rid, "resume", f"resume requested from {where}")
     dispatch(st)
     return rid
+
+
+def _check_resumable_folder(run_dir: Path) -> None:
+    """What a resumed trainer needs of its folder, checked before the resume is
+    accepted: its config reads back, the folder (and its checkpoints) can be written,
+    and the disk has room for one more checkpoint."""
+    from comera_engine.config import load_config
+
+    try:
+        load_config(run_dir / CONFIG_FILENAME)
+    except ConfigError as e:
+        raise LaunchError(f"run: {run_dir / CONFIG_FILENAME} no longer reads back "
+                          f"({e}); restore it (it is the run's resolved config)") from None
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            raise LaunchError(f"run: {folder} is read-only; make it writable "
+                              f"(chmod u+w {folder}) to resume")
+    try:  # access() says yes to root on a read-only mount: try it
+        probe = run_dir / ".resume-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        if is_disk_full(e):
+            raise LaunchError(f"run: {disk_full_text(run_dir)}") from None
+        raise LaunchError(f"run: cannot write in {run_dir} ({e.strerror or e}); make it "
+                          "writable to resume") from None
+    check_free_space(run_dir, checkpoint_bytes(run_dir / "checkpoints"), "run")
 
 
 def logs(

@@ -25,7 +25,8 @@ from comera_engine.launch import (
     stop,
 )
 from comera_engine.metrics import format_ratio, run_compression, target_status
-from comera_engine.store import FINAL_STATUSES, RunStore, resolve_store_path
+from comera_engine.store import FINAL_STATUSES, RunStore, StoreError, resolve_store_path
+from comera_engine.store.errors import is_damaged
 from comera_engine.store.runs import STATUSES
 
 __all__ = ["add_override_option", "add_subparsers", "bounded_float", "bounded_int", "main",
@@ -118,6 +119,11 @@ def add_subparsers(subparsers: Any) -> None:
     p.add_argument("run", help="run or sweep id, unique id prefix or name")
     _add_store(p)
     p.set_defaults(func=cmd_resume)
+
+    p = subparsers.add_parser("repair", help="check the run store (quick_check); a damaged "
+                              "one is moved aside and rebuilt from the run folders")
+    _add_store(p)
+    p.set_defaults(func=cmd_repair)
 
 
 def _fail(e: BaseException) -> int:
@@ -223,7 +229,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return 0
     try:
         st = _existing_store(args.store)
-        housekeeping(st)
+        if not st.readonly:  # a read-only home is listed as it is
+            housekeeping(st)
         runs = st.list_runs(status=args.status, name_like=args.name, limit=args.limit)
         for r in runs:
             r["stalled_s"] = st.stalled_for(r)
@@ -351,13 +358,28 @@ def _follow(st: RunStore, rid: str, tail: int | None) -> int:
             quiet_since = None
         else:
             run = st.get_run(rid)
-            reap(st)
+            if not st.readonly:
+                reap(st)
             if run is None or run["status"] in FINAL_STATUSES:
                 if quiet_since is None:
                     quiet_since = time.monotonic()
                 elif time.monotonic() - quiet_since > 1.0:  # the supervisor's last line
                     return 0
             time.sleep(0.25)
+
+
+def _stop_without_store(args: argparse.Namespace) -> int:
+    """``comera stop`` when the store cannot be read: through the run folder's owner
+    record (its ``.lock``)."""
+    from comera_engine.launch import run_folder_of, stop_folder
+
+    try:
+        folder = run_folder_of(resolve_store_path(args.store).parent, args.run)
+        status = stop_folder(folder, timeout=args.timeout)
+    except ValueError as e:
+        return _fail(e)
+    print(f"{folder.name}: {status} (the store is damaged: run `comera repair`)")
+    return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -373,6 +395,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
             return 1 if live and not args.no_wait else 0
         rid = st.resolve(args.run)
         status = stop(rid, timeout=args.timeout, store=st, wait=not args.no_wait)
+    except StoreError as e:  # a damaged store still lets a run be stopped
+        return _stop_without_store(args) if is_damaged(e) else _fail(e)
     except ValueError as e:
         return _fail(e)
     if status in FINAL_STATUSES or args.no_wait:
@@ -398,6 +422,25 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(e)
     print(rid)
+    return 0
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    from comera_engine.store.repair import repair
+
+    try:
+        report = repair(args.store)
+    except ValueError as e:
+        return _fail(e)
+    if report.problem is None:
+        print(f"{report.path}: sound (quick_check ok); nothing to repair")
+        return 0
+    moved = f"; the damaged file is kept as {report.moved_to}" if report.moved_to else ""
+    print(f"{report.path}: {one_line(report.problem)}{moved}")
+    print(f"rebuilt {len(report.runs)} run(s) with {report.metric_rows} metric rows from "
+          f"their folders in {report.path.parent}")
+    for skipped in report.skipped:
+        print(f"skipped {one_line(skipped)}", file=sys.stderr)
     return 0
 
 

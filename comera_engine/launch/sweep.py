@@ -183,6 +183,10 @@ def create_sweep(
     if "train.seed" in grid and seeds > 1:
         raise ConfigError("--seeds", "train.seed is in the grid; leave --seeds at 1")
     base = resolve_config(config, overrides)
+    if name is not None:
+        from comera_engine.config import check_run_name
+
+        name = check_run_name(name, "--name")
     cells = expand_cells(grid, seeds, base_seed=base.train.seed if "train.seed" not in grid
                          else 0)
     if "train.seed" in grid:

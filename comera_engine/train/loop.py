@@ -146,7 +146,7 @@ def train(
             finished = True
             return result
         except Exception as exc:
-            sink.set_status("failed", f"{type(exc).__name__}: {exc}")
+            sink.set_status("failed", ckpt.failure_text(exc, run_dir))
             sink.flush()
             raise
     finally:
