@@ -562,3 +562,140 @@ def test_a_trainer_whose_store_is_damaged_says_so_once_and_writes_no_more(
     assert sink.store_lost and len(calls) == 1 and sink.pending() == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "comera repair" in err[0]
+
+
+def _trained_run(tmp_path: Path, home: Path, steps: int = 3) -> tuple[RunStore, str]:
+    """A finished foreground run (dense digits, ``steps`` steps) recorded in ``home``."""
+    from tests.test_cli import DIGITS
+
+    cfg = tmp_path / "digits.toml"
+    cfg.write_text(DIGITS.replace("steps = 2", f"steps = {steps}"))
+    assert main(["train", str(cfg), "--store", str(home), "--no-progress"]) == 0
+    st = RunStore(home, create=False)
+    (run,) = st.list_runs()
+    st.update_run(run["id"], pid=None, pid_started=None)  # its trainer (this process) is done
+    return st, run["id"]
+
+
+def _mount(*args: str) -> bool:
+    try:
+        return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_read_only_home_is_read_and_named(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    """Item 7: on a read-only home (a tmpfs remounted read-only) ``runs``, ``logs`` and
+    ``export`` work (the store opened read-only); ``launch`` and ``resume`` give one line
+    naming the folder and the fix."""
+    home = tmp_path / "home"
+    home.mkdir()
+    if not _mount("-t", "tmpfs", "-o", "size=64m", "tmpfs", str(home)):
+        pytest.skip("cannot mount a tmpfs here (a read-only home needs one for root)")
+    try:
+        st, rid = _trained_run(tmp_path, home)
+        st.set_status(rid, "stopped", only_from=("finished",))
+        st.close()
+        capsys.readouterr()
+        assert _mount("-o", "remount,ro", str(home))
+        assert main(["runs", "--store", str(home)]) == 0
+        assert rid in capsys.readouterr().out
+        assert main(["logs", rid, "--store", str(home)]) == 0
+        out = tmp_path / "model.safetensors"
+        assert main(["export", rid, "--store", str(home), "--out", str(out)]) == 0
+        assert out.is_file() and "read-only" in capsys.readouterr().err
+        for argv in (["launch", str(CONFIG)], ["resume", rid]):
+            _refused([*argv, "--store", str(home)], capsys, f"{home} is read-only")
+    finally:
+        subprocess.run(["umount", "-l", str(home)], capture_output=True)
+
+
+def test_resume_checks_the_folder_and_mends_its_metrics(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 7: ``resume`` of a run whose ``config.toml`` no longer reads back, or whose
+    folder is read-only, is refused in one line with the run unchanged; a run whose
+    ``metrics.jsonl`` was deleted gets it back whole (from the store) when it resumes."""
+    from comera_engine.launch import resume
+
+    home = tmp_path / "home"
+    st, rid = _trained_run(tmp_path, home)
+    st.set_status(rid, "stopped", only_from=("finished",))
+    folder = st.run_dir(rid)
+    config = (folder / "config.toml").read_text()
+    (folder / "config.toml").write_text(config.replace("[model]", "[model"))
+    with pytest.raises(ValueError, match=r"config\.toml no longer reads back"):
+        resume(rid, store=st)
+    (folder / "config.toml").write_text(config)
+    if _mount("--bind", str(folder), str(folder)):
+        try:
+            assert _mount("-o", "remount,ro,bind", str(folder))
+            with pytest.raises(ValueError, match=f"{folder} is read-only"):
+                resume(rid, store=st)
+        finally:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+    assert st.get_run(rid)["status"] == "stopped"
+    (folder / "metrics.jsonl").unlink()
+    assert main(["train", str(folder / "config.toml"), "--store", str(home), "--run-id", rid,
+                 "--resume", "--no-progress"]) == 0
+    assert _jsonl_steps(folder) == [1, 2, 3] == [r["step"] for r in
+                                                 st.metrics_since(rid, -1, ["loss/task"])]
+
+
+def test_deleting_a_live_runs_folder_stops_it(store: RunStore) -> None:
+    """Item 7: a launched run whose folder is deleted while it trains stops within
+    moments, ``failed`` with an error that says its folder was deleted."""
+    import shutil
+
+    from comera_engine.launch import launch
+    from tests.test_launch import LONG, START_TIMEOUT, wait_for
+
+    rid = launch(CONFIG, LONG, store=store)
+    wait_for(lambda: (store.get_run(rid)["last_step"] or 0) >= 30, START_TIMEOUT, "30 steps")
+    shutil.rmtree(store.run_dir(rid))
+    wait_for(lambda: store.get_run(rid)["status"] == "failed", 60, "failed")
+    assert "was deleted while the run trained" in store.get_run(rid)["error"]
+
+
+def test_names_checksums_and_the_run_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """Item 8: ``--name`` of 5,000 characters or with escapes is refused at launch; a
+    flipped bit in a checkpoint's tensor data fails its checksum and resume falls back to
+    the previous one; the run lock is not inherited by a forked child (a DataLoader
+    worker), so ``kill -9`` of the holder frees it while the child lives."""
+    from comera_engine.launch.owner import lock_holder
+    from comera_engine.store.layout import resume_point
+
+    _no_supervisor(monkeypatch)
+    db = tmp_path / "home" / "comera.db"
+    for name in ("x" * 5000, "a\x1b[31mred\nline"):
+        _refused(["launch", str(CONFIG), "--name", name, "--store", str(db)], capsys, "name")
+    assert not db.exists()
+    run_dir = tmp_path / "run"
+    from tests.test_cli import DIGITS
+
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(DIGITS.replace("steps = 2", "steps = 4\nckpt_every = 2"))
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--no-store",
+                 "--no-progress"]) == 0
+    newest = run_dir / "checkpoints" / "step_000004.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-5] ^= 0x10  # one bit of the last tensor's data: header and size still fit
+    newest.write_bytes(bytes(data))
+    chosen, note = resume_point(run_dir / "checkpoints")
+    assert chosen.name == "step_000002.json" and "checksum mismatch" in note
+    code = ("import os, sys, time; from comera_engine.launch.owner import RunLock; "
+            f"RunLock({str(tmp_path)!r}).acquire(); pid = os.fork()\n"
+            "if pid == 0: time.sleep(60); os._exit(0)\n"
+            "print(pid, flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(holder.stdout.readline())
+    try:
+        assert lock_holder(tmp_path)["pid"] == holder.pid
+        holder.kill()
+        holder.wait()
+        os.kill(child, 0)  # the forked child lives on ...
+        assert lock_holder(tmp_path) is None  # ... and the lock died with its holder
+    finally:
+        os.kill(child, signal.SIGKILL)

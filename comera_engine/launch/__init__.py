@@ -169,6 +169,8 @@ def launch(
     ):
         raise ConfigError("max_concurrent", f"must be an integer >= 0, got {max_concurrent!r}")
     st = open_store(store)
+    if st.readonly:
+        raise st.read_only_error()
     check_free_space(st.root, 0, "COMERA_HOME")  # the caller checks a checkpoint's size
     rid = queue_run(st, cfg, gpus=gpus, nproc=nproc)
     if max_concurrent is not None:
@@ -615,6 +617,8 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     process still holds the run folder's lock, or when every checkpoint is damaged."""
     st = open_store(store)
     rid = st.resolve(run_id)
+    if st.readonly:
+        raise st.read_only_error()
     reap(st)
     run = st.get_run(rid)
     assert run is not None

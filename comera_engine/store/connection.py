@@ -128,9 +128,8 @@ class Database:
         self.busy_timeout = float(busy_timeout)
         #: An existing store in a folder this process cannot write (a read-only home) is
         #: opened read-only: reads work, a write raises StoreError naming the folder.
-        self.readonly = (not create and self.path.exists()
-                         and not (os.access(self.root, os.W_OK | os.X_OK)
-                                  and os.access(self.path, os.W_OK)))
+        self.readonly = self.path.exists() and not (
+            os.access(self.root, os.W_OK | os.X_OK) and os.access(self.path, os.W_OK))
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._conn_pid = -1
@@ -155,7 +154,7 @@ class Database:
     def _wrap(self, e: sqlite3.Error) -> StoreError:
         msg = str(e).lower()
         if "readonly" in msg or "read-only" in msg:
-            return self._read_only_error()
+            return self.read_only_error()
         if "malformed" in msg or "not a database" in msg or "corrupt" in msg:
             return StoreError(
                 f"store: {self.path} is corrupt or unreadable ({e}); it was left untouched — "
@@ -211,7 +210,9 @@ class Database:
         except sqlite3.OperationalError:
             return sqlite3.connect(uri + "?immutable=1", uri=True, **kwargs)
 
-    def _read_only_error(self) -> StoreError:
+    def read_only_error(self) -> StoreError:
+        """The one-line error of a write to a read-only store (names the folder and the
+        fix)."""
         return StoreError(f"store: {self.root} is read-only; make it writable (chmod u+w "
                           f"{self.root}, or remount it) or set COMERA_HOME to a writable "
                           "folder")
@@ -222,7 +223,7 @@ class Database:
         if schema.read_version(conn, self.path) == schema.SCHEMA_VERSION:
             return
         if self.readonly:  # an older store cannot be migrated here
-            raise self._read_only_error()
+            raise self.read_only_error()
         _execute_when_free(conn, "BEGIN IMMEDIATE", self.busy_timeout)
         try:
             schema.upgrade(conn, self.path)
@@ -280,7 +281,7 @@ class Database:
         """Run ``fn(conn)`` in one short write transaction (retried while busy); a
         read-only store raises StoreError naming its folder and the fix."""
         if self.readonly:
-            raise self._read_only_error()
+            raise self.read_only_error()
         return self._retrying(fn, write=True)
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
