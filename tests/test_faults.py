@@ -229,6 +229,10 @@ def test_two_launched_runs_split_the_cores(tmp_path: Path, monkeypatch: pytest.M
     assert "shares this machine" not in first.err
     assert f"{max(1, cores // 2)} thread(s) for it" in second.err
     assert "2 run(s) in flight" in st.events(b, kinds=["threads"])[0]["text"]
+    from app.lib.runs import notices  # the Live run page shows it
+
+    assert ("info", "CPU threads: " + st.events(b, kinds=["threads"])[0]["text"]) in \
+        notices(st, st.get_run(b))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own setting is kept
     assert main(argv) == 0
     c = capsys.readouterr().out.strip()
@@ -384,6 +388,10 @@ def test_a_frozen_trainer_shows_stalled_and_stop_wakes_it_for_its_checkpoint(
     assert time.time() - frozen["heartbeat_at"] < 5  # the supervisor keeps beating
     table = _runs_table(st)
     assert "running · stalled" in table and f"at step {frozen['last_step']}" in table
+    from app.lib.runs import notices  # the Live run page's banners
+
+    assert any(level == "warning" and text.startswith("Stalled: no step for")
+               for level, text in notices(st, st.get_run(rid)))
     assert stop(rid, timeout=30, store=st) == "stopped"
     steps = _steps(st, rid)
     assert steps == list(range(1, len(steps) + 1))

@@ -286,7 +286,7 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     rid = run["id"]
     step = int(run.get("last_step") or 0)
-    stalled = store.stalled_for(run)
+    stalled = store.stalled_for(rid)  # by id: a steady read's key stays small
     if stalled is not None:
         out.append(("warning", f"Stalled: no step for {stalled:.0f} s (at step {step:,}); "
                     "the trainer may be frozen or starved. Stop resumes it to write its "

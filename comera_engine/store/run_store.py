@@ -63,12 +63,16 @@ class RunStore(RunRows, SweepRows, MetricRows):
             )
         )
 
-    def stalled_for(self, run: Mapping[str, Any], now: float | None = None) -> float | None:
-        """Seconds since a live, stepping run last made progress (its last step's metric
-        row, or a phase, progress or status change), when that exceeds ``max(floor,
-        STALL_STEPS x its median step time)`` (:func:`stall_floor`); ``None`` while it
-        makes progress, before its first step and for a run that is not running. The
-        heartbeat is not progress: a frozen trainer under a live supervisor stalls."""
+    def stalled_for(self, run: Mapping[str, Any] | str,
+                    now: float | None = None) -> float | None:
+        """Seconds since a live, stepping run (a row, or its id) last made progress (its
+        last step's metric row, or a phase, progress or status change), when that
+        exceeds ``max(floor, STALL_STEPS x its median step time)`` (:func:`stall_floor`);
+        ``None`` while it makes progress, before its first step and for a run that is
+        not running. The heartbeat is not progress: a frozen trainer under a live
+        supervisor stalls."""
+        if isinstance(run, str):
+            run = self.get_run(run) or {}
         if run.get("status") not in ("running", "stopping") or run.get("last_step") is None:
             return None
         if run.get("phase") not in _STEPPING_PHASES:
