@@ -707,3 +707,56 @@ def test_names_checksums_and_the_run_lock(tmp_path: Path, monkeypatch: pytest.Mo
         assert lock_holder(tmp_path) is None  # ... and the lock died with its holder
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_repair_finds_broken_pages_and_leaves_a_sound_store_alone(tmp_path: Path) -> None:
+    """Item 2: damage past the header (broken pages, which open fine) is found by
+    ``quick_check``; ``repair`` moves the file aside and rebuilds every run of the
+    folders with its metrics, ranks and events; a sound store is left as it is."""
+    import sqlite3
+
+    from comera_engine.metrics import JSONLSink
+    from comera_engine.store.repair import repair
+
+    home = tmp_path / "home"
+    st = RunStore(home)
+    for i, steps in enumerate((300, 40)):
+        rid = st.create_run(f"r{i}", {}, "running", run_id=f"20260101-00000{i}-abcd")
+        folder = home / rid
+        folder.mkdir()
+        (folder / "config.toml").write_text(CONFIG.read_text())
+        sink = JSONLSink(folder / "metrics.jsonl")
+        for s in range(1, steps + 1):
+            values = {"loss/task": 1.0 / s, "acc/train": s / steps}
+            sink.log_metrics(s, values)
+            st.log_metrics(rid, s, values)
+        sink.log_ranks(steps, {"hidden.0": [1, 6, 1]})
+        sink.log_event("stage", "late stage", 20)
+        sink.set_status("finished")
+        sink.close()
+    st.read(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+    st.close()
+    assert repair(home).problem is None  # sound: nothing moved
+    assert not list(home.glob("*.damaged-*"))
+    data = bytearray((home / "comera.db").read_bytes())
+    data[-8192:] = os.urandom(8192)  # the last two pages: metrics rows
+    (home / "comera.db").write_bytes(bytes(data))
+    report = repair(home)
+    assert report.problem and report.moved_to and report.moved_to.exists()
+    assert sorted(report.runs) == ["20260101-000000-abcd", "20260101-000001-abcd"]
+    rebuilt = RunStore(home, create=False)
+    assert rebuilt.check() == ["ok"]
+    for rid, steps in (("20260101-000000-abcd", 300), ("20260101-000001-abcd", 40)):
+        run = rebuilt.get_run(rid)
+        assert run["status"] == "finished" and run["last_step"] == steps
+        assert [r["step"] for r in rebuilt.metrics_since(rid, -1, ["loss/task"])] == \
+            list(range(1, steps + 1))
+        assert rebuilt.latest_ranks(rid) == {"hidden.0": [1, 6, 1]}
+        assert [e["kind"] for e in rebuilt.events(rid)] == ["stage", "repair"]
+    other = tmp_path / "other" / "comera.db"  # someone else's database is never moved
+    other.parent.mkdir()
+    with sqlite3.connect(other) as c:
+        c.execute("CREATE TABLE t (x)")
+    with pytest.raises(ValueError, match="not a CoMERA run store"):
+        repair(other)
+    assert other.exists()
