@@ -132,6 +132,12 @@ class JSONLSink:
             os.close(self._fd)
             self._fd = None
 
+    def __del__(self) -> None:  # a sink dropped unclosed still writes what it holds
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (at collection time there is no one to tell)
+            pass
+
 
 class MultiSink:
     """Fan records out to several sinks (a sink without ``set_phase``, written before the
