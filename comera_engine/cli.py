@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("app", help="start the Streamlit dashboard (127.0.0.1:8501)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    p.add_argument("--port", type=launch_cli.bounded_int(1, 65535), default=8501,
+                   help="port (default 8501)")
     p.add_argument("--store", help="run store folder or .db file (default: $COMERA_HOME "
                    "or ./runs)")
     p.set_defaults(func=cmd_app)
@@ -132,11 +133,34 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(args.config, args.overrides)
             check_data_table(cfg.data)
-            check_runnable(_plan_target(cfg, quiet=True), nproc=args.nproc)
+            pv = check_runnable(_plan_target(cfg, quiet=True), nproc=args.nproc)
+            _check_room(args.store, pv)
         return int(args.func(args) or 0)
     except ConfigError as exc:
-        sys.stderr.write(f"comera: error: {exc}\n")
+        from comera_engine.launch.cli import one_line
+
+        sys.stderr.write(f"comera: error: {one_line(exc)}\n")
         return EXIT_BAD_INPUT
+    except Exception as exc:  # a full disk under a run: one line, no traceback
+        from comera_engine.store.layout import disk_full_text, is_disk_full, release_reserve
+
+        if not is_disk_full(exc):
+            raise
+        where = getattr(args, "folder", None) or Path.cwd()  # the run folder, once known
+        release_reserve(where)
+        sys.stderr.write(f"comera: error: {disk_full_text(where)}\n")
+        return EXIT_ERROR
+
+
+def _check_room(store: str | None, pv: Any) -> None:
+    """Refuse a launch when the home has less free space than one checkpoint of the run
+    (its weights and AdamW moments, by the preview's estimate) and a margin."""
+    from comera_engine.store import resolve_store_path
+    from comera_engine.store.layout import check_free_space
+
+    mem = pv.memory["dense" if pv.dense_model else "tt"]
+    need = int(mem.get("weights", 0) + mem.get("optimizer", 0))
+    check_free_space(resolve_store_path(store).parent, need, "COMERA_HOME")
 
 
 # -------------------------------------------------------------------------- train
@@ -172,6 +196,7 @@ def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: 
     early = _EarlyPhase(record)
     early("preparing data")
     run_dir = _run_dir(args, cfg.name, record)
+    args.folder = run_dir  # named by a one-line error (a full disk)
     saved_tok = run_dir / "tokenizer.json"
     if saved_tok.is_file() and isinstance(cfg.data, dict) and "tokenizer_path" not in cfg.data:
         # a resumed text run must reuse its own vocabulary (WordPiece training is not
@@ -309,8 +334,10 @@ class _Writer:
 
     def __enter__(self) -> _Writer:
         from comera_engine.launch.owner import RunLock, claim_run
+        from comera_engine.store.layout import make_reserve
 
         self.lock = RunLock(self.run_dir).acquire()
+        make_reserve(self.run_dir)  # room for the last records when the disk fills
         try:
             if self.record is not None:
                 from comera_engine.store import StoreError
@@ -347,9 +374,11 @@ class _Writer:
                              f"({self.cfg.name}, folder {self.run_dir})")
         import json
 
+        from comera_engine.store.layout import write_atomic
+
         env = self.run_dir / "launch_env.json"
         if not env.exists():
-            env.write_text(json.dumps(run_env(), indent=1), encoding="utf-8")
+            write_atomic(env, json.dumps(run_env(), indent=1))
         return rid
 
     def _reopen(self) -> None:
@@ -368,8 +397,11 @@ class _Writer:
             self.store.get_run(self.run_dir.name) is None
 
     def __exit__(self, *exc: object) -> None:
+        from comera_engine.store.layout import release_reserve
+
         if self.record is not None:
             self.record.close()
+        release_reserve(self.run_dir)
         self.lock.release()
 
 
@@ -379,16 +411,18 @@ def _write_data_record(run_dir: Path, bundle: Any) -> None:
     import json
 
     from comera_engine.export.spec import data_spec_from_bundle
+    from comera_engine.store.layout import write_atomic
 
     if getattr(bundle, "tokenizer", None) is not None and not (run_dir / "tokenizer.json").exists():
         tmp = run_dir / "tokenizer.tmp.json"
-        bundle.tokenizer.save(tmp)
-        os.replace(tmp, run_dir / "tokenizer.json")
+        try:
+            bundle.tokenizer.save(tmp)
+            os.replace(tmp, run_dir / "tokenizer.json")
+        finally:
+            tmp.unlink(missing_ok=True)
     for name, payload in (("data_spec.json", data_spec_from_bundle(bundle)),
                           ("dataset.json", bundle.identity)):
-        tmp = run_dir / f"{name}.tmp"
-        tmp.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
-        os.replace(tmp, run_dir / name)
+        write_atomic(run_dir / name, json.dumps(payload, indent=1, default=str))
 
 
 def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None) -> Path:
@@ -467,13 +501,13 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any
 
 
 def _write_config(run_dir: Path, source: str, text: str) -> None:
+    from comera_engine.store.layout import write_atomic
+
     target = run_dir / "config.toml"
     if target.exists() and target.resolve() == Path(source).resolve():
         if target.read_text(encoding="utf-8") == text:
             return
-    tmp = target.with_suffix(".toml.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, target)
+    write_atomic(target, text)
 
 
 def _run(
@@ -491,16 +525,21 @@ def _run(
             from comera_engine.store.layout import resume_point
 
             latest, _ = resume_point(run_dir / "checkpoints")
-            rewind_jsonl(jsonl, int(latest.stem.split("_")[1]) if latest else 0)
+            step = int(latest.stem.split("_")[1]) if latest else 0
+            rewind_jsonl(jsonl, step)
+            mend_jsonl(jsonl, step, writer.store, writer.run_id)
         sinks: list[Any] = [JSONLSink(jsonl)]
         if writer.store is not None:
             from comera_engine.store import StoreSink
 
-            sinks.append(StoreSink(writer.store, str(writer.run_id), owner=writer.owner))
+            sinks.append(StoreSink(writer.store, str(writer.run_id), owner=writer.owner,
+                                   keep_going=True))  # a failing store never stops training
             if writer.record is not None and writer.record.new:
                 print(f"comera: run {writer.run_id} recorded in {writer.store.path} "
                       f"(folder {run_dir})", file=sys.stderr)
         sink = MultiSink(*sinks)
+        if writer.store is not None:
+            sink.sinks.extend(_thread_budget(writer.store, sink))
     try:
         result = train(
             cfg,
@@ -519,6 +558,58 @@ def _run(
     return EXIT_DIVERGED if result.status == "diverged" else EXIT_OK
 
 
+def _thread_budget(store: Any, sink: Any) -> list[Any]:
+    """A launched run with ``COMERA_THREADS=auto`` follows its share of the cores while
+    other runs start and end (:mod:`comera_engine.launch.threads`); ``[]`` otherwise."""
+    from comera_engine.launch.threads import AUTO_KEY, cpu_cores, runs_in_flight
+
+    if os.environ.get(AUTO_KEY) != "auto" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return []
+    from comera_engine.train.threads import ThreadBudget
+
+    def changed(threads: int, runs: int) -> None:
+        sink.log_event("threads", f"{threads} thread(s): {cpu_cores()} cores shared by "
+                       f"{runs} run(s) in flight")
+
+    return [ThreadBudget(lambda: runs_in_flight(store), cpu_cores(), on_change=changed)]
+
+
+def mend_jsonl(path: Path, step: int, store: Any, run_id: str | None) -> None:
+    """Before a resume from ``step``: a ``metrics.jsonl`` that lacks some of steps
+    1..``step`` (deleted, or cut by a full disk) is rewritten from the run store, which
+    holds them; without a store it says in itself that it is partial (an event)."""
+    import json
+
+    from comera_engine.metrics import read_jsonl
+    from comera_engine.store.layout import write_atomic
+
+    have = {r["step"] for r in (read_jsonl(path) if path.exists() else [])
+            if r.get("type") == "metrics"}
+    missing = sorted(set(range(1, step + 1)) - have)
+    if not missing:
+        return
+    records: list[dict[str, Any]] = []
+    if store is not None and run_id is not None:
+        from comera_engine.store.repair import records_from_store
+
+        records = records_from_store(store, run_id, step)
+        stored = {r["step"] for r in records if r["type"] == "metrics"}
+        if stored >= set(range(1, step + 1)):
+            note = f"metrics.jsonl lacked {len(missing)} of steps 1..{step}: rewritten from " \
+                   "the run store"
+            records.append({"type": "event", "kind": "info", "text": note, "step": step})
+            write_atomic(path, "".join(json.dumps({"t": r.get("t", 0), **r}) + "\n"
+                                       for r in records))
+            print(f"comera: {note}", file=sys.stderr)
+            return
+    note = (f"metrics.jsonl is partial: it lacks {len(missing)} of steps 1..{step} "
+            f"(first {missing[0]}); the run store has the run's full record")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"type": "event", "kind": "partial", "text": note,
+                            "step": step}) + "\n")
+    print(f"comera: {note}", file=sys.stderr)
+
+
 def rewind_jsonl(path: Path, step: int) -> None:
     """Drop records of steps after ``step`` (left by an attempt that is being resumed)."""
     if not path.exists():
@@ -526,13 +617,10 @@ def rewind_jsonl(path: Path, step: int) -> None:
     import json
 
     from comera_engine.metrics import read_jsonl
+    from comera_engine.store.layout import write_atomic
 
     kept = [r for r in read_jsonl(path) if r.get("step") is None or r["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in kept:
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 if __name__ == "__main__":

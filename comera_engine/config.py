@@ -51,6 +51,12 @@ DEFAULT_TT_LAYERS: dict[str, tuple[str, ...]] = {
 }
 MODEL_NAMES = tuple(TT_LAYER_KINDS)
 MAX_NAME = 120  # characters in a run name
+#: Bounds on a config, checked before anything else is read or built: the file's size,
+#: a --set value's length, how deeply tables and lists nest, and a list's length.
+MAX_CONFIG_BYTES = 256 * 1024
+MAX_OVERRIDE_CHARS = 4096
+MAX_DEPTH = 6
+MAX_LIST = 256
 PRESETS = ("paper", "small", "tiny")
 
 
@@ -215,6 +221,9 @@ def load_config(
     path = Path(path)
     if not path.is_file():
         raise ConfigError("config", f"file not found: {path}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{path.name} is {path.stat().st_size:,} bytes; a run "
+                          f"config is at most {MAX_CONFIG_BYTES // 1024} KB")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
@@ -222,6 +231,9 @@ def load_config(
     except UnicodeDecodeError as exc:
         raise ConfigError("config", f"{path.name} is not UTF-8 text (byte {exc.start}); "
                                     "save it as UTF-8") from None
+    except RecursionError:
+        raise ConfigError("config", f"{path.name} nests values too deeply (at most "
+                          f"{MAX_DEPTH} levels)") from None
     for item in overrides or []:
         apply_override(raw, item)
     cfg = config_from_dict(raw)
@@ -231,6 +243,9 @@ def load_config(
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one ``section.key=value`` override to the raw dict (value read as TOML)."""
+    if len(item) > MAX_OVERRIDE_CHARS:
+        raise ConfigError("--set", f"a value of {len(item):,} characters; at most "
+                          f"{MAX_OVERRIDE_CHARS:,} (put long settings in the config file)")
     if "=" not in item:
         raise ConfigError("--set", f"expected section.key=value, got {item!r}")
     key, text = item.split("=", 1)
@@ -254,23 +269,36 @@ def parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ConfigError("--set", f"the value nests too deeply (at most {MAX_DEPTH} "
+                          "levels)") from None
+
+
+def check_bounds(raw: Any, where: str = "", depth: int = 1) -> None:
+    """Refuse a raw config (nested tables and lists) nested deeper than
+    :data:`MAX_DEPTH` or with a list longer than :data:`MAX_LIST`, naming the field
+    (the walk stops at that depth, so it never recurses far)."""
+    if depth > MAX_DEPTH:
+        raise ConfigError(where or "config", f"nested more than {MAX_DEPTH} levels deep")
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            check_bounds(value, f"{where}.{key}" if where else str(key), depth + 1)
+    elif isinstance(raw, list):
+        if len(raw) > MAX_LIST:
+            raise ConfigError(where or "config", f"a list of {len(raw):,} entries; at most "
+                              f"{MAX_LIST}")
+        for value in raw:
+            check_bounds(value, where, depth + 1)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from nested plain values (TOML tables)."""
+    check_bounds(raw)
     allowed_top = {"name", "model", "data", "comera", "train"}
     for key in raw:
         if key not in allowed_top:
             _unknown(key, sorted(allowed_top) + _all_field_names())
-    name = raw.get("name", "run")
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError("name", f"must be a non-empty string, got {name!r}")
-    if len(name) > MAX_NAME:
-        raise ConfigError("name", f"at most {MAX_NAME} characters, got {len(name)}; "
-                                  "choose a shorter run name")
-    if any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in name):
-        raise ConfigError("name", "control characters (newlines, tabs, terminal escapes) "
-                                  "are not allowed in a run name; use plain text")
+    name = check_run_name(raw.get("name", "run"))
     data = raw.get("data", {})
     if not isinstance(data, dict):
         raise ConfigError("data", "must be a table ([data])")
@@ -285,6 +313,20 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     cfg = Config(name=name.strip(), data=dict(data), **sections)
     validate(cfg)
     return cfg
+
+
+def check_run_name(name: Any, field: str = "name") -> str:
+    """A run name, stripped: a non-empty string of at most :data:`MAX_NAME` characters
+    without control characters (newlines, tabs, terminal escapes); else ConfigError."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(field, f"must be a non-empty string, got {name!r}")
+    if len(name) > MAX_NAME:
+        raise ConfigError(field, f"at most {MAX_NAME} characters, got {len(name)}; "
+                                 "choose a shorter run name")
+    if any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in name):
+        raise ConfigError(field, "control characters (newlines, tabs, terminal escapes) "
+                                 "are not allowed in a run name; use plain text")
+    return name.strip()
 
 
 def _all_field_names() -> list[str]:

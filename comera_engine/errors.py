@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+#: The longest field name and problem a message shows; longer text (a value echoed
+#: back, an unknown key) is cut in the middle.
+MAX_FIELD_CHARS = 120
+MAX_PROBLEM_CHARS = 600
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, keeping its start and its end."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    keep = max(8, limit // 2 - 20)
+    return f"{text[:keep]}... ({len(text) - 2 * keep:,} characters cut) ...{text[-keep:]}"
+
 
 class ConfigError(ValueError):
     """Bad user input (config field, CLI flag, form field).
 
     The message is one line that names the field and says how to fix it, e.g.
-    ``model.rank: must be a positive integer, got -3``.
+    ``model.rank: must be a positive integer, got -3``; a very long field or problem
+    (an echoed value) is cut (:func:`shorten`).
     """
 
     def __init__(self, field: str, problem: str) -> None:
-        self.field = field
-        self.problem = problem
-        super().__init__(f"{field}: {problem}")
+        self.field = shorten(field, MAX_FIELD_CHARS)
+        self.problem = shorten(problem, MAX_PROBLEM_CHARS)
+        super().__init__(f"{self.field}: {self.problem}")

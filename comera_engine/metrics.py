@@ -7,6 +7,7 @@ values so every sink can persist them without knowing the trainer.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -56,22 +57,27 @@ class NullSink(MetricsSink):
 class JSONLSink:
     """Append-only JSON-lines file: one record per line, ``{"t": time, "type": ..., ...}``.
 
-    Lines are flushed at most ``flush_every`` seconds apart, and always on ``flush``/``close``.
+    Lines are written at most ``flush_every`` seconds apart, and always on ``flush``/``close``.
     A phase is one ``{"type": "phase", "phase": ..., "progress": ...}`` line when it
-    changes; progress within a phase is not written.
+    changes; progress within a phase is not written. A write that fails (a full disk)
+    is cut back to the last whole line before the error is raised: the file never ends
+    in half a record.
     """
 
     def __init__(self, path: str | os.PathLike[str], flush_every: float = 0.5) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                                       | os.O_CLOEXEC, 0o644)
+        self._size = os.fstat(self._fd).st_size  # the file's whole lines
+        self._buf: list[str] = []
         self._flush_every = flush_every
         self._last_flush = time.monotonic()
         self._phase: str | None = None
 
     def _write(self, record: dict[str, Any]) -> None:
         record = {"t": time.time(), **record}
-        self._f.write(json.dumps(record) + "\n")
+        self._buf.append(json.dumps(record) + "\n")
         if time.monotonic() - self._last_flush >= self._flush_every:
             self.flush()
 
@@ -96,55 +102,88 @@ class JSONLSink:
             self._write({"type": "phase", "phase": phase, "progress": progress})
 
     def flush(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-            self._last_flush = time.monotonic()
+        if self._fd is None or not self._buf:
+            return
+        if os.fstat(self._fd).st_nlink == 0:  # someone deleted the run folder (or file)
+            raise FileNotFoundError(errno.ENOENT, f"{self.path} was deleted while the run "
+                                    "trained (its folder removed?); the run stops here",
+                                    str(self.path))
+        data = "".join(self._buf).encode("utf-8")
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            try:  # no half record: back to the last whole line (the lines are kept)
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                pass
+            raise
+        self._buf.clear()
+        self._size += len(data)
+        self._last_flush = time.monotonic()
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-            self._f.close()
+        if self._fd is None:
+            return
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:  # a sink dropped unclosed still writes what it holds
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (at collection time there is no one to tell)
+            pass
 
 
 class MultiSink:
     """Fan records out to several sinks (a sink without ``set_phase``, written before the
-    protocol had it, is skipped for phases)."""
+    protocol had it, is skipped for phases). Every sink gets every record: one that
+    fails (a full disk under the folder's file) does not keep the others from theirs;
+    its error is raised after all were called."""
 
     def __init__(self, *sinks: MetricsSink) -> None:
         self.sinks = list(sinks)
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def _each(self, method: str, *args: Any) -> None:
+        error: BaseException | None = None
         for s in self.sinks:
-            s.log_metrics(step, metrics)
+            fn = getattr(s, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 (raised below, once all were called)
+                error = error or e
+        if error is not None:
+            raise error
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self._each("log_metrics", step, metrics)
 
     def log_ranks(self, step: int, ranks: dict[str, list[int]]) -> None:
-        for s in self.sinks:
-            s.log_ranks(step, ranks)
+        self._each("log_ranks", step, ranks)
 
     def log_event(self, kind: str, text: str, step: int | None = None) -> None:
-        for s in self.sinks:
-            s.log_event(kind, text, step)
+        self._each("log_event", kind, text, step)
 
     def log_artifact(self, kind: str, path: str) -> None:
-        for s in self.sinks:
-            s.log_artifact(kind, path)
+        self._each("log_artifact", kind, path)
 
     def set_status(self, status: str, error: str | None = None) -> None:
-        for s in self.sinks:
-            s.set_status(status, error)
+        self._each("set_status", status, error)
 
     def set_phase(self, phase: str, progress: float | None = None) -> None:
-        for s in self.sinks:
-            if hasattr(s, "set_phase"):
-                s.set_phase(phase, progress)
+        self._each("set_phase", phase, progress)
 
     def flush(self) -> None:
-        for s in self.sinks:
-            s.flush()
+        self._each("flush")
 
     def close(self) -> None:
-        for s in self.sinks:
-            s.close()
+        self._each("close")
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

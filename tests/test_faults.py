@@ -4,13 +4,22 @@ store is left as it was (or not created at all)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
 
 from comera_engine.cli import main
 from comera_engine.store import RunStore
+from tests.test_launch import store  # the fixture: a store whose processes are reaped
+
+__all__ = ["store"]
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
@@ -130,10 +139,18 @@ BAD_FLAGS = [
     (["logs", "no-such-run"], "no-such-run"),
     (["stop", "no-such-run"], "no-such-run"),
     (["resume", "no-such-run"], "no-such-run"),
+    # issue 33, item 3: a number past any sensible value (no OverflowError)
+    (["runs", "--limit", str(10**20)], "--limit"),
+    (["logs", "x", "--tail", str(10**20)], "--tail"),
+    (["stop", "x", "--timeout", "nan"], "--timeout"),
+    (["stop", "x", "--timeout", "1e308"], "--timeout"),
+    (["launch", "{cfg}", "--nproc", str(10**20)], "--nproc"),
+    (["launch", "{cfg}", "--max-concurrent", str(10**20)], "--max-concurrent"),
+    (["sweep", "{cfg}", "--grid", "train.seed=1", "--seeds", str(10**20)], "--seeds"),
 ]
 
 
-@pytest.mark.parametrize("argv,field", BAD_FLAGS, ids=[" ".join(a[:3]) for a, _ in BAD_FLAGS])
+@pytest.mark.parametrize("argv,field", BAD_FLAGS, ids=[" ".join(a[:3])[:40] for a, _ in BAD_FLAGS])
 def test_bad_flag_is_one_line_exit_2(argv: list[str], field: str, tmp_path: Path,
                                      capsys: pytest.CaptureFixture) -> None:
     st = _seeded_store(tmp_path)
@@ -156,3 +173,590 @@ def test_unusable_home_is_one_line_exit_2(home: str, tmp_path: Path,
     _refused(["launch", str(CONFIG)], capsys, str(path))
     assert not os.path.isdir(path)
 
+
+
+# ------------------------------------------------------------------ issue 33
+# Runs survive an unlucky machine. Each test below is one item of the issue; the
+# promises and their tests are listed in docs/RELIABILITY.md.
+
+
+def _no_supervisor(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Dispatch without starting processes: ``subprocess.Popen`` of the launcher is a
+    stand-in (the thread budget is decided at dispatch, before any process starts)."""
+    import comera_engine.launch as launcher
+
+    started: list[str] = []
+
+    class _Proc:
+        pid = 0
+
+        def __init__(self, cmd: list[str], **kwargs: object) -> None:
+            started.append(cmd[-1])
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(launcher, "subprocess", types.SimpleNamespace(
+        Popen=_Proc, DEVNULL=subprocess.DEVNULL, STDOUT=subprocess.STDOUT))
+    return started
+
+
+def test_two_launched_runs_split_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """Item 1: each launched run gets cores // runs in flight threads, recorded in its
+    launch environment, logged as an event; the second launch says it shares the
+    machine; a run whose environment sets OMP_NUM_THREADS keeps it."""
+    import torch
+
+    from comera_engine.launch import recorded_env
+    from comera_engine.train.threads import ThreadBudget
+
+    started = _no_supervisor(monkeypatch)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    db = tmp_path / "home" / "comera.db"
+    argv = ["launch", str(CONFIG), "--set", "train.steps=5", "--store", str(db)]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert main(argv) == 0
+    second = capsys.readouterr()
+    st = RunStore(db)
+    a, b = first.out.strip(), second.out.strip()
+    assert started == [a, b]
+    env_a, env_b = recorded_env(st.run_dir(a)), recorded_env(st.run_dir(b))
+    assert env_a["OMP_NUM_THREADS"] == str(cores)
+    assert env_b["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert "shares this machine" not in first.err
+    assert f"{max(1, cores // 2)} thread(s) for it" in second.err
+    assert "2 run(s) in flight" in st.events(b, kinds=["threads"])[0]["text"]
+    from app.lib.runs import notices  # the Live run page shows it
+
+    assert ("info", "CPU threads: " + st.events(b, kinds=["threads"])[0]["text"]) in \
+        notices(st, st.get_run(b))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own setting is kept
+    assert main(argv) == 0
+    c = capsys.readouterr().out.strip()
+    assert recorded_env(st.run_dir(c))["OMP_NUM_THREADS"] == "3"
+    assert st.events(c, kinds=["threads"]) == []
+    # the trainer follows the runs in flight: two, then one
+    runs, seen = [2], []
+    before = torch.get_num_threads()
+    budget = ThreadBudget(lambda: runs[0], cores=4, every=0.01,
+                          on_change=lambda t, n: seen.append((t, n)))
+    try:
+        for want, n in ((2, 2), (4, 1)):
+            runs[0] = n
+            for _ in range(500):
+                budget.log_metrics(1, {})
+                if torch.get_num_threads() == want:
+                    break
+                time.sleep(0.01)
+            assert torch.get_num_threads() == want
+    finally:
+        budget.close()
+        torch.set_num_threads(before)
+    assert seen == [(2, 2), (4, 1)]
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+@pytest.mark.parametrize("case", ["million-entry list (file)", "million-entry list (--set)",
+                                  "list of 300 (file)", "5000-deep (file)",
+                                  "5000-deep (--set)", "7-deep (file)"])
+def test_oversized_configs_are_refused_before_anything_is_built(
+        case: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Item 3: size, list length and nesting are bounded before the config is built:
+    exit 2, one line naming the field, for ``launch`` and ``train``."""
+    text = CONFIG.read_text()
+    where, sets = "config", []
+    if case == "million-entry list (file)":
+        text = text.replace("[model]", "[model]\nhidden = [" + ",".join(["8"] * 10**6) + "]")
+    elif case == "million-entry list (--set)":
+        sets, where = ["--set", "model.hidden=[" + ",".join(["8"] * 10**6) + "]"], "--set"
+    elif case == "list of 300 (file)":
+        text = text.replace("[model]", "[model]\nhidden = [" + ",".join(["8"] * 300) + "]")
+        where = "model.hidden"
+    elif case == "5000-deep (file)":
+        text = text.replace("[model]", f"[model]\nhidden = {_deep(5000)}")
+    elif case == "5000-deep (--set)":
+        sets, where = ["--set", f"model.hidden={_deep(5000)}"], "--set"
+    else:
+        text = text.replace("[model]", f"[model]\nhidden = {_deep(7)}")
+        where = "model.hidden"
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    db = tmp_path / "home" / "comera.db"
+    _refused(["launch", str(path), *sets, "--store", str(db)], capsys, where)
+    _refused(["train", str(path), *sets, "--run-dir", str(tmp_path / "run"), "--no-progress"],
+             capsys, where)
+    assert not db.exists() and not (tmp_path / "run").exists()
+
+
+def test_a_long_value_is_cut_in_the_message(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """Item 3: an unknown data.name of 120 KB is named, not echoed whole."""
+    path = tmp_path / "c.toml"
+    path.write_text(CONFIG.read_text().replace('name = "digits"', f'name = "{"a" * 120_000}"'))
+    assert "a" * 120_000 in path.read_text()
+    _refused(["launch", str(path), "--store", str(tmp_path / "h")], capsys, "data.name")
+    _refused(["launch", str(CONFIG), "--set", f'data.{"b" * 3000}=1', "--store",
+              str(tmp_path / "h")], capsys, "data.bbbb")
+    for argv in (["launch", str(path), "--store", str(tmp_path / "h")],
+                 ["logs", "r" * 100_000, "--store", str(_seeded_store(tmp_path).path)]):
+        assert main(argv) == 2
+        assert len(capsys.readouterr().err) < 1000
+
+
+def _jsonl_steps(run_dir: Path) -> list[int]:
+    from comera_engine.metrics import read_jsonl
+
+    return [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")
+            if r.get("type") == "metrics" and "loss/task" in r["values"]]
+
+
+def _newest_checkpoint(run_dir: Path) -> int | None:
+    from comera_engine.launch import checkpoint_steps
+
+    steps = checkpoint_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+def test_closing_the_terminal_stops_a_foreground_run_like_ctrl_c(tmp_path: Path) -> None:
+    """Item 6: SIGHUP to a foreground ``comera train`` writing to a terminal that then
+    goes away: status ``stopped``, a checkpoint at its last step, exit 0, and every step
+    of ``metrics.jsonl`` in the store (steps 1..N)."""
+    import threading
+
+    from tests.test_launch import LONG, START_TIMEOUT, _steps, wait_for
+
+    master, slave = os.openpty()
+    run_dir, home = tmp_path / "run", tmp_path / "home"
+    cmd = [sys.executable, "-m", "comera_engine.cli", "train", str(CONFIG), "--run-dir",
+           str(run_dir), "--store", str(home), *[a for s in LONG for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    os.close(slave)
+
+    def drain() -> None:  # the terminal's reader, until it is closed
+        try:
+            while os.read(master, 4096):
+                pass
+        except OSError:
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(_jsonl_steps(run_dir))
+                 >= 30, START_TIMEOUT, "30 steps")
+        os.close(master)  # the terminal window closes ...
+        proc.send_signal(signal.SIGHUP)  # ... and its session gets SIGHUP
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = RunStore(home, create=False)
+    (run,) = st.list_runs()
+    assert run["status"] == "stopped" and run["error"] is None
+    steps = _jsonl_steps(run_dir)
+    assert steps == list(range(1, len(steps) + 1))
+    assert _steps(st, run["id"]) == steps
+    assert _newest_checkpoint(run_dir) == steps[-1] == run["last_step"]
+
+
+def test_a_frozen_trainer_shows_stalled_and_stop_wakes_it_for_its_checkpoint(
+        store: RunStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 5: a launched trainer frozen by SIGSTOP (its supervisor still beating the
+    heartbeat) is ``stalled`` in ``comera runs`` once it has made no step for the floor
+    (``COMERA_STALL_S``, lowered here from 60 s); a running one is not; ``comera stop``
+    sends SIGCONT first, so the run ends ``stopped`` with a checkpoint at its last step
+    and steps 1..N in the store."""
+    from comera_engine.launch import launch, stop
+    from tests.test_launch import LONG, START_TIMEOUT, _steps, wait_for
+
+    monkeypatch.setenv("COMERA_STALL_S", "2")
+    st = store
+    rid = launch(CONFIG, [*LONG, "train.ckpt_every=0"], store=st)
+    wait_for(lambda: (st.get_run(rid)["last_step"] or 0) >= 30, START_TIMEOUT, "30 steps")
+    run = st.get_run(rid)
+    assert st.stalled_for(run) is None
+    os.kill(run["pid"], signal.SIGSTOP)
+    wait_for(lambda: st.stalled_for(st.get_run(rid)) is not None, 60, "stalled", 0.2)
+    frozen = st.get_run(rid)
+    assert frozen["status"] == "running"
+    assert time.time() - frozen["heartbeat_at"] < 5  # the supervisor keeps beating
+    table = _runs_table(st)
+    assert "running · stalled" in table and f"at step {frozen['last_step']}" in table
+    from app.lib.runs import notices  # the Live run page's banners
+
+    assert any(level == "warning" and text.startswith("Stalled: no step for")
+               for level, text in notices(st, st.get_run(rid)))
+    assert stop(rid, timeout=30, store=st) == "stopped"
+    steps = _steps(st, rid)
+    assert steps == list(range(1, len(steps) + 1))
+    assert _newest_checkpoint(st.run_dir(rid)) == steps[-1]
+    assert st.stalled_for(st.get_run(rid)) is None
+
+
+def _runs_table(st: RunStore) -> str:
+    """``comera runs`` as it prints (in this process)."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["runs", "--store", str(st.path)]) == 0
+    return buf.getvalue()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # noqa: ANN201
+    """A 3 MB tmpfs where this process may mount one (``None`` elsewhere: the test then
+    simulates ENOSPC), unmounted afterwards."""
+
+    folder = tmp_path / "small"
+    folder.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs",
+                                  str(folder)], capture_output=True).returncode == 0
+    except OSError:  # no mount command
+        mounted = False
+    yield folder if mounted else None
+    if mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def _no_tmp_files(folder: Path) -> list[str]:
+    return [str(p) for p in folder.rglob("*") if ".tmp" in p.name]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(
+        small_disk: Path | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """Item 4, on a real 3 MB file system where it can be mounted (else ENOSPC
+    simulated): ``comera launch`` into a home without room for a checkpoint is refused
+    in one line, before a run folder exists; a foreground run that fills the disk ends
+    ``failed`` with ``disk full: free N MB in FOLDER`` as its error and one line on
+    stderr, no ``.tmp`` file, and the store and ``metrics.jsonl`` hold the same steps;
+    ``comera resume`` on the still-full disk is refused in one line and accepted once
+    there is room."""
+    import errno
+
+    from comera_engine.launch import resume
+    from tests.test_launch import LONG, _steps
+
+    home = small_disk or tmp_path / "home"
+    if small_disk is None:  # no tmpfs here: the disk has no room, by its own account
+        import shutil
+
+        from comera_engine.train import checkpoint
+
+        real = shutil.disk_usage
+        full = [True]
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20)
+                            if full[0] else real(p))
+        save = checkpoint.save_file
+
+        def save_file(tensors, path, metadata=None):  # noqa: ANN001, ANN202
+            save(tensors, path, metadata=metadata)  # a half-written file, then no room
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+
+        monkeypatch.setattr(checkpoint, "save_file", save_file)
+    _refused(["launch", str(CONFIG), "--store", str(home)], capsys, "disk full: free")
+    assert not home.exists() or [p.name for p in home.iterdir()] in ([], ["comera.db"])
+    run_dir = home / "run"
+    argv = ["train", str(CONFIG), "--run-dir", str(run_dir), "--store", str(home),
+            "--no-progress", *[a for s in [*LONG, "train.ckpt_every=50"] for a in ("--set", s)]]
+    if small_disk is not None:
+        out = subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        code, err = out.returncode, out.stderr
+    else:
+        code, err = main(argv), capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert [ln for ln in err.splitlines() if "error" in ln] == [
+        next(ln for ln in err.splitlines() if ln.startswith("comera: error: disk full: free"))]
+    st = RunStore(home, create=False)
+    (run,) = st.list_runs()
+    assert run["status"] == "failed"
+    assert run["error"].startswith("disk full: free ") and f"MB in {run_dir}" in run["error"]
+    assert "\n" not in run["error"] and _no_tmp_files(home) == []
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # no half-written record
+    steps, stored = _jsonl_steps(run_dir), _steps(st, run["id"])
+    assert steps == list(range(1, len(steps) + 1)) and stored == list(range(1, len(stored) + 1))
+    assert _newest_checkpoint(run_dir) <= min(len(steps), len(stored))
+    if small_disk is None:  # the trainer ran in this process, which lives on
+        st.update_run(run["id"], pid=None, pid_started=None)
+    with pytest.raises(ValueError, match="disk full: free"):
+        resume(run["id"], store=st)
+    assert st.get_run(run["id"])["status"] == "failed"
+    if small_disk is not None:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    else:
+        full[0] = False
+    _no_supervisor(monkeypatch)
+    assert resume(run["id"], store=st) == run["id"]
+    assert st.get_run(run["id"])["status"] == "queued" and _no_tmp_files(home) == []
+
+
+def _cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``comera ARGV`` in a fresh process (its own view of the store file)."""
+    return subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_damaged_store_under_a_live_run_is_stopped_and_rebuilt(store: RunStore) -> None:
+    """Item 2: page 1 of ``comera.db`` zeroed while one run trains and another has
+    finished: ``comera runs`` says so in one line naming ``comera repair``; ``comera
+    stop`` stops the live run through its folder; ``comera repair`` moves the damaged
+    file aside and rebuilds a store in which ``comera runs`` lists both runs with all
+    their steps (as in their ``metrics.jsonl``)."""
+    from comera_engine.launch import launch
+    from tests.test_launch import LONG, SHORT, START_TIMEOUT, wait_for
+
+    st = store
+    done = launch(CONFIG, SHORT, store=st)
+    live = launch(CONFIG, [*LONG, "train.ckpt_every=0"], store=st)
+    wait_for(lambda: st.get_run(done)["status"] == "finished"
+             and (st.get_run(live)["last_step"] or 0) >= 30, START_TIMEOUT, "both runs")
+    with open(st.path, "r+b") as f:  # the header page, as a truncated WAL left it
+        f.write(bytes(4096))
+    out = _cli("runs", "--store", str(st.path))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "comera repair" in out.stderr
+    out = _cli("stop", live, "--store", str(st.path), "--timeout", "30")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{live}: stopped (the store is damaged: run `comera repair`)"
+    out = _cli("repair", "--store", str(st.path))
+    assert out.returncode == 0, out.stderr
+    assert "rebuilt 2 run(s)" in out.stdout and "damaged file is kept" in out.stdout
+    out = _cli("runs", "--json", "--store", str(st.path))
+    runs = {r["id"]: r for r in json.loads(out.stdout)}
+    assert {runs[done]["status"], runs[live]["status"]} == {"finished", "stopped"}
+    rebuilt = RunStore(st.path, create=False)
+    for rid, n in ((done, 25), (live, None)):
+        steps = [r["step"] for r in rebuilt.metrics_since(rid, -1, names=["loss/task"])]
+        assert steps == _jsonl_steps(st.path.parent / rid)
+        assert steps == list(range(1, (n or len(steps)) + 1))
+        assert runs[rid]["last_step"] == steps[-1]
+    assert rebuilt.check() == ["ok"]
+    assert len(list(st.path.parent.glob("comera.db.damaged-*"))) >= 1
+
+
+def test_a_trainer_whose_store_is_damaged_says_so_once_and_writes_no_more(
+        store: RunStore, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2: a trainer's store sink (``keep_going``) meets a damaged store: its flush,
+    status and close never raise, it says so once, and it writes nothing more."""
+    from comera_engine.store import StoreError, StoreSink
+
+    rid = store.create_run("r", {})
+    calls = []
+
+    def broken(*a: object, **k: object) -> None:
+        calls.append(1)
+        raise StoreError(f"store: {store.path} is corrupt or unreadable (malformed)")
+
+    sink = StoreSink(store, rid, flush_every=60, keep_going=True)
+    monkeypatch.setattr(store, "write_batch", broken)
+    sink.log_metrics(1, {"a": 1.0})
+    sink.flush()
+    sink.log_metrics(2, {"a": 2.0})
+    sink.set_status("stopped")
+    sink.close()
+    assert sink.store_lost and len(calls) == 1 and sink.pending() == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "comera repair" in err[0]
+
+
+def _trained_run(tmp_path: Path, home: Path, steps: int = 3) -> tuple[RunStore, str]:
+    """A finished foreground run (dense digits, ``steps`` steps) recorded in ``home``."""
+    from tests.test_cli import DIGITS
+
+    cfg = tmp_path / "digits.toml"
+    cfg.write_text(DIGITS.replace("steps = 2", f"steps = {steps}"))
+    assert main(["train", str(cfg), "--store", str(home), "--no-progress"]) == 0
+    st = RunStore(home, create=False)
+    (run,) = st.list_runs()
+    st.update_run(run["id"], pid=None, pid_started=None)  # its trainer (this process) is done
+    return st, run["id"]
+
+
+def _mount(*args: str) -> bool:
+    try:
+        return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_read_only_home_is_read_and_named(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    """Item 7: on a read-only home (a tmpfs remounted read-only) ``runs``, ``logs`` and
+    ``export`` work (the store opened read-only); ``launch`` and ``resume`` give one line
+    naming the folder and the fix."""
+    home = tmp_path / "home"
+    home.mkdir()
+    if not _mount("-t", "tmpfs", "-o", "size=64m", "tmpfs", str(home)):
+        pytest.skip("cannot mount a tmpfs here (a read-only home needs one for root)")
+    try:
+        st, rid = _trained_run(tmp_path, home)
+        st.set_status(rid, "stopped", only_from=("finished",))
+        st.close()
+        capsys.readouterr()
+        assert _mount("-o", "remount,ro", str(home))
+        assert main(["runs", "--store", str(home)]) == 0
+        assert rid in capsys.readouterr().out
+        assert main(["logs", rid, "--store", str(home)]) == 0
+        out = tmp_path / "model.safetensors"
+        assert main(["export", rid, "--store", str(home), "--out", str(out)]) == 0
+        assert out.is_file() and "read-only" in capsys.readouterr().err
+        for argv in (["launch", str(CONFIG)], ["resume", rid]):
+            _refused([*argv, "--store", str(home)], capsys, f"{home} is read-only")
+    finally:
+        subprocess.run(["umount", "-l", str(home)], capture_output=True)
+
+
+def test_resume_checks_the_folder_and_mends_its_metrics(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 7: ``resume`` of a run whose ``config.toml`` no longer reads back, or whose
+    folder is read-only, is refused in one line with the run unchanged; a run whose
+    ``metrics.jsonl`` was deleted gets it back whole (from the store) when it resumes."""
+    from comera_engine.launch import resume
+
+    home = tmp_path / "home"
+    st, rid = _trained_run(tmp_path, home)
+    st.set_status(rid, "stopped", only_from=("finished",))
+    folder = st.run_dir(rid)
+    config = (folder / "config.toml").read_text()
+    (folder / "config.toml").write_text(config.replace("[model]", "[model"))
+    with pytest.raises(ValueError, match=r"config\.toml no longer reads back"):
+        resume(rid, store=st)
+    (folder / "config.toml").write_text(config)
+    if _mount("--bind", str(folder), str(folder)):
+        try:
+            assert _mount("-o", "remount,ro,bind", str(folder))
+            with pytest.raises(ValueError, match=f"{folder} is read-only"):
+                resume(rid, store=st)
+        finally:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+    assert st.get_run(rid)["status"] == "stopped"
+    (folder / "metrics.jsonl").unlink()
+    assert main(["train", str(folder / "config.toml"), "--store", str(home), "--run-id", rid,
+                 "--resume", "--no-progress"]) == 0
+    assert _jsonl_steps(folder) == [1, 2, 3] == [r["step"] for r in
+                                                 st.metrics_since(rid, -1, ["loss/task"])]
+
+
+def test_deleting_a_live_runs_folder_stops_it(store: RunStore) -> None:
+    """Item 7: a launched run whose folder is deleted while it trains stops within
+    moments, ``failed`` with an error that says its folder was deleted."""
+    import shutil
+
+    from comera_engine.launch import launch
+    from tests.test_launch import LONG, START_TIMEOUT, wait_for
+
+    rid = launch(CONFIG, LONG, store=store)
+    wait_for(lambda: (store.get_run(rid)["last_step"] or 0) >= 30, START_TIMEOUT, "30 steps")
+    shutil.rmtree(store.run_dir(rid))
+    wait_for(lambda: store.get_run(rid)["status"] == "failed", 60, "failed")
+    assert "was deleted while the run trained" in store.get_run(rid)["error"]
+
+
+def test_names_checksums_and_the_run_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """Item 8: ``--name`` of 5,000 characters or with escapes is refused at launch; a
+    flipped bit in a checkpoint's tensor data fails its checksum and resume falls back to
+    the previous one; the run lock is not inherited by a forked child (a DataLoader
+    worker), so ``kill -9`` of the holder frees it while the child lives."""
+    from comera_engine.launch.owner import lock_holder
+    from comera_engine.store.layout import resume_point
+
+    _no_supervisor(monkeypatch)
+    db = tmp_path / "home" / "comera.db"
+    for name in ("x" * 5000, "a\x1b[31mred\nline"):
+        _refused(["launch", str(CONFIG), "--name", name, "--store", str(db)], capsys, "name")
+    assert not db.exists()
+    run_dir = tmp_path / "run"
+    from tests.test_cli import DIGITS
+
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(DIGITS.replace("steps = 2", "steps = 4\nckpt_every = 2"))
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--no-store",
+                 "--no-progress"]) == 0
+    newest = run_dir / "checkpoints" / "step_000004.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-5] ^= 0x10  # one bit of the last tensor's data: header and size still fit
+    newest.write_bytes(bytes(data))
+    chosen, note = resume_point(run_dir / "checkpoints")
+    assert chosen.name == "step_000002.json" and "checksum mismatch" in note
+    code = ("import os, sys, time; from comera_engine.launch.owner import RunLock; "
+            f"RunLock({str(tmp_path)!r}).acquire(); pid = os.fork()\n"
+            "if pid == 0: time.sleep(60); os._exit(0)\n"
+            "print(pid, flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(holder.stdout.readline())
+    try:
+        assert lock_holder(tmp_path)["pid"] == holder.pid
+        holder.kill()
+        holder.wait()
+        os.kill(child, 0)  # the forked child lives on ...
+        assert lock_holder(tmp_path) is None  # ... and the lock died with its holder
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_repair_finds_broken_pages_and_leaves_a_sound_store_alone(tmp_path: Path) -> None:
+    """Item 2: damage past the header (broken pages, which open fine) is found by
+    ``quick_check``; ``repair`` moves the file aside and rebuilds every run of the
+    folders with its metrics, ranks and events; a sound store is left as it is."""
+    import sqlite3
+
+    from comera_engine.metrics import JSONLSink
+    from comera_engine.store.repair import repair
+
+    home = tmp_path / "home"
+    st = RunStore(home)
+    for i, steps in enumerate((300, 40)):
+        rid = st.create_run(f"r{i}", {}, "running", run_id=f"20260101-00000{i}-abcd")
+        folder = home / rid
+        folder.mkdir()
+        (folder / "config.toml").write_text(CONFIG.read_text())
+        sink = JSONLSink(folder / "metrics.jsonl")
+        for s in range(1, steps + 1):
+            values = {"loss/task": 1.0 / s, "acc/train": s / steps}
+            sink.log_metrics(s, values)
+            st.log_metrics(rid, s, values)
+        sink.log_ranks(steps, {"hidden.0": [1, 6, 1]})
+        sink.log_event("stage", "late stage", 20)
+        sink.set_status("finished")
+        sink.close()
+    st.read(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+    st.close()
+    assert repair(home).problem is None  # sound: nothing moved
+    assert not list(home.glob("*.damaged-*"))
+    data = bytearray((home / "comera.db").read_bytes())
+    data[-8192:] = os.urandom(8192)  # the last two pages: metrics rows
+    (home / "comera.db").write_bytes(bytes(data))
+    report = repair(home)
+    assert report.problem and report.moved_to and report.moved_to.exists()
+    assert sorted(report.runs) == ["20260101-000000-abcd", "20260101-000001-abcd"]
+    rebuilt = RunStore(home, create=False)
+    assert rebuilt.check() == ["ok"]
+    for rid, steps in (("20260101-000000-abcd", 300), ("20260101-000001-abcd", 40)):
+        run = rebuilt.get_run(rid)
+        assert run["status"] == "finished" and run["last_step"] == steps
+        assert [r["step"] for r in rebuilt.metrics_since(rid, -1, ["loss/task"])] == \
+            list(range(1, steps + 1))
+        assert rebuilt.latest_ranks(rid) == {"hidden.0": [1, 6, 1]}
+        assert [e["kind"] for e in rebuilt.events(rid)] == ["stage", "repair"]
+    other = tmp_path / "other" / "comera.db"  # someone else's database is never moved
+    other.parent.mkdir()
+    with sqlite3.connect(other) as c:
+        c.execute("CREATE TABLE t (x)")
+    with pytest.raises(ValueError, match="not a CoMERA run store"):
+        repair(other)
+    assert other.exists()

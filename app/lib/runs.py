@@ -287,7 +287,12 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     rid = run["id"]
     step = int(run.get("last_step") or 0)
-    evs = store.events(rid, kinds=["target", "pace", "slow_path"])
+    stalled = store.stalled_for(rid)  # by id: a steady read's key stays small
+    if stalled is not None:
+        out.append(("warning", f"Stalled: no step for {stalled:.0f} s (at step {step:,}); "
+                    "the trainer may be frozen or starved. Stop resumes it to write its "
+                    "checkpoint first."))
+    evs = store.events(rid, kinds=["target", "pace", "slow_path", "threads"])
     finals = [e for e in evs if e["kind"] == "target" and (e.get("step") or 0) >= step]
     target = target_of(run)
     if run.get("status") == "finished" and finals:
@@ -301,6 +306,9 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
     fixed = [e for e in evs if e["kind"] == "pace" and "ranks fixed" in str(e["text"])]
     if fixed and not (run.get("status") == "finished" and finals):
         out.append(("info", str(fixed[-1]["text"])))
+    threads = [e for e in evs if e["kind"] == "threads"]
+    if threads:
+        out.append(("info", f"CPU threads: {threads[-1]['text']}"))
     seen = set()
     for e in evs:
         if e["kind"] == "slow_path" and e["text"] not in seen:

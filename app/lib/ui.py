@@ -64,8 +64,9 @@ def require_store() -> RunStore:
         return get_store()
     except Exception as e:  # noqa: BLE001 - foreign or corrupt file, permissions
         st.error(
-            f"The run store cannot be opened: {e}\n\nSet `COMERA_HOME` to a folder for a "
-            "fresh store and restart the dashboard."
+            f"The run store cannot be opened: {e}\n\nA damaged store is rebuilt from the "
+            "run folders by `comera repair`; or set `COMERA_HOME` to a folder for a fresh "
+            "store and restart the dashboard."
         )
         st.stop()
         raise  # pragma: no cover - st.stop() raises

@@ -43,6 +43,7 @@ from typing import Any
 from comera_engine.errors import ConfigError
 from comera_engine.launch.liveness import pid_alive, processes_alive, reap, this_host
 from comera_engine.launch.owner import lock_holder
+from comera_engine.launch.threads import AUTO_KEY, cpu_cores, runs_in_flight, thread_budget
 from comera_engine.store import (
     FINAL_STATUSES,
     RESUMABLE_STATUSES,
@@ -51,10 +52,17 @@ from comera_engine.store import (
     new_run_id,
     read_log_tail,
 )
-from comera_engine.store.layout import resume_point
+from comera_engine.store.layout import (
+    check_free_space,
+    checkpoint_bytes,
+    disk_full_text,
+    is_disk_full,
+    resume_point,
+)
 
 __all__ = [
     "LaunchError",
+    "assign_threads",
     "checkpoint_steps",
     "dispatch",
     "housekeeping",
@@ -66,8 +74,10 @@ __all__ = [
     "reap",
     "resolve_config",
     "resume",
+    "run_folder_of",
     "set_max_concurrent",
     "stop",
+    "stop_folder",
 ]
 
 #: Seconds a stop waits for the trainer's checkpoint before SIGKILL.
@@ -150,15 +160,18 @@ def launch(
     """
     cfg = resolve_config(config, overrides)
     if name is not None:
-        if not str(name).strip():
-            raise ConfigError("name", "must be a non-empty string")
-        cfg.name = str(name).strip()
+        from comera_engine.config import check_run_name
+
+        cfg.name = check_run_name(name)
     gpus = _check_gpus(gpus, nproc)
     if max_concurrent is not None and (
         not isinstance(max_concurrent, int) or max_concurrent < 0
     ):
         raise ConfigError("max_concurrent", f"must be an integer >= 0, got {max_concurrent!r}")
     st = open_store(store)
+    if st.readonly:
+        raise st.read_only_error()
+    check_free_space(st.root, 0, "COMERA_HOME")  # the caller checks a checkpoint's size
     rid = queue_run(st, cfg, gpus=gpus, nproc=nproc)
     if max_concurrent is not None:
         set_max_concurrent(st, max_concurrent)
@@ -200,8 +213,10 @@ def queue_run(
         raise LaunchError("launch: could not allocate a run folder")
     try:
         (run_dir / CONFIG_FILENAME).write_text(text, encoding="utf-8")
-        env_text = json.dumps(dict(run_env() if env is None else env), indent=1)
-        (run_dir / ENV_FILENAME).write_text(env_text, encoding="utf-8")
+        recorded = dict(run_env() if env is None else env)
+        if "OMP_NUM_THREADS" not in recorded:  # the launcher sets it at dispatch
+            recorded[AUTO_KEY] = "auto"
+        (run_dir / ENV_FILENAME).write_text(json.dumps(recorded, indent=1), encoding="utf-8")
         st.create_run(
             cfg.name,
             cfg.to_dict(),
@@ -214,8 +229,12 @@ def queue_run(
             sweep_id=sweep_id,
             cell=cell,
         )
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a read-only home: one line
+            raise LaunchError(disk_full_text(st.root) if is_disk_full(e) else
+                              f"launch: cannot write the run folder {run_dir} "
+                              f"({e.strerror or e}); check COMERA_HOME") from None
         raise
     st.log_event(rid, "launch", f"queued {cfg.name} (nproc={nproc}, gpus={gpus or 'default'})")
     return rid
@@ -294,10 +313,39 @@ def child_env(gpus: str | None = None, recorded: Mapping[str, str] | None = None
     return env
 
 
+def assign_threads(st: RunStore, rid: str) -> tuple[int, int, int] | None:
+    """Give a dispatched run whose launch environment asks for it (``COMERA_THREADS =
+    auto``, see :mod:`comera_engine.launch.threads`) its share of the cores: writes
+    ``OMP_NUM_THREADS`` into its ``launch_env.json`` and logs a ``threads`` event.
+    Returns ``(threads, cores, runs in flight)``, or ``None`` when the run keeps its
+    own setting."""
+    import json
+
+    run_dir = st.run_dir(rid)
+    env = recorded_env(run_dir)
+    if env is None or env.get(AUTO_KEY) != "auto":
+        return None
+    cores, runs = cpu_cores(), max(1, runs_in_flight(st))
+    threads = thread_budget(cores, runs)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["COMERA_THREADS_SHARED"] = f"{cores} cores, {runs} run(s) in flight"
+    tmp = run_dir / (ENV_FILENAME + ".tmp")
+    try:
+        tmp.write_text(json.dumps(env, indent=1), encoding="utf-8")
+        os.replace(tmp, run_dir / ENV_FILENAME)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    st.log_event(rid, "threads", f"{threads} thread(s): {cores} cores shared by {runs} "
+                 "run(s) in flight (OMP_NUM_THREADS)")
+    return threads, cores, runs
+
+
 def _spawn_supervisor(st: RunStore, rid: str) -> None:
     run = st.get_run(rid)
     assert run is not None
     st.run_dir(rid).mkdir(parents=True, exist_ok=True)
+    assign_threads(st, rid)
     cwd = run["cwd"] if run["cwd"] and os.path.isdir(run["cwd"]) else str(st.run_dir(rid))
     cmd = [
         sys.executable,
@@ -348,12 +396,24 @@ def signal_group(pid: int | None, sig: int) -> bool:
         return False
 
 
+def wake(pid: int | None) -> None:
+    """SIGCONT to ``pid``'s process group (or the process alone when it leads none): a
+    frozen (SIGSTOP-ed) trainer must run again to write its last checkpoint."""
+    if pid and not signal_group(pid, signal.SIGCONT):
+        try:
+            os.kill(int(pid), signal.SIGCONT)
+        except OSError:
+            pass
+
+
 def send_stop_signal(pid: int | None, nproc: int = 1) -> bool:
-    """SIGTERM to the trainer: the process itself (its data-loader workers are its own
-    business), or with torchrun (``nproc > 1``) its worker processes, so that torchrun
-    sees them end cleanly. Returns whether anything was signalled."""
+    """SIGTERM to the trainer, after a SIGCONT (a stopped process would never act on
+    it): the process itself (its data-loader workers are its own business), or with
+    torchrun (``nproc > 1``) its worker processes, so that torchrun sees them end
+    cleanly. Returns whether anything was signalled."""
     if not pid:
         return False
+    wake(pid)
     if nproc > 1:
         try:
             import psutil
@@ -364,6 +424,7 @@ def send_stop_signal(pid: int | None, nproc: int = 1) -> bool:
         sent = False
         for w in workers:
             try:
+                w.send_signal(signal.SIGCONT)
                 w.send_signal(signal.SIGTERM)
                 sent = True
             except Exception:
@@ -445,6 +506,47 @@ def stop(
         time.sleep(0.1)
 
 
+def run_folder_of(root: Path, ref: str) -> Path:
+    """The run folder ``<root>/<ref>``, or the one folder whose name starts with
+    ``ref``, found without the store (its file may be unreadable). LaunchError when
+    none or several match."""
+    root = Path(root)
+    if ref and "/" not in ref and (root / ref / CONFIG_FILENAME).is_file():
+        return root / ref
+    found = [p for p in (root.iterdir() if root.is_dir() else [])
+             if p.name.startswith(ref) and (p / CONFIG_FILENAME).is_file()]
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)}"
+        raise LaunchError(f"run: {what} run folder(s) named {ref!r}... in {root}")
+    return found[0]
+
+
+def stop_folder(folder: Path, timeout: float = DEFAULT_STOP_TIMEOUT) -> str:
+    """Stop the trainer that holds ``folder``'s lock, through the owner record in its
+    ``.lock`` alone (for a store that cannot be read): SIGCONT and SIGTERM, then after
+    ``timeout`` seconds SIGKILL. Returns ``stopped`` (it let go of its folder),
+    ``killed`` or ``not running``; LaunchError when the owner runs on another host or
+    outlives the kill."""
+    holder = lock_holder(folder)
+    if holder is None:
+        return "not running"
+    pid = holder.get("pid")
+    if not pid or (holder.get("host") and holder["host"] != this_host()):
+        raise LaunchError(f"run: {folder} is held by pid {pid} on {holder.get('host')}; "
+                          "stop it there")
+    send_stop_signal(int(pid))
+    deadline = time.monotonic() + float(timeout)
+    while lock_holder(folder) is not None:
+        if time.monotonic() > deadline:
+            _kill_owner({"pid": pid, "pid_started": holder.get("pid_started")})
+            time.sleep(0.2)
+            if lock_holder(folder) is not None:
+                raise LaunchError(f"run: pid {pid} still holds {folder} after SIGKILL")
+            return "killed"
+        time.sleep(0.1)
+    return "stopped"
+
+
 def is_ray_cell(st: RunStore, run: Mapping[str, Any]) -> bool:
     """Whether ``run`` is a cell of a sweep whose cells run as Ray tasks
     (:mod:`comera_engine.launch.ray_backend`). Such a cell's ``pid`` is the sweep's
@@ -515,6 +617,8 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     process still holds the run folder's lock, or when every checkpoint is damaged."""
     st = open_store(store)
     rid = st.resolve(run_id)
+    if st.readonly:
+        raise st.read_only_error()
     reap(st)
     run = st.get_run(rid)
     assert run is not None
@@ -534,9 +638,11 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
             f"run: {rid} is still being written by pid {holder.get('pid', '?')}; "
             "stop that process first"
         )
-    if not (st.run_dir(rid) / CONFIG_FILENAME).is_file():
-        raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {st.run_dir(rid)}")
-    start, _ = resume_point(st.run_dir(rid) / "checkpoints")  # all damaged: one line
+    run_dir = st.run_dir(rid)
+    if not (run_dir / CONFIG_FILENAME).is_file():
+        raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {run_dir}")
+    start, _ = resume_point(run_dir / "checkpoints")  # all damaged: one line
+    _check_resumable_folder(run_dir)
     ok = st.set_status(
         rid,
         "queued",
@@ -552,6 +658,33 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     st.log_event(rid, "resume", f"resume requested from {where}")
     dispatch(st)
     return rid
+
+
+def _check_resumable_folder(run_dir: Path) -> None:
+    """What a resumed trainer needs of its folder, checked before the resume is
+    accepted: its config reads back, the folder (and its checkpoints) can be written,
+    and the disk has room for one more checkpoint."""
+    from comera_engine.config import load_config
+
+    try:
+        load_config(run_dir / CONFIG_FILENAME)
+    except ConfigError as e:
+        raise LaunchError(f"run: {run_dir / CONFIG_FILENAME} no longer reads back "
+                          f"({e}); restore it (it is the run's resolved config)") from None
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            raise LaunchError(f"run: {folder} is read-only; make it writable "
+                              f"(chmod u+w {folder}) to resume")
+    try:  # access() says yes to root on a read-only mount: try it
+        probe = run_dir / ".resume-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        if is_disk_full(e):
+            raise LaunchError(f"run: {disk_full_text(run_dir)}") from None
+        raise LaunchError(f"run: cannot write in {run_dir} ({e.strerror or e}); make it "
+                          "writable to resume") from None
+    check_free_space(run_dir, checkpoint_bytes(run_dir / "checkpoints"), "run")
 
 
 def logs(

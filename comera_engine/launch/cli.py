@@ -25,10 +25,12 @@ from comera_engine.launch import (
     stop,
 )
 from comera_engine.metrics import format_ratio, run_compression, target_status
-from comera_engine.store import FINAL_STATUSES, RunStore, resolve_store_path
+from comera_engine.store import FINAL_STATUSES, RunStore, StoreError, resolve_store_path
+from comera_engine.store.errors import is_damaged
 from comera_engine.store.runs import STATUSES
 
-__all__ = ["add_override_option", "add_subparsers", "main"]
+__all__ = ["add_override_option", "add_subparsers", "bounded_float", "bounded_int", "main",
+           "one_line"]
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
@@ -67,11 +69,12 @@ def add_subparsers(subparsers: Any) -> None:
         "--gpus", default=None, help="CUDA_VISIBLE_DEVICES for this run, e.g. 0 or 0,1"
     )
     p.add_argument(
-        "--nproc", type=int, default=1, help="processes (GPUs) through torchrun (default 1)"
+        "--nproc", type=bounded_int(1, 1024), default=1,
+        help="processes (GPUs) through torchrun (default 1)"
     )
     p.add_argument(
         "--max-concurrent",
-        type=int,
+        type=bounded_int(0, 100_000),
         default=None,
         help="set the store's limit on runs at once (0: none); later runs wait queued",
     )
@@ -92,7 +95,8 @@ def add_subparsers(subparsers: Any) -> None:
     p = subparsers.add_parser("logs", help="print a run's log")
     p.add_argument("run", help="run id, unique id prefix or run name")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
-    p.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
+    p.add_argument("-n", "--tail", type=bounded_int(0, 1_000_000), default=None,
+                   help="only the last N lines")
     _add_store(p)
     p.set_defaults(func=cmd_logs)
 
@@ -101,7 +105,7 @@ def add_subparsers(subparsers: Any) -> None:
     p.add_argument("run", help="run or sweep id, unique id prefix or name")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=bounded_float(0.0, 7 * 86400.0),
         default=DEFAULT_STOP_TIMEOUT,
         help="seconds to wait for the checkpoint before SIGKILL "
         f"(default {DEFAULT_STOP_TIMEOUT:g})",
@@ -116,10 +120,22 @@ def add_subparsers(subparsers: Any) -> None:
     _add_store(p)
     p.set_defaults(func=cmd_resume)
 
+    p = subparsers.add_parser("repair", help="check the run store (quick_check); a damaged "
+                              "one is moved aside and rebuilt from the run folders")
+    _add_store(p)
+    p.set_defaults(func=cmd_repair)
+
 
 def _fail(e: BaseException) -> int:
-    print(f"comera: error: {e}", file=sys.stderr)
+    print(f"comera: error: {one_line(e)}", file=sys.stderr)
     return 2
+
+
+def one_line(e: BaseException | str) -> str:
+    """An error's message as one line of bounded length (a value it echoes is cut)."""
+    from comera_engine.errors import MAX_PROBLEM_CHARS, shorten
+
+    return shorten(" ".join(str(e).split("\n")), MAX_PROBLEM_CHARS + 200)
 
 
 def _existing_store(path: str | None) -> RunStore:
@@ -140,12 +156,26 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(e)
     st = open_store(args.store)
+    _say_threads(st, rid)
     if args.json:
         info = {"run_id": rid, "run_dir": str(st.run_dir(rid)), "log": str(st.log_path(rid))}
         print(json.dumps(info))
     else:
         print(rid)
     return 0
+
+
+def _say_threads(st: RunStore, rid: str) -> None:
+    """One line on stderr when the new run shares this machine's cores with others."""
+    from comera_engine.launch import recorded_env
+    from comera_engine.launch.threads import AUTO_KEY, cpu_cores, runs_in_flight
+
+    env = recorded_env(st.run_dir(rid)) or {}
+    runs = runs_in_flight(st)
+    if env.get(AUTO_KEY) == "auto" and "OMP_NUM_THREADS" in env and runs > 1:
+        print(f"comera: {rid} shares this machine's {cpu_cores()} cores with "
+              f"{runs - 1} other run(s): {env['OMP_NUM_THREADS']} thread(s) for it "
+              "(OMP_NUM_THREADS; each run follows the runs in flight)", file=sys.stderr)
 
 
 def _fmt_time(t: float | None) -> str:
@@ -181,8 +211,11 @@ def _fmt_target(run: dict[str, Any], latest: dict[str, Any]) -> str:
 
 def _fmt_status(run: dict[str, Any]) -> str:
     """The status, and for a run that is not over its phase (with its progress when
-    known): ``running · evaluating 40%``."""
+    known): ``running · evaluating 40%``; a run with no progress for too long (see
+    :meth:`RunStore.stalled_for`): ``running · stalled 95 s at step 812``."""
     status, phase = str(run["status"]), run.get("phase")
+    if run.get("stalled_s") is not None:
+        return f"{status} · stalled {run['stalled_s']:.0f} s at step {run['last_step']}"
     if status in FINAL_STATUSES or not phase:
         return status
     progress = run.get("phase_progress")
@@ -196,8 +229,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return 0
     try:
         st = _existing_store(args.store)
-        housekeeping(st)
+        if not st.readonly:  # a read-only home is listed as it is
+            housekeeping(st)
         runs = st.list_runs(status=args.status, name_like=args.name, limit=args.limit)
+        for r in runs:
+            r["stalled_s"] = st.stalled_for(r)
     except ValueError as e:
         return _fail(e)
     if args.json:
@@ -237,15 +273,45 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
+def bounded_int(low: int, high: int) -> Any:
+    """argparse type: a whole number in ``low..high`` (a number past any sensible
+    value is refused in one line, before it can overflow anything)."""
+
+    def parse(text: str) -> int:
+        if len(text) > 30:
+            raise argparse.ArgumentTypeError(f"must be a whole number {low}..{high:,}, got "
+                                             f"{len(text)} characters")
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number {low}..{high:,}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be a whole number {low}..{high:,}, got "
+                                             f"{value}")
+        return value
+
+    return parse
+
+
+def bounded_float(low: float, high: float) -> Any:
+    """argparse type: a finite number in ``low..high``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text[:40])
+        except ValueError:
+            value = float("nan")
+        if not low <= value <= high:  # NaN fails too
+            raise argparse.ArgumentTypeError(
+                f"must be a number {low:g}..{high:g}, got {text[:40]!r}")
+        return value
+
+    return parse
+
+
+#: A whole number >= 1, bounded (``--limit``, ``--seeds``, ``--max-parallel``).
+_positive_int = bounded_int(1, 1_000_000)
 
 
 def _printable(text: str) -> str:
@@ -292,13 +358,28 @@ def _follow(st: RunStore, rid: str, tail: int | None) -> int:
             quiet_since = None
         else:
             run = st.get_run(rid)
-            reap(st)
+            if not st.readonly:
+                reap(st)
             if run is None or run["status"] in FINAL_STATUSES:
                 if quiet_since is None:
                     quiet_since = time.monotonic()
                 elif time.monotonic() - quiet_since > 1.0:  # the supervisor's last line
                     return 0
             time.sleep(0.25)
+
+
+def _stop_without_store(args: argparse.Namespace) -> int:
+    """``comera stop`` when the store cannot be read: through the run folder's owner
+    record (its ``.lock``)."""
+    from comera_engine.launch import run_folder_of, stop_folder
+
+    try:
+        folder = run_folder_of(resolve_store_path(args.store).parent, args.run)
+        status = stop_folder(folder, timeout=args.timeout)
+    except ValueError as e:
+        return _fail(e)
+    print(f"{folder.name}: {status} (the store is damaged: run `comera repair`)")
+    return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -314,6 +395,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
             return 1 if live and not args.no_wait else 0
         rid = st.resolve(args.run)
         status = stop(rid, timeout=args.timeout, store=st, wait=not args.no_wait)
+    except StoreError as e:  # a damaged store still lets a run be stopped
+        return _stop_without_store(args) if is_damaged(e) else _fail(e)
     except ValueError as e:
         return _fail(e)
     if status in FINAL_STATUSES or args.no_wait:
@@ -339,6 +422,25 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(e)
     print(rid)
+    return 0
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    from comera_engine.store.repair import repair
+
+    try:
+        report = repair(args.store)
+    except ValueError as e:
+        return _fail(e)
+    if report.problem is None:
+        print(f"{report.path}: sound (quick_check ok); nothing to repair")
+        return 0
+    moved = f"; the damaged file is kept as {report.moved_to}" if report.moved_to else ""
+    print(f"{report.path}: {one_line(report.problem)}{moved}")
+    print(f"rebuilt {len(report.runs)} run(s) with {report.metric_rows} metric rows from "
+          f"their folders in {report.path.parent}")
+    for skipped in report.skipped:
+        print(f"skipped {one_line(skipped)}", file=sys.stderr)
     return 0
 
 

@@ -50,6 +50,24 @@ def _describe(token: Mapping[str, Any] | None) -> str:
     return f"pid {token['pid']} on {token.get('host') or 'this host'}"
 
 
+#: Descriptors of the run locks this process holds. A forked child (a DataLoader
+#: worker) closes its copies at once: a flock belongs to the open file, so a child's
+#: copy would keep the lock after the trainer died (``kill -9``) until the child ended.
+_HELD: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class RunLock:
     """An exclusive, non-blocking ``flock`` on ``<run_dir>/.lock``.
 
@@ -93,11 +111,13 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
         self._fd = fd
+        _HELD.add(fd)
         return self
 
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            _HELD.discard(fd)
             os.close(fd)  # closing the only descriptor drops the flock
 
     def __enter__(self) -> RunLock:

@@ -172,8 +172,12 @@ class Supervisor:
         st.log_event(rid, "start", f"attempt {attempt}: trainer pid {proc.pid}{note}")
 
         rc = self._watch(proc)
-        self._finalize(rc, offset)
-        dispatch(st)
+        try:
+            self._finalize(rc, offset)
+            dispatch(st)
+        except StoreError as e:  # a damaged store: the run folder keeps the record
+            _log(self.log_path, f"trainer exited (code {rc}); the store could not record it "
+                 f"({e})")
         return 0
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> int:

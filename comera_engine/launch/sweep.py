@@ -138,17 +138,6 @@ def default_parallel(device: str = "auto") -> int:
     return max(1, (os.cpu_count() or 1) // 4)
 
 
-def _cell_env(parallel: int) -> dict[str, str]:
-    """The launch environment of a cell: this process's, with CPU threads split between
-    the cells that run at once (unless the caller set them)."""
-    from comera_engine.launch import run_env
-
-    env = run_env()
-    if "OMP_NUM_THREADS" not in env and parallel > 1:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
-    return env
-
-
 def create_sweep(
     config: Mapping[str, Any] | str | os.PathLike[str],
     grid: Mapping[str, Sequence[Any]],
@@ -194,6 +183,10 @@ def create_sweep(
     if "train.seed" in grid and seeds > 1:
         raise ConfigError("--seeds", "train.seed is in the grid; leave --seeds at 1")
     base = resolve_config(config, overrides)
+    if name is not None:
+        from comera_engine.config import check_run_name
+
+        name = check_run_name(name, "--name")
     cells = expand_cells(grid, seeds, base_seed=base.train.seed if "train.seed" not in grid
                          else 0)
     if "train.seed" in grid:
@@ -218,12 +211,11 @@ def create_sweep(
     st = open_store(store)
     sid = st.create_sweep(name or base.name, base.to_dict(), grid, seeds,
                           max_parallel=parallel, backend=backend, address=address)
-    env = _cell_env(parallel) if not gpu_list else None
     made: list[str] = []
     try:
         for i, (cell, cfg) in enumerate(zip(cells, configs)):
             cell_gpus = gpu_list[i % len(gpu_list)] if gpu_list else None
-            made.append(queue_run(st, cfg, gpus=cell_gpus, sweep_id=sid, cell=cell, env=env))
+            made.append(queue_run(st, cfg, gpus=cell_gpus, sweep_id=sid, cell=cell))
     except BaseException:
         for rid in made:
             st.delete_run(rid, remove_files=True)

@@ -126,6 +126,10 @@ class Database:
         self.path = resolve_store_path(path)
         self.root = self.path.parent
         self.busy_timeout = float(busy_timeout)
+        #: An existing store in a folder this process cannot write (a read-only home) is
+        #: opened read-only: reads work, a write raises StoreError naming the folder.
+        self.readonly = self.path.exists() and not (
+            os.access(self.root, os.W_OK | os.X_OK) and os.access(self.path, os.W_OK))
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._conn_pid = -1
@@ -149,10 +153,12 @@ class Database:
 
     def _wrap(self, e: sqlite3.Error) -> StoreError:
         msg = str(e).lower()
+        if "readonly" in msg or "read-only" in msg:
+            return self.read_only_error()
         if "malformed" in msg or "not a database" in msg or "corrupt" in msg:
             return StoreError(
                 f"store: {self.path} is corrupt or unreadable ({e}); it was left untouched — "
-                "restore a backup or choose another --store / COMERA_HOME"
+                "`comera repair` rebuilds it from the run folders (the damaged file is kept)"
             )
         if _is_busy(e):
             return StoreError(
@@ -165,18 +171,13 @@ class Database:
             if self._conn is not None and self._conn_pid == os.getpid():
                 return self._conn
             self._conn = None  # after a fork, never reuse the parent's connection
-            conn = sqlite3.connect(
-                str(self.path),
-                timeout=self.busy_timeout,
-                isolation_level=None,
-                check_same_thread=False,
-                factory=_Connection,
-            )
+            conn = self._connect()
             try:
                 conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
                 self._open_schema(conn)
-                _execute_when_free(conn, "PRAGMA journal_mode = WAL", self.busy_timeout)
-                conn.execute("PRAGMA synchronous = NORMAL")
+                if not self.readonly:
+                    _execute_when_free(conn, "PRAGMA journal_mode = WAL", self.busy_timeout)
+                    conn.execute("PRAGMA synchronous = NORMAL")
             except sqlite3.Error as e:
                 conn.close()
                 raise self._wrap(e) from e
@@ -192,11 +193,37 @@ class Database:
                 self._finalizer = weakref.finalize(conn, _release, key)
             return conn
 
+    def _connect(self) -> sqlite3.Connection:
+        """A new connection; read-only (``mode=ro``, else ``immutable=1`` where SQLite
+        cannot make the WAL index beside a read-only file) for a read-only store."""
+        kwargs: dict[str, Any] = {"timeout": self.busy_timeout, "isolation_level": None,
+                                  "check_same_thread": False, "factory": _Connection}
+        if not self.readonly:
+            return sqlite3.connect(str(self.path), **kwargs)
+        from urllib.parse import quote
+
+        uri = "file:" + quote(str(self.path))
+        try:
+            conn = sqlite3.connect(uri + "?mode=ro", uri=True, **kwargs)
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError:
+            return sqlite3.connect(uri + "?immutable=1", uri=True, **kwargs)
+
+    def read_only_error(self) -> StoreError:
+        """The one-line error of a write to a read-only store (names the folder and the
+        fix)."""
+        return StoreError(f"store: {self.root} is read-only; make it writable (chmod u+w "
+                          f"{self.root}, or remount it) or set COMERA_HOME to a writable "
+                          "folder")
+
     def _open_schema(self, conn: sqlite3.Connection) -> None:
         """Validate (read-only) an existing store, or create / migrate ours under a write
         lock."""
         if schema.read_version(conn, self.path) == schema.SCHEMA_VERSION:
             return
+        if self.readonly:  # an older store cannot be migrated here
+            raise self.read_only_error()
         _execute_when_free(conn, "BEGIN IMMEDIATE", self.busy_timeout)
         try:
             schema.upgrade(conn, self.path)
@@ -251,7 +278,10 @@ class Database:
                     raise self._wrap(e) from e
 
     def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` in one short write transaction (retried while busy)."""
+        """Run ``fn(conn)`` in one short write transaction (retried while busy); a
+        read-only store raises StoreError naming its folder and the fix."""
+        if self.readonly:
+            raise self.read_only_error()
         return self._retrying(fn, write=True)
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:

@@ -13,3 +13,11 @@ class RunNotFoundError(StoreError):
 
 class NotOwnerError(StoreError):
     """A write by a process that no longer owns the run (another trainer took it over)."""
+
+
+def is_damaged(e: BaseException) -> bool:
+    """Whether a store error says the file itself is damaged (corrupt pages, a zeroed
+    header): what ``comera repair`` rebuilds."""
+    text = str(e)
+    return any(w in text for w in ("corrupt", "malformed", "not a database",
+                                   "not a SQLite database"))

@@ -8,9 +8,12 @@ checkpoints ``checkpoints/step_000123.json`` (sidecar, written last) beside
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,110 @@ def resolve_store_path(path: str | os.PathLike[str] | None = None) -> Path:
     if p.is_dir() or (not p.exists() and (not p.suffix or text.endswith(("/", os.sep)))):
         p = p / DB_FILENAME
     return p.absolute()
+
+
+#: Room kept beside a checkpoint for the run's logs, metrics and store rows.
+DISK_MARGIN_BYTES = 16 << 20
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_bytes(folder: str | os.PathLike[str]) -> int | None:
+    """Free bytes on the file system of ``folder`` (or of its nearest existing parent:
+    a home not made yet), ``None`` when that cannot be told (a pseudo file system such
+    as /proc, of size 0, is not a disk)."""
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return None
+    return usage.free if usage.total else None
+
+
+def disk_full_text(folder: str | os.PathLike[str], need: int | None = None) -> str:
+    """``disk full: free N MB in FOLDER`` (and what is needed), one line with the fix."""
+    free = free_bytes(folder)
+    shown = "?" if free is None else f"{free / 2**20:.1f}"
+    wants = "" if need is None else f", about {need / 2**20:.0f} MB needed"
+    return (f"disk full: free {shown} MB in {folder}{wants}; free space there (or set "
+            "COMERA_HOME to a folder with room)")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a full disk or quota, from the OS
+    (``ENOSPC``/``EDQUOT``) or from SQLite (``database or disk is full``)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return True
+        if "disk is full" in str(exc) or "No space left" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def check_free_space(folder: str | os.PathLike[str], need: int, field: str) -> None:
+    """Refuse (ConfigError naming ``field``) when ``folder`` has less than ``need`` bytes
+    plus :data:`DISK_MARGIN_BYTES` free."""
+    free = free_bytes(folder)
+    if free is not None and free < need + DISK_MARGIN_BYTES:
+        raise ConfigError(field, disk_full_text(folder, need + DISK_MARGIN_BYTES))
+
+
+def checkpoint_bytes(ckpt_dir: str | os.PathLike[str]) -> int:
+    """Bytes of the newest complete checkpoint in ``ckpt_dir`` (0 when none)."""
+    found = list_checkpoints(ckpt_dir)
+    if not found:
+        return 0
+    meta = found[-1][1]
+    try:
+        return meta.with_suffix(".safetensors").stat().st_size + meta.stat().st_size
+    except OSError:
+        return 0
+
+
+#: A file of :data:`RESERVE_BYTES` a trainer keeps in its run folder while it lives and
+#: deletes when the disk fills, so that its final status, its last records and the
+#: clean-up can still be written.
+RESERVE_NAME = ".disk-reserve"
+RESERVE_BYTES = 1 << 20
+
+
+def make_reserve(run_dir: str | os.PathLike[str], size: int = RESERVE_BYTES) -> bool:
+    """Allocate the run folder's disk reserve; ``False`` (and no file) when there is no
+    room for it."""
+    path = Path(run_dir) / RESERVE_NAME
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        path.unlink(missing_ok=True)
+        return False
+
+
+def release_reserve(run_dir: str | os.PathLike[str]) -> None:
+    """Delete the run folder's disk reserve (if any)."""
+    try:
+        (Path(run_dir) / RESERVE_NAME).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def write_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through ``<path>.tmp`` and a rename: ``path`` is the
+    old file or the whole new one, and a failed write (a full disk) leaves no ``.tmp``."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def run_folder(root: Path, run_id: str) -> Path:
@@ -120,6 +227,15 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def checkpoint_problem(meta_path: str | os.PathLike[str]) -> str | None:
     """What makes a checkpoint unusable, or ``None`` when it reads back whole.
 
@@ -133,6 +249,10 @@ def checkpoint_problem(meta_path: str | os.PathLike[str]) -> str | None:
         if not isinstance(meta, dict) or "step" not in meta:
             return f"{meta_path.name}: not a checkpoint sidecar"
         header = _safetensors_header(meta_path.with_suffix(".safetensors"))
+        want = meta.get("sha256")  # checkpoints written before the checksum have none
+        if want is not None and file_sha256(meta_path.with_suffix(".safetensors")) != want:
+            return (f"{meta_path.stem}.safetensors: checksum mismatch (its bytes changed "
+                    "after it was written)")
         for name, shape in dict(meta.get("shapes", {})).items():
             entry = header.get(f"model/{name}")
             if entry is None:

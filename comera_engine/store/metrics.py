@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -193,6 +194,12 @@ class MetricRows(Database):
         self.write_batch(run_id, events=[(time.time(), step, str(kind), str(text))])
 
     def log_artifact(self, run_id: str, kind: str, path: str | os.PathLike[str]) -> None:
+        """Record a file written for a run (an export); a read-only store (a read-only
+        home, opened for reading) keeps no record and says so on stderr."""
+        if self.readonly:
+            print(f"comera: {kind} not recorded: the store in {self.root} is read-only",
+                  file=sys.stderr)
+            return
         self.write_batch(run_id, artifacts=[artifact_row(kind, path)])
 
     # ---- metric reads ------------------------------------------------------------------

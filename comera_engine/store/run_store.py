@@ -10,11 +10,30 @@ settings (``max_concurrent``, the dashboard's launch tokens) live here.
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from comera_engine.store.metrics import MetricRows
 from comera_engine.store.runs import RunRows
 from comera_engine.store.sweeps import SweepRows
+
+#: A run with no completed step for ``max(STALL_FLOOR_S, STALL_STEPS x its median step
+#: time)`` is stalled (``$COMERA_STALL_S`` sets the floor).
+STALL_FLOOR_S = 60.0
+STALL_STEPS = 20
+#: Phases in which a run is expected to complete steps (or report evaluation progress).
+_STEPPING_PHASES = (None, "training", "evaluating", "checkpointing")
+
+
+def stall_floor() -> float:
+    """The shortest quiet time that counts as stalled: ``$COMERA_STALL_S`` or 60 s."""
+    try:
+        return max(0.0, float(os.environ.get("COMERA_STALL_S", STALL_FLOOR_S)))
+    except ValueError:
+        return STALL_FLOOR_S
 
 
 class RunStore(RunRows, SweepRows, MetricRows):
@@ -43,3 +62,29 @@ class RunStore(RunRows, SweepRows, MetricRows):
                 (key, json.dumps(value)),
             )
         )
+
+    def stalled_for(self, run: Mapping[str, Any] | str,
+                    now: float | None = None) -> float | None:
+        """Seconds since a live, stepping run (a row, or its id) last made progress (its
+        last step's metric row, or a phase, progress or status change), when that
+        exceeds ``max(floor, STALL_STEPS x its median step time)`` (:func:`stall_floor`);
+        ``None`` while it makes progress, before its first step and for a run that is
+        not running. The heartbeat is not progress: a frozen trainer under a live
+        supervisor stalls."""
+        if isinstance(run, str):
+            run = self.get_run(run) or {}
+        if run.get("status") not in ("running", "stopping") or run.get("last_step") is None:
+            return None
+        if run.get("phase") not in _STEPPING_PHASES:
+            return None
+        rows = self._rows(
+            "SELECT time, value FROM metrics WHERE run_id = ? AND name = 'perf/step_time_s' "
+            "ORDER BY step DESC LIMIT 101", (run["id"],))
+        if not rows:
+            return None
+        times = [float(r[1]) for r in rows if r[1] is not None]
+        median = statistics.median(times) if times else 0.0
+        since = max(float(rows[0][0]), float(run.get("updated_at") or 0.0),
+                    float(run.get("started_at") or 0.0))
+        quiet = (time.time() if now is None else now) - since
+        return quiet if quiet > max(stall_floor(), STALL_STEPS * median) else None

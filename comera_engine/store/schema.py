@@ -169,8 +169,8 @@ def check_header(path: Path) -> None:
     if len(head) < 100 or not head.startswith(SQLITE_MAGIC):
         raise StoreError(
             f"store: {path} is not a SQLite database (a foreign or corrupt file); "
-            "refusing to open or overwrite it — move it away or choose another "
-            "--store / COMERA_HOME"
+            "refusing to open or overwrite it — if it was this run store, `comera repair` "
+            "moves it aside and rebuilds it from the run folders"
         )
     app_id = int.from_bytes(head[68:72], "big")
     if app_id not in (0, APPLICATION_ID):

@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from comera_engine.store.errors import NotOwnerError, RunNotFoundError
+from comera_engine.store.errors import NotOwnerError, RunNotFoundError, is_damaged
 from comera_engine.store.metrics import artifact_row, metric_value
 from comera_engine.store.run_store import RunStore
 from comera_engine.store.runs import FINAL_STATUSES, check_phase
@@ -58,6 +58,7 @@ class StoreSink:
         rewind: bool = True,
         process: Mapping[str, Any] | None = None,
         owner: Mapping[str, Any] | None = None,
+        keep_going: bool = False,
     ) -> None:
         self._own_store = not isinstance(store, RunStore)
         self.store = store if isinstance(store, RunStore) else RunStore(store, create=False)
@@ -70,6 +71,10 @@ class StoreSink:
         self._owner = dict(owner) if owner is not None else None
         #: Set when another process took the run over; nothing is written after that.
         self.owner_lost = False
+        #: Set (with ``keep_going``) when the store file is damaged: nothing is written
+        #: to it after that (the run folder keeps the record; ``comera repair``).
+        self.store_lost = False
+        self._keep_going = keep_going
         self._rewind_pending = rewind
         self._first_step: int | None = None
         self._lock = threading.Lock()  # guards the buffers
@@ -150,7 +155,9 @@ class StoreSink:
             only = ("queued", "running", "stopping", "crashed")
         else:
             only = ("queued", "running", "stopping")
-        self._flush(status=(status, error, only))
+        self._sync(status=(status, error, only))
+        if self.store_lost:
+            return
         if status == "running" and self._owner is None:
             run = self.store.get_run(self.run_id)
             if run is not None and not run["pid"]:
@@ -174,7 +181,7 @@ class StoreSink:
                 pass
 
     def flush(self) -> None:
-        self._flush()
+        self._sync()
 
     def close(self) -> None:
         if self._closed:
@@ -182,9 +189,34 @@ class StoreSink:
         self._closed = True
         self._stop.set()
         self._thread.join(timeout=max(5.0, 2 * self.flush_every))
-        self._flush()
+        self._sync()
         if self._own_store:
             self.store.close()
+
+    def _sync(self, **kwargs: Any) -> None:
+        """A synchronous flush; with ``keep_going`` a failure is said once and the run
+        goes on (records kept for the next try, or dropped once the store is damaged)."""
+        try:
+            self._flush(**kwargs)
+        except Exception as e:
+            if not self._keep_going:
+                raise
+            self._failed(e)
+
+    def _failed(self, e: BaseException) -> None:
+        """Say once that a write failed; a damaged store file is written no more."""
+        text = str(e)
+        if is_damaged(e):
+            self.store_lost = True
+            with self._lock:
+                self._metrics, self._ranks, self._events, self._artifacts = [], [], [], []
+                self._phase_pending = None
+            print(f"comera store: {text}; this run goes on in its folder (metrics.jsonl, "
+                  "checkpoints) and writes no more to the store; `comera repair` rebuilds "
+                  "the store from the run folders", file=sys.stderr)
+        elif not self._warned:
+            self._warned = True
+            print(f"comera store: write failed, will retry: {text}", file=sys.stderr)
 
     def __enter__(self) -> StoreSink:
         return self
@@ -205,9 +237,7 @@ class StoreSink:
             try:
                 self._flush(heartbeat=self._heartbeat)
             except Exception as e:  # keep training; records stay buffered
-                if not self._warned:
-                    self._warned = True
-                    print(f"comera store: write failed, will retry: {e}", file=sys.stderr)
+                self._failed(e)
 
     def _flush(
         self,
@@ -222,7 +252,7 @@ class StoreSink:
                 artifacts, self._artifacts = self._artifacts, []
                 phase, self._phase_pending = self._phase_pending, None
                 rewind = self._first_step if self._rewind_pending and (metrics or ranks) else None
-            if self.owner_lost or not (
+            if self.owner_lost or self.store_lost or not (
                 metrics or ranks or events or artifacts or heartbeat or status or phase
             ):
                 return

@@ -33,11 +33,19 @@ from torch import nn
 # complete checkpoints as (step, sidecar path), oldest first, and the one to resume from;
 # torch-free, so the launcher and the supervisor use them too
 from comera_engine.config import TrainConfig
-from comera_engine.store.layout import list_checkpoints, resume_point
+from comera_engine.store.layout import (
+    disk_full_text,
+    file_sha256,
+    is_disk_full,
+    list_checkpoints,
+    release_reserve,
+    resume_point,
+)
 
 __all__ = [
     "DEFAULT_KEEP",
     "checkpoint_paths",
+    "failure_text",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -95,13 +103,32 @@ def save_checkpoint(
     }
 
     tmp = tensor_path.with_suffix(".safetensors.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "comera-checkpoint", "step": str(step)})
-    _durable_replace(tmp, tensor_path)
     tmp_meta = meta_path.with_suffix(".json.tmp")
-    tmp_meta.write_text(json.dumps(sidecar), encoding="utf-8")
-    _durable_replace(tmp_meta, meta_path)
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "comera-checkpoint", "step": str(step)})
+        sidecar["sha256"] = file_sha256(tmp)  # verified on resume (resume_point)
+        _durable_replace(tmp, tensor_path)
+        tmp_meta.write_text(json.dumps(sidecar), encoding="utf-8")
+        _durable_replace(tmp_meta, meta_path)
+    except BaseException:  # a full disk: no half-written file is left behind
+        tmp.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
+        if not meta_path.exists():  # tensors without their sidecar are no checkpoint
+            tensor_path.unlink(missing_ok=True)
+        raise
     _prune(ckpt_dir, keep, protect=step)
     return tensor_path
+
+
+def failure_text(exc: BaseException, run_dir: str | Path) -> str:
+    """The error a failed run records: ``disk full: free N MB in FOLDER ...`` for a full
+    disk (one line, with the fix; the run folder's disk reserve is released first, so
+    that this status and the last records can still be written), else
+    ``Type: message``."""
+    if is_disk_full(exc):
+        release_reserve(run_dir)
+        return disk_full_text(run_dir)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:

@@ -148,7 +148,7 @@ def train(
             finished = True
             return result
         except Exception as exc:
-            sink.set_status("failed", f"{type(exc).__name__}: {exc}")
+            sink.set_status("failed", ckpt.failure_text(exc, run_dir))
             sink.flush()
             raise
     finally:
@@ -725,7 +725,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _install_signal_handlers(stop_flag: threading.Event):  # noqa: ANN202
-    """SIGTERM (and a first Ctrl-C) set ``stop_flag``; returns a function that undoes it."""
+    """SIGTERM, SIGHUP (the terminal closed) and a first Ctrl-C set ``stop_flag``;
+    returns a function that undoes it. On SIGHUP the closed terminal's output goes to
+    /dev/null, so the checkpoint and the final records are written all the same."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {}
@@ -733,9 +735,11 @@ def _install_signal_handlers(stop_flag: threading.Event):  # noqa: ANN202
     def on_signal(signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and stop_flag.is_set():
             raise KeyboardInterrupt
+        if signum == signal.SIGHUP:
+            ProgressBar.detach_terminal()
         stop_flag.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         previous[sig] = signal.signal(sig, on_signal)
 
     def restore() -> None:

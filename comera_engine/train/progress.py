@@ -6,6 +6,7 @@ plain line every ``every`` seconds instead, so logs stay readable.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -43,11 +44,29 @@ class ProgressBar:
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items()
         )
         line = f"[{bar}] {step}/{self.total} {extras} {rate:.1f} it/s eta {_fmt_time(eta)}"
-        if self.tty:
-            self.stream.write("\r" + line[:200].ljust(100))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        try:
+            if self.tty:
+                self.stream.write("\r" + line[:200].ljust(100))
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
+        except OSError:  # a terminal that went away (EIO) or a full disk: no more bar
+            self.tty, self.every = False, float("inf")
+
+    @staticmethod
+    def detach_terminal() -> None:
+        """Point stdout and stderr that are a terminal at /dev/null (the terminal was
+        closed: SIGHUP); writes that would fail with EIO then go nowhere."""
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    if stream is not None and os.isatty(stream.fileno()):
+                        os.dup2(null, stream.fileno())
+                except (OSError, ValueError):  # closed or not a file
+                    pass
+        finally:
+            os.close(null)
 
     def write(self, text: str) -> None:
         """Print a message line without breaking the bar."""

@@ -1,0 +1,222 @@
+"""``comera repair``: check the run store and rebuild a damaged one from the run folders.
+
+Each run folder is a complete record of its run: ``config.toml`` (the resolved config)
+and ``metrics.jsonl`` (every metric, rank snapshot, event, artifact and status the
+trainer logged, in order). :func:`repair` runs ``PRAGMA quick_check`` on the store; a
+store that fails it (or cannot be opened at all: a zeroed header, broken pages) is
+moved aside as ``comera.db.damaged-<time>`` (with its ``-wal`` and ``-shm``), never
+deleted, and a new store is built from the folders ``<store dir>/<run id>/``: the run
+rows, metrics, rank snapshots, events and artifacts. A run whose trainer left no final
+status is rebuilt ``crashed`` (so it resumes); sweeps and the owner columns are not
+kept. Runs trained in a folder outside the store's (``comera train --run-dir``) are not
+found there.
+
+Repair refuses while a trainer holds a run folder's lock (``comera stop RUN`` works
+without a readable store), and never touches a healthy store or another application's
+database. Torch-free.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from comera_engine.store.errors import StoreError
+from comera_engine.store.layout import resolve_store_path
+from comera_engine.store.run_store import RunStore
+from comera_engine.store.runs import FINAL_STATUSES, STATUSES
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["RepairReport", "rebuild_run", "records_from_store", "repair", "store_problem"]
+
+#: What the store says about a database that belongs to something else: never moved.
+_FOREIGN = ("not a CoMERA run store", "another application", "newer than this")
+
+
+@dataclass
+class RepairReport:
+    """What :func:`repair` found and did."""
+
+    path: Path
+    problem: str | None  # None: the store was sound
+    moved_to: Path | None = None
+    runs: list[str] = field(default_factory=list)
+    metric_rows: int = 0
+    skipped: list[str] = field(default_factory=list)  # folders that could not be read
+
+
+def store_problem(path: Path) -> str | None:
+    """Why the store at ``path`` cannot be trusted (``None``: it opens and passes
+    ``PRAGMA quick_check``). Raises StoreError for a database that is not a damaged
+    run store but someone else's (never to be moved)."""
+    try:
+        st = RunStore(path, create=False)
+    except StoreError as e:
+        if any(w in str(e) for w in _FOREIGN):
+            raise
+        return str(e)
+    try:
+        found = st.check()
+        st.list_runs()  # reads every run row
+    except StoreError as e:
+        return str(e)
+    finally:
+        st.close()
+    return None if found == ["ok"] else "quick_check: " + "; ".join(found[:3])
+
+
+def _live_folders(root: Path) -> list[str]:
+    """Run folders whose ``.lock`` a live trainer holds (the OS drops it on its exit)."""
+    live = []
+    for folder in _run_folders(root):
+        try:
+            fd = os.open(folder / ".lock", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live.append(folder.name)
+        finally:
+            os.close(fd)
+    return live
+
+
+def _run_folders(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.toml").is_file())
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a torn last line is dropped)."""
+    out: list[dict[str, Any]] = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    break
+                if isinstance(record, dict):
+                    out.append(record)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def rebuild_run(st: RunStore, folder: Path) -> int:
+    """Insert the run kept in ``folder`` into ``st`` (id: the folder's name); returns
+    its metric rows."""
+    raw = tomllib.loads((folder / "config.toml").read_text(encoding="utf-8"))
+    records = _records(folder / "metrics.jsonl")
+    metrics, ranks, events, artifacts = [], [], [], []
+    status, error, started, ended = None, None, None, None
+    for r in records:
+        t, kind = float(r.get("t") or 0.0), r.get("type")
+        if kind == "metrics":
+            metrics += [(int(r["step"]), str(k), None if v is None else float(v), t)
+                        for k, v in dict(r.get("values") or {}).items()]
+        elif kind == "ranks":
+            ranks += [(int(r["step"]), str(k), json.dumps(v), t)
+                      for k, v in dict(r.get("ranks") or {}).items()]
+        elif kind == "event":
+            events.append((t, r.get("step"), str(r.get("kind")), str(r.get("text"))))
+        elif kind == "artifact":
+            artifacts.append((str(r.get("kind")), str(r.get("path")), None, t))
+        elif kind == "status" and r.get("status") in STATUSES:
+            status, error = r["status"], r.get("error")
+            started = started or (t if status == "running" else None)
+            ended = t if status in FINAL_STATUSES else None
+    if status not in FINAL_STATUSES:  # its trainer is gone without a final word
+        status = "crashed" if records else "stopped"
+        error = ("rebuilt by comera repair: the trainer reported no final status; resume "
+                 "continues from its newest checkpoint") if records else None
+        ended = time.time()
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    rid = st.create_run(str(raw.get("name") or folder.name), raw, status, run_id=folder.name,
+                        device=str(train.get("device", "auto")))
+    st.write_batch(rid, metrics=metrics, ranks=ranks, events=events, artifacts=artifacts)
+    created = min((float(r.get("t") or time.time()) for r in records),
+                  default=folder.stat().st_mtime)
+    st.update_run(rid, error=error, started_at=started, ended_at=ended,
+                  last_step=max((m[0] for m in metrics), default=None))
+    st.write(lambda c: c.execute("UPDATE runs SET created_at = ? WHERE id = ?", (created, rid)))
+    st.log_event(rid, "repair", f"rebuilt from {folder} by comera repair "
+                 f"({len(metrics)} metric rows, {len(events)} events)")
+    return len(metrics)
+
+
+def repair(store: str | os.PathLike[str] | None = None) -> RepairReport:
+    """Check the store; when it is damaged, move it aside and rebuild it from the run
+    folders. Raises StoreError (one line) while a run folder is locked by a live trainer,
+    or for another application's database."""
+    path = resolve_store_path(store)
+    root = path.parent
+    problem = store_problem(path) if path.exists() else "no store file"
+    report = RepairReport(path, problem)
+    if problem is None:
+        return report
+    live = _live_folders(root)
+    if live:
+        raise StoreError(f"repair: {len(live)} run(s) still train ({', '.join(live[:3])}); "
+                         "stop them first (comera stop RUN works without the store)")
+    if path.exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        report.moved_to = path.with_name(f"{path.name}.damaged-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            src = path.with_name(path.name + suffix)
+            if src.exists():
+                os.replace(src, report.moved_to.with_name(report.moved_to.name + suffix))
+    st = RunStore(path)
+    try:
+        for folder in _run_folders(root):
+            try:
+                report.metric_rows += rebuild_run(st, folder)
+                report.runs.append(folder.name)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                report.skipped.append(f"{folder.name} ({type(e).__name__}: {e})")
+    finally:
+        st.close()
+    return report
+
+
+def records_from_store(st: RunStore, run_id: str, upto: int) -> list[dict[str, Any]]:
+    """A run's ``metrics.jsonl`` records as the store holds them, steps ``<= upto``:
+    metrics (one record per step), rank snapshots, events (with a step up to ``upto``,
+    or none) and artifacts, ordered by time (the reverse of :func:`rebuild_run`)."""
+    def q(c: Any) -> dict[str, list[tuple[Any, ...]]]:
+        return {
+            "metrics": c.execute("SELECT step, name, value, time FROM metrics WHERE run_id = ? "
+                                 "AND step <= ? ORDER BY step, name", (run_id, upto)).fetchall(),
+            "ranks": c.execute("SELECT step, layer, ranks, time FROM rank_snapshots WHERE "
+                               "run_id = ? AND step <= ? ORDER BY id", (run_id, upto)).fetchall(),
+            "events": c.execute("SELECT time, step, kind, text FROM events WHERE run_id = ? AND "
+                                "(step IS NULL OR step <= ?) ORDER BY id",
+                                (run_id, upto)).fetchall(),
+            "artifacts": c.execute("SELECT kind, path, time FROM artifacts WHERE run_id = ? "
+                                   "ORDER BY id", (run_id,)).fetchall(),
+        }
+
+    rows = st.read(q)
+    out: list[dict[str, Any]] = []
+    by_step: dict[int, dict[str, Any]] = {}
+    for step, name, value, t in rows["metrics"]:
+        rec = by_step.setdefault(step, {"t": t, "type": "metrics", "step": step, "values": {}})
+        rec["values"][name] = float("nan") if value is None else value
+    out += by_step.values()
+    out += [{"t": t, "type": "ranks", "step": s, "ranks": {layer: json.loads(r)}}
+            for s, layer, r, t in rows["ranks"]]
+    out += [{"t": t, "type": "event", "kind": k, "text": x, "step": s}
+            for t, s, k, x in rows["events"]]
+    out += [{"t": t, "type": "artifact", "kind": k, "path": p} for k, p, t in rows["artifacts"]]
+    return sorted(out, key=lambda r: (r["t"], r.get("step") or 0))
