@@ -46,7 +46,18 @@ def _wait(home: str, rids: list[str], timeout: float) -> list[dict]:
     raise TimeoutError(f"runs {rids} did not end within {timeout:g} s")
 
 
-def _case(name: str, steps: int, together: bool, env: dict[str, str]) -> dict:
+def _idle(limit: float, wait: float) -> float:
+    """Wait (at most ``wait`` s) until the 1-minute load average is below ``limit`` (a
+    shared machine); returns the load average when the case starts."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= limit and time.monotonic() - t0 < wait:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+def _case(name: str, steps: int, together: bool, env: dict[str, str],
+          idle: tuple[float, float]) -> dict:
+    load = _idle(*idle)
     with tempfile.TemporaryDirectory() as home:
         t0 = time.perf_counter()
         rids: list[str] = []
@@ -64,7 +75,8 @@ def _case(name: str, steps: int, together: bool, env: dict[str, str]) -> dict:
             threads.append(launch_env.get("OMP_NUM_THREADS", "-"))
     return {"case": name, "wall_s": wall, "statuses": [r["status"] for r in runs],
             "run_s": [r["ended_at"] - r["started_at"] for r in runs],
-            "threads_at_start": threads}
+            "threads_at_start": threads, "load_before": load,
+            "load_after": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,26 +84,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--unbudgeted", action="store_true",
                    help="also both at once on all cores each (slow on a small machine)")
+    p.add_argument("--idle-load", type=float, default=0.5,
+                   help="wait for a 1-minute load average below this before each case")
+    p.add_argument("--idle-wait", type=float, default=300.0, help="at most this long (s)")
     p.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     args = p.parse_args(argv)
+    idle = (args.idle_load, args.idle_wait)
     cores = len(os.sched_getaffinity(0))
     base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     base["PYTHONPATH"] = str(ROOT)
-    rows = [_case("one after the other", args.steps, False, base),
-            _case("together, thread budget", args.steps, True, base)]
+    rows = [_case("one after the other", args.steps, False, base, idle),
+            _case("together, thread budget", args.steps, True, base, idle)]
     if args.unbudgeted:
         rows.append(_case("together, all cores each", args.steps, True,
-                          {**base, "OMP_NUM_THREADS": str(cores)}))
+                          {**base, "OMP_NUM_THREADS": str(cores)}, idle))
     ref = rows[0]["wall_s"]
     print(f"digits TT-MLP, {args.steps} steps per run, 2 runs, {cores} cores "
           f"({platform.processor() or platform.machine()})")
-    print("| case | wall s | vs one after the other | threads at start | run s |")
-    print("|---|---|---|---|---|")
+    print("| case | wall s | vs one after the other | threads at start | run s | "
+          "load before/after |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         r["ratio"] = r["wall_s"] / ref
         print(f"| {r['case']} | {r['wall_s']:.1f} | {r['ratio']:.2f}x | "
               f"{', '.join(r['threads_at_start'])} | "
-              f"{', '.join(f'{s:.1f}' for s in r['run_s'])} |")
+              f"{', '.join(f'{s:.1f}' for s in r['run_s'])} | "
+              f"{r['load_before']:.2f} / {r['load_after']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_two_launches.json").write_text(json.dumps(

@@ -1,6 +1,11 @@
 """The fault list (issue 21): bad configs, flags, files and homes. Every one is refused
 with exit code 2 and one line on stderr naming what is wrong, no traceback, and the run
-store is left as it was (or not created at all)."""
+store is left as it was (or not created at all).
+
+Then an unlucky machine (issue 33), one test per item: two runs sharing the cores, a
+damaged store under a live run, oversized configs and flags, a full disk, a frozen
+trainer, a closed terminal, a read-only home, a resume that cannot work, a deleted run
+folder, names, checkpoint checksums and the run lock."""
 
 from __future__ import annotations
 
@@ -172,7 +177,6 @@ def test_unusable_home_is_one_line_exit_2(home: str, tmp_path: Path,
     monkeypatch.setenv("COMERA_HOME", str(path))
     _refused(["launch", str(CONFIG)], capsys, str(path))
     assert not os.path.isdir(path)
-
 
 
 # ------------------------------------------------------------------ issue 33
