@@ -567,9 +567,9 @@ def _thread_budget(store: Any, sink: Any) -> list[Any]:
         return []
     from comera_engine.train.threads import ThreadBudget
 
-    def changed(threads: int, runs: int) -> None:
+    def changed(threads: int, runs: int, step: int) -> None:
         sink.log_event("threads", f"{threads} thread(s): {cpu_cores()} cores shared by "
-                       f"{runs} run(s) in flight")
+                       f"{runs} run(s) in flight", step)
 
     return [ThreadBudget(lambda: runs_in_flight(store), cpu_cores(), on_change=changed)]
 

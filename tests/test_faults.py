@@ -246,7 +246,7 @@ def test_two_launched_runs_split_the_cores(tmp_path: Path, monkeypatch: pytest.M
     runs, seen = [2], []
     before = torch.get_num_threads()
     budget = ThreadBudget(lambda: runs[0], cores=4, every=0.01,
-                          on_change=lambda t, n: seen.append((t, n)))
+                          on_change=lambda t, n, step: seen.append((t, n)))
     try:
         for want, n in ((2, 2), (4, 1)):
             runs[0] = n

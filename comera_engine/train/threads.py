@@ -22,11 +22,11 @@ __all__ = ["ThreadBudget"]
 
 
 class ThreadBudget(NullSink):
-    """Follow ``max(1, cores // count_runs())`` threads; ``on_change(threads, runs)`` is
-    called (on the training thread) after each change."""
+    """Follow ``max(1, cores // count_runs())`` threads; ``on_change(threads, runs,
+    step)`` is called (on the training thread) after each change."""
 
     def __init__(self, count_runs: Callable[[], int], cores: int, every: float = 3.0,
-                 on_change: Callable[[int, int], None] | None = None) -> None:
+                 on_change: Callable[[int, int, int], None] | None = None) -> None:
         self._count_runs, self._cores, self._every = count_runs, max(1, int(cores)), every
         self._on_change = on_change
         self._want: tuple[int, int] | None = None  # (threads, runs) last counted
@@ -49,7 +49,7 @@ class ThreadBudget(NullSink):
         if want is not None and want[0] != torch.get_num_threads():
             torch.set_num_threads(want[0])
             if self._on_change is not None:
-                self._on_change(*want)
+                self._on_change(*want, step)
 
     def close(self) -> None:
         self._stop.set()
