@@ -616,6 +616,26 @@ def test_device_gate_refresh_equals_the_reference() -> None:
 # ---------------------------------------------------------------------- DDP
 
 
+def _train_on_two_processes(tmp_path: Path, raw: dict[str, Any], run_dir: Path,
+                            launcher: str | None = None, launcher_args: tuple[str, ...] = (),
+                            timeout: int = 180) -> subprocess.CompletedProcess:
+    """``comera train`` of ``raw`` under torchrun with 2 gloo processes (1 thread each),
+    through ``launcher`` (a test launcher's source, which ends in ``cli.main()``) when
+    given, its ``launcher_args`` before the command."""
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(to_toml(config_from_dict(raw)))
+    entry = ["-m", "comera_engine.cli"]
+    if launcher is not None:
+        path = tmp_path / "launcher.py"
+        path.write_text(launcher)
+        entry = [str(path), *launcher_args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         *entry, "train", str(cfg), "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_ddp_two_processes_match_one_process_with_the_global_batch(tmp_path) -> None:
     """2 gloo processes with batch b train exactly like 1 process with batch 2b: same
     examples per step (the global batch is split), gradients averaged."""
@@ -624,16 +644,9 @@ def test_ddp_two_processes_match_one_process_with_the_global_batch(tmp_path) -> 
         comera={"switch": 8},
         train={"steps": 16, "batch_size": 16, "eval_every": 8, "ckpt_every": 8},
     )
-    cfg = tmp_path / "cfg.toml"
-    cfg.write_text(to_toml(config_from_dict(base)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     ddp_dir = tmp_path / "ddp"
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "comera_engine.cli", "train", str(cfg), "--run-dir", str(ddp_dir), "--no-progress"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    proc = _train_on_two_processes(tmp_path, base, ddp_dir)
     print(f"DDP run: {time.perf_counter() - t0:.1f} s")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_jsonl(ddp_dir / "metrics.jsonl")
@@ -680,17 +693,9 @@ def test_ddp_one_failing_process_ends_the_job(tmp_path) -> None:
     leaves without the final barrier; torchrun then stops the other) instead of hanging
     until the process-group timeout. The failure is injected by a test launcher."""
     raw = digits_cfg(train={"steps": 50, "batch_size": 16, "eval_every": 0, "ckpt_every": 0})
-    cfg = tmp_path / "cfg.toml"
-    cfg.write_text(to_toml(config_from_dict(raw)))
-    launcher = tmp_path / "fail_rank1.py"
-    launcher.write_text(_FAIL_ON_RANK_1)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(launcher), "train", str(cfg), "--run-dir", str(tmp_path / "run"), "--no-progress"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
-    )  # fmt: skip
+    proc = _train_on_two_processes(tmp_path, raw, tmp_path / "run", _FAIL_ON_RANK_1,
+                                   timeout=150)
     print(f"failed DDP job ended after {time.perf_counter() - t0:.1f} s")
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stderr
@@ -739,17 +744,8 @@ def test_ddp_processes_agree_on_lambda_and_on_the_ranks_after_truncation(tmp_pat
                 "target_compression": 120.0},
         train={"steps": 40, "batch_size": 16, "eval_every": 10, "ckpt_every": 20},
     )
-    cfg = tmp_path / "cfg.toml"
-    cfg.write_text(to_toml(config_from_dict(raw)))
-    launcher = tmp_path / "record.py"
-    launcher.write_text(_RECORD_EACH_PROCESS)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(launcher), str(tmp_path), "train", str(cfg), "--run-dir", str(tmp_path / "run"),
-         "--no-progress"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    proc = _train_on_two_processes(tmp_path, raw, tmp_path / "run", _RECORD_EACH_PROCESS,
+                                   (str(tmp_path),))
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = (read_jsonl(tmp_path / f"process_{r}.jsonl") for r in (0, 1))
     lam_a, lam_b = ([r["lambda"] for r in x if "lambda" in r] for x in (a, b))
@@ -824,16 +820,7 @@ def test_ddp_truncation_through_a_graphed_step_with_graphs_off(tmp_path) -> None
     rebuild both (this crashed with an AttributeError in GraphedStep.reset)."""
     raw = digits_cfg(comera={"switch": 20}, train={"steps": 80, "batch_size": 16,
                                                    "eval_every": 40, "ckpt_every": 0})
-    cfg = tmp_path / "cfg.toml"
-    cfg.write_text(to_toml(config_from_dict(raw)))
-    launcher = tmp_path / "graphed.py"
-    launcher.write_text(_GRAPHED_STEP_UNDER_DDP)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(launcher), "train", str(cfg), "--run-dir", str(tmp_path / "run"), "--no-progress"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    proc = _train_on_two_processes(tmp_path, raw, tmp_path / "run", _GRAPHED_STEP_UNDER_DDP)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     events = [r for r in records if r["type"] == "event"]
