@@ -68,7 +68,7 @@ from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
 from .optim import RankEvent, param_groups, refresh_gates_on_device
 from .optim import truncate_model_and_optimizer as _truncate_all
 from .pace import PacePlan, grow_to, host_size, prune_to
-from .size import dense_size, model_sizes
+from .size import dense_size, size_extra
 
 __all__ = ["EVENT_KINDS", "CoMERA", "Event"]
 
@@ -165,7 +165,9 @@ class CoMERA:
         self.frozen = False  # the target size was reached: ranks are fixed from here
         self._steps = 0
         self._counts: list[int] | None = None  # alive count per bond (device refresh)
-        self._extra_size: float | None = None
+        # the target scope's parameters outside the TT cores (TT biases; with the model
+        # scope every other parameter too): constant through training
+        self._extra = size_extra(model, cfg.target_scope)
         self._task_loss: Tensor | None = None
         self._dirty = False  # entries died since the last truncation
         #: rank entries removed so far by the objective (gates at or below tau) and by
@@ -369,9 +371,10 @@ class CoMERA:
     # ------------------------------------------------------------------ stages
 
     def _pacing(self) -> bool:
-        """The pace is on: ``pace`` with a target and a step budget."""
-        return (self.objective is not None and self.cfg.pace
-                and self.objective.target_size is not None and self.total_steps > 0)
+        """The pace is on: ``pace`` with a target and a step budget (the switch rule's
+        ``reach`` step exists)."""
+        return self.objective is not None and switch_plan(
+            self.cfg, self.total_steps, self.steps_per_epoch).reach is not None
 
     def _maybe_switch(self, step: int, task_loss: float) -> Event | None:
         """Switch to the late stage when its time has come."""
@@ -389,7 +392,7 @@ class CoMERA:
         if latest and not due:
             text += f" (comera.switch_by: the latest start, {c.switch_by} of the steps)"
         data: dict[str, Any] = {"z_f": self.objective.z_f}
-        if self._pacing() and not self.frozen and plan.reach is not None:
+        if plan.reach is not None and not self.frozen:  # the pace is on
             self.pace = PacePlan(step, self.current_size(), plan.reach,
                                  float(self.objective.target_size))  # type: ignore[arg-type]
             text += (f"; size {self.pace.start_size:.0f} -> target "
@@ -399,24 +402,12 @@ class CoMERA:
 
     # ------------------------------------------------------------------ pace
 
-    def _extra(self) -> float:
-        """Parameters in the target's scope outside the TT cores (TT biases; with the
-        ``model`` scope every other parameter too): constant through training."""
-        if self._extra_size is None:
-            full = model_sizes(self.model)
-            cores = sum(m.tt.num_params(True) for m in self._layers.values())
-            extra = full["tensorized"] - cores
-            if self.cfg.target_scope == "model":
-                extra += full["other"]
-            self._extra_size = float(extra)
-        return self._extra_size
-
     def current_size(self, counts: list[float] | None = None) -> float:
         """The effective size in the target's scope, from the bond counts a device refresh
         returned (or the gates): the same count as ``size_report``."""
         ranks = self.effective_ranks(counts)
         return host_size([list(m.tt.mode_sizes) for m in self._layers.values()],
-                         [ranks[n] for n in self._layers], self._extra())
+                         [ranks[n] for n in self._layers], self._extra)
 
     def _pace_step(self, step: int, ranks_changed: bool, counts: list[float] | None
                    ) -> list[Event]:
@@ -438,7 +429,7 @@ class CoMERA:
         if check and pace is not None and size > pace.goal(step):
             goal = pace.goal(step)
             new, changes = prune_to(self.model, goal, low if goal <= target else 0.0,
-                                    self._extra())
+                                    self._extra)
             if changes:
                 events.append(Event(step, "pace", f"pace: pruned to size {new:.0f} (planned "
                                     f"{goal:.0f} at step {step}, was {size:.0f}): "
@@ -449,14 +440,14 @@ class CoMERA:
             return events
         # close to the target: land in the band [T/(1+tol), T] here, then fix the ranks
         if size > target:
-            new, changes = prune_to(self.model, target, low, self._extra())
+            new, changes = prune_to(self.model, target, low, self._extra)
             if changes:
                 events.append(Event(step, "pace", f"pace: pruned to the target, size "
                                     f"{new:.0f} (was {size:.0f}): {_what(changes)}",
                                     {"size": new, "changes": changes}))
             size = new
         if size < low:
-            new, changes = grow_to(self.model, low, target, self._extra())
+            new, changes = grow_to(self.model, low, target, self._extra)
             if changes:
                 events.append(Event(step, "pace", f"pace: the last deaths overshot (size "
                                     f"{size:.0f}, below {low:.0f}); revived {_what(changes)}: "
@@ -637,7 +628,6 @@ class CoMERA:
             self.steps_done = int(state["step"])
         if "removed" in state:
             self.removed = {k: int(v) for k, v in state["removed"].items()}
-        self._extra_size = None
 
     def __repr__(self) -> str:
         target = self.target_compression
