@@ -133,10 +133,12 @@ def _size(spec: SizeSpec, scope: str, ranks_of: dict[str, int] | None,
 
 def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
                 rank_fixed: bool = False, embedding_rank_fixed: bool = False,
-                headroom: float = HEADROOM) -> TargetPlan:
+                headroom: float = HEADROOM, kept_by: str | None = None) -> TargetPlan:
     """Feasibility of ``compression`` (dense / target size, over ``scope``) for the model
     ``spec`` describes, and the initial ranks to start from (rules in the module doc;
-    ``headroom``: the start size over the target size, ``comera.headroom``).
+    ``headroom``: the start size over the target size, ``comera.headroom``). ``kept_by``:
+    what keeps the ranks when ``model.rank`` is not set (a schedule that does not choose
+    them from the target), named in the refusal with its fix.
 
     Raises:
         ConfigError: the target is below the floor (``comera.target_compression``), or
@@ -152,6 +154,12 @@ def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
     if rank_fixed:
         if start > target:
             return plan
+        if kept_by is not None:
+            raise ConfigError("model.rank", f"the preset's ranks already give "
+                              f"{dense / start:.1f}x ({scope}), more than the "
+                              f"{compression:g}x target asks with {kept_by}, which keeps "
+                              "them (comera.ranks_from_target off); set a larger model.rank, "
+                              "or comera.ranks_from_target = true")
         raise ConfigError(
             "model.rank",
             f"the fixed ranks already give {dense / start:.1f}x ({scope}), more than the "

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from comera_engine.config import Config, resolve_schedule
-from comera_engine.errors import ConfigError
 from comera_engine.layers import factorized_layers
 
 __all__ = ["plan_initial_ranks"]
@@ -65,19 +64,12 @@ def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
         changes = {k: v for k, v in (("rank", plan.rank),
                                      ("embedding_rank", plan.embedding_rank)) if v is not None}
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes)), plan
-    try:
-        plan = rank.plan_target(rank.size_spec(model), c.target_scope, c.target_compression,
-                                rank_fixed=cfg.model.rank is not None or not chosen,
-                                embedding_rank_fixed=cfg.model.embedding_rank is not None
-                                or not chosen,
-                                headroom=c.headroom)
-    except ConfigError as exc:
-        if chosen or cfg.model.rank is not None or exc.field != "model.rank":
-            raise
-        raise ConfigError("model.rank", exc.problem.split(", so ")[0].replace(
-            "the fixed ranks", "the preset's ranks") + f" with comera.schedule = "
-            f"{c.schedule!r}, which keeps them (comera.ranks_from_target off); set a "
-            "larger model.rank, or comera.ranks_from_target = true") from None
+    plan = rank.plan_target(rank.size_spec(model), c.target_scope, c.target_compression,
+                            rank_fixed=cfg.model.rank is not None or not chosen,
+                            embedding_rank_fixed=cfg.model.embedding_rank is not None
+                            or not chosen, headroom=c.headroom,
+                            kept_by=None if chosen or cfg.model.rank is not None
+                            else f"comera.schedule = {c.schedule!r}")
     if plan.rank is None and plan.embedding_rank is None:
         return cfg, plan
     changes = {k: v for k, v in (("rank", plan.rank), ("embedding_rank", plan.embedding_rank))
