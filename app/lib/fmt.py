@@ -129,9 +129,13 @@ METRIC_LABELS = {
     "mem/cuda_max_reserved_mb": "GPU memory, torch peak reserved (MiB)",
     "mem/gpu_used_mb": "GPU memory used, NVML (MiB)", "mem/gpu_total_mb": "GPU memory (MiB)",
     "comera/lambda": "CoMERA λ (late stage: 1 = size step)",
-    "comera/size": "CoMERA size estimate Ŝ (parameters)", "comera/gamma": "CoMERA γ (size weight)",
+    "comera/size": "CoMERA effective size S (parameters)",
+    "comera/size_surrogate": "CoMERA size surrogate Ŝ (parameters)",
+    "comera/gamma": "CoMERA γ (size weight)",
     "comera/z_f": "CoMERA z_f (plateau loss the late stage keeps)",
     "comera/target_size": "CoMERA target size (parameters)", "stage": "Stage (1 = late)",
+    "ranks/removed_by_objective": "Rank entries removed by the objective's gates",
+    "ranks/removed_by_pace": "Rank entries removed by the pace",
 }
 
 
