@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
+from .size import _flat_gates, _surrogate_plan
 
 __all__ = ["RankEvent", "RankTracker", "param_groups", "refresh_gates",
            "refresh_gates_on_device", "truncate_model_and_optimizer"]
@@ -68,16 +69,12 @@ def refresh_gates(model: nn.Module, step: int = 0,
     ``model``'s ``(name, TT layer)`` pairs when the caller keeps them; ``floor``: no bond
     loses its last entry (``comera.rank_floor``)."""
     layers = tt_layers(model) if layers is None else layers
-    parts = [m.tt.parts() for _, m in layers]
-    gates = [g for _, gs, _ in parts for g in gs]
+    gates, alive, key = _flat_gates([m for _, m in layers])
     if not gates:
         return []
-    from .size import _gate_key, _surrogate_plan
-
     g = torch.cat(gates).detach()
-    tau = _surrogate_plan(_gate_key([m for _, m in layers], parts), g.device, g.dtype)[1]
-    alive = torch.cat([a for _, _, al in parts for a in al])
-    if not bool((alive & (g.abs() <= tau)).any()):
+    tau = _surrogate_plan(key, g.device, g.dtype)[1]
+    if not bool((torch.cat(alive) & (g.abs() <= tau)).any()):
         return []
     events = []
     for name, m in layers:

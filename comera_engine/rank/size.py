@@ -84,13 +84,10 @@ def gate_sizes(model: nn.Module, counts: bool = False,
         layers = [m for _, m in tt_layers(model)]
     if not layers:
         return torch.zeros(()), (torch.zeros((), dtype=torch.float64) if counts else None)
-    parts = [m.tt.parts() for m in layers]
-    gates = [g for _, gs, _ in parts for g in gs]
+    gates, alive, key = _flat_gates(layers)
     if not gates:  # single-core layers only: no bond, nothing the gates control
         s_hat = torch.stack([layer_size_surrogate(m) for m in layers]).sum()
         return s_hat, (effective_core_size(model) if counts else None)
-    alive = [a for _, _, al in parts for a in al]
-    key = _gate_key(layers, parts)
     plan = _surrogate_plan(key, gates[0].device, gates[0].dtype)
     plan64 = _surrogate_plan(key, gates[0].device, torch.float64) if counts else None
     s_hat, cores = _GateSize.apply(plan, plan64, len(layers), len(gates), *gates, *alive)
@@ -107,8 +104,9 @@ class _GateSize(torch.autograd.Function):
                 n: int, *tensors: Tensor) -> tuple[Tensor, Tensor]:
         table, tau, li, ri, sizes = plan[:5]
         g = torch.cat(tensors[:n])
-        live = torch.cat(tensors[n:]) & (g.abs() > tau)
-        a = torch.where(live, g.abs(), 0.0)
+        a = g.abs()
+        live = torch.cat(tensors[n:]) & (a > tau)
+        a = torch.where(live, a, 0.0)
         R = torch.cat([g.new_ones(1), torch.cat([a, a.new_zeros(1)])[table].sum(1)])
         left = sizes * R[li]
         s_hat = (left * R[ri]).sum()
@@ -144,11 +142,15 @@ def _core_size(live: Tensor, plan64: tuple, n_layers: int) -> Tensor:
     return torch.where(dead > 0, 0.0, per_layer).sum()
 
 
-def _gate_key(layers: list[nn.Module], parts: list[tuple]) -> tuple:
-    """What the index plan of :func:`_surrogate_plan` depends on: per layer its gate
-    sizes, mode sizes and threshold."""
-    return tuple((tuple(int(v.shape[0]) for v in gs), tuple(m.tt.mode_sizes), m.tt.tau)
-                 for m, (_, gs, _) in zip(layers, parts))
+def _flat_gates(layers: list[nn.Module]) -> tuple[list[Tensor], list[Tensor], tuple]:
+    """Every gate vector of the TT ``layers`` and its ``alive`` vector, in order, and the
+    key of their index plan (:func:`_surrogate_plan`): per layer its gate sizes, mode
+    sizes and threshold."""
+    parts = [m.tt.parts() for m in layers]
+    key = tuple((tuple(int(v.shape[0]) for v in gs), tuple(m.tt.mode_sizes), m.tt.tau)
+                for m, (_, gs, _) in zip(layers, parts))
+    return ([g for _, gs, _ in parts for g in gs], [a for _, _, al in parts for a in al],
+            key)
 
 
 @lru_cache(maxsize=64)
@@ -195,15 +197,12 @@ def effective_core_size(model: nn.Module) -> Tensor:
     (the gate-mask counts; a layer with a rank-0 bond counts 0), a float64 device scalar,
     in one pass over all gates of the model."""
     layers = [m for _, m in tt_layers(model)]
-    parts = [m.tt.parts() for m in layers]
-    gates = [g for _, gs, _ in parts for g in gs]
+    gates, alive, key = _flat_gates(layers)
     if not gates:  # no TT layer, or only single-core ones (no bond): their full size
         return torch.tensor(float(sum(m.tt.num_params(True) for m in layers)),
                             dtype=torch.float64)
     g = torch.cat(gates)
-    key = _gate_key(layers, parts)
-    tau = _surrogate_plan(key, g.device, g.dtype)[1]
-    live = torch.cat([a for _, _, al in parts for a in al]) & (g.abs() > tau)
+    live = torch.cat(alive) & (g.abs() > _surrogate_plan(key, g.device, g.dtype)[1])
     return _core_size(live, _surrogate_plan(key, g.device, torch.float64), len(layers))
 
 
