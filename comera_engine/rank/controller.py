@@ -65,7 +65,7 @@ from ..errors import ConfigError
 from ..layers import factorized_layers, size_report, tt_layers
 from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
-from .optim import RankEvent, param_groups, refresh_gates_on_device
+from .optim import RankEvent, param_groups, refresh_gates, refresh_gates_on_device
 from .optim import truncate_model_and_optimizer as _truncate_all
 from .pace import PacePlan, grow_to, host_size, prune_to
 from .size import dense_size, size_extra
@@ -177,8 +177,8 @@ class CoMERA:
         for layer in self._layers.values():
             layer.tt.tau = cfg.tau  # the gate threshold lives on the layers
         if self.has_tt:
-            # a plateau counts once the smoothed loss is 1 % below where it started: a
-            # network still at its initial loss (at chance) is not pruned for it
+            # with plateau_min_drop, a plateau counts only once the smoothed loss is that
+            # much below where it started: a network still at chance is not pruned for it
             self.plateau = PlateauDetector(patience=cfg.plateau_patience,
                                            rel_tol=cfg.plateau_min_delta,
                                            min_drop=float(cfg.plateau_min_drop or 0.0))
@@ -294,11 +294,11 @@ class CoMERA:
             if switched is not None:
                 events.append(switched)
         paced = self._pace_step(step, bool(rank_events), counts)
-        self.removed["pace"] += sum(o - n for e in paced for ch in e.data.get("changes", {}
-                                                                           ).values()
-                                    for _, o, n in ch)
+        for e in paced:  # prunes count up, revivals down
+            for changes in e.data.get("changes", {}).values():
+                self.removed["pace"] += sum(old - new for _, old, new in changes)
         events += paced
-        if rank_events or any(e.kind in ("pace", "target_met") for e in events):
+        if rank_events or paced:
             self._dirty = True
         if truncate and optimizer is not None and self._dirty:
             done = self.truncate(optimizer, emit=False)
@@ -335,8 +335,6 @@ class CoMERA:
             return []
         if counts is not None:
             return self._events_from_counts(step, counts)
-        from .optim import refresh_gates
-
         return refresh_gates(self.model, step, layers=self._pairs,
                              floor=bool(self.cfg.rank_floor))
 

@@ -353,8 +353,7 @@ class _Run:
                                       truncate=False)
             step_time = time.perf_counter() - t0
             metrics = self._step_metrics(raw, step_time, batch, stage)
-            switched, fixed = self._log_events(events, counts)
-            paced = any(e.kind in ("pace", "target_met") for e in events)
+            switched, fixed, paced = self._log_events(events, counts)
             pruned = paced or any(e.kind == "rank_change" for e in events)
             # slice at the prune: the next step runs on the truncated cores and optimizer
             # state, so pruned ranks stop costing compute and memory at once
@@ -445,10 +444,12 @@ class _Run:
         flag = float(self.stop_flag.is_set())
         return all_reduce_values(self.dist, [flag], "max")[0] > 0
 
-    def _log_events(self, events: list[Event], counts: list[float] | None) -> tuple[bool, bool]:
+    def _log_events(self, events: list[Event], counts: list[float] | None
+                    ) -> tuple[bool, bool, bool]:
         """Log one step's controller events (rank changes, the stage switch, the pace, the
-        target met) and the ranks; returns (the stage switched, the ranks were fixed)."""
-        switched = fixed = False
+        target met) and the ranks; returns (the stage switched, the ranks were fixed, the
+        pace acted)."""
+        switched = fixed = paced = False
         for e in events:
             if e.kind == "rank_change":
                 self.sink.log_event("rank_change", e.text, self.step)
@@ -459,16 +460,17 @@ class _Run:
                 self.sink.log_event("stage", e.text, self.step)
                 self._say(e.text)
             elif e.kind in ("pace", "target_met"):
+                paced = True
                 # the store keeps the target met among the pace's events (the dashboard
                 # reads "ranks fixed" there)
                 self.sink.log_event("pace", e.text, self.step)
                 if e.kind == "target_met":
                     fixed = True
                     self._say(e.text)
-        if any(e.kind in ("pace", "target_met") for e in events):
+        if paced:
             self._size_cache = None
             self._log_ranks()
-        return switched, fixed
+        return switched, fixed, paced
 
     def _step_metrics(
         self, raw: dict[str, float], step_time: float, batch: dict[str, torch.Tensor],
