@@ -245,6 +245,7 @@ def test_two_launched_runs_split_the_cores(tmp_path: Path, monkeypatch: pytest.M
     # the trainer follows the runs in flight: two, then one
     runs, seen = [2], []
     before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a known start, below both budgets, whatever the machine's
     budget = ThreadBudget(lambda: runs[0], cores=4, every=0.01,
                           on_change=lambda t, n, step: seen.append((t, n)))
     try:
