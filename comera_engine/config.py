@@ -138,6 +138,11 @@ class CoMERAConfig:
     # initial ranks chosen from the target (docs/SIZE_AND_TARGET.md) unless model.rank
     # is fixed; off: the preset's ranks
     ranks_from_target: bool | None = None
+    # each live rank entry's scale is moved from its two core slices into its gate every
+    # balance_every steps (comera_engine/rank/balance.py): a gate can no longer shrink
+    # while its slices grow back, so the size objective prunes by itself
+    balance: bool | None = None
+    balance_every: int = 10
     # Reaching the target within the run (docs/SIZE_AND_TARGET.md). pace: the size follows
     # a planned path from the late stage's start to the target by reach_at of the steps;
     # ranks that lag the path are pruned by gate importance, and once the target size is
@@ -508,11 +513,14 @@ def validate_methods(cfg: Config) -> None:
 #: ``comera.schedule`` → the value of every switch it leaves unset (docs/METHODS.md).
 SCHEDULES: dict[str, dict[str, Any]] = {
     "paper": {"late_norm": "initial", "size_off_at_target": False, "plateau_min_drop": 0.0,
-              "rank_floor": False, "ranks_from_target": False, "pace": False},
+              "rank_floor": False, "ranks_from_target": False, "balance": False,
+              "pace": False},
     "comera": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
-               "rank_floor": True, "ranks_from_target": True, "pace": False},
+               "rank_floor": True, "ranks_from_target": True, "balance": False,
+               "pace": False},
     "paced": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
-              "rank_floor": True, "ranks_from_target": True, "pace": True},
+              "rank_floor": True, "ranks_from_target": True, "balance": False,
+              "pace": True},
 }
 
 
@@ -598,6 +606,10 @@ def validate_comera(c: CoMERAConfig) -> None:
     """Range and consistency checks of the ``[comera]`` section (also run by the
     objective, so settings built in code are checked the same way)."""
     _nonneg("comera.gamma", c.gamma)
+    if isinstance(c.balance_every, bool) or not isinstance(c.balance_every, int) or (
+            c.balance_every < 1):
+        raise ConfigError("comera.balance_every",
+                          f"must be a whole number of steps >= 1, got {c.balance_every!r}")
     if c.gamma_warmup < 0:
         raise ConfigError("comera.gamma_warmup", f"must be >= 0, got {c.gamma_warmup}")
     _nonneg("comera.l2_cores", c.l2_cores)

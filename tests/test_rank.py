@@ -252,3 +252,37 @@ def test_a_loss_stuck_where_it_started_is_not_a_plateau() -> None:
     fired = [i for i, v in enumerate(learning) if guarded.update(v)]
     assert fired and 300 <= fired[0] <= 400  # ~100 updates after the smoothed fall ends
     assert [i for i, v in enumerate(learning) if twin.update(v)] == fired
+
+
+def test_gate_balancing_keeps_the_function_and_moves_the_scale_into_the_gates() -> None:
+    """comera.balance: slices back at their initial entry scale, every bond of a layer at
+    one mean |g|, and the layer computes the same map (float64)."""
+    from comera_engine import TTEmbedding
+    from comera_engine.rank.balance import balance_gates
+
+    torch.manual_seed(0)
+    lin = TTLinear(48, 36, rank=4, tau=0.01).double()
+    emb = TTEmbedding(90, 16, rank=4, tau=0.01).double()
+    with torch.no_grad():  # as training leaves them: slices grown, gates shrunk, unevenly
+        for layer in (lin, emb):
+            for k, g in enumerate(layer.tt.gates):
+                g.mul_(torch.rand(g.shape, dtype=torch.float64) * 0.5 + 0.05 * (k + 1))
+            for c in layer.tt.cores:
+                c.mul_(1.0 + 3.0 * torch.rand(c.shape[-1], dtype=torch.float64))
+        lin.tt.alive(1)[2] = False  # a dead entry stays dead and zero
+        lin.tt.gates[1][2] = 0.0
+    x, ids = torch.randn(7, 48, dtype=torch.float64), torch.randint(0, 90, (11,))
+    before = lin(x), emb(ids)
+    balance_gates([lin, emb])
+    after = lin(x), emb(ids)
+    torch.testing.assert_close(after[0], before[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(after[1], before[1], rtol=1e-10, atol=1e-12)
+    assert float(lin.tt.gates[1][2]) == 0.0 and not bool(lin.tt.alive(1)[2])
+    for layer in (lin, emb):
+        tt = layer.tt
+        core = tt.cores[0]  # the first core has one bond: its right slices are at target
+        norms = core.reshape(-1, core.shape[-1]).norm(dim=0)
+        want = tt.init_std * (core.numel() // core.shape[-1]) ** 0.5
+        torch.testing.assert_close(norms, torch.full_like(norms, want))
+        means = [float(g.abs()[tt.alive(k)].mean()) for k, g in enumerate(tt.gates)]
+        assert means == pytest.approx([means[0]] * len(means), rel=1e-9)

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from ..config import (
     CoMERAConfig,
+    SwitchPlan,
     resolve_schedule,
     schedule_label,
     switch_plan,
@@ -64,11 +65,12 @@ from ..config import (
 from ..errors import ConfigError
 from ..layers import factorized_layers, size_report, tt_layers
 from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
+from .balance import balance_gates
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
 from .optim import RankEvent, param_groups, refresh_gates, refresh_gates_on_device
 from .optim import truncate_model_and_optimizer as _truncate_all
 from .pace import PacePlan, grow_to, host_size, prune_to
-from .size import dense_size, size_extra
+from .size import GateBank, dense_size, size_extra
 
 __all__ = ["EVENT_KINDS", "CoMERA", "Event"]
 
@@ -184,6 +186,10 @@ class CoMERA:
                                            min_drop=float(cfg.plateau_min_drop or 0.0))
         if self.enabled:
             self.objective = CoMERAObjective(model, cfg)
+        # the gates laid out once per structure, for the refresh and the surrogate alike
+        self._bank = (self.objective.bank if self.objective is not None
+                      else GateBank([m for _, m in self._pairs]))
+        self._plan_key: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ optimizer
 
@@ -286,6 +292,9 @@ class CoMERA:
         self._steps += 1
         step = self._steps
         events: list[Event] = []
+        if (self.objective is not None and not self.frozen and self.cfg.balance
+                and step % self.cfg.balance_every == 0):
+            balance_gates(self._layers.values())  # before the refresh judges the gates
         rank_events = self._refresh(step, counts)
         events += [Event(step, "rank_change", str(e), e.as_dict()) for e in rank_events]
         self.removed["objective"] += sum(e.old - e.new for e in rank_events)
@@ -335,8 +344,10 @@ class CoMERA:
             return []
         if counts is not None:
             return self._events_from_counts(step, counts)
+        if self.frozen:  # the ranks are fixed: nothing dies any more
+            return []
         return refresh_gates(self.model, step, layers=self._pairs,
-                             floor=bool(self.cfg.rank_floor))
+                             floor=bool(self.cfg.rank_floor), bank=self._bank)
 
     def refresh_fn(self) -> Callable[[], Tensor] | None:
         """The gate refresh as device work (for a captured step): returns the alive count
@@ -371,14 +382,22 @@ class CoMERA:
     def _pacing(self) -> bool:
         """The pace is on: ``pace`` with a target and a step budget (the switch rule's
         ``reach`` step exists)."""
-        return self.objective is not None and switch_plan(
-            self.cfg, self.total_steps, self.steps_per_epoch).reach is not None
+        return self.objective is not None and self._switch_plan().reach is not None
+
+    def _switch_plan(self) -> SwitchPlan:
+        """:func:`~comera_engine.config.switch_plan` of the settings and the step budget
+        (worked out again only if ``total_steps`` or ``steps_per_epoch`` is changed)."""
+        key = (self.total_steps, self.steps_per_epoch)
+        if key != self._plan_key:
+            self._plan = switch_plan(self.cfg, self.total_steps, self.steps_per_epoch)
+            self._plan_key = key
+        return self._plan
 
     def _maybe_switch(self, step: int, task_loss: float) -> Event | None:
         """Switch to the late stage when its time has come."""
         assert self.objective is not None and self.plateau is not None
         c = self.cfg
-        plan = switch_plan(c, self.total_steps, self.steps_per_epoch)
+        plan = self._switch_plan()
         plateaued = self.plateau.update(task_loss)
         due = (plan.switch == "plateau" and plateaued) or (
             isinstance(plan.switch, int) and step >= plan.switch)

@@ -50,7 +50,14 @@ from torch import Tensor, nn
 from ..config import CoMERAConfig, resolve_schedule, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
-from .size import dense_size, effective_core_size, gate_sizes, size_extra, size_spec
+from .size import (
+    GateBank,
+    dense_size,
+    effective_core_size,
+    gate_sizes,
+    size_extra,
+    size_spec,
+)
 from .target import plan_target
 
 __all__ = ["CoMERAObjective", "PlateauDetector", "gamma_ramp"]
@@ -82,6 +89,7 @@ class CoMERAObjective:
         self.stage = "early"
         self.z_f: float | None = None
         self._layers = [m for _, m in tt_layers(model)]  # the model's structure is fixed
+        self.bank = GateBank(self._layers)  # their gates, laid out once per structure
         self.S0 = float(max(1, sum(m.tt.num_params(False) for m in self._layers)))
         self.dense = dense_size(model)
         self.step_index = 0
@@ -118,31 +126,34 @@ class CoMERAObjective:
 
     def __call__(self, f: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, model = self.cfg, self.model
-        reg = f.new_zeros(())
+        reg = None  # the cores' L2 term (comera.l2_cores; off by default)
         if cfg.l2_cores > 0:
+            reg = f.new_zeros(())
             for m in self._layers:
                 for c in m.tt.cores:
                     reg = reg + c.pow(2).sum()
             reg = cfg.l2_cores * reg
         info: dict[str, Tensor] = {}
+        zero = self._const(f, "zero", 0.0)  # λ when it is not chosen (logged only)
         if self.frozen:  # ranks fixed: the size is a constant, counted once
             if self._fixed_size is None or self._fixed_size.device != f.device:
-                self._fixed_size = (effective_core_size(model) + self._extra).to(f.dtype)
-            total = f + reg
-            info["lambda"] = f.new_zeros(())
+                self._fixed_size = (effective_core_size(model, self.bank)
+                                    + self._extra).to(f.dtype)
+            total = f if reg is None else f + reg
+            info["lambda"] = zero
             info["size"] = self._fixed_size
             if self.target_size is not None:
                 info["target_size"] = self._const(f, "target_size", self.target_size)
             return total, info
         late = self.stage != "early"
-        s_raw, cores64 = gate_sizes(model, counts=late, layers=self._layers)  # one pass
+        s_raw, cores64 = gate_sizes(model, counts=late, bank=self.bank)  # one pass
         s_hat = s_raw.to(f.dtype) / self.S0
         info["size_surrogate"] = s_raw.detach()
         if not late:
-            ramp = self._ramp_on(f.device).to(f.dtype)
-            total = f + cfg.gamma * ramp * s_hat + reg
-            info["lambda"] = f.new_zeros(())
-            info["gamma"] = cfg.gamma * ramp
+            gamma = cfg.gamma * self._ramp_on(f.device).to(f.dtype)
+            total = f + gamma * s_hat
+            info["lambda"] = zero
+            info["gamma"] = gamma
         else:
             assert self.z_f is not None and self.target_size is not None
             assert cores64 is not None
@@ -157,10 +168,12 @@ class CoMERAObjective:
             else:  # the size terms, until the size is at the target
                 pursue = (size > self.target_size).to(f.dtype)
             lam = (gap_f < gap_s).to(f.dtype) * pursue
-            total = cfg.rho_f * f + (pursue * cfg.rho_s) * s_hat + lam * s_hat + (1 - lam) * f + reg
+            total = cfg.rho_f * f + (pursue * cfg.rho_s) * s_hat + lam * s_hat + (1 - lam) * f
             info["lambda"] = lam
             info["size"] = size
             info["z_f"] = self._const(f, "z_f", self.z_f)
+        if reg is not None:
+            total = total + reg
         if self.target_size is not None:
             info["target_size"] = self._const(f, "target_size", self.target_size)
         return total, info

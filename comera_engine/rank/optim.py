@@ -7,8 +7,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from ..backends import cpu_backend
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
-from .size import _flat_gates, _surrogate_plan
+from .size import GateBank
 
 __all__ = ["RankEvent", "RankTracker", "param_groups", "refresh_gates",
            "refresh_gates_on_device", "truncate_model_and_optimizer"]
@@ -58,7 +59,7 @@ class RankEvent:
 
 def refresh_gates(model: nn.Module, step: int = 0,
                   layers: list[tuple[str, nn.Module]] | None = None,
-                  floor: bool = True) -> list[RankEvent]:
+                  floor: bool = True, bank: GateBank | None = None) -> list[RankEvent]:
     """After an optimizer step: make pruning permanent in every TT layer and return one
     event per bond whose effective rank changed.
 
@@ -66,16 +67,25 @@ def refresh_gates(model: nn.Module, step: int = 0,
     host read, whatever the number of layers): when no live entry is at or below its
     threshold nothing dies and nothing is touched (a dead entry's gate, zeroed when it
     died, is masked everywhere, so the optimizer's drift of it changes nothing). ``layers``:
-    ``model``'s ``(name, TT layer)`` pairs when the caller keeps them; ``floor``: no bond
-    loses its last entry (``comera.rank_floor``)."""
+    ``model``'s ``(name, TT layer)`` pairs when the caller keeps them, and ``bank`` their
+    :class:`~comera_engine.rank.size.GateBank`; ``floor``: no bond loses its last entry
+    (``comera.rank_floor``)."""
     layers = tt_layers(model) if layers is None else layers
-    gates, alive, key = _flat_gates([m for _, m in layers])
+    if bank is None:
+        bank = GateBank([m for _, m in layers])
+    gates, alive, _ = bank.flat()
     if not gates:
         return []
-    g = torch.cat(gates).detach()
-    tau = _surrogate_plan(key, g.device, g.dtype)[1]
-    if not bool((torch.cat(alive) & (g.abs() <= tau)).any()):
-        return []
+    backend = cpu_backend(gates[0])
+    if backend is not None:  # the same check in one call
+        bonds, _, taus, _ = bank.layout()
+        if not backend.ops.gates_dying(gates, alive, bonds, taus):
+            return []
+    else:
+        g = torch.cat(gates).detach()
+        tau = bank.plan(g.device, g.dtype)[1]
+        if not bool((torch.cat(alive) & (g.abs() <= tau)).any()):
+            return []
     events = []
     for name, m in layers:
         for ch in m.tt.refresh_(floor):

@@ -26,15 +26,18 @@ is all the gates can change).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
 from torch import Tensor, nn
 
+from ..backends import cpu_backend
 from ..layers import TTEmbedding, TTLinear, peer_layers, tt_layers
+from ..tensor import structure_generation
 from .target import LayerSpec, SizeSpec
 
-__all__ = ["dense_size", "effective_core_size", "effective_size", "layer_size",
+__all__ = ["GateBank", "dense_size", "effective_core_size", "effective_size", "layer_size",
            "layer_size_surrogate", "min_size", "model_sizes", "size_extra", "size_spec",
            "surrogate_size"]
 
@@ -62,8 +65,58 @@ def surrogate_size(model: nn.Module) -> Tensor:
     return gate_sizes(model)[0]
 
 
+class GateBank:
+    """The gates of some TT layers laid out for the work done over all of them every
+    step (the size surrogate, the gate refresh): the gate and ``alive`` tensors in order,
+    the key of their index plan (:func:`_flat_gates`) and the plans themselves per device
+    and dtype (:func:`_surrogate_plan`).
+
+    Walking the layers for these costs more than the math itself on a small model, so
+    they are kept and built again only when some TT layer's structure changed
+    (:func:`comera_engine.tensor.structure_generation`: a truncation, a resize, ``.to()``,
+    a new threshold); values changing in place (training, pruning) need nothing."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.layers = list(layers)
+        self._generation = -1
+        self._flat: tuple[list[Tensor], list[Tensor], tuple] = ([], [], ())
+        self._plans: dict[tuple[torch.device, torch.dtype], tuple] = {}
+        self._layout: tuple[list[int], list[float], list[float], list[int]] | None = None
+
+    def flat(self) -> tuple[list[Tensor], list[Tensor], tuple]:
+        """``(gates, alive, key)`` of :func:`_flat_gates`, current."""
+        generation = structure_generation()
+        if generation != self._generation:
+            self._flat = _flat_gates(self.layers)
+            self._plans = {}
+            self._layout = None
+            self._generation = generation
+        return self._flat
+
+    def layout(self) -> tuple[list[int], list[float], list[float], list[int]]:
+        """The CPU backend's view of the layout (``csrc/gate_size.cpp``): per layer its
+        number of bonds, every layer's mode sizes in order, per layer its threshold, and
+        the length of every gate vector."""
+        key = self.flat()[2]
+        if self._layout is None:
+            self._layout = ([len(gs) for gs, _, _ in key],
+                            [float(s) for _, modes, _ in key for s in modes],
+                            [float(t) for _, _, t in key],
+                            [r for gs, _, _ in key for r in gs])
+        return self._layout
+
+    def plan(self, device: torch.device, dtype: torch.dtype) -> tuple:
+        """:func:`_surrogate_plan` of the current layout on ``device`` in ``dtype``."""
+        key = self.flat()[2]
+        plan = self._plans.get((device, dtype))
+        if plan is None:
+            plan = self._plans[(device, dtype)] = _surrogate_plan(key, device, dtype)
+        return plan
+
+
 def gate_sizes(model: nn.Module, counts: bool = False,
-               layers: list[nn.Module] | None = None) -> tuple[Tensor, Tensor | None]:
+               layers: list[nn.Module] | None = None, bank: GateBank | None = None
+               ) -> tuple[Tensor, Tensor | None]:
     """``Ŝ`` (differentiable in the gates) and, with ``counts``, the cores' effective
     size ``S`` (float64, :func:`effective_core_size`) from the same pass over the gates.
 
@@ -78,18 +131,25 @@ def gate_sizes(model: nn.Module, counts: bool = False,
     bond ``k``, each term multiplied in the order autograd would (the same bits as
     differentiating the expression). No scatter-add: each bond norm receives exactly two
     contributions, so the result and its gradients are the same run to run on GPUs too.
-    ``layers``: ``model``'s TT layers when the caller keeps them (saves a walk over the
-    modules every step)."""
-    if layers is None:
-        layers = [m for _, m in tt_layers(model)]
-    if not layers:
+    ``layers``: ``model``'s TT layers when the caller keeps them; ``bank``: their
+    :class:`GateBank` when the caller keeps one (called every step, it saves the walk over
+    the layers)."""
+    if bank is None:
+        bank = GateBank([m for _, m in tt_layers(model)] if layers is None else layers)
+    if not bank.layers:
         return torch.zeros(()), (torch.zeros((), dtype=torch.float64) if counts else None)
-    gates, alive, key = _flat_gates(layers)
+    gates, alive, _ = bank.flat()
     if not gates:  # single-core layers only: no bond, nothing the gates control
-        s_hat = torch.stack([layer_size_surrogate(m) for m in layers]).sum()
+        s_hat = torch.stack([layer_size_surrogate(m) for m in bank.layers]).sum()
         return s_hat, (effective_core_size(model) if counts else None)
-    plan = _surrogate_plan(key, gates[0].device, gates[0].dtype)
-    plan64 = _surrogate_plan(key, gates[0].device, torch.float64) if counts else None
+    backend = cpu_backend(gates[0])
+    if backend is not None:  # the same sums in one call (float64 inside)
+        s_hat, cores = _GateSizeNative.apply(backend.ops, bank.layout(), alive, counts,
+                                             *gates)
+        return s_hat, (cores if counts else None)
+    layers = bank.layers
+    plan = bank.plan(gates[0].device, gates[0].dtype)
+    plan64 = bank.plan(gates[0].device, torch.float64) if counts else None
     s_hat, cores = _GateSize.apply(plan, plan64, len(layers), len(gates), *gates, *alive)
     return s_hat, (cores if counts else None)
 
@@ -129,6 +189,28 @@ class _GateSize(torch.autograd.Function):
         d_bond = via_left[rc] + via_right[lc]
         d_g = torch.where(live, d_bond[entry_bond], 0.0) * g.sgn()
         return (None, None, None, None, *d_g.split(ctx.sizes), *([None] * len(ctx.sizes)))
+
+
+class _GateSizeNative(torch.autograd.Function):
+    """:class:`_GateSize` in one call of the CPU backend (``csrc/gate_size.cpp``), which
+    returns ``Ŝ``, ``S`` and ``∂Ŝ/∂g`` together: the backward only scales the latter.
+    Inputs: the backend's module, :meth:`GateBank.layout`, the ``alive`` vectors, whether
+    ``S`` is wanted, then the gates."""
+
+    @staticmethod
+    def forward(ctx, ops, layout: tuple, alive: list[Tensor], counts: bool,  # noqa: ANN001
+                *gates: Tensor) -> tuple[Tensor, Tensor]:
+        bonds, modes, taus, sizes = layout
+        s_hat, cores, grad = ops.gate_size(list(gates), alive, bonds, modes, taus, counts)
+        ctx.save_for_backward(grad)
+        ctx.sizes = sizes
+        ctx.mark_non_differentiable(cores)
+        return s_hat, cores
+
+    @staticmethod
+    def backward(ctx, d_s: Tensor, _d_cores: Tensor):  # type: ignore[override]  # noqa: ANN205
+        (grad,) = ctx.saved_tensors
+        return (None, None, None, None, *(grad * d_s).split(ctx.sizes))
 
 
 def _core_size(live: Tensor, plan64: tuple, n_layers: int) -> Tensor:
@@ -192,18 +274,20 @@ def _surrogate_plan(key: tuple, device: torch.device, dtype: torch.dtype) -> tup
                                (lc, long), (rc, long), (entry_bond, long)))
 
 
-def effective_core_size(model: nn.Module) -> Tensor:
+def effective_core_size(model: nn.Module, bank: GateBank | None = None) -> Tensor:
     """``Σ_layers Σ_k s_k R_{k-1} R_k`` over the TT layers' cores at their effective ranks
     (the gate-mask counts; a layer with a rank-0 bond counts 0), a float64 device scalar,
-    in one pass over all gates of the model."""
-    layers = [m for _, m in tt_layers(model)]
-    gates, alive, key = _flat_gates(layers)
+    in one pass over all gates of the model (``bank``: their :class:`GateBank`, kept by
+    the caller)."""
+    if bank is None:
+        bank = GateBank([m for _, m in tt_layers(model)])
+    gates, alive, _ = bank.flat()
     if not gates:  # no TT layer, or only single-core ones (no bond): their full size
-        return torch.tensor(float(sum(m.tt.num_params(True) for m in layers)),
+        return torch.tensor(float(sum(m.tt.num_params(True) for m in bank.layers)),
                             dtype=torch.float64)
     g = torch.cat(gates)
-    live = torch.cat(alive) & (g.abs() > _surrogate_plan(key, g.device, g.dtype)[1])
-    return _core_size(live, _surrogate_plan(key, g.device, torch.float64), len(layers))
+    live = torch.cat(alive) & (g.abs() > bank.plan(g.device, g.dtype)[1])
+    return _core_size(live, bank.plan(g.device, torch.float64), len(bank.layers))
 
 
 def _other_params(model: nn.Module) -> int:

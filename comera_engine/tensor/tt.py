@@ -32,6 +32,7 @@ __all__ = [
     "TTMCores",
     "contract_chain",
     "max_tt_ranks",
+    "structure_generation",
     "ttm_matrix",
     "tt_svd",
 ]
@@ -160,6 +161,23 @@ def tt_svd(
         return [np.asarray(f) for f in tt]
 
 
+_GENERATION = [0]
+
+
+def structure_generation() -> int:
+    """A number that changes whenever some :class:`TensorTrain` anywhere changes its
+    structure: a tensor of its cores, gates or ``alive`` vectors replaced or reshaped
+    (truncation, :meth:`TensorTrain.resize_`, ``.to()``, a state dict loaded with
+    ``assign``) or its threshold ``tau`` set. What is built from a model's gate layout
+    (:class:`comera_engine.rank.size.GateBank`) is built again when it moves; values
+    changing in place (training, pruning) do not move it."""
+    return _GENERATION[0]
+
+
+def _structure_changed() -> None:
+    _GENERATION[0] += 1
+
+
 def _reshape_param(p: nn.Parameter, data: Tensor) -> None:
     """Give ``p`` ``data`` of another shape, keeping the Python object (so optimizer groups
     and state keyed by it stay valid) and dropping its gradient.
@@ -169,6 +187,7 @@ def _reshape_param(p: nn.Parameter, data: Tensor) -> None:
     (``loss`` of a training loop, alive until the next assignment) keeps the parameter's
     gradient accumulator, which remembers the old shape, so the next backward would
     fail against it. Otherwise ``p.data`` is replaced."""
+    _structure_changed()
     new = nn.Parameter(data, requires_grad=p.requires_grad)
     new.__dict__.update(p.__dict__)  # swapped into p with the tensor
     try:
@@ -209,6 +228,8 @@ class TensorTrain(nn.Module):
         full = [1, *ranks, 1]
         K = len(self.mode_shapes)
         std = (init_var / max(1, math.prod(ranks))) ** (1.0 / (2 * K))
+        #: the cores' entry scale at initialisation (gate balancing keeps their slices at it)
+        self.init_std = float(std)
         self.cores = nn.ParameterList(
             nn.Parameter(
                 torch.randn(full[k], *self.mode_shapes[k], full[k + 1], dtype=dtype,
@@ -221,6 +242,20 @@ class TensorTrain(nn.Module):
         )
         for k, r in enumerate(ranks):
             self.register_buffer(f"alive_{k}", torch.ones(r, dtype=torch.bool, device=device))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "tau" or name.startswith("alive_"):
+            _structure_changed()
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        _structure_changed()  # .to(), .cuda(), .half(): the tensors are replaced
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        _structure_changed()  # with assign=True the tensors are replaced
+        super()._load_from_state_dict(*args, **kwargs)
+        _structure_changed()
 
     # ----------------------------------------------------------------- structure
     @property
@@ -380,6 +415,7 @@ class TensorTrain(nn.Module):
         ranks = [int(r) for r in ranks]
         if len(ranks) != self.num_cores - 1 or min(ranks, default=1) < 0:
             raise ValueError(f"ranks: need {self.num_cores - 1} non-negative ranks, got {ranks}")
+        _structure_changed()
         full = [1, *ranks, 1]
         with torch.no_grad():
             for k, c in enumerate(self.cores):
@@ -402,6 +438,7 @@ class TensorTrain(nn.Module):
                 raise ValueError(f"cores: core {k} has modes {tuple(t.shape[1:-1])}, want {want}")
             if k and t.shape[0] != ts[k - 1].shape[-1]:
                 raise ValueError(f"cores: rank mismatch between cores {k - 1} and {k}")
+        _structure_changed()
         for k, t in enumerate(ts):
             self.cores[k].data = t.reshape(t.shape[0], *self.mode_shapes[k], t.shape[-1]).to(
                 dtype=ref.dtype, device=ref.device).contiguous()

@@ -47,7 +47,7 @@ NAME = "comera_tt_native"
 ENV_DIR = "COMERA_CPU_BACKEND_DIR"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("tt_common.cpp", "tt_sweep.cpp", "tt_halves.cpp", "tt_halves_batch.cpp",
-           "module.cpp")
+           "gate_size.cpp", "module.cpp")
 READY = "ready"  # the complete build, moved into place in one rename
 MANIFEST = "manifest.json"  # written last inside a build
 CHOICES = "choices.json"  # the install's GEMM ways (.tune)

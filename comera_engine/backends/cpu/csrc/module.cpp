@@ -16,4 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "TT-linear halves: whether the blocked step calls BLAS directly (-1 asks, 0/1 sets)");
   mod.def("halves_batch_backward", &comera::halves_batch_backward,
           "TT-linear halves: the batch GEMMs of the backward, row-blocked (ops)");
+  mod.def("gate_size", &comera::gate_size,
+          "rank gates: size surrogate, its gradient and the cores' size (rank.size)");
+  mod.def("gates_dying", &comera::gates_dying,
+          "rank gates: some live entry at or below its threshold (rank.optim)");
 }

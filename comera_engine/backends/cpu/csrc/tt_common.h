@@ -85,4 +85,15 @@ std::vector<Tensor> halves_batch_backward(const Tensor& dy, const Tensor& x,
                                           const Tensor& Rp, bool need_x, bool need_w,
                                           int64_t block);
 
+// The rank gates over a whole model (gate_size.cpp): the size surrogate, its gradient in
+// every entry and the cores' effective size; whether some live entry is at or below its
+// threshold.
+std::vector<Tensor> gate_size(const std::vector<Tensor>& gates,
+                              const std::vector<Tensor>& alive,
+                              const std::vector<int64_t>& bonds,
+                              const std::vector<double>& modes,
+                              const std::vector<double>& taus, bool want_size);
+bool gates_dying(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive,
+                 const std::vector<int64_t>& bonds, const std::vector<double>& taus);
+
 }  // namespace comera

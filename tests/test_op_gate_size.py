@@ -1,0 +1,99 @@
+"""The rank gates' per-step work over a whole model (``rank.size.gate_sizes``: the size
+surrogate, its gradient and the cores' effective size; ``rank.optim.refresh_gates``'s
+check), on the PyTorch path and through the CPU backend (``csrc/gate_size.cpp``), against
+a layer-by-layer float64 reference written from the formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
+from comera_engine.rank import gate_sizes, refresh_gates
+from comera_engine.rank.size import GateBank
+
+TAU = 0.05
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    """Three TT layers of different orders and ranks; gates spread around the threshold,
+    some entries dead for good, one layer with a bond where every entry is dead."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({
+        "a": TTLinear(24, 36, rank=4, tau=TAU),
+        "b": TTEmbedding(60, 12, rank=3, tau=TAU),
+        "c": TTLinear(16, 8, rank=2, tau=TAU),
+    }).to(dtype)
+    with torch.no_grad():
+        for _, m in tt_layers(model):
+            for k, g in enumerate(m.tt.gates):
+                g.copy_(torch.randn(g.shape, dtype=dtype) * 0.2)
+                m.tt.alive(k).copy_(torch.rand(g.shape) > 0.2)
+        model["c"].tt.alive(0).zero_()  # a dead bond: the layer counts 0
+    return model
+
+
+def _reference(model: nn.Module) -> tuple[torch.Tensor, float]:
+    """Σ over layers of Σ_k s_k ‖g_{k-1}‖₁‖g_k‖₁ over live entries (outer norms 1), as a
+    float64 autograd expression in the gates, and the cores' effective size counted from
+    the live entries (0 for a layer with an empty bond)."""
+    s_hat = torch.zeros((), dtype=torch.float64)
+    size = 0.0
+    for _, m in tt_layers(model):
+        tt = m.tt
+        live = [tt.alive(k) & (g.abs() > tt.tau) for k, g in enumerate(tt.gates)]
+        R = [1.0, *[(g.double().abs() * lv).sum() for g, lv in zip(tt.gates, live)], 1.0]
+        C = [1, *[int(lv.sum()) for lv in live], 1]
+        for k, s in enumerate(tt.mode_sizes):
+            s_hat = s_hat + s * R[k] * R[k + 1]
+        if min(C) > 0:
+            size += sum(s * C[k] * C[k + 1] for k, s in enumerate(tt.mode_sizes))
+    return s_hat, size
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_surrogate_size_and_gradient_match_the_layer_by_layer_reference(
+        op_impl: str, dtype: torch.dtype) -> None:
+    model = _model(dtype)
+    gates = [g for _, m in tt_layers(model) for g in m.tt.gates]
+    ref, ref_size = _reference(model)
+    ref_grads = torch.autograd.grad(ref, gates)
+
+    s_hat, size = gate_sizes(model, counts=True)
+    assert s_hat.dtype == dtype and size is not None and size.dtype == torch.float64
+    grads = torch.autograd.grad(3.0 * s_hat, gates)  # the backward scales by dL/dŜ
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_hat.double(), ref.detach(), **tol)
+    assert float(size) == ref_size
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), 3.0 * r.double(), **tol)
+    assert any(bool((g == 0).any()) for g in grads)  # dead and sub-threshold entries: 0
+
+
+def test_the_bank_follows_truncation_and_a_new_threshold(op_impl: str) -> None:
+    model = _model(torch.float64)
+    bank = GateBank([m for _, m in tt_layers(model)])
+    gate_sizes(model, counts=True, bank=bank)  # the layout is built once here
+    for _, m in tt_layers(model):  # shapes change under the bank
+        m.tt.tau = 0.1
+        if m is not model["c"]:
+            m.tt.truncate_()
+    s_hat, size = gate_sizes(model, counts=True, bank=bank)
+    ref, ref_size = _reference(model)
+    torch.testing.assert_close(s_hat, ref.detach(), rtol=1e-12, atol=1e-12)
+    assert float(size) == ref_size
+
+
+def test_refresh_finds_an_entry_that_fell_to_its_threshold(op_impl: str) -> None:
+    model = _model(torch.float64)
+    assert refresh_gates(model) != []  # the random gates: some below tau die now
+    assert refresh_gates(model) == []  # nothing left at or below tau
+    layer = model["a"].tt
+    k = next(k for k in range(len(layer.gates)) if int(layer.alive(k).sum()) >= 2)
+    j = int(torch.nonzero(layer.alive(k))[0])
+    with torch.no_grad():
+        layer.gates[k][j] = TAU  # exactly at the threshold: dies
+    events = refresh_gates(model)
+    assert [(e.layer, e.bond, e.old - e.new) for e in events] == [("a", k, 1)]
+    assert not bool(layer.alive(k)[j]) and float(layer.gates[k][j]) == 0.0
