@@ -143,6 +143,10 @@ class CoMERAConfig:
     # while its slices grow back, so the size objective prunes by itself
     balance: bool | None = None
     balance_every: int = 10
+    # with a target and a step budget, the late stage starts by switch_by of the steps at
+    # the latest, whatever switch says (the pace needs it; the paper switches on the
+    # plateau alone)
+    deadline: bool | None = None
     # Reaching the target within the run (docs/SIZE_AND_TARGET.md). pace: the size follows
     # a planned path from the late stage's start to the target by reach_at of the steps;
     # ranks that lag the path are pruned by gate importance, and once the target size is
@@ -514,13 +518,13 @@ def validate_methods(cfg: Config) -> None:
 SCHEDULES: dict[str, dict[str, Any]] = {
     "paper": {"late_norm": "initial", "size_off_at_target": False, "plateau_min_drop": 0.0,
               "rank_floor": False, "ranks_from_target": False, "balance": False,
-              "pace": False},
+              "deadline": False, "pace": False},
     "comera": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
-               "rank_floor": True, "ranks_from_target": True, "balance": False,
-               "pace": False},
+               "rank_floor": True, "ranks_from_target": True, "balance": True,
+               "deadline": True, "pace": False},
     "paced": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
               "rank_floor": True, "ranks_from_target": True, "balance": False,
-              "pace": True},
+              "deadline": True, "pace": True},
 }
 
 
@@ -572,7 +576,7 @@ def _word(value: Any) -> str:
 class SwitchPlan:
     """When the late stage starts, by the ``[comera]`` switch rule (:func:`switch_plan`):
     ``switch`` a step, ``"plateau"`` or ``"never"``; ``latest`` the step by which it
-    starts whatever ``switch`` says (``None``: no deadline, the pace is off); ``reach``
+    starts whatever ``switch`` says (``None``: no deadline); ``reach``
     the step by which the pace lands the size at the target (``None``: no pace)."""
 
     switch: int | str
@@ -588,17 +592,19 @@ def step_of(fraction: float, steps: int) -> int:
 def switch_plan(c: CoMERAConfig, steps: int, steps_per_epoch: int = 0) -> SwitchPlan:
     """The one switch rule, for the rank controller and the preview alike: ``comera.switch``
     (``"auto"``: on a loss plateau with a target, else never) or ``comera.switch_epoch``
-    epochs (with ``steps_per_epoch``); with the pace on (``comera.pace``, a target and a
-    step budget) the late stage starts by ``switch_by`` of the steps at the latest and the
-    size is at the target by ``reach_at`` of them."""
+    epochs (with ``steps_per_epoch``); with a target and a step budget the late stage
+    starts by ``switch_by`` of the steps at the latest when ``comera.deadline`` or the
+    pace is on, and with the pace the size is at the target by ``reach_at`` of them."""
     c = resolve_schedule(c)
     switch: int | str = c.switch
     if c.switch_epoch is not None and steps_per_epoch:
         switch = c.switch_epoch * steps_per_epoch
     if switch == "auto":
         switch = "plateau" if c.target_compression is not None else "never"
-    pacing = bool(c.pace and c.target_compression is not None and steps > 0)
-    latest = step_of(c.switch_by, steps) if pacing and switch != "never" else None
+    budget = c.target_compression is not None and steps > 0
+    pacing = bool(c.pace and budget)
+    due = pacing or bool(c.deadline and budget)  # the pace always needs its deadline
+    latest = step_of(c.switch_by, steps) if due and switch != "never" else None
     return SwitchPlan(switch, latest, step_of(c.reach_at, steps) if pacing else None)
 
 

@@ -73,9 +73,9 @@ def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
     """The late stage of a run with these ``[comera]`` settings and ``train.steps``, as the
     rank controller decides it (:func:`comera_engine.config.switch_plan`): the switch
     is ``comera.switch`` (a step, ``"plateau"``, ``"never"``; ``"auto"``: plateau with a
-    target, else never) or ``comera.switch_epoch``, and with the pace on (``comera.pace``,
-    a target, a step budget) it comes after ``ceil(switch_by · steps)`` at the latest,
-    whatever the switch says. ``tensorized``: the model has TT layers (a dense model has
+    target, else never) or ``comera.switch_epoch``, and with a target, a step budget and
+    ``comera.pace`` or ``comera.deadline`` on it comes after ``ceil(switch_by · steps)``
+    at the latest, whatever the switch says. ``tensorized``: the model has TT layers (a dense model has
     no stages)."""
     c = resolve_schedule(comera)  # every switch set, as the controller sees them
     target = c.target_compression
@@ -101,11 +101,11 @@ def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
         step = int(switch) if latest is None else min(int(switch), latest)
         how = f"after step {step:,}"
         if latest is not None and latest < int(switch):
+            why = (f"to reach the target by step {plan.reach:,}" if plan.reach is not None
+                   else "to leave the objective time to prune (comera.deadline)")
             moved = (f"The engine starts the late stage after step {latest:,}, not "
-                     f"{int(switch):,}: with the pace on it starts by comera.switch_by = "
-                     f"{c.switch_by:g} of the {steps:,} steps at the latest, to reach the "
-                     "target by step "
-                     f"{plan.reach:,}.")
+                     f"{int(switch):,}: it starts by comera.switch_by = {c.switch_by:g} of "
+                     f"the {steps:,} steps at the latest, {why}.")
             return LateStage(step, how, True, None, moved)
     if target is None:
         return LateStage(step, how, False, "no target: the late stage has nothing to reach")

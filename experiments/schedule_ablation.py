@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import machine, print_table, write_json  # noqa: E402
-from target_check import CONFIGS, run_one  # noqa: E402
+from target_check import CONFIGS, ROOT, run_one  # noqa: E402
 
 from comera_engine.errors import ConfigError  # noqa: E402
 
@@ -38,6 +38,9 @@ VARIANTS: list[tuple[str, list[str]]] = [
     ("paced, plateau_min_drop 0", ["comera.plateau_min_drop=0.0"]),
     ("paced, rank_floor off", ["comera.rank_floor=false"]),
     ("paced, ranks_from_target off", ["comera.ranks_from_target=false"]),
+    ("comera, balance off", ['comera.schedule="comera"', "comera.balance=false"]),
+    ("comera, deadline off", ['comera.schedule="comera"', "comera.deadline=false"]),
+    ("paced, balance on", ["comera.balance=true"]),
 ]
 
 
@@ -51,6 +54,23 @@ def start_ranks(path: Path) -> list[str]:
     planned, _ = plan_initial_ranks(cfg, data_shape(cfg.data))
     return [f"model.{k}={v}" for k in ("rank", "embedding_rank")
             if (v := getattr(planned.model, k)) is not None]
+
+
+def _merged(folder: Path | None, rows: list[dict], runs: list[dict]
+            ) -> tuple[list[dict], list[dict]]:
+    """``rows`` and ``runs`` in place of the same (config, variant) in the table last
+    written (kept in its order; new variants after it)."""
+    import json
+
+    path = (folder or ROOT / "experiments" / "results") / "schedule_ablation.json"
+    if not path.is_file():
+        return rows, runs
+    old = json.loads(path.read_text())
+    new = {(r["config"], r["variant"]): r for r in rows}
+    merged = [new.pop((r["config"], r["variant"]), r) for r in old.get("rows", [])]
+    done = {(r["config"], r["variant"]) for r in rows}
+    kept = [r for r in old.get("runs", []) if (r.get("config"), r.get("variant")) not in done]
+    return merged + list(new.values()), kept + runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("target", "target x", ".0f"), ("reached", "reached x", ""),
                        ("acc", "eval acc %", ""), ("by_objective", "removed by objective", ".1f"),
                        ("by_pace", "by pace", ".1f"), ("note", "note", "")])
+    if args.variants is not None:  # a subset: the other rows of the last full table stay
+        rows, runs = _merged(args.out, rows, runs)
     out = write_json("schedule_ablation", {"machine": machine(), "seeds": args.seeds,
                                            "rows": rows, "runs": runs}, args.out)
     print(f"wrote {out}")

@@ -233,3 +233,22 @@ def test_grow_to_revives_allocated_entries_back_into_the_band() -> None:
         tt = layers[n].tt
         back = [j for j in was_dead if bool(tt.alive(k)[j])]
         assert all(float(tt.gates[k][j].detach()) == pytest.approx(1.5 * tt.tau) for j in back)
+
+
+def test_the_deadline_holds_without_the_pace_and_the_paper_has_none() -> None:
+    """comera.deadline: schedule "comera" (no pace) starts the late stage by switch_by of
+    the steps too, so the objective has the rest to prune; the paper's switches on the
+    plateau alone. The form's preview says where and why."""
+    import dataclasses
+
+    from comera_engine.config import CoMERAConfig, switch_plan
+    from comera_engine.preview import late_stage
+
+    c = CoMERAConfig(target_compression=10.0, switch="plateau", schedule="comera")
+    plan = switch_plan(c, 800)
+    assert (plan.latest, plan.reach) == (400, None)
+    assert switch_plan(dataclasses.replace(c, schedule="paper"), 800).latest is None
+    assert switch_plan(dataclasses.replace(c, deadline=False), 800).latest is None
+    assert switch_plan(dataclasses.replace(c, target_compression=None), 800).latest is None
+    stage = late_stage(dataclasses.replace(c, switch=700), 800)
+    assert stage.step == 400 and stage.moved is not None and "comera.deadline" in stage.moved
