@@ -75,8 +75,8 @@ def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
     is ``comera.switch`` (a step, ``"plateau"``, ``"never"``; ``"auto"``: plateau with a
     target, else never) or ``comera.switch_epoch``, and with a target, a step budget and
     ``comera.pace`` or ``comera.deadline`` on it comes after ``ceil(switch_by · steps)``
-    at the latest, whatever the switch says. ``tensorized``: the model has TT layers (a dense model has
-    no stages)."""
+    at the latest, whatever the switch says. ``tensorized``: the model has TT layers (a
+    dense model has no stages)."""
     c = resolve_schedule(comera)  # every switch set, as the controller sees them
     target = c.target_compression
     if not (c.enabled and c.method == "comera" and tensorized):
