@@ -458,7 +458,9 @@ def _plan_target(cfg: Any, quiet: bool = False, notes: list[str] | None = None) 
     from comera_engine.train.plan import plan_initial_ranks
 
     try:
-        shape = data_shape(cfg.data)
+        shape = data_shape(cfg.data, cfg.task)
+    except ConfigError:  # user data that cannot be read: one line
+        raise
     except (ValueError, KeyError):  # a dataset without shape facts: the trainer plans it
         return cfg
     cfg, plan = plan_initial_ranks(cfg, shape)
@@ -475,7 +477,7 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any
     ``on_phase(phase, progress)`` hears the phases (preparing data, training tokenizer,
     building)."""
     from comera_engine.data import build_dataset
-    from comera_engine.models import build_model
+    from comera_engine.models import build_model, run_task
     from comera_engine.train.loop import data_config
 
     if resume and not (run_dir / "checkpoints").is_dir() and not run_dir.is_dir():
@@ -497,6 +499,7 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any
     if on_phase is not None:
         on_phase("building")
     CoMERA(build_model(cfg.model, bundle), config=cfg.comera)  # e.g. an unreachable target
+    run_task(cfg, bundle)  # a task.factory that does not import or build
     return bundle
 
 
