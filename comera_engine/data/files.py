@@ -28,6 +28,7 @@ the files' SHA-256 in its ``dataset.json``.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -79,7 +80,8 @@ def read_columns(path: Path, key: str) -> dict[str, list[Any]]:
     fmt = FORMATS[path.suffix.lower()]
     kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
     datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
+    # a file it cannot read is told in one line below, not in the library's log
+    datasets.utils.logging.set_verbosity(logging.CRITICAL + 1)
     try:
         with tempfile.TemporaryDirectory(prefix="comera-files-") as cache:
             table = datasets.load_dataset(fmt, data_files={"train": str(path)}, split="train",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import math
 from typing import Any
 
