@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port (default 8501)")
     p.add_argument("--store", help="run store folder or .db file (default: $COMERA_HOME "
                    "or ./runs)")
+    p.add_argument("--models", action="append", default=[], metavar="MODULE",
+                   help="offer the model factories this module exposes (its COMERA_MODELS) "
+                   "on New experiment; repeatable")
+    p.add_argument("--data", action="append", default=[],
+                   metavar="NAME=PATH[,eval=PATH][,label=COL][,task=classify|regress]",
+                   help="offer this local CSV / JSON lines / Parquet file for user models; "
+                   "repeatable")
     p.set_defaults(func=cmd_app)
     return parser
 
@@ -113,9 +120,14 @@ def cmd_app(args: argparse.Namespace) -> int:
                           "missing); it runs from a source checkout: `make run` there")
     import runpy
 
+    registry = None
+    if args.models or args.data:  # checked here, before anything starts (comera_engine.studio)
+        from comera_engine.studio import build_registry
+
+        registry = build_registry(args.models, args.data)
     run_app = runpy.run_path(str(launcher), run_name="comera_dashboard_launcher")["run_app"]
     try:
-        run_app(args.host, args.port, args.store)
+        run_app(args.host, args.port, args.store, registry=registry)
     except ValueError as exc:
         field, _, problem = str(exc).partition(": ")
         raise ConfigError(f"--{field}", problem) from None

@@ -65,6 +65,13 @@ def _file(cfg: Mapping[str, Any], key: str, base_dir: Any) -> Path:
     return path.resolve()
 
 
+def file_columns(cfg: Mapping[str, Any], key: str = "train", base_dir: Any = None
+                 ) -> dict[str, list[Any]]:
+    """The columns of the file ``data.<key>`` of the ``[data]`` table ``cfg`` names
+    (checked as a run checks it: present, a known format, readable)."""
+    return read_columns(_file(cfg, key, base_dir), key)
+
+
 def read_columns(path: Path, key: str) -> dict[str, list[Any]]:
     """The file's columns (name → values) through ``datasets.load_dataset`` with
     ``data_files``, in a temporary cache; kept in memory per file state."""
