@@ -2,14 +2,14 @@
 ``experiments/own``: scikit-learn's breast-cancer table written as CSV files, the
 example's own network by entry point. ``comera train`` / ``launch`` / a 2×2 ``sweep``
 finish; the export loads back to the run's model and runs in onnxruntime; every bad input
-is refused in one line (exit 2) with nothing created in the run store."""
+is refused in one line (exit 2) with nothing created in the run store. Beside the example:
+a regression on a CSV with categorical and text columns, and data.factory with
+task.factory."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -208,42 +208,162 @@ def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, csvs, monkey
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"comera: error: {field}: ") and words in err[0], err[0]
     assert store_files(home) == []  # no store, no run folder
-    launched = subprocess.run([sys.executable, "-m", "comera_engine.cli", "launch", str(cfg)],
-                              capture_output=True, text=True, cwd=ROOT, timeout=120,
-                              env={**os.environ, "COMERA_HOME": str(home),
-                                   "PYTHONPATH": str(tmp_path)}) if case in (
-        "raises", "no_column") else None
-    if launched is not None:  # comera launch refuses it before queueing, the same way
-        assert launched.returncode == 2 and field in launched.stderr
+    if case in ("raises", "no_column"):  # comera launch refuses it before queueing, alike
+        assert main(["launch", str(cfg)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"comera: error: {field}: "), err
         assert store_files(home) == []
 
 
 # ---------------------------------------------------------------------- launch, sweep
 
 
-def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "comera_engine.cli", *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=240,
-                          env={**os.environ, "COMERA_HOME": str(home)})
+def test_launch_and_a_2x2_sweep_of_the_example_finish(tmp_path, csvs, monkeypatch,
+                                                      capsys) -> None:
+    """``comera launch`` and a 2x2 ``comera sweep --wait`` through the CLI's own main (in
+    this process: the trainers are the only interpreters started), 4 steps each."""
+    from comera_engine.store import RunStore
 
-
-def test_launch_and_a_2x2_sweep_of_the_example_finish(tmp_path, csvs) -> None:
     home = tmp_path / "home"
-    cfg = toml(tmp_path / "own.toml", *csvs, steps=10)
-    out = _cli("launch", str(cfg), "--json", home=home)
-    assert out.returncode == 0, out.stderr
-    rid = json.loads(out.stdout)["run_id"]
-    sweep = _cli("sweep", str(cfg), "--grid", "comera.target_compression=2,3", "--seeds", "2",
-                 "--max-parallel", "2", "--wait", "--json", home=home)
-    assert sweep.returncode == 0, sweep.stderr[-2000:]
-    rep = json.loads(sweep.stdout)
+    monkeypatch.setenv("COMERA_HOME", str(home))
+    monkeypatch.chdir(ROOT)  # the runs start here, where experiments.own.model imports
+    cfg = toml(tmp_path / "own.toml", *csvs, steps=4)
+    assert main(["launch", str(cfg), "--json"]) == 0
+    rid = json.loads(capsys.readouterr().out)["run_id"]
+    assert main(["sweep", str(cfg), "--grid", "comera.target_compression=2,3", "--seeds", "2",
+                 "--max-parallel", "4", "--wait", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
     assert rep["sweep"]["status"] == "finished" and len(rep["groups"]) == 2
+    store = RunStore(home / "comera.db")
     t0 = time.time()
-    while True:
-        runs = {r["id"]: r for r in json.loads(_cli("runs", "--json", home=home).stdout)}
-        if runs[rid]["status"] not in ("queued", "running") or time.time() - t0 > 120:
-            break
+    while store.get_run(rid)["status"] in ("queued", "running") and time.time() - t0 < 120:
         time.sleep(0.5)
-    assert runs[rid]["status"] == "finished"
-    assert sum(r["sweep_id"] == rep["sweep"]["id"] and r["status"] == "finished"
-               for r in runs.values()) == 4
+    assert store.get_run(rid)["status"] == "finished"
+    cells = store.sweep_runs(rep["sweep"]["id"])
+    assert len(cells) == 4 and all(r["status"] == "finished" for r in cells)
+
+
+# ---------------------------------------------------------------------- other paths
+
+
+EXTRA_MODULE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Mixed(nn.Module):
+    """x [B, F], categorical [B, C], input_ids [B, T] -> one number per row."""
+
+    def __init__(self, in_features, cardinalities, vocab_size):
+        super().__init__()
+        self.cat = nn.ModuleList(nn.Embedding(c, 4) for c in cardinalities)
+        self.words = nn.Embedding(vocab_size, 16)
+        self.body = nn.Linear(in_features + 4 * len(cardinalities) + 16, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x, categorical, input_ids):
+        parts = [x, *(e(categorical[:, i]) for i, e in enumerate(self.cat)),
+                 self.words(input_ids).mean(1)]
+        return self.out(torch.relu(self.body(torch.cat(parts, 1))))
+
+
+def mixed(in_features, cardinalities, vocab_size):
+    return Mixed(in_features, cardinalities, vocab_size)
+
+
+def small_net(in_features, out=3):
+    return nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, out))
+
+
+def datasets(n=96):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    rows = [{"x": x[i], "labels": y[i]} for i in range(n)]
+    return rows[: n * 3 // 4], rows[n * 3 // 4:]
+
+
+def loss_and_metrics(name="err"):
+    def metrics(outputs, labels):
+        return {name: float((outputs.view(len(labels), -1).argmax(1) != labels).float().mean())}
+    return (lambda outputs, labels: F.cross_entropy(outputs, labels.long())), metrics
+'''
+
+
+def _finals(run: Path) -> dict:
+    rows = [r["values"] for r in map(json.loads, (run / "metrics.jsonl").open())
+            if r["type"] == "metrics"]
+    return {k: v for r in rows for k, v in r.items() if k.startswith("eval/")}
+
+
+def test_regression_categorical_text_data_factory_and_task_factory(tmp_path, monkeypatch
+                                                                    ) -> None:
+    """A regression on a CSV with numeric, categorical and text columns (RMSE and R², no
+    accuracy; the files' SHA-256 and columns in dataset.json), and a data.factory with a
+    task.factory whose metrics function names its metric."""
+    import random
+
+    (tmp_path / "own_extra_mod.py").write_text(EXTRA_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    rng = random.Random(0)
+    words = {"red": "warm bright", "green": "calm leafy", "blue": "cool deep"}
+    lines = ["x1,x2,colour,note,y"]
+    for _ in range(160):
+        x1, x2, colour = rng.gauss(0, 1), rng.gauss(0, 1), rng.choice(list(words))
+        y = 2 * x1 - x2 + {"red": 1.0, "green": 0.0, "blue": -1.0}[colour]
+        lines.append(f"{x1:.4f},{x2:.4f},{colour},{words[colour]} sample text,{y:.4f}")
+    (tmp_path / "table.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "regress.toml").write_text('''name = "own-regress"
+task = "regress"
+[model]
+factory = "own_extra_mod:mixed"
+[data]
+name = "files"
+train = "table.csv"
+features = ["x1", "x2"]
+categorical = ["colour"]
+text = "note"
+label = "y"
+seq_len = 8
+vocab_size = 64
+min_frequency = 1
+[train]
+steps = 20
+batch_size = 32
+eval_every = 10
+ckpt_every = 0
+device = "cpu"
+''', encoding="utf-8")
+    assert main(["train", "regress.toml", "--no-progress", "--no-store", "--run-dir",
+                 "reg"]) == 0
+    final = _finals(tmp_path / "reg")
+    assert {"eval/rmse", "eval/r2", "eval/loss"} <= set(final) and "eval/acc" not in final
+    assert final["eval/rmse"] == pytest.approx(final["eval/loss"] ** 0.5, rel=0.05)
+    ident = json.loads((tmp_path / "reg" / "dataset.json").read_text())
+    assert ident["files"][0]["sha256"] == hashlib.sha256(
+        (tmp_path / "table.csv").read_bytes()).hexdigest()
+    assert (ident["params"]["categorical"], ident["params"]["text"]) == (["colour"], "note")
+
+    (tmp_path / "factory.toml").write_text('''name = "own-factory"
+task = { factory = "own_extra_mod:loss_and_metrics", kwargs = { name = "miss" } }
+[model]
+factory = "own_extra_mod:small_net"
+[data]
+factory = "own_extra_mod:datasets"
+kwargs = { n = 128 }
+[train]
+steps = 20
+batch_size = 16
+eval_every = 10
+ckpt_every = 0
+device = "cpu"
+''', encoding="utf-8")
+    assert main(["train", "factory.toml", "--no-progress", "--no-store", "--run-dir",
+                 "fac"]) == 0
+    final = _finals(tmp_path / "fac")
+    assert 0.0 <= final["eval/miss"] <= 1.0 and "eval/acc" not in final
+    ident = json.loads((tmp_path / "fac" / "dataset.json").read_text())
+    assert ident["params"]["factory"] == "own_extra_mod:datasets"
+    assert ident["num_examples"] == {"train": 96, "eval": 32}
