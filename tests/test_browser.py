@@ -611,6 +611,14 @@ def pick(page: Any, label: str, option: str) -> None:
     page.get_by_role("option", name=option, exact=True).click()
 
 
+def enter(page: Any, label: str, value: str) -> Any:
+    """Type ``value`` into the field labelled ``label`` and press Enter; the field."""
+    field = page.get_by_label(label, exact=True)
+    field.fill(value)
+    field.press("Enter")
+    return field
+
+
 def test_a_user_model_registered_by_comera_app(browser: Any, tmp_path: Path) -> None:
     """``comera app --models experiments.own.model --data cancer=...``: New experiment
     offers the example's model with its own preview, launches it (the run's config
@@ -643,9 +651,7 @@ def test_a_user_model_registered_by_comera_app(browser: Any, tmp_path: Path) -> 
             "cancer · your file train.csv")
         no_exception(page, "new experiment (user model)")
         shot(page, "30-new-user-model")
-        steps = page.get_by_label("Steps", exact=True)
-        steps.fill("100")
-        steps.press("Enter")
+        steps = enter(page, "Steps", "100")
         wait_until(lambda: steps.input_value() == "100", 30, "the steps field")
         settle(page)
         page.get_by_role("button", name="Launch", exact=True).click()
@@ -666,18 +672,12 @@ def test_a_user_model_registered_by_comera_app(browser: Any, tmp_path: Path) -> 
         page.get_by_text("Tensorisation preview", exact=True).wait_for()
         settle(page)
         page.get_by_text("Sweep several targets").click()
-        targets = page.get_by_label("Targets (×)", exact=True)
-        targets.fill("3, 5")
-        targets.press("Enter")
-        seeds = page.get_by_label("Seeds per target", exact=True)
-        seeds.fill("1")
-        seeds.press("Enter")
+        enter(page, "Targets (×)", "3, 5")
+        enter(page, "Seeds per target", "1")
         page.get_by_text("2 runs: 3×, 5× × 1 seed(s).").wait_for()
         assert steps.input_value() == "100"  # the form kept its values
         settle(page)
-        cells_at_once = page.get_by_label("Cells at once", exact=True)
-        cells_at_once.fill("2")
-        cells_at_once.press("Enter")
+        enter(page, "Cells at once", "2")
         settle(page)
         page.get_by_role("button", name="Launch sweep").click()
         page.wait_for_url(re.compile(r".*/sweeps\?sweep=.+"), timeout=60_000)
