@@ -686,9 +686,13 @@ def test_a_user_model_registered_by_comera_app(browser: Any, tmp_path: Path) -> 
         assert len(cells) == 2 and all(
             r["config"]["model"]["factory"] == "experiments.own.model:tabular_net"
             for r in cells)
-        rows = wait_until(lambda: [r for r in table_rows(page, "cell", "compression")
-                                   if r["status"] == "finished"], 240, "its finished cells")
-        assert sorted(r["cell"] for r in rows) == ["3× seed 0", "5× seed 0"], rows
+        def finished_cells() -> list[str]:
+            cells = sorted(r["cell"] for r in table_rows(page, "cell", "compression")
+                           if r["status"] == "finished")
+            return cells if len(cells) == 2 else []
+
+        assert wait_until(finished_cells, 240, "both cells finished") == ["3× seed 0",
+                                                                           "5× seed 0"]
         no_exception(page, "sweeps (user model)")
         shot(page, "32-sweeps-user-model")
 
