@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port (default 8501)")
     p.add_argument("--store", help="run store folder or .db file (default: $COMERA_HOME "
                    "or ./runs)")
+    p.add_argument("--models", action="append", default=[], metavar="MODULE",
+                   help="offer the model factories this module exposes (its COMERA_MODELS) "
+                   "on New experiment; repeatable")
+    p.add_argument("--data", action="append", default=[],
+                   metavar="NAME=PATH[,eval=PATH][,label=COL][,task=classify|regress]",
+                   help="offer this local CSV / JSON lines / Parquet file for user models; "
+                   "repeatable")
     p.set_defaults(func=cmd_app)
     return parser
 
@@ -113,9 +120,14 @@ def cmd_app(args: argparse.Namespace) -> int:
                           "missing); it runs from a source checkout: `make run` there")
     import runpy
 
+    registry = None
+    if args.models or args.data:  # checked here, before anything starts (comera_engine.studio)
+        from comera_engine.studio import build_registry
+
+        registry = build_registry(args.models, args.data)
     run_app = runpy.run_path(str(launcher), run_name="comera_dashboard_launcher")["run_app"]
     try:
-        run_app(args.host, args.port, args.store)
+        run_app(args.host, args.port, args.store, registry=registry)
     except ValueError as exc:
         field, _, problem = str(exc).partition(": ")
         raise ConfigError(f"--{field}", problem) from None
@@ -458,7 +470,9 @@ def _plan_target(cfg: Any, quiet: bool = False, notes: list[str] | None = None) 
     from comera_engine.train.plan import plan_initial_ranks
 
     try:
-        shape = data_shape(cfg.data)
+        shape = data_shape(cfg.data, cfg.task)
+    except ConfigError:  # user data that cannot be read: one line
+        raise
     except (ValueError, KeyError):  # a dataset without shape facts: the trainer plans it
         return cfg
     cfg, plan = plan_initial_ranks(cfg, shape)
@@ -475,7 +489,7 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any
     ``on_phase(phase, progress)`` hears the phases (preparing data, training tokenizer,
     building)."""
     from comera_engine.data import build_dataset
-    from comera_engine.models import build_model
+    from comera_engine.models import build_model, run_task
     from comera_engine.train.loop import data_config
 
     if resume and not (run_dir / "checkpoints").is_dir() and not run_dir.is_dir():
@@ -497,6 +511,7 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any
     if on_phase is not None:
         on_phase("building")
     CoMERA(build_model(cfg.model, bundle), config=cfg.comera)  # e.g. an unreachable target
+    run_task(cfg, bundle)  # a task.factory that does not import or build
     return bundle
 
 

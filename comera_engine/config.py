@@ -41,6 +41,7 @@ TT_LAYER_KINDS: dict[str, tuple[str, ...]] = {
     "transformer_mlm": ("embedding", "attention", "ffn", "head"),
     "dlrm": ("embedding", "bottom", "top"),
     "tt_mlp": ("hidden", "output"),
+    "custom": (),  # a user model (model.factory): [model.tensorize] says which layers
 }
 #: The kinds that are TT when a config does not say.
 DEFAULT_TT_LAYERS: dict[str, tuple[str, ...]] = {
@@ -48,6 +49,7 @@ DEFAULT_TT_LAYERS: dict[str, tuple[str, ...]] = {
     "transformer_mlm": ("embedding", "attention", "ffn"),
     "dlrm": ("embedding",),
     "tt_mlp": ("hidden",),
+    "custom": (),
 }
 MODEL_NAMES = tuple(TT_LAYER_KINDS)
 MAX_NAME = 120  # characters in a run name
@@ -64,7 +66,7 @@ PRESETS = ("paper", "small", "tiny")
 class ModelConfig:
     """Which network to build. ``None`` fields take the preset's value."""
 
-    name: str = "transformer_cls"  # transformer_cls | transformer_mlm | dlrm | tt_mlp
+    name: str = "transformer_cls"  # transformer_cls | transformer_mlm | dlrm | tt_mlp | custom
     preset: str = "tiny"  # paper | small | tiny
     dense: bool = False  # build the dense baseline (every layer nn.Linear / nn.Embedding)
     tt_layers: list[str] | None = None  # layer kinds in TT form; None: the model's default
@@ -96,6 +98,14 @@ class ModelConfig:
     # .json/.safetensors, or a state dict .safetensors/.pt): comera.method = "tt_svd"
     # initialises every TT layer by TT-SVD of its dense weight and copies the rest.
     init_from: str | None = None
+    # A user model (model.name = "custom", set by giving a factory): "package.module:function"
+    # returning an nn.Module, called with kwargs (and the data facts it names as
+    # parameters: in_features, num_classes, cardinalities, vocab_size, seq_len)
+    factory: str | None = None
+    kwargs: dict[str, Any] | None = None
+    # which of its layers become TT: include / exclude (globs of module names), rank (an
+    # integer, or "auto": from the target), layout ("tt" | "ttm"), min_features
+    tensorize: dict[str, Any] | None = None
 
 
 @dataclass
@@ -201,12 +211,17 @@ class Config:
     data: dict[str, Any] = field(default_factory=dict)
     comera: CoMERAConfig = field(default_factory=CoMERAConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    #: The task of a user model or user data: "classify", "regress" or
+    #: {factory = "module:function", kwargs = {...}}; None: the dataset's own task.
+    task: str | dict[str, Any] | None = None
     #: Folder that relative data paths are resolved from (not part of the file).
     base_dir: str | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (the TOML tables), ``None`` values left out."""
         out: dict[str, Any] = {"name": self.name}
+        if self.task is not None:
+            out["task"] = self.task
         for section in ("model", "data", "comera", "train"):
             obj = getattr(self, section)
             values = dict(obj) if isinstance(obj, dict) else dataclasses.asdict(obj)
@@ -303,7 +318,7 @@ def check_bounds(raw: Any, where: str = "", depth: int = 1) -> None:
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from nested plain values (TOML tables)."""
     check_bounds(raw)
-    allowed_top = {"name", "model", "data", "comera", "train"}
+    allowed_top = {"name", "task", "model", "data", "comera", "train"}
     for key in raw:
         if key not in allowed_top:
             _unknown(key, sorted(allowed_top) + _all_field_names())
@@ -311,17 +326,68 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     data = raw.get("data", {})
     if not isinstance(data, dict):
         raise ConfigError("data", "must be a table ([data])")
+    if "factory" in data and "name" not in data:  # data.factory alone: user datasets
+        data = {"name": "factory", **data}
     if "name" not in data:
-        raise ConfigError("data.name", "missing; name a dataset (e.g. digits, snli, code_mlm)")
+        raise ConfigError("data.name", "missing; name a dataset (e.g. digits, snli, code_mlm, "
+                                       "files)")
     sections = {}
     for section, cls in SECTIONS.items():
         values = raw.get(section, {})
         if not isinstance(values, dict):
             raise ConfigError(section, f"must be a table ([{section}])")
+        if section == "model" and "factory" in values and "name" not in values:
+            values = {"name": "custom", **values}  # model.factory alone: a user model
         sections[section] = _build_section(section, cls, values)
-    cfg = Config(name=name.strip(), data=dict(data), **sections)
+    cfg = Config(name=name.strip(), data=dict(data), task=check_task(raw.get("task")),
+                 **sections)
     validate(cfg)
+    m = cfg.model
+    for key in ("rank", "embedding_rank"):  # a fixed [model.tensorize] rank is the model's
+        value = (m.tensorize or {}).get(key)
+        if isinstance(value, int) and getattr(m, key) is None:
+            setattr(m, key, value)
     return cfg
+
+
+#: The tasks a user model or user data trains on (``task = ...``; models/tasks.py).
+USER_TASKS = ("classify", "regress")
+
+
+def check_entry_point(value: Any, field: str) -> str:
+    """A ``"package.module:function"`` string (dotted names on both sides), else a
+    ConfigError naming ``field``; nothing is imported here."""
+    if not isinstance(value, str) or value.count(":") != 1:
+        raise ConfigError(field, f'must be "package.module:function", got {value!r}')
+    module, function = value.split(":")
+    if not all(p.isidentifier() for p in module.split(".")) or not all(
+            p.isidentifier() for p in function.split(".")):
+        raise ConfigError(field, f'must be "package.module:function" (Python names), got '
+                                 f"{value!r}")
+    return value
+
+
+def check_task(task: Any) -> str | dict[str, Any] | None:
+    """``task``: ``None``, one of :data:`USER_TASKS`, or a table with ``factory``
+    (``"module:function"`` returning ``(loss_fn, metrics_fn)``) and optional ``kwargs``."""
+    if task is None:
+        return None
+    if isinstance(task, str):
+        _choice("task", task, USER_TASKS)
+        return task
+    if not isinstance(task, dict):
+        raise ConfigError("task", f'must be "classify", "regress" or a table with factory, '
+                                  f"got {task!r}")
+    for key in task:
+        if key not in ("factory", "kwargs"):
+            _unknown(f"task.{key}", ["task.factory", "task.kwargs"])
+    if "factory" not in task:
+        raise ConfigError("task.factory", 'missing; give "module:function" returning '
+                                          "(loss_fn, metrics_fn), or set task = \"classify\"")
+    check_entry_point(task["factory"], "task.factory")
+    if not isinstance(task.get("kwargs", {}), dict):
+        raise ConfigError("task.kwargs", f"must be a table, got {task['kwargs']!r}")
+    return dict(task)
 
 
 def check_run_name(name: Any, field: str = "name") -> str:
@@ -382,6 +448,8 @@ def _match(value: Any, tp: Any) -> tuple[bool, Any]:
             return False, None
         items = [_match(v, item_tp) for v in value]
         return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        return isinstance(value, dict), value
     if tp is type(None):
         return value is None, None
     if tp is bool:
@@ -404,6 +472,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(parts)
     if origin is list:
         return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    if origin is dict:
+        return "a table"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, str(tp)
     )
@@ -447,6 +517,7 @@ def validate(cfg: Config) -> None:
     if m.d_model is not None and m.n_heads is not None and m.d_model % m.n_heads:
         raise ConfigError("model.n_heads", f"must divide d_model={m.d_model}, got {m.n_heads}")
 
+    validate_user_model(m)
     validate_comera(c)
     validate_methods(cfg)
 
@@ -464,6 +535,55 @@ def validate(cfg: Config) -> None:
         t.device.startswith("cuda:") and t.device[5:].isdigit()
     ):
         raise ConfigError("train.device", f"must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+#: ``[model.tensorize]`` keys of a user model and what each must be.
+TENSORIZE_KEYS = {"include": "a list of module-name globs", "exclude": "a list of "
+                  "module-name globs", "rank": 'a positive integer or "auto"',
+                  "embedding_rank": "a positive integer", "layout": '"tt" or "ttm"',
+                  "min_features": "a positive integer"}
+
+
+def validate_user_model(m: ModelConfig) -> None:
+    """A user model's keys (``model.factory``, ``model.kwargs``, ``[model.tensorize]``),
+    and that a built-in model names none of them. Nothing is imported here: whether the
+    factory imports and builds a module is checked when the model is built (before a run
+    is created)."""
+    if m.name != "custom":
+        for key in ("factory", "kwargs", "tensorize"):
+            if getattr(m, key) is not None:
+                raise ConfigError(f"model.{key}", f'is for a user model (model.name = "custom", '
+                                                  f"the default with model.factory), not "
+                                                  f"{m.name}; drop it or model.name")
+        return
+    if m.factory is None:
+        raise ConfigError("model.factory", 'missing; a "custom" model is built by '
+                                           '"package.module:function" returning an nn.Module')
+    check_entry_point(m.factory, "model.factory")
+    for key in ("tt_impl", "linear_layout", "tt_layers", "init_from"):
+        if getattr(m, key) is not None:
+            fix = {"linear_layout": "model.tensorize.layout",
+                   "tt_layers": "model.tensorize.include / exclude"}.get(key)
+            raise ConfigError(f"model.{key}", "does not apply to a user model (model.factory)"
+                              + (f"; use {fix}" if fix else "; drop it"))
+    t = m.tensorize or {}
+    for key, value in t.items():
+        if key not in TENSORIZE_KEYS:
+            _unknown(f"model.tensorize.{key}", [f"model.tensorize.{k}" for k in TENSORIZE_KEYS])
+        ok = {
+            "include": isinstance(value, list) and all(isinstance(v, str) for v in value),
+            "exclude": isinstance(value, list) and all(isinstance(v, str) for v in value),
+            "rank": value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
+                                        and value >= 1),
+            "embedding_rank": isinstance(value, int) and not isinstance(value, bool)
+            and value >= 1,
+            "layout": value in LINEAR_LAYOUTS,
+            "min_features": isinstance(value, int) and not isinstance(value, bool)
+            and value >= 1,
+        }[key]
+        if not ok:
+            raise ConfigError(f"model.tensorize.{key}", f"must be {TENSORIZE_KEYS[key]}, got "
+                                                        f"{value!r}")
 
 
 def validate_methods(cfg: Config) -> None:
@@ -697,7 +817,7 @@ _MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     "bottom_mlp": ("dlrm",),
     "top_mlp": ("dlrm",),
     "tt_min_rows": ("dlrm",),
-    "embedding_rank": (*_TRANSFORMERS, "dlrm"),
+    "embedding_rank": (*_TRANSFORMERS, "dlrm", "custom"),
 }
 METHODS = ("comera", "fixed", "tt_svd")
 TT_IMPLS = ("comera", "tltorch")
@@ -732,10 +852,18 @@ def to_toml(cfg: Config) -> str:
     """The resolved config as TOML text (what ``--print-config`` shows)."""
     d = cfg.to_dict()
     lines = [f"name = {_toml_value(d['name'])}"]
+    if "task" in d:
+        lines.append(f"task = {_toml_value(d['task'])}")
     for section in ("model", "data", "comera", "train"):
         lines += ["", f"[{section}]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in d[section].items()]
     return "\n".join(lines) + "\n"
+
+
+def _toml_key(key: str) -> str:
+    """A table key: bare when it may be, else quoted."""
+    return key if key and all(ch.isascii() and (ch.isalnum() or ch in "_-") for ch in key) \
+        else json.dumps(key)
 
 
 def _toml_value(value: Any) -> str:
@@ -750,5 +878,6 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}"
+                                for k, v in value.items()) + " }"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -218,12 +218,14 @@ class Preview:
 # ------------------------------------------------------------------ dataset shape facts
 
 
-def data_shape(data: dict[str, Any]) -> types.SimpleNamespace:
+def data_shape(data: dict[str, Any], task: Any = None) -> types.SimpleNamespace:
     """What ``build_model`` needs to know about a dataset, from its ``[data]`` table and
-    the dataset registry only (no file is read, nothing is downloaded): task, classes,
-    vocabulary, sequence length."""
-    from comera_engine.data.registry import dataset_info, resolve_shape
+    the dataset registry only (no file is read, nothing is downloaded; user files are
+    read for their columns): task, classes, vocabulary, sequence length. ``task``: the
+    run's ``task`` (user data reads it)."""
+    from comera_engine.data.registry import dataset_info, resolve_shape, with_run_task
 
+    data = with_run_task(data, task)
     info = dataset_info(str(data.get("name", "")))
     get = {**info.defaults, **data}.get
     shape = resolve_shape(info)
@@ -391,6 +393,10 @@ def check_runnable(cfg: Any, nproc: int = 1, base_dir: str | Path | None = None)
     pv = make_preview(cfg, "cuda" if cuda else "cpu")
     if pv.errors:
         raise ConfigError(*pv.errors[0])
+    if isinstance(cfg.task, dict):  # task.factory: imports, builds a loss and metrics
+        from comera_engine.models import run_task
+
+        run_task(cfg, None)
     problem = memory_problem(pv, "cuda" if cuda else "cpu", nproc)
     if problem is not None:
         raise ConfigError(*problem)
@@ -478,7 +484,7 @@ def make_preview(cfg: Any, device: str = "cpu") -> Preview:
     from comera_engine.layers import TTEmbedding, TTLinear
     from comera_engine.train.plan import plan_initial_ranks
 
-    shape = data_shape(cfg.data)
+    shape = data_shape(cfg.data, cfg.task)
     plan_error: tuple[str, str] | None = None
     try:  # the trainer's own plan: refusals, and the initial ranks chosen from the target
         cfg, plan = plan_initial_ranks(cfg, shape)

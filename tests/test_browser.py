@@ -10,7 +10,10 @@
 * one run's compression reads the same on Live run, Overview, Compare, Sweeps, Export
   and in ``comera runs``;
 * a long run's live page, sampled every 100 ms for 10 s, never has fewer drawn charts
-  than at the start, and stopped then resumed it shows progress, never a stale verdict.
+  than at the start, and stopped then resumed it shows progress, never a stale verdict;
+* ``comera app --models experiments.own.model --data ...``: the user model is picked on
+  New experiment with its own preview, launched, plotted live, swept, and listed on the
+  Sweeps and Compare pages.
 
 Screenshots of every page go to ``test-artifacts/`` (gitignored). Skips, saying why, when
 ``/usr/bin/chromium`` or the playwright package is missing (``.ci/run`` installs chromium).
@@ -81,9 +84,10 @@ def _free_port() -> int:
 
 
 class Server:
-    """``streamlit run app/Home.py`` on 127.0.0.1:<free port> with its own run store."""
+    """``streamlit run app/Home.py`` on 127.0.0.1:<free port> with its own run store;
+    with ``app_args``, ``comera app --port <port> --store <home> *app_args`` instead."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, app_args: list[str] | None = None) -> None:
         self.home = home
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -91,13 +95,15 @@ class Server:
         env["COMERA_HOME"] = str(home)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         self.log = open(home.parent / "streamlit.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "Home.py"),
-             "--server.port", str(self.port), "--server.address", "127.0.0.1",
-             "--server.headless", "true", "--browser.gatherUsageStats", "false",
-             "--server.fileWatcherType", "none"],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-        )
+        cmd = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "Home.py"),
+               "--server.port", str(self.port), "--server.address", "127.0.0.1",
+               "--server.headless", "true", "--browser.gatherUsageStats", "false",
+               "--server.fileWatcherType", "none"]
+        if app_args is not None:
+            cmd = [sys.executable, "-m", "comera_engine.cli", "app", "--port", str(self.port),
+                   "--store", str(home), *app_args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
         deadline = time.time() + 90
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -594,3 +600,112 @@ def test_stop_resume_shows_progress_and_the_live_page_holds_steady(browser: Any,
     shot(page, "24-live-resumed")
     no_exception(page, "live (resumed)")
     ctx.close()
+
+
+# ------------------------------------------------------------------ your own model
+
+
+def pick(page: Any, label: str, option: str) -> None:
+    """Choose ``option`` in the selectbox labelled ``label``."""
+    page.get_by_role("combobox", name=label).click()
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def enter(page: Any, label: str, value: str) -> Any:
+    """Type ``value`` into the field labelled ``label`` and press Enter; the field."""
+    field = page.get_by_label(label, exact=True)
+    field.fill(value)
+    field.press("Enter")
+    return field
+
+
+def test_a_user_model_registered_by_comera_app(browser: Any, tmp_path: Path) -> None:
+    """``comera app --models experiments.own.model --data cancer=...``: New experiment
+    offers the example's model with its own preview, launches it (the run's config
+    carries the factory and the file paths resolved on the server), the Live page plots
+    it, a sweep of it runs from the form, and its rows are on Sweeps and Compare."""
+    sys.path.insert(0, str(ROOT / "experiments" / "own"))
+    try:
+        from make_data import write_csvs
+    finally:
+        sys.path.remove(str(ROOT / "experiments" / "own"))
+    train, evals = write_csvs(tmp_path / "data")
+    srv = Server(tmp_path / "home", ["--models", "experiments.own.model", "--data",
+                                     f"cancer={train},eval={evals},label=diagnosis"])
+    try:
+        ctx = browser.new_context(viewport=VIEWPORT)
+        page = ctx.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(f"{srv.url}/new_experiment")
+        page.get_by_text("Tensorisation preview", exact=True).wait_for()
+        settle(page)
+        pick(page, "Model preset", "tabular_net · your model")
+        settle(page)
+        rows = wait_until(lambda: table_rows(page, "layer", "ranks at target"), 60,
+                          "the user model's layer table")
+        assert [r["layer"] for r in rows] == ["body.0", "body.3"], rows  # the head: dense
+        assert metric_text(page, "Parameters") and metric_text(page, "Compression (TT layers)")
+        assert page.get_by_role("combobox", name="Model preset").input_value() == (
+            "tabular_net · your model")
+        assert page.get_by_role("combobox", name="Dataset").input_value().startswith(
+            "cancer · your file train.csv")
+        no_exception(page, "new experiment (user model)")
+        shot(page, "30-new-user-model")
+        steps = enter(page, "Steps", "100")
+        wait_until(lambda: steps.input_value() == "100", 30, "the steps field")
+        settle(page)
+        page.get_by_role("button", name="Launch", exact=True).click()
+        page.wait_for_url(re.compile(r".*/live_run\?run=.+"), timeout=60_000)
+        rid = page.url.split("run=")[1].split("&")[0]
+        cfg = srv.store().get_run(rid)["config"]
+        assert cfg["model"]["factory"] == "experiments.own.model:tabular_net"
+        assert (cfg["data"]["train"], cfg["data"]["eval"]) == (str(train), str(evals))
+        assert cfg["task"] == "classify" and cfg["train"]["steps"] == 100
+        n1 = wait_until(lambda: chart_points(page, "ch-loss"), 150, "the live loss plot")
+        wait_until(lambda: chart_points(page, "ch-loss") > n1, 60, "the loss plot to update")
+        wait_until(lambda: drawn_live_charts(page) >= 3, 30, "the live charts")
+        no_exception(page, "live (user model)")
+        shot(page, "31-live-user-model")
+
+        settle(page)
+        nav(page, "New experiment")  # the form keeps the user model: sweep it
+        page.get_by_text("Tensorisation preview", exact=True).wait_for()
+        settle(page)
+        page.get_by_text("Sweep several targets").click()
+        enter(page, "Targets (×)", "3, 5")
+        enter(page, "Seeds per target", "1")
+        page.get_by_text("2 runs: 3×, 5× × 1 seed(s).").wait_for()
+        assert steps.input_value() == "100"  # the form kept its values
+        settle(page)
+        enter(page, "Cells at once", "2")
+        settle(page)
+        page.get_by_role("button", name="Launch sweep").click()
+        page.wait_for_url(re.compile(r".*/sweeps\?sweep=.+"), timeout=60_000)
+        sid = page.url.split("sweep=")[1].split("&")[0]
+        cells = [r for r in srv.store().list_runs() if r["sweep_id"] == sid]
+        assert len(cells) == 2 and all(
+            r["config"]["model"]["factory"] == "experiments.own.model:tabular_net"
+            for r in cells)
+        def finished_cells() -> list[str]:
+            cells = sorted(r["cell"] for r in table_rows(page, "cell", "compression")
+                           if r["status"] == "finished")
+            return cells if len(cells) == 2 else []
+
+        assert wait_until(finished_cells, 240, "both cells finished") == ["3× seed 0",
+                                                                           "5× seed 0"]
+        no_exception(page, "sweeps (user model)")
+        shot(page, "32-sweeps-user-model")
+
+        assert wait_until(lambda: srv.store().get_run(rid)["status"] in (
+            "finished", "failed", "crashed") and srv.store().get_run(rid)["status"], 120,
+            "the first run") == "finished", srv.logs()
+        nav(page, "Compare")
+        rows = wait_until(lambda: [r for r in table_rows(page, "compression")
+                                   if any(rid[-4:] in v for v in r.values())], 60,
+                          "the run's row on Compare")
+        assert rows
+        no_exception(page, "compare (user model)")
+        shot(page, "33-compare-user-model")
+        ctx.close()
+    finally:
+        srv.close()

@@ -19,7 +19,10 @@ class FormValues:
     ``device``: ``"cpu"`` or ``"cuda:N"``. ``embedding_rank`` is ``None`` when the model
     has no TT embedding. ``auto_rank``: the initial ranks are chosen from the target
     (``headroom`` × its size, as ``comera train`` does with a config that leaves
-    ``model.rank`` unset) and ``rank`` / ``embedding_rank`` are not used.
+    ``model.rank`` unset) and ``rank`` / ``embedding_rank`` are not used. A user model
+    (``model.name = "custom"``) has no ``size``; its ``linear_layout`` is
+    ``model.tensorize.layout``, and ``task`` (``"classify"`` | ``"regress"``) is the
+    run's ``task``.
     """
 
     data: dict[str, Any]
@@ -45,6 +48,7 @@ class FormValues:
     cuda_graph: bool = True
     device: str = "cpu"
     run_name: str = ""
+    task: str | None = None  # a user model's task; None: the preset's
 
 
 def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any], str | None]:
@@ -61,10 +65,20 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
     t = raw.setdefault("train", {})
     raw["name"] = v.run_name  # a blank name is refused by the validation, never replaced
     raw["data"] = dict(v.data)
-    m["preset"] = v.size
+    user = m.get("name") == "custom"
+    if v.task is not None:
+        raw["task"] = v.task
     m["dense"] = bool(v.dense)
-    if v.linear_layout is not None:
-        m["linear_layout"] = v.linear_layout
+    if user:  # a user model: no size preset; [model.tensorize] says the layout and rank
+        tens = dict(m.get("tensorize") or {})
+        if v.linear_layout is not None:
+            tens["layout"] = v.linear_layout
+        tens.pop("rank", None)  # the form's rank (or the plan's) is model.rank
+        m["tensorize"] = tens
+    else:
+        m["preset"] = v.size
+        if v.linear_layout is not None:
+            m["linear_layout"] = v.linear_layout
     if v.use_target and not v.dense:
         c["target_compression"] = float(v.target)
     else:

@@ -3,12 +3,15 @@
 Presets are read from the server's own folders only (the repository's
 ``experiments/configs/``, the working directory's ``experiments/configs/`` and the
 package's ``comera_engine/configs/``); the browser picks one by name and never names a
-file.
+file. User models and data files come from what ``comera app --models/--data``
+registered (:func:`user_presets`, :func:`user_data`): the browser picks a registered
+name, and the config carries the factory and the file paths resolved on the server.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,14 @@ MODEL_LABELS: dict[str, str] = {
     "transformer_cls": "Transformer classifier (NLI)",
     "transformer_mlm": "Transformer masked LM (code)",
     "dlrm": "DLRM (click-through rate)",
+    "custom": "Your model (comera app --models)",
 }
+#: Key prefix of the presets of registered user models (a preset file's stem has no ':').
+USER_PREFIX = "user:"
+#: Where a user model's preset starts: a short CPU run toward a 5x target.
+USER_COMERA = {"target_compression": 5.0}
+USER_TRAIN = {"steps": 300, "batch_size": 32, "eval_every": 50, "ckpt_every": 100,
+              "device": "cpu"}
 
 
 @dataclass
@@ -116,5 +126,40 @@ def load_presets() -> dict[str, Preset]:
 
 def preset_label(p: Preset) -> str:
     """What the preset selectbox shows."""
+    if p.key.startswith(USER_PREFIX):
+        return f"{p.title} · your model"
     tag = " · default" if p.key == DEFAULT_PRESET else ""
     return f"{p.title}{tag}"
+
+
+def user_data(registry: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{name: [data] table}`` of the registered data files (``data.name = "files"``,
+    absolute paths; ``label`` as registered, else the file's last column)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, d in sorted((registry.get("data") or {}).items()):
+        table = {"name": "files", "train": d["train"]}
+        if d.get("eval"):
+            table["eval"] = d["eval"]
+        columns = list(d.get("columns") or [])
+        label = d.get("label") or (columns[-1] if columns else None)
+        if label:
+            table["label"] = label
+        out[name] = table
+    return out
+
+
+def user_presets(registry: Mapping[str, Any]) -> dict[str, Preset]:
+    """A preset per registered user model (``user:NAME``): its factory with the function's
+    own defaults, on the first registered data file."""
+    data = user_data(registry)
+    first = next(iter(data), None)
+    tasks = {n: (registry.get("data") or {})[n].get("task", "classify") for n in data}
+    out: dict[str, Preset] = {}
+    for name, m in sorted((registry.get("models") or {}).items()):
+        raw = {"name": name, "task": tasks.get(first, "classify") if first else "classify",
+               "model": {"name": "custom", "factory": m["factory"]},
+               "data": dict(data[first]) if first else {"name": "files"},
+               "comera": dict(USER_COMERA), "train": dict(USER_TRAIN)}
+        out[USER_PREFIX + name] = Preset(USER_PREFIX + name, name, m.get("summary") or "", raw,
+                                         m["factory"])
+    return out

@@ -1,4 +1,5 @@
-"""New experiment: pick a preset, tune it, preview the tensorisation, launch."""
+"""New experiment: pick a preset (or a user model ``comera app --models`` registered),
+tune it, preview the tensorisation, launch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from app.lib import fmt, plots, runs, ui
 from app.lib.defaults import DEFAULT_PRESET
 from app.lib.devices import list_gpus
 from app.lib.form import FormValues, form_to_config
-from app.lib.presets import MODEL_LABELS, Preset, load_presets, preset_label
+from app.lib.presets import (
+    MODEL_LABELS,
+    USER_PREFIX,
+    Preset,
+    load_presets,
+    preset_label,
+    user_data,
+    user_presets,
+)
 from comera_engine.errors import ConfigError
 from comera_engine.metrics import SCOPE_LABELS
 from comera_engine.preview import (
@@ -25,8 +34,10 @@ from comera_engine.preview import (
     preview,
     size_defaults,
 )
+from comera_engine.studio import read_registry
 
 SIZES = ("tiny", "small", "paper")
+TASKS = {"classify": "classify (cross-entropy; accuracy)", "regress": "regress (MSE; RMSE, R²)"}
 SCHEDULES = {
     "step": "Early stage, then late stage from a step",
     "plateau": "Early stage, then late stage when the loss plateaus",
@@ -79,6 +90,14 @@ def _dataset_options(presets: dict[str, Preset], chosen: Preset) -> list[tuple[s
     return out
 
 
+def _user_data_options() -> list[tuple[str, dict]]:
+    """The data files ``comera app --data`` registered: what a user model trains on."""
+    reg = REGISTRY["data"]
+    return [(f"{name} · your file {reg[name]['train'].rsplit('/', 1)[-1]} "
+             f"({reg[name]['rows']:,} rows)", table)
+            for name, table in user_data(REGISTRY).items()]
+
+
 def _data_label(data: dict) -> str:
     name = data.get("name", "?")
     if data.get("hub"):
@@ -106,7 +125,8 @@ ui.page_header(
 FORM_KEYS: set[str] = {"preset", "device"}
 SAVED = ui.restore_form()
 
-presets = _presets()
+REGISTRY = read_registry()  # what `comera app --models/--data` registered, never the browser
+presets = {**_presets(), **user_presets(REGISTRY)}
 gpus = _gpus()
 msgs: dict[str, list[tuple[str, str]]] = {}
 
@@ -120,17 +140,20 @@ slots: dict[str, Any] = {}
 
 with left:
     keys = list(presets)
+    first = next((key for key in keys if key.startswith(USER_PREFIX)), DEFAULT_PRESET)
     pkey = st.selectbox(
         "Model preset",
         keys,
-        index=keys.index(DEFAULT_PRESET) if DEFAULT_PRESET in keys else 0,
+        index=keys.index(first) if first in keys else 0,  # your model, when one is registered
         format_func=lambda k: preset_label(presets[k]),
         key="preset",
-        help="Templates from experiments/configs/. Every field below starts from the preset.",
+        help="Templates from experiments/configs/, and the models `comera app --models` "
+             "registered. Every field below starts from the preset.",
     )
     preset = presets[pkey]
     raw: dict[str, Any] = preset.config()
     model_name = preset.model
+    user = model_name == "custom"  # a registered user model (comera app --models)
     st.caption(
         f"{MODEL_LABELS.get(model_name, model_name)} · "
         f"{preset.description or 'no description'} ({preset.source})"
@@ -141,17 +164,38 @@ with left:
         FORM_KEYS.add(key)
         return key
 
-    options = _dataset_options(presets, preset)
+    options = _user_data_options() if user else _dataset_options(presets, preset)
     ds = st.selectbox("Dataset", range(len(options)), format_func=lambda i: options[i][0],
-                      key=k("data"), help="Datasets this model's task can train on.")
+                      key=k("data"),
+                      help="The data files `comera app --data` registered." if user else
+                      "Datasets this model's task can train on.")
     data = dict(options[ds][1]) if options else dict(raw.get("data", {}))
+    task = None
+    if user and options:  # the label column and the task, picked from the registered file
+        reg_name = list(user_data(REGISTRY))[ds]  # the options' order
+        reg = REGISTRY["data"][reg_name]
+        columns = list(reg.get("columns") or [])
+        c1, c2 = st.columns(2)
+        data["label"] = c1.selectbox(
+            "Label column", columns,
+            index=columns.index(data["label"]) if data.get("label") in columns else 0,
+            key=k(f"label:{reg_name}"),
+            help="The target; the model's inputs are the file's other numeric columns.")
+        task = c2.radio("Task", list(TASKS), format_func=TASKS.get, horizontal=True,
+                        index=list(TASKS).index(reg.get("task", "classify")),
+                        key=k(f"task:{reg_name}"))
     slots["data"] = st.container()
+    if user and not options:
+        say("data", "error", "No data file is registered: start the dashboard with "
+                             "`comera app --models MODULE --data NAME=PATH,label=COLUMN`.")
 
     m = raw.setdefault("model", {})
-    size = st.radio("Model size", SIZES, index=SIZES.index(m.get("preset", "tiny")),
-                    horizontal=True, key=k("size"),
-                    help="The architecture preset: tiny runs on a CPU, paper is the paper's "
-                         "size (GPU).")
+    size = None
+    if not user:  # a user model's architecture is its factory's
+        size = st.radio("Model size", SIZES, index=SIZES.index(m.get("preset", "tiny")),
+                        horizontal=True, key=k("size"),
+                        help="The architecture preset: tiny runs on a CPU, paper is the "
+                             "paper's size (GPU).")
     dense = st.toggle("Dense baseline", value=bool(m.get("dense", False)), key=k("dense"),
                       help="Train the same network with ordinary dense layers: the reference "
                            "point for compression and accuracy on the Compare page.")
@@ -178,7 +222,7 @@ with left:
     )
     slots["target"] = st.container()
 
-    rank_default, emb_default = size_defaults(model_name, size)
+    rank_default, emb_default = size_defaults(model_name, size or "tiny")
     tt_kinds = m.get("tt_layers")
     if tt_kinds is None:
         tt_kinds = default_tt_layers(model_name)
@@ -214,10 +258,12 @@ with left:
             step=1, key=k(f"erank:{size}"), disabled=dense or auto,
         )
     layout = None
-    if any(kind != "embedding" for kind in tt_kinds) and m.get("tt_impl") != "tltorch":
+    if user or (any(kind != "embedding" for kind in tt_kinds)
+                and m.get("tt_impl") != "tltorch"):
+        layout0 = (m.get("tensorize") or {}).get("layout") if user else m.get("linear_layout")
         layout = st.radio(
             "TT linear layout", list(LAYOUTS), format_func=LAYOUTS.get, horizontal=True,
-            index=list(LAYOUTS).index(m.get("linear_layout") or "tt"), key=k("layout"),
+            index=list(LAYOUTS).index(layout0 or "tt"), key=k("layout"),
             disabled=dense,
             help="model.linear_layout: tt, the paper's (saves MACs); ttm, a TT matrix "
                  "(computes like a dense layer, more accurate at high compression).")
@@ -287,7 +333,8 @@ ui.save_form(SAVED, FORM_KEYS)
 # ---------------------------------------------------------------- assemble and validate
 
 raw, gpu_ids = form_to_config(raw, FormValues(
-    data=data, size=size, dense=bool(dense), use_target=bool(use_target), target=float(target),
+    data=data, size=size or "tiny", task=task, dense=bool(dense), use_target=bool(use_target),
+    target=float(target),
     scope=scope, rank=int(max_rank), embedding_rank=None if emb_rank is None else int(emb_rank),
     auto_rank=auto, headroom=float(headroom) if auto else None, linear_layout=layout,
     schedule=sched, switch_step=None if switch_step is None else int(switch_step),
@@ -305,6 +352,7 @@ FIELD_SLOTS = {
     "train.precision": "device", "train.steps": "steps", "train.batch_size": "advanced",
     "train.eval_every": "advanced", "train.ckpt_every": "advanced", "name": "advanced",
     "comera.headroom": "rank", "comera.switch_by": "schedule", "train.seed": "advanced",
+    "task": "data", "model.factory": "data", "model.kwargs": "data", "model.tensorize": "rank",
 }
 
 cfg = None

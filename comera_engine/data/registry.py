@@ -22,7 +22,7 @@ from typing import Any
 from comera_engine.errors import ConfigError
 
 __all__ = ["DatasetInfo", "check_data_table", "check_keys", "dataset_info", "dataset_names",
-           "register", "resolve_builder", "resolve_shape"]
+           "register", "resolve_builder", "resolve_shape", "with_run_task"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,17 @@ def check_data_table(data: Mapping[str, Any]) -> DatasetInfo:
     return info
 
 
+def with_run_task(data: Mapping[str, Any], task: Any) -> dict[str, Any]:
+    """The ``[data]`` table with the run's ``task`` (``"classify"``, ``"regress"``, or
+    ``"user"`` for ``task.factory``) for a dataset that reads it (one whose defaults have
+    ``task``: user data, whose labels are classes or numbers as the task says)."""
+    out = dict(data)
+    info = _REGISTRY.get(str(out.get("name")))
+    if task is not None and info is not None and "task" in info.defaults:
+        out["task"] = task if isinstance(task, str) else "user"
+    return out
+
+
 def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
     if callable(target):
         return target
@@ -168,5 +179,19 @@ for _info in (
                  "min_frequency": 2, "lowercase": True, "split_fraction": 0.8, "seed": 0,
                  "max_examples": None, "max_eval_examples": None, "tokenizer_path": None},
                 shape=_WIDEDEEP_SHAPE),
+    DatasetInfo("files", "user", ("custom",),
+                "your own CSV / JSON lines / Parquet files (data.train, data.eval)",
+                "comera_engine.data.files:build_files",
+                {"train": None, "eval": None, "features": None, "categorical": None,
+                 "text": None, "label": None, "task": "classify", "split_fraction": 0.8,
+                 "seed": 0, "seq_len": 64, "vocab_size": 2000, "min_frequency": 2,
+                 "lowercase": True, "tokenizer_path": None, "max_examples": None,
+                 "max_eval_examples": None},
+                shape="comera_engine.data.files:shape"),
+    DatasetInfo("factory", "user", ("custom",),
+                "your own torch Datasets from data.factory = \"module:function\"",
+                "comera_engine.data.files:build_factory",
+                {"factory": None, "kwargs": None, "task": "classify", "seed": 0},
+                shape="comera_engine.data.files:factory_shape"),
 ):
     register(_info)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -205,6 +206,11 @@ def model_card(result: Any, sha256: str) -> str:
     lines = [f"# Model card: {title}", ""]
     what = recipe.get("family") or "module tree (nn.Sequential)"
     preset = f" (preset `{cfg['preset']}`)" if cfg.get("preset") else ""
+    if what == "custom":  # a user model: rebuilt by its factory (COMERA_MODELS lists it)
+        kwargs = json.dumps(cfg.get("kwargs") or {}, sort_keys=True)
+        preset = (f" (factory `{cfg.get('factory')}`, kwargs `{kwargs}`, tensorize "
+                  f"`{json.dumps(cfg.get('tensorize') or {}, sort_keys=True)}`; "
+                  "`comera_engine.load` imports that module: keep it on the path)")
     lines += [
         f"- **Model**: `{what}`{preset}",
         f"- **Task**: {(recipe.get('data_spec') or {}).get('task', '?')}",

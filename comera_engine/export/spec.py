@@ -1,9 +1,12 @@
 """How an exported model is rebuilt: a *recipe* stored as JSON in the export.
 
-Two builders, neither of which imports anything named by the file:
+Two builders, neither of which imports anything named by the file (except a user
+model's factory, listed by its module as one):
 
 * ``family``: a model of :mod:`comera_engine.models` (``transformer_cls``,
-  ``transformer_mlm``, ``dlrm``, ``tt_mlp``), rebuilt by
+  ``transformer_mlm``, ``dlrm``, ``tt_mlp``; ``custom``: a user model, rebuilt by its
+  ``model.factory`` only when that module lists it in ``COMERA_MODELS``, so a file
+  cannot make the loader call any other function), rebuilt by
   :func:`comera_engine.models.build_model` from the run config's ``[model]`` table and a
   *data spec* (task, classes, vocabulary, sequence length and the model-facing ``meta``
   of the dataset).
@@ -40,7 +43,7 @@ __all__ = [
     "validate_recipe",
 ]
 
-FAMILIES = ("transformer_cls", "transformer_mlm", "dlrm", "tt_mlp")
+FAMILIES = ("transformer_cls", "transformer_mlm", "dlrm", "tt_mlp", "custom")
 _META_LIST_MAX = 256  # meta lists/tensors longer than this are left out of a data spec
 _META_STR_MAX = 64  # ... and lists of strings longer than this
 
@@ -399,6 +402,10 @@ def build(recipe: Mapping[str, Any], dense: bool,
                             recipe["data_spec"].get("name"))
         data = _data_namespace(recipe["data_spec"])
         try:
+            if cfg.name == "custom":  # only a factory its module lists in COMERA_MODELS
+                from comera_engine.models.custom import build_custom
+
+                return build_custom(cfg, data, dense, exposed_only=True)
             return build_model(cfg, data, dense=dense or None)
         except ConfigError as exc:
             raise ConfigError(f"metadata.model.{exc.field}", exc.problem) from None
@@ -437,6 +444,8 @@ def example_inputs(
             sparse = torch.stack([torch.randint(0, s, (batch,), generator=g) for s in sizes], 1)
             return (["dense", "sparse"], (dense, sparse), ["logit"],
                     {"dense": {0: "batch"}, "sparse": {0: "batch"}, "logit": {0: "batch"}})
+        if family == "custom":
+            return _user_inputs(spec, batch, g)
         x = torch.randn(batch, int(meta["input_dim"]), generator=g)
         return ["x"], (x,), ["logits"], {"x": {0: "batch"}, "logits": {0: "batch"}}
     first = next((m for m in model.modules() if isinstance(
@@ -451,3 +460,29 @@ def example_inputs(
         raise ConfigError("example_inputs", "cannot guess the input of this model; pass "
                           "example_inputs=(tensor, ...)")
     return ["input"], (x,), ["output"], {**axes, "output": {0: "batch"}}
+
+
+def _user_inputs(spec: Mapping[str, Any], batch: int, g: torch.Generator
+                 ) -> tuple[list[str], tuple[torch.Tensor, ...], list[str],
+                            dict[str, dict[int, str]]]:
+    """A user model's inputs on ``data.name = "files"`` (``x``, ``categorical``,
+    ``input_ids``, in that order, those its data has)."""
+    meta = spec.get("meta") or {}
+    names: list[str] = []
+    args: list[torch.Tensor] = []
+    if int(meta.get("input_dim") or 0):
+        names.append("x")
+        args.append(torch.randn(batch, int(meta["input_dim"]), generator=g))
+    if meta.get("cardinalities"):
+        names.append("categorical")
+        args.append(torch.stack([torch.randint(0, int(c), (batch,), generator=g)
+                                 for c in meta["cardinalities"]], 1))
+    if spec.get("seq_len") and spec.get("vocab_size"):
+        names.append("input_ids")
+        args.append(torch.randint(0, int(spec["vocab_size"]), (batch, int(spec["seq_len"])),
+                                  generator=g))
+    if not names:
+        raise ConfigError("example_inputs", "cannot tell this user model's inputs from its "
+                          "data; pass example_inputs=(tensor, ...)")
+    axes = {n: {0: "batch"} for n in names}
+    return names, tuple(args), ["output"], {**axes, "output": {0: "batch"}}

@@ -1,4 +1,5 @@
-"""Models: the paper's transformer (classifier and masked LM), DLRM and a TT MLP.
+"""Models: the paper's transformer (classifier and masked LM), DLRM, a TT MLP, and user
+models by entry point (``model.factory``, :mod:`comera_engine.models.custom`).
 
 :func:`build_model` turns a ``[model]`` config plus the dataset's shape information
 into a network; ``dense=True`` (or ``model.dense = true``) gives the dense baseline of
@@ -17,7 +18,7 @@ from comera_engine.models import dlrm, mlp, transformer
 from comera_engine.models.common import DEFAULT_TT_LAYERS, LayerFactory
 from comera_engine.models.dlrm import DLRM
 from comera_engine.models.mlp import TTMLP
-from comera_engine.models.tasks import TaskModel, roc_auc
+from comera_engine.models.tasks import TaskModel, roc_auc, run_task
 from comera_engine.models.transformer import TransformerClassifier, TransformerMLM
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ __all__ = [
     "TransformerMLM",
     "build_model",
     "roc_auc",
+    "run_task",
     "MODEL_TASKS",
 ]
 
@@ -57,6 +59,10 @@ def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Mo
     Raises:
         ConfigError: the model does not fit the dataset's task, or a size field is bad.
     """
+    if cfg.name == "custom":  # a user model by entry point (models/custom.py)
+        from comera_engine.models.custom import build_custom
+
+        return build_custom(cfg, data, cfg.dense if dense is None else dense)
     task = getattr(data, "task", None)
     if task not in MODEL_TASKS[cfg.name]:
         raise ConfigError(

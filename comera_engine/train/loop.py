@@ -71,7 +71,7 @@ from comera_engine.metrics import (
     NullSink,
     target_error,
 )
-from comera_engine.models import TaskModel, roc_auc
+from comera_engine.models import TaskModel, run_task
 from comera_engine.rank import CoMERA, Event
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train import methods
@@ -204,7 +204,7 @@ class _Run:
         _seed_everything(t.seed)
         # the method's model: CoMERA's, fixed ranks, TT-SVD of a dense run (train/methods.py)
         self.model = methods.build_run_model(cfg, bundle, self.target_plan)
-        self.task_model = TaskModel(self.model, bundle.task).to(device)
+        self.task_model = TaskModel(self.model, run_task(cfg, bundle)).to(device)
         self.plan = BatchPlan(len(bundle.train), t.batch_size, t.seed, dist.rank, dist.world_size)
         self.use_graph = t.cuda_graph and device.type == "cuda"
         # the method itself: gates, stages, pace, truncation (comera_engine.rank.CoMERA)
@@ -665,8 +665,10 @@ def evaluate(
             progress(index / max(total, 1))
     task_model.train(was_training)
     metrics = {"eval/loss": loss_sum / max(count, 1.0), "eval/acc": correct / max(count, 1.0)}
-    if scores:
-        metrics["eval/auc"] = roc_auc(torch.cat(scores), torch.cat(targets))
+    if not getattr(task_model, "has_accuracy", True):  # regression, a user task
+        del metrics["eval/acc"]
+    if scores:  # AUC; RMSE and R²; a user task's own (models/tasks.py)
+        metrics.update(task_model.eval_metrics(torch.cat(scores), torch.cat(targets)))
     if getattr(task_model, "task", None) == "mlm":
         metrics["eval/ppl"] = math.exp(min(metrics["eval/loss"], 50.0))
     return metrics
@@ -677,9 +679,11 @@ def evaluate(
 
 def data_config(cfg: Config) -> dict[str, Any]:
     """The ``[data]`` table as ``build_dataset`` takes it (``seed`` defaults to train.seed)."""
+    from comera_engine.data.registry import with_run_task
+
     data = dict(cfg.data)
     data.setdefault("seed", cfg.train.seed)
-    return data
+    return with_run_task(data, cfg.task)
 
 
 def _to_floats(out: dict[str, Any]) -> tuple[dict[str, float], list[float] | None]:
