@@ -594,9 +594,9 @@ class RayDriver:
         """Mark a queued cell ``running`` (owned by this driver) and submit its task."""
         st, rid = self.store, run["id"]
         attempt = int(run["attempt"] or 0) + 1
-        claimed = st.set_status(
-            rid, "running", None, only_from=("queued",), where={"dispatched_at": None},
-            dispatched_at=time.time(), heartbeat_at=time.time(), attempt=attempt,
+        claimed = st.lifecycle(rid).start(
+            where={"dispatched_at": None}, dispatched_at=time.time(), heartbeat_at=time.time(),
+            attempt=attempt,
             resume_pending=0, exit_code=None, stop_deadline=None, supervisor_pid=None,
             **self.owner)
         if not claimed:  # stopped (or taken) meanwhile
@@ -605,8 +605,7 @@ class RayDriver:
         try:
             text = (run_dir / CONFIG_FILENAME).read_text(encoding="utf-8")
         except OSError as e:
-            st.set_status(rid, "failed", f"ray: cannot read the cell's config: {e}",
-                          only_from=("running",))
+            st.lifecycle(rid).end("failed", f"ray: cannot read the cell's config: {e}")
             return
         gpus = self._gpus(run)
         ref = self._task.options(num_cpus=self.cpus, num_gpus=gpus,
@@ -652,14 +651,12 @@ class RayDriver:
         _say(f"stopping the sweep: {reason}")
         st = self.store
         for run in st.sweep_runs(self.sweep_id):
-            if _waiting(run) and st.set_status(run["id"], "stopped", None, only_from=("queued",),
-                                               where={"dispatched_at": None}):
-                st.log_event(run["id"], "stop", f"stopped while queued: {reason}")
+            if _waiting(run):
+                st.lifecycle(run["id"]).cancel(event=("stop", f"stopped while queued: {reason}"))
         deadline = time.time() + self.stop_timeout
         for cell in self.inflight.values():
-            if st.set_status(cell.run_id, "stopping", only_from=("running",),
-                             stop_deadline=deadline):
-                st.log_event(cell.run_id, "stop", f"stop requested: {reason}")
+            st.lifecycle(cell.run_id).request_stop(
+                deadline, event=("stop", f"stop requested: {reason}"))
             if cell.stop_deadline is None:
                 self._cancel(cell, deadline)
         while self.inflight:
@@ -723,11 +720,10 @@ class RayDriver:
         stop_requested = cell.stop_deadline is not None or run["status"] == "stopping"
         status, error = cell_outcome(code, final, log, stop_requested, failure)
         where = {"attempt": cell.attempt, "pid": self.pid}
-        if st.set_status(rid, status, error, only_from=("running", "stopping"), where=where,
-                         exit_code=code):
-            host = f" on {result['host']}" if result else ""
-            note = f"{status}{host}" + (f": {failure}" if failure else "")
-            st.log_event(rid, "stop" if status == "stopped" else "end", note)
+        host = f" on {result['host']}" if result else ""
+        note = f"{status}{host}" + (f": {failure}" if failure else "")
+        st.lifecycle(rid).end(status, error, where=where, exit_code=code,
+                              event=("stop" if status == "stopped" else "end", note))
         how = "no result" if code is None else f"code {code}"
         _stamp(st.log_path(rid), f"Ray task ended ({how}); status {status}")
         _say(f"cell {rid} {status}")

@@ -120,8 +120,7 @@ class Supervisor:
             return 2
         st.update_run(rid, supervisor_pid=os.getpid(), host=this_host())
         if run["status"] == "stopping":  # stopped between dispatch and now
-            st.set_status(rid, "stopped", None, only_from=("stopping",))
-            st.log_event(rid, "stop", "stopped before the trainer started")
+            st.lifecycle(rid).end("stopped", event=("stop", "stopped before the trainer started"))
             _log(self.log_path, "stopped before the trainer started")
             dispatch(st)
             return 0
@@ -153,7 +152,7 @@ class Supervisor:
                     close_fds=True,
                 )
             except OSError as e:
-                st.set_status(rid, "failed", f"launch: cannot start the trainer: {e}")
+                st.lifecycle(rid).end("failed", f"launch: cannot start the trainer: {e}")
                 dispatch(st)
                 return 1
         proc = self.proc
@@ -167,7 +166,7 @@ class Supervisor:
             heartbeat_at=time.time(),
             exit_code=None,
         )
-        st.set_status(rid, "running", only_from=("queued",))
+        st.lifecycle(rid).start()
         note = " (resume)" if resume else ""
         st.log_event(rid, "start", f"attempt {attempt}: trainer pid {proc.pid}{note}")
 
@@ -192,12 +191,7 @@ class Supervisor:
             try:
                 if self.self_stop:
                     self.self_stop = False
-                    st.set_status(
-                        rid,
-                        "stopping",
-                        only_from=("running",),
-                        stop_deadline=time.time() + DEFAULT_STOP_TIMEOUT,
-                    )
+                    st.lifecycle(rid).request_stop(time.time() + DEFAULT_STOP_TIMEOUT)
                 if now - last_status >= STATUS_EVERY_S:
                     last_status = now
                     run = st.get_run(rid)
@@ -255,17 +249,9 @@ class Supervisor:
             error = f"crashed: the trainer exited ({how}) without a final status"
         if error and status == "crashed" and tail:
             error += f"; last log lines:\n{tail}"
-        changed = st.set_status(
-            rid,
-            status,
-            error,
-            only_from=("queued", "running", "stopping"),
-            where=mine,
-            exit_code=rc,
-        )
-        if changed:
-            kind = "stop" if status == "stopped" else "crash"
-            st.log_event(rid, kind, event or (error or "").split("\n")[0])
+        kind = "stop" if status == "stopped" else "crash"
+        st.lifecycle(rid).end(status, error, where=mine, exit_code=rc,
+                              event=(kind, event or (error or "").split("\n")[0]))
         _log(self.log_path, f"trainer exited ({how}); status {status}")
 
 
@@ -289,12 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         print(tb, file=sys.stderr)
         try:
             if sup.proc is None:
-                store.set_status(
-                    args.run_id,
-                    "failed",
-                    f"supervisor failed before starting the trainer:\n{tb}",
-                    only_from=("queued", "stopping"),
-                )
+                store.lifecycle(args.run_id).end(
+                    "failed", f"supervisor failed before starting the trainer:\n{tb}")
         except Exception:
             pass
         return 1
