@@ -5,6 +5,11 @@ Started by the launcher in its own session. It runs the trainer in a new process
 ``stopping`` status into SIGTERM (and SIGKILL after the stop deadline), and when the
 trainer exits without a final status records ``crashed`` (``failed`` when it died with a
 Python traceback) with the log tail. Then it starts queued runs that now fit.
+
+It is the :class:`~comera_engine.launch.scheduler.Scheduler` every run goes through,
+with :class:`LocalExecutor` (the trainer's process group) and a queue of one run: the
+run the launcher dispatched to it (:func:`comera_engine.launch.dispatch` fills the local
+queue, within the store's ``max_concurrent``, by starting one supervisor a run).
 """
 
 from __future__ import annotations
