@@ -96,9 +96,14 @@ def _ignore(signum: int, frame: Any) -> None:
 
 
 def _log(path: Path, text: str) -> None:
+    """A ``[comera time] text`` line in the run's log (none when its folder is gone: the
+    supervisor goes on, and the store keeps the record)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(f"[comera {stamp}] {text}\n")
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"[comera {stamp}] {text}\n")
+    except OSError:
+        pass
 
 
 class LocalExecutor:
