@@ -377,7 +377,7 @@ class RayExecutor:
         where = (f"Ray task ({self.cpus:g} CPU, {self._gpus.get(slot.run_id, 0.0):g} GPU), "
                  f"driver pid {self.pid}")
         _stamp(self.store.log_path(slot.run_id), f"attempt {slot.attempt}: {where}")
-        _say(f"cell {slot.run_id} submitted")
+        _say(f"cell {slot.run_id} submitted ({len(self._events)} in flight)")
         return f"attempt {slot.attempt}: {where}"
 
     def wait(self, slots: list[Slot], timeout: float) -> list[Slot]:
