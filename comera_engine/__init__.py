@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._lazy import lazy_getattr
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["CoMERA", "TTEmbedding", "TTLinear", "__version__", "estimate", "explain", "load",
            "load_into", "max_tt_ranks", "plan", "save", "size_report", "tensorize",

@@ -396,13 +396,8 @@ class _Writer:
     def _reopen(self) -> None:
         """A foreground ``--resume`` of a recorded run: it is running again, as the same
         run (a live owner was refused by the claim)."""
-        from comera_engine.store import RESUMABLE_STATUSES
-
-        if self.store.set_status(str(self.run_id), "running", None,
-                                 only_from=tuple(RESUMABLE_STATUSES), ended_at=None,
-                                 exit_code=None):
-            self.store.log_event(str(self.run_id), "resume",
-                                 f"resumed in the foreground by pid {os.getpid()}")
+        self.store.lifecycle(str(self.run_id)).reopen(
+            event=("resume", f"resumed in the foreground by pid {os.getpid()}"), exit_code=None)
 
     def _in_store_root(self) -> bool:
         return self.run_dir.resolve().parent == self.store.root.resolve() and \

@@ -404,3 +404,81 @@ def test_queue_limit_concurrent_runs_torchrun_failures_and_cli(store, capsys):
     assert "only stopped, crashed or failed" in capsys.readouterr().err
     assert main(["runs", "--store", str(st.path.parent / "nothing")]) == 0
     assert "no runs" in capsys.readouterr().out
+
+
+class _FakeExecutor:
+    """An executor whose trainers end when the test says (no process)."""
+
+    force_after = 0.0
+    start_error = "fake: cannot start"
+
+    def __init__(self) -> None:
+        self.done: dict[str, int] = {}  # run id -> exit code, once it ended
+        self.cancels: list[tuple[str, bool]] = []
+        self.lines: list[str] = []
+
+    def submit(self, run: Any, attempt: int) -> tuple[Any, dict[str, Any]]:
+        if run["name"] == "broken":
+            raise OSError("no such file")
+        return run["id"], {"pid": 4242}
+
+    def started(self, slot: Any) -> str:
+        return f"attempt {slot.attempt}"
+
+    def wait(self, slots: list[Any], timeout: float) -> list[Any]:
+        return [s for s in slots if s.run_id in self.done]
+
+    def cancel(self, slot: Any, force: bool) -> None:
+        self.cancels.append((slot.run_id, force))
+        if force:
+            self.done[slot.run_id] = -9
+
+    def outcome(self, slot: Any, run: Any) -> Any:
+        from comera_engine.launch.scheduler import Outcome
+
+        code = slot.exit_code = self.done[slot.run_id]
+        status = "stopped" if run["status"] == "stopping" else "crashed"
+        return Outcome(status, None if status == "stopped" else "gone", code, ("end", status))
+
+    def ended(self, slot: Any, note: str) -> None:
+        self.lines.append(f"{slot.run_id}: {note}")
+
+    def say(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_the_scheduler_queues_limits_stops_forces_and_records_ends(tmp_path: Path) -> None:
+    """The scheduler both executors share, with a fake executor: at most the limit in
+    flight, a failed submit recorded, a stop cancelled then forced past its deadline,
+    ends recorded once through the lifecycle, a run that moved on left alone."""
+    from comera_engine.launch.scheduler import Scheduler
+
+    st = RunStore(tmp_path)
+    a, b, c = (st.create_run(n, {}) for n in ("a", "b", "c"))
+    broken = st.create_run("broken", {})
+    ex = _FakeExecutor()
+    sched = Scheduler(st, ex, lambda: (st.get_run(r) if (r := st.claim_queued(2)) else None),
+                      poll=0.01, stop_timeout=0.0)
+    sched.tick()
+    assert set(sched.inflight) == {a, b}  # the limit
+    assert {st.get_run(r)["status"] for r in (a, b)} == {"running"}
+    assert st.get_run(a)["pid"] == 4242 and st.get_run(a)["attempt"] == 1
+    ex.done[a] = 0
+    sched.tick()  # a ends (crashed: no final status)
+    assert st.get_run(a)["status"] == "crashed" and st.get_run(a)["exit_code"] == 0
+    sched.tick()  # c starts in its slot
+    assert set(sched.inflight) == {b, c}
+    st.lifecycle(b).request_stop(time.time() - 1)  # past its deadline already
+    sched.tick()
+    assert (b, False) in ex.cancels
+    sched.tick()
+    assert (b, True) in ex.cancels  # forced, and its end recorded
+    assert st.get_run(b)["status"] == "stopped"
+    st.update_run(c, attempt=7)  # another attempt took it over
+    ex.done[c] = 1
+    sched.tick()  # the broken run could not start
+    assert st.get_run(c)["status"] == "running" and f"{c}: the run has moved on" in ex.lines
+    run = st.get_run(broken)
+    assert run["status"] == "failed" and run["error"] == "fake: cannot start: no such file"
+    assert not sched.inflight and not sched.tick()
+    assert [e["kind"] for e in st.events(a)] == ["start", "end"]

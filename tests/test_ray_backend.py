@@ -261,6 +261,45 @@ def test_a_stopped_cell_is_cancelled_and_the_others_go_on(
     assert st.count_metrics(waiting) == 0
 
 
+def test_two_cells_stream_rising_steps_into_the_store_while_they_run(
+        ray_address: str, tmp_path: Path) -> None:
+    """The cells' records reach the store while they train (not when their task ends):
+    each running cell shows a rising ``last_step`` and growing metric rows; stopped,
+    the store holds exactly their ``metrics.jsonl``'s rows, every event once."""
+    st = RunStore(tmp_path / "store")
+    sid, rids = _digits_sweep(st, [LONG, LONG], max_parallel=2)
+    driver = threading.Thread(target=rb.run_ray_sweep, args=(st, sid), kwargs={"poll": 0.2},
+                              daemon=True)
+    driver.start()
+    seen: dict[str, list[int]] = {rid: [] for rid in rids}
+
+    def rising() -> bool:
+        for rid in rids:
+            run = st.get_run(rid)
+            assert run["status"] in ("queued", "running"), run["error"]
+            step = run["last_step"]
+            if run["status"] == "running" and step and (not seen[rid] or step > seen[rid][-1]):
+                seen[rid].append(step)
+        return all(len(steps) >= 3 for steps in seen.values())
+
+    t0 = time.monotonic()
+    _wait_for("both cells' steps to rise in the store", rising, timeout=120)
+    print(f"streamed steps after {time.monotonic() - t0:.1f} s: {seen}")
+    for rid in rids:
+        assert st.get_run(rid)["status"] == "running" and st.count_metrics(rid) > 0
+    for rid in rids:
+        assert stop(rid, timeout=30, store=st) == "stopped"
+    driver.join(60)
+    assert not driver.is_alive()
+    for rid in rids:
+        jsonl = read_jsonl(st.run_dir(rid) / "metrics.jsonl")
+        assert _metric_rows_of_store(st, rid) == _metric_rows_of_jsonl(
+            st.run_dir(rid) / "metrics.jsonl")
+        trainer = [(r["kind"], r["text"]) for r in jsonl if r.get("type") == "event"]
+        stored = [(e["kind"], e["text"]) for e in st.events(rid)]
+        assert sorted(e for e in stored if e in trainer) == sorted(trainer)  # each once
+
+
 def _driver_sweep(st: RunStore, cells: int) -> tuple[str, list[str]]:
     return _digits_sweep(st, [LONG] * cells, max_parallel=1)
 
@@ -288,11 +327,14 @@ def test_a_detached_driver_stops_on_sigterm_and_its_death_is_reaped(
     pid = rb.spawn_ray_driver(st, sid, address=ray_address)
     _wait_for("the cell to train", lambda: _training(cell), timeout=90)
     assert st.get_run(cell)["pid"] == pid
+    _wait_for("the cell's rows streamed", lambda: st.count_metrics(cell) > 0, timeout=60)
     os.kill(pid, signal.SIGKILL)
     _wait_for("the driver to be gone", lambda: not pid_alive(pid))
+    kept = st.count_metrics(cell)
     assert reap(st) == [cell]
     run = st.get_run(cell)
     assert run["status"] == "crashed" and "its process is gone" in run["error"]
+    assert st.count_metrics(cell) == kept > 0 and run["last_step"] > 0  # what it sent stays
 
     def trainer_gone() -> bool:
         for p in psutil.process_iter(["cmdline"]):

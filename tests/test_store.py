@@ -18,6 +18,7 @@ import pytest
 from comera_engine.metrics import MetricsSink
 from comera_engine.store import (
     SCHEMA_VERSION,
+    STATUSES,
     RunNotFoundError,
     RunStore,
     StoreError,
@@ -730,3 +731,57 @@ def test_a_new_reader_process_sees_every_run_and_status(store):
     assert {k: v[0] for k, v in seen.items()} == expected
     failed = next(v for v in seen.values() if v[0] == "failed")
     assert failed[2] == "boom"
+
+
+# ---------------------------------------------------------------------- the lifecycle
+
+
+def test_every_transition_of_the_table_and_no_other(tmp_path: Path) -> None:
+    """Each action of ``store.lifecycle.TRANSITIONS`` from every status to every status:
+    it applies exactly where the table allows it (and sets what the table says), leaves
+    the run as it was elsewhere, and refuses a status it never sets before writing."""
+    from comera_engine.store.lifecycle import TRANSITIONS, TransitionError, allowed
+
+    store = RunStore(tmp_path)
+    rid = store.create_run("r", {})
+    life = store.lifecycle(rid)
+    tried = 0
+    for action, (sources, targets) in TRANSITIONS.items():
+        assert sources <= set(STATUSES) and targets <= set(STATUSES), action
+        for current in STATUSES:
+            for status in STATUSES:
+                store.set_status(rid, current, None, dispatched_at=None)  # the primitive
+                if status not in targets:
+                    with pytest.raises(TransitionError, match=action):
+                        life.transition(action, status)
+                    assert store.get_run(rid)["status"] == current
+                    continue
+                changed = life.transition(action, status, event=("test", action))
+                assert changed == allowed(action, current, status) == (current in sources)
+                assert store.get_run(rid)["status"] == (status if changed else current)
+                tried += 1
+    assert tried == sum(len(t) for _, t in TRANSITIONS.values()) * len(STATUSES)
+    assert len(store.events(rid)) == sum(len(s) * len(t) for s, t in TRANSITIONS.values())
+    # a stale writer moves nothing: ``where`` must still hold, the owner must still own it
+    store.set_status(rid, "running", None, attempt=2, pid=7, host="h", pid_started=None)
+    assert not life.crash("gone", where={"attempt": 1})
+    with pytest.raises(StoreError, match="owned by pid 7"):
+        store.lifecycle(rid, {"pid": 8, "host": "h", "pid_started": None}).end("failed")
+    assert store.get_run(rid)["status"] == "running"
+
+
+def test_no_status_write_or_sql_outside_the_store() -> None:
+    """Statuses change only through ``store.lifecycle``; SQL is written only in store/."""
+    import re
+
+    pattern = re.compile(r"only_from|\.execute(many|script)?\(|\bUPDATE runs\b|INSERT INTO|"
+                         r"\bst(ore)?\.set_status\(|\bsqlite3\b")
+    found = []
+    for folder in ("comera_engine", "app"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if (ROOT / "comera_engine" / "store") in path.parents:
+                continue
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if pattern.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

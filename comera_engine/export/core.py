@@ -352,7 +352,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 def _base_metadata(fmt: str, recipe: dict, metadata: Mapping[str, Any], model: nn.Module,
                    sizes: dict, infos: list[dict]) -> dict[str, Any]:
-    import comera_engine
+    from comera_engine._version import __version__
 
     doc: dict[str, Any] = {
         "format": FORMAT_IDS[fmt],
@@ -360,7 +360,7 @@ def _base_metadata(fmt: str, recipe: dict, metadata: Mapping[str, Any], model: n
         "name": metadata.get("name") or (metadata.get("run") or {}).get("name") or
         recipe.get("family") or "model",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "library": {"name": "comera-studio", "version": comera_engine.__version__,
+        "library": {"name": "comera-studio", "version": __version__,
                     "torch": torch.__version__.split("+")[0]},
         "model": recipe,
         "dtype": str(_model_dtype(model)).replace("torch.", ""),

@@ -87,7 +87,7 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     # clones: tied weights share storage, which safetensors refuses; load_state_dict
     # fills both from their copies
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-    from comera_engine import __version__
+    from comera_engine._version import __version__
 
     doc = {"format": WEIGHTS_FORMAT, "layers": layers, "library": __version__}
     target = Path(path)

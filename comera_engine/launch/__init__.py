@@ -257,9 +257,7 @@ def dispatch(store: RunStore | str | os.PathLike[str] | None = None) -> list[str
         try:
             _spawn_supervisor(st, rid)
         except OSError as e:
-            st.set_status(
-                rid, "failed", f"launch: could not start the supervisor: {e}", only_from=("queued",)
-            )
+            st.lifecycle(rid).end("failed", f"launch: could not start the supervisor: {e}")
         started.append(rid)
     return started
 
@@ -367,12 +365,7 @@ def _spawn_supervisor(st: RunStore, rid: str) -> None:
             close_fds=True,
         )
     # only set the pid if the supervisor has not registered itself yet
-    st.write(
-        lambda c: c.execute(
-            "UPDATE runs SET supervisor_pid = ?, host = ? WHERE id = ? AND supervisor_pid IS NULL",
-            (proc.pid, this_host(), rid),
-        )
-    )
+    st.lifecycle(rid).attach_supervisor(proc.pid, this_host())
     # reap the child when it exits so a long-lived launcher (the dashboard) keeps no zombies
     threading.Thread(target=proc.wait, name=f"reap-{rid}", daemon=True).start()
 
@@ -463,8 +456,7 @@ def stop(
     if run["status"] in FINAL_STATUSES:
         return str(run["status"])
     if run["status"] == "queued" and run["dispatched_at"] is None:
-        if st.set_status(rid, "stopped", None, only_from=("queued",), dispatched_at=None):
-            st.log_event(rid, "stop", "stopped while queued (never started)")
+        if st.lifecycle(rid).cancel(event=("stop", "stopped while queued (never started)")):
             return "stopped"
         run = st.get_run(rid)
         assert run is not None
@@ -473,8 +465,8 @@ def stop(
     if run["host"] and run["host"] != this_host():
         raise LaunchError(f"run: {rid} runs on host {run['host']}; stop it there")
     deadline = time.time() + float(timeout)
-    if st.set_status(rid, "stopping", only_from=("queued", "running"), stop_deadline=deadline):
-        st.log_event(rid, "stop", f"stop requested (SIGTERM, kill after {timeout:g} s)")
+    st.lifecycle(rid).request_stop(
+        deadline, event=("stop", f"stop requested (SIGTERM, kill after {timeout:g} s)"))
     run = st.get_run(rid)
     assert run is not None
     deadline = run["stop_deadline"] or deadline
@@ -495,11 +487,9 @@ def stop(
         if now > deadline + 2.0 and not supervised and not killed:
             killed = True
             if _kill_owner(run):  # only a process that is gone is recorded as such
-                st.set_status(
-                    rid,
-                    "crashed",
+                st.lifecycle(rid).crash(
                     f"stop: no checkpoint confirmed within {timeout:g} s; killed (SIGKILL)",
-                    only_from=("stopping",),
+                    where={"attempt": run["attempt"]},
                 )
         if now > deadline + 15.0:
             return str(run["status"])
@@ -565,9 +555,9 @@ def _stop_ray_cell(st: RunStore, rid: str, timeout: float, wait: bool) -> str:
     ``wait``, waits for the final status (a driver that died meanwhile has its cells
     marked crashed), else returns at once."""
     deadline = time.time() + float(timeout)
-    if st.set_status(rid, "stopping", only_from=("queued", "running"), stop_deadline=deadline):
-        st.log_event(rid, "stop", "stop requested (the sweep's Ray driver cancels the task, "
-                     f"by force after {timeout:g} s)")
+    st.lifecycle(rid).request_stop(deadline, event=(
+        "stop", f"stop requested (the sweep's Ray driver cancels the task, by force after "
+        f"{timeout:g} s)"))
     last_reap = time.monotonic()
     while True:
         run = st.get_run(rid)
@@ -643,19 +633,15 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
         raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {run_dir}")
     start, _ = resume_point(run_dir / "checkpoints")  # all damaged: one line
     _check_resumable_folder(run_dir)
-    ok = st.set_status(
-        rid,
-        "queued",
-        None,
-        only_from=tuple(RESUMABLE_STATUSES),
+    where = f"checkpoint {start.stem}" if start else "the start (no checkpoint)"
+    ok = st.lifecycle(rid).requeue(
+        event=("resume", f"resume requested from {where}"),
         queued_at=time.time(),
         resume_pending=1,
         **_REQUEUE_CLEARS,
     )
     if not ok:
         raise LaunchError(f"run: {rid} changed status while resuming; try again")
-    where = f"checkpoint {start.stem}" if start else "the start (no checkpoint)"
-    st.log_event(rid, "resume", f"resume requested from {where}")
     dispatch(st)
     return rid
 

@@ -131,6 +131,25 @@ def _fail(e: BaseException) -> int:
     return 2
 
 
+def _no_store_yet(args: argparse.Namespace, what: str) -> bool:
+    """Say there are no ``what`` when the store file does not exist yet; returns whether
+    it said so."""
+    path = resolve_store_path(args.store)
+    if path.exists():
+        return False
+    print("[]" if args.json else f"no {what} (no run store at {path})")
+    return True
+
+
+def _said_without_a_table(items: list[Any], as_json: bool, none: str) -> bool:
+    """Print ``items`` as JSON, or ``none`` when there are none; returns whether it did
+    (else the caller prints its table)."""
+    if as_json or not items:
+        print(json.dumps(items, default=str, indent=1) if as_json else none)
+        return True
+    return False
+
+
 def one_line(e: BaseException | str) -> str:
     """An error's message as one line of bounded length (a value it echoes is cut)."""
     from comera_engine.errors import MAX_PROBLEM_CHARS, shorten
@@ -223,9 +242,7 @@ def _fmt_status(run: dict[str, Any]) -> str:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    path = resolve_store_path(args.store)
-    if not path.exists():
-        print("[]" if args.json else f"no runs (no run store at {path})")
+    if _no_store_yet(args, "runs"):
         return 0
     try:
         st = _existing_store(args.store)
@@ -236,11 +253,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
             r["stalled_s"] = st.stalled_for(r)
     except ValueError as e:
         return _fail(e)
-    if args.json:
-        print(json.dumps(runs, default=str, indent=1))
-        return 0
-    if not runs:
-        print("no runs")
+    if _said_without_a_table(runs, args.json, "no runs"):
         return 0
     header = ("ID", "NAME", "STATUS", "STEP", "COMPRESSION", "TARGET", "STARTED", "TIME",
               "DEVICE", "ERROR")
@@ -382,13 +395,17 @@ def _stop_without_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep_named(st: RunStore, ref: str) -> str | None:
+    """The id of the sweep ``ref`` names, or ``None`` when it names a run."""
+    return st.resolve_sweep(ref) if st.is_sweep(ref) else None
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     try:
         st = _existing_store(args.store)
-        if st.is_sweep(args.run):
+        if (sid := _sweep_named(st, args.run)) is not None:
             from comera_engine.launch.sweep import stop_sweep
 
-            sid = st.resolve_sweep(args.run)
             counts = stop_sweep(sid, st, timeout=args.timeout, wait=not args.no_wait)
             print(f"{sid}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
             live = [k for k in counts if k not in FINAL_STATUSES]
@@ -411,10 +428,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     try:
         st = _existing_store(args.store)
-        if st.is_sweep(args.run):
+        if (sid := _sweep_named(st, args.run)) is not None:
             from comera_engine.launch.sweep import resume_sweep
 
-            sid = st.resolve_sweep(args.run)
             again = resume_sweep(sid, st)
             print(f"{sid}: {len(again)} cells queued again")
             return 0

@@ -129,13 +129,10 @@ def reap(store: RunStore, stale_after: float = HEARTBEAT_TIMEOUT_S) -> list[str]
         error = f"crashed: {reason} and it reported no final status"
         if tail:
             error += f"; last log lines:\n{tail}"
-        if store.set_status(
-            run["id"],
-            "crashed",
+        if store.lifecycle(run["id"]).crash(
             error,
-            only_from=("queued", "running", "stopping"),
             where={"attempt": run["attempt"], "pid": run["pid"]},
+            event=("crash", f"marked crashed: {reason}"),
         ):
-            store.log_event(run["id"], "crash", f"marked crashed: {reason}")
             marked.append(run["id"])
     return marked

@@ -19,7 +19,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import sqlite3
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,8 +26,8 @@ from typing import Any
 
 from comera_engine.errors import ConfigError
 from comera_engine.launch.liveness import pid_alive, this_process
-from comera_engine.store import RunNotFoundError, RunStore
-from comera_engine.store.runs import OWNER_COLUMNS, owner_token, same_owner
+from comera_engine.store import RunStore
+from comera_engine.store.runs import owner_token, same_owner
 
 __all__ = ["LOCK_FILENAME", "RunBusyError", "RunLock", "claim_run", "lock_holder",
            "owned_here"]
@@ -196,27 +195,14 @@ def claim_run(
     me = dict(me or this_process())
     parents = _ancestors(int(me["pid"]))
 
-    def claim(c: sqlite3.Connection) -> dict[str, Any]:
-        cur = c.cursor()
-        cur.row_factory = sqlite3.Row
-        row = cur.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
-        if row is None:
-            raise RunNotFoundError(f"run_id: no run {run_id!r} in {store.path}")
-        held = owner_token(row)
-        if _mine(held, me, parents):
-            return held
+    def refuse(held: Mapping[str, Any], status: str) -> None:
         if held["pid"] and held["host"] == me["host"]:
             if pid_alive(held["pid"], held["pid_started"]):
                 raise RunBusyError(
-                    f"{run_id} is {row['status']} and owned by {_describe(held)}; "
+                    f"{run_id} is {status} and owned by {_describe(held)}; "
                     "stop it first (comera stop RUN)"
                 )
-        elif held["pid"] and row["status"] in ("running", "stopping"):
-            raise RunBusyError(
-                f"{run_id} is {row['status']} on host {held['host']}; stop it there first"
-            )
-        cols = ", ".join(f"{k} = ?" for k in OWNER_COLUMNS)
-        c.execute(f"UPDATE runs SET {cols} WHERE id = ?", (*(me[k] for k in OWNER_COLUMNS), run_id))
-        return {k: me[k] for k in OWNER_COLUMNS}
+        elif held["pid"] and status in ("running", "stopping"):
+            raise RunBusyError(f"{run_id} is {status} on host {held['host']}; stop it there first")
 
-    return store.write(claim)
+    return store.lifecycle(run_id).claim(me, lambda held: _mine(held, me, parents), refuse)

@@ -9,7 +9,8 @@ each queued cell of a ``backend = 'ray'`` sweep to it as one task, at most the s
 ``queued``. A submitted cell is ``running`` with the driver's pid and host, so if the
 driver dies, :func:`comera_engine.launch.liveness.reap` marks it ``crashed``.
 
-A task (:func:`run_cell`, on whichever machine Ray picks) writes the cell's
+A task (:func:`~comera_engine.launch.ray_task.run_cell`, in
+:mod:`comera_engine.launch.ray_task`, on whichever machine Ray picks) writes the cell's
 ``config.toml`` into a temporary folder there, trains it as a subprocess (``python -m
 comera_engine.cli train config.toml --run-dir DIR --no-store --no-progress``, so a stop
 or a kill is the trainer's own), and returns its exit code, the last
@@ -21,12 +22,23 @@ state) plus ``metrics.jsonl`` (some 20 KB per 20 steps of a small model); the di
 model's comes to some 150 KB, a model with 100 M parameters to about 1.2 GB, all of it
 held in Ray's object store until the driver has it.
 
+While a task trains, it sends its trainer's new ``metrics.jsonl`` records (metrics,
+rank snapshots, events, phases) every :data:`~comera_engine.launch.ray_task.STREAM_EVERY_S` s to a
+:class:`CellStream` actor, which the driver drains each round into the store (one
+transaction a cell, as the local sink writes): the dashboard follows a Ray cell as it
+trains, and a cell whose task is killed keeps what it sent.
+
 When a task ends the driver unpacks the archive into the cell's own run folder
 (``store.run_dir(id)``), appends the log to its ``train.log``, imports ``metrics.jsonl``
-(metrics, rank snapshots, events, artifacts with their paths moved to the run folder)
-into the store and records the final status: ``finished`` / ``stopped`` as the trainer
+(metrics and rank snapshots again, replacing the streamed rows from its first step on;
+the events not streamed; artifacts with their paths moved to the run folder) into the
+store and records the final status: ``finished`` / ``stopped`` as the trainer
 reported them, ``diverged`` (exit 3), else ``failed`` with the error (the traceback or the
 last log lines). A task that raised or whose worker died fails its cell alone.
+
+The driver is a :class:`~comera_engine.launch.scheduler.Scheduler` (the queue and its
+limit, heartbeats, stop deadlines, recording the end: the same as a local run's) with
+the :class:`RayExecutor` (submit, wait, cancel).
 
 Stopping: ``comera stop CELL`` only marks a Ray cell ``stopping`` (see
 :func:`comera_engine.launch.stop`); the driver then cancels its task gracefully
@@ -44,20 +56,16 @@ functions: the engine imports and runs without it.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from comera_engine.errors import ConfigError
@@ -69,19 +77,27 @@ from comera_engine.launch import (
     recorded_env,
 )
 from comera_engine.launch.liveness import process_start_time, reap, this_host
+from comera_engine.launch.ray_task import (  # what runs on the workers
+    LOG_LIMIT,
+    CellStream,
+    pack_run_folder,
+    run_cell,
+    unpack_run_folder,
+)
+from comera_engine.launch.scheduler import Outcome, Scheduler, Slot
 from comera_engine.store import (
-    LOG_FILENAME,
     RunStore,
     StoreError,
     extract_traceback,
-    list_checkpoints,
 )
 from comera_engine.store.metrics import ArtifactRow, EventRow, MetricRow, RankRow
+from comera_engine.store.runs import check_phase
 
 __all__ = [
     "LOG_LIMIT",
     "RAY_MISSING",
-    "RayDriver",
+    "CellStream",
+    "RayExecutor",
     "cell_outcome",
     "connect",
     "driver_log_path",
@@ -98,14 +114,8 @@ __all__ = [
 
 #: The one line a Ray sweep gives when Ray is not installed.
 RAY_MISSING = "Ray is not installed; pip install 'comera-studio[cluster]'"
-#: The most of a trainer's log (its end) a task sends back, in bytes.
-LOG_LIMIT = 256 * 1024
-#: Seconds between the driver's heartbeats of the cells it runs.
-HEARTBEAT_EVERY_S = 2.0
 #: Seconds after a cell's stop deadline before its task is cancelled with ``force=True``.
 FORCE_AFTER_S = 5.0
-#: How often (seconds) a task looks at its trainer, so a cancel reaches it at once.
-_TASK_POLL_S = 0.2
 _ENGINE_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -164,184 +174,6 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------- the task
-
-
-def _newest_checkpoint(run_dir: Path) -> set[str]:
-    """Names (relative to ``run_dir``) of the newest complete checkpoint's two files."""
-    found = list_checkpoints(run_dir / "checkpoints")
-    if not found:
-        return set()
-    sidecar = found[-1][1]
-    tensors = sidecar.with_suffix(".safetensors")
-    return {f"checkpoints/{sidecar.name}", f"checkpoints/{tensors.name}"}
-
-
-def pack_run_folder(run_dir: str | os.PathLike[str]) -> bytes:
-    """A gzipped tar of what a cell sends back: ``run_dir``'s top-level files (not its
-    ``.lock``) and its newest complete checkpoint (older ones stay behind)."""
-    folder = Path(run_dir)
-    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != ".lock")
-    names += sorted(_newest_checkpoint(folder))
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
-        for name in names:
-            tar.add(folder / name, arcname=name, recursive=False)
-    return buf.getvalue()
-
-
-def _safe_member(member: tarfile.TarInfo) -> bool:
-    path = PurePosixPath(member.name)
-    return (member.isfile() and not path.is_absolute() and ".." not in path.parts
-            and len(path.parts) <= 2)
-
-
-def unpack_run_folder(data: bytes, run_dir: str | os.PathLike[str]) -> list[str]:
-    """Unpack :func:`pack_run_folder`'s archive into ``run_dir`` (files replaced; a
-    member that is not a plain file inside the folder is skipped). Returns the names."""
-    folder = Path(run_dir)
-    names = []
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        for member in tar.getmembers():
-            if not _safe_member(member):
-                continue
-            src = tar.extractfile(member)
-            if src is None:
-                continue
-            target = folder / member.name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(target.name + ".part")
-            with open(tmp, "wb") as out:
-                shutil.copyfileobj(src, out)
-            os.replace(tmp, target)
-            names.append(member.name)
-    return names
-
-
-def _wait_trainer(proc: subprocess.Popen[bytes]) -> int:
-    """Wait for the trainer in short slices: Ray delivers a cancel (KeyboardInterrupt)
-    between Python bytecodes, never inside a blocking wait."""
-    while True:
-        try:
-            return proc.wait(timeout=_TASK_POLL_S)
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _stop_trainer(proc: subprocess.Popen[bytes], grace: float) -> int:
-    """SIGTERM to the trainer (it checkpoints and reports ``stopped``), SIGKILL to its
-    process group after ``grace`` seconds. Returns its exit code."""
-    try:
-        proc.send_signal(signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            return proc.wait(timeout=_TASK_POLL_S)
-        except subprocess.TimeoutExpired:
-            continue
-        except KeyboardInterrupt:  # a second cancel: no more waiting
-            break
-    _kill_group(proc)
-    return proc.wait()
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _log_tail(path: Path, limit: int = LOG_LIMIT) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _shielded(fn: Callable[[], Any], tries: int = 3) -> Any:
-    """``fn()``, run again when a late cancel interrupts it (the trainer has already
-    ended, so its results are still worth sending)."""
-    for attempt in range(tries):
-        try:
-            return fn()
-        except KeyboardInterrupt:
-            if attempt == tries - 1:
-                raise
-    return None  # pragma: no cover
-
-
-def _cancellable() -> Callable[[], None]:
-    """Let a graceful ``ray.cancel`` reach this task: Ray raises its KeyboardInterrupt
-    the way SIGINT does, which does nothing where SIGINT is ignored (a worker of a Ray
-    started in the background inherits that). Returns what puts the old handler back."""
-    try:
-        old = signal.getsignal(signal.SIGINT)
-        if old in (signal.SIG_IGN, signal.SIG_DFL, None):
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            return lambda: signal.signal(signal.SIGINT, old)
-    except ValueError:  # not the main thread: nothing to change from here
-        pass
-    return lambda: None
-
-
-def run_cell(
-    config_text: str,
-    env: Mapping[str, str] | None = None,
-    cwd: str | None = None,
-    run_id: str = "cell",
-    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
-    threads: int = 1,
-) -> dict[str, Any]:
-    """Train one cell in a temporary folder on this machine (what a Ray task runs).
-
-    ``config_text``: the cell's ``config.toml``; ``env``: its recorded launch environment
-    (replaces this machine's run-shaping variables; ``OMP_NUM_THREADS`` defaults to
-    ``threads``, the CPUs Ray gave the task); ``cwd``: where relative data paths are
-    taken from, when that folder exists here. A cancel (KeyboardInterrupt) stops the
-    trainer gracefully within ``stop_timeout`` seconds. Returns ``{"exit_code", "log",
-    "archive", "folder", "host", "cancelled"}`` (``archive``: :func:`pack_run_folder`,
-    ``folder``: the temporary run folder, gone once this returns)."""
-    restore = _cancellable()
-    tmp = Path(tempfile.mkdtemp(prefix=f"comera-{run_id}-"))
-    run_dir = tmp / "run"
-    run_dir.mkdir()
-    log_path = tmp / LOG_FILENAME
-    try:
-        (run_dir / CONFIG_FILENAME).write_text(config_text, encoding="utf-8")
-        cmd = [sys.executable, "-m", "comera_engine.cli", "train", str(run_dir / CONFIG_FILENAME),
-               "--run-dir", str(run_dir), "--no-store", "--no-progress"]
-        recorded = dict(env or {})
-        recorded.setdefault("OMP_NUM_THREADS", str(max(1, int(threads))))
-        child = child_env(os.environ.get("CUDA_VISIBLE_DEVICES"), recorded)  # Ray's GPUs
-        workdir = cwd if cwd and os.path.isdir(cwd) else str(tmp)
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=workdir, env=child,
-                                    start_new_session=True)
-        cancelled = False
-        try:
-            code = _wait_trainer(proc)
-        except KeyboardInterrupt:  # ray.cancel(ref): the trainer checkpoints and stops
-            cancelled = True
-            code = _shielded(lambda: _stop_trainer(proc, stop_timeout))
-        finally:
-            if proc.poll() is None:
-                _kill_group(proc)
-                proc.wait()
-        return _shielded(lambda: {
-            "exit_code": code, "log": _log_tail(log_path), "archive": pack_run_folder(run_dir),
-            "folder": str(run_dir), "host": this_host(), "cancelled": cancelled})
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        restore()
-
-
 # ---------------------------------------------------------------------- back in the store
 
 
@@ -391,11 +223,12 @@ def _artifact(kind: str, path: str, worker_dir: str, run_dir: Path, t: float) ->
 
 
 def import_metrics(store: RunStore, run_id: str, jsonl: str | os.PathLike[str],
-                   worker_dir: str = "") -> dict[str, Any] | None:
+                   worker_dir: str = "", events_done: int = 0) -> dict[str, Any] | None:
     """Write a cell's ``metrics.jsonl`` into the store in one transaction (replacing rows
     from its first step on) and return its last status record (``None`` when it has
     none). Artifact paths under ``worker_dir`` (the folder it trained in) are moved to
-    the cell's run folder."""
+    the cell's run folder. ``events_done``: its first events, already in the store
+    (streamed while it ran), are not written again."""
     from comera_engine.metrics import read_jsonl
 
     path = Path(jsonl)
@@ -403,6 +236,7 @@ def import_metrics(store: RunStore, run_id: str, jsonl: str | os.PathLike[str],
         return None
     metrics, ranks, events, artifacts, status = _rows(read_jsonl(path), worker_dir,
                                                       store.run_dir(run_id))
+    events = events[events_done:]
     steps = [m[0] for m in metrics] + [r[0] for r in ranks]
     store.write_batch(run_id, metrics=metrics, ranks=ranks, events=events,
                       artifacts=artifacts, rewind_from=min(steps) if steps else None)
@@ -456,7 +290,7 @@ def cell_outcome(
     return "failed", error or _log_error(log) or f"the trainer exited with code {exit_code}"
 
 
-# ---------------------------------------------------------------------- the driver
+# ---------------------------------------------------------------------- the executor
 
 
 def _waiting(run: Mapping[str, Any]) -> bool:
@@ -464,110 +298,35 @@ def _waiting(run: Mapping[str, Any]) -> bool:
     return run["status"] == "queued" and run["dispatched_at"] is None
 
 
-@dataclass
-class _Cell:
-    """A cell in flight: its Ray task and what the driver asked of it."""
+class RayExecutor:
+    """The Ray executor of :class:`~comera_engine.launch.scheduler.Scheduler`: each cell
+    a Ray task (:func:`run_cell`); ``submit``, ``wait`` (``ray.wait``), ``cancel``
+    (``ray.cancel``, ``force`` after the stop deadline plus :data:`FORCE_AFTER_S`), and
+    on the end, the cell's folder brought back. While the cells run, :meth:`drain`
+    writes what they streamed (:class:`CellStream`) into the store."""
 
-    run_id: str
-    ref: Any
-    attempt: int
-    stop_deadline: float | None = None  # set once a graceful cancel was sent
-    forced: bool = False
+    force_after = FORCE_AFTER_S
+    start_error = "ray: cannot read the cell's config"
 
-
-class RayDriver:
-    """Runs one Ray sweep's queued cells to their end (see the module docstring)."""
-
-    def __init__(self, store: RunStore, sweep_id: str, poll: float = 0.5,
-                 cpus_per_cell: float = 1.0, stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+    def __init__(self, store: RunStore, sweep_id: str, cpus_per_cell: float = 1.0,
+                 stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
         self.ray = import_ray()
-        self.store, self.sweep_id, self.poll = store, sweep_id, float(poll)
+        self.store, self.sweep_id = store, sweep_id
         self.cpus = float(cpus_per_cell)
         self.stop_timeout = float(stop_timeout)
         self.pid = os.getpid()
         self.owner = {"pid": self.pid, "pid_started": process_start_time(self.pid),
                       "host": this_host()}
-        self.inflight: dict[str, _Cell] = {}
-        self.stop_reason: str | None = None
-        self._last_beat = 0.0
         self._task = self.ray.remote(max_retries=0)(run_cell)
+        self.stream = self.ray.remote(num_cpus=0)(CellStream).remote()
+        self._gpus: dict[str, float] = {}
+        self._events: dict[str, int] = {}  # events of a cell already in the store
+        self._fresh: set[str] = set()  # cells whose first streamed batch rewinds
+        self._pending: dict[str, list[dict[str, Any]]] = {}
 
-    # ---- the loop
+    # ---- the queue
 
-    def run(self) -> dict[str, int]:
-        """Run until no cell is queued or in flight, or the driver is stopped. Returns
-        the sweep's cells per status."""
-        restore = self._trap_sigterm()
-        try:
-            try:
-                while self._tick_safely():
-                    pass
-            except KeyboardInterrupt:
-                self.stop_reason = "interrupted (Ctrl-C)"
-            if self.stop_reason is not None:
-                self._shutdown(self.stop_reason)
-        finally:
-            restore()
-        sweep = self.store.get_sweep(self.sweep_id) or {}
-        return dict(sweep.get("counts", {}))
-
-    def _trap_sigterm(self) -> Callable[[], None]:
-        """SIGTERM stops the sweep like Ctrl-C (only from the main thread)."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def on_term(signum: int, frame: Any) -> None:
-            self.stop_reason = "the driver got SIGTERM"
-
-        old = signal.signal(signal.SIGTERM, on_term)
-        return lambda: signal.signal(signal.SIGTERM, old)
-
-    def _tick_safely(self) -> bool:
-        """:meth:`_tick`, going on through a passing store error (a locked database)."""
-        try:
-            return self._tick()
-        except StoreError as e:
-            _say(f"store error, trying again: {e}")
-            time.sleep(self.poll)
-            return True
-
-    def _tick(self) -> bool:
-        """One round: carry out stops, submit what fits, beat, then wait up to ``poll``
-        for tasks to end and collect them. Returns whether there is more to do."""
-        cells = {r["id"]: r for r in self.store.sweep_runs(self.sweep_id)}
-        self._carry_out_stops(cells)
-        self._submit([r for r in cells.values() if _waiting(r)])
-        self._beat()
-        self._collect(self.poll)
-        if self.stop_reason is not None:
-            return False
-        return bool(self.inflight) or any(
-            _waiting(r) for r in self.store.sweep_runs(self.sweep_id))
-
-    def _collect(self, timeout: float) -> None:
-        """Finish the tasks that have ended, waiting up to ``timeout`` for the first."""
-        if not self.inflight:
-            time.sleep(timeout)
-            return
-        refs = [c.ref for c in self.inflight.values()]
-        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
-        if ready:
-            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in ready:
-            cell = next(c for c in self.inflight.values() if c.ref == ref)
-            self._finish(cell)
-
-    def _beat(self) -> None:
-        now = time.monotonic()
-        if now - self._last_beat < HEARTBEAT_EVERY_S:
-            return
-        self._last_beat = now
-        for rid in list(self.inflight):
-            self.store.heartbeat(rid)
-
-    # ---- submitting
-
-    def _limit(self) -> int:
+    def limit(self) -> int:
         """Cells in flight at once: the sweep's ``max_parallel``, at most what the
         cluster has CPUs for (at least one)."""
         cpus = float(self.ray.cluster_resources().get("CPU", 1.0))
@@ -576,12 +335,23 @@ class RayDriver:
         parallel = sweep.get("max_parallel")
         return min(limit, int(parallel)) if parallel and int(parallel) > 0 else limit
 
-    def _submit(self, queued: list[dict[str, Any]]) -> None:
-        free = self._limit() - len(self.inflight)
-        for run in queued[:max(0, free)]:
-            self._start(run)
+    def claim(self) -> dict[str, Any] | None:
+        """The sweep's next queued cell, within :meth:`limit`, owned by this driver."""
+        rid = self.store.claim_queued(self.limit(), sweep_id=self.sweep_id, owner=self.owner)
+        return None if rid is None else self.store.get_run(rid)
 
-    def _gpus(self, run: Mapping[str, Any]) -> float:
+    def waiting(self) -> bool:
+        return any(_waiting(r) for r in self.store.sweep_runs(self.sweep_id))
+
+    def cancel_waiting(self, reason: str) -> None:
+        for run in self.store.sweep_runs(self.sweep_id):
+            if _waiting(run):
+                self.store.lifecycle(run["id"]).cancel(
+                    event=("stop", f"stopped while queued: {reason}"))
+
+    # ---- the executor
+
+    def _gpus_of(self, run: Mapping[str, Any]) -> float:
         """One GPU for a cell whose config asks for CUDA (or ``auto`` on a cluster that
         has GPUs), else none."""
         device = str(((run.get("config") or {}).get("train") or {}).get("device", "auto"))
@@ -590,129 +360,86 @@ class RayDriver:
         has_gpu = float(self.ray.cluster_resources().get("GPU", 0.0)) >= 1.0
         return 1.0 if device == "auto" and has_gpu else 0.0
 
-    def _start(self, run: Mapping[str, Any]) -> None:
-        """Mark a queued cell ``running`` (owned by this driver) and submit its task."""
-        st, rid = self.store, run["id"]
-        attempt = int(run["attempt"] or 0) + 1
-        claimed = st.set_status(
-            rid, "running", None, only_from=("queued",), where={"dispatched_at": None},
-            dispatched_at=time.time(), heartbeat_at=time.time(), attempt=attempt,
-            resume_pending=0, exit_code=None, stop_deadline=None, supervisor_pid=None,
-            **self.owner)
-        if not claimed:  # stopped (or taken) meanwhile
-            return
-        run_dir = st.run_dir(rid)
-        try:
-            text = (run_dir / CONFIG_FILENAME).read_text(encoding="utf-8")
-        except OSError as e:
-            st.set_status(rid, "failed", f"ray: cannot read the cell's config: {e}",
-                          only_from=("running",))
-            return
-        gpus = self._gpus(run)
+    def submit(self, run: Mapping[str, Any], attempt: int) -> tuple[Any, dict[str, Any]]:
+        rid = str(run["id"])
+        run_dir = self.store.run_dir(rid)
+        text = (run_dir / CONFIG_FILENAME).read_text(encoding="utf-8")
+        gpus = self._gpus[rid] = self._gpus_of(run)
         ref = self._task.options(num_cpus=self.cpus, num_gpus=gpus,
                                  name=f"comera-cell-{rid}").remote(
             text, recorded_env(run_dir), run.get("cwd"), rid, self.stop_timeout,
-            max(1, int(self.cpus)))
-        self.inflight[rid] = _Cell(rid, ref, attempt)
-        where = f"Ray task ({self.cpus:g} CPU, {gpus:g} GPU), driver pid {self.pid}"
-        _stamp(st.log_path(rid), f"attempt {attempt}: {where}")
-        st.log_event(rid, "start", f"attempt {attempt}: {where}")
-        _say(f"cell {rid} submitted ({len(self.inflight)} in flight)")
+            max(1, int(self.cpus)), self.stream)
+        self._events[rid] = 0
+        self._fresh.add(rid)
+        return ref, {}
 
-    # ---- stopping
+    def started(self, slot: Slot) -> str:
+        where = (f"Ray task ({self.cpus:g} CPU, {self._gpus.get(slot.run_id, 0.0):g} GPU), "
+                 f"driver pid {self.pid}")
+        _stamp(self.store.log_path(slot.run_id), f"attempt {slot.attempt}: {where}")
+        _say(f"cell {slot.run_id} submitted ({len(self._events)} in flight)")
+        return f"attempt {slot.attempt}: {where}"
 
-    def _carry_out_stops(self, cells: Mapping[str, Mapping[str, Any]]) -> None:
-        """Cancel the tasks of cells marked ``stopping``; force those past their deadline."""
-        now = time.time()
-        for rid, cell in list(self.inflight.items()):
-            run = cells.get(rid)
-            if run is None:  # the row was deleted: nothing to record
-                self.ray.cancel(cell.ref, force=True)
-                del self.inflight[rid]
-            elif run["status"] == "stopping" and cell.stop_deadline is None:
-                self._cancel(cell, run.get("stop_deadline") or now + self.stop_timeout)
-            elif cell.stop_deadline is not None and not cell.forced and \
-                    now > cell.stop_deadline + FORCE_AFTER_S:
-                self._force(cell)
+    def wait(self, slots: list[Slot], timeout: float) -> list[Slot]:
+        self.drain()
+        refs = [s.handle for s in slots]
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        return [s for s in slots if any(s.handle == r for r in ready)]
 
-    def _cancel(self, cell: _Cell, deadline: float) -> None:
-        cell.stop_deadline = float(deadline)
-        _stamp(self.store.log_path(cell.run_id), "stop requested: cancelling the Ray task")
-        self.ray.cancel(cell.ref, force=False)
+    def cancel(self, slot: Slot, force: bool) -> None:
+        text = ("stop timed out: cancelling the Ray task by force (nothing comes back)"
+                if force else "stop requested: cancelling the Ray task")
+        _stamp(self.store.log_path(slot.run_id), text)
+        self.ray.cancel(slot.handle, force=force)
 
-    def _force(self, cell: _Cell) -> None:
-        cell.forced = True
-        _stamp(self.store.log_path(cell.run_id),
-               "stop timed out: cancelling the Ray task by force (nothing comes back)")
-        self.ray.cancel(cell.ref, force=True)
-
-    def _shutdown(self, reason: str) -> None:
-        """Stop the sweep: queued cells ``stopped``, cells in flight cancelled (gracefully,
-        by force after their deadline or on a second Ctrl-C) and collected."""
-        _say(f"stopping the sweep: {reason}")
-        st = self.store
-        for run in st.sweep_runs(self.sweep_id):
-            if _waiting(run) and st.set_status(run["id"], "stopped", None, only_from=("queued",),
-                                               where={"dispatched_at": None}):
-                st.log_event(run["id"], "stop", f"stopped while queued: {reason}")
-        deadline = time.time() + self.stop_timeout
-        for cell in self.inflight.values():
-            if st.set_status(cell.run_id, "stopping", only_from=("running",),
-                             stop_deadline=deadline):
-                st.log_event(cell.run_id, "stop", f"stop requested: {reason}")
-            if cell.stop_deadline is None:
-                self._cancel(cell, deadline)
-        while self.inflight:
+    def drain(self) -> None:
+        """Write what the cells streamed into the store: one transaction a cell (a
+        store error keeps them for the next round)."""
+        try:
+            batches = self.ray.get(self.stream.drain.remote())
+        except Exception as e:  # the stream is gone: the records come back with the folder
+            _say(f"no live records: {type(e).__name__}: {e}")
+            batches = {}
+        for rid, records in batches.items():
+            self._pending.setdefault(rid, []).extend(records)
+        for rid, records in list(self._pending.items()):
+            if rid not in self._events:  # not ours (any more): its end was recorded
+                del self._pending[rid]
+                continue
             try:
-                self._collect(self.poll)
-                for cell in list(self.inflight.values()):
-                    if not cell.forced and time.time() > (cell.stop_deadline or 0) + FORCE_AFTER_S:
-                        self._force(cell)
-            except KeyboardInterrupt:  # again: no more waiting
-                for cell in list(self.inflight.values()):
-                    if not cell.forced:
-                        self._force(cell)
+                self._write_live(rid, records)
+            except StoreError as e:
+                _say(f"store error, trying again: {e}")
+                return
+            except (KeyError, TypeError, ValueError) as e:  # they come back with the folder
+                _say(f"cell {rid}: live records skipped: {type(e).__name__}: {e}")
+            del self._pending[rid]
 
-    # ---- a task ended
+    def _write_live(self, rid: str, records: list[dict[str, Any]]) -> None:
+            metrics, ranks, events, _, _ = _rows(records, "", self.store.run_dir(rid))
+            phase = next((r for r in reversed(records) if r.get("type") == "phase"), None)
+            steps = [m[0] for m in metrics] + [r[0] for r in ranks]
+            rewind = min(steps) if steps and rid in self._fresh else None
+            self.store.write_batch(
+                rid, metrics=metrics, ranks=ranks, events=events, rewind_from=rewind,
+                phase=None if phase is None else check_phase(phase.get("phase"),
+                                                             phase.get("progress")))
+            if rewind is not None:
+                self._fresh.discard(rid)
+            self._events[rid] += len(events)
 
-    def _result(self, cell: _Cell) -> tuple[dict[str, Any] | None, str | None]:
-        """The task's result, or ``None`` and why there is none."""
+    def outcome(self, slot: Slot, run: Mapping[str, Any]) -> Outcome:
+        rid = slot.run_id
+        self.drain()  # the task has sent everything before it returned
         try:
-            return self.ray.get(cell.ref), None
+            result, failure = self.ray.get(slot.handle), None
         except Exception as e:  # the task raised, its worker or node died, a forced cancel
-            if cell.forced:  # TaskCancelledError, or WorkerCrashedError in some versions
-                return None, "cancelled by force"
-            return None, f"{type(e).__name__}: {e}"
-
-    def _bring_back(self, rid: str, result: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Append the task's log to the cell's ``train.log``, unpack its folder into the
-        cell's run folder and import its metrics; returns the trainer's last status
-        record."""
-        st = self.store
-        with open(st.log_path(rid), "a", encoding="utf-8") as f:
-            f.write(str(result.get("log") or ""))
-        unpack_run_folder(result["archive"], st.run_dir(rid))
-        return import_metrics(st, rid, st.run_dir(rid) / "metrics.jsonl", str(result["folder"]))
-
-    def _finish(self, cell: _Cell) -> None:
-        """:meth:`_record` a task that ended; through a store error the cell stays in
-        flight, so the next round brings it back again."""
-        self.inflight.pop(cell.run_id, None)
-        try:
-            self._record(cell)
-        except StoreError:
-            self.inflight[cell.run_id] = cell
-            raise
-
-    def _record(self, cell: _Cell) -> None:
-        """Bring a finished task's results into the cell's folder and the store, and
-        record its final status (a result that cannot be brought back fails the cell)."""
-        st, rid = self.store, cell.run_id
-        result, failure = self._result(cell)
-        run = st.get_run(rid)
-        if run is None:
-            return
-        st.run_dir(rid).mkdir(parents=True, exist_ok=True)
+            result = None
+            # TaskCancelledError, or WorkerCrashedError in some versions
+            failure = "cancelled by force" if slot.forced else f"{type(e).__name__}: {e}"
+        self.store.run_dir(rid).mkdir(parents=True, exist_ok=True)
         final, log, code = None, "", None
         if result is not None:
             try:
@@ -720,17 +447,40 @@ class RayDriver:
                 code, log = int(result["exit_code"]), str(result.get("log") or "")
             except (OSError, ValueError, KeyError, TypeError, tarfile.TarError) as e:
                 failure = f"its results could not be brought back: {type(e).__name__}: {e}"
-        stop_requested = cell.stop_deadline is not None or run["status"] == "stopping"
+        stop_requested = slot.stop_deadline is not None or run["status"] == "stopping"
         status, error = cell_outcome(code, final, log, stop_requested, failure)
-        where = {"attempt": cell.attempt, "pid": self.pid}
-        if st.set_status(rid, status, error, only_from=("running", "stopping"), where=where,
-                         exit_code=code):
-            host = f" on {result['host']}" if result else ""
-            note = f"{status}{host}" + (f": {failure}" if failure else "")
-            st.log_event(rid, "stop" if status == "stopped" else "end", note)
+        slot.exit_code = code
+        host = f" on {result['host']}" if result else ""
+        note = f"{status}{host}" + (f": {failure}" if failure else "")
+        return Outcome(status, error, code, ("stop" if status == "stopped" else "end", note))
+
+    def _bring_back(self, rid: str, result: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Append the task's log to the cell's ``train.log``, unpack its folder into the
+        cell's run folder and import what was not streamed; returns the trainer's last
+        status record."""
+        st = self.store
+        with open(st.log_path(rid), "a", encoding="utf-8") as f:
+            f.write(str(result.get("log") or ""))
+        unpack_run_folder(result["archive"], st.run_dir(rid))
+        return import_metrics(st, rid, st.run_dir(rid) / "metrics.jsonl", str(result["folder"]),
+                              events_done=self._events.get(rid, 0))
+
+    def ended(self, slot: Slot, note: str) -> None:
+        self._events.pop(slot.run_id, None)
+        self._fresh.discard(slot.run_id)
+        code = slot.exit_code
         how = "no result" if code is None else f"code {code}"
-        _stamp(st.log_path(rid), f"Ray task ended ({how}); status {status}")
-        _say(f"cell {rid} {status}")
+        _stamp(self.store.log_path(slot.run_id), f"Ray task ended ({how}); {note}")
+        _say(f"cell {slot.run_id} {note.removeprefix('status ')}")
+
+    def say(self, text: str) -> None:
+        _say(text)
+
+    def close(self) -> None:
+        try:
+            self.ray.kill(self.stream)
+        except Exception:
+            pass
 
 
 def run_ray_sweep(
@@ -763,7 +513,13 @@ def run_ray_sweep(
     reap(st)  # cells of an earlier driver that died are crashed, not ours to run
     owned = connect(address if address is not None else sweep.get("address"))
     try:
-        return RayDriver(st, sweep_id, poll, cpus_per_cell, stop_timeout).run()
+        ex = RayExecutor(st, sweep_id, cpus_per_cell, stop_timeout)
+        try:
+            Scheduler(st, ex, ex.claim, waiting=ex.waiting, cancel_waiting=ex.cancel_waiting,
+                      poll=poll, stop_timeout=stop_timeout).run()
+        finally:
+            ex.close()
+        return dict((st.get_sweep(sweep_id) or {}).get("counts", {}))
     finally:
         if owned:
             import_ray().shutdown()

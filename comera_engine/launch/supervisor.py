@@ -5,6 +5,11 @@ Started by the launcher in its own session. It runs the trainer in a new process
 ``stopping`` status into SIGTERM (and SIGKILL after the stop deadline), and when the
 trainer exits without a final status records ``crashed`` (``failed`` when it died with a
 Python traceback) with the log tail. Then it starts queued runs that now fit.
+
+It is the :class:`~comera_engine.launch.scheduler.Scheduler` every run goes through,
+with :class:`LocalExecutor` (the trainer's process group) and a queue of one run: the
+run the launcher dispatched to it (:func:`comera_engine.launch.dispatch` fills the local
+queue, within the store's ``max_concurrent``, by starting one supervisor a run).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +37,12 @@ from comera_engine.launch import (
     signal_group,
 )
 from comera_engine.launch.liveness import process_start_time, this_host
-from comera_engine.store import FINAL_STATUSES, RunStore, StoreError, extract_traceback
+from comera_engine.launch.scheduler import Outcome, Scheduler, Slot
+from comera_engine.store import RunStore, StoreError, extract_traceback
+from comera_engine.store.errors import is_damaged
 
-POLL_S = 0.1
-STATUS_EVERY_S = 0.3
-HEARTBEAT_EVERY_S = 2.0
+#: Seconds between the supervisor's looks at the store (the trainer's exit is seen at once).
+POLL_S = 0.3
 
 
 def trainer_command(store: RunStore, run: dict[str, Any], resume: bool) -> list[str]:
@@ -89,155 +96,92 @@ def _ignore(signum: int, frame: Any) -> None:
 
 
 def _log(path: Path, text: str) -> None:
+    """A ``[comera time] text`` line in the run's log (none when its folder is gone: the
+    supervisor goes on, and the store keeps the record)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(f"[comera {stamp}] {text}\n")
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"[comera {stamp}] {text}\n")
+    except OSError:
+        pass
 
 
-class Supervisor:
+class LocalExecutor:
+    """The local executor: a run's trainer as a subprocess in its own process group
+    (stdout/stderr appended to the run's ``train.log``), stopped by SIGCONT and SIGTERM,
+    forced by SIGKILL to its group at the stop deadline."""
+
+    force_after = 0.0
+    start_error = "launch: cannot start the trainer"
+
     def __init__(self, store: RunStore, run_id: str) -> None:
         self.store = store
-        self.run_id = run_id
         self.log_path = store.log_path(run_id)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.stop_signal_sent = False
-        self.killed = False
-        self.self_stop = False
-        self.attempt = 0
+        self.offset = 0
+        self.resume = False
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.self_stop = True  # handled in the loop (no DB access in a signal handler)
-
-    def run(self) -> int:
-        st, rid = self.store, self.run_id
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        # a handler, not SIG_IGN: ignored signals would stay ignored in the trainer
-        signal.signal(signal.SIGINT, _ignore)
-        signal.signal(signal.SIGHUP, _ignore)
-        run = st.get_run(rid)
-        if run is None:
-            print(f"supervisor: no run {rid} in {st.path}", file=sys.stderr)
-            return 2
-        st.update_run(rid, supervisor_pid=os.getpid(), host=this_host())
-        if run["status"] == "stopping":  # stopped between dispatch and now
-            st.set_status(rid, "stopped", None, only_from=("stopping",))
-            st.log_event(rid, "stop", "stopped before the trainer started")
-            _log(self.log_path, "stopped before the trainer started")
-            dispatch(st)
-            return 0
-        if run["status"] != "queued":
-            _log(self.log_path, f"supervisor: run is {run['status']}, not queued; nothing to do")
-            return 0
-
-        resume = bool(run["resume_pending"]) and bool(checkpoint_steps(st.run_dir(rid)))
-        cmd = trainer_command(st, run, resume)
+    def submit(self, run: Mapping[str, Any], attempt: int
+               ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+        st, rid = self.store, str(run["id"])
+        self.resume = bool(run["resume_pending"]) and bool(checkpoint_steps(st.run_dir(rid)))
+        cmd = trainer_command(st, dict(run), self.resume)
         recorded = recorded_env(st.run_dir(rid))
-        if resume and recorded is not None:
+        if self.resume and recorded is not None:
             here = run_env()
             differ = sorted(k for k in set(recorded) | set(here) if recorded.get(k) != here.get(k))
             if differ:
                 _log(self.log_path, "resume: with the launch environment (differs here in "
                      f"{', '.join(differ)})")
-        attempt = int(run["attempt"] or 0) + 1
         _log(self.log_path, f"attempt {attempt} on {this_host()}: {shlex.join(cmd)}")
         with open(self.log_path, "ab") as log:
-            offset = log.tell()
-            try:
-                self.proc = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=child_env(run["gpus"], recorded_env(st.run_dir(rid))),
-                    start_new_session=True,  # own process group: signals reach only it
-                    close_fds=True,
-                )
-            except OSError as e:
-                st.set_status(rid, "failed", f"launch: cannot start the trainer: {e}")
-                dispatch(st)
-                return 1
-        proc = self.proc
-        self.attempt = attempt
-        st.update_run(
-            rid,
-            pid=proc.pid,
-            pid_started=process_start_time(proc.pid),
-            attempt=attempt,
-            resume_pending=0,
-            heartbeat_at=time.time(),
-            exit_code=None,
-        )
-        st.set_status(rid, "running", only_from=("queued",))
-        note = " (resume)" if resume else ""
-        st.log_event(rid, "start", f"attempt {attempt}: trainer pid {proc.pid}{note}")
+            self.offset = log.tell()
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(run["gpus"], recorded),
+                start_new_session=True,  # own process group: signals reach only it
+                close_fds=True,
+            )
+        return proc, {"pid": proc.pid, "pid_started": process_start_time(proc.pid)}
 
-        rc = self._watch(proc)
-        try:
-            self._finalize(rc, offset)
-            dispatch(st)
-        except StoreError as e:  # a damaged store: the run folder keeps the record
-            _log(self.log_path, f"trainer exited (code {rc}); the store could not record it "
-                 f"({e})")
-        return 0
+    def started(self, slot: Slot) -> str:
+        note = " (resume)" if self.resume else ""
+        return f"attempt {slot.attempt}: trainer pid {slot.handle.pid}{note}"
 
-    def _watch(self, proc: subprocess.Popen[bytes]) -> int:
-        st, rid = self.store, self.run_id
-        last_status = last_beat = 0.0
-        while True:
+    def wait(self, slots: list[Slot], timeout: float) -> list[Slot]:
+        ended = []
+        for slot in slots:
             try:
-                return proc.wait(timeout=POLL_S)
+                slot.exit_code = slot.handle.wait(timeout=timeout / len(slots))
+                ended.append(slot)
             except subprocess.TimeoutExpired:
                 pass
-            now = time.monotonic()
-            try:
-                if self.self_stop:
-                    self.self_stop = False
-                    st.set_status(
-                        rid,
-                        "stopping",
-                        only_from=("running",),
-                        stop_deadline=time.time() + DEFAULT_STOP_TIMEOUT,
-                    )
-                if now - last_status >= STATUS_EVERY_S:
-                    last_status = now
-                    run = st.get_run(rid)
-                    if run is not None and run["status"] == "stopping":
-                        if not self.stop_signal_sent:
-                            self.stop_signal_sent = True
-                            _log(self.log_path, "stop requested: SIGTERM to the trainer")
-                            send_stop_signal(proc.pid, int(run["nproc"] or 1))
-                        deadline = run["stop_deadline"]
-                        if deadline is not None and time.time() > deadline and not self.killed:
-                            self.killed = True
-                            _log(self.log_path, "stop timed out: SIGKILL to the trainer")
-                            signal_group(proc.pid, signal.SIGKILL)
-                if now - last_beat >= HEARTBEAT_EVERY_S:
-                    last_beat = now
-                    st.heartbeat(rid)
-            except StoreError as e:  # keep supervising through a transient store problem
-                print(f"supervisor: store error: {e}", file=sys.stderr)
+        return ended
 
-    def _finalize(self, rc: int, offset: int) -> None:
-        st, rid = self.store, self.run_id
-        assert self.proc is not None
-        signal_group(self.proc.pid, signal.SIGKILL)  # leftovers (workers, data loaders)
-        run = st.get_run(rid)
-        assert run is not None
-        how = f"code {rc}" if rc >= 0 else _signame(rc)
-        mine = {"attempt": self.attempt, "pid": self.proc.pid}
-        if any(run[k] != v for k, v in mine.items()):
-            _log(self.log_path, f"trainer exited ({how}); the run has moved on")
+    def cancel(self, slot: Slot, force: bool) -> None:
+        proc = slot.handle
+        if force:
+            _log(self.log_path, "stop timed out: SIGKILL to the trainer")
+            signal_group(proc.pid, signal.SIGKILL)
             return
-        if run["status"] in FINAL_STATUSES:
-            st.update_run(rid, exit_code=rc)  # same attempt and pid: checked above
-            _log(self.log_path, f"trainer exited ({how}); status {run['status']}")
-            return
-        text = _read_since(self.log_path, offset)
+        _log(self.log_path, "stop requested: SIGTERM to the trainer")
+        run = self.store.get_run(slot.run_id) or {}
+        send_stop_signal(proc.pid, int(run.get("nproc") or 1))
+
+    def outcome(self, slot: Slot, run: Mapping[str, Any]) -> Outcome:
+        """A trainer that exited without a final status: ``crashed`` (``failed`` when it
+        reported an error on its way out, ``stopped`` when a stop ended it before
+        training), with its log tail."""
+        signal_group(slot.handle.pid, signal.SIGKILL)  # leftovers (workers, data loaders)
+        rc = int(slot.exit_code if slot.exit_code is not None else slot.handle.wait())
+        how = _how(rc)
+        text = _read_since(self.log_path, self.offset)
         tail = "\n".join(text.splitlines()[-40:])
-        tb = extract_traceback(text)
         status, error, event = "crashed", "", ""
         if run["status"] == "stopping":
-            if self.killed:
+            if slot.forced:
                 error = "stop: the trainer did not stop in time and was killed (SIGKILL)"
                 event = "killed after the stop timeout; resume continues from the last checkpoint"
             elif rc == -signal.SIGTERM:
@@ -249,24 +193,88 @@ class Supervisor:
             error = f"crashed: the trainer was killed by {how} without a final status"
         elif rc > 0:  # an error it reported on the way out (traceback or one-line error)
             status = "failed"
-            error = tb or "\n".join(ln for ln in tail.splitlines()[-10:] if ln.strip())
+            error = extract_traceback(text) or "\n".join(
+                ln for ln in tail.splitlines()[-10:] if ln.strip())
             error = error or f"the trainer exited with {how}"
         else:
             error = f"crashed: the trainer exited ({how}) without a final status"
         if error and status == "crashed" and tail:
             error += f"; last log lines:\n{tail}"
-        changed = st.set_status(
-            rid,
-            status,
-            error,
-            only_from=("queued", "running", "stopping"),
-            where=mine,
-            exit_code=rc,
-        )
-        if changed:
-            kind = "stop" if status == "stopped" else "crash"
-            st.log_event(rid, kind, event or (error or "").split("\n")[0])
-        _log(self.log_path, f"trainer exited ({how}); status {status}")
+        kind = "stop" if status == "stopped" else "crash"
+        return Outcome(status, error, rc, (kind, event or (error or "").split("\n")[0]))
+
+    def ended(self, slot: Slot, note: str) -> None:
+        rc = slot.exit_code
+        _log(self.log_path, f"trainer exited ({'?' if rc is None else _how(rc)}); {note}")
+
+    def say(self, text: str) -> None:
+        print(f"supervisor: {text}", file=sys.stderr, flush=True)
+
+
+def _how(rc: int) -> str:
+    return f"code {rc}" if rc >= 0 else _signame(rc)
+
+
+class Supervisor:
+    """One run's scheduler with the local executor: it takes the run the launcher
+    dispatched to it, watches its trainer to the end, then starts queued runs."""
+
+    def __init__(self, store: RunStore, run_id: str) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.log_path = store.log_path(run_id)
+        self.executor = LocalExecutor(store, run_id)
+        self.scheduler = Scheduler(store, self.executor, self._claim,
+                                   waiting=lambda: not self._claimed, poll=POLL_S,
+                                   stop_timeout=DEFAULT_STOP_TIMEOUT,
+                                   name=("the run", "the supervisor"))
+        self._claimed = False
+        self._tries = 0
+        self.status = 0
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        slot = next(iter(self.scheduler.inflight.values()), None)
+        return slot.handle if slot is not None else None
+
+    def _claim(self) -> Mapping[str, Any] | None:
+        """The run, once: ``None`` when it is gone, stopped meanwhile or not queued."""
+        if self._claimed:
+            return None
+        st, rid = self.store, self.run_id
+        try:
+            run = st.get_run(rid)
+        except StoreError as e:  # tried again next round, for a while
+            self._tries += 1
+            if is_damaged(e) or self._tries >= 20:
+                self._claimed = True
+            raise
+        self._claimed = True
+        if run is None:
+            print(f"supervisor: no run {rid} in {st.path}", file=sys.stderr)
+            self.status = 2
+            return None
+        st.update_run(rid, supervisor_pid=os.getpid(), host=this_host())
+        if run["status"] == "stopping":  # stopped between dispatch and now
+            st.lifecycle(rid).end("stopped", event=("stop", "stopped before the trainer started"))
+            _log(self.log_path, "stopped before the trainer started")
+            return None
+        if run["status"] != "queued":
+            _log(self.log_path, f"supervisor: run is {run['status']}, not queued; nothing to do")
+            return None
+        return run
+
+    def run(self) -> int:
+        # a handler, not SIG_IGN: ignored signals would stay ignored in the trainer
+        signal.signal(signal.SIGINT, _ignore)
+        signal.signal(signal.SIGHUP, _ignore)
+        self.scheduler.run()  # SIGTERM to the supervisor stops the run
+        if self.status != 2:
+            try:
+                dispatch(self.store)
+            except StoreError as e:  # a damaged store: the run folder keeps the record
+                _log(self.log_path, f"supervisor: could not start queued runs ({e})")
+        return self.status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,12 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print(tb, file=sys.stderr)
         try:
             if sup.proc is None:
-                store.set_status(
-                    args.run_id,
-                    "failed",
-                    f"supervisor failed before starting the trainer:\n{tb}",
-                    only_from=("queued", "stopping"),
-                )
+                store.lifecycle(args.run_id).end(
+                    "failed", f"supervisor failed before starting the trainer:\n{tb}")
         except Exception:
             pass
         return 1

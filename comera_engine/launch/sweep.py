@@ -226,15 +226,11 @@ def create_sweep(
 
 
 def _start(st: RunStore, sweep_id: str, backend: str) -> None:
-    """Start what can run now: the local launcher's queue, or the sweep's Ray driver."""
-    from comera_engine.launch import dispatch
+    """Start what can run now (:func:`comera_engine.launch.scheduler.start_queued`): the
+    local launcher's queue, or the sweep's Ray driver."""
+    from comera_engine.launch.scheduler import start_queued
 
-    if backend == "ray":
-        from comera_engine.launch.ray_backend import spawn_ray_driver
-
-        spawn_ray_driver(st, sweep_id)
-    else:
-        dispatch(st)
+    start_queued(st, sweep_id)
 
 
 def stop_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None = None,

@@ -21,12 +21,14 @@ from comera_engine.launch.cli import (
     _add_store,
     _fail,
     _fmt_time,
+    _no_store_yet,
     _positive_int,
+    _said_without_a_table,
     add_override_option,
     print_table,
 )
 from comera_engine.launch.sweep import create_sweep, parse_grid, sweep_report, wait_sweeps
-from comera_engine.store import RunStore, resolve_store_path
+from comera_engine.store import RunStore
 
 __all__ = ["add_subparsers", "print_report"]
 
@@ -124,9 +126,7 @@ def print_report(st: RunStore, sid: str, as_json: bool = False) -> int:
 
 
 def cmd_sweeps(args: argparse.Namespace) -> int:
-    path = resolve_store_path(args.store)
-    if not path.exists():
-        print("[]" if args.json else f"no sweeps (no run store at {path})")
+    if _no_store_yet(args, "sweeps"):
         return 0
     try:
         st = RunStore(args.store, create=False)
@@ -138,11 +138,7 @@ def cmd_sweeps(args: argparse.Namespace) -> int:
         sweeps = st.list_sweeps()
     except ValueError as e:
         return _fail(e)
-    if args.json:
-        print(json.dumps(sweeps, default=str, indent=1))
-        return 0
-    if not sweeps:
-        print("no sweeps")
+    if _said_without_a_table(sweeps, args.json, "no sweeps"):
         return 0
     rows = [("ID", "NAME", "STATUS", "CELLS", "AT ONCE", "BACKEND", "CREATED")]
     for s in sweeps:

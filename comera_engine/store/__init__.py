@@ -2,9 +2,11 @@
 
 Modules: ``layout`` (where the file and the run folders are, reading a run's log and
 checkpoints), ``schema`` (tables, migrations, recognising a store file), ``connection``
-(WAL, busy retries, the per-file connection count), ``runs`` (run rows and status
-transitions), ``sweeps`` (sweeps of runs), ``metrics`` (what a run logs, batched writes,
-reads for plots), ``run_store`` (:class:`RunStore`, made of those) and ``sink``
+(WAL, busy retries, the per-file connection count), ``runs`` (run rows, the queue),
+``lifecycle`` (a run's status changes: :data:`TRANSITIONS`, the one table of what may
+change from where, and :class:`RunLifecycle`, the one way they are written),
+``sweeps`` (sweeps of runs), ``metrics`` (what a run logs, batched writes, reads for
+plots), ``run_store`` (:class:`RunStore`, made of those) and ``sink``
 (:class:`StoreSink`). Whether a run's process is alive, and marking dead runs crashed,
 is the launcher's (:mod:`comera_engine.launch.liveness`).
 
@@ -30,6 +32,7 @@ from comera_engine.store.layout import (
     read_log_tail,
     resolve_store_path,
 )
+from comera_engine.store.lifecycle import TRANSITIONS, RunLifecycle
 from comera_engine.store.run_store import RunStore
 from comera_engine.store.runs import (
     ACTIVE_STATUSES,
@@ -56,6 +59,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "STATUSES",
     "SWEEP_BACKENDS",
+    "TRANSITIONS",
+    "RunLifecycle",
     "RunNotFoundError",
     "RunStore",
     "StoreError",

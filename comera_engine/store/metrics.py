@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from comera_engine.store.connection import Database
-from comera_engine.store.runs import check_owner_in, set_phase_in, set_status_in
+from comera_engine.store.lifecycle import transition_in
+from comera_engine.store.runs import check_owner_in, set_phase_in
 
 MetricRow = tuple[int, str, float | None, float]
 """``(step, name, value, time)``."""
@@ -138,7 +139,7 @@ class MetricRows(Database):
         artifacts: Sequence[ArtifactRow] = (),
         rewind_from: int | None = None,
         heartbeat: bool = False,
-        status: tuple[str, str | None, tuple[str, ...] | None] | None = None,
+        status: tuple[str, str, str | None] | None = None,
         owner: Mapping[str, Any] | None = None,
         phase: tuple[str | None, float | None] | None = None,
     ) -> bool:
@@ -148,7 +149,8 @@ class MetricRows(Database):
         time)``; ``events``: ``(time, step, kind, text)``; ``artifacts``: ``(kind, path,
         size, time)``. ``rewind_from``: first delete metrics and rank snapshots at steps
         ``>= rewind_from`` (rows of an earlier attempt that a resumed run logs again).
-        ``status``: ``(status, error, only_from)`` set after the records. ``phase``:
+        ``status``: ``(action, status, error)`` carried out after the records (an action of
+        :data:`~comera_engine.store.lifecycle.TRANSITIONS`). ``phase``:
         ``(phase, progress)`` the run is in now (see
         :meth:`~comera_engine.store.runs.RunRows.set_phase`). ``owner``: the
         writer's owner token (``pid``, ``pid_started``, ``host``); when given, nothing is
@@ -173,8 +175,8 @@ class MetricRows(Database):
             if phase is not None:
                 set_phase_in(c, run_id, *phase)
             if status is not None:
-                st, err, only = status
-                return set_status_in(c, run_id, st, err, only, {})
+                action, st, err = status
+                return transition_in(c, run_id, action, st, err)
             return True
 
         return self.write(w)

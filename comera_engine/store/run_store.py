@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from comera_engine.store.lifecycle import RunLifecycle
 from comera_engine.store.metrics import MetricRows
 from comera_engine.store.runs import RunRows
 from comera_engine.store.sweeps import SweepRows
@@ -47,6 +48,11 @@ class RunStore(RunRows, SweepRows, MetricRows):
     or a SQLite database without this store's marker, raises :class:`StoreError` and is
     never written to.
     """
+
+    def lifecycle(self, run_id: str, owner: Mapping[str, Any] | None = None) -> RunLifecycle:
+        """The run's :class:`~comera_engine.store.lifecycle.RunLifecycle`: the one way its
+        status changes (``owner``: the token the caller's writes carry)."""
+        return RunLifecycle(self, run_id, owner)
 
     def get_setting(self, key: str, default: Any = None) -> Any:
         """A store-wide setting (JSON value), or ``default``."""

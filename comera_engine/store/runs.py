@@ -3,7 +3,11 @@
 Lifecycle: ``queued → running → (stopping →) finished | stopped | failed | diverged |
 crashed``. Each status change is one conditional update (``only_from`` the statuses it may
 leave, ``where`` columns such as the attempt still equal), so a stale process cannot move
-a run that has gone on. The run folder of run ``id`` is ``<store dir>/<id>/``.
+a run that has gone on; which change is allowed from where is
+:data:`comera_engine.store.lifecycle.TRANSITIONS`, and every status change of the project
+goes through :class:`~comera_engine.store.lifecycle.RunLifecycle`
+(:meth:`RunRows.set_status` is the unchecked primitive under it, for tests and repair).
+The run folder of run ``id`` is ``<store dir>/<id>/``.
 Whether a run's process is alive is the launcher's business
 (:mod:`comera_engine.launch.liveness`); the store records what it decides.
 
@@ -105,7 +109,8 @@ def _check_status(status: str) -> None:
         raise ValueError(f"status: must be one of {', '.join(STATUSES)}, got {status!r}")
 
 
-def _check_columns(fields: Iterable[str]) -> None:
+def check_columns(fields: Iterable[str]) -> None:
+    """ValueError naming the first of ``fields`` that is not a run column."""
     bad = sorted(set(fields) - _RUN_COLUMNS)
     if bad:
         raise ValueError(f"{bad[0]}: not a run field")
@@ -304,7 +309,7 @@ class RunRows(Database):
         """Set run columns (``config`` may be a dict). Unknown columns raise ValueError."""
         if not fields:
             return
-        _check_columns(fields)
+        check_columns(fields)
         if "status" in fields and fields["status"] not in STATUSES:
             raise ValueError(f"status: must be one of {', '.join(STATUSES)}")
         for key in ("config", "cell"):
@@ -331,7 +336,7 @@ class RunRows(Database):
         process cannot change a newer attempt). Keeps ``started_at`` / ``ended_at`` right.
         Other keyword arguments set run columns too. Returns whether it changed."""
         _check_status(status)
-        _check_columns(fields)
+        check_columns(fields)
         allowed = tuple(only_from) if only_from is not None else None
 
         def upd(c: sqlite3.Connection) -> bool:
@@ -366,36 +371,53 @@ class RunRows(Database):
         if remove_files:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def claim_queued(self, max_active: int | None = None) -> str | None:
-        """Atomically pick the oldest queued, undispatched run while fewer than
-        ``max_active`` runs are active (running, stopping or dispatched); mark it
-        dispatched and return its id, else ``None``. A sweep's cell waits while its sweep
-        has ``max_parallel`` cells active; cells of a sweep on another backend (Ray) are
-        that backend's to start and never picked here."""
+    def claim_queued(self, max_active: int | None = None, *, sweep_id: str | None = None,
+                     owner: Mapping[str, Any] | None = None) -> str | None:
+        """The queue: atomically pick the oldest queued, undispatched run while fewer
+        than ``max_active`` runs are active (running, stopping or dispatched); mark it
+        dispatched and return its id, else ``None``.
+
+        Without ``sweep_id`` (the local launcher's queue): any run of the store, counted
+        store-wide; a sweep's cell waits while its sweep has ``max_parallel`` cells
+        active; cells of a sweep on another backend (Ray) are that backend's to start and
+        never picked. With ``sweep_id`` (a sweep's own scheduler): only that sweep's
+        cells, counted within the sweep, recorded as owned by ``owner`` (the scheduling
+        process's ``pid``, ``pid_started``, ``host``) with a first heartbeat."""
 
         def claim(c: sqlite3.Connection) -> str | None:
+            scope, params = ("", ()) if sweep_id is None else (" AND sweep_id = ?", (sweep_id,))
             if max_active:
-                (n,) = c.execute(f"SELECT COUNT(*) FROM runs WHERE {_ACTIVE_WHERE}").fetchone()
+                (n,) = c.execute(f"SELECT COUNT(*) FROM runs WHERE ({_ACTIVE_WHERE}){scope}",
+                                 params).fetchone()
                 if n >= max_active:
                     return None
-            active = _ACTIVE_WHERE.replace("status", "a.status").replace(
-                "dispatched_at", "a.dispatched_at")
-            row = c.execute(
-                "SELECT r.id FROM runs r LEFT JOIN sweeps s ON r.sweep_id = s.id "
-                "WHERE r.status = 'queued' AND r.dispatched_at IS NULL AND ("
-                "r.sweep_id IS NULL OR s.id IS NULL OR (s.backend = 'local' AND ("
-                "s.max_parallel IS NULL OR s.max_parallel < 1 OR (SELECT COUNT(*) FROM runs a "
-                f"WHERE a.sweep_id = s.id AND ({active})) < s.max_parallel))) "
-                "ORDER BY r.queued_at, r.created_at LIMIT 1"
-            ).fetchone()
+            if sweep_id is not None:
+                row = c.execute(
+                    "SELECT id FROM runs WHERE status = 'queued' AND dispatched_at IS NULL "
+                    "AND sweep_id = ? ORDER BY queued_at, created_at LIMIT 1", params
+                ).fetchone()
+            else:
+                active = _ACTIVE_WHERE.replace("status", "a.status").replace(
+                    "dispatched_at", "a.dispatched_at")
+                row = c.execute(
+                    "SELECT r.id FROM runs r LEFT JOIN sweeps s ON r.sweep_id = s.id "
+                    "WHERE r.status = 'queued' AND r.dispatched_at IS NULL AND ("
+                    "r.sweep_id IS NULL OR s.id IS NULL OR (s.backend = 'local' AND ("
+                    "s.max_parallel IS NULL OR s.max_parallel < 1 OR (SELECT COUNT(*) FROM "
+                    f"runs a WHERE a.sweep_id = s.id AND ({active})) < s.max_parallel))) "
+                    "ORDER BY r.queued_at, r.created_at LIMIT 1"
+                ).fetchone()
             if row is None:
                 return None
             now = time.time()
+            who = dict.fromkeys(OWNER_COLUMNS) if owner is None else \
+                {k: owner.get(k) for k in OWNER_COLUMNS}
+            beat = None if owner is None else now
             c.execute(
-                "UPDATE runs SET dispatched_at = ?, updated_at = ?, pid = NULL, "
-                "pid_started = NULL, supervisor_pid = NULL, heartbeat_at = NULL, "
-                "exit_code = NULL, stop_deadline = NULL WHERE id = ?",
-                (now, now, row[0]),
+                "UPDATE runs SET dispatched_at = ?, updated_at = ?, pid = ?, "
+                "pid_started = ?, host = COALESCE(?, host), supervisor_pid = NULL, "
+                "heartbeat_at = ?, exit_code = NULL, stop_deadline = NULL WHERE id = ?",
+                (now, now, who["pid"], who["pid_started"], who["host"], beat, row[0]),
             )
             return str(row[0])
 

@@ -12,9 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from comera_engine.store.errors import NotOwnerError, RunNotFoundError, is_damaged
+from comera_engine.store.lifecycle import check_action
 from comera_engine.store.metrics import artifact_row, metric_value
 from comera_engine.store.run_store import RunStore
-from comera_engine.store.runs import FINAL_STATUSES, check_phase
+from comera_engine.store.runs import check_phase
 
 
 class StoreSink:
@@ -149,13 +150,10 @@ class StoreSink:
         A final status applies unless another final status is already set (``crashed``
         may be corrected by the trainer itself).
         """
-        if status == "running":
-            only: tuple[str, ...] = ("queued", "running")
-        elif status in FINAL_STATUSES:
-            only = ("queued", "running", "stopping", "crashed")
-        else:
-            only = ("queued", "running", "stopping")
-        self._sync(status=(status, error, only))
+        # the trainer's own report, or its final status (see store.lifecycle.TRANSITIONS)
+        action = "report" if status == "running" else "finish"
+        check_action(action, status)  # a status the trainer never sets raises here
+        self._sync(status=(action, status, error))
         if self.store_lost:
             return
         if status == "running" and self._owner is None:
@@ -242,7 +240,7 @@ class StoreSink:
     def _flush(
         self,
         heartbeat: bool = False,
-        status: tuple[str, str | None, tuple[str, ...] | None] | None = None,
+        status: tuple[str, str, str | None] | None = None,
     ) -> None:
         with self._flush_lock:
             with self._lock:
