@@ -22,10 +22,12 @@ DOC = ROOT / "docs" / "RESULTS.md"
 MEMORY = RESULTS / "memory" / "bench_memory_peers.json"  # experiments/bench_memory_peers.py
 #: Written by hand after a run: where the claims are missed, by how much, what was tried.
 NOTES = "notes.md"
-ORDER = ("dense", "comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch")
+ORDER = ("dense", "comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch", "prune", "int8",
+         "prune_int8")
 TITLES = {"dense": "dense", "comera": "CoMERA", "fixed": "fixed-rank TT",
           "tt_svd": "TT-SVD (no fine-tune)", "tt_svd_ft": "TT-SVD + fine-tune",
-          "tltorch": "tltorch TT"}
+          "tltorch": "tltorch TT", "prune": "pruning + fine-tune", "int8": "int8 (dense)",
+          "prune_int8": "pruning + int8"}
 #: Where a claim is checked: (task, target, points within dense).
 CLAIMS = (("digits", 10.0, 1.0), ("snli_small", 10.0, 1.0), ("digits", 30.0, 2.0),
           ("snli_small", 30.0, 2.0))
@@ -53,6 +55,40 @@ def fmt_comp(g: dict[str, Any] | None, target: float | None) -> str:
     return f"{c:.1f}× ({err:+.0%})"
 
 
+def fmt_bytes(g: dict[str, Any] | None) -> str:
+    if not g or not _ok(g.get("bytes")):
+        return ""
+    return f"<br>{g['bytes'] / 1024:,.1f} KiB"
+
+
+def best_by_bytes(res: dict[str, Any]) -> list[str]:
+    """Per size budget (each method's cell sizes, in bytes), the most accurate method
+    whose model fits it: the reading a user choosing a method needs."""
+    metric = next((r["metric"] for r in res["methods"].values() if r.get("metric")), "score")
+    higher = next((r.get("higher_is_better", True) for r in res["methods"].values()
+                   if r.get("metric")), True)
+    pct = metric in ("eval/acc", "eval/auc")
+    cells = [(m, g) for m in ORDER if m in res["methods"]
+             for g in res["methods"][m]["groups"]
+             if _ok(g.get("bytes")) and _ok(g.get("score"))]
+    if not cells:
+        return []
+    lines = [f"| budget (bytes) | best {metric} | method (target) | runner-up |",
+             "|---|---|---|---|"]
+    for budget in sorted({g["bytes"] for _, g in cells}):
+        fit = sorted(((m, g) for m, g in cells if g["bytes"] <= budget * 1.0001),
+                     key=lambda mg: mg[1]["score"], reverse=higher)
+        def name(mg: tuple[str, dict[str, Any]]) -> str:
+            m, g = mg
+            return TITLES[m] + (f" ({g['target']:g}×)" if g.get("target") else "")
+        second = (f"{name(fit[1])}: {fmt_score(fit[1][1], pct)}" if len(fit) > 1 else "—")
+        lines.append(f"| ≤ {budget / 1024:,.1f} KiB | {fmt_score(fit[0][1], pct)} | "
+                     f"{name(fit[0])} | {second} |")
+    return ["Best method at each size (every cell's bytes as a budget; a method wins a "
+            "budget when its mean is highest among the cells that fit it; where the "
+            "runner-up is within the seeds' std it is a tie):", "", *lines]
+
+
 def group(res: dict[str, Any], method: str, target: float | None) -> dict[str, Any] | None:
     for g in res["methods"].get(method, {}).get("groups", []):
         if (g["target"] is None and target is None) or (
@@ -76,12 +112,17 @@ def task_table(res: dict[str, Any]) -> list[str]:
             if m == "dense":
                 continue
             g = group(res, m, t)
-            cells.append(f"{fmt_score(g, pct)}<br>{fmt_comp(g, t)}" if g else "—")
+            cells.append(f"{fmt_score(g, pct)}<br>{fmt_comp(g, t)}{fmt_bytes(g)}" if g else "—")
         lines.append(f"| {' | '.join(cells)} |")
+    int8 = group(res, "int8", None)
+    if int8:
+        lines.append(f"| (none) | int8 (dense): {fmt_score(int8, pct)}{fmt_bytes(int8)} |"
+                     + " |" * (len(head) - 2))
     unit = " (%)" if pct else ""
     note = (f"Dense: **{fmt_score(dense, pct)}**{unit} {metric}. " if dense else "") + \
         f"Each cell: {metric}{unit} mean ± std over {res['seeds']} seed(s), then the " \
-        "compression reached (and its error against the target)."
+        "compression reached (and its error against the target), then the model's " \
+        "weights in bytes as stored (int8: values, scales and zero points)."
     return [note, "", *lines]
 
 
@@ -177,8 +218,8 @@ def claims(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def figure(res: dict[str, Any], path: Path) -> bool:
-    """Accuracy (or the task's score) against compression reached, one line per method,
-    error bars over seeds; the dense model as a dashed line."""
+    """Accuracy (or the task's score) against the model's bytes (weights as stored), one
+    line per method, error bars over seeds; the dense model as a dashed line."""
     try:
         import matplotlib
 
@@ -193,20 +234,20 @@ def figure(res: dict[str, Any], path: Path) -> bool:
         if m == "dense" or m not in res["methods"]:
             continue
         gs = [g for g in res["methods"][m]["groups"]
-              if _ok(g.get("score")) and _ok(g.get("compression"))]
+              if _ok(g.get("score")) and _ok(g.get("bytes"))]
         if not gs:
             continue
-        gs.sort(key=lambda g: g["compression"])
-        ax.errorbar([g["compression"] for g in gs], [g["score"] for g in gs],
+        gs.sort(key=lambda g: g["bytes"])
+        ax.errorbar([g["bytes"] / 1024 for g in gs], [g["score"] for g in gs],
                     yerr=[g.get("score_std") or 0 for g in gs],
-                    xerr=[g.get("compression_std") or 0 for g in gs], marker="o",
+                    xerr=[(g.get("bytes_std") or 0) / 1024 for g in gs], marker="o",
                     capsize=3, label=TITLES[m])
     dense = group(res, "dense", None)
     if dense and _ok(dense.get("score")):
         ax.axhline(dense["score"], color="black", linestyle="--", linewidth=1,
                    label="dense")
     ax.set_xscale("log")
-    ax.set_xlabel("compression reached (×, log)")
+    ax.set_xlabel("model weights as stored (KiB, log)")
     ax.set_ylabel(metric)
     ax.set_title(res["title"])
     ax.grid(True, alpha=0.3)
@@ -288,6 +329,9 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
         if figure(res, png):
             lines += ["", f"![{res['title']}](figures/{png.name})"]
         lines += ["", *cost_table(res), ""]
+        best = best_by_bytes(res)
+        if best:
+            lines += [*best, ""]
     lines += ["## Peak training memory (GaLore vs CoMERA)", "", *memory_table(MEMORY), ""]
     text = "\n".join(lines)
     out.parent.mkdir(parents=True, exist_ok=True)

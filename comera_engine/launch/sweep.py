@@ -371,6 +371,7 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
             "compression": run_compression(r.get("config"), m).value,
             "scope": compression_scope(r.get("config")),
             "target": target, "params": m.get("params/effective"),
+            "bytes": m.get("bytes/effective"),
             "step_time_s": m.get("perf/step_time_s"), "peak_mem_mb": peak,
         })
     groups: dict[str, dict[str, Any]] = {}

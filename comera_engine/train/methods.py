@@ -52,6 +52,8 @@ def build_run_model(cfg: Config, data: Any, plan: Any = None) -> nn.Module:
     from comera_engine.models import build_model
 
     model = build_model(cfg.model, data)
+    if cfg.model.quantize is not None or cfg.comera.method == "prune":
+        return _shrunk_model(cfg, data, model)
     if cfg.model.dense or cfg.comera.method == "comera":
         return model
     if plan is not None and plan.bond_ranks is not None:
@@ -66,6 +68,35 @@ def build_run_model(cfg: Config, data: Any, plan: Any = None) -> nn.Module:
             raise ConfigError("model.init_from", "its weights do not fit the dense model "
                                                  f"of this config: {_first_line(exc)}") from None
         init_from_dense(model, dense)
+    return model
+
+
+def _shrunk_model(cfg: Config, data: Any, model: nn.Module) -> nn.Module:
+    """The dense ``model`` with ``model.init_from``'s weights, pruned to the target
+    (``comera.method = "prune"``) or int8-quantized (``model.quantize``): train/shrink.py."""
+    from comera_engine.models import TaskModel
+    from comera_engine.train import shrink
+    from comera_engine.train.batches import eval_batches
+
+    ref = shrink.dense_reference(cfg, data, model)
+    state = load_init_state(cfg.model, cfg.base_dir)
+    if cfg.model.quantize is not None:
+        shrink.resize_to_state(model, state)  # a pruned run's shapes
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ConfigError("model.init_from", "its weights do not fit the dense model "
+                                             f"of this config: {_first_line(exc)}") from None
+    if cfg.model.quantize is not None:
+        shrink.quantize_int8(model)
+    else:
+        t = float(cfg.comera.target_compression or 1.0)
+        target = ref["params"] - ref["tensorized_params"] * (1.0 - 1.0 / t)
+        example = next(eval_batches(data.train, 8))
+        ratio = shrink.prune_to_target(TaskModel(model, data.task), example, target,
+                                       lambda m, b: m(b)["loss"])
+        ref["prune_ratio"], ref["target"] = ratio, t
+    model.comera_reference = ref
     return model
 
 
@@ -223,7 +254,7 @@ def load_init_state(cfg: ModelConfig, base_dir: str | None = None) -> dict[str, 
 
 #: ``[model]`` keys that may differ between the dense run and the TT run it initialises.
 _FREE_KEYS = frozenset({"dense", "tt_layers", "rank", "embedding_rank", "tt_impl", "init_from",
-                        "tt_min_rows", "linear_layout"})
+                        "tt_min_rows", "linear_layout", "quantize"})
 
 
 def _check_same_model(cfg: ModelConfig, saved: dict[str, Any], path: Path) -> None:
