@@ -473,7 +473,7 @@ def _validate_shrink(cfg: Config) -> None:
     if m.init_from is None:
         raise ConfigError("model.init_from", f"{what} starts from a trained dense (or "
                                              "pruned) run: name its run folder or checkpoint")
-    if not m.dense:
+    if not m.dense and m.quantize is None:  # a TT run's int8: its cores, per core
         raise ConfigError("model.dense", f"{what} works on the dense model; set "
                                          "model.dense = true")
     if c.method == "prune" and m.quantize is None and c.target_compression is None:

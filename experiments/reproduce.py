@@ -20,6 +20,8 @@ Methods (same task, data, steps and evaluation; docs/METHODS.md):
              after reaching it ((1 - comera.reach_at) of the steps)
   int8       the trained dense model's weights in int8 (torchao), no training
   prune_int8 the fine-tuned pruned model's weights in int8 (torchao)
+  comera_int8 CoMERA's model as its int8 export stores it (a scale per core, per row), no
+             training: its bytes are about the TT bytes / 4
 
 Results go to experiments/results/reproduce/<task>.json; the store (``--store``, default
 $COMERA_HOME or ./runs) keeps every run. A task whose data is missing is skipped with
@@ -115,7 +117,7 @@ class Method:
     per_target: bool = True  # False: one cell per seed (dense)
     needs_dense: bool = False  # starts from the trained dense run of the same seed
     linear_only: bool = False
-    needs_prune: bool = False  # starts from the pruned run of the same seed and target
+    after: str | None = None  # starts from that method's run of the same seed and target
 
 
 def _target(t: float | None) -> list[str]:
@@ -147,7 +149,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("prune_int8", "pruning + int8",
            lambda t, d: ["model.dense=true", 'model.quantize="int8"', "train.steps=0",
                          f"model.init_from={json.dumps(str(d))}", *_target(t)],
-           needs_prune=True),
+           after="prune"),
+    Method("comera_int8", "CoMERA + int8",
+           lambda t, d: ['model.quantize="int8"', "train.steps=0",
+                         f"model.init_from={json.dumps(str(d))}", *_target(t)],
+           after="comera"),
 )}
 #: The fine-tune after TT-SVD gets this fraction of the task's steps.
 FINE_TUNE_FRACTION = 0.25
@@ -224,11 +230,13 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
                           "task: " + "; ".join(refused.values()))
     sweeps: dict[str, list[str]] = {}
     t0 = time.time()
-    order = [m for m in methods if not (METHODS[m].needs_dense or METHODS[m].needs_prune)]
-    last = [m for m in methods if METHODS[m].needs_prune]
+    order = [m for m in methods if not (METHODS[m].needs_dense or METHODS[m].after)]
+    last = [m for m in methods if METHODS[m].after]
     later = [m for m in methods if METHODS[m].needs_dense]
-    if last and "prune" not in later:
-        later.append("prune")
+    for m in last:  # the runs they start from
+        first = METHODS[m].after
+        if first not in order + later:
+            (later if METHODS[first].needs_dense else order).append(first)
     if later and "dense" not in order:
         order.insert(0, "dense")
     for name in order:
@@ -258,18 +266,18 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
                 sweeps[name].append(create_sweep(
                     config, grid, 1, sets, store,
                     name=f"reproduce {task.name} {name}", max_parallel=parallel))
-    if last:
-        wait_sweeps(store, sweeps["prune"], 2.0, indent="  ")
-        pruned = {(r["cell"]["seed"], float(r["config"]["comera"]["target_compression"])):
-                  str(store.run_dir(r["id"]))
-                  for s in sweeps["prune"] for r in store.sweep_runs(s)
-                  if r["status"] == "finished"}
-        for name in last:
-            sweeps[name] = [create_sweep(
-                config, {"comera.target_compression": [t]}, 1,
-                [*base, *METHODS[name].overrides(t, folder), f"train.seed={seed}"], store,
-                name=f"reproduce {task.name} {name}", max_parallel=parallel)
-                for (seed, t), folder in sorted(pruned.items())]
+    for name in last:
+        first = METHODS[name].after
+        wait_sweeps(store, sweeps[first], 2.0, indent="  ")
+        done = {(r["cell"]["seed"], float(r["config"]["comera"]["target_compression"])):
+                str(store.run_dir(r["id"]))
+                for s in sweeps[first] for r in store.sweep_runs(s)
+                if r["status"] == "finished"}
+        sweeps[name] = [create_sweep(
+            config, {"comera.target_compression": [t]}, 1,
+            [*base, *METHODS[name].overrides(t, folder), f"train.seed={seed}"], store,
+            name=f"reproduce {task.name} {name}", max_parallel=parallel)
+            for (seed, t), folder in sorted(done.items())]
     wait_sweeps(store, [s for ids in sweeps.values() for s in ids], 2.0, indent="  ")
     results: dict[str, Any] = {}
     for name, ids in sweeps.items():

@@ -164,3 +164,28 @@ def test_int8_of_unquantizable_weights_is_refused(digits_run: Path, tmp_path: Pa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "out.weight" in err[0] and "--dtype" in err[0]
     assert not out.exists()
+
+
+def test_comera_int8_run_is_its_int8_export(digits_run: Path, tmp_path: Path) -> None:
+    """The reproduction's "CoMERA + int8" cell (``model.quantize = "int8"`` of a TT run,
+    no training) computes with the weights the int8 export stores: its eval accuracy
+    is the loaded export's on the same split, and its bytes are the export's tensors."""
+    pytest.importorskip("torchao")
+    import json
+
+    from comera_engine.cli import main
+
+    run = tmp_path / "int8run"
+    argv = ["train", str(ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"),
+            "--no-store", "--no-progress", "--run-dir", str(run)]
+    for item in ("comera.target_compression=2", 'model.quantize="int8"',
+                 f'model.init_from="{digits_run}"', "train.steps=0"):
+        argv += ["--set", item]
+    assert main(argv) == 0
+    values = [json.loads(line)["values"] for line in (run / "metrics.jsonl").open()
+              if '"eval/acc"' in line][-1]
+    i8 = export_run(digits_run, format="compressed", out=tmp_path / "i8.safetensors",
+                    dtype="int8")
+    x, y = _raw_eval()
+    assert values["eval/acc"] == pytest.approx(_acc_torch(i8.path, x, y), abs=1e-9)
+    assert values["bytes/effective"] == i8.tensor_bytes

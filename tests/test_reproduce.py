@@ -43,7 +43,7 @@ def test_every_method_ran_at_every_target_through_the_store(quick) -> None:
     result, st, _ = quick
     methods = result["methods"]
     assert set(methods) == {"dense", "comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch",
-                            "prune", "int8", "prune_int8"}
+                            "prune", "int8", "prune_int8", "comera_int8"}
     assert result["targets"] == [10.0, 30.0] and result["seeds"] == 1
     assert [g["target"] for g in methods["dense"]["groups"]] == [None]
     assert [g["target"] for g in methods["int8"]["groups"]] == [None]
@@ -56,8 +56,8 @@ def test_every_method_ran_at_every_target_through_the_store(quick) -> None:
             assert cell["score"] == pytest.approx(
                 last_eval(st.run_dir(cell["run"]), "eval/acc"))
     # dense, comera, fixed, tltorch; TT-SVD, its fine-tune, pruning and int8 per seed;
-    # int8 of the pruned model per seed and target
-    assert len(st.list_sweeps()) == 4 + 4 + 2
+    # int8 of the pruned model and of CoMERA's per seed and target
+    assert len(st.list_sweeps()) == 4 + 4 + 2 + 2
     for name in ("comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch", "prune"):
         for g in methods[name]["groups"]:
             assert g["compression"] == pytest.approx(g["target"], rel=0.10), (name, g)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from comera_engine.errors import ConfigError
+from comera_engine.tensor.quant import int8_round_trip, int8_scale, to_int8
 
 __all__ = ["SCALE_SUFFIX", "STORE_DTYPES", "dequantize_state", "max_rel_diff",
            "parse_store_dtype", "quantize_state", "round_trip", "store_module", "stored_bytes"]
@@ -40,7 +41,6 @@ _ALIASES = {"fp32": "float32", "float32": "float32", "f32": "float32", "bf16": "
             "bfloat16": "bf16", "int8": "int8"}
 #: Name suffix of an int8 tensor's scales.
 SCALE_SUFFIX = ".scale"
-QMAX = 127
 
 
 def parse_store_dtype(value: str | None) -> str:
@@ -58,18 +58,8 @@ def parse_store_dtype(value: str | None) -> str:
     return _ALIASES[key]
 
 
-def _scale(w: torch.Tensor, per_row: bool) -> torch.Tensor:
-    a = w.detach().abs().float()
-    if a.numel() == 0:
-        return torch.ones(a.shape[0]) if per_row else torch.ones(())
-    peak = a.reshape(a.shape[0], -1).amax(1) if per_row else a.max()
-    # an all-zero row or tensor: any scale gives q = 0; 1 keeps the division finite
-    return torch.where(peak > 0, peak / QMAX, torch.ones_like(peak))
-
-
-def _int8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    s = scale.reshape(-1, *([1] * (w.dim() - 1))) if scale.dim() else scale
-    return torch.round(w.detach().float() / s).clamp_(-QMAX, QMAX).to(torch.int8)
+_scale = int8_scale
+_int8 = to_int8
 
 
 def _check_finite(name: str, w: torch.Tensor, dtype: str) -> None:
@@ -154,10 +144,7 @@ def round_trip(w: torch.Tensor, dtype: str, core: bool = False) -> torch.Tensor:
         return w
     if dtype == "bf16":
         return w.detach().to(torch.bfloat16).float()
-    scale = _scale(w, per_row=not core and w.dim() >= 2)
-    q = _int8(w, scale).float()
-    s = scale.reshape(-1, *([1] * (w.dim() - 1))) if scale.dim() else scale
-    return q * s
+    return int8_round_trip(w, per_row=not core and w.dim() >= 2)
 
 
 class _Stored(nn.Module):

@@ -514,6 +514,9 @@ class CoMERA:
             return dense_size_metrics(self.model)
         rep = size_report(self.model)
         model, tensorized = rep["model"], rep["tensorized"]
+        stored = getattr(self.model, "comera_stored_bytes", None)  # its int8 form
+        if stored is not None:
+            model = {**model, "effective_bytes": stored}
         return {
             "params/effective": float(model["effective_params"]),
             "params/allocated": float(model["allocated_params"]),

@@ -38,7 +38,8 @@ from torch import nn
 from comera_engine.config import Config
 from comera_engine.errors import ConfigError
 
-__all__ = ["dense_reference", "prune_to_target", "quantize_int8", "resize_to_state"]
+__all__ = ["dense_reference", "int8_tt_", "prune_to_target", "quantize_int8",
+           "resize_to_state"]
 
 
 def dense_reference(cfg: Config, data: Any, dense: nn.Module) -> dict[str, float]:
@@ -116,13 +117,21 @@ def prune_to_target(model: nn.Module, example: Any, target_params: float,
 
     if _count(model) <= target_params:
         return 0.0
-    lo, hi = 0.0, 0.98
-    smallest = size_at(hi)
-    if smallest > target_params:
+    # torch-pruning leaves a group whole when the ratio would remove all its channels,
+    # so the size is not monotone near 100 %: the bisection's upper end is the largest
+    # of these ratios that reaches the target
+    lo, hi, smallest = 0.0, None, None
+    for cand in (0.98, 0.96, 0.94, 0.92, 0.9, 0.85, 0.8, 0.7):
+        size = size_at(cand)
+        smallest = size if smallest is None else min(smallest, size)
+        if size <= target_params:
+            hi = cand
+            break
+    if hi is None:
         raise ConfigError("comera.target_compression",
-                          f"structured pruning cannot make this model that small: at a "
-                          f"{hi:.0%} channel ratio it keeps {smallest:,} parameters, the "
-                          f"target asks for {int(target_params):,}; choose a smaller target")
+                          f"structured pruning cannot make this model that small: it keeps "
+                          f"at least {smallest:,} parameters, the target asks for "
+                          f"{int(target_params):,}; choose a smaller target")
     for _ in range(14):
         mid = (lo + hi) / 2
         if size_at(mid) <= target_params:
@@ -165,6 +174,34 @@ def _flat_state(module: nn.Module, state: dict[str, Any], prefix: str, local: An
             del state[key]
             for n in names:
                 state[f"{key}.{n}"] = getattr(t, n).detach()
+
+
+@torch.no_grad()
+def int8_tt_(model: nn.Module) -> int:
+    """A TT model with its weights as its int8 export stores them (``comera export
+    --dtype int8``), in place: each TT layer's effective cores (gates absorbed, dead
+    ranks sliced out) rounded to int8 with one scale per core, every other parameter
+    per row (matrices) or per tensor (vectors); returns the bytes that export's tensors
+    take (int8 values and float32 scales)."""
+    from comera_engine.layers import tt_layers
+    from comera_engine.tensor.quant import int8_bytes, int8_round_trip
+
+    total = 0
+    layers = tt_layers(model)
+    for _, layer in layers:
+        cores, ranks = layer.tt.effective_cores()
+        total += sum(int(c.numel()) for c in cores) + 4 * len(cores)
+        if 0 in ranks:
+            continue  # the zero map stays as it is
+        layer.tt.resize_(ranks)
+        layer.tt.load_cores_([int8_round_trip(c, per_row=False) for c in cores])
+    inside = tuple(f"{name}.tt." for name, _ in layers)
+    for name, p in model.named_parameters():
+        if name.startswith(inside) or not p.is_floating_point():
+            continue
+        p.data = int8_round_trip(p.data, per_row=p.dim() >= 2).to(p.dtype)
+        total += int8_bytes(p, per_row=p.dim() >= 2)
+    return total
 
 
 @torch.no_grad()
