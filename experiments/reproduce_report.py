@@ -55,10 +55,23 @@ def fmt_comp(g: dict[str, Any] | None, target: float | None) -> str:
     return f"{c:.1f}× ({err:+.0%})"
 
 
+#: Judged in bytes (the whole model's weights as stored), not against a parameter target.
+IN_BYTES = ("int8", "prune_int8", "comera_int8")
+
+
+def nbytes(g: dict[str, Any] | None) -> float | None:
+    """The cell's weights in bytes as stored: recorded (``bytes``), else, for results
+    written before bytes were recorded, 4 a parameter (those methods store float32)."""
+    if not g:
+        return None
+    if _ok(g.get("bytes")):
+        return float(g["bytes"])
+    return 4.0 * g["params"] if _ok(g.get("params")) else None
+
+
 def fmt_bytes(g: dict[str, Any] | None) -> str:
-    if not g or not _ok(g.get("bytes")):
-        return ""
-    return f"<br>{g['bytes'] / 1024:,.1f} KiB"
+    b = nbytes(g)
+    return "" if b is None else f"<br>{b / 1024:,.1f} KiB"
 
 
 def best_by_bytes(res: dict[str, Any]) -> list[str]:
@@ -68,25 +81,32 @@ def best_by_bytes(res: dict[str, Any]) -> list[str]:
     higher = next((r.get("higher_is_better", True) for r in res["methods"].values()
                    if r.get("metric")), True)
     pct = metric in ("eval/acc", "eval/auc")
-    cells = [(m, g) for m in ORDER if m in res["methods"]
+    cells = [(m, g) for m in ORDER if m in res["methods"] and m != "tt_svd"
              for g in res["methods"][m]["groups"]
-             if _ok(g.get("bytes")) and _ok(g.get("score"))]
+             if nbytes(g) is not None and _ok(g.get("score"))]
     if not cells:
         return []
     lines = [f"| budget (bytes) | best {metric} | method (target) | runner-up |",
              "|---|---|---|---|"]
-    for budget in sorted({g["bytes"] for _, g in cells}):
-        fit = sorted(((m, g) for m, g in cells if g["bytes"] <= budget * 1.0001),
+    previous = None
+    for budget in sorted({nbytes(g) for _, g in cells}):
+        fit = sorted(((m, g) for m, g in cells if nbytes(g) <= budget * 1.0001),
                      key=lambda mg: mg[1]["score"], reverse=higher)
+        if fit[0][1] is previous:
+            continue  # the same winner as at the smaller budget
+        previous = fit[0][1]
         def name(mg: tuple[str, dict[str, Any]]) -> str:
             m, g = mg
             return TITLES[m] + (f" ({g['target']:g}×)" if g.get("target") else "")
         second = (f"{name(fit[1])}: {fmt_score(fit[1][1], pct)}" if len(fit) > 1 else "—")
         lines.append(f"| ≤ {budget / 1024:,.1f} KiB | {fmt_score(fit[0][1], pct)} | "
                      f"{name(fit[0])} | {second} |")
-    return ["Best method at each size (every cell's bytes as a budget; a method wins a "
-            "budget when its mean is highest among the cells that fit it; where the "
-            "runner-up is within the seeds' std it is a tie):", "", *lines]
+    return ["Best method at each size (every cell's bytes as a budget, a row where the "
+            "winner changes; a method wins a budget when its mean is highest among the "
+            "cells that fit it; where the runner-up is within the seeds' std it is a tie). "
+            "Bytes are the weights as stored: float32 methods 4 a parameter; int8 one a "
+            "weight plus scales (torchao's, or the int8 export's for CoMERA + int8):",
+            "", *lines]
 
 
 def group(res: dict[str, Any], method: str, target: float | None) -> dict[str, Any] | None:
@@ -112,7 +132,8 @@ def task_table(res: dict[str, Any]) -> list[str]:
             if m == "dense":
                 continue
             g = group(res, m, t)
-            cells.append(f"{fmt_score(g, pct)}<br>{fmt_comp(g, t)}{fmt_bytes(g)}" if g else "—")
+            comp = (fmt_comp(g, None) + " in bytes") if m in IN_BYTES else fmt_comp(g, t)
+            cells.append(f"{fmt_score(g, pct)}<br>{comp}{fmt_bytes(g)}" if g else "—")
         lines.append(f"| {' | '.join(cells)} |")
     int8 = group(res, "int8", None)
     if int8:
@@ -142,7 +163,8 @@ def _cost(g: dict[str, Any] | None) -> str:
 def cost_table(res: dict[str, Any]) -> list[str]:
     """The cost of each cell: parameters, wall time per training step and the run's peak
     memory (the process's on a CPU, the allocator's on a GPU), mean over seeds."""
-    methods = [m for m in ORDER if m in res["methods"] and m not in ("dense", "tt_svd")]
+    methods = [m for m in ORDER if m in res["methods"]
+               and m not in ("dense", "tt_svd", *IN_BYTES)]
     head = ["target", *(TITLES[m] for m in methods)]
     lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
     for t in res["targets"]:
@@ -150,7 +172,7 @@ def cost_table(res: dict[str, Any]) -> list[str]:
                      + " |")
     dense = group(res, "dense", None)
     return [f"Cost per cell (mean over seeds; dense: {_cost(dense).replace('<br>', ', ')}; "
-            "TT-SVD without a fine-tune only evaluates):", "", *lines]
+            "TT-SVD without a fine-tune and the int8 cells only evaluate):", "", *lines]
 
 
 def claims(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -234,11 +256,11 @@ def figure(res: dict[str, Any], path: Path) -> bool:
         if m == "dense" or m not in res["methods"]:
             continue
         gs = [g for g in res["methods"][m]["groups"]
-              if _ok(g.get("score")) and _ok(g.get("bytes"))]
-        if not gs:
+              if _ok(g.get("score")) and nbytes(g) is not None]
+        if not gs or m == "tt_svd":
             continue
-        gs.sort(key=lambda g: g["bytes"])
-        ax.errorbar([g["bytes"] / 1024 for g in gs], [g["score"] for g in gs],
+        gs.sort(key=lambda g: nbytes(g))
+        ax.errorbar([nbytes(g) / 1024 for g in gs], [g["score"] for g in gs],
                     yerr=[g.get("score_std") or 0 for g in gs],
                     xerr=[(g.get("bytes_std") or 0) / 1024 for g in gs], marker="o",
                     capsize=3, label=TITLES[m])
