@@ -87,3 +87,26 @@ def test_stored_bytes_of_a_torchao_weight() -> None:
     quantize_int8(m)
     assert stored_nbytes(m[0].weight) == 50 * 8 + 50 * 5
     assert stored_nbytes(m[1].weight) == 4 * 8 + 4 * 5
+
+
+@pytest.mark.parametrize("target", [20_000, 8_000, 3_000])
+def test_pruned_transformer_still_runs(target: int) -> None:
+    """Pruning narrows attention heads and the residual width separately; the pruned
+    encoder must still run (its heads split the projection's own width, a multiple of
+    the head count) and be at most the asked size."""
+    from comera_engine.models.common import LayerFactory
+    from comera_engine.models.transformer import TransformerClassifier, TransformerSize
+    from comera_engine.train.shrink import prune_to_target
+
+    torch.manual_seed(0)
+    size = TransformerSize(d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=4,
+                           embedding_rank=4, dropout=0.0)
+    model = TransformerClassifier(size, LayerFactory((), 4, 4, dense=True), vocab_size=300,
+                                  max_len=16, num_classes=3)
+    batch = (torch.randint(1, 300, (4, 16)), torch.zeros(4, 16, dtype=torch.long),
+             torch.ones(4, 16, dtype=torch.long))  # as the SNLI batches come
+    prune_to_target(model, batch, target, lambda m, x: m(*x).sum())
+    assert sum(p.numel() for p in model.parameters()) <= target
+    assert model(*batch).shape == (4, 3)
+    for layer in model.encoder.layers:
+        assert layer.attn.q.out_features % 2 == 0

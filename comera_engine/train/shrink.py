@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
@@ -95,10 +96,12 @@ def _pruner(model: nn.Module, example: Any, ratio: float,
         if isinstance(m, SelfAttention):
             heads.update({m.q: m.n_heads, m.k: m.n_heads, m.v: m.n_heads})
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    # attention splits the residual width into heads: every width a multiple of theirs
+    round_to = math.lcm(*heads.values()) if heads else None
     return tp.pruner.BasePruner(
         model, example, importance=tp.importance.MagnitudeImportance(p=2),
         pruning_ratio=ratio, ignored_layers=linears[-1:], num_heads=heads,
-        forward_fn=forward, root_module_types=[nn.Linear, nn.Embedding])
+        forward_fn=forward, root_module_types=[nn.Linear, nn.Embedding], round_to=round_to)
 
 
 def prune_to_target(model: nn.Module, example: Any, target_params: float,
