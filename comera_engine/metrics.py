@@ -285,7 +285,7 @@ def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any])
     model = (config or {}).get("model") if isinstance(config, Mapping) else None
     method = ((config or {}).get("comera") or {}).get("method") if isinstance(
         config, Mapping) else None
-    if isinstance(model, Mapping) and model.get("quantize"):
+    if isinstance(model, Mapping) and model.get("quantize") and model.get("dense"):
         scope = "model"  # int8 weights of a dense or pruned run: judged in bytes, whole model
     elif isinstance(model, Mapping) and model.get("dense") and method != "prune":
         return Compression(1.0, scope)
