@@ -68,6 +68,10 @@ class Task:
     cpu_skip: tuple[str, ...] = ()
 
 
+#: The pruning and int8 peers: at CPU size on digits, MovieLens and SNLI-tiny only (the
+#: hour's budget); ``--methods`` or ``--scale paper`` runs them anywhere.
+SHRINK = ("prune", "int8", "prune_int8", "comera_int8")
+
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("digits", "scikit-learn digits, TT MLP",
          {"cpu": "digits_tt_mlp.toml", "paper": "digits_tt_mlp_paper.toml"},
@@ -88,21 +92,22 @@ TASKS: dict[str, Task] = {t.name: t for t in (
                             "train.ckpt_every=200", "comera.lr_dense=3e-4")},
          quick=("train.steps=60", "train.eval_every=60"),
          needs="../shared/data/snli/dev.jsonl",
-         cpu_targets=(10.0, 30.0), cpu_skip=("tltorch",)),
+         cpu_targets=(10.0, 30.0), cpu_skip=("tltorch", *SHRINK)),
     Task("movielens", "MovieLens-100k clicks (rating ≥ 4), DLRM with TT embeddings",
          {"cpu": "dlrm_movielens_tiny.toml"}, quick=("train.steps=200",)),
     Task("adult", "Adult income, DLRM with TT embeddings",
-         {"cpu": "dlrm_adult_tiny.toml"}, quick=("train.steps=200",)),
+         {"cpu": "dlrm_adult_tiny.toml"}, quick=("train.steps=200",), cpu_skip=SHRINK),
     Task("reviews", "Women's clothing reviews (recommended), transformer tiny",
          {"cpu": "reviews_transformer_tiny.toml"},
          overrides={"cpu": ("train.steps=400", "train.eval_every=200", "train.ckpt_every=400")},
-         quick=("train.steps=100", "train.eval_every=100"), cpu_targets=(10.0, 30.0)),
+         quick=("train.steps=100", "train.eval_every=100"), cpu_targets=(10.0, 30.0),
+         cpu_skip=SHRINK),
     # the shipped code-MLM configs never start the late stage (switch = "never"): a
     # target sweep needs it, so the stage switch is the default here
     Task("code_mlm", "code MLM on the standard library",
          {"cpu": "code_mlm_tiny.toml", "paper": "code_mlm_paper.toml"},
          overrides={"cpu": ('comera.switch="auto"',), "paper": ('comera.switch="auto"',)},
-         quick=("train.steps=150",)),
+         quick=("train.steps=150",), cpu_skip=SHRINK),
 )}
 
 

@@ -253,8 +253,9 @@ def claims(results: dict[str, dict[str, Any]]) -> list[str]:
                         break
     if any("prune" in r["methods"] for r in results.values()):
         out.append("| CoMERA at least as good as pruning and int8 with as few bytes (a lead "
-                   "within the larger seed std is a tie; per CoMERA cell the smallest "
-                   "winning cell of each peer) | " + ("; ".join(wins) if wins else "no exception") + " | "
+                   "within the larger seed std is a tie; per CoMERA cell, each peer's "
+                   "winning cell of the lowest target) | "
+                   + ("; ".join(wins) if wins else "no exception") + " | "
                    + ("**no**" if wins else "yes") + " |")
     out.append("| CoMERA at least as good as fixed-rank TT and TT-SVD at every target ≥ 10× "
                "(a peer ahead by less than the larger seed std counts as a tie) | "

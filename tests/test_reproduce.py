@@ -150,7 +150,9 @@ def test_slow_tasks_run_a_smaller_grid_at_cpu_size_unless_told() -> None:
         return reproduce.task_grid(reproduce.TASKS[task], args, list(reproduce.TARGETS))
 
     every = list(reproduce.METHODS)
-    assert grid("snli_small") == ([m for m in every if m != "tltorch"], [10.0, 30.0])
+    assert grid("snli_small") == ([m for m in every if m not in ("tltorch", *reproduce.SHRINK)],
+                                  [10.0, 30.0])
+    assert grid("adult")[0] == [m for m in every if m not in reproduce.SHRINK]
     assert grid("digits") == (every, list(reproduce.TARGETS))
     assert grid("snli_small", quick=True) == (every, list(reproduce.TARGETS))
     assert grid("snli_small", targets=[5.0])[1] == list(reproduce.TARGETS)  # main() passes them
