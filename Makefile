@@ -40,7 +40,8 @@ bench: $(VENV)/.installed
 	$(PY) experiments/bench_train_step.py
 	$(PY) experiments/bench_step_overheads.py
 
-# The paper's claims side by side with the peers, CPU size (< 60 min on 2 cores); every
+# The paper's claims side by side with the peers, CPU size (< 60 min on 2 cores before
+# the pruning and int8 rows on digits, MovieLens and SNLI-tiny, which add ~40); every
 # cell is a run in the store (see the dashboard's Sweeps page); then docs/RESULTS.md.
 # REPRODUCE_ARGS="--quick" for a smoke run, "--scale paper" on a GPU machine.
 REPRODUCE_ARGS ?=

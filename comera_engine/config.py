@@ -96,7 +96,8 @@ class ModelConfig:
     linear_layout: str | None = None
     # A dense run of the same model (its run folder, checkpoints folder, a checkpoint's
     # .json/.safetensors, or a state dict .safetensors/.pt): comera.method = "tt_svd"
-    # initialises every TT layer by TT-SVD of its dense weight and copies the rest.
+    # initialises every TT layer by TT-SVD of its dense weight and copies the rest;
+    # comera.method = "prune" prunes it; model.quantize quantizes it (or a pruned run).
     init_from: str | None = None
     # A user model (model.name = "custom", set by giving a factory): "package.module:function"
     # returning an nn.Module, called with kwargs (and the data facts it names as
@@ -106,6 +107,9 @@ class ModelConfig:
     # which of its layers become TT: include / exclude (globs of module names), rank (an
     # integer, or "auto": from the target), layout ("tt" | "ttm"), min_features
     tensorize: dict[str, Any] | None = None
+    # "int8": the model of model.init_from with torchao weight-only int8 weights,
+    # evaluated (train.steps = 0; docs/METHODS.md; the optional `peers` extra)
+    quantize: str | None = None
 
 
 @dataclass
@@ -586,6 +590,26 @@ def validate_user_model(m: ModelConfig) -> None:
                                                         f"{value!r}")
 
 
+def _validate_shrink(cfg: Config) -> None:
+    """``comera.method = "prune"`` and ``model.quantize``: of a dense run's model."""
+    m, c, t = cfg.model, cfg.comera, cfg.train
+    if m.quantize is not None:
+        _choice("model.quantize", m.quantize, QUANTIZE)
+        if t.steps != 0:
+            raise ConfigError("train.steps", "model.quantize evaluates a trained run's "
+                                             "quantized model: set train.steps = 0")
+    what = "model.quantize" if m.quantize is not None else 'comera.method = "prune"'
+    if m.init_from is None:
+        raise ConfigError("model.init_from", f"{what} starts from a trained dense (or "
+                                             "pruned) run: name its run folder or checkpoint")
+    if not m.dense and m.quantize is None:  # a TT run's int8: its cores, per core
+        raise ConfigError("model.dense", f"{what} works on the dense model; set "
+                                         "model.dense = true")
+    if c.method == "prune" and m.quantize is None and c.target_compression is None:
+        raise ConfigError("comera.target_compression", 'comera.method = "prune" prunes to '
+                                                       "the target's size: set a target")
+
+
 def validate_methods(cfg: Config) -> None:
     """The peer methods' switches (docs/METHODS.md) against each other: ``comera.method``,
     ``model.tt_impl``, ``model.init_from`` and ``train.optimizer`` with its settings."""
@@ -616,9 +640,12 @@ def validate_methods(cfg: Config) -> None:
         if m.dense:
             raise ConfigError("model.dense", 'comera.method = "tt_svd" builds the TT model; '
                                              "set model.dense = false")
+    elif c.method == "prune" or m.quantize is not None:
+        _validate_shrink(cfg)
     elif m.init_from is not None:
-        raise ConfigError("model.init_from", 'is only read by comera.method = "tt_svd" '
-                                             f"(method is {c.method!r}); drop it or set the method")
+        raise ConfigError("model.init_from", 'is only read by comera.method = "tt_svd" / '
+                                             '"prune" and by model.quantize (method is '
+                                             f"{c.method!r}); drop it or set the method")
     if m.init_from is not None and not m.init_from.strip():
         raise ConfigError("model.init_from", "must name a run folder or checkpoint, got ''")
     if t.steps == 0 and m.init_from is None:
@@ -671,6 +698,10 @@ def method_label(config: Any) -> str:
     ``"TT-SVD of a dense run"``, ``"dense baseline"``."""
     raw = config.to_dict() if isinstance(config, Config) else dict(config or {})
     model, c = raw.get("model") or {}, raw.get("comera") or {}
+    if model.get("quantize"):
+        return f"{model['quantize']} weights (torchao) of a trained run"
+    if model.get("dense") and c.get("method") == "prune":
+        return "structured pruning (torch-pruning) of a dense run, fine-tuned"
     if model.get("dense"):
         galore = (raw.get("train") or {}).get("optimizer") == "galore"
         return "dense baseline" + (" (GaLore)" if galore else "")
@@ -819,7 +850,8 @@ _MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     "tt_min_rows": ("dlrm",),
     "embedding_rank": (*_TRANSFORMERS, "dlrm", "custom"),
 }
-METHODS = ("comera", "fixed", "tt_svd")
+METHODS = ("comera", "fixed", "tt_svd", "prune")
+QUANTIZE = ("int8",)
 TT_IMPLS = ("comera", "tltorch")
 #: Core layouts of a TT linear weight (model.linear_layout; layers.tt_linear.TTLinear):
 #: "tt" (the paper's order-2d train, input factors then output factors) and "ttm" (a TT

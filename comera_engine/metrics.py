@@ -283,7 +283,11 @@ def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any])
     ``latest_metrics`` gives them)."""
     scope = compression_scope(config)
     model = (config or {}).get("model") if isinstance(config, Mapping) else None
-    if isinstance(model, Mapping) and model.get("dense"):
+    method = ((config or {}).get("comera") or {}).get("method") if isinstance(
+        config, Mapping) else None
+    if isinstance(model, Mapping) and model.get("quantize") and model.get("dense"):
+        scope = "model"  # int8 weights of a dense or pruned run: judged in bytes, whole model
+    elif isinstance(model, Mapping) and model.get("dense") and method != "prune":
         return Compression(1.0, scope)
     value = latest.get(compression_metric(scope))
     if isinstance(value, (tuple, list)):

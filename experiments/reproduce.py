@@ -15,6 +15,13 @@ Methods (same task, data, steps and evaluation; docs/METHODS.md):
   tt_svd     the trained dense model (same seed) cut to the target by TT-SVD, no training
   tt_svd_ft  the same, then fine-tuned for a fraction of the steps
   tltorch    tensorly-torch TT-factorised linear layers at the target's size (linear tasks)
+  prune      the trained dense model (same seed) pruned by torch-pruning to the size CoMERA's
+             model has at the target, then fine-tuned for as many steps as CoMERA trains
+             after reaching it ((1 - comera.reach_at) of the steps)
+  int8       the trained dense model's weights in int8 (torchao), no training
+  prune_int8 the fine-tuned pruned model's weights in int8 (torchao)
+  comera_int8 CoMERA's model as its int8 export stores it (a scale per core, per row), no
+             training: its bytes are about the TT bytes / 4
 
 Results go to experiments/results/reproduce/<task>.json; the store (``--store``, default
 $COMERA_HOME or ./runs) keeps every run. A task whose data is missing is skipped with
@@ -61,6 +68,10 @@ class Task:
     cpu_skip: tuple[str, ...] = ()
 
 
+#: The pruning and int8 peers: at CPU size on digits, MovieLens and SNLI-tiny only (the
+#: hour's budget); ``--methods`` or ``--scale paper`` runs them anywhere.
+SHRINK = ("prune", "int8", "prune_int8", "comera_int8")
+
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("digits", "scikit-learn digits, TT MLP",
          {"cpu": "digits_tt_mlp.toml", "paper": "digits_tt_mlp_paper.toml"},
@@ -81,21 +92,22 @@ TASKS: dict[str, Task] = {t.name: t for t in (
                             "train.ckpt_every=200", "comera.lr_dense=3e-4")},
          quick=("train.steps=60", "train.eval_every=60"),
          needs="../shared/data/snli/dev.jsonl",
-         cpu_targets=(10.0, 30.0), cpu_skip=("tltorch",)),
+         cpu_targets=(10.0, 30.0), cpu_skip=("tltorch", *SHRINK)),
     Task("movielens", "MovieLens-100k clicks (rating ≥ 4), DLRM with TT embeddings",
          {"cpu": "dlrm_movielens_tiny.toml"}, quick=("train.steps=200",)),
     Task("adult", "Adult income, DLRM with TT embeddings",
-         {"cpu": "dlrm_adult_tiny.toml"}, quick=("train.steps=200",)),
+         {"cpu": "dlrm_adult_tiny.toml"}, quick=("train.steps=200",), cpu_skip=SHRINK),
     Task("reviews", "Women's clothing reviews (recommended), transformer tiny",
          {"cpu": "reviews_transformer_tiny.toml"},
          overrides={"cpu": ("train.steps=400", "train.eval_every=200", "train.ckpt_every=400")},
-         quick=("train.steps=100", "train.eval_every=100"), cpu_targets=(10.0, 30.0)),
+         quick=("train.steps=100", "train.eval_every=100"), cpu_targets=(10.0, 30.0),
+         cpu_skip=SHRINK),
     # the shipped code-MLM configs never start the late stage (switch = "never"): a
     # target sweep needs it, so the stage switch is the default here
     Task("code_mlm", "code MLM on the standard library",
          {"cpu": "code_mlm_tiny.toml", "paper": "code_mlm_paper.toml"},
          overrides={"cpu": ('comera.switch="auto"',), "paper": ('comera.switch="auto"',)},
-         quick=("train.steps=150",)),
+         quick=("train.steps=150",), cpu_skip=SHRINK),
 )}
 
 
@@ -110,6 +122,7 @@ class Method:
     per_target: bool = True  # False: one cell per seed (dense)
     needs_dense: bool = False  # starts from the trained dense run of the same seed
     linear_only: bool = False
+    after: str | None = None  # starts from that method's run of the same seed and target
 
 
 def _target(t: float | None) -> list[str]:
@@ -130,6 +143,22 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            needs_dense=True),
     Method("tltorch", "tltorch TT", lambda t, d: ['model.tt_impl="tltorch"',
                                                   'comera.method="fixed"', *_target(t)]),
+    Method("prune", "pruning + fine-tune",
+           lambda t, d: ["model.dense=true", 'comera.method="prune"',
+                         f"model.init_from={json.dumps(str(d))}", *_target(t)],
+           needs_dense=True),
+    Method("int8", "int8 (dense)",
+           lambda t, d: ["model.dense=true", 'model.quantize="int8"', "train.steps=0",
+                         f"model.init_from={json.dumps(str(d))}"],
+           per_target=False, needs_dense=True),
+    Method("prune_int8", "pruning + int8",
+           lambda t, d: ["model.dense=true", 'model.quantize="int8"', "train.steps=0",
+                         f"model.init_from={json.dumps(str(d))}", *_target(t)],
+           after="prune"),
+    Method("comera_int8", "CoMERA + int8",
+           lambda t, d: ['model.quantize="int8"', "train.steps=0",
+                         f"model.init_from={json.dumps(str(d))}", *_target(t)],
+           after="comera"),
 )}
 #: The fine-tune after TT-SVD gets this fraction of the task's steps.
 FINE_TUNE_FRACTION = 0.25
@@ -177,6 +206,17 @@ def fine_tune_steps(config: Path, base: list[str]) -> list[str]:
             f"train.ckpt_every={steps}"]
 
 
+def after_target_steps(config: Path, base: list[str]) -> list[str]:
+    """``train.steps`` (and a matching eval cadence) for the fine-tune after pruning: as
+    many steps as CoMERA trains once at its target, ``(1 - comera.reach_at)`` of them."""
+    from comera_engine.launch import resolve_config
+
+    cfg = resolve_config(config, base)
+    steps = max(1, round(cfg.train.steps * (1.0 - cfg.comera.reach_at)))
+    every = min(cfg.train.eval_every, steps) if cfg.train.eval_every else 0
+    return [f"train.steps={steps}", f"train.eval_every={every}", f"train.ckpt_every={steps}"]
+
+
 def cell_overrides(task: Task, scale: str, quick: bool) -> list[str]:
     return [*task.overrides.get(scale, ()), *(task.quick if quick else ())]
 
@@ -195,8 +235,13 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
                           "task: " + "; ".join(refused.values()))
     sweeps: dict[str, list[str]] = {}
     t0 = time.time()
-    order = [m for m in methods if not METHODS[m].needs_dense]
+    order = [m for m in methods if not (METHODS[m].needs_dense or METHODS[m].after)]
+    last = [m for m in methods if METHODS[m].after]
     later = [m for m in methods if METHODS[m].needs_dense]
+    for m in last:  # the runs they start from
+        first = METHODS[m].after
+        if first not in order + later:
+            (later if METHODS[first].needs_dense else order).append(first)
     if later and "dense" not in order:
         order.insert(0, "dense")
     for name in order:
@@ -219,9 +264,25 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
                 sets = [*base, *m.overrides(None, folder), f"train.seed={seed}"]
                 if name == "tt_svd_ft":
                     sets += fine_tune_steps(config, base)
+                if name == "prune":
+                    sets += after_target_steps(config, base)
+                grid = ({"comera.target_compression": list(targets)} if m.per_target
+                        else {"model.dense": [True]})
                 sweeps[name].append(create_sweep(
-                    config, {"comera.target_compression": list(targets)}, 1, sets, store,
+                    config, grid, 1, sets, store,
                     name=f"reproduce {task.name} {name}", max_parallel=parallel))
+    for name in last:
+        first = METHODS[name].after
+        wait_sweeps(store, sweeps[first], 2.0, indent="  ")
+        done = {(r["cell"]["seed"], float(r["config"]["comera"]["target_compression"])):
+                str(store.run_dir(r["id"]))
+                for s in sweeps[first] for r in store.sweep_runs(s)
+                if r["status"] == "finished"}
+        sweeps[name] = [create_sweep(
+            config, {"comera.target_compression": [t]}, 1,
+            [*base, *METHODS[name].overrides(t, folder), f"train.seed={seed}"], store,
+            name=f"reproduce {task.name} {name}", max_parallel=parallel)
+            for (seed, t), folder in sorted(done.items())]
     wait_sweeps(store, [s for ids in sweeps.values() for s in ids], 2.0, indent="  ")
     results: dict[str, Any] = {}
     for name, ids in sweeps.items():
@@ -251,7 +312,7 @@ def merge_reports(reports: list[dict[str, Any]], per_target: bool = True) -> dic
         done = [c for c in cs if c["status"] == "finished"]
         row: dict[str, Any] = {"target": target, "cells": len(cs), "finished": len(done),
                                "statuses": sorted({c["status"] for c in cs})}
-        for key in ("score", "compression", "step_time_s", "peak_mem_mb", "params"):
+        for key in ("score", "compression", "step_time_s", "peak_mem_mb", "params", "bytes"):
             mean, std = _mean_std([c[key] for c in done])
             row[key], row[f"{key}_std"] = mean, std
         rows.append(row)
@@ -356,6 +417,12 @@ def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: 
             continue
         suffix = "_quick" if args.quick else ("" if args.scale == "cpu" else f"_{args.scale}")
         path = args.out / f"{name}{suffix}.json"
+        if args.methods and path.exists():  # a subset of the methods: added to the others
+            old = json.loads(path.read_text())
+            asked = {m for m in args.methods if m in result["methods"]}
+            old["methods"].update({m: result["methods"][m] for m in asked})
+            old["wall_s"] = old.get("wall_s", 0.0) + result["wall_s"]
+            result = old
         path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
         print(f"{name}: {result['wall_s'] / 60:.1f} min -> {path}", file=sys.stderr)
     return 0

@@ -22,10 +22,12 @@ DOC = ROOT / "docs" / "RESULTS.md"
 MEMORY = RESULTS / "memory" / "bench_memory_peers.json"  # experiments/bench_memory_peers.py
 #: Written by hand after a run: where the claims are missed, by how much, what was tried.
 NOTES = "notes.md"
-ORDER = ("dense", "comera", "fixed", "tt_svd", "tt_svd_ft", "tltorch")
+ORDER = ("dense", "comera", "comera_int8", "fixed", "tt_svd", "tt_svd_ft", "tltorch", "prune",
+         "int8", "prune_int8")
 TITLES = {"dense": "dense", "comera": "CoMERA", "fixed": "fixed-rank TT",
           "tt_svd": "TT-SVD (no fine-tune)", "tt_svd_ft": "TT-SVD + fine-tune",
-          "tltorch": "tltorch TT"}
+          "tltorch": "tltorch TT", "prune": "pruning + fine-tune", "int8": "int8 (dense)",
+          "prune_int8": "pruning + int8", "comera_int8": "CoMERA + int8"}
 #: Where a claim is checked: (task, target, points within dense).
 CLAIMS = (("digits", 10.0, 1.0), ("snli_small", 10.0, 1.0), ("digits", 30.0, 2.0),
           ("snli_small", 30.0, 2.0))
@@ -53,6 +55,62 @@ def fmt_comp(g: dict[str, Any] | None, target: float | None) -> str:
     return f"{c:.1f}× ({err:+.0%})"
 
 
+#: Judged in bytes (the whole model's weights as stored), not against a parameter target.
+IN_BYTES = ("int8", "prune_int8")
+#: Cells that only evaluate (no training): left out of the cost table.
+NO_TRAINING = ("tt_svd", *IN_BYTES, "comera_int8")
+
+
+def nbytes(g: dict[str, Any] | None) -> float | None:
+    """The cell's weights in bytes as stored: recorded (``bytes``), else, for results
+    written before bytes were recorded, 4 a parameter (those methods store float32)."""
+    if not g:
+        return None
+    if _ok(g.get("bytes")):
+        return float(g["bytes"])
+    return 4.0 * g["params"] if _ok(g.get("params")) else None
+
+
+def fmt_bytes(g: dict[str, Any] | None) -> str:
+    b = nbytes(g)
+    return "" if b is None else f"<br>{b / 1024:,.1f} KiB"
+
+
+def best_by_bytes(res: dict[str, Any]) -> list[str]:
+    """Per size budget (each method's cell sizes, in bytes), the most accurate method
+    whose model fits it: the reading a user choosing a method needs."""
+    metric = next((r["metric"] for r in res["methods"].values() if r.get("metric")), "score")
+    higher = next((r.get("higher_is_better", True) for r in res["methods"].values()
+                   if r.get("metric")), True)
+    pct = metric in ("eval/acc", "eval/auc")
+    cells = [(m, g) for m in ORDER if m in res["methods"] and m != "tt_svd"
+             for g in res["methods"][m]["groups"]
+             if nbytes(g) is not None and _ok(g.get("score"))]
+    if not cells:
+        return []
+    lines = [f"| budget (bytes) | best {metric} | method (target) | runner-up |",
+             "|---|---|---|---|"]
+    previous = None
+    for budget in sorted({nbytes(g) for _, g in cells}):
+        fit = sorted(((m, g) for m, g in cells if nbytes(g) <= budget * 1.0001),
+                     key=lambda mg: mg[1]["score"], reverse=higher)
+        if fit[0][1] is previous:
+            continue  # the same winner as at the smaller budget
+        previous = fit[0][1]
+        def name(mg: tuple[str, dict[str, Any]]) -> str:
+            m, g = mg
+            return TITLES[m] + (f" ({g['target']:g}×)" if g.get("target") else "")
+        second = (f"{name(fit[1])}: {fmt_score(fit[1][1], pct)}" if len(fit) > 1 else "—")
+        lines.append(f"| ≤ {budget / 1024:,.1f} KiB | {fmt_score(fit[0][1], pct)} | "
+                     f"{name(fit[0])} | {second} |")
+    return ["Best method at each size (every cell's bytes as a budget, a row where the "
+            "winner changes; a method wins a budget when its mean is highest among the "
+            "cells that fit it; where the runner-up is within the seeds' std it is a tie). "
+            "Bytes are the weights as stored: float32 methods 4 a parameter; int8 one a "
+            "weight plus scales (torchao's, or the int8 export's for CoMERA + int8):",
+            "", *lines]
+
+
 def group(res: dict[str, Any], method: str, target: float | None) -> dict[str, Any] | None:
     for g in res["methods"].get(method, {}).get("groups", []):
         if (g["target"] is None and target is None) or (
@@ -76,12 +134,18 @@ def task_table(res: dict[str, Any]) -> list[str]:
             if m == "dense":
                 continue
             g = group(res, m, t)
-            cells.append(f"{fmt_score(g, pct)}<br>{fmt_comp(g, t)}" if g else "—")
+            comp = (fmt_comp(g, None) + " in bytes") if m in IN_BYTES else fmt_comp(g, t)
+            cells.append(f"{fmt_score(g, pct)}<br>{comp}{fmt_bytes(g)}" if g else "—")
         lines.append(f"| {' | '.join(cells)} |")
+    int8 = group(res, "int8", None)
+    if int8:
+        lines.append(f"| (none) | int8 (dense): {fmt_score(int8, pct)}{fmt_bytes(int8)} |"
+                     + " |" * (len(head) - 2))
     unit = " (%)" if pct else ""
     note = (f"Dense: **{fmt_score(dense, pct)}**{unit} {metric}. " if dense else "") + \
         f"Each cell: {metric}{unit} mean ± std over {res['seeds']} seed(s), then the " \
-        "compression reached (and its error against the target)."
+        "compression reached (and its error against the target), then the model's " \
+        "weights in bytes as stored (int8: values, scales and zero points)."
     return [note, "", *lines]
 
 
@@ -101,7 +165,8 @@ def _cost(g: dict[str, Any] | None) -> str:
 def cost_table(res: dict[str, Any]) -> list[str]:
     """The cost of each cell: parameters, wall time per training step and the run's peak
     memory (the process's on a CPU, the allocator's on a GPU), mean over seeds."""
-    methods = [m for m in ORDER if m in res["methods"] and m not in ("dense", "tt_svd")]
+    methods = [m for m in ORDER if m in res["methods"]
+               and m not in ("dense", *NO_TRAINING)]
     head = ["target", *(TITLES[m] for m in methods)]
     lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
     for t in res["targets"]:
@@ -109,7 +174,7 @@ def cost_table(res: dict[str, Any]) -> list[str]:
                      + " |")
     dense = group(res, "dense", None)
     return [f"Cost per cell (mean over seeds; dense: {_cost(dense).replace('<br>', ', ')}; "
-            "TT-SVD without a fine-tune only evaluates):", "", *lines]
+            "TT-SVD without a fine-tune and the int8 cells only evaluate):", "", *lines]
 
 
 def claims(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -169,6 +234,29 @@ def claims(results: dict[str, dict[str, Any]]) -> list[str]:
             out.append(f"| Training memory at batch 1 at least 5× below GaLore (transformer "
                        f"{presets[0]}) | {ratio:.2f}× ({g['held_mib']:.1f} vs "
                        f"{c['held_mib']:.1f} MiB held) | {'yes' if ratio >= 5 else '**no**'} |")
+    wins = []
+    for task, res in results.items():
+        higher = (res["methods"].get("comera") or {}).get("higher_is_better", True)
+        for c in (res["methods"].get("comera") or {}).get("groups", []):
+            if nbytes(c) is None or not _ok(c.get("score")):
+                continue
+            for peer in ("prune", "int8", "prune_int8"):
+                for p in (res["methods"].get(peer) or {}).get("groups", []):
+                    if nbytes(p) is None or nbytes(p) > nbytes(c) or not _ok(p.get("score")):
+                        continue
+                    lead = (p["score"] - c["score"]) * (1 if higher else -1)
+                    if lead > max(c.get("score_std") or 0.0, p.get("score_std") or 0.0):
+                        wins.append(f"{task} {c['target']:g}× by {TITLES[peer]}"
+                                    + (f" {p['target']:g}×" if p.get("target") else "")
+                                    + f" (+{lead * 100:.1f}, {nbytes(p) / 1024:.0f} vs "
+                                    f"{nbytes(c) / 1024:.0f} KiB)")
+                        break
+    if any("prune" in r["methods"] for r in results.values()):
+        out.append("| CoMERA at least as good as pruning and int8 with as few bytes (a lead "
+                   "within the larger seed std is a tie; per CoMERA cell, each peer's "
+                   "winning cell of the lowest target) | "
+                   + ("; ".join(wins) if wins else "no exception") + " | "
+                   + ("**no**" if wins else "yes") + " |")
     out.append("| CoMERA at least as good as fixed-rank TT and TT-SVD at every target ≥ 10× "
                "(a peer ahead by less than the larger seed std counts as a tie) | "
                + ("; ".join(beaten) if beaten else "no exception") + " | "
@@ -177,8 +265,8 @@ def claims(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def figure(res: dict[str, Any], path: Path) -> bool:
-    """Accuracy (or the task's score) against compression reached, one line per method,
-    error bars over seeds; the dense model as a dashed line."""
+    """Accuracy (or the task's score) against the model's bytes (weights as stored), one
+    line per method, error bars over seeds; the dense model as a dashed line."""
     try:
         import matplotlib
 
@@ -193,20 +281,20 @@ def figure(res: dict[str, Any], path: Path) -> bool:
         if m == "dense" or m not in res["methods"]:
             continue
         gs = [g for g in res["methods"][m]["groups"]
-              if _ok(g.get("score")) and _ok(g.get("compression"))]
-        if not gs:
+              if _ok(g.get("score")) and nbytes(g) is not None]
+        if not gs or m == "tt_svd":
             continue
-        gs.sort(key=lambda g: g["compression"])
-        ax.errorbar([g["compression"] for g in gs], [g["score"] for g in gs],
+        gs.sort(key=lambda g: nbytes(g))
+        ax.errorbar([nbytes(g) / 1024 for g in gs], [g["score"] for g in gs],
                     yerr=[g.get("score_std") or 0 for g in gs],
-                    xerr=[g.get("compression_std") or 0 for g in gs], marker="o",
+                    xerr=[(g.get("bytes_std") or 0) / 1024 for g in gs], marker="o",
                     capsize=3, label=TITLES[m])
     dense = group(res, "dense", None)
     if dense and _ok(dense.get("score")):
         ax.axhline(dense["score"], color="black", linestyle="--", linewidth=1,
                    label="dense")
     ax.set_xscale("log")
-    ax.set_xlabel("compression reached (×, log)")
+    ax.set_xlabel("model weights as stored (KiB, log)")
     ax.set_ylabel(metric)
     ax.set_title(res["title"])
     ax.grid(True, alpha=0.3)
@@ -288,6 +376,9 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
         if figure(res, png):
             lines += ["", f"![{res['title']}](figures/{png.name})"]
         lines += ["", *cost_table(res), ""]
+        best = best_by_bytes(res)
+        if best:
+            lines += [*best, ""]
     lines += ["## Peak training memory (GaLore vs CoMERA)", "", *memory_table(MEMORY), ""]
     text = "\n".join(lines)
     out.parent.mkdir(parents=True, exist_ok=True)

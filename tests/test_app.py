@@ -623,7 +623,8 @@ def test_compare_page(home: Path) -> None:
     at = app("compare")
     no_exception(at)
     assert len(at.multiselect(key="cmp-runs").value) == 3
-    assert len(at.get("plotly_chart")) == 4
+    # accuracy vs compression, vs bytes, vs training memory; the metric chart
+    assert len(at.get("plotly_chart")) == 5
     final, diff = at.dataframe[0].value, at.dataframe[1].value
     assert len(final) == 3 and bool(final["dense"].any())
     assert {"model.dense", "comera.target_compression"} <= set(diff["field"])

@@ -96,7 +96,7 @@ def view() -> None:
         [{"grid point": g["label"], "target": g["target"],
           f"{metric} mean": g["score"], "± std": g["score_std"],
           "compression": g["compression"], "± std ": g["compression_std"],
-          "scope": _scope(rep),
+          "scope": _scope(rep), "model size": fmt.nbytes(g.get("bytes")),
           "finished": f"{g['finished']}/{g['cells']}", "Pareto": g["pareto"],
           "step time": g["step_time_s"], "peak memory": fmt.mib(g["peak_mem_mb"])}
          for g in rep["groups"]],
@@ -114,7 +114,8 @@ def view() -> None:
         [{"run": f"/live_run?run={c['run']}", "cell": c["label"], "status": c["status"],
           "step": c["step"], metric: c["score"], "compression": c["compression"],
           "scope": SCOPE_LABELS[c["scope"]],
-          "params": c["params"]} for c in rep["cells"]],
+          "params": c["params"], "model size": fmt.nbytes(c.get("bytes"))}
+         for c in rep["cells"]],
         hide_index=True, width="stretch",
         column_config={
             "run": st.column_config.LinkColumn("run", display_text=r"run=(.*)$",

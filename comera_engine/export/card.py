@@ -195,6 +195,16 @@ def _target_line(doc: dict[str, Any]) -> str | None:
     return target_outcome(float(target), float(reached))
 
 
+def _stored_words(doc: dict[str, Any]) -> str:
+    storage = doc.get("storage") or {}
+    dtype = storage.get("dtype", "float32")
+    if dtype != "int8":
+        return str(dtype)
+    scales = storage.get("scales") or {}
+    return ("int8 with float32 scales (" + ", ".join(f"{k.replace('_', ' ')} {v}"
+                                                     for k, v in scales.items()) + ")")
+
+
 def model_card(result: Any, sha256: str) -> str:
     """Markdown for an :class:`~comera_engine.export.core.ExportResult`."""
     doc = result.metadata
@@ -221,7 +231,8 @@ def model_card(result: Any, sha256: str) -> str:
         f"- **Created**: {doc.get('created')} with comera-studio "
         f"{(doc.get('library') or {}).get('version')} (torch "
         f"{(doc.get('library') or {}).get('torch')})",
-        f"- **dtype**: {doc.get('dtype')}",
+        f"- **dtype**: {doc.get('dtype')} (computes in); weights stored as "
+        f"{_stored_words(doc)}",
         "",
     ]
     run = doc.get("run") or {}
@@ -249,7 +260,14 @@ def model_card(result: Any, sha256: str) -> str:
     outcome = _target_line(doc)
     if outcome:
         lines += [f"**Target**: {outcome}.", ""]
-    if result.format == "compressed":
+    stored = (doc.get("storage") or {}).get("dtype", "float32")
+    if result.format == "compressed" and stored != "float32":
+        lines += [f"The file holds {result.tensor_bytes:,} bytes of tensors: the weights in "
+                  f"{stored} ({_stored_words(doc)}), against `size_report`'s "
+                  f"{_bytes(m.get('effective_bytes'))} in float32, plus a "
+                  f"{result.header_bytes:,}-byte header. `comera_engine.load` gives the "
+                  "weights back in float32 (q · scale).", ""]
+    elif result.format == "compressed":
         lines += [f"The file holds {result.tensor_bytes:,} bytes of tensors, equal to "
                   f"`size_report`'s effective size ({result.expected_bytes:,} bytes), plus a "
                   f"{result.header_bytes:,}-byte header.", ""]
@@ -260,7 +278,12 @@ def model_card(result: Any, sha256: str) -> str:
                  if diff is not None else "not checked with onnxruntime (not installed)")
         lines += [f"TT layers are exported as their contractions (MatMuls over the cores); "
                   f"initializers: {onnx.get('initializers')} tensors, "
-                  f"{_bytes(onnx.get('initializer_bytes'))}. {check}.", ""]
+                  f"{_bytes(onnx.get('initializer_bytes'))} "
+                  f"({result.tensor_bytes:,} bytes, weights in {stored}). {check}.", ""]
+        if onnx.get("max_rel_diff_vs_float32") is not None:
+            lines += [f"Outputs differ from the float32 model's by at most "
+                      f"{onnx['max_rel_diff_vs_float32']:.2g} (max abs, relative to "
+                      "max(1, max |output|)) on the traced example.", ""]
 
     layers = getattr(result, "layers", None) or doc.get("tt_layers") or []
     if layers:

@@ -25,6 +25,10 @@ def add_subparsers(subparsers: Any) -> None:
     p.add_argument("--out", required=True,
                    help="output file (.safetensors / .onnx) or folder")
     p.add_argument("--store", default=None, help="run store database (for run ids)")
+    # checked by the command itself: a bad value is one line and exit 2, like the others
+    p.add_argument("--dtype", default="float32", metavar="{float32,bf16,int8}",
+                   help="how the weights are stored: float32 (default), bf16, or int8 with "
+                   "a scale per TT core / per row / per vector")
     p.add_argument("--no-verify", action="store_true",
                    help="onnx: skip the onnxruntime comparison")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -44,6 +44,7 @@ from torch import nn
 
 from comera_engine.errors import ConfigError
 from comera_engine.export import pipeline as _pipeline
+from comera_engine.export import quant as _quant
 from comera_engine.export import spec as _spec
 from comera_engine.export.container import (
     FORMATS,
@@ -60,7 +61,7 @@ from comera_engine.tensor.tt import max_tt_ranks
 __all__ = ["FORMATS", "ExportResult", "export_model", "load", "read_metadata"]
 
 FORMAT_IDS = {"compressed": "comera-compressed", "dense": "comera-dense", "onnx": "comera-onnx"}
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: weights stored in bf16 / int8 (``storage``); float32 files say 1
 SUFFIX = {"compressed": ".safetensors", "dense": ".safetensors", "onnx": ".onnx"}
 DEFAULT_NAME = {"compressed": "model.safetensors", "dense": "model.dense.safetensors",
                 "onnx": "model.onnx"}
@@ -92,6 +93,8 @@ class ExportResult:
     metadata: dict[str, Any] = field(repr=False, default_factory=dict)
     onnx_max_abs_diff: float | None = None
     layers: list[dict[str, Any]] = field(repr=False, default_factory=list)
+    #: how the weights are stored: float32, bf16 or int8 (``comera export --dtype``)
+    store_dtype: str = "float32"
 
     @property
     def header_bytes(self) -> int:
@@ -105,6 +108,7 @@ class ExportResult:
             "expected_bytes": self.expected_bytes, "header_bytes": self.header_bytes,
             "onnx_max_abs_diff": self.onnx_max_abs_diff,
             "compression": self.sizes.get("model", {}).get("compression"),
+            "dtype": self.store_dtype,
         }
 
 
@@ -356,7 +360,7 @@ def _base_metadata(fmt: str, recipe: dict, metadata: Mapping[str, Any], model: n
 
     doc: dict[str, Any] = {
         "format": FORMAT_IDS[fmt],
-        "format_version": FORMAT_VERSION,
+        "format_version": 1,  # FORMAT_VERSION once the weights are stored in fewer bits
         "name": metadata.get("name") or (metadata.get("run") or {}).get("name") or
         recipe.get("family") or "model",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -426,6 +430,7 @@ def export_model(
     *,
     example_inputs: tuple[torch.Tensor, ...] | None = None,
     verify: bool = True,
+    dtype: str = "float32",
 ) -> ExportResult:
     """Export ``model`` as ``format`` (``compressed``, ``dense`` or ``onnx``) to
     ``out_path`` (a file, or a folder that gets ``model.safetensors`` /
@@ -441,11 +446,15 @@ def export_model(
     must be an ``nn.Sequential`` of supported layers.
 
     ``example_inputs`` (ONNX only) overrides the traced inputs; ``verify`` (ONNX) runs
-    onnxruntime when it is installed and compares with PyTorch.
+    onnxruntime when it is installed and compares with PyTorch. ``dtype``: how the
+    weights are stored, ``float32``, ``bf16`` or ``int8`` (scales per TT core, per row,
+    per vector: :mod:`comera_engine.export.quant`).
 
     Raises:
-        ConfigError: bad format/out path, or metadata that cannot rebuild ``model``.
+        ConfigError: bad format/out path/dtype, weights int8 cannot hold, or metadata
+            that cannot rebuild ``model``.
     """
+    dtype = _quant.parse_store_dtype(dtype)
     if format not in FORMATS:
         raise ConfigError("format", f"unknown format {format!r}; choose from {', '.join(FORMATS)}")
     if not isinstance(model, nn.Module):
@@ -466,7 +475,11 @@ def export_model(
             tok_tmp, doc["tokenizer"] = _stage_tokenizer(metadata.get("tokenizer"),
                                                          tokenizer_path(path),
                                                          doc.get("input_pipeline"))
-            res = onnx_export.export_onnx(model, path, recipe, doc, example_inputs, verify)
+            doc["storage"] = _storage_doc(dtype)
+            if dtype != "float32":
+                doc["format_version"] = FORMAT_VERSION
+            res = onnx_export.export_onnx(model, path, recipe, doc, example_inputs, verify,
+                                          dtype=dtype)
             tensor_bytes, diff = res["initializer_bytes"], res["max_abs_diff"]
             expected = int(sizes["model"]["effective_bytes"])
             doc["onnx"] = res
@@ -479,6 +492,13 @@ def export_model(
                 expected = int(sizes["model"]["dense_bytes"])
             doc = _base_metadata(format, recipe, metadata, model, sizes, infos)
             _self_check(recipe, format, tensors, infos)
+            buffers = {k for k, _ in model.named_buffers()}
+            tensors, doc["storage"] = _quant.quantize_state(
+                tensors, {k for k in tensors if k not in buffers}, dtype,
+                _core_sizes(model) if format == "compressed" else None)
+            if dtype != "float32":
+                doc["format_version"] = FORMAT_VERSION
+                expected = _quant.stored_bytes(tensors)
             tok_tmp, doc["tokenizer"] = _stage_tokenizer(metadata.get("tokenizer"),
                                                          tokenizer_path(path),
                                                          doc.get("input_pipeline"))
@@ -502,12 +522,43 @@ def export_model(
         tokenizer=tokenizer_path(path) if doc.get("tokenizer") else None,
         file_bytes=path.stat().st_size, tensor_bytes=int(tensor_bytes),
         expected_bytes=expected, sizes=sizes, metadata=doc, onnx_max_abs_diff=diff,
-        layers=infos)
+        layers=infos, store_dtype=dtype)
     from comera_engine.export.card import model_card
 
     text = model_card(result, _sha256(path))
     write_atomic(result.card, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return result
+
+
+def _core_sizes(model: nn.Module) -> dict[str, list[int]]:
+    """Per packed ``<layer>.tt.cores`` tensor, the element count of each core."""
+    return {f"{name}.tt.cores": [int(c.numel()) for c in layer.tt.effective_cores()[0]]
+            for name, layer in _tt_name_set(model)}
+
+
+def _storage_doc(dtype: str) -> dict[str, Any]:
+    return _quant.quantize_state({}, set(), dtype)[1]
+
+
+def _stored_expectation(expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                        params: set[str], dtype: str, ncores: dict[str, int]
+                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What a ``dtype`` file holds for the float tensors ``expected``: parameters (and
+    packed cores) in that type, and for int8 their scales (per core, per row, per
+    vector)."""
+    if dtype == "float32":
+        return expected
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, dt) in expected.items():
+        if not (name in params or name in ncores) or not dt.is_floating_point:
+            out[name] = (shape, dt)
+            continue
+        out[name] = (shape, torch.bfloat16 if dtype == "bf16" else torch.int8)
+        if dtype == "int8":
+            sshape = (ncores[name],) if name in ncores else (
+                (shape[0],) if len(shape) >= 2 else ())
+            out[name + _quant.SCALE_SUFFIX] = (sshape, torch.float32)
+    return out
 
 
 def _self_check(recipe: dict, fmt: str, tensors: dict[str, torch.Tensor],
@@ -576,6 +627,11 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
     if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
         raise BadExportFile(p, f"metadata.format_version: {version!r} is not supported by this "
                                f"version of comera (reads <= {FORMAT_VERSION})")
+    storage = doc.get("storage", {"dtype": "float32"})
+    stored = storage.get("dtype") if isinstance(storage, Mapping) else None
+    if stored not in _quant.STORE_DTYPES:
+        raise BadExportFile(p, f"metadata.storage.dtype: unsupported stored type {stored!r} "
+                               f"(reads {', '.join(_quant.STORE_DTYPES)})")
     kind = "dense" if fmt == FORMAT_IDS["dense"] else "compressed"
     dtype_name = doc.get("dtype", "float32")
     if dtype_name not in _DTYPE_NAMES:
@@ -598,14 +654,19 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
         expected, ranks_of = _expected_state(skeleton, kind, doc.get("tt_layers"), "metadata")
     except ConfigError as exc:
         raise BadExportFile(p, str(exc)) from None
-    _check_tensors(p, header, expected)
+    ncores = {f"{n}.tt.cores": len(sh) for n, (_, sh, _) in ranks_of.items()}
+    params = {k for k, _ in skeleton.named_parameters()}
+    _check_tensors(p, header, _stored_expectation(expected, params, stored, ncores))
     # Everything agrees: build for real (sizes are now bounded by the file's tensors).
     try:
         model = _spec.build(recipe, dense=kind == "dense")
     except ConfigError as exc:
         raise BadExportFile(p, str(exc)) from None
     _cast_floating(model, dtype)
-    state = _read_tensors(p, list(expected))
+    names = list(_stored_expectation(expected, params, stored, ncores))
+    sizes = {f"{n}.tt.cores": [math.prod(s) for s in sh] for n, (_, sh, _) in ranks_of.items()}
+    state = _quant.dequantize_state(_read_tensors(p, names), stored, sizes,
+                                    {k: v[1] for k, v in expected.items()})
     _warn_non_finite(p, state)
     layers = dict(_tt_name_set(model))
     for name, (ranks, shapes, tau) in ranks_of.items():

@@ -37,6 +37,7 @@ from torch import nn
 from comera_engine.errors import ConfigError
 from comera_engine.export.container import METADATA_KEY, BadExportFile, write_atomic
 from comera_engine.export.pipeline import RawInputs, raw_example
+from comera_engine.export.quant import max_rel_diff, store_module
 from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
 from comera_engine.tensor.contract import merge_left, merge_right
 from comera_engine.tensor.lookup import merge_tables, split_point
@@ -219,8 +220,14 @@ def export_onnx(
     doc: dict[str, Any],
     example_inputs: tuple[torch.Tensor, ...] | None,
     verify: bool,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Trace, check, verify and write the ONNX file; returns its summary for metadata."""
+    """Trace, check, verify and write the ONNX file; returns its summary for metadata.
+
+    ``dtype`` ``bf16`` / ``int8``: the initializers are the stored weights (and scales,
+    :mod:`comera_engine.export.quant`), dequantized in the graph; onnxruntime is then
+    checked against PyTorch computing with the same stored weights, and the summary's
+    ``max_rel_diff_vs_float32`` says how far both are from the float32 model."""
     try:
         import onnx
     except ImportError:
@@ -233,9 +240,14 @@ def export_onnx(
     names, args, outputs, axes = default_inputs(recipe, model)
     pipe = doc.get("input_pipeline")
     module = onnx_export_copy(model)
+    fp32_model = model
+    if dtype != "float32":
+        store_module(module, dtype)
+        model = module  # onnxruntime is checked against the same stored weights
     if pipe is not None and pipe.get("kind") != "tokens":  # the graph takes raw inputs
         args = raw_example(pipe, args)
         model, module = RawInputs(model, pipe).eval(), RawInputs(module, pipe).eval()
+        fp32_model = RawInputs(fp32_model, pipe).eval() if dtype != "float32" else model
     if example_inputs is not None:
         args = tuple(a.cpu() for a in example_inputs)
         if len(args) != len(names):
@@ -257,6 +269,10 @@ def export_onnx(
                 raise ConfigError("format", f"onnx export of TT layer {layer!r} holds a "
                                   f"dense-sized initializer {init_name!r}")
     diff = None
+    vs_fp32 = None
+    if dtype != "float32":
+        with torch.no_grad():
+            vs_fp32 = max_rel_diff(module(*args), fp32_model(*args))
     if verify:
         variants = _variants(names, args, recipe) if example_inputs is None else [args]
         diff = _run_onnxruntime(data, names, variants, model)
@@ -275,6 +291,8 @@ def export_onnx(
         "largest_initializer": max((n for _, n, _ in inits), default=0),
         "max_abs_diff": diff,
     }
+    if vs_fp32 is not None:
+        summary["max_rel_diff_vs_float32"] = vs_fp32
     doc = dict(doc)
     doc["onnx"] = summary
     entry = proto.metadata_props.add()

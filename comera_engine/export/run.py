@@ -225,6 +225,7 @@ def export_run(
     store: Any = None,
     *,
     verify: bool = True,
+    dtype: str = "float32",
 ) -> ExportResult:
     """Export a run's checkpoint (newest by default).
 
@@ -235,7 +236,11 @@ def export_run(
         out: file or folder (default: ``<run dir>/exports/step_XXXXXX/``).
         store: a ``RunStore`` or its database path (default store when a run id is given);
             the export and its card are logged there as artifacts of the run.
+        dtype: how the weights are stored: ``float32``, ``bf16`` or ``int8``.
     """
+    from comera_engine.export.quant import parse_store_dtype
+
+    dtype = parse_store_dtype(dtype)  # refused before anything is read or written
     if format not in FORMATS:
         raise ConfigError("--format", f"unknown format {format!r}; choose from "
                           f"{', '.join(FORMATS)}")
@@ -249,7 +254,7 @@ def export_run(
         info["run"]["id"] = run_id
     step = int(info["run"]["step"])
     target = out if out is not None else str(run_dir / "exports" / f"step_{step:06d}") + os.sep
-    result = export_model(model, target, format, info, verify=verify)
+    result = export_model(model, target, format, info, verify=verify, dtype=dtype)
     if st is not None and run_id is not None:
         st.log_artifact(run_id, f"export_{format}", str(result.path))
         st.log_artifact(run_id, "model_card", str(result.card))
@@ -263,7 +268,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         with torch.no_grad():
             res = export_run(args.run, args.checkpoint, args.format, args.out, args.store,
-                             verify=not getattr(args, "no_verify", False))
+                             verify=not getattr(args, "no_verify", False),
+                             dtype=getattr(args, "dtype", None) or "float32")
     except ValueError as exc:  # ConfigError, BadExportFile, StoreError: bad input
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         sys.stderr.write(f"comera: error: {msg}\n")
@@ -283,6 +289,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     comp_txt = f"{comp:.1f}x" if isinstance(comp, float) else str(comp)
     print(f"dense {m.get('dense_bytes', 0):,} bytes -> compressed "
           f"{m.get('effective_bytes', 0):,} bytes ({comp_txt})")
+    if res.store_dtype != "float32":
+        print(f"weights stored as {res.store_dtype}: {res.tensor_bytes:,} bytes of tensors")
     if res.onnx_max_abs_diff is not None:
         print(f"onnxruntime max abs diff vs PyTorch: {res.onnx_max_abs_diff:.3g}")
     return 0

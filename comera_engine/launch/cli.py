@@ -216,6 +216,22 @@ def _fmt_compression(run: dict[str, Any], latest: dict[str, Any]) -> str:
     return "-" if comp.value is None else f"{format_ratio(comp.value, 'x')} {comp.label}"
 
 
+def _fmt_size(latest: dict[str, Any]) -> str:
+    """The model's size: parameters and bytes as stored (``3.9k · 15.2 KiB``; an int8
+    model holds about a byte a parameter); ``-`` before it is measured."""
+    def value(name: str) -> float | None:
+        v = latest.get(name)
+        v = v[1] if isinstance(v, (tuple, list)) else v
+        return float(v) if isinstance(v, (int, float)) else None
+
+    params, nbytes = value("params/effective"), value("bytes/effective")
+    if params is None or nbytes is None:
+        return "-"
+    count = f"{params / 1e6:.2f}M" if params >= 1e6 else f"{params / 1e3:.1f}k"
+    size = (f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB")
+    return f"{count} · {size}"
+
+
 def _fmt_target(run: dict[str, Any], latest: dict[str, Any]) -> str:
     """The run's target and where it stands: a verdict once the run finished its steps
     (``10x→10.2x +2%``, ``60x→39.8x miss 34%``), else its progress (``60x, now 28.0x``,
@@ -255,8 +271,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return _fail(e)
     if _said_without_a_table(runs, args.json, "no runs"):
         return 0
-    header = ("ID", "NAME", "STATUS", "STEP", "COMPRESSION", "TARGET", "STARTED", "TIME",
-              "DEVICE", "ERROR")
+    header = ("ID", "NAME", "STATUS", "STEP", "COMPRESSION", "PARAMS · BYTES", "TARGET",
+              "STARTED", "TIME", "DEVICE", "ERROR")
     rows = []
     for r in runs:
         err = (r["error"] or "").strip().splitlines()
@@ -268,6 +284,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 _printable(_fmt_status(r)),
                 "-" if r["last_step"] is None else str(r["last_step"]),
                 _fmt_compression(r, latest),
+                _fmt_size(latest),
                 _fmt_target(r, latest),
                 _fmt_time(r["started_at"] or r["created_at"]),
                 _fmt_duration(r),

@@ -367,6 +367,7 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
             "compression": run_compression(r.get("config"), m).value,
             "scope": compression_scope(r.get("config")),
             "target": target, "params": m.get("params/effective"),
+            "bytes": m.get("bytes/effective"),
             "step_time_s": m.get("perf/step_time_s"), "peak_mem_mb": peak,
         })
     groups: dict[str, dict[str, Any]] = {}
@@ -383,10 +384,12 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
         comp, comp_sd = _mean_std([c["compression"] for c in done])
         t_mean, _ = _mean_std([c["step_time_s"] for c in done])
         mem, _ = _mean_std([c["peak_mem_mb"] for c in done])
+        nbytes, _ = _mean_std([c.get("bytes") for c in done])
         rows.append({
             "label": g["label"], "grid": g["grid"], "target": g["target"],
             "score": score, "score_std": score_sd, "compression": comp,
             "compression_std": comp_sd, "step_time_s": t_mean, "peak_mem_mb": mem,
+            "bytes": nbytes,
             "finished": len(done), "cells": len(g["cells"]),
             "statuses": sorted({c["status"] for c in g["cells"]}),
         })

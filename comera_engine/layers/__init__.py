@@ -4,8 +4,10 @@ the peer (tltorch) TT layers of docs/METHODS.md in :mod:`.peers`."""
 from .peers import PEER_LAYERS, TLTorchEmbedding, TLTorchLinear, peer_layers
 from .tensorize import (
     TT_LAYERS,
+    dense_size_metrics,
     factorized_layers,
     size_report,
+    stored_nbytes,
     tensorize,
     truncate,
     tt_layers,
@@ -14,5 +16,5 @@ from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
 __all__ = ["PEER_LAYERS", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS", "TTEmbedding",
-           "TTLinear", "factorized_layers", "peer_layers", "size_report", "tensorize",
-           "truncate", "tt_layers"]
+           "TTLinear", "dense_size_metrics", "factorized_layers", "peer_layers", "size_report",
+           "stored_nbytes", "tensorize", "truncate", "tt_layers"]

@@ -245,3 +245,39 @@ def size_report(model: nn.Module) -> dict:
         "other_params": other,
         "gate_params": gate_params,
     }
+
+
+def stored_nbytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds as stored: a tensor subclass (e.g. torchao's int8 weights)
+    counts its inner tensors (int8 data, scales, zero points)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(stored_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def dense_size_metrics(model: nn.Module) -> dict[str, float]:
+    """``params/*``, ``bytes/*`` (as stored) and ``compression/*`` of a model without TT
+    layers. A pruned or quantized peer (``comera_engine.train.shrink``) carries its dense
+    model's sizes as ``model.comera_reference``; against them it gets
+    ``compression/model`` (dense bytes / its bytes: what int8 saves counts) and, in the
+    ``tensorized`` scope, the ratio at which CoMERA's model holds as many bytes:
+    the scope's dense parameters over what it holds beyond the rest of the dense model
+    (pruned models only: a quantized one is judged in bytes, whole model)."""
+    params = list(model.parameters())
+    n = float(sum(p.numel() for p in params))
+    nbytes = float(sum(stored_nbytes(p) for p in params))
+    ref = getattr(model, "comera_reference", None)
+    if not ref:
+        return {"params/effective": n, "params/allocated": n, "params/dense": n,
+                "bytes/effective": nbytes, "bytes/dense": nbytes, "compression/model": 1.0}
+    dense_b = float(ref["bytes"])
+    out = {"params/effective": n, "params/allocated": n, "params/dense": float(ref["params"]),
+           "bytes/effective": nbytes, "bytes/dense": dense_b,
+           "compression/model": dense_b / max(nbytes, 1.0)}
+    if ref.get("target") is not None:  # pruned: its size in the target's scope
+        scope = float(ref["tensorized_params"])
+        beyond = n - (float(ref["params"]) - scope)
+        out["compression/tensorized"] = scope / beyond if beyond > 0 else float("inf")
+        out["params/tensorized_effective"] = beyond
+    return out

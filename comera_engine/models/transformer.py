@@ -83,11 +83,12 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """``x`` [B, L, d]; ``keep`` [B, 1, 1, L] bool (True: attend to that key)."""
-        b, n, d = x.shape
+        b, n, _ = x.shape
         h = self.n_heads
 
         def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, n, h, d // h).transpose(1, 2)  # [B, H, L, d/H]
+            # the projection's own width (d, unless a pruned model narrowed the heads)
+            return t.view(b, n, h, t.shape[-1] // h).transpose(1, 2)  # [B, H, L, d/H]
 
         y = F.scaled_dot_product_attention(
             heads(self.q(x)),
@@ -96,7 +97,7 @@ class SelfAttention(nn.Module):
             attn_mask=keep,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        return self.o(y.transpose(1, 2).reshape(b, n, d))
+        return self.o(y.transpose(1, 2).reshape(b, n, -1))
 
 
 class EncoderLayer(nn.Module):

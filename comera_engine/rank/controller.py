@@ -63,7 +63,7 @@ from ..config import (
     validate_comera,
 )
 from ..errors import ConfigError
-from ..layers import factorized_layers, size_report, tt_layers
+from ..layers import dense_size_metrics, factorized_layers, size_report, tt_layers
 from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
 from .balance import balance_gates
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
@@ -530,14 +530,12 @@ class CoMERA:
         """Parameters, bytes and compression against the dense model, at the effective
         ranks (``size_report``'s count): ``params/*``, ``bytes/*``, ``compression/*``."""
         if not self.has_tt and not self.has_peers:
-            params = list(self.model.parameters())
-            n = float(sum(p.numel() for p in params))
-            nbytes = float(sum(p.numel() * p.element_size() for p in params))
-            return {"params/effective": n, "params/allocated": n, "params/dense": n,
-                    "bytes/effective": nbytes, "bytes/dense": nbytes,
-                    "compression/model": 1.0}
+            return dense_size_metrics(self.model)
         rep = size_report(self.model)
         model, tensorized = rep["model"], rep["tensorized"]
+        stored = getattr(self.model, "comera_stored_bytes", None)  # its int8 form
+        if stored is not None:
+            model = {**model, "effective_bytes": stored}
         return {
             "params/effective": float(model["effective_params"]),
             "params/allocated": float(model["allocated_params"]),
@@ -553,6 +551,9 @@ class CoMERA:
     def target_compression(self) -> float | None:
         """The target this model is held to (``None``: none, or nothing to compress)."""
         factorized = self.has_tt or self.has_peers
+        ref = getattr(self.model, "comera_reference", None)
+        if ref is not None:  # pruned (its target) / int8 (none: judged in bytes)
+            return ref.get("target")
         if not factorized or not (self.cfg.enabled or self.cfg.method != "comera"):
             return None
         return self.cfg.target_compression

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from comera_engine.config import Config, ModelConfig
 from comera_engine.errors import ConfigError
 from comera_engine.layers import factorized_layers
+from comera_engine.train import checkpoint as ckpt
 
 __all__ = ["GALORE_MIN_SIDE", "apply_bond_ranks", "build_run_model", "freeze_gates",
            "galore_optimizer", "init_from_dense", "load_init_state"]
@@ -52,6 +53,8 @@ def build_run_model(cfg: Config, data: Any, plan: Any = None) -> nn.Module:
     from comera_engine.models import build_model
 
     model = build_model(cfg.model, data)
+    if cfg.model.quantize is not None or cfg.comera.method == "prune":
+        return _shrunk_model(cfg, data, model)
     if cfg.model.dense or cfg.comera.method == "comera":
         return model
     if plan is not None and plan.bond_ranks is not None:
@@ -66,6 +69,41 @@ def build_run_model(cfg: Config, data: Any, plan: Any = None) -> nn.Module:
             raise ConfigError("model.init_from", "its weights do not fit the dense model "
                                                  f"of this config: {_first_line(exc)}") from None
         init_from_dense(model, dense)
+    return model
+
+
+def _shrunk_model(cfg: Config, data: Any, model: nn.Module) -> nn.Module:
+    """The dense ``model`` with ``model.init_from``'s weights, pruned to the target
+    (``comera.method = "prune"``) or int8-quantized (``model.quantize``): train/shrink.py."""
+    from comera_engine.models import TaskModel
+    from comera_engine.train import shrink
+    from comera_engine.train.batches import eval_batches
+
+    if not cfg.model.dense:  # CoMERA + int8: the TT run's cores, as its int8 export has them
+        state = load_init_state(cfg.model, cfg.base_dir, tt=True)
+        ckpt.resize_to_shapes(model, {k: list(v.shape) for k, v in state.items()})
+        model.load_state_dict(state)
+        model.comera_stored_bytes = shrink.int8_tt_(model)
+        return model
+    ref = shrink.dense_reference(cfg, data, model)
+    state = load_init_state(cfg.model, cfg.base_dir)
+    if cfg.model.quantize is not None:
+        shrink.resize_to_state(model, state)  # a pruned run's shapes
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ConfigError("model.init_from", "its weights do not fit the dense model "
+                                             f"of this config: {_first_line(exc)}") from None
+    if cfg.model.quantize is not None:
+        shrink.quantize_int8(model)
+    else:
+        t = float(cfg.comera.target_compression or 1.0)
+        target = ref["params"] - ref["tensorized_params"] * (1.0 - 1.0 / t)
+        example = next(eval_batches(data.train, 8))
+        ratio = shrink.prune_to_target(TaskModel(model, data.task), example, target,
+                                       lambda m, b: m(b)["loss"])
+        ref["prune_ratio"], ref["target"] = ratio, t
+    model.comera_reference = ref
     return model
 
 
@@ -164,7 +202,8 @@ def init_from_dense(model: nn.Module, dense: nn.Module) -> None:
     model.load_state_dict({k: source[k] for k in rest}, strict=False)
 
 
-def load_init_state(cfg: ModelConfig, base_dir: str | None = None) -> dict[str, Tensor]:
+def load_init_state(cfg: ModelConfig, base_dir: str | None = None,
+                    tt: bool = False) -> dict[str, Tensor]:
     """The model weights ``model.init_from`` names, checked to be a dense run of the
     model ``cfg`` describes (when a checkpoint sidecar says what it was).
 
@@ -173,10 +212,11 @@ def load_init_state(cfg: ModelConfig, base_dir: str | None = None) -> dict[str, 
     a bare state dict (``.safetensors``, or ``.pt`` / ``.pth`` read with
     ``torch.load(weights_only=True)``). Relative paths are read from ``base_dir``.
 
+    ``tt``: the run is a TT run of this model (its int8 form: ``model.quantize``).
+
     Raises:
         ConfigError: nothing readable there, or a run of another model (``model.init_from``).
     """
-    from comera_engine.train import checkpoint as ckpt
 
     raw = str(cfg.init_from)
     path = Path(raw).expanduser()
@@ -217,17 +257,21 @@ def load_init_state(cfg: ModelConfig, base_dir: str | None = None) -> dict[str, 
         raise ConfigError("model.init_from", f"{path.name}: expected a run folder, a "
                                              ".json/.safetensors checkpoint or a .pt state dict")
     if meta is not None:
-        _check_same_model(cfg, meta.get("config", {}).get("model", {}), path)
+        _check_same_model(cfg, meta.get("config", {}).get("model", {}), path, tt)
     return state
 
 
 #: ``[model]`` keys that may differ between the dense run and the TT run it initialises.
 _FREE_KEYS = frozenset({"dense", "tt_layers", "rank", "embedding_rank", "tt_impl", "init_from",
-                        "tt_min_rows", "linear_layout"})
+                        "tt_min_rows", "linear_layout", "quantize"})
 
 
-def _check_same_model(cfg: ModelConfig, saved: dict[str, Any], path: Path) -> None:
-    if not saved.get("dense", False):
+def _check_same_model(cfg: ModelConfig, saved: dict[str, Any], path: Path,
+                      tt: bool = False) -> None:
+    if tt and saved.get("dense", False):
+        raise ConfigError("model.init_from", f"{path.name} is from a dense run; with "
+                                             "model.dense = false model.quantize takes a TT run")
+    if not tt and not saved.get("dense", False):
         raise ConfigError("model.init_from", f"{path.name} is from a TT run; TT-SVD starts "
                                              "from a dense run (model.dense = true)")
     mine = {k: v for k, v in dataclasses.asdict(cfg).items()
