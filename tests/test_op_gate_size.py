@@ -96,4 +96,4 @@ def test_refresh_finds_an_entry_that_fell_to_its_threshold(op_impl: str) -> None
         layer.gates[k][j] = TAU  # exactly at the threshold: dies
     events = refresh_gates(model)
     assert [(e.layer, e.bond, e.old - e.new) for e in events] == [("a", k, 1)]
-    assert not bool(layer.alive(k)[j]) and float(layer.gates[k][j]) == 0.0
+    assert not bool(layer.alive(k)[j]) and float(layer.gates[k][j].detach()) == 0.0
