@@ -22,9 +22,10 @@ DOC = ROOT / "docs" / "RESULTS.md"
 MEMORY = RESULTS / "memory" / "bench_memory_peers.json"  # experiments/bench_memory_peers.py
 #: Written by hand after a run: where the claims are missed, by how much, what was tried.
 NOTES = "notes.md"
-ORDER = ("dense", "comera", "comera_int8", "fixed", "tt_svd", "tt_svd_ft", "tltorch", "prune",
-         "int8", "prune_int8")
-TITLES = {"dense": "dense", "comera": "CoMERA", "fixed": "fixed-rank TT",
+ORDER = ("dense", "comera", "sched_comera", "sched_paper", "comera_int8", "fixed", "tt_svd",
+         "tt_svd_ft", "tltorch", "prune", "int8", "prune_int8")
+TITLES = {"dense": "dense", "comera": "CoMERA (paced)", "sched_comera": "CoMERA, no pace",
+          "sched_paper": "CoMERA, paper's schedule", "fixed": "fixed-rank TT",
           "tt_svd": "TT-SVD (no fine-tune)", "tt_svd_ft": "TT-SVD + fine-tune",
           "tltorch": "tltorch TT", "prune": "pruning + fine-tune", "int8": "int8 (dense)",
           "prune_int8": "pruning + int8", "comera_int8": "CoMERA + int8"}

@@ -12,7 +12,8 @@ is 16× against 10×); it then runs from the ranks the default schedule starts f
 its row says so.
 
     python experiments/schedule_ablation.py [--configs digits_tt_mlp snli_transformer_tiny]
-                                            [--seeds 0 1 2]
+                                            [--seeds 0 1 2] [--variants 1 8]
+    python experiments/schedule_ablation.py --markdown   # the table of docs/METHODS.md
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ VARIANTS: list[tuple[str, list[str]]] = [
     ("comera, balance off", ['comera.schedule="comera"', "comera.balance=false"]),
     ("comera, deadline off", ['comera.schedule="comera"', "comera.deadline=false"]),
     ("paced, balance on", ["comera.balance=true"]),
+    # not a switch: the gates' step size, which bounds how fast the objective can prune
+    ("comera, lr_gates 3e-3", ['comera.schedule="comera"', "comera.lr_gates=3e-3"]),
+    ("paced, lr_gates 3e-3", ["comera.lr_gates=3e-3"]),
 ]
 
 
@@ -73,6 +77,21 @@ def _merged(folder: Path | None, rows: list[dict], runs: list[dict]
     return merged + list(new.values()), kept + runs
 
 
+TASK_NAMES = {"digits_tt_mlp": "digits", "snli_transformer_tiny": "SNLI-tiny"}
+
+
+def markdown(rows: list[dict]) -> str:
+    """The docs/METHODS.md "Schedules" table of ``rows`` (the JSON's)."""
+    lines = ["| task | variant | reached (asked) | eval acc % | entries removed by the "
+             "objective / by the pace |", "|---|---|---|---|---|"]
+    for r in rows:
+        mark = " †" if r.get("note") else ""
+        lines.append(f"| {TASK_NAMES.get(r['config'], r['config'])} | {r['variant']}{mark} | "
+                     f"{r['reached']}× ({r['target']:g}×) | {r['acc']} | "
+                     f"{r['by_objective']:.0f} / {r['by_pace']:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=["digits_tt_mlp", "snli_transformer_tiny"])
@@ -80,7 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", type=int, default=None,
                     help="indices into the variant list (default: all)")
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print the last table as docs/METHODS.md has it, and stop")
     args = ap.parse_args(argv)
+    if args.markdown:
+        import json
+
+        path = (args.out or ROOT / "experiments" / "results") / "schedule_ablation.json"
+        print(markdown(json.loads(path.read_text())["rows"]))
+        return 0
     for name in args.configs:
         if not (CONFIGS / f"{name}.toml").is_file():
             ap.error(f"--configs: no experiments/configs/{name}.toml")

@@ -426,3 +426,28 @@ def test_the_paper_schedule_lets_a_bond_reach_rank_zero_and_plateaus_at_chance()
         ce.tensorize(model, rank=4, exclude=["head"])
         detector = ce.CoMERA(model, schedule=schedule, plateau_patience=5).plateau
         assert any(detector.update(2.3) for _ in range(40)) == fires  # flat at chance
+
+
+def test_without_the_pace_the_ranks_are_fixed_once_deaths_bring_the_size_to_the_target():
+    """Schedule comera: the late stage's size terms are off at the target, and entries on
+    their way down stop dying there (a target_met event, ranks fixed); the paper's keeps
+    pruning past it."""
+    for schedule, stops in (("comera", True), ("paper", False)):
+        torch.manual_seed(0)
+        model = PixelNet(dim=16, hidden=64)
+        ce.tensorize(model, rank=4, exclude=["head"])
+        comera = ce.CoMERA(model, target_compression=1.5, total_steps=100, schedule=schedule,
+                           switch=1, balance=False)
+        comera.step(loss=1.0)  # step 1: the late stage starts
+        assert comera.stage == "late"
+        target = float(comera.objective.target_size)
+        with torch.no_grad():  # one bond's entries fall below tau: the size drops past it
+            model.mid.tt.gates[1][1:].fill_(1e-3)
+        events = comera.step(loss=1.0)
+        assert comera.current_size() <= target
+        assert any(e.kind == "target_met" for e in events) == stops
+        assert comera.frozen == stops and (comera.stage == "fixed") == stops
+        with torch.no_grad():  # later entries at the threshold die only without the stop
+            model.up.tt.gates[0][1:].fill_(1e-3)
+        comera.step(loss=1.0)
+        assert (model.up.effective_ranks()[0] == 4) == stops

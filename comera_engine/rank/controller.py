@@ -307,6 +307,10 @@ class CoMERA:
             for changes in e.data.get("changes", {}).values():
                 self.removed["pace"] += sum(old - new for _, old, new in changes)
         events += paced
+        if rank_events and not paced:
+            met = self._stop_at_target(step, counts)
+            if met is not None:
+                events.append(met)
         if rank_events or paced:
             self._dirty = True
         if truncate and optimizer is not None and self._dirty:
@@ -477,6 +481,23 @@ class CoMERA:
                             f"{size:.0f} params ({dense / size:.1f}x); ranks fixed from here",
                             {"size": size, "compression": dense / size}))
         return events
+
+    def _stop_at_target(self, step: int, counts: list[float] | None) -> Event | None:
+        """Without the pace, with ``size_off_at_target``: the late stage's size terms are
+        off once the size is at the target, and entries already on their way down stop
+        dying there too (the ranks are fixed: a ``target_met`` event)."""
+        obj = self.objective
+        if (obj is None or self.frozen or obj.stage != "late" or self._pacing()
+                or not self.cfg.size_off_at_target or obj.target_size is None):
+            return None
+        size = self.current_size(counts)
+        if size > float(obj.target_size):
+            return None
+        self.freeze()
+        dense = dense_size(self.model)[self.cfg.target_scope]
+        return Event(step, "target_met", f"target size reached at step {step}: {size:.0f} "
+                     f"params ({dense / size:.1f}x); ranks fixed from here",
+                     {"size": size, "compression": dense / size})
 
     def freeze(self) -> None:
         """Fix the ranks: no gate entry dies any more (threshold 0) and the objective is
