@@ -84,7 +84,10 @@ def markdown(rows: list[dict]) -> str:
     """The docs/METHODS.md "Schedules" table of ``rows`` (the JSON's)."""
     lines = ["| task | variant | reached (asked) | eval acc % | entries removed by the "
              "objective / by the pace |", "|---|---|---|---|---|"]
-    for r in rows:
+    order = {v: i for i, (v, _) in enumerate(VARIANTS)}
+    tasks = list(dict.fromkeys(r["config"] for r in rows))
+    for r in sorted(rows, key=lambda r: (tasks.index(r["config"]),
+                                         order.get(r["variant"], len(order)))):
         mark = " †" if r.get("note") else ""
         lines.append(f"| {TASK_NAMES.get(r['config'], r['config'])} | {r['variant']}{mark} | "
                      f"{r['reached']}× ({r['target']:g}×) | {r['acc']} | "
