@@ -11,15 +11,16 @@ loop")::
 
 ``import comera_engine`` is cheap: the layers (and torch) load on first use of
 ``CoMERA``, ``TTLinear``, ``TTEmbedding``, ``tensorize``, ``truncate``, ``size_report``,
-``save`` / ``load_into`` or the TT math (``tt_svd``, ``max_tt_ranks``, ``plan``,
-``estimate``, ``explain``), so the run store, the launcher and the CLI's light commands
-start fast. It needs only torch, numpy
+``save`` / ``load_into``, ``load`` (what ``comera export`` wrote, no pickle) or the TT
+math (``tt_svd``, ``max_tt_ranks``, ``plan``, ``estimate``, ``explain``), so the run
+store, the launcher and the CLI's light commands start fast; nothing below it imports
+it (``docs/ARCHITECTURE.md``). It needs only torch, numpy
 and tensorly; datasets, tokenizers, streamlit, pynvml and onnx are imported where used.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._lazy import lazy_getattr
 from ._version import __version__
@@ -31,11 +32,13 @@ __all__ = ["CoMERA", "TTEmbedding", "TTLinear", "__version__", "estimate", "expl
 #: Public names that load torch on first use, and the module each lives in.
 _LAZY = {"CoMERA": "rank", "TTEmbedding": "layers", "TTLinear": "layers",
          "size_report": "layers", "tensorize": "rank", "truncate": "layers",
-         "save": "export.weights", "load_into": "export.weights", "tt_svd": "tensor",
+         "save": "export.weights", "load_into": "export.weights", "load": "export",
+         "tt_svd": "tensor",
          "max_tt_ranks": "tensor", "explain": "tensor", "plan": "tensor",
          "estimate": "tensor"}
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .export import load
     from .export.weights import load_into, save
     from .layers import TTEmbedding, TTLinear, size_report, truncate
     from .rank import CoMERA, tensorize
@@ -44,10 +47,3 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
 
-
-def load(path: str, map_location: str = "cpu") -> Any:
-    """Rebuild a model exported with ``comera export`` (no pickle). See
-    :mod:`comera_engine.export`."""
-    from .export import load as _load
-
-    return _load(path, map_location=map_location)

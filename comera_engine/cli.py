@@ -97,37 +97,47 @@ def _check_cell(cfg: Any) -> None:
     """What ``comera launch`` checks before queueing, for one cell of a sweep."""
     from comera_engine.preview import check_runnable
 
-    check_runnable(_plan_target(cfg, quiet=True), nproc=1)
+    plan = _plan(cfg)
+    check_runnable(cfg if plan is None else plan.config, nproc=1, plan=plan)
 
 
-def dashboard_launcher() -> Path:
-    """``app/launcher.py`` of the source checkout this engine runs from. The dashboard is
-    not part of the installed package (the engine never imports it); it runs from the
-    checkout, where ``make run`` starts it."""
-    return Path(__file__).resolve().parents[1] / "app" / "launcher.py"
+def dashboard_launcher() -> Any:
+    """The module ``app.launcher`` of the source checkout this engine runs from (its
+    ``run_app`` starts the dashboard). The dashboard is not part of the installed package
+    and no engine module imports it: ``comera app`` imports it by name at run time, with
+    the checkout first on ``sys.path``, and refuses an ``app`` package from elsewhere."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "app" / "launcher.py").is_file():
+        raise ConfigError("app", f"the dashboard is not beside this engine ({root / 'app'} "
+                          "is missing); it runs from a source checkout: `make run` there")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    module = importlib.import_module("app.launcher")
+    found = Path(getattr(module, "__file__", "") or "").resolve()
+    if found.parent.parent != root:
+        raise ConfigError("app", f"another 'app' package ({found.parent}) shadows the "
+                          f"dashboard of {root}; run `comera app` from that checkout")
+    return module
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    """Exec ``streamlit run app/Home.py``; needs the ``app`` extra (streamlit, plotly)."""
+    """Exec ``streamlit run app/Home.py`` through ``app.launcher.run_app``; needs the
+    ``app`` extra (streamlit, plotly)."""
     import importlib.util
 
     if importlib.util.find_spec("streamlit") is None:
         raise ConfigError("app", "streamlit is not installed; pip install "
                           "'comera-studio[app]' (or run `make run`)")
     launcher = dashboard_launcher()
-    if not launcher.is_file():
-        raise ConfigError("app", f"the dashboard is not beside this engine ({launcher} is "
-                          "missing); it runs from a source checkout: `make run` there")
-    import runpy
-
     registry = None
     if args.models or args.data:  # checked here, before anything starts (comera_engine.studio)
         from comera_engine.studio import build_registry
 
         registry = build_registry(args.models, args.data)
-    run_app = runpy.run_path(str(launcher), run_name="comera_dashboard_launcher")["run_app"]
     try:
-        run_app(args.host, args.port, args.store, registry=registry)
+        launcher.run_app(args.host, args.port, args.store, registry=registry)
     except ValueError as exc:
         field, _, problem = str(exc).partition(": ")
         raise ConfigError(f"--{field}", problem) from None
@@ -145,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(args.config, args.overrides)
             check_data_table(cfg.data)
-            pv = check_runnable(_plan_target(cfg, quiet=True), nproc=args.nproc)
+            plan = _plan(cfg)
+            pv = check_runnable(cfg if plan is None else plan.config, nproc=args.nproc,
+                                plan=plan)
             _check_room(args.store, pv)
         return int(args.func(args) or 0)
     except ConfigError as exc:
@@ -214,24 +226,27 @@ def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: 
         # a resumed text run must reuse its own vocabulary (WordPiece training is not
         # deterministic, so a retrained tokenizer would scramble the embedding ids)
         cfg.data["tokenizer_path"] = str(saved_tok.resolve())
-    checked = not args.resume and int(os.environ.get("RANK", "0")) == 0
-    if checked:  # device, data files, memory: refused before anything is written
+    # planned once, before any data is read: an unreachable target is refused here
+    plan = _plan(cfg)
+    if plan is not None:
+        cfg = plan.config  # with the initial ranks (config.toml keeps them for a resume)
+    if not args.resume and int(os.environ.get("RANK", "0")) == 0:
+        # device, data files, memory: refused before anything is written
         from comera_engine.preview import check_runnable
 
-        check_runnable(_plan_target(cfg, quiet=True),
-                       nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    notes: list[str] = []  # said once this process owns the run (a refusal is one line)
-    cfg = _plan_target(cfg, notes=notes)  # before any data is read: refuses an unreachable target
-    bundle = _prepare(cfg, run_dir, args.resume, early)  # validates data and model
+        check_runnable(cfg, nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), plan=plan)
+    bundle = _prepare(cfg, run_dir, args.resume, early)  # validates the data
+    if plan is None or not plan.fits(bundle):  # no shape facts, or other ones: from the data
+        from comera_engine.runplan import plan_run
+
+        plan = plan_run(cfg, bundle)
     if not is_main:
-        return _run(cfg, run_dir, bundle, args, None)
+        return _run(plan, run_dir, bundle, args, None)
     run_dir.mkdir(parents=True, exist_ok=True)
     with _Writer(run_dir, record, cfg) as writer:  # or RunBusyError: exit 2
-        for note in notes:
-            print(note, file=sys.stderr)
         _write_config(run_dir, args.config, to_toml(cfg))
-        _write_data_record(run_dir, bundle)
-        return _run(cfg, run_dir, bundle, args, writer)
+        _write_data_record(run_dir, bundle, plan)
+        return _run(plan, run_dir, bundle, args, writer)
 
 
 class _Record:
@@ -412,12 +427,13 @@ class _Writer:
         self.lock.release()
 
 
-def _write_data_record(run_dir: Path, bundle: Any) -> None:
+def _write_data_record(run_dir: Path, bundle: Any, plan: Any) -> None:
     """Keep what the run was trained on beside it: the tokenizer, the data spec a model
-    builder needs and the dataset identity (export and resume read them back)."""
+    builder needs, the dataset identity (export and resume read them back) and the run's
+    plan (``plan.json``)."""
     import json
 
-    from comera_engine.export.spec import data_spec_from_bundle
+    from comera_engine.runplan import data_spec_from_bundle, write_plan
     from comera_engine.store.layout import write_atomic
 
     if getattr(bundle, "tokenizer", None) is not None and not (run_dir / "tokenizer.json").exists():
@@ -430,6 +446,7 @@ def _write_data_record(run_dir: Path, bundle: Any) -> None:
     for name, payload in (("data_spec.json", data_spec_from_bundle(bundle)),
                           ("dataset.json", bundle.identity)):
         write_atomic(run_dir / name, json.dumps(payload, indent=1, default=str))
+    write_plan(run_dir, plan)
 
 
 def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None) -> Path:
@@ -455,37 +472,28 @@ def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None)
     return Path("runs") / f"{new_run_id()}-{safe}"
 
 
-def _plan_target(cfg: Any, quiet: bool = False, notes: list[str] | None = None) -> Any:
-    """The target plan from the config and the dataset registry's shape facts alone (no
-    data is read): a ConfigError for an unreachable target, else ``cfg`` with the initial
-    ranks chosen from the target when ``model.rank`` is not fixed (written to the run's
-    config.toml, so a resume starts from the same ranks). ``quiet``: do not print the
-    plan's note (the trainer logs it as an event); ``notes``: append it there instead."""
-    from comera_engine.preview import data_shape
-    from comera_engine.train.plan import plan_initial_ranks
+def _plan(cfg: Any) -> Any:
+    """The run's plan (:func:`comera_engine.runplan.plan_run`) from the config and the
+    dataset registry's shape facts alone (no data is read): a ConfigError for an
+    unreachable target; ``None`` for a dataset without shape facts (planned from its
+    data once built). Its note (the initial ranks chosen) is the trainer's first event."""
+    from comera_engine.runplan import plan_run
 
     try:
-        shape = data_shape(cfg.data, cfg.task)
-    except ConfigError:  # user data that cannot be read: one line
+        return plan_run(cfg)
+    except ConfigError:  # an unreachable target, user data that cannot be read: one line
         raise
-    except (ValueError, KeyError):  # a dataset without shape facts: the trainer plans it
-        return cfg
-    cfg, plan = plan_initial_ranks(cfg, shape)
-    if plan is not None and plan.note and not quiet:
-        if notes is not None:
-            notes.append(plan.note)
-        else:
-            print(plan.note, file=sys.stderr)
-    return cfg
+    except (ValueError, KeyError):  # a dataset without shape facts
+        return None
 
 
 def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any:
-    """Build the dataset and a throwaway model: every ConfigError surfaces here.
+    """Build the dataset (its problems surface here as a ConfigError) and check the task.
     ``on_phase(phase, progress)`` hears the phases (preparing data, training tokenizer,
     building)."""
     from comera_engine.data import build_dataset
-    from comera_engine.models import build_model, run_task
-    from comera_engine.train.loop import data_config
+    from comera_engine.models import run_task
+    from comera_engine.runplan import data_config
 
     if resume and not (run_dir / "checkpoints").is_dir() and not run_dir.is_dir():
         raise ConfigError("--resume", f"run folder {run_dir} does not exist")
@@ -501,11 +509,8 @@ def _prepare(cfg: Any, run_dir: Path, resume: bool, on_phase: Any = None) -> Any
             f"a global batch of {cfg.train.batch_size * world} exceeds the "
             f"{len(bundle.train)} training examples",
         )
-    from comera_engine.rank import CoMERA
-
     if on_phase is not None:
         on_phase("building")
-    CoMERA(build_model(cfg.model, bundle), config=cfg.comera)  # e.g. an unreachable target
     run_task(cfg, bundle)  # a task.factory that does not import or build
     return bundle
 
@@ -521,9 +526,10 @@ def _write_config(run_dir: Path, source: str, text: str) -> None:
 
 
 def _run(
-    cfg: Any, run_dir: Path, bundle: Any, args: argparse.Namespace, writer: _Writer | None
+    plan: Any, run_dir: Path, bundle: Any, args: argparse.Namespace, writer: _Writer | None
 ) -> int:
-    """Train; ``writer`` (rank 0 only) is this process as the run's one writer."""
+    """Train the run of ``plan`` (:class:`comera_engine.runplan.RunPlan`); ``writer`` (rank 0
+    only) is this process as the run's one writer."""
     from comera_engine.metrics import JSONLSink, MultiSink
     from comera_engine.train.loop import train
 
@@ -552,12 +558,13 @@ def _run(
             sink.sinks.extend(_thread_budget(writer.store, sink))
     try:
         result = train(
-            cfg,
+            plan.config,
             run_dir,
             sink,
             resume=args.resume,
             bundle=bundle,
             progress=not args.no_progress,
+            plan=plan,
         )
     finally:
         if sink is not None:

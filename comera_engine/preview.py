@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.config import resolve_schedule, switch_plan
+from comera_engine.runplan.data import data_shape
+
+__all__ = ["LateStage", "LayerPreview", "Preview", "check_runnable", "data_problems",
+           "data_shape", "datasets_for", "default_tt_layers", "late_stage", "make_preview",
+           "memory_problem", "preview", "size_defaults"]
 
 DIGITS_EXAMPLES = 1797
 _FP32 = 4
@@ -218,40 +223,6 @@ class Preview:
 # ------------------------------------------------------------------ dataset shape facts
 
 
-def data_shape(data: dict[str, Any], task: Any = None) -> types.SimpleNamespace:
-    """What ``build_model`` needs to know about a dataset, from its ``[data]`` table and
-    the dataset registry only (no file is read, nothing is downloaded; user files are
-    read for their columns): task, classes, vocabulary, sequence length. ``task``: the
-    run's ``task`` (user data reads it)."""
-    from comera_engine.data.registry import dataset_info, resolve_shape, with_run_task
-
-    data = with_run_task(data, task)
-    info = dataset_info(str(data.get("name", "")))
-    get = {**info.defaults, **data}.get
-    shape = resolve_shape(info)
-    if shape is not None:  # the dataset tells its own shapes (e.g. its tables' sizes)
-        return types.SimpleNamespace(name=info.name, **shape({**info.defaults, **data}))
-    if info.task == "classification":
-        return types.SimpleNamespace(
-            name=info.name, task="classification", num_classes=10, vocab_size=None,
-            seq_len=None, meta={"input_dim": 64},
-        )
-    if info.task in ("nli", "mlm"):
-        return types.SimpleNamespace(
-            name=info.name, task=info.task, num_classes=3 if info.task == "nli" else None,
-            vocab_size=int(get("vocab_size")), seq_len=int(get("seq_len")), meta={"pad_id": 0},
-        )
-    if info.task == "ctr":
-        from comera_engine.data.clicks import NUM_DENSE, normalise_bucket_sizes
-
-        sizes = normalise_bucket_sizes(get("bucket_sizes"))
-        return types.SimpleNamespace(
-            name=info.name, task="ctr", num_classes=2, vocab_size=None, seq_len=None,
-            meta={"num_dense": NUM_DENSE, "bucket_sizes": sizes},
-        )
-    raise ValueError(f"data.name: no preview for the {info.task!r} task of {info.name!r}")
-
-
 def data_problems(data: dict[str, Any], batch_size: int, base_dir: str | Path | None = None
                   ) -> tuple[list[str], list[str]]:
     """``(errors, notes)`` about the dataset choice that can be told without loading it."""
@@ -357,13 +328,15 @@ def available_memory(device: str) -> float | None:
     return None
 
 
-def check_runnable(cfg: Any, nproc: int = 1, base_dir: str | Path | None = None) -> Preview:
+def check_runnable(cfg: Any, nproc: int = 1, base_dir: str | Path | None = None,
+                   plan: Any = None) -> Preview:
     """Everything that can be told before a run is created, in one place (``comera
     launch``, ``comera train`` and the New experiment form call it): the target plan, the
     dataset files and sizes (:func:`data_problems`), a CUDA device when one is asked for,
     and the estimated training memory (weights, gradients, AdamW moments, activations:
     :func:`make_preview`) against what the device has free (``nproc`` processes on one
-    CPU share its memory). Returns the preview.
+    CPU share its memory). ``plan``: the run's plan, when already made
+    (:func:`comera_engine.runplan.plan_run`). Returns the preview.
 
     Raises:
         ConfigError: the first problem, naming the field and the fix.
@@ -390,7 +363,7 @@ def check_runnable(cfg: Any, nproc: int = 1, base_dir: str | Path | None = None)
     if errors:
         field, _, problem = errors[0].partition(": ")
         raise ConfigError(field, problem)
-    pv = make_preview(cfg, "cuda" if cuda else "cpu")
+    pv = make_preview(cfg, "cuda" if cuda else "cpu", plan=plan)
     if pv.errors:
         raise ConfigError(*pv.errors[0])
     if isinstance(cfg.task, dict):  # task.factory: imports, builds a loss and metrics
@@ -475,21 +448,27 @@ def build_meta_model(cfg: Any, shape: types.SimpleNamespace, dense: bool | None 
         return build_model(cfg.model, shape, dense=dense)
 
 
-def make_preview(cfg: Any, device: str = "cpu") -> Preview:
+def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
     """Preview of a validated ``comera_engine.config.Config`` on ``device``
-    (``"cpu"`` or ``"cuda"``)."""
+    (``"cpu"`` or ``"cuda"``). ``plan``: the run's plan
+    (:func:`comera_engine.runplan.plan_run`) when the caller has made it; else it is made
+    here, the trainer's own plan."""
     from torch import nn
 
     from comera_engine.errors import ConfigError
     from comera_engine.layers import TTEmbedding, TTLinear
-    from comera_engine.train.plan import plan_initial_ranks
+    from comera_engine.runplan import plan_run
 
-    shape = data_shape(cfg.data, cfg.task)
     plan_error: tuple[str, str] | None = None
-    try:  # the trainer's own plan: refusals, and the initial ranks chosen from the target
-        cfg, plan = plan_initial_ranks(cfg, shape)
-    except ConfigError as exc:
-        plan, plan_error = None, (exc.field, exc.problem)
+    if plan is None:
+        try:  # refusals, and the initial ranks chosen from the target
+            plan = plan_run(cfg)
+        except ConfigError as exc:
+            plan_error = (exc.field, exc.problem)
+    if plan is not None:
+        cfg, shape = plan.config, plan.shape
+    else:
+        shape = data_shape(cfg.data, cfg.task)
     model = build_meta_model(cfg, shape)
     is_text = shape.seq_len is not None
     tokens = cfg.train.batch_size * (shape.seq_len or 1)

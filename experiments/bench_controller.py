@@ -66,8 +66,8 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
     from comera_engine.models import TaskModel
     from comera_engine.preview import data_shape
     from comera_engine.rank import CoMERA
+    from comera_engine.runplan import plan_initial_ranks
     from comera_engine.train.methods import build_run_model, freeze_gates
-    from comera_engine.train.plan import plan_initial_ranks
     from comera_engine.train.step import TrainStep
 
     cfg = load_config(CONFIGS / f"{config}.toml", base_dir=ROOT)

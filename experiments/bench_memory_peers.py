@@ -82,7 +82,7 @@ def _batches(preset: str, sizes: list[int], path: Path) -> None:
     as plain tensors for the measuring processes."""
     from comera_engine.config import config_from_dict
     from comera_engine.data import build_dataset
-    from comera_engine.train.loop import data_config
+    from comera_engine.runplan import data_config
 
     cfg = config_from_dict(_raw(preset, "dense+adamw"))
     cfg.base_dir = str(ROOT)
@@ -114,8 +114,8 @@ def measure(preset: str, method: str, batch_size: int, batches: Path) -> dict[st
     from comera_engine.models import TaskModel
     from comera_engine.preview import data_shape
     from comera_engine.rank import CoMERA
+    from comera_engine.runplan import plan_initial_ranks
     from comera_engine.train.methods import build_run_model, galore_optimizer
-    from comera_engine.train.plan import plan_initial_ranks
     from comera_engine.train.step import TrainStep
 
     keep_freed_memory_as_training_does()

@@ -10,8 +10,9 @@ RSS before the model was built on CPU.
     python experiments/bench_train_step.py                      # defaults for this machine
     python experiments/bench_train_step.py --presets small --batches 1 32 --steps 10
 
-Writes ``experiments/results/bench_train_step.json`` and replaces the section between
-the ``bench_train_step`` markers of ``docs/BENCHMARKS.md`` with a table.
+Prints a table and writes ``experiments/results/bench_train_step.json``
+(``docs/BENCHMARKS.md`` is generated from committed results by
+``experiments/bench_report.py``; this script no longer edits it).
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "experiments" / "results" / "bench_train_step.json"
-DOC = ROOT / "docs" / "BENCHMARKS.md"
-START, END = "<!-- bench_train_step:start -->", "<!-- bench_train_step:end -->"
 VOCAB, SEQ, CLASSES = 30522, 128, 3
 
 
@@ -165,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep timing steps (up to 200) until this many seconds")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--no-docs", action="store_true", help="do not touch docs/BENCHMARKS.md")
+    parser.add_argument("--no-docs", action="store_true",
+                        help="accepted for old command lines: the docs are never touched")
     parser.add_argument("--render", action="store_true", help="only re-render the last JSON")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON file (default experiments/results/bench_train_step.json)")
@@ -183,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         table = markdown(json.loads(out_json.read_text()))
         print(table)
-        if not args.no_docs:
-            write_doc(table)
         return 0
 
     device = "cuda" if cuda else "cpu"
@@ -223,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(result)
     print()
     print(table)
-    if not args.no_docs:
-        write_doc(table)
     return 0
 
 
@@ -292,19 +288,6 @@ def markdown(result: dict[str, Any]) -> str:
     for r in errors:
         lines.append(f"\nFailed: {r['preset']} batch {r['batch']} {r['variant']}: {r['error']}")
     return "\n".join(lines)
-
-
-def write_doc(table: str) -> None:
-    section = f"{START}\n## Training step: CoMERA vs dense\n\n{table}\n{END}"
-    text = DOC.read_text(encoding="utf-8") if DOC.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        after = rest.split(END, 1)[1]
-        text = before + section + after
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text, encoding="utf-8")
 
 
 def _row_text(r: dict[str, Any]) -> str:

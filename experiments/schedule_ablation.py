@@ -52,7 +52,7 @@ def start_ranks(path: Path) -> list[str]:
     """Overrides pinning the ranks the default schedule starts ``path`` from."""
     from comera_engine.config import load_config
     from comera_engine.preview import data_shape
-    from comera_engine.train.plan import plan_initial_ranks
+    from comera_engine.runplan import plan_initial_ranks
 
     cfg = load_config(path, base_dir=path.parents[2])
     planned, _ = plan_initial_ranks(cfg, data_shape(cfg.data))

@@ -41,3 +41,46 @@ def test_the_contract_catches_a_dashboard_import_of_engine_internals(tmp_path: P
     assert "app.lib.sneaky -> comera_engine.tensor" in out.stdout
     assert "load without torch BROKEN" in out.stdout
     assert "comera_engine.store.heavy -> torch" in out.stdout
+
+
+def _doc_layers() -> list[list[str]]:
+    """The layers table of docs/ARCHITECTURE.md, top to bottom, as module names."""
+    import re
+
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    layers = []
+    for row in rows:
+        names = []
+        for name in re.findall(r"`([^`]+)`", row.split(" | ")[0]):
+            parts = [p for p in name.removesuffix(".py").split("/") if p]
+            if parts[0] == "comera_engine":
+                parts = parts[1:]
+            names.append("app" if parts == ["app"] else f"comera_engine.{parts[0]}")
+        layers.append(sorted(names))
+    return layers
+
+
+def test_the_architecture_page_states_the_contracts_layers() -> None:
+    """docs/ARCHITECTURE.md's table has one row per layer of the contract, in its order,
+    with the same modules (siblings on one row)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the tomli the project depends on there
+        import tomli as tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    contract = next(c for c in config["tool"]["importlinter"]["contracts"]
+                    if c["type"] == "layers")
+    layers = [sorted(m.strip() for m in layer.split("|")) for layer in contract["layers"]]
+    assert _doc_layers() == layers
+
+
+def test_no_module_shadows_a_public_name_of_the_root() -> None:
+    """A submodule named like one of the root's lazy public names (``plan``, ``load``, ...)
+    would replace it on ``comera_engine`` once imported."""
+    import comera_engine
+
+    engine = ROOT / "comera_engine"
+    for name in [*comera_engine._LAZY, "load"]:
+        assert not (engine / name).is_dir() and not (engine / f"{name}.py").is_file(), name

@@ -93,7 +93,7 @@ def test_ranks_from_the_target_start_where_comera_train_starts(key: str) -> None
     run starts where `comera train` starts with the same config: the plan's ranks, at
     least ``headroom`` times the target size (or the full-rank TT)."""
     from comera_engine.preview import data_shape, preview
-    from comera_engine.train.plan import plan_initial_ranks
+    from comera_engine.runplan import plan_initial_ranks
 
     preset = PRESETS[key]
     before = preset.config()
@@ -145,7 +145,7 @@ def test_a_target_beyond_the_floor_is_refused_by_the_engines_plan() -> None:
     """Target 1e9: the config is well formed, the engine's plan refuses it; the preview
     the form shows carries that refusal (the form disables Launch on it)."""
     from comera_engine.preview import preview
-    from comera_engine.train.plan import plan_initial_ranks
+    from comera_engine.runplan import plan_initial_ranks
 
     preset = PRESETS["digits_tt_mlp"]
     raw, _ = form_to_config(preset.config(), _values(preset, target=1e9))

@@ -20,9 +20,9 @@ from comera_engine.errors import ConfigError
 from comera_engine.metrics import JSONLSink, NullSink, read_jsonl
 from comera_engine.models import build_model
 from comera_engine.preview import data_shape
+from comera_engine.runplan import plan_initial_ranks
 from comera_engine.train.loop import train
 from comera_engine.train.methods import build_run_model, galore_optimizer, init_from_dense
-from comera_engine.train.plan import plan_initial_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

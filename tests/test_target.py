@@ -27,8 +27,8 @@ from comera_engine.models import build_model
 from comera_engine.preview import data_shape, make_preview
 from comera_engine.rank import CoMERA, CoMERAObjective, effective_size, plan_target, size_spec
 from comera_engine.rank.target import LayerSpec, SizeSpec, tt_core_size
+from comera_engine.runplan import plan_initial_ranks
 from comera_engine.train.loop import train
-from comera_engine.train.plan import plan_initial_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "experiments" / "configs"

@@ -900,7 +900,7 @@ def test_stage_switch_by_epoch(tmp_path) -> None:
     stages = [r for r in records if r["type"] == "event" and r["kind"] == "stage"]
     cfg = config_from_dict(copy.deepcopy(raw))
     from comera_engine.data import build_dataset
-    from comera_engine.train.loop import data_config
+    from comera_engine.runplan import data_config
 
     n_train = len(build_dataset(data_config(cfg), base_dir=str(ROOT)).train)
     per_epoch = BatchPlan(n_train, 64, cfg.train.seed, 0, 1).steps_per_epoch

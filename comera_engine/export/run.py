@@ -71,10 +71,10 @@ def _resolve_run(run: str | os.PathLike[str], store: Any) -> tuple[Path, str | N
 def resolve_checkpoint(run_dir: Path, checkpoint: str | int | os.PathLike[str] | None) -> Path:
     """The sidecar (``.json``) of a run's checkpoint: newest when ``checkpoint`` is None;
     else a step number, a ``step_XXXXXX`` name, or a path to the ``.json``/``.safetensors``."""
-    from comera_engine.train import checkpoint as ckpt
+    from comera_engine.store.layout import list_checkpoints
 
     ckpt_dir = run_dir / "checkpoints"
-    found = ckpt.list_checkpoints(ckpt_dir)
+    found = list_checkpoints(ckpt_dir)
     if checkpoint is None:
         if not found:
             raise ConfigError("--checkpoint", f"no checkpoint in {ckpt_dir}")
@@ -120,7 +120,7 @@ def _data(cfg: Any, meta: dict[str, Any], run_dir: Path) -> tuple[dict, Any]:
     if isinstance(spec, dict) and spec.get("task"):
         return spec, None
     from comera_engine.data import build_dataset
-    from comera_engine.train.loop import data_config
+    from comera_engine.runplan import data_config
 
     base = cfg.base_dir or os.getcwd()
     try:
@@ -165,7 +165,7 @@ def load_run_model(
     working folder; default: the current folder)."""
     from comera_engine.config import config_from_dict
     from comera_engine.models import build_model
-    from comera_engine.train import checkpoint as ckpt
+    from comera_engine.models import checkpoint as ckpt
 
     run_dir = Path(run_dir)
     sidecar = resolve_checkpoint(run_dir, checkpoint)
@@ -179,9 +179,9 @@ def load_run_model(
     if base_dir is not None:
         cfg.base_dir = str(base_dir)
     spec, bundle = _data(cfg, meta, run_dir)
-    from comera_engine.export.spec import _data_namespace
+    from comera_engine.runplan import data_namespace
 
-    model = build_model(cfg.model, _data_namespace(spec))
+    model = build_model(cfg.model, data_namespace(spec))
     _, tensors = ckpt.load_checkpoint(sidecar)
     state = ckpt.model_state(tensors)
     try:

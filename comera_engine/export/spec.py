@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -33,6 +32,11 @@ from torch import nn
 from comera_engine.config import LINEAR_LAYOUTS
 from comera_engine.errors import ConfigError
 from comera_engine.layers import TTEmbedding, TTLinear
+
+# the data spec a model is rebuilt from: written by the trainer, read by the export
+from comera_engine.runplan.data import data_namespace as _data_namespace
+from comera_engine.runplan.data import data_spec_from_bundle
+from comera_engine.runplan.data import plain as _plain
 
 __all__ = [
     "FAMILIES",
@@ -44,69 +48,6 @@ __all__ = [
 ]
 
 FAMILIES = ("transformer_cls", "transformer_mlm", "dlrm", "tt_mlp", "custom")
-_META_LIST_MAX = 256  # meta lists/tensors longer than this are left out of a data spec
-_META_STR_MAX = 64  # ... and lists of strings longer than this
-
-
-# ------------------------------------------------------------------------ data spec
-def _plain(value: Any) -> Any:
-    """JSON-able copy of a meta value, or ``...`` (Ellipsis) when it should be left out."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() > _META_LIST_MAX:
-            return ...
-        return value.detach().cpu().tolist()
-    if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
-        return value
-    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # numpy scalar
-        return value.item()
-    if isinstance(value, (list, tuple)):
-        if len(value) > _META_LIST_MAX or (
-            len(value) > _META_STR_MAX and any(isinstance(v, str) for v in value)
-        ):
-            return ...  # e.g. the list of source files: not model-facing
-        items = [_plain(v) for v in value]
-        return ... if any(v is ... for v in items) else items
-    if isinstance(value, Mapping):
-        out = {str(k): _plain(v) for k, v in value.items()}
-        return ... if any(v is ... for v in out.values()) else out
-    return ...
-
-
-def data_spec_from_bundle(bundle: Any) -> dict[str, Any]:
-    """The part of a ``DataBundle`` a model builder needs, as plain JSON.
-
-    ``{"name", "task", "num_classes", "vocab_size", "seq_len", "meta"}``; ``meta`` keeps
-    the small JSON-able entries (``pad_id``, ``input_dim``, ``bucket_sizes``, the digits
-    ``mean``/``std``, ...) and lists the ones left out under ``meta_omitted``.
-    """
-    meta, omitted = {}, []
-    for key, value in dict(getattr(bundle, "meta", {}) or {}).items():
-        v = _plain(value)
-        if v is ...:
-            omitted.append(str(key))
-        else:
-            meta[str(key)] = v
-    spec = {
-        "name": getattr(bundle, "name", None),
-        "task": getattr(bundle, "task", None),
-        "num_classes": getattr(bundle, "num_classes", None),
-        "vocab_size": getattr(bundle, "vocab_size", None),
-        "seq_len": getattr(bundle, "seq_len", None),
-        "meta": meta,
-    }
-    if omitted:
-        spec["meta_omitted"] = sorted(omitted)
-    return spec
-
-
-def _data_namespace(spec: Mapping[str, Any]) -> SimpleNamespace:
-    return SimpleNamespace(
-        name=spec.get("name") or "export", task=spec.get("task"),
-        num_classes=spec.get("num_classes"), vocab_size=spec.get("vocab_size"),
-        seq_len=spec.get("seq_len"), meta=dict(spec.get("meta") or {}),
-    )
-
-
 # ------------------------------------------------------------------------ tree specs
 _ACTIVATIONS: dict[str, type[nn.Module]] = {
     "ReLU": nn.ReLU, "Tanh": nn.Tanh, "Sigmoid": nn.Sigmoid, "SiLU": nn.SiLU,

@@ -1,7 +1,7 @@
 """Is the requested compression reachable, and from which ranks? Decided before the
 first step, from shapes alone (docs/SIZE_AND_TARGET.md).
 
-:func:`plan_target` is the one function the trainer (``comera_engine.train.plan``), the
+:func:`plan_target` is the one function the run plan (``comera_engine.runplan``), the
 command line (before any data is read) and the New experiment preview
 (``comera_engine.preview``) call. It takes the TT layers' shapes (:class:`SizeSpec`,
 read off a meta-device model by :func:`comera_engine.rank.size.size_spec`) and returns

@@ -27,12 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
+
+from comera_engine.config import TrainConfig
+
+# reading one back into a model: below the trainer and the export, which both do it
+from comera_engine.models.checkpoint import load_checkpoint, model_state, resize_to_shapes
 
 # complete checkpoints as (step, sidecar path), oldest first, and the one to resume from;
 # torch-free, so the launcher and the supervisor use them too
-from comera_engine.config import TrainConfig
 from comera_engine.store.layout import (
     disk_full_text,
     file_sha256,
@@ -154,40 +158,10 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def load_checkpoint(meta_path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``(sidecar dict, tensors)`` of a checkpoint (tensors on the CPU)."""
-    meta_path = Path(meta_path)
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    tensors = load_file(str(meta_path.with_suffix(".safetensors")), device="cpu")
-    return meta, tensors
 
 
-def model_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model part of a checkpoint's tensors."""
-    return {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
 
 
-def resize_to_shapes(model: nn.Module, shapes: dict[str, list[int]]) -> list[str]:
-    """Give every parameter/buffer named in ``shapes`` that shape (values are garbage until
-    ``load_state_dict``). Parameters keep their identity (only ``.data`` is replaced), as
-    in the TT layers' own truncation. Returns the names that changed."""
-    changed = []
-    with torch.no_grad():
-        for name, shape in shapes.items():
-            module_name, _, leaf = name.rpartition(".")
-            module = model.get_submodule(module_name) if module_name else model
-            param = module._parameters.get(leaf)
-            if param is not None:
-                if list(param.shape) != list(shape):
-                    param.data = param.data.new_empty(shape)
-                    param.grad = None
-                    changed.append(name)
-                continue
-            buf = module._buffers.get(leaf)
-            if buf is not None and list(buf.shape) != list(shape):
-                module._buffers[leaf] = buf.new_empty(shape)
-                changed.append(name)
-    return changed
 
 
 def optimizer_state(

@@ -22,9 +22,9 @@ first steps until a CUDA graph is captured or given up), ``training``, ``evaluat
 (progress over the eval batches), ``checkpointing``, and ``done`` before the final
 status.
 
-Before step 1 the target is planned from shapes alone (:func:`plan_initial_ranks`):
-refused when unreachable, initial ranks chosen from it when ``model.rank`` is not fixed
-and the preset's ranks already compress more than asked.
+Before step 1 the run is planned from shapes alone (:func:`comera_engine.runplan.plan_run`,
+or the plan ``comera train`` made and hands over): the target refused when unreachable,
+initial ranks chosen from it when ``model.rank`` is not fixed.
 
 Metrics per step (through the one :class:`~comera_engine.metrics.MetricsSink`):
 ``loss/task``, ``loss/total``, ``acc/train``, ``grad_norm``, ``comera/*`` (objective
@@ -73,6 +73,7 @@ from comera_engine.metrics import (
 )
 from comera_engine.models import TaskModel, run_task
 from comera_engine.rank import CoMERA, Event
+from comera_engine.runplan import RunPlan, data_config, plan_run
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train import methods
 from comera_engine.train.batches import (
@@ -90,7 +91,6 @@ from comera_engine.train.distributed import (
     resolve_device,
     shutdown,
 )
-from comera_engine.train.plan import plan_initial_ranks
 from comera_engine.train.progress import ProgressBar
 from comera_engine.train.step import GraphedStep, TrainStep, settled
 from comera_engine.train.sysinfo import MemoryMeter
@@ -117,6 +117,7 @@ def train(
     stop_flag: threading.Event | None = None,
     bundle: Any = None,
     progress: bool = True,
+    plan: RunPlan | None = None,
 ) -> TrainResult:
     """Train the run described by ``cfg`` in ``run_dir`` (checkpoints under ``checkpoints/``).
 
@@ -129,6 +130,9 @@ def train(
             checkpoint and status ``stopped``.
         bundle: an already built ``DataBundle`` (else built from ``cfg.data``).
         progress: draw a progress bar on stderr (rank 0).
+        plan: the run's plan (:func:`comera_engine.runplan.plan_run` of ``cfg``; its
+            config, with the initial ranks, is the one trained). ``None``, or a plan made
+            from shape facts the built dataset does not have: planned here from the data.
     """
     run_dir = Path(run_dir)
     stop_flag = stop_flag or threading.Event()
@@ -142,7 +146,8 @@ def train(
     restore_signals = _install_signal_handlers(stop_flag)
     finished = False
     try:
-        run = _Run(cfg, run_dir, sink, dist, device, stop_flag, bundle, progress and dist.is_main)
+        run = _Run(cfg, run_dir, sink, dist, device, stop_flag, bundle, progress and dist.is_main,
+                   plan)
         try:
             result = run.fit(resume)
             finished = True
@@ -177,6 +182,7 @@ class _Run:
         stop_flag: threading.Event,
         bundle: Any,
         progress: bool,
+        plan: RunPlan | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.sink, self.dist = cfg, run_dir, sink, dist
         self.device, self.stop_flag, self.show_progress = device, stop_flag, progress
@@ -199,7 +205,9 @@ class _Run:
         self._set_phase("building")
         self.bundle = bundle
         # the target's feasibility and the initial ranks, before any weight is made
-        cfg, self.target_plan = plan_initial_ranks(cfg, bundle)
+        if plan is None or not plan.fits(bundle):
+            plan = plan_run(cfg, bundle)
+        cfg, self.target_plan = plan.config, plan.target
         self.cfg = cfg
         _seed_everything(t.seed)
         # the method's model: CoMERA's, fixed ranks, TT-SVD of a dense run (train/methods.py)
@@ -675,15 +683,6 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def data_config(cfg: Config) -> dict[str, Any]:
-    """The ``[data]`` table as ``build_dataset`` takes it (``seed`` defaults to train.seed)."""
-    from comera_engine.data.registry import with_run_task
-
-    data = dict(cfg.data)
-    data.setdefault("seed", cfg.train.seed)
-    return with_run_task(data, cfg.task)
 
 
 def _to_floats(out: dict[str, Any]) -> tuple[dict[str, float], list[float] | None]:

@@ -42,7 +42,7 @@ __all__ = ["GALORE_MIN_SIDE", "apply_bond_ranks", "build_run_model", "freeze_gat
 def build_run_model(cfg: Config, data: Any, plan: Any = None) -> nn.Module:
     """The run's model for its method: :func:`~comera_engine.models.build_model`, then for
     ``comera.method`` ``"fixed"`` / ``"tt_svd"`` the planned per-bond ranks
-    (``plan.bond_ranks`` from :func:`~comera_engine.train.plan.plan_initial_ranks`, if
+    (``plan.bond_ranks`` from :func:`~comera_engine.runplan.plan_initial_ranks`, if
     any) and frozen gates, and for ``"tt_svd"`` the TT-SVD initialisation from
     ``model.init_from``.
 

@@ -1,0 +1,54 @@
+"""docs/BENCHMARKS.md is generated from the committed results JSON by
+experiments/bench_report.py: the committed page is the script's output, every table on it
+names its command and machine, and it stays a reference (at most a third of the 68 KB
+diary it replaced)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("bench_report",
+                                                  ROOT / "experiments" / "bench_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_page_is_the_scripts_output() -> None:
+    page = (ROOT / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert page == _report().render(), "stale: run python experiments/bench_report.py"
+
+
+def test_every_table_names_its_command_machine_and_results_file() -> None:
+    page = (ROOT / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8")
+    sections = re.split(r"^## ", page, flags=re.M)[1:]
+    assert len(sections) >= 5
+    for text in sections:
+        if text.startswith("Measured again on demand"):
+            assert "`python experiments/bench_tt_linear.py`" in text
+            continue
+        assert re.search(r"`(python experiments/\w+\.py|make reproduce)", text), text[:80]
+        assert "experiments/results/" in text and ("Machine: " in text or "machine" in text)
+    assert len(page.encode()) <= 68_000 // 3
+
+
+def test_only_committed_results_feed_the_page(tmp_path: Path) -> None:
+    """Every file the page reads is one git keeps (not ignored), and a missing file
+    drops its section instead of failing."""
+    import subprocess
+
+    report = _report()
+    names = [name for name, _ in report.SECTIONS]
+    ignored = subprocess.run(["git", "check-ignore", *[f"experiments/results/{n}" for n in names]],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert ignored.stdout.strip() == "", ignored.stdout
+    (tmp_path / "reproduce").mkdir()
+    empty = report.render(tmp_path)
+    assert "## What the rank controller costs" not in empty
+    assert "## Measured again on demand" in empty
