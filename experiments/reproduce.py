@@ -403,9 +403,11 @@ def task_grid(task: Task, args: argparse.Namespace, targets: list[float]
               ) -> tuple[list[str], list[float]]:
     """The methods and targets ``task`` runs: the command line's, else every method and
     every target but, at CPU size (not ``--quick``), the task's ``cpu_skip`` methods and
-    only its ``cpu_targets`` when it has them."""
+    only its ``cpu_targets`` when it has them; ``--quick`` leaves out CoMERA's other
+    schedules (the ``comera`` method with one more setting)."""
     cpu = args.scale == "cpu" and not args.quick
-    methods = args.methods or [m for m in METHODS if not (cpu and m in task.cpu_skip)]
+    methods = args.methods or [m for m in METHODS if not (cpu and m in task.cpu_skip)
+                               and not (args.quick and m in SCHEDULES)]
     if not args.targets and cpu and task.cpu_targets:
         targets = list(task.cpu_targets)
     return [m for m in methods if task.linear or not METHODS[m].linear_only], targets

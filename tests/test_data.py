@@ -79,7 +79,7 @@ print("ok")
 def test_registry_lists_all_names():
     assert available_datasets() == sorted(
         ["clicks", "clicks_synthetic", "code_mlm", "digits", "mnli", "nli", "snli",
-         "movielens", "adult", "reviews"]
+         "movielens", "adult", "reviews", "files", "factory"]
     )
 
 

@@ -277,7 +277,7 @@ def test_gate_balancing_keeps_the_function_and_moves_the_scale_into_the_gates() 
     after = lin(x), emb(ids)
     torch.testing.assert_close(after[0], before[0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(after[1], before[1], rtol=1e-10, atol=1e-12)
-    assert float(lin.tt.gates[1][2]) == 0.0 and not bool(lin.tt.alive(1)[2])
+    assert float(lin.tt.gates[1][2].detach()) == 0.0 and not bool(lin.tt.alive(1)[2])
     for layer in (lin, emb):
         tt = layer.tt
         core = tt.cores[0]  # the first core has one bond: its right slices are at target
