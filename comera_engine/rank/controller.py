@@ -475,11 +475,7 @@ class CoMERA:
                                     f"size {new:.0f}", {"size": new, "changes": changes}))
             size = new
         self._sync_counts()
-        self.freeze()
-        dense = dense_size(self.model)[self.cfg.target_scope]
-        events.append(Event(step, "target_met", f"target size reached at step {step}: "
-                            f"{size:.0f} params ({dense / size:.1f}x); ranks fixed from here",
-                            {"size": size, "compression": dense / size}))
+        events.append(self._target_met(step, size))
         return events
 
     def _stop_at_target(self, step: int, counts: list[float] | None) -> Event | None:
@@ -493,6 +489,10 @@ class CoMERA:
         size = self.current_size(counts)
         if size > float(obj.target_size):
             return None
+        return self._target_met(step, size)
+
+    def _target_met(self, step: int, size: float) -> Event:
+        """Fix the ranks at ``size`` (at the target): the ``target_met`` event."""
         self.freeze()
         dense = dense_size(self.model)[self.cfg.target_scope]
         return Event(step, "target_met", f"target size reached at step {step}: {size:.0f} "

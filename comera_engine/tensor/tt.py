@@ -253,9 +253,8 @@ class TensorTrain(nn.Module):
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        _structure_changed()  # with assign=True the tensors are replaced
         super()._load_from_state_dict(*args, **kwargs)
-        _structure_changed()
+        _structure_changed()  # with assign=True the tensors were replaced
 
     # ----------------------------------------------------------------- structure
     @property
