@@ -103,18 +103,20 @@ def test_kernels_compile_ahead_for_a100_and_h100_without_spills(tmp_path) -> Non
 
 
 def test_bench_kernels_smoke_run(tmp_path) -> None:
-    """experiments/bench_kernels.py runs its three variants and writes its JSON (here
-    interpreted on the CPU at a tiny shape: the code path, not a timing)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    """experiments/bench_kernels.py runs its three variants, eager and in a CUDA graph
+    where there is one, and writes its JSON (at a tiny shape: the code path, not a
+    timing): interpreted on the CPU, compiled on a GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0"}
     out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_kernels.py"),
-                          "--device", "cpu", "--shapes", "64x48", "--tokens", "37",
+                          "--device", DEVICE, "--shapes", "64x48", "--tokens", "37",
                           "--rank", "6", "--reps", "1", "--rounds", "1", "--out",
                           str(tmp_path)], capture_output=True, text=True, timeout=300,
                          env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())["rows"]
-    assert len(rows) == 1 and set(rows[0]["ms"]) == {"fused", "halves", "nn.Linear"}
-    assert all(v > 0 for v in rows[0]["ms"].values())
+    rows = json.loads((tmp_path / f"bench_kernels_{DEVICE}.json").read_text())["rows"]
+    assert len(rows) == (2 if DEVICE == "cuda" else 1)  # eager, and graphed on a GPU
+    assert all(set(r["ms"]) == {"fused", "halves", "nn.Linear"} for r in rows)
+    assert all(v > 0 for r in rows for v in r["ms"].values())
 
 
 def test_tt_linear_layer_runs_its_halves_path_on_the_fused_kernels(monkeypatch) -> None:

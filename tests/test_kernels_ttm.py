@@ -80,25 +80,61 @@ def test_backward_is_deterministic_and_empty_ids_are_fine() -> None:
         K.lookup(ids, A, Bt[:, :3])
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA graph needs a GPU (run by "
+                    "experiments/gpu_check.sh tests)")
+def test_lookup_and_backward_replay_in_a_cuda_graph() -> None:
+    """Forward and backward captured in one CUDA graph (no host sync inside: the
+    segment counts stay on the device), replayed on new ids, equal to eager."""
+    A64, Bt64 = _tables((7, 3), (3, 5), 30, 1, torch.float32)
+    A = A64.float().cuda().requires_grad_()
+    Bt = Bt64.float().cuda().requires_grad_()
+    ids = torch.randint(0, 21, (64,), device="cuda")
+    dy = torch.randn(64, 15, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture, as torch.cuda.graphs asks
+        K.ttm_lookup_fused(ids, A, Bt).backward(dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    A.grad = Bt.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.ttm_lookup_fused(ids, A, Bt)
+        out.backward(dy)
+    for seed in (1, 2):
+        new = torch.randint(0, A.shape[0] * Bt.shape[0], (64,),
+                            generator=torch.Generator().manual_seed(seed)).cuda()
+        ids.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        Ae, Bte = A.detach().clone().requires_grad_(), Bt.detach().clone().requires_grad_()
+        eager = K.ttm_lookup_fused(new, Ae, Bte)
+        eager.backward(dy)
+        torch.testing.assert_close(out, eager, **TOL[torch.float32])
+        torch.testing.assert_close(A.grad, Ae.grad, **TOL[torch.float32])
+        torch.testing.assert_close(Bt.grad, Bte.grad, **TOL[torch.float32])
+
+
 def test_bench_kernels_ttm_smoke_run(tmp_path) -> None:
-    """experiments/bench_kernels_ttm.py runs its three variants and writes its JSON (here
-    interpreted on the CPU at a tiny shape: the code path, not a timing)."""
+    """experiments/bench_kernels_ttm.py runs its three variants, eager and in a CUDA graph
+    where there is one, and writes its JSON (at a tiny shape: the code path, not a
+    timing): interpreted on the CPU, compiled on a GPU."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0"}
     out = subprocess.run([sys.executable, str(root / "experiments" / "bench_kernels_ttm.py"),
-                          "--device", "cpu", "--tokens", "37", "--rows", "5", "4", "3",
+                          "--device", DEVICE, "--tokens", "37", "--rows", "5", "4", "3",
                           "--cols", "2", "3", "2", "--rank", "5", "--reps", "1", "--rounds",
                           "1", "--out", str(tmp_path)], capture_output=True, text=True,
                          timeout=300, env=env, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((tmp_path / "bench_kernels_ttm_cpu.json").read_text())["rows"]
-    assert len(rows) == 1 and set(rows[0]["ms"]) == {"fused", "gather", "nn.Embedding"}
-    assert all(v > 0 for v in rows[0]["ms"].values())
+    rows = json.loads((tmp_path / f"bench_kernels_ttm_{DEVICE}.json").read_text())["rows"]
+    assert len(rows) == (2 if DEVICE == "cuda" else 1)  # eager, and graphed on a GPU
+    assert all(set(r["ms"]) == {"fused", "gather", "nn.Embedding"} for r in rows)
+    assert all(v > 0 for r in rows for v in r["ms"].values())
 
 
 def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch) -> None:

@@ -622,6 +622,7 @@ def _train_on_two_processes(tmp_path: Path, raw: dict[str, Any], run_dir: Path,
     """``comera train`` of ``raw`` under torchrun with 2 gloo processes (1 thread each),
     through ``launcher`` (a test launcher's source, which ends in ``cli.main()``) when
     given, its ``launcher_args`` before the command."""
+    raw = {**raw, "train": {**raw.get("train", {}), "device": "cpu"}}  # gloo, on a GPU box too
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(to_toml(config_from_dict(raw)))
     entry = ["-m", "comera_engine.cli"]

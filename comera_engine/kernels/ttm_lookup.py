@@ -144,9 +144,13 @@ def lookup(ids: Tensor, A: Tensor, Bt: Tensor) -> Tensor:
 
 
 def _segments(keys: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Ids ordered by ``keys`` (stable), and per key value its start and count."""
+    """Ids ordered by ``keys`` (stable), and per key value its start and count. The
+    counts by an integer ``index_add_`` into ``n`` slots (exact, and no host sync:
+    ``bincount`` sizes its output from the keys' max on the host, which a CUDA graph
+    capture refuses)."""
     order = torch.sort(keys, stable=True).indices
-    count = torch.bincount(keys, minlength=n)[:n]
+    count = torch.zeros(n, dtype=torch.long, device=keys.device).index_add_(
+        0, keys, torch.ones_like(keys))
     start = torch.cumsum(count, 0) - count
     return order, start, count
 
