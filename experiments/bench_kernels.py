@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
-from benchlib import graph_or_eager, median_ms, print_table, write_json  # noqa: E402
+from benchlib import graph_or_eager, machine, median_ms, print_table, write_json  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.kernels.tt_linear import tt_linear_chain  # noqa: E402
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("nn.Linear ms", "nn.Linear ms", ".3f"),
                        ("vs halves", "fused vs halves", ".2f"),
                        ("vs linear", "fused vs nn.Linear", ".2f")])
-    path = write_json(f"bench_kernels_{args.device.split(':')[0]}", {"rows": rows},
+    payload = {"machine": machine(), "command": " ".join(["python", *sys.argv]), "rows": rows}
+    path = write_json(f"bench_kernels_{args.device.split(':')[0]}", payload,
                       Path(args.out))
     print(f"wrote {path}")
     return 0

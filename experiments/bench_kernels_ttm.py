@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
-from benchlib import graph_or_eager, median_ms, print_table, write_json  # noqa: E402
+from benchlib import graph_or_eager, machine, median_ms, print_table, write_json  # noqa: E402
 
 from comera_engine.kernels.ttm_lookup import ttm_lookup_fused  # noqa: E402
 from comera_engine.ops.ttm_lookup import merge_tables, split_point  # noqa: E402
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("nn.Embedding ms", "nn.Embedding ms", ".3f"),
                        ("vs gather", "fused vs gather", ".2f"),
                        ("vs embedding", "fused vs nn.Embedding", ".2f")])
-    path = write_json(f"bench_kernels_ttm_{args.device.split(':')[0]}", {"rows": out_rows},
+    payload = {"machine": machine(), "command": " ".join(["python", *sys.argv]), "rows": out_rows}
+    path = write_json(f"bench_kernels_ttm_{args.device.split(':')[0]}", payload,
                       Path(args.out))
     print(f"wrote {path}")
     return 0

@@ -103,11 +103,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         counts = out["gate_counts"].tolist() if "gate_counts" in out else None
         state.step(optimizer, loss=float(out["loss/task"]), counts=counts, truncate=False)
 
+    if cuda:  # before the warm-up: a CUDA graph's capture allocates what its replays reuse
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(spec["warmup"]):
         after(runner(batch))
     sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     times = []
     while len(times) < spec["steps"] or (
             sum(times) < spec.get("min_seconds", 0.0) and len(times) < 200):
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": "python experiments/bench_train_step.py " + " ".join(argv or sys.argv[1:]),
+        "peak_from": "before warm-up",  # a CUDA graph's capture counts (see measure)
         "rows": rows,
         "ratios": ratios(rows),
     }
@@ -275,7 +276,9 @@ def markdown(result: dict[str, Any]) -> str:
         "Median of the timed steps after warm-up (at least `--steps`, more until "
         "`--min-seconds` of steps were timed, at most 200); speed-up and memory ratio are "
         "dense / "
-        "CoMERA. Peak memory: `torch.cuda.max_memory_allocated` on GPU; on CPU the "
+        "CoMERA. Peak memory: `torch.cuda.max_memory_allocated` on GPU from before the "
+        "warm-up (so a CUDA graph's capture, whose memory its replays reuse, counts); on "
+        "CPU the "
         "process's peak RSS minus its RSS before the model was built (each configuration "
         "runs in its own process). Params ratio: dense / CoMERA effective parameters.",
     ]

@@ -8,10 +8,10 @@ and the PyTorch reference it is tested against).
 
 Nothing here is imported by the CPU path: CPU tensors never touch Triton, and the package
 imports without it. :func:`enabled` says whether the kernels may be used: **opt-in**
-(``COMERA_KERNELS=1``) until they have run on a GPU and can be compiled at install time
-(Triton compiles a kernel on its first launch, and nothing may compile inside a run).
-What has run on a real GPU and what has only been interpreted and compiled ahead is
-listed in README.md.
+(``COMERA_KERNELS=1``). They pass their tests compiled on a GPU, but inside the CUDA graph
+the trainer uses the fused TT-linear is slower than the PyTorch halves path it replaces
+(docs/BENCHMARKS.md, "On a GPU"), and Triton compiles a kernel on its first launch, while
+nothing may compile inside a run.
 """
 
 from __future__ import annotations
