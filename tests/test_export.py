@@ -500,6 +500,12 @@ def _hostile_cases(good: Path, d: Path) -> list[tuple[Path, str | None]]:
     add("deep.safetensors", hdr, data, "'comera' is not valid JSON")
     add("rank.safetensors", _with_doc(header, lambda d_: d_["model"]["model_config"].__setitem__(
         "rank", 10**9)), data, None)  # a huge allocated rank is harmless: loads at file ranks
+    # a header whose length field starts like a pickle (80 02..80 05) is still safetensors
+    text = json.dumps(header).encode()
+    size = next(t for t in (0x280, 0x380, 0x480, 0x580) if t >= len(text))
+    like = d / "pickle_length.safetensors"
+    like.write_bytes(struct.pack("<Q", size) + text.ljust(size) + data)
+    cases.append((like, None))
     # input statistics (the data spec's arrays, tensors meta:<key>) that would divide by
     # zero, be huge, not fit the network, be integers or stand for a JSON entry
     def stats(mean: torch.Tensor, std: torch.Tensor) -> tuple[dict, bytes]:
