@@ -448,10 +448,22 @@ def good_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         family_metadata("tt_mlp")).path
 
 
+def _with_tensors(header: dict, data: bytes, extra: dict[str, torch.Tensor]
+                  ) -> tuple[dict, bytes]:
+    """``header`` and ``data`` with ``extra`` float tensors appended."""
+    header = json.loads(json.dumps(header))
+    for name, t in extra.items():
+        raw = t.numpy().tobytes()
+        header[name] = {"dtype": {torch.float32: "F32", torch.float16: "F16",
+                                  torch.int64: "I64"}[t.dtype],
+                        "shape": list(t.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    return header, data
+
+
 def _hostile_cases(good: Path, d: Path) -> list[tuple[Path, str | None]]:
     header, data = _split(good)
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    core = next(k for k in tensors if k.endswith(".tt.cores"))
+    n = header["params"]["shape"][0]  # every weight, packed (comera_engine/export/packed.py)
     cases = []
 
     def add(name: str, hdr: dict, payload: bytes, match: str | None) -> None:
@@ -461,11 +473,11 @@ def _hostile_cases(good: Path, d: Path) -> list[tuple[Path, str | None]]:
     def bump_rank(doc: dict) -> None:
         doc["tt_layers"][0]["ranks"][1] -= 1
     add("ranks.safetensors", _with_doc(header, bump_rank), data,
-        rf"tensor '{core}' has shape .* says")
-    # a dense parameter whose declared shape disagrees with the config (same byte count)
+        r"tensor 'params' has shape .* says")
+    # the packed weights declared in another shape (same byte count)
     hdr = json.loads(json.dumps(header))
-    hdr["out.weight"]["shape"] = hdr["out.weight"]["shape"][::-1]
-    add("shape.safetensors", hdr, data, r"tensor 'out.weight' has shape \[256, 10\]")
+    hdr["params"]["shape"] = [1, n]
+    add("shape.safetensors", hdr, data, rf"tensor 'params' has shape \[1, {n}\]")
     # ranks beyond the maximal TT rank, unknown family / builder / module type, bad version
     add("cap.safetensors", _with_doc(header, lambda d_: d_["tt_layers"][0]["ranks"].__setitem__(
         0, 10**6)), data, "exceeds the maximal TT rank")
@@ -480,7 +492,7 @@ def _hostile_cases(good: Path, d: Path) -> list[tuple[Path, str | None]]:
         "format_version", 99)), data, "format_version: 99 is not supported")
     # a config declaring a huge model: refused from shapes alone (nothing allocated)
     add("huge.safetensors", _with_doc(header, lambda d_: d_["model"]["model_config"].__setitem__(
-        "hidden", [2**30, 2**30])), data, r"factors: .* disagree with the model's")
+        "hidden", [2**30, 2**30])), data, r"tensor 'params' has shape .* says \[\d{10,}\]")
     add("long.safetensors", _with_doc(header, lambda d_: d_["model"]["model_config"].__setitem__(
         "hidden", [8] * 5000)), data, "exceeds the limit 4096")
     hdr = json.loads(json.dumps(header))
@@ -488,19 +500,31 @@ def _hostile_cases(good: Path, d: Path) -> list[tuple[Path, str | None]]:
     add("deep.safetensors", hdr, data, "'comera' is not valid JSON")
     add("rank.safetensors", _with_doc(header, lambda d_: d_["model"]["model_config"].__setitem__(
         "rank", 10**9)), data, None)  # a huge allocated rank is harmless: loads at file ranks
-    # an input pipeline that would divide by zero, name an unknown kind or be huge
-    pixels = {"kind": "pixels", "scale": 0.0625, "mean": [0.0] * 64, "std": [1.0] * 64}
-    add("std.safetensors", _with_doc(header, lambda d_: d_.__setitem__(
-        "input_pipeline", {**pixels, "std": [0.0] * 64})), data,
+    # a header whose length field starts like a pickle (80 02..80 05) is still safetensors
+    text = json.dumps(header).encode()
+    size = next(t for t in (0x280, 0x380, 0x480, 0x580) if t >= len(text))
+    like = d / "pickle_length.safetensors"
+    like.write_bytes(struct.pack("<Q", size) + text.ljust(size) + data)
+    cases.append((like, None))
+    # input statistics (the data spec's arrays, tensors meta:<key>) that would divide by
+    # zero, be huge, not fit the network, be integers or stand for a JSON entry
+    def stats(mean: torch.Tensor, std: torch.Tensor) -> tuple[dict, bytes]:
+        return _with_tensors(header, data, {"meta:mean": mean, "meta:std": std})
+    add("std.safetensors", *stats(torch.zeros(64), torch.zeros(64)),
         "input_pipeline.std: must be a list of positive numbers")
-    add("kind.safetensors", _with_doc(header, lambda d_: d_.__setitem__(
-        "input_pipeline", {**pixels, "kind": "eval"})), data, "input_pipeline.kind")
-    add("wide.safetensors", _with_doc(header, lambda d_: d_.__setitem__(
-        "input_pipeline", {**pixels, "mean": [0.0] * 10**4})), data,
-        "input_pipeline.mean: must be a list of finite numbers")
-    add("narrow.safetensors", _with_doc(header, lambda d_: d_.__setitem__(
-        "input_pipeline", {**pixels, "mean": [0.0] * 8, "std": [1.0] * 8})), data,
+    add("wide.safetensors", *stats(torch.zeros(10**4), torch.ones(64)),
+        "tensor 'meta:mean': must be a float16 or float32 vector of 1 to 4096 values")
+    add("narrow.safetensors", *stats(torch.zeros(8), torch.ones(8)),
         "input_pipeline.mean: has 8 entries, the network takes 64")
+    add("int.safetensors", *stats(torch.zeros(64, dtype=torch.int64), torch.ones(64)),
+        "tensor 'meta:mean': must be a float16 or float32 vector")
+    add("taken.safetensors", *_with_tensors(header, data, {"meta:input_dim": torch.ones(1)}),
+        "tensor 'meta:input_dim': names no free entry")
+    # a file of format 2 is still read, its input pipeline checked as it was
+    pixels = {"kind": "pixels", "scale": 0.0625, "mean": [0.0] * 64, "std": [1.0] * 64}
+    add("kind.safetensors", _with_doc(header, lambda d_: d_.update(
+        format_version=2, input_pipeline={**pixels, "kind": "eval"})), data,
+        "input_pipeline.kind")
     # JSON metadata that is not an object; no CoMERA metadata at all
     hdr = json.loads(json.dumps(header))
     hdr["__metadata__"]["comera"] = "[1, 2, 3]"
@@ -510,24 +534,19 @@ def _hostile_cases(good: Path, d: Path) -> list[tuple[Path, str | None]]:
     add("plain.safetensors", hdr, data, "not a CoMERA export")
     # a missing tensor and an extra unknown tensor (offsets kept consistent)
     hdr = json.loads(json.dumps(header))
-    entry = hdr.pop("out.bias")
-    b, e = entry["data_offsets"]
-    for v in hdr.values():
-        if isinstance(v, dict) and "data_offsets" in v and v["data_offsets"][0] >= e:
-            v["data_offsets"] = [v["data_offsets"][0] - (e - b), v["data_offsets"][1] - (e - b)]
-    add("missing.safetensors", hdr, data[:b] + data[e:], "tensor 'out.bias' is missing")
+    del hdr["params"]
+    add("missing.safetensors", hdr, b"", "tensor 'params' is missing")
     hdr = json.loads(json.dumps(header))
     hdr["extra.weight"] = {"dtype": "F32", "shape": [2], "data_offsets": [len(data),
                                                                          len(data) + 8]}
     add("extra.safetensors", hdr, data + bytes(8), "unknown tensor 'extra.weight'")
     # byte ranges that overlap / lie outside the data / disagree with the shape
     hdr = json.loads(json.dumps(header))
-    hdr["out.bias"]["data_offsets"] = [0, hdr["out.bias"]["data_offsets"][1]
-                                       - hdr["out.bias"]["data_offsets"][0]]
+    hdr["extra"] = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
     add("overlap.safetensors", hdr, data, "overlapping or gapped")
     hdr = json.loads(json.dumps(header))
-    hdr["out.bias"]["shape"] = [11]
-    add("bytes.safetensors", hdr, data, "needs 44")
+    hdr["params"]["shape"] = [n + 1]
+    add("bytes.safetensors", hdr, data, f"needs {4 * (n + 1)}")
     # truncated file, random bytes, huge declared header, header that is not JSON
     trunc = d / "truncated.safetensors"
     trunc.write_bytes(good.read_bytes()[:-100])
@@ -631,8 +650,7 @@ def test_nan_weights_load_with_a_warning_and_a_million_entries_are_refused_fast(
     from comera_engine.export.core import NonFiniteWeightsWarning
 
     header, data = _split(good_file)
-    core = next(k for k in header if k.endswith(".tt.cores"))
-    begin = header[core]["data_offsets"][0]
+    begin = header["params"]["data_offsets"][0]
     nan = struct.pack("<f", float("nan"))
     bad = _raw_safetensors(tmp_path / "nan.safetensors", header,
                            data[:begin] + nan + data[begin + 4:])

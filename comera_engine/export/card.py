@@ -1,15 +1,29 @@
-"""The model card: a markdown file beside every export (``<file>.md``)."""
+"""The model card: a markdown file beside every export (``<file>.md``).
+
+A safetensors export's header holds only what ``comera_engine.load`` needs; what
+describes the export (:data:`PROVENANCE`: run, config, data set, metrics, sizes, library,
+time) is in its card, readable, and once more as a JSON block at its end, which
+:func:`read_card_metadata` reads back (``comera_engine.export.read_metadata`` adds it).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from comera_engine.config import method_label
+from comera_engine.export.quant import INT8_SCALES
 from comera_engine.metrics import SCOPE_LABELS, compression_scope
 
-__all__ = ["model_card"]
+__all__ = ["PROVENANCE", "model_card", "read_card_metadata"]
+
+#: The metadata a safetensors export keeps in its card rather than in its header.
+PROVENANCE = ("name", "created", "library", "config", "dataset", "metrics", "run", "sizes")
+_BLOCK = "## Metadata"
+_MAX_CARD_BYTES = 16 * 1024 * 1024
 
 
 def _bytes(n: float | int | None) -> str:
@@ -167,13 +181,38 @@ def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
         lines += ["The file is a plain `state_dict` (`nn.Linear`/`nn.Embedding` with the "
                   "reconstructed TT weights) of the dense baseline of the same architecture; "
                   "`safetensors.torch.load_file` reads it directly, and the JSON metadata "
-                  "(`safetensors.safe_open(...).metadata()['comera']`) holds the config "
-                  "and the input pipeline.", ""]
+                  "(`safetensors.safe_open(...).metadata()['comera']`) holds the recipe "
+                  "that rebuilds it (the input statistics are the tensors `meta:<key>`).",
+                  ""]
     else:
         lines += ["TT layers come back as `TTLinear`/`TTEmbedding` at the exported ranks "
                   "(gates absorbed, set to 1). `comera_engine.export.read_metadata(path)` "
-                  "returns this metadata without loading any tensor.", ""]
+                  "returns the file's metadata and this card's JSON block without loading "
+                  "the weights.", ""]
     return lines
+
+
+def _provenance(doc: dict[str, Any]) -> list[str]:
+    """The JSON block that ends a safetensors export's card."""
+    block = {k: doc[k] for k in PROVENANCE if doc.get(k) is not None}
+    return [_BLOCK, "", "What this export records besides its weights (the file itself "
+            "holds only what `comera_engine.load` needs):", "", "```json",
+            json.dumps(block, indent=1, allow_nan=False), "```", ""]
+
+
+def read_card_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON block of a model card (``{}`` when the card is missing, too large, or has
+    no readable block)."""
+    p = Path(path)
+    try:
+        if not p.is_file() or p.stat().st_size > _MAX_CARD_BYTES:
+            return {}
+        text = p.read_text(encoding="utf-8")
+        start = text.index("```json\n", text.rindex(f"\n{_BLOCK}\n")) + len("```json\n")
+        doc = json.loads(text[start: text.index("\n```", start)])
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def _target_line(doc: dict[str, Any]) -> str | None:
@@ -196,13 +235,15 @@ def _target_line(doc: dict[str, Any]) -> str | None:
 
 
 def _stored_words(doc: dict[str, Any]) -> str:
-    storage = doc.get("storage") or {}
-    dtype = storage.get("dtype", "float32")
-    if dtype != "int8":
-        return str(dtype)
-    scales = storage.get("scales") or {}
-    return ("int8 with float32 scales (" + ", ".join(f"{k.replace('_', ' ')} {v}"
-                                                     for k, v in scales.items()) + ")")
+    dtype = (doc.get("storage") or {}).get("dtype", "float32")
+    return f"int8 with {INT8_SCALES}" if dtype == "int8" else str(dtype)
+
+
+def _rest(result: Any) -> str:
+    """What the file holds besides the model's tensors."""
+    stats = (f"{result.input_bytes:,} bytes of input statistics and " if getattr(
+        result, "input_bytes", 0) else "")
+    return f"plus {stats}a {result.header_bytes:,}-byte header"
 
 
 def model_card(result: Any, sha256: str) -> str:
@@ -263,14 +304,13 @@ def model_card(result: Any, sha256: str) -> str:
     stored = (doc.get("storage") or {}).get("dtype", "float32")
     if result.format == "compressed" and stored != "float32":
         lines += [f"The file holds {result.tensor_bytes:,} bytes of tensors: the weights in "
-                  f"{stored} ({_stored_words(doc)}), against `size_report`'s "
-                  f"{_bytes(m.get('effective_bytes'))} in float32, plus a "
-                  f"{result.header_bytes:,}-byte header. `comera_engine.load` gives the "
-                  "weights back in float32 (q · scale).", ""]
+                  f"{_stored_words(doc)}, against `size_report`'s "
+                  f"{_bytes(m.get('effective_bytes'))} in float32, {_rest(result)}. "
+                  "`comera_engine.load` gives the weights back in float32 (q · scale).", ""]
     elif result.format == "compressed":
         lines += [f"The file holds {result.tensor_bytes:,} bytes of tensors, equal to "
-                  f"`size_report`'s effective size ({result.expected_bytes:,} bytes), plus a "
-                  f"{result.header_bytes:,}-byte header.", ""]
+                  f"`size_report`'s effective size ({result.expected_bytes:,} bytes), "
+                  f"{_rest(result)}.", ""]
     elif result.format == "onnx":
         onnx = doc.get("onnx") or {}
         diff = onnx.get("max_abs_diff")
@@ -330,4 +370,6 @@ def model_card(result: Any, sha256: str) -> str:
             lines.append(f"- tokenizer `{tok.get('file')}` (sha256 `{tok.get('sha256')}`)")
         lines.append("")
     lines += _usage(result, doc)
+    if result.format != "onnx":  # an ONNX file keeps all of its metadata itself
+        lines += _provenance(doc)
     return "\n".join(lines).rstrip() + "\n"

@@ -84,11 +84,15 @@ class Header:
 
 
 def _sniff(head: bytes) -> str | None:
-    """What a non-safetensors file looks like, from its first bytes."""
+    """What a non-safetensors file looks like, from its first (nine) bytes. A safetensors
+    header of 640 bytes starts ``80 02 00 00 00 00 00 00 7b`` as a pickle starts
+    ``80 02``: a length field whose high bytes are 0 followed by the JSON's ``{`` is read
+    as safetensors (its header is then parsed as JSON, never unpickled)."""
     if head[:4] == b"PK\x03\x04":
         return ("a zip archive (torch.save checkpoints are zip files of pickles); "
                 "only safetensors files are read and pickles are never loaded")
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+    if (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+            and head[4:9] != b"\x00\x00\x00\x00{"):
         return "a Python pickle; refusing it (pickles can run code and are never loaded)"
     return None
 
@@ -107,13 +111,13 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         raise BadExportFile(path, "not a file")
     size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
+        head = f.read(9)
         if len(head) < 8:
             raise BadExportFile(path, f"too short to be a safetensors file ({size} bytes)")
         what = _sniff(head)
         if what is not None:
             raise BadExportFile(path, f"not a safetensors file: it is {what}")
-        (n,) = struct.unpack("<Q", head)
+        (n,) = struct.unpack("<Q", head[:8])
         if n > MAX_HEADER_BYTES:
             hint = " (is this an ONNX file? load .onnx exports with onnxruntime)" if (
                 path.suffix == ".onnx") else ""
@@ -124,6 +128,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             raise BadExportFile(
                 path, f"truncated or not a safetensors file: header declares {n} bytes but "
                 f"the file has only {size - 8} after the length")
+        f.seek(8)
         raw = f.read(n)
     if raw.count(b'"data_offsets"') > MAX_TENSORS:  # before parsing: a cheap byte count
         raise _too_many(path, raw.count(b'"data_offsets"'))

@@ -4,25 +4,31 @@
 compressed
     One safetensors file: every TT layer's cores *physically truncated* to the effective
     ranks with the rank gates absorbed (``G_k · diag(g_k)``, dead entries sliced out),
-    plus every other parameter and persistent buffer under its ``state_dict`` name. A
-    layer's cores are packed into one 1-D tensor ``<layer>.tt.cores``: core ``k`` of shape
-    ``(R_{k-1}, *modes_k, R_k)`` (``R`` = ``[1, *ranks, 1]`` from the layer's entry in
-    ``tt_layers``, modes from its ``factors``: ``(n_k,)``/``(m_k,)`` for a linear,
-    ``(v_k, e_k)`` for an embedding), flattened row-major, one after the other. One
-    tensor per layer keeps the header small: the tensor bytes equal
-    ``size_report(model)["model"]["effective_bytes"]`` exactly and the whole file stays
-    within 1% of it for the paper's model (the header is a few KiB). A layer whose rank
-    fell to 0 (the zero map) stores no core values.
+    plus every other parameter and persistent buffer. A layer's cores are packed into one
+    1-D tensor ``<layer>.tt.cores``: core ``k`` of shape ``(R_{k-1}, *modes_k, R_k)``
+    (``R`` = ``[1, *ranks, 1]`` from the layer's entry in ``tt_layers``, modes from the
+    rebuilt layer: ``(n_k,)``/``(m_k,)`` for a linear, ``(v_k, e_k)`` for an embedding),
+    flattened row-major, one after the other; and all floating parameters, those packed
+    cores included, are concatenated into one tensor ``params`` (int8 scales into
+    ``scales``; :mod:`comera_engine.export.packed`). The model's tensor bytes equal
+    ``size_report(model)["model"]["effective_bytes"]`` exactly and the header is a few
+    hundred bytes. A layer whose rank fell to 0 (the zero map) stores no core values.
 dense
     The reconstructed model as the dense baseline of the same architecture
     (``nn.Linear``/``nn.Embedding`` with the TT weights multiplied out): a plain
     ``state_dict`` in safetensors.
 
-Both carry a JSON document under the safetensors metadata key ``comera``: the format, a
-recipe to rebuild the module tree (see :mod:`comera_engine.export.spec`), per TT layer
-its factors and ranks, sizes from ``size_report``, dataset identity, final metrics,
-tokenizer, run and library version. ``load`` checks the header, the recipe and every
-tensor's name, shape and dtype against the rebuilt model before reading any data.
+Both carry, under the safetensors metadata key ``comera``, compact JSON with what
+``load`` needs and nothing else: the format and its version, the dtype computed in and
+the stored type (``storage``), a recipe to rebuild the module tree (see
+:mod:`comera_engine.export.spec`) whose data spec's float lists (the digits pipeline's
+mean and std) are tensors ``meta:<key>`` instead of text, per TT layer its name, ranks
+and ``tau``, and the tokenizer file of a text model. The input pipeline follows from the
+recipe. What describes the export (run, config, data set identity, final metrics, sizes,
+library version, time) is in its model card (``<file>.md``), whose JSON block
+:func:`read_metadata` adds. ``load`` checks the header, the recipe and every tensor's
+name, shape and dtype against the rebuilt model before reading any weights. Files of
+format versions 1 and 2 (per-name tensors, everything in the JSON) still load.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 from torch import nn
 
 from comera_engine.errors import ConfigError
+from comera_engine.export import packed as _packed
 from comera_engine.export import pipeline as _pipeline
 from comera_engine.export import quant as _quant
 from comera_engine.export import spec as _spec
@@ -51,6 +58,7 @@ from comera_engine.export.container import (
     METADATA_KEY,
     BadExportFile,
     Header,
+    TensorEntry,
     read_comera_metadata,
     read_header,
     write_atomic,
@@ -61,7 +69,8 @@ from comera_engine.tensor.tt import max_tt_ranks
 __all__ = ["FORMATS", "ExportResult", "export_model", "load", "read_metadata"]
 
 FORMAT_IDS = {"compressed": "comera-compressed", "dense": "comera-dense", "onnx": "comera-onnx"}
-FORMAT_VERSION = 2  # 2: weights stored in bf16 / int8 (``storage``); float32 files say 1
+#: 3: compact header (module doc); 2: weights stored in bf16 / int8; 1: float32
+FORMAT_VERSION = 3
 SUFFIX = {"compressed": ".safetensors", "dense": ".safetensors", "onnx": ".onnx"}
 DEFAULT_NAME = {"compressed": "model.safetensors", "dense": "model.dense.safetensors",
                 "onnx": "model.onnx"}
@@ -76,10 +85,13 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 class ExportResult:
     """What an export wrote.
 
-    ``file_bytes`` is the size on disk of ``path``; ``tensor_bytes`` the bytes of tensor
-    data in it (for ONNX, of the initializers); ``expected_bytes`` what ``size_report``
-    says the format should hold (compressed: the effective size; dense: the dense size),
-    ``header_bytes`` the rest (safetensors header / ONNX graph and metadata).
+    ``file_bytes`` is the size on disk of ``path``; ``tensor_bytes`` the bytes of the
+    model's tensor data in it (weights, scales, buffers; for ONNX, the initializers);
+    ``input_bytes`` those of the data spec's arrays (the input pipeline's statistics,
+    safetensors formats); ``expected_bytes`` what ``size_report`` says the format should
+    hold (compressed: the effective size; dense: the dense size; bf16 / int8: the stored
+    weights and scales), ``header_bytes`` the rest (safetensors header / ONNX graph and
+    metadata).
     """
 
     format: str
@@ -95,17 +107,19 @@ class ExportResult:
     layers: list[dict[str, Any]] = field(repr=False, default_factory=list)
     #: how the weights are stored: float32, bf16 or int8 (``comera export --dtype``)
     store_dtype: str = "float32"
+    input_bytes: int = 0
 
     @property
     def header_bytes(self) -> int:
-        return self.file_bytes - self.tensor_bytes
+        return self.file_bytes - self.tensor_bytes - self.input_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": self.format, "path": str(self.path), "card": str(self.card),
             "tokenizer": str(self.tokenizer) if self.tokenizer else None,
             "file_bytes": self.file_bytes, "tensor_bytes": self.tensor_bytes,
-            "expected_bytes": self.expected_bytes, "header_bytes": self.header_bytes,
+            "expected_bytes": self.expected_bytes, "input_bytes": self.input_bytes,
+            "header_bytes": self.header_bytes,
             "onnx_max_abs_diff": self.onnx_max_abs_diff,
             "compression": self.sizes.get("model", {}).get("compression"),
             "dtype": self.store_dtype,
@@ -210,15 +224,8 @@ def _expected_state(skeleton: nn.Module, fmt: str, infos: list[dict] | None,
     ranks_of: dict[str, list[int]] = {}
     for name, layer in layers.items():
         info = given[name]
-        mine = _layer_info(name, layer, [])
-        want = mine["factors"]
-        if info.get("factors") != want:
-            raise ConfigError(f"{where}.tt_layers.{name}.factors",
-                              f"{info.get('factors')} disagree with the model's {want}")
-        if info.get("layout", "tt") != mine.get("layout", "tt"):
-            raise ConfigError(f"{where}.tt_layers.{name}.layout",
-                              f"{info.get('layout', 'tt')!r} disagrees with the model's "
-                              f"{mine.get('layout', 'tt')!r}")
+        if "factors" in info:  # the export's own rows and files before version 3: checked
+            _same_structure(info, _layer_info(name, layer, []), f"{where}.tt_layers.{name}")
         ranks = info.get("ranks")
         K = layer.tt.num_cores
         if not isinstance(ranks, list) or len(ranks) != K - 1 or not all(
@@ -247,9 +254,19 @@ def _expected_state(skeleton: nn.Module, fmt: str, infos: list[dict] | None,
     return state, ranks_of
 
 
-def _check_tensors(path: Path, header: Header,
+def _same_structure(info: Mapping[str, Any], mine: dict[str, Any], where: str) -> None:
+    """A layer entry's factors and layout against the rebuilt layer's (files from version 3
+    on leave them out: the recipe gives them)."""
+    if info.get("factors") != mine["factors"]:
+        raise ConfigError(f"{where}.factors",
+                          f"{info.get('factors')} disagree with the model's {mine['factors']}")
+    if info.get("layout", "tt") != mine.get("layout", "tt"):
+        raise ConfigError(f"{where}.layout", f"{info.get('layout', 'tt')!r} disagrees with "
+                                             f"the model's {mine.get('layout', 'tt')!r}")
+
+
+def _check_tensors(path: Path, have: Mapping[str, TensorEntry],
                    expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-    have = header.tensors
     missing = [k for k in expected if k not in have]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -343,8 +360,8 @@ def _layer_rows(model: nn.Module, sizes: dict[str, Any]) -> list[dict[str, Any]]
     return rows
 
 
-_FILE_KEYS = ("name", "kind", "shape", "factors", "ranks", "tau", "bias", "padding_idx",
-              "layout")
+_DOC_LAYER_KEYS = ("name", "kind", "shape", "factors", "ranks", "tau", "bias", "padding_idx",
+                   "layout")
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -360,7 +377,7 @@ def _base_metadata(fmt: str, recipe: dict, metadata: Mapping[str, Any], model: n
 
     doc: dict[str, Any] = {
         "format": FORMAT_IDS[fmt],
-        "format_version": 1,  # FORMAT_VERSION once the weights are stored in fewer bits
+        "format_version": FORMAT_VERSION,
         "name": metadata.get("name") or (metadata.get("run") or {}).get("name") or
         recipe.get("family") or "model",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -368,7 +385,7 @@ def _base_metadata(fmt: str, recipe: dict, metadata: Mapping[str, Any], model: n
                     "torch": torch.__version__.split("+")[0]},
         "model": recipe,
         "dtype": str(_model_dtype(model)).replace("torch.", ""),
-        "tt_layers": [{k: r[k] for k in _FILE_KEYS if k in r} for r in infos],
+        "tt_layers": [{k: r[k] for k in _DOC_LAYER_KEYS if k in r} for r in infos],
         "sizes": {k: v for k, v in sizes.items() if k != "layers"},
     }
     if recipe.get("builder") == "family":
@@ -476,11 +493,10 @@ def export_model(
                                                          tokenizer_path(path),
                                                          doc.get("input_pipeline"))
             doc["storage"] = _storage_doc(dtype)
-            if dtype != "float32":
-                doc["format_version"] = FORMAT_VERSION
             res = onnx_export.export_onnx(model, path, recipe, doc, example_inputs, verify,
                                           dtype=dtype)
             tensor_bytes, diff = res["initializer_bytes"], res["max_abs_diff"]
+            input_bytes = 0
             expected = int(sizes["model"]["effective_bytes"])
             doc["onnx"] = res
         else:
@@ -491,24 +507,21 @@ def export_model(
                 tensors = _dense_tensors(model)
                 expected = int(sizes["model"]["dense_bytes"])
             doc = _base_metadata(format, recipe, metadata, model, sizes, infos)
-            _self_check(recipe, format, tensors, infos)
-            buffers = {k for k, _ in model.named_buffers()}
+            taus = _self_check(recipe, format, tensors, infos)
+            buffers = {k for k, _ in model.named_buffers(remove_duplicate=False)}
+            params = {k for k in tensors if k not in buffers}
+            packed = _packed.packed_names(
+                {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, params)
             tensors, doc["storage"] = _quant.quantize_state(
-                tensors, {k for k in tensors if k not in buffers}, dtype,
-                _core_sizes(model) if format == "compressed" else None)
+                tensors, params, dtype, _core_sizes(model) if format == "compressed" else None)
             if dtype != "float32":
-                doc["format_version"] = FORMAT_VERSION
                 expected = _quant.stored_bytes(tensors)
             tok_tmp, doc["tokenizer"] = _stage_tokenizer(metadata.get("tokenizer"),
                                                          tokenizer_path(path),
                                                          doc.get("input_pipeline"))
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-            from safetensors.torch import save_file
-
-            meta_text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
-            write_atomic(path, lambda tmp: save_file(tensors, str(tmp),
-                                                     metadata={METADATA_KEY: meta_text}))
-            tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            if format == "compressed":
+                tensors = _packed.pack(tensors, packed)
+            tensor_bytes, input_bytes = _write_safetensors(path, doc, tensors, taus)
             diff = None
         if tok_tmp is not None:
             os.replace(tok_tmp, tokenizer_path(path))
@@ -522,12 +535,61 @@ def export_model(
         tokenizer=tokenizer_path(path) if doc.get("tokenizer") else None,
         file_bytes=path.stat().st_size, tensor_bytes=int(tensor_bytes),
         expected_bytes=expected, sizes=sizes, metadata=doc, onnx_max_abs_diff=diff,
-        layers=infos, store_dtype=dtype)
+        layers=infos, store_dtype=dtype, input_bytes=input_bytes)
     from comera_engine.export.card import model_card
 
     text = model_card(result, _sha256(path))
     write_atomic(result.card, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return result
+
+
+#: What the JSON of a safetensors export holds (what ``load`` needs); the rest of the
+#: metadata describes the export and goes to its model card (``card.PROVENANCE``).
+_FILE_DOC_KEYS = ("format", "format_version", "dtype", "storage", "model", "tt_layers",
+                  "tokenizer")
+#: The ranks a family model is built at (``load`` builds at 1 and resizes to the file's).
+_BUILD_RANKS = ("rank", "embedding_rank")
+
+
+def _file_doc(doc: dict[str, Any], recipe: dict[str, Any], taus: dict[str, float]
+              ) -> dict[str, Any]:
+    """The JSON a safetensors file holds: :data:`_FILE_DOC_KEYS` of ``doc`` with the file's
+    ``recipe``, leaving out what the loader assumes (dtype float32), rebuilds or does not
+    use: the ranks a family model is built at (it allocates rank 1 and resizes to the
+    file's ranks); a TT layer's entry is its name and ranks, and its ``tau`` where the
+    rebuilt layer's (``taus``) differs; a dense file has none (no TT layers)."""
+    out = {k: doc[k] for k in _FILE_DOC_KEYS if doc.get(k) is not None}
+    if recipe.get("builder") == "family":
+        recipe = {**recipe, "model_config": {k: v for k, v in recipe["model_config"].items()
+                                             if k not in _BUILD_RANKS}}
+    out["model"] = recipe
+    if out.get("dtype") == "float32":
+        del out["dtype"]
+    if doc["format"] == FORMAT_IDS["dense"]:
+        out.pop("tt_layers", None)
+    else:
+        out["tt_layers"] = [{"name": r["name"], "ranks": r["ranks"],
+                             **({"tau": r["tau"]} if r["tau"] != taus.get(r["name"]) else {})}
+                            for r in doc["tt_layers"]]
+    return out
+
+
+def _write_safetensors(path: Path, doc: dict[str, Any], tensors: dict[str, torch.Tensor],
+                       taus: dict[str, float]) -> tuple[int, int]:
+    """Write the file (the model's ``tensors``, the recipe's data spec arrays as tensors,
+    the JSON of :func:`_file_doc`); returns the bytes of the model's tensors and of the
+    arrays."""
+    from safetensors.torch import save_file
+
+    recipe, arrays = _packed.split_meta(doc["model"], doc["storage"]["dtype"])
+    clash = next((k for k in tensors if k.startswith(_packed.META_PREFIX)), None)
+    if clash is not None:
+        raise ConfigError("model", f"holds a tensor named {clash!r}; names starting with "
+                                   f"{_packed.META_PREFIX!r} are the data spec's in an export")
+    text = json.dumps(_file_doc(doc, recipe, taus), separators=(",", ":"), allow_nan=False)
+    out = {k: v.detach().to("cpu").contiguous() for k, v in {**tensors, **arrays}.items()}
+    write_atomic(path, lambda tmp: save_file(out, str(tmp), metadata={METADATA_KEY: text}))
+    return _quant.stored_bytes(tensors), _quant.stored_bytes(arrays)
 
 
 def _core_sizes(model: nn.Module) -> dict[str, list[int]]:
@@ -562,9 +624,10 @@ def _stored_expectation(expected: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def _self_check(recipe: dict, fmt: str, tensors: dict[str, torch.Tensor],
-                infos: list[dict]) -> None:
+                infos: list[dict]) -> dict[str, float]:
     """The recipe must rebuild a model that takes exactly these tensors (else the export
-    could not be loaded): checked on the ``meta`` device before anything is written."""
+    could not be loaded): checked on the ``meta`` device before anything is written.
+    Returns the rebuilt TT layers' ``tau`` (what a file need not repeat)."""
     skeleton = _spec.build(recipe, dense=fmt == "dense", device="meta")
     try:
         expected, _ = _expected_state(skeleton, fmt, infos, "metadata")
@@ -579,17 +642,68 @@ def _self_check(recipe: dict, fmt: str, tensors: dict[str, torch.Tensor],
         if shapes[k] != tuple(shape):
             raise ConfigError("metadata.config", f"does not describe this model: {k!r} has "
                               f"shape {list(shapes[k])}, the rebuild {list(shape)}")
+    return {name: layer.tt.tau for name, layer in _tt_name_set(skeleton)}
 
 
 # ------------------------------------------------------------------------ load
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The CoMERA metadata of an export (safetensors or ONNX) without loading tensors."""
+    """The CoMERA metadata of an export (safetensors or ONNX) without loading its weights.
+
+    For a safetensors export of format 3 that is the file's own JSON with the data spec's
+    arrays put back (from its small ``meta:<key>`` tensors) and the input pipeline the
+    recipe gives, plus what its model card (``<file>.md``, when it lies beside the file)
+    records in its JSON block: run, config, data set, metrics, sizes, library, time.
+    """
     p = Path(path)
     if p.suffix == ".onnx":
         from comera_engine.export.onnx_export import read_onnx_metadata
 
         return read_onnx_metadata(p)
-    return read_comera_metadata(read_header(p))
+    header = read_header(p)
+    doc = read_comera_metadata(header)
+    if not _packed_format(doc):
+        return doc
+    recipe, _ = _file_recipe(p, header, doc)
+    doc = {**doc, "model": recipe}
+    try:
+        pipe = _pipeline_of(recipe)
+    except ConfigError:
+        pipe = None
+    if pipe is not None:
+        doc["input_pipeline"] = pipe
+    from comera_engine.export.card import PROVENANCE, read_card_metadata
+
+    extra = read_card_metadata(card_path(p))
+    return {**{k: v for k, v in extra.items() if k in PROVENANCE}, **doc}
+
+
+def _packed_format(doc: Mapping[str, Any]) -> bool:
+    """Whether a file's JSON is of format 3 or later (packed weights, data spec arrays as
+    tensors, provenance in the card)."""
+    v = doc.get("format_version")
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 3
+
+
+def _file_recipe(p: Path, header: Header, doc: Mapping[str, Any]
+                 ) -> tuple[Any, dict[str, TensorEntry]]:
+    """A format-3 file's recipe with its data spec's arrays read back from the
+    ``meta:<key>`` tensors, and the header's other tensors."""
+    arrays = {k: e for k, e in header.tensors.items() if k.startswith(_packed.META_PREFIX)}
+    try:
+        recipe = _packed.join_meta(doc.get("model"), arrays,
+                                   lambda names: _read_tensors(p, names))
+    except BadExportFile:
+        raise
+    except ConfigError as exc:
+        raise BadExportFile(p, str(exc)) from None
+    return recipe, {k: e for k, e in header.tensors.items() if k not in arrays}
+
+
+def _pipeline_of(recipe: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The input pipeline a (validated) recipe gives, as the export derived it."""
+    if recipe.get("builder") != "family":
+        return None
+    return _pipeline.pipeline_for(recipe.get("data_spec"), recipe.get("family"))
 
 
 class NonFiniteWeightsWarning(UserWarning):
@@ -609,9 +723,10 @@ def _warn_non_finite(path: Path, state: Mapping[str, torch.Tensor]) -> None:
 def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> nn.Module:
     """Rebuild an exported model (compressed or dense) without pickle, in eval mode.
 
-    Everything is checked before tensor data is read: the safetensors header, the JSON
+    Everything is checked before the weights are read: the safetensors header, the JSON
     metadata, the recipe, and every tensor's name, shape and dtype against the rebuilt
-    model. Bad, truncated or hostile files raise :class:`BadExportFile` (a
+    model (a format-3 file's data spec arrays, the recipe's part, are read first: at most
+    64 vectors of 4,096 values). Bad, truncated or hostile files raise :class:`BadExportFile` (a
     ``ConfigError``/``ValueError``) naming the file.
     """
     p = Path(path)
@@ -637,17 +752,20 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
     if dtype_name not in _DTYPE_NAMES:
         raise BadExportFile(p, f"metadata.dtype: unsupported dtype {dtype_name!r}")
     dtype = _DTYPE_NAMES[dtype_name]
+    packed_file = _packed_format(doc)
+    recipe, have = _file_recipe(p, header, doc) if packed_file else (doc.get("model"),
+                                                                     header.tensors)
     try:
-        recipe = _spec.validate_recipe(doc.get("model"))
-        pipe = doc.get("input_pipeline")
+        recipe = _spec.validate_recipe(recipe)
+        pipe = _pipeline_of(recipe) if packed_file else doc.get("input_pipeline")
         if pipe is not None:
             pipe = _pipeline.validate_pipeline(pipe, data_spec=recipe.get("data_spec"))
         if recipe["builder"] == "family":
             # TT layers are resized to the file's ranks below: allocate them at rank 1, so
             # that what the build allocates is bounded by the file's own tensors.
-            low = {"rank": 1}
-            if recipe["family"] != "tt_mlp":  # the TT MLP has no embedding rank
-                low["embedding_rank"] = 1
+            low = dict.fromkeys(_BUILD_RANKS, 1)
+            if recipe["family"] == "tt_mlp":  # the TT MLP has no embedding rank
+                del low["embedding_rank"]
             recipe = {**recipe, "model_config": {**recipe["model_config"], **low}}
         skeleton = _spec.build(recipe, dense=kind == "dense", device="meta")
         _cast_floating(skeleton, dtype)
@@ -655,24 +773,28 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
     except ConfigError as exc:
         raise BadExportFile(p, str(exc)) from None
     ncores = {f"{n}.tt.cores": len(sh) for n, (_, sh, _) in ranks_of.items()}
-    params = {k for k, _ in skeleton.named_parameters()}
-    _check_tensors(p, header, _stored_expectation(expected, params, stored, ncores))
+    params = {k for k, _ in skeleton.named_parameters(remove_duplicate=False)} | set(ncores)
+    per_name = _stored_expectation(expected, params, stored, ncores)
+    packed = _packed.packed_names(expected, params) if (
+        packed_file and kind == "compressed") else []
+    in_file = _packed.packed_expectation(per_name, packed)
+    _check_tensors(p, have, in_file)
     # Everything agrees: build for real (sizes are now bounded by the file's tensors).
     try:
         model = _spec.build(recipe, dense=kind == "dense")
     except ConfigError as exc:
         raise BadExportFile(p, str(exc)) from None
     _cast_floating(model, dtype)
-    names = list(_stored_expectation(expected, params, stored, ncores))
+    read = _packed.unpack(_read_tensors(p, list(in_file)), per_name, packed)
     sizes = {f"{n}.tt.cores": [math.prod(s) for s in sh] for n, (_, sh, _) in ranks_of.items()}
-    state = _quant.dequantize_state(_read_tensors(p, names), stored, sizes,
+    state = _quant.dequantize_state(read, stored, sizes,
                                     {k: v[1] for k, v in expected.items()})
     _warn_non_finite(p, state)
     layers = dict(_tt_name_set(model))
     for name, (ranks, shapes, tau) in ranks_of.items():
         tt = layers[name].tt
         tt.tau = tau
-        packed = state.pop(f"{name}.tt.cores")
+        flat = state.pop(f"{name}.tt.cores")
         if 0 in ranks:
             # The zero map. Physically rank-0 cores cannot run through the contraction,
             # so it comes back as rank-1 bonds whose gates are pruned (effective rank 0).
@@ -688,7 +810,7 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
         pos = 0
         for k, shape in enumerate(shapes):
             n = math.prod(shape)
-            state[f"{name}.tt.cores.{k}"] = packed[pos: pos + n].reshape(shape)
+            state[f"{name}.tt.cores.{k}"] = flat[pos: pos + n].reshape(shape)
             pos += n
         for k in range(len(ranks)):
             state[f"{name}.tt.gates.{k}"] = torch.ones(ranks[k], dtype=dtype)

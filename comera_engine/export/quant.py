@@ -14,7 +14,9 @@ graph alike, so that ``load`` and onnxruntime compute with the same numbers:
     output channels, an embedding's rows): ``<name>.scale`` of shape ``(rows,)``,
   - per tensor for a 1-D parameter (biases, norms): ``<name>.scale`` of shape ``()``.
 
-Buffers (e.g. an input pipeline's statistics) stay as they are. Loading dequantizes to
+A compressed export concatenates the stored parameters into one tensor and their scales
+into another (:mod:`comera_engine.export.packed`). Buffers stay as they are; the input
+pipeline's statistics are float16 where that holds them to 0.1 %. Loading dequantizes to
 float32 (the model computes in float32); the ONNX graph holds the int8 / bf16
 initializers and dequantizes them in the graph (Cast, Mul). A parameter that is not
 finite has no int8 scale: :class:`~comera_engine.errors.ConfigError` on ``--dtype``.
@@ -32,7 +34,7 @@ from torch import nn
 from comera_engine.errors import ConfigError
 from comera_engine.tensor.quant import int8_round_trip, int8_scale, to_int8
 
-__all__ = ["SCALE_SUFFIX", "STORE_DTYPES", "dequantize_state", "max_rel_diff",
+__all__ = ["INT8_SCALES", "SCALE_SUFFIX", "STORE_DTYPES", "dequantize_state", "max_rel_diff",
            "parse_store_dtype", "quantize_state", "round_trip", "store_module", "stored_bytes"]
 
 #: ``--dtype`` choices (the stored type of the weights).
@@ -41,6 +43,8 @@ _ALIASES = {"fp32": "float32", "float32": "float32", "f32": "float32", "bf16": "
             "bfloat16": "bf16", "int8": "int8"}
 #: Name suffix of an int8 tensor's scales.
 SCALE_SUFFIX = ".scale"
+#: How an int8 export's scales are taken (the model card says it).
+INT8_SCALES = "float32 scales per TT core, per row of a matrix, per vector"
 
 
 def parse_store_dtype(value: str | None) -> str:
@@ -101,11 +105,7 @@ def quantize_state(tensors: Mapping[str, torch.Tensor], params: set[str], dtype:
             continue
         scale = _scale(w, per_row=w.dim() >= 2)
         out[name], out[name + SCALE_SUFFIX] = _int8(w, scale), scale.float()
-    doc: dict[str, Any] = {"dtype": dtype}
-    if dtype == "int8":
-        doc["scales"] = {"tt_cores": "per core", "matrices": "per row (dim 0)",
-                         "vectors": "per tensor"}
-    return out, doc
+    return out, {"dtype": dtype}
 
 
 def dequantize_state(stored: Mapping[str, torch.Tensor], dtype: str,
