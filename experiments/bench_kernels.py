@@ -20,12 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
-from benchlib import (  # noqa: E402
-    fused_bench_dtype,
-    fused_bench_parser,
-    median_fwd_bwd_ms,
-    report_fused,
-)
+from benchlib import fused_bench_dtype, fused_bench_parser, median_fwd_bwd_ms, report_fused  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.kernels.tt_linear import tt_linear_chain  # noqa: E402

@@ -22,12 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
-from benchlib import (  # noqa: E402
-    fused_bench_dtype,
-    fused_bench_parser,
-    median_fwd_bwd_ms,
-    report_fused,
-)
+from benchlib import fused_bench_dtype, fused_bench_parser, median_fwd_bwd_ms, report_fused  # noqa: E402
 
 from comera_engine.kernels.ttm_lookup import ttm_lookup_fused  # noqa: E402
 from comera_engine.ops.ttm_lookup import merge_tables, split_point  # noqa: E402

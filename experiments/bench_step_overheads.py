@@ -27,13 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import build_transformer  # noqa: E402
-from benchlib import (  # noqa: E402
-    add_rounds_args,
-    apply_rounds_args,
-    machine,
-    median_rounds_ms,
-    print_and_write,
-)
+from benchlib import add_rounds_args, apply_rounds_args, machine, median_rounds_ms, print_and_write  # noqa: E402
 
 
 def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
