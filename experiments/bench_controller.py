@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,13 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (  # noqa: E402
-    keep_freed_memory_as_training_does,
-    machine,
-    print_table,
-    time_rounds,
-    write_json,
-)
+from benchlib import add_rounds_args, apply_rounds_args, machine, median_rounds_ms, print_and_write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "experiments" / "configs"
@@ -106,8 +99,7 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
 
 def bench(config: str, rounds: int, reps: int) -> list[dict]:
     fns, info = _variants(config)
-    times = time_rounds(fns, torch.device("cpu"), rounds, reps, warmup=3)
-    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    ms = median_rounds_ms(fns, rounds, reps, warmup=3)
     return [{"config": config, "variant": k, "ms": v, "overhead": v / ms["fixed"] - 1.0,
              **info} for k, v in ms.items()]
 
@@ -115,27 +107,19 @@ def bench(config: str, rounds: int, reps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=["digits_tt_mlp", "snli_transformer_tiny"])
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds")
-    ap.add_argument("--reps", type=int, default=20, help="steps per round and variant")
-    ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    add_rounds_args(ap, rounds=15, reps=20, reps_help="steps per round and variant")
     args = ap.parse_args(argv)
-    for name in ("threads", "rounds", "reps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name}: must be a positive integer")
     for name in args.configs:
         if not (CONFIGS / f"{name}.toml").is_file():
             ap.error(f"--configs: no experiments/configs/{name}.toml")
-    keep_freed_memory_as_training_does()
-    torch.set_num_threads(args.threads)
+    apply_rounds_args(ap, args)
     rows = [row for name in args.configs for row in bench(name, args.rounds, args.reps)]
     print(f"\nrank controller cost per training step, CPU, {args.threads} thread(s)")
-    print_table(rows, [("config", "config", ""), ("variant", "variant", ""),
-                       ("ms", "ms per step", ".3f"), ("overhead", "vs fixed", "+.1%")])
-    out = write_json("bench_controller_cpu", {"machine": machine(), "threads": args.threads,
-                                              "rounds": args.rounds, "reps": args.reps,
-                                              "rows": rows}, args.out)
-    print(f"wrote {out}")
+    print_and_write(rows, [("config", "config", ""), ("variant", "variant", ""),
+                           ("ms", "ms per step", ".3f"), ("overhead", "vs fixed", "+.1%")],
+                    "bench_controller_cpu", {"machine": machine(), "threads": args.threads,
+                                             "rounds": args.rounds, "reps": args.reps,
+                                             "rows": rows}, args.out)
     return 0
 
 

@@ -20,28 +20,14 @@ experiments/results/bench_step_overheads_<device>.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_step import build_transformer  # noqa: E402
-from benchlib import (  # noqa: E402
-    keep_freed_memory_as_training_does,
-    machine,
-    print_table,
-    time_rounds,
-    write_json,
-)
-
-
-def _rounds(fns: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
-    """Median ms per call of each function (:func:`benchlib.time_rounds`)."""
-    times = time_rounds(fns, torch.device("cpu"), rounds, reps)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+from benchlib import add_rounds_args, apply_rounds_args, machine, median_rounds_ms, print_and_write  # noqa: E402
 
 
 def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
@@ -51,11 +37,11 @@ def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
     from comera_engine.rank.size import layer_size_surrogate
 
     layers = [m for _, m in tt_layers(model)]
-    times = _rounds({
+    times = median_rounds_ms({
         "one pass": lambda: surrogate_size(model),
         "per-layer sum": lambda: torch.stack([layer_size_surrogate(m) for m in layers]).sum(),
     }, rounds, reps)
-    times |= _rounds({"refresh_gates": lambda: refresh_gates(model)}, rounds, reps)
+    times |= median_rounds_ms({"refresh_gates": lambda: refresh_gates(model)}, rounds, reps)
     return [{"part": "gate refresh" if name == "refresh_gates" else "size surrogate",
              "model": "comera", "variant": name, "ms": ms, "tensors": len(layers),
              "params": None} for name, ms in times.items()]
@@ -78,7 +64,7 @@ def run(preset: str, rounds: int, reps: int) -> list[dict]:
                                       if k not in ("foreach", "fused")} for g in groups],
                                     foreach=impl == "foreach", fused=impl == "fused")
             opts[impl] = opt.step
-        for impl, ms in _rounds(opts, rounds, reps).items():
+        for impl, ms in median_rounds_ms(opts, rounds, reps).items():
             rows.append({"part": "AdamW step", "model": variant, "variant": impl, "ms": ms,
                          "tensors": len(params), "params": sum(p.numel() for p in params)})
         if variant == "comera":
@@ -89,25 +75,17 @@ def run(preset: str, rounds: int, reps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="paper", choices=["paper", "small", "tiny"])
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--rounds", type=int, default=7, help="alternating timing rounds")
-    ap.add_argument("--reps", type=int, default=5, help="calls per round and variant")
-    ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+    add_rounds_args(ap, rounds=7, reps=5, reps_help="calls per round and variant")
     args = ap.parse_args(argv)
-    keep_freed_memory_as_training_does()
-    for name in ("threads", "rounds", "reps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name}: must be a positive integer")
-    torch.set_num_threads(args.threads)
+    apply_rounds_args(ap, args)
     rows = run(args.preset, args.rounds, args.reps)
     print(f"\nstep overheads, transformer preset {args.preset}, CPU, {args.threads} thread(s)")
-    print_table(rows, [("part", "part", ""), ("model", "model", ""),
-                       ("variant", "variant", ""), ("ms", "ms per call", ".2f"),
-                       ("tensors", "tensors / TT layers", "")])
-    out = write_json("bench_step_overheads_cpu",
-                     {"machine": machine(), "preset": args.preset, "threads": args.threads,
-                      "rows": rows}, args.out)
-    print(f"wrote {out}")
+    print_and_write(rows, [("part", "part", ""), ("model", "model", ""),
+                           ("variant", "variant", ""), ("ms", "ms per call", ".2f"),
+                           ("tensors", "tensors / TT layers", "")],
+                    "bench_step_overheads_cpu",
+                    {"machine": machine(), "preset": args.preset, "threads": args.threads,
+                     "rows": rows}, args.out)
     return 0
 
 

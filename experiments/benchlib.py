@@ -9,6 +9,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -219,6 +220,43 @@ def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
         print("| " + " | ".join(x.ljust(w) for x, w in zip(c, widths)) + " |")
 
 
+def print_and_write(rows: list[dict], cols: list[tuple[str, str, str]], name: str,
+                    payload: dict, folder: Path | str | None = None) -> Path:
+    """:func:`print_table` of ``rows``, then :func:`write_json` of ``payload`` (said on
+    stdout); returns the JSON's path."""
+    print_table(rows, cols)
+    path = write_json(name, payload, None if folder is None else Path(folder))
+    print(f"wrote {path}")
+    return path
+
+
+def add_rounds_args(ap: argparse.ArgumentParser, rounds: int, reps: int, reps_help: str
+                    ) -> None:
+    """``--threads`` (default 1), ``--rounds``, ``--reps`` and ``--out`` of a CPU bench
+    timed in rounds (:func:`median_rounds_ms`); :func:`apply_rounds_args` checks them."""
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--rounds", type=int, default=rounds, help="alternating timing rounds")
+    ap.add_argument("--reps", type=int, default=reps, help=reps_help)
+    ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
+
+
+def apply_rounds_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error where ``--threads``, ``--rounds`` or ``--reps`` is below 1;
+    else keep freed memory as training does and set the torch threads."""
+    for name in ("threads", "rounds", "reps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: must be a positive integer")
+    keep_freed_memory_as_training_does()
+    torch.set_num_threads(args.threads)
+
+
+def median_rounds_ms(fns: dict[str, Callable[[], object]], rounds: int, reps: int,
+                     warmup: int = 1) -> dict[str, float]:
+    """Median milliseconds per call of each function on the CPU (:func:`time_rounds`)."""
+    times = time_rounds(fns, torch.device("cpu"), rounds, reps, warmup)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def bench_op(name: str, cases: list[tuple[str, Callable[[], object], Callable[[], object]]],
              argv: list[str] | None = None) -> int:
     """The body of ``experiments/bench_op_<name>.py``: per case ``(label, op step,
@@ -328,3 +366,58 @@ def median_ms(steps: dict[str, Callable[[], object]], rounds: int, reps: int,
                 torch.cuda.synchronize()
             times[k].append((time.perf_counter() - t) / reps * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def fused_bench_parser(description: str, rank: int) -> argparse.ArgumentParser:
+    """The flags every fused-kernel bench (``experiments/bench_kernels*.py``) takes:
+    ``--device``, ``--rank``, ``--tokens``, ``--dtype``, ``--rounds``, ``--reps``,
+    ``--out``; the script adds its shape flags."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--rank", type=int, default=rank)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=str(RESULTS))
+    return p
+
+
+def fused_bench_dtype(p: argparse.ArgumentParser, args: argparse.Namespace
+                      ) -> tuple[bool, torch.dtype]:
+    """``(cuda, dtype)`` of a fused-kernel bench: a usage error where ``--device cuda``
+    has no device; bf16 only on CUDA (the interpreter on the CPU runs fp32)."""
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (use --device cpu with TRITON_INTERPRET=1)")
+    return cuda, torch.bfloat16 if args.dtype == "bf16" and cuda else torch.float32
+
+
+def median_fwd_bwd_ms(variants: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+                      x: torch.Tensor, dy: torch.Tensor, graph: bool, rounds: int,
+                      reps: int, cuda: bool) -> dict[str, float]:
+    """Median milliseconds of one forward + backward (output gradient ``dy``) of each
+    variant on ``x``, eager or captured in a CUDA graph (:func:`graph_or_eager`), timed by
+    :func:`median_ms`."""
+    def fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        def step() -> None:
+            fn(x).backward(dy)
+
+        return graph_or_eager(step, graph)
+
+    return median_ms({k: fwd_bwd(f) for k, f in variants.items()}, rounds, reps, cuda)
+
+
+def report_fused(name: str, rows: list[dict], lead: list[str], ratios: dict[str, str],
+                 out: str) -> None:
+    """Print a fused-kernel bench's table (per row the ``lead`` columns, each variant's
+    median ms from ``row["ms"]``, and the speed-ups ``ratios``: row key -> header) and
+    write the rows, with the machine and the command, to ``<out>/<name>.json``."""
+    variants = list(rows[0]["ms"])
+    flat = [{**{k: r[k] for k in lead}, **{f"{k} ms": v for k, v in r["ms"].items()},
+             **{head: r[k] for k, head in ratios.items()}} for r in rows]
+    print_and_write(flat, [(k, k, "") for k in lead]
+                    + [(f"{k} ms", f"{k} ms", ".3f") for k in variants]
+                    + [(head, head, ".2f") for head in ratios.values()], name,
+                    {"machine": machine(), "command": " ".join(["python", *sys.argv]),
+                     "rows": rows}, out)

@@ -1,6 +1,6 @@
-"""Suite-wide fixtures: a run store per test, and the CPU backend, built once per
-session where it is not built in this environment already (or skipped, with the reason,
-where it cannot be built)."""
+"""Suite-wide fixtures: a run store per test (and ``home``, an empty one the dashboard's
+tests run the app on), and the CPU backend, built once per session where it is not built
+in this environment already (or skipped, with the reason, where it cannot be built)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,16 @@ def _own_run_store(tmp_path_factory: pytest.TempPathFactory,
     fresh ``COMERA_HOME`` (its subprocesses inherit it), so nothing lands in the
     checkout's ``./runs``. A test about the default store deletes the variable itself."""
     monkeypatch.setenv("COMERA_HOME", str(tmp_path_factory.mktemp("comera-home")))
+
+
+@pytest.fixture()
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty run store in ``COMERA_HOME`` for the dashboard's tests; the app runs from
+    the repository root."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("COMERA_HOME", str(h))
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    return h
 
 
 @pytest.fixture(scope="session")

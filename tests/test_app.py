@@ -20,9 +20,8 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from comera_engine.store import RunStore  # noqa: E402
+from tests.app_checks import HOME, ROOT, TIMEOUT, no_exception  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-HOME = str(ROOT / "app" / "Home.py")
 PAGES = {
     "new": "views/new_experiment.py",
     "live": "views/live_run.py",
@@ -30,19 +29,8 @@ PAGES = {
     "learn": "views/learn.py",
     "export": "views/export.py",
 }
-TIMEOUT = 120
-
 
 # ------------------------------------------------------------------ helpers
-
-
-@pytest.fixture()
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty run store in ``COMERA_HOME``; the app runs from the repository root."""
-    h = tmp_path / "home"
-    monkeypatch.setenv("COMERA_HOME", str(h))
-    monkeypatch.chdir(ROOT)
-    return h
 
 
 def store_at(home: Path) -> RunStore:
@@ -63,10 +51,6 @@ def live_charts(at: AppTest) -> dict[str, dict]:
     return {e.proto.id.rsplit("-", 2)[-2] + "-" + e.proto.id.rsplit("-", 1)[-1]:
             figure_of(e.proto.json_args) for e in at.get("component_instance")
             if e.proto.component_name.endswith("live_chart")}
-
-
-def no_exception(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
 
 
 def texts(at: AppTest) -> str:
@@ -670,11 +654,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return h, rid
 
 
-def test_export_page_exports_a_real_checkpoint(trained: tuple[Path, str],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    h, rid = trained
+@pytest.fixture()
+def trained_home(trained: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+                 ) -> tuple[Path, str]:
+    """:func:`trained`'s store in ``COMERA_HOME``; the app runs from the repository root."""
+    h, _ = trained
     monkeypatch.setenv("COMERA_HOME", str(h))
     monkeypatch.chdir(ROOT)
+    return trained
+
+
+def test_export_page_exports_a_real_checkpoint(trained_home: tuple[Path, str]) -> None:
+    h, rid = trained_home
     at = app("export")
     no_exception(at)
     assert at.selectbox(key="exp-run").value == rid
@@ -690,11 +681,8 @@ def test_export_page_exports_a_real_checkpoint(trained: tuple[Path, str],
     assert Path(exports[0]["path"]).resolve().is_relative_to(h.resolve())
 
 
-def test_live_and_compare_pages_on_a_real_run(trained: tuple[Path, str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    h, rid = trained
-    monkeypatch.setenv("COMERA_HOME", str(h))
-    monkeypatch.chdir(ROOT)
+@pytest.mark.usefixtures("trained_home")
+def test_live_and_compare_pages_on_a_real_run() -> None:
     at = app("live")
     no_exception(at)
     assert {m.label: m.value for m in at.metric}["Step"] == "40"

@@ -14,18 +14,7 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from comera_engine.store import RunStore  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-HOME = str(ROOT / "app" / "Home.py")
-TIMEOUT = 120
-
-
-@pytest.fixture()
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    h = tmp_path / "home"
-    monkeypatch.setenv("COMERA_HOME", str(h))
-    monkeypatch.chdir(ROOT)
-    return h
+from tests.app_checks import HOME, ROOT, TIMEOUT, no_exception  # noqa: E402
 
 
 def app(page: str, **query: str) -> AppTest:
@@ -34,10 +23,6 @@ def app(page: str, **query: str) -> AppTest:
     for k, v in query.items():
         at.query_params[k] = v
     return at.run()
-
-
-def no_exception(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
 
 
 def texts(at: AppTest) -> str:

@@ -186,6 +186,23 @@ def settle(page: Any, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
+def new_page(browser: Any) -> tuple[Any, Any]:
+    """A fresh browser context at the screenshots' viewport, and its page (a minute's
+    default timeout)."""
+    ctx = browser.new_context(viewport=VIEWPORT)
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    return ctx, page
+
+
+def charts_drawn(page: Any, marker: str, charts: int, what: str) -> None:
+    """Wait for the text ``marker``, then for ``charts`` Plotly charts on the page (at
+    most a minute), and for the script run to settle."""
+    page.get_by_text(marker, exact=True).wait_for()
+    wait_until(lambda: page.locator(".js-plotly-plot").count() >= charts, 60, what)
+    settle(page)
+
+
 def shot(page: Any, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
@@ -259,9 +276,7 @@ def run_status_header(page: Any) -> str:
 
 
 def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
-    ctx = browser.new_context(viewport=VIEWPORT)
-    page = ctx.new_page()
-    page.set_default_timeout(60_000)
+    ctx, page = new_page(browser)
 
     page.goto(server.url)
     page.get_by_text("No runs yet").wait_for()
@@ -309,16 +324,12 @@ def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
     shot(page, "04-live-stopped")
 
     nav(page, "Compare")
-    page.get_by_text("Accuracy for the size", exact=True).wait_for()
-    wait_until(lambda: page.locator(".js-plotly-plot").count() >= 4, 60, "compare charts")
-    settle(page)
+    charts_drawn(page, "Accuracy for the size", 4, "compare charts")
     no_exception(page, "compare")
     shot(page, "05-compare")
 
     nav(page, "Learn")
-    page.get_by_text("Relative error", exact=True).wait_for()
-    wait_until(lambda: page.locator(".js-plotly-plot").count() >= 3, 60, "learn charts")
-    settle(page)
+    charts_drawn(page, "Relative error", 3, "learn charts")
     no_exception(page, "learn")
     shot(page, "06-learn-tt-svd")
     for i, tab in enumerate(["768×768 → cores", "Rank gates", "Two halves are cheaper"]):
@@ -343,11 +354,8 @@ def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
 
 
 def test_two_sessions_start_one_run_and_watch_it(browser: Any, server: Server) -> None:
-    a_ctx = browser.new_context(viewport=VIEWPORT)
-    b_ctx = browser.new_context(viewport=VIEWPORT)
-    a, b = a_ctx.new_page(), b_ctx.new_page()
+    (a_ctx, a), (b_ctx, b) = new_page(browser), new_page(browser)
     for p in (a, b):
-        p.set_default_timeout(60_000)
         p.goto(server.url)
         p.get_by_text("No runs yet").wait_for()
         settle(p)
@@ -400,9 +408,7 @@ def test_a_terminal_run_and_a_sweep_show_up_live(browser: Any, server: Server) -
             return [r for r in rows if r["status"] == "running" and r["pid"] == fg.pid]
 
         rid = wait_until(listed, 120, "the terminal run in `comera runs --json`")[0]["id"]
-        ctx = browser.new_context(viewport=VIEWPORT)
-        page = ctx.new_page()
-        page.set_default_timeout(60_000)
+        ctx, page = new_page(browser)
         page.goto(f"{server.url}/live_run?run={rid}")
         s1 = wait_until(lambda: current_step(page) > 0 and current_step(page), 120,
                         "the terminal run's steps on the live page")
@@ -423,9 +429,7 @@ def test_a_terminal_run_and_a_sweep_show_up_live(browser: Any, server: Server) -
     assert out.returncode == 0, out.stderr[-2000:]
     sid = json.loads(out.stdout)["sweep"]["id"]
     page.goto(f"{server.url}/sweeps?sweep={sid}")
-    page.get_by_text("Per grid point", exact=True).wait_for()
-    wait_until(lambda: page.locator(".js-plotly-plot").count() >= 1, 60, "the Pareto chart")
-    settle(page)
+    charts_drawn(page, "Per grid point", 1, "the Pareto chart")
     no_exception(page, "sweeps")
     assert "finished" in metric_text(page, "Status")
     shot(page, "13-sweeps")
@@ -461,9 +465,7 @@ def cli(env: dict[str, str], *args: str, timeout: float = 300) -> str:
 def test_the_form_refuses_what_the_engine_refuses(browser: Any, server: Server) -> None:
     """Target 1e9 and steps -5 used to be clamped by the widgets (the run trained at the
     old values); now they reach the engine, whose message shows and Launch stays off."""
-    ctx = browser.new_context(viewport=VIEWPORT)
-    page = ctx.new_page()
-    page.set_default_timeout(60_000)
+    ctx, page = new_page(browser)
     page.goto(f"{server.url}/new_experiment")
     page.get_by_text("Tensorisation preview", exact=True).wait_for()
     settle(page)
@@ -507,9 +509,7 @@ def test_one_compression_figure_on_every_page(browser: Any, server: Server) -> N
     (run,) = server.store().list_runs()
     rid = run["id"]
     assert run["status"] == "finished"
-    ctx = browser.new_context(viewport=VIEWPORT)
-    page = ctx.new_page()
-    page.set_default_timeout(60_000)
+    ctx, page = new_page(browser)
 
     label = "Compression (TT layers)"
     page.goto(f"{server.url}/live_run?run={rid}")
@@ -553,9 +553,7 @@ def test_stop_resume_shows_progress_and_the_live_page_holds_steady(browser: Any,
     rid = json.loads(cli(env, "launch", config, "--set", "train.steps=20000", "--set",
                          "train.eval_every=50", "--set", "train.ckpt_every=0",
                          "--json"))["run_id"]
-    ctx = browser.new_context(viewport=VIEWPORT)
-    page = ctx.new_page()
-    page.set_default_timeout(60_000)
+    ctx, page = new_page(browser)
     page.goto(f"{server.url}/live_run?run={rid}")
     wait_until(lambda: current_step(page) > 120, 150, "a few evaluations")
     wait_until(lambda: len(live_chart_traces(page)) >= 7, 60, "the charts")
@@ -633,9 +631,7 @@ def test_a_user_model_registered_by_comera_app(browser: Any, tmp_path: Path) -> 
     srv = Server(tmp_path / "home", ["--models", "experiments.own.model", "--data",
                                      f"cancer={train},eval={evals},label=diagnosis"])
     try:
-        ctx = browser.new_context(viewport=VIEWPORT)
-        page = ctx.new_page()
-        page.set_default_timeout(60_000)
+        ctx, page = new_page(browser)
         page.goto(f"{srv.url}/new_experiment")
         page.get_by_text("Tensorisation preview", exact=True).wait_for()
         settle(page)

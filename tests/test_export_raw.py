@@ -9,7 +9,6 @@ function and seed); the text is encoded with the code the model card prints, run
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 
 import comera_engine
 from comera_engine.export import export_run, read_metadata
+from tests.run_checks import train_final_eval
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,20 +28,9 @@ CONFIGS = ROOT / "experiments" / "configs"
 
 
 def _train(config: str, run_dir: Path, *overrides: str) -> dict[str, float]:
-    """``comera train CONFIG --no-store`` into ``run_dir``; the final evaluation's
-    metrics as the run logged them (its ``metrics.jsonl``)."""
-    from comera_engine.cli import main
-
-    argv = ["train", str(CONFIGS / config), "--no-store", "--no-progress",
-            "--run-dir", str(run_dir)]
-    for item in overrides:
-        argv += ["--set", item]
-    assert main(argv) == 0
-    final: dict[str, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("type") == "metrics" and "eval/acc" in rec["values"]:
-            final = rec["values"]
+    """:func:`train_final_eval` of ``experiments/configs/CONFIG``, which must have
+    evaluated."""
+    final = train_final_eval(CONFIGS / config, run_dir, *overrides)
     assert final, "the run logged no evaluation"
     return final
 

@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (Linux x8
 
 from comera_engine.kernels import aot  # noqa: E402
 from comera_engine.kernels import tt_linear as K  # noqa: E402
+from tests.kernel_checks import bench_smoke_run  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -106,17 +107,8 @@ def test_bench_kernels_smoke_run(tmp_path) -> None:
     """experiments/bench_kernels.py runs its three variants, eager and in a CUDA graph
     where there is one, and writes its JSON (at a tiny shape: the code path, not a
     timing): interpreted on the CPU, compiled on a GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0"}
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_kernels.py"),
-                          "--device", DEVICE, "--shapes", "64x48", "--tokens", "37",
-                          "--rank", "6", "--reps", "1", "--rounds", "1", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((tmp_path / f"bench_kernels_{DEVICE}.json").read_text())["rows"]
-    assert len(rows) == (2 if DEVICE == "cuda" else 1)  # eager, and graphed on a GPU
-    assert all(set(r["ms"]) == {"fused", "halves", "nn.Linear"} for r in rows)
-    assert all(v > 0 for r in rows for v in r["ms"].values())
+    bench_smoke_run("bench_kernels", ["--shapes", "64x48", "--tokens", "37", "--rank", "6"],
+                    tmp_path, DEVICE, {"fused", "halves", "nn.Linear"})
 
 
 def test_tt_linear_layer_runs_its_halves_path_on_the_fused_kernels(monkeypatch) -> None:

@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (Linux x8
 from comera_engine.kernels import ttm_lookup as K  # noqa: E402
 from comera_engine.ops.ttm_lookup import merge_tables  # noqa: E402
 from comera_engine.tensor.tt import TTMCores  # noqa: E402
+from tests.kernel_checks import bench_smoke_run  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -118,23 +119,9 @@ def test_bench_kernels_ttm_smoke_run(tmp_path) -> None:
     """experiments/bench_kernels_ttm.py runs its three variants, eager and in a CUDA graph
     where there is one, and writes its JSON (at a tiny shape: the code path, not a
     timing): interpreted on the CPU, compiled on a GPU."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0"}
-    out = subprocess.run([sys.executable, str(root / "experiments" / "bench_kernels_ttm.py"),
-                          "--device", DEVICE, "--tokens", "37", "--rows", "5", "4", "3",
-                          "--cols", "2", "3", "2", "--rank", "5", "--reps", "1", "--rounds",
-                          "1", "--out", str(tmp_path)], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((tmp_path / f"bench_kernels_ttm_{DEVICE}.json").read_text())["rows"]
-    assert len(rows) == (2 if DEVICE == "cuda" else 1)  # eager, and graphed on a GPU
-    assert all(set(r["ms"]) == {"fused", "gather", "nn.Embedding"} for r in rows)
-    assert all(v > 0 for r in rows for v in r["ms"].values())
+    bench_smoke_run("bench_kernels_ttm", ["--tokens", "37", "--rows", "5", "4", "3", "--cols",
+                                          "2", "3", "2", "--rank", "5"],
+                    tmp_path, DEVICE, {"fused", "gather", "nn.Embedding"})
 
 
 def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch) -> None:

@@ -291,8 +291,20 @@ def loss_and_metrics(name="err"):
 '''
 
 
-def _finals(run: Path) -> dict:
-    rows = [r["values"] for r in map(json.loads, (run / "metrics.jsonl").open())
+TRAIN_20_STEPS = """[train]
+steps = 20
+batch_size = {batch_size}
+eval_every = 10
+ckpt_every = 0
+device = "cpu"
+"""
+
+
+def _train_finals(config: str, run: str) -> dict:
+    """``comera train`` of ``config`` (in the working folder) into ``run``, without the
+    store; the last value of each eval metric it logged."""
+    assert main(["train", config, "--no-progress", "--no-store", "--run-dir", run]) == 0
+    rows = [r["values"] for r in map(json.loads, (Path(run) / "metrics.jsonl").open())
             if r["type"] == "metrics"]
     return {k: v for r in rows for k, v in r.items() if k.startswith("eval/")}
 
@@ -329,16 +341,8 @@ label = "y"
 seq_len = 8
 vocab_size = 64
 min_frequency = 1
-[train]
-steps = 20
-batch_size = 32
-eval_every = 10
-ckpt_every = 0
-device = "cpu"
-''', encoding="utf-8")
-    assert main(["train", "regress.toml", "--no-progress", "--no-store", "--run-dir",
-                 "reg"]) == 0
-    final = _finals(tmp_path / "reg")
+''' + TRAIN_20_STEPS.format(batch_size=32), encoding="utf-8")
+    final = _train_finals("regress.toml", "reg")
     assert {"eval/rmse", "eval/r2", "eval/loss"} <= set(final) and "eval/acc" not in final
     assert final["eval/rmse"] == pytest.approx(final["eval/loss"] ** 0.5, rel=0.05)
     ident = json.loads((tmp_path / "reg" / "dataset.json").read_text())
@@ -353,16 +357,8 @@ factory = "own_extra_mod:small_net"
 [data]
 factory = "own_extra_mod:datasets"
 kwargs = { n = 128 }
-[train]
-steps = 20
-batch_size = 16
-eval_every = 10
-ckpt_every = 0
-device = "cpu"
-''', encoding="utf-8")
-    assert main(["train", "factory.toml", "--no-progress", "--no-store", "--run-dir",
-                 "fac"]) == 0
-    final = _finals(tmp_path / "fac")
+''' + TRAIN_20_STEPS.format(batch_size=16), encoding="utf-8")
+    final = _train_finals("factory.toml", "fac")
     assert 0.0 <= final["eval/miss"] <= 1.0 and "eval/acc" not in final
     ident = json.loads((tmp_path / "fac" / "dataset.json").read_text())
     assert ident["params"]["factory"] == "own_extra_mod:datasets"

@@ -5,13 +5,13 @@ configs are refused naming the field."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from comera_engine.errors import ConfigError
+from tests.run_checks import train_final_eval
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("torch_pruning")
@@ -22,19 +22,8 @@ CONFIG = str(ROOT / "experiments" / "configs" / "digits_tt_mlp.toml")
 
 
 def _train(run: Path, *sets: str) -> dict[str, float]:
-    from comera_engine.cli import main
-
-    argv = ["train", CONFIG, "--no-store", "--no-progress", "--run-dir", str(run),
-            "--set", "model.dense=true", "--set", "train.ckpt_every=0"]
-    for s in sets:
-        argv += ["--set", s]
-    assert main(argv) == 0
-    last: dict[str, float] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("type") == "metrics" and "eval/acc" in rec["values"]:
-            last = rec["values"]
-    return last
+    """A dense digits run without checkpoints (:func:`train_final_eval`)."""
+    return train_final_eval(CONFIG, run, "model.dense=true", "train.ckpt_every=0", *sets)
 
 
 def test_prune_then_int8(tmp_path: Path) -> None:

@@ -10,8 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +31,10 @@ from comera_engine.launch.sweep import (
 )
 from comera_engine.metrics import read_jsonl
 from comera_engine.store import FINAL_STATUSES, RunStore
+from tests.test_launch import CONFIG, ROOT, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
 SHORT = ["train.steps=40", "train.eval_every=20", "train.ckpt_every=0"]
 TIMEOUT = 240.0
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    t0 = time.time()
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.time() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def wait_sweep(st: RunStore, sid: str, timeout: float = TIMEOUT) -> dict[str, Any]:
@@ -57,7 +43,7 @@ def wait_sweep(st: RunStore, sid: str, timeout: float = TIMEOUT) -> dict[str, An
         sweep = st.get_sweep(sid)
         return sweep if sweep and sweep["status"] not in ("queued", "running") else None
 
-    return wait_for(done, timeout, f"sweep {sid} to end")
+    return wait_for(done, timeout, f"sweep {sid} to end", every=0.1)
 
 
 def max_overlap(runs: list[dict[str, Any]]) -> int:
@@ -192,7 +178,7 @@ def test_a_killed_cell_crashes_alone_and_the_sweep_goes_on_then_resumes(tmp_path
                 return r
         return None
 
-    run = wait_for(victim, TIMEOUT, "a long cell to pass a checkpoint")
+    run = wait_for(victim, TIMEOUT, "a long cell to pass a checkpoint", every=0.1)
     os.kill(run["pid"], signal.SIGKILL)
     sweep = wait_sweep(st, sid)
     statuses = {r["id"]: r["status"] for r in st.sweep_runs(sid)}
@@ -212,7 +198,8 @@ def test_stop_sweep_stops_waiting_and_running_cells_and_resume_finishes_them(tmp
                        overrides=["train.steps=100000", "train.eval_every=0",
                                   "train.ckpt_every=50"], store=st, max_parallel=1)
     first = st.sweep_runs(sid)[0]["id"]
-    wait_for(lambda: (st.get_run(first)["last_step"] or 0) > 60, TIMEOUT, "the first cell")
+    wait_for(lambda: (st.get_run(first)["last_step"] or 0) > 60, TIMEOUT, "the first cell",
+             every=0.1)
     counts = stop_sweep(sid, st, timeout=30)
     assert counts == {"stopped": 3}
     cells = st.sweep_runs(sid)

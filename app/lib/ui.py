@@ -165,6 +165,25 @@ def page_header(title: str, subtitle: str, icon: str | None = None) -> None:
     st.caption(subtitle)
 
 
+def store_page(title: str, subtitle: str, icon: str) -> RunStore:
+    """How a page on the run store starts: the store (:func:`require_store`), runs whose
+    process vanished marked as crashed (:func:`reap`), and the page's header."""
+    store = require_store()
+    reap(store)
+    page_header(title, subtitle, icon)
+    return store
+
+
+def runs_or_stop(store: RunStore, what: str, key: str) -> list[dict[str, Any]]:
+    """Every run in the store; where there is none, the no-runs-yet panel
+    (:func:`empty_state` with ``what`` and ``key``) and the page stops there."""
+    all_runs = store.list_runs()
+    if not all_runs:
+        empty_state(store, what, key)
+        st.stop()
+    return all_runs
+
+
 def messages(msgs: dict[str, list[tuple[str, str]]], field: str) -> None:
     """Errors / warnings / notes about one form field, right below it."""
     for level, text in msgs.get(field, []):

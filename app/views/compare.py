@@ -8,20 +8,14 @@ import streamlit as st
 from app.lib import fmt, plots, runs, ui
 from comera_engine.config import method_label
 
-store = ui.require_store()
-ui.reap(store)
-ui.page_header(
+store = ui.store_page(
     "Compare",
     "Overlay runs, see which reach the best accuracy for their size, and what differs "
     "between their configs.",
     ":material/compare_arrows:",
 )
-
-all_runs = store.list_runs()
-if not all_runs:
-    ui.empty_state(store, "Compare needs runs: launch one (or several with different targets).",
-                   "compare")
-    st.stop()
+all_runs = ui.runs_or_stop(
+    store, "Compare needs runs: launch one (or several with different targets).", "compare")
 
 by_id = {r["id"]: r for r in all_runs}
 done = [r["id"] for r in all_runs if r["status"] in ("finished", "stopped")]

@@ -20,19 +20,13 @@ FORMAT_HELP = {
             "stored), checked against PyTorch with onnxruntime.",
 }
 
-store = ui.require_store()
-ui.reap(store)
-ui.page_header(
+store = ui.store_page(
     "Export",
     "Turn a checkpoint into the file you ship: compressed TT, dense, or ONNX, with a model "
     "card. Files are written inside the run store and downloaded through the browser.",
     ":material/download:",
 )
-
-all_runs = store.list_runs()
-if not all_runs:
-    ui.empty_state(store, "Exports are made from run checkpoints.", "export")
-    st.stop()
+all_runs = ui.runs_or_stop(store, "Exports are made from run checkpoints.", "export")
 
 with_ckpt = [(r, runs.checkpoints(store, r["id"])) for r in all_runs]
 with_ckpt = [(r, c) for r, c in with_ckpt if c]

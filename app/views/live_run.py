@@ -21,20 +21,15 @@ REFRESH_S = 1.0
 MAX_POINTS = 800
 LOG_LINES = 30
 
-store = ui.require_store()
-ui.reap(store)
-ui.launch_note()
-ui.page_header(
+store = ui.store_page(
     "Live run",
     "Loss, accuracy, compression against the target and the ranks the gates keep, "
     "refreshed every second while the run lives.",
     ":material/monitoring:",
 )
-
-all_runs = store.list_runs()
-if not all_runs:
-    ui.empty_state(store, "Launch a run and it appears here, updating every second.", "live")
-    st.stop()
+ui.launch_note()
+all_runs = ui.runs_or_stop(
+    store, "Launch a run and it appears here, updating every second.", "live")
 
 chosen = ui.pick_run(store, "Run", "live-run", all_runs)
 assert chosen is not None

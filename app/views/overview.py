@@ -6,10 +6,7 @@ import streamlit as st
 
 from app.lib import fmt, runs, ui
 
-store = ui.require_store()
-ui.reap(store)
-
-ui.page_header(
+store = ui.store_page(
     "CoMERA Studio",
     "Train networks directly in tensor-train form and let the ranks shrink while they "
     "train (CoMERA, arXiv 2405.14377). Launch, watch, compare, learn and export.",

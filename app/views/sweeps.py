@@ -11,9 +11,7 @@ from comera_engine.metrics import SCOPE_LABELS
 
 REFRESH_S = 2.0
 
-store = ui.require_store()
-ui.reap(store)
-ui.page_header(
+store = ui.store_page(
     "Sweeps",
     "Several targets × seeds at once: each cell is an ordinary run (open it live, export "
     "it, compare it); here you see them together and where the best trade-offs lie.",

@@ -119,8 +119,9 @@ def paper_cases() -> list[tuple[Any, tuple[str, ...], dict[str, Any]]]:
         blocks = dict(PRECISION="tf32", UPCAST=False, BLOCK_EA=16, BLOCK_R=block_r,
                       BLOCK_EB=64)
         cases.append((T.lookup_kernel, ("IDS:i64", "A", "BT", "OUT"), blocks))
-        cases.append((T.grad_a_kernel, ("IDS:i64", "ORDER:i64", "START:i64", "COUNT:i64",
-                                        "G", "BT", "DA"), blocks))
-        cases.append((T.grad_b_kernel, ("IDS:i64", "ORDER:i64", "START:i64", "COUNT:i64",
-                                        "G", "A", "DB"), blocks))
+        grads = ("ORDER:i64", "START:i64", "COUNT:i64", "OTHER:i64", "G", "H", "D")
+        for m, n in ((16, 64), (64, 16)):  # dA (tiles E_a x E_b), dBt transposed (E_b x E_a)
+            cases.append((T.segment_grad_kernel, grads,
+                          dict(PRECISION="tf32", UPCAST=False, BLOCK_M=m, BLOCK_N=n,
+                               BLOCK_R=block_r)))
     return cases

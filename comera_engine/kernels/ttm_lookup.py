@@ -3,14 +3,15 @@ tables, with no gathered copy of them.
 
 ``E[(a, b), (i, j)] = Σ_r A[a, i, r] · Bt[b, r, j]`` with ``A`` ``(V_a, E_a, r)`` and
 ``Bt`` ``(V_b, r, E_b)`` (``ops.ttm_lookup.merge_tables``; gates already absorbed), an id
-``v`` being ``a = v // V_b``, ``b = v % V_b``. Three kernels:
+``v`` being ``a = v // V_b``, ``b = v % V_b``. Two kernels:
 
 * :func:`lookup` - one program per id: loads ``A[a]`` and ``Bt[b]`` once and writes the
   ``(E_a, E_b)`` row with one ``tl.dot`` (fp32 accumulation). The PyTorch path gathers
   ``A[a]`` and ``Bt[b]`` for every id first (``2·U·r·(E_a + E_b)`` elements) and runs a
   batched GEMM.
 * :func:`lookup_backward` - ``dA[a] = Σ_{ids with that a} dRow · Bt[b]ᵀ`` and
-  ``dBt[b] = Σ_{ids with that b} A[a]ᵀ · dRow``: **sorted segments, no atomics**. The ids
+  ``dBt[b]ᵀ = Σ_{ids with that b} dRowᵀ · A[a]``, both by one kernel
+  (:func:`segment_grad_kernel` on transposed views): **sorted segments, no atomics**. The ids
   are ordered by ``a`` (and by ``b``) with a stable sort; one program per row of ``A``
   (of ``Bt``) walks its segment and writes the whole row, zero when no id uses it. So the
   result is the same run to run (deterministic), the grid is fixed (``V_a``, ``V_b``
@@ -37,6 +38,29 @@ __all__ = ["TTMLookupFused", "lookup", "lookup_backward", "ttm_lookup_fused",
 
 
 @triton.jit
+def _load_tile(P, ii, jj, s_i, s_j, n_i, n_j):
+    """The tile ``P[ii, jj]`` (strides ``s_i``, ``s_j``), zero past ``n_i`` rows and
+    ``n_j`` columns."""
+    return tl.load(P + ii[:, None] * s_i + jj[None, :] * s_j,
+                   mask=(ii[:, None] < n_i) & (jj[None, :] < n_j), other=0.0)
+
+
+@triton.jit
+def _store_tile(P, tile, ii, jj, s_i, s_j, n_i, n_j):
+    """``P[ii, jj] = tile`` in ``P``'s dtype, within ``n_i`` rows and ``n_j`` columns."""
+    tl.store(P + ii[:, None] * s_i + jj[None, :] * s_j, tile.to(P.dtype.element_ty),
+             mask=(ii[:, None] < n_i) & (jj[None, :] < n_j))
+
+
+@triton.jit
+def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``x · y`` accumulated in fp32 (both upcast first where their dtype asks it)."""
+    if UPCAST:
+        x, y = x.to(tl.float32), y.to(tl.float32)
+    return tl.dot(x, y, input_precision=PRECISION, out_dtype=tl.float32)
+
+
+@triton.jit
 def lookup_kernel(IDS, A, BT, OUT, n_ea, n_r, n_eb, n_vb,
                   s_aa, s_ai, s_ar, s_bb, s_br, s_bj, s_ou, s_oi, s_oj,
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_EA: tl.constexpr,
@@ -49,69 +73,35 @@ def lookup_kernel(IDS, A, BT, OUT, n_ea, n_r, n_eb, n_vb,
     ii = tl.arange(0, BLOCK_EA)
     rr = tl.arange(0, BLOCK_R)
     jj = tl.arange(0, BLOCK_EB)
-    at = tl.load(A + a * s_aa + ii[:, None] * s_ai + rr[None, :] * s_ar,
-                 mask=(ii[:, None] < n_ea) & (rr[None, :] < n_r), other=0.0)
-    bt = tl.load(BT + b * s_bb + rr[:, None] * s_br + jj[None, :] * s_bj,
-                 mask=(rr[:, None] < n_r) & (jj[None, :] < n_eb), other=0.0)
-    if UPCAST:
-        at, bt = at.to(tl.float32), bt.to(tl.float32)
-    row = tl.dot(at, bt, input_precision=PRECISION, out_dtype=tl.float32)
-    tl.store(OUT + u * s_ou + ii[:, None] * s_oi + jj[None, :] * s_oj,
-             row.to(OUT.dtype.element_ty), mask=(ii[:, None] < n_ea) & (jj[None, :] < n_eb))
+    at = _load_tile(A + a * s_aa, ii, rr, s_ai, s_ar, n_ea, n_r)
+    bt = _load_tile(BT + b * s_bb, rr, jj, s_br, s_bj, n_r, n_eb)
+    row = _dot(at, bt, PRECISION, UPCAST)
+    _store_tile(OUT + u * s_ou, row, ii, jj, s_oi, s_oj, n_ea, n_eb)
 
 
 @triton.jit
-def grad_a_kernel(IDS, ORDER, START, COUNT, G, BT, DA, n_ea, n_r, n_eb, n_vb,
-                  s_gu, s_gi, s_gj, s_bb, s_br, s_bj, s_da, s_di, s_dr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_EA: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_EB: tl.constexpr):
-    """``dA[a] = Σ dRow[u] · Bt[b(u)]ᵀ`` over the ids ``u`` of row ``a`` (its segment)."""
-    a = tl.program_id(0)
-    start = tl.load(START + a)
-    count = tl.load(COUNT + a)
-    ii = tl.arange(0, BLOCK_EA)
+def segment_grad_kernel(ORDER, START, COUNT, OTHER, G, H, D, n_m, n_n, n_r,
+                        s_gu, s_gm, s_gn, s_hv, s_hn, s_hr, s_dv, s_dm, s_dr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``D[k] = Σ G[u] · H[OTHER[u]]`` over the ids ``u`` of segment ``k`` (this program):
+    ``G[u]`` an ``(n_m, n_n)`` tile of the rows' gradient, ``H[v]`` an ``(n_n, n_r)`` tile
+    of the other half table. The strides orient each tile: one kernel for both halves'
+    gradients (``dA[a] = Σ dRow · Bt[b]ᵀ``, ``dBt[b]ᵀ = Σ dRowᵀ · A[a]``)."""
+    k = tl.program_id(0)
+    start = tl.load(START + k)
+    count = tl.load(COUNT + k)
+    mm = tl.arange(0, BLOCK_M)
+    nn = tl.arange(0, BLOCK_N)
     rr = tl.arange(0, BLOCK_R)
-    jj = tl.arange(0, BLOCK_EB)
-    acc = tl.zeros((BLOCK_EA, BLOCK_R), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for t in range(0, count):
         u = tl.load(ORDER + start + t)
-        b = tl.load(IDS + u) % n_vb
-        g = tl.load(G + u * s_gu + ii[:, None] * s_gi + jj[None, :] * s_gj,
-                    mask=(ii[:, None] < n_ea) & (jj[None, :] < n_eb), other=0.0)
-        btt = tl.load(BT + b * s_bb + jj[:, None] * s_bj + rr[None, :] * s_br,
-                      mask=(jj[:, None] < n_eb) & (rr[None, :] < n_r), other=0.0)
-        if UPCAST:
-            g, btt = g.to(tl.float32), btt.to(tl.float32)
-        acc += tl.dot(g, btt, input_precision=PRECISION, out_dtype=tl.float32)
-    tl.store(DA + a * s_da + ii[:, None] * s_di + rr[None, :] * s_dr,
-             acc.to(DA.dtype.element_ty), mask=(ii[:, None] < n_ea) & (rr[None, :] < n_r))
-
-
-@triton.jit
-def grad_b_kernel(IDS, ORDER, START, COUNT, G, A, DB, n_ea, n_r, n_eb, n_vb,
-                  s_gu, s_gi, s_gj, s_aa, s_ai, s_ar, s_db, s_dr, s_dj,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_EA: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_EB: tl.constexpr):
-    """``dBt[b] = Σ A[a(u)]ᵀ · dRow[u]`` over the ids ``u`` of row ``b`` (its segment)."""
-    b = tl.program_id(0)
-    start = tl.load(START + b)
-    count = tl.load(COUNT + b)
-    ii = tl.arange(0, BLOCK_EA)
-    rr = tl.arange(0, BLOCK_R)
-    jj = tl.arange(0, BLOCK_EB)
-    acc = tl.zeros((BLOCK_R, BLOCK_EB), dtype=tl.float32)
-    for t in range(0, count):
-        u = tl.load(ORDER + start + t)
-        a = tl.load(IDS + u) // n_vb
-        att = tl.load(A + a * s_aa + rr[:, None] * s_ar + ii[None, :] * s_ai,
-                      mask=(rr[:, None] < n_r) & (ii[None, :] < n_ea), other=0.0)
-        g = tl.load(G + u * s_gu + ii[:, None] * s_gi + jj[None, :] * s_gj,
-                    mask=(ii[:, None] < n_ea) & (jj[None, :] < n_eb), other=0.0)
-        if UPCAST:
-            att, g = att.to(tl.float32), g.to(tl.float32)
-        acc += tl.dot(att, g, input_precision=PRECISION, out_dtype=tl.float32)
-    tl.store(DB + b * s_db + rr[:, None] * s_dr + jj[None, :] * s_dj,
-             acc.to(DB.dtype.element_ty), mask=(rr[:, None] < n_r) & (jj[None, :] < n_eb))
+        v = tl.load(OTHER + u)
+        g = _load_tile(G + u * s_gu, mm, nn, s_gm, s_gn, n_m, n_n)
+        h = _load_tile(H + v * s_hv, nn, rr, s_hn, s_hr, n_n, n_r)
+        acc += _dot(g, h, PRECISION, UPCAST)
+    _store_tile(D + k * s_dv, acc, mm, rr, s_dm, s_dr, n_m, n_r)
 
 
 def _block(n: int) -> int:
@@ -155,21 +145,32 @@ def _segments(keys: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     return order, start, count
 
 
+def _segment_grad(keys: Tensor, n: int, other: Tensor, G: Tensor, H: Tensor, D: Tensor
+                  ) -> None:
+    """``D[k] = Σ_{u: keys[u] = k} G[u] · H[other[u]]`` for ``k < n``, written into ``D``
+    ``(n, M, r)`` (a view: its strides are what the kernel writes through), ``G``
+    ``(U, M, N)``, ``H`` ``(·, N, r)``; zero where no id has key ``k``."""
+    order, start, count = _segments(keys, n)
+    _, M, N = G.shape
+    r = H.shape[2]
+    segment_grad_kernel[(n,)](order, start, count, other, G, H, D, M, N, r, *G.stride(),
+                              *H.stride(), *D.stride(), PRECISION=precision(H),
+                              UPCAST=upcast(H), BLOCK_M=_block(M), BLOCK_N=_block(N),
+                              BLOCK_R=_block(r))
+
+
 def lookup_backward(ids: Tensor, grad: Tensor, A: Tensor, Bt: Tensor) -> tuple[Tensor, Tensor]:
     """``(dA, dBt)`` for the rows' gradient ``grad`` ``(U, E_a, E_b)`` (sorted segments:
     deterministic, fixed grid)."""
-    Va, Ea, r, Vb, Eb = _check(A, Bt)
+    Va, _, _, Vb, _ = _check(A, Bt)
     grad = grad.contiguous()
     dA = torch.empty_like(A)
     dBt = torch.empty_like(Bt)
-    blocks = dict(PRECISION=precision(A), UPCAST=upcast(A), BLOCK_EA=_block(Ea),
-                  BLOCK_R=_block(r), BLOCK_EB=_block(Eb))
-    order, start, count = _segments(torch.div(ids, Vb, rounding_mode="floor"), Va)
-    grad_a_kernel[(Va,)](ids, order, start, count, grad, Bt, dA, Ea, r, Eb, Vb,
-                         *grad.stride(), *Bt.stride(), *dA.stride(), **blocks)
-    order, start, count = _segments(torch.remainder(ids, Vb), Vb)
-    grad_b_kernel[(Vb,)](ids, order, start, count, grad, A, dBt, Ea, r, Eb, Vb,
-                         *grad.stride(), *A.stride(), *dBt.stride(), **blocks)
+    a = torch.div(ids, Vb, rounding_mode="floor")
+    b = torch.remainder(ids, Vb)
+    # dA[a] = Σ dRow · Bt[b]ᵀ and dBt[b]ᵀ = Σ dRowᵀ · A[a]: one kernel, transposed views
+    _segment_grad(a, Va, b, grad, Bt.transpose(1, 2), dA)
+    _segment_grad(b, Vb, a, grad.transpose(1, 2), A, dBt.transpose(1, 2))
     return dA, dBt
 
 

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..tensor.factorize import Factorization, resolve_factors
 from ..tensor.tt import max_tt_ranks
+from .tt_embedding import embedding_factors
+from .tt_linear import linear_factors
 
 __all__ = ["PEER_LAYERS", "TLTorchEmbedding", "TLTorchLinear", "peer_layers", "require_tltorch"]
 
@@ -144,12 +145,7 @@ class TLTorchLinear(_BlockTTLayer):
         super().__init__()
         tltorch = require_tltorch()
         self.in_features, self.out_features = int(in_features), int(out_features)
-        if d is None and in_factors is not None:
-            d = len(in_factors)
-        fin = resolve_factors(in_features, in_factors, d, "in_factors")
-        fout = resolve_factors(out_features, out_factors, len(fin.factors), "out_factors")
-        if out_factors is None:  # as TTLinear: mirror the input side
-            fout = Factorization(out_features, tuple(sorted(fout.factors)))
+        fin, fout = linear_factors(in_features, out_features, in_factors, out_factors, d)
         self.in_factors, self.out_factors = tuple(fin.factors), tuple(fout.factors)
         self.shape = (math.prod(self.in_factors), math.prod(self.out_factors))
         modes = [a * b for a, b in zip(self.out_factors, self.in_factors)]
@@ -224,12 +220,7 @@ class TLTorchEmbedding(_BlockTTLayer):
         if padding_idx is not None:
             padding_idx %= num_embeddings
         self.padding_idx = padding_idx
-        if d is None:  # as TTEmbedding
-            d = len(vocab_factors) if vocab_factors is not None else (
-                len(dim_factors) if dim_factors is not None else
-                (4 if num_embeddings >= 4096 else 3))
-        fv = resolve_factors(num_embeddings, vocab_factors, d, "vocab_factors")
-        fe = resolve_factors(embedding_dim, dim_factors, d, "dim_factors")
+        fv, fe = embedding_factors(num_embeddings, embedding_dim, vocab_factors, dim_factors, d)
         self.vocab_factors, self.dim_factors = tuple(fv.factors), tuple(fe.factors)
         modes = [a * b for a, b in zip(self.vocab_factors, self.dim_factors)]
         ranks = _resolve_ranks(rank, modes)

@@ -7,11 +7,24 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..tensor.factorize import resolve_factors
+from ..tensor.factorize import Factorization, resolve_factors
 from ..tensor.lookup import split_point, ttm_lookup
 from ..tensor.tt import TTMCores
 
-__all__ = ["TTEmbedding"]
+__all__ = ["TTEmbedding", "embedding_factors"]
+
+
+def embedding_factors(num_embeddings: int, embedding_dim: int,
+                      vocab_factors: Sequence[int] | None, dim_factors: Sequence[int] | None,
+                      d: int | None) -> tuple[Factorization, Factorization]:
+    """The row and column factorisations of a TTM table: ``d`` cores, else as many as
+    the factors given, else 4 for vocabularies of at least 4096 rows and 3 below."""
+    if d is None:
+        d = len(vocab_factors) if vocab_factors is not None else (
+            len(dim_factors) if dim_factors is not None else
+            (4 if num_embeddings >= 4096 else 3))
+    return (resolve_factors(num_embeddings, vocab_factors, d, "vocab_factors"),
+            resolve_factors(embedding_dim, dim_factors, d, "dim_factors"))
 
 
 class TTEmbedding(nn.Module):
@@ -55,12 +68,7 @@ class TTEmbedding(nn.Module):
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        if d is None:
-            d = len(vocab_factors) if vocab_factors is not None else (
-                len(dim_factors) if dim_factors is not None else
-                (4 if num_embeddings >= 4096 else 3))
-        fv = resolve_factors(num_embeddings, vocab_factors, d, "vocab_factors")
-        fe = resolve_factors(embedding_dim, dim_factors, d, "dim_factors")
+        fv, fe = embedding_factors(num_embeddings, embedding_dim, vocab_factors, dim_factors, d)
         self.tt = TTMCores(fv.factors, fe.factors, rank, tau=tau, init_var=1.0, dtype=dtype,
                            device=device)
 

@@ -15,7 +15,24 @@ from ..tensor.factorize import Factorization, resolve_factors
 from ..tensor.planner import explain_ttm
 from ..tensor.tt import TTLinearCores, TTMCores
 
-__all__ = ["LINEAR_LAYOUTS", "TTLinear"]
+__all__ = ["LINEAR_LAYOUTS", "TTLinear", "linear_factors"]
+
+
+def linear_factors(in_features: int, out_features: int, in_factors: Sequence[int] | None,
+                   out_factors: Sequence[int] | None, d: int | None
+                   ) -> tuple[Factorization, Factorization]:
+    """The input and output factorisations of a TT linear: ``d`` factors a side, else as
+    many as the factors given; an output side not given mirrors the input's
+    (``[12,8,8 | 8,8,12]`` as in the paper)."""
+    if d is None and in_factors is not None:
+        d = len(in_factors)
+    if d is None and out_factors is not None:
+        d = len(out_factors)
+    fin = resolve_factors(in_features, in_factors, d, "in_factors")
+    fout = resolve_factors(out_features, out_factors, len(fin.factors), "out_factors")
+    if out_factors is None:
+        fout = Factorization(out_features, tuple(sorted(fout.factors)))
+    return fin, fout
 
 
 
@@ -79,14 +96,7 @@ class TTLinear(nn.Module):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
         self.in_features, self.out_features = in_features, out_features
-        if d is None and in_factors is not None:
-            d = len(in_factors)
-        if d is None and out_factors is not None:
-            d = len(out_factors)
-        fin = resolve_factors(in_features, in_factors, d, "in_factors")
-        fout = resolve_factors(out_features, out_factors, len(fin.factors), "out_factors")
-        if out_factors is None:  # mirror the input side: [12,8,8 | 8,8,12] as in the paper
-            fout = Factorization(out_features, tuple(sorted(fout.factors)))
+        fin, fout = linear_factors(in_features, out_features, in_factors, out_factors, d)
         self.path = path
         self.layout = layout
         cls = TTMCores if layout == "ttm" else TTLinearCores
