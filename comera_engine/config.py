@@ -157,6 +157,11 @@ class CoMERAConfig:
     # while its slices grow back, so the size objective prunes by itself
     balance: bool | None = None
     balance_every: int = 10
+    # the gates learn at least at 2·(1 - tau) / (the late stage's steps at the least):
+    # Adam moves a gate by about its lr a step, so at lr_gates alone a gate may have too
+    # few steps to reach tau, and the size objective could not prune to the target in
+    # the run (comera_engine/rank/optim.py, gate_lr). lr_gates stands when larger.
+    gate_speed: bool | None = None
     # with a target and a step budget, the late stage starts by switch_by of the steps at
     # the latest, whatever switch says (the pace needs it; the paper switches on the
     # plateau alone)
@@ -665,13 +670,13 @@ def validate_methods(cfg: Config) -> None:
 SCHEDULES: dict[str, dict[str, Any]] = {
     "paper": {"late_norm": "initial", "size_off_at_target": False, "plateau_min_drop": 0.0,
               "rank_floor": False, "ranks_from_target": False, "balance": False,
-              "deadline": False, "pace": False},
+              "gate_speed": False, "deadline": False, "pace": False},
     "comera": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
                "rank_floor": True, "ranks_from_target": True, "balance": True,
-               "deadline": True, "pace": False},
+               "gate_speed": True, "deadline": True, "pace": False},
     "paced": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
               "rank_floor": True, "ranks_from_target": True, "balance": False,
-              "deadline": True, "pace": True},
+              "gate_speed": False, "deadline": True, "pace": True},
 }
 
 

@@ -42,8 +42,8 @@ VARIANTS: list[tuple[str, list[str]]] = [
     ("comera, balance off", ['comera.schedule="comera"', "comera.balance=false"]),
     ("comera, deadline off", ['comera.schedule="comera"', "comera.deadline=false"]),
     ("paced, balance on", ["comera.balance=true"]),
+    ("comera, gate_speed off", ['comera.schedule="comera"', "comera.gate_speed=false"]),
     # not a switch: the gates' step size, which bounds how fast the objective can prune
-    ("comera, lr_gates 3e-3", ['comera.schedule="comera"', "comera.lr_gates=3e-3"]),
     ("paced, lr_gates 3e-3", ["comera.lr_gates=3e-3"]),
 ]
 

@@ -404,6 +404,33 @@ def test_schedules_set_every_switch_and_a_switch_set_against_one_is_named() -> N
     assert method_label({"model": {"dense": True}}) == "dense baseline"
 
 
+def test_gate_speed_gives_the_gates_the_rate_to_reach_tau_in_half_the_late_stage() -> None:
+    """Schedule ``comera`` (gate_speed on): the gates' group learns at
+    ``max(lr_gates, 2·(1 - tau) / late steps)``, the late stage counted from the switch
+    step or, on a plateau switch, from the deadline; off, or with no budget, lr_gates.
+    Checked on the optimizer the controller builds, against the rule worked by hand."""
+    def gates_lr(**kw) -> float:  # noqa: ANN003
+        model = PixelNet()
+        ce.tensorize(model, rank=8, exclude=["head"])
+        opt = ce.CoMERA(model, target_compression=2.0, lr_gates=1e-3, tau=0.01,
+                        **kw).make_optimizer()
+        return next(g["lr"] for g in opt.param_groups if g["name"] == "gates")
+
+    # plateau switch, deadline at switch_by 0.5 of 800 steps: 400 late steps
+    assert gates_lr(schedule="comera", total_steps=800, switch="plateau") == pytest.approx(
+        2 * 0.99 / 400)
+    # a switch step before the deadline: 1000 - 100 late steps
+    assert gates_lr(schedule="comera", total_steps=1000, switch=100) == pytest.approx(
+        2 * 0.99 / 900)
+    # lr_gates when larger, when the switch is off, without a budget, in the other schedules
+    assert gates_lr(schedule="comera", total_steps=100000, switch=100) == 1e-3
+    assert gates_lr(schedule="comera", total_steps=800, switch="plateau",
+                    gate_speed=False) == 1e-3
+    assert gates_lr(schedule="comera", switch="plateau") == 1e-3
+    assert gates_lr(schedule="paced", total_steps=800, switch="plateau") == 1e-3
+    assert gates_lr(schedule="paper", total_steps=800, switch=100) == 1e-3
+
+
 def test_the_paper_schedule_lets_a_bond_reach_rank_zero_and_plateaus_at_chance() -> None:
     """Without the rank floor a bond whose every gate falls below the threshold reaches
     rank 0 (the layer is the zero map and counts 0 parameters, as the spec says); with it

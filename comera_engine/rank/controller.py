@@ -67,7 +67,7 @@ from ..layers import dense_size_metrics, factorized_layers, size_report, tt_laye
 from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
 from .balance import balance_gates
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
-from .optim import RankEvent, param_groups, refresh_gates, refresh_gates_on_device
+from .optim import RankEvent, gate_lr, param_groups, refresh_gates, refresh_gates_on_device
 from .optim import truncate_model_and_optimizer as _truncate_all
 from .pace import PacePlan, grow_to, host_size, prune_to
 from .size import GateBank, dense_size, size_extra
@@ -201,7 +201,7 @@ class CoMERA:
         grad (frozen gates of a fixed-rank model) are left out, empty groups dropped."""
         c = self.cfg
         if self.has_tt or self.has_peers:  # peer TT cores learn at lr_cores too
-            groups = param_groups(self.model, c.lr_cores, c.lr_gates, c.lr_dense,
+            groups = param_groups(self.model, c.lr_cores, self.lr_gates(), c.lr_dense,
                                   c.weight_decay, lr_embedding=c.lr_embedding)
             for g in groups:
                 g["params"] = [p for p in g["params"] if p.requires_grad]
@@ -209,6 +209,17 @@ class CoMERA:
         params = [p for p in self.model.parameters() if p.requires_grad]
         return [{"name": "dense", "params": params, "lr": c.lr_dense,
                  "weight_decay": c.weight_decay}]
+
+    def lr_gates(self) -> float:
+        """The gates' learning rate: ``lr_gates``, raised by ``comera.gate_speed`` to
+        what lets a gate reach ``tau`` in half the late stage (:func:`.optim.gate_lr`)."""
+        c = self.cfg
+        if not c.gate_speed or self.objective is None:
+            return c.lr_gates
+        plan = self._switch_plan()
+        starts = [s for s in (plan.switch, plan.latest) if isinstance(s, int)]
+        late = self.total_steps - min(starts) if starts and self.total_steps else 0
+        return gate_lr(c.lr_gates, c.tau, late)
 
     def make_optimizer(self, capturable: bool = False) -> torch.optim.Optimizer:
         """AdamW over :meth:`param_groups`. On CPU the fused kernel: a TT model has

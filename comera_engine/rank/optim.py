@@ -11,8 +11,23 @@ from ..backends import cpu_backend
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
 from .size import GateBank
 
-__all__ = ["RankEvent", "RankTracker", "param_groups", "refresh_gates",
+__all__ = ["RankEvent", "RankTracker", "gate_lr", "param_groups", "refresh_gates",
            "refresh_gates_on_device", "truncate_model_and_optimizer"]
+
+
+def gate_lr(lr_gates: float, tau: float, late_steps: int) -> float:
+    """The gates' learning rate under ``comera.gate_speed``:
+    ``max(lr_gates, 2·(1 - tau) / late_steps)``.
+
+    Adam moves a parameter by about its learning rate a step, so a gate at 1 needs about
+    ``(1 - tau) / lr`` steps to reach the threshold ``tau``. With this rate half of the
+    late stage's ``late_steps`` (the fewest it can have: from the switch step, or from
+    the deadline when the switch waits for a plateau) is enough, and the size objective
+    alone can prune to the target within the run. ``late_steps <= 0`` (no step budget,
+    or no late stage): ``lr_gates``."""
+    if late_steps <= 0:
+        return lr_gates
+    return max(lr_gates, 2.0 * (1.0 - tau) / late_steps)
 
 
 def param_groups(model: nn.Module, lr_cores: float = 1e-4, lr_gates: float = 1e-3,
