@@ -15,7 +15,9 @@ fused CPU AdamW) followed by :meth:`comera_engine.CoMERA.step`, in four variants
 
 No gate dies while timing (the threshold is 0), so every variant keeps the same ranks.
 Rows are the median of alternating rounds (a new random order each round), in
-milliseconds per step; ``overhead`` is against ``fixed``. Prints a table and writes
+milliseconds per step, wall-clock (``ms``) and the process's CPU time (``cpu_ms``: on a
+shared machine what other processes take does not count); ``overhead`` and
+``cpu_overhead`` are against ``fixed``. Prints a table and writes
 experiments/results/bench_controller_cpu.json.
 
     python experiments/bench_controller.py [--configs digits_tt_mlp snli_transformer_tiny]
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import add_rounds_args, apply_rounds_args, machine, median_rounds_ms, print_and_write  # noqa: E402
+from benchlib import add_rounds_args, apply_rounds_args, machine, print_and_write, time_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "experiments" / "configs"
@@ -99,8 +102,12 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
 
 def bench(config: str, rounds: int, reps: int) -> list[dict]:
     fns, info = _variants(config)
-    ms = median_rounds_ms(fns, rounds, reps, warmup=3)
+    cpu: dict[str, list[float]] = {}
+    times = time_rounds(fns, torch.device("cpu"), rounds, reps, warmup=3, cpu=cpu)
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    cpu_ms = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
     return [{"config": config, "variant": k, "ms": v, "overhead": v / ms["fixed"] - 1.0,
+             "cpu_ms": cpu_ms[k], "cpu_overhead": cpu_ms[k] / cpu_ms["fixed"] - 1.0,
              **info} for k, v in ms.items()]
 
 
@@ -116,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for name in args.configs for row in bench(name, args.rounds, args.reps)]
     print(f"\nrank controller cost per training step, CPU, {args.threads} thread(s)")
     print_and_write(rows, [("config", "config", ""), ("variant", "variant", ""),
-                           ("ms", "ms per step", ".3f"), ("overhead", "vs fixed", "+.1%")],
+                           ("ms", "ms per step", ".3f"), ("overhead", "vs fixed", "+.1%"),
+                           ("cpu_ms", "CPU ms", ".3f"),
+                           ("cpu_overhead", "vs fixed (CPU)", "+.1%")],
                     "bench_controller_cpu", {"machine": machine(), "threads": args.threads,
                                              "rounds": args.rounds, "reps": args.reps,
                                              "rows": rows}, args.out)

@@ -70,16 +70,21 @@ def section(title: str, command: str, source: str, data: dict[str, Any], what: s
 
 
 def controller(data: dict[str, Any]) -> str:
-    rows = [[r["config"], r["variant"], f"{r['ms']:.2f}", f"{100 * r['overhead']:+.1f} %"]
+    cpu = all("cpu_ms" in r for r in data["rows"])  # files before the CPU-time columns
+    rows = [[r["config"], r["variant"], f"{r['ms']:.2f}", f"{100 * r['overhead']:+.1f} %",
+             *([f"{r['cpu_ms']:.2f}", f"{100 * r['cpu_overhead']:+.1f} %"] if cpu else [])]
             for r in data["rows"]]
     what = (f"Each shipped config's model at the ranks its run starts from, one batch of its "
             f"shape, the trainer's step followed by `CoMERA.step` ({data['rounds']} "
             f"alternating rounds of {data['reps']} steps); `fixed` has its gates frozen "
             "(`comera.method = \"fixed\"`). No gate dies while timing, so every row has the "
-            "same ranks.")
-    return section("What the rank controller costs", "python experiments/bench_controller.py",
-                   "bench_controller_cpu.json", data, what,
-                   table(["config", "variant", "ms per step", "vs fixed ranks"], rows))
+            "same ranks. Medians of the rounds, wall-clock and the process's CPU time (on "
+            "a shared machine what other processes take is not counted in the latter).")
+    header = ["config", "variant", "ms per step", "vs fixed ranks"]
+    return section("What the rank controller costs",
+                   f"python experiments/bench_controller.py --rounds {data['rounds']} "
+                   f"--reps {data['reps']}", "bench_controller_cpu.json", data, what,
+                   table(header + (["CPU ms", "vs fixed (CPU)"] if cpu else []), rows))
 
 
 def own_loop(data: dict[str, Any]) -> str:

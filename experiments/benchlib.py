@@ -118,26 +118,33 @@ def time_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], device: to
 
 
 def time_rounds(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
-                reps: int, warmup: int = 1) -> dict[str, list[float]]:
+                reps: int, warmup: int = 1, cpu: dict[str, list[float]] | None = None
+                ) -> dict[str, list[float]]:
     """Seconds per call of each function, one entry per round of ``reps`` calls, the
     functions in a new (seeded) random order each round: what ran just before a function
     changes its caches and clocks (measured: the same TT step timed right after
     ``nn.Linear`` ran ~10% slower at 4096 tokens than after another TT variant), so none
-    always follows another."""
+    always follows another. ``cpu``: filled with the calling thread's CPU seconds per call
+    the same way (``time.thread_time``: what other processes on a shared machine take
+    does not count, the cache misses they cause do)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    if cpu is not None:
+        cpu.update({k: [] for k in fns})
     order, shuffle = list(fns), random.Random(0).shuffle
     for _ in range(rounds):
         shuffle(order)
         for k in order:
             sync(device)
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             for _ in range(reps):
                 fns[k]()
             sync(device)
             times[k].append((time.perf_counter() - t0) / reps)
+            if cpu is not None:
+                cpu[k].append((time.thread_time() - c0) / reps)
     return times
 
 

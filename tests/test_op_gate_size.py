@@ -97,3 +97,47 @@ def test_refresh_finds_an_entry_that_fell_to_its_threshold(op_impl: str) -> None
     events = refresh_gates(model)
     assert [(e.layer, e.bond, e.old - e.new) for e in events] == [("a", k, 1)]
     assert not bool(layer.alive(k)[j]) and float(layer.gates[k][j].detach()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("stage", ["early", "late", "late, paper's norm", "late, at target"])
+def test_the_objective_is_its_expressions_differentiated_to_the_bit(
+        op_impl: str, dtype: torch.dtype, stage: str) -> None:
+    """The CoMERA objective's loss is one autograd node (one call each way on the CPU
+    backend): its loss, logged terms and gradients are those of its expressions over the
+    surrogate, differentiated by autograd, bit for bit, for both λ outcomes."""
+    from comera_engine.config import CoMERAConfig
+    from comera_engine.rank import CoMERAObjective
+
+    model = _model(dtype)
+    cfg = CoMERAConfig(gamma=0.3, gamma_warmup=10, target_compression=2.0,
+                       late_norm="initial" if "paper" in stage else "current")
+    obj = CoMERAObjective(model, cfg)
+    obj.begin_step(3)  # γ still warming up
+    gates = [g for _, m in tt_layers(model) for g in m.tt.gates]
+    lambdas = set()
+    for z_f in (0.69, -10.0):  # λ 1 (the loss near its target) and λ 0
+        if stage != "early":
+            obj.switch_to_late(z_f=z_f)  # the size (121) above the target, or at it
+            obj.target_size = 1e9 if stage == "late, at target" else 10.0
+        runs = []
+        for reference in (False, True):
+            f = torch.tensor(0.7, dtype=dtype, requires_grad=True)
+            info: dict[str, torch.Tensor] = {}
+            if reference:  # the expressions, autograd through every op
+                s_raw, cores = gate_sizes(model, counts=stage != "early", bank=obj.bank)
+                total, _ = obj._terms(f, s_raw, cores, info)
+            else:
+                total, info = obj(f)
+            grads = torch.autograd.grad(2.0 * total, [f, *gates])
+            runs.append((total.detach(), {k: v.detach() for k, v in info.items()
+                                          if k != "target_size"}, grads))
+        (total, info, grads), (ref_total, ref_info, ref_grads) = runs
+        assert torch.equal(total, ref_total)
+        assert info.keys() == ref_info.keys()
+        assert all(torch.equal(info[k], ref_info[k]) for k in info)
+        assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+        lambdas.add(float(info["lambda"]))
+        if stage == "early":
+            break
+    assert lambdas == ({0.0} if stage in ("early", "late, at target") else {0.0, 1.0})

@@ -43,10 +43,12 @@ logging. The settings are the run config's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from ..backends import cpu_backend
 from ..config import CoMERAConfig, resolve_schedule, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
@@ -54,6 +56,7 @@ from .size import (
     GateBank,
     dense_size,
     effective_core_size,
+    gate_size_pass,
     gate_sizes,
     size_extra,
     size_spec,
@@ -94,6 +97,7 @@ class CoMERAObjective:
         self.dense = dense_size(model)
         self.step_index = 0
         self._ramp: Tensor | None = None
+        self._ramp_value = 0.0  # what _ramp holds
         self.target_size: float | None = None
         self.frozen = False  # ranks fixed at the target: the task loss alone
         self._fixed_size: Tensor | None = None  # the size once frozen (a constant)
@@ -115,13 +119,16 @@ class CoMERAObjective:
     def begin_step(self, index: int) -> None:
         """The 0-based index of the step about to run (drives the ``γ`` warm-up)."""
         self.step_index = index
-        if self._ramp is not None:
-            self._ramp.fill_(gamma_ramp(self.cfg.gamma_warmup, index))
+        ramp = gamma_ramp(self.cfg.gamma_warmup, index)
+        if self._ramp is not None and ramp != self._ramp_value:  # 1 after the warm-up
+            self._ramp.fill_(ramp)
+            self._ramp_value = ramp
 
     def _ramp_on(self, device: torch.device) -> Tensor:
         if self._ramp is None or self._ramp.device != device:
             ramp = gamma_ramp(self.cfg.gamma_warmup, self.step_index)
             self._ramp = torch.full((), ramp, dtype=torch.float32, device=device)
+            self._ramp_value = ramp
         return self._ramp
 
     def __call__(self, f: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -134,49 +141,100 @@ class CoMERAObjective:
                     reg = reg + c.pow(2).sum()
             reg = cfg.l2_cores * reg
         info: dict[str, Tensor] = {}
-        zero = self._const(f, "zero", 0.0)  # λ when it is not chosen (logged only)
         if self.frozen:  # ranks fixed: the size is a constant, counted once
             if self._fixed_size is None or self._fixed_size.device != f.device:
                 self._fixed_size = (effective_core_size(model, self.bank)
                                     + self._extra).to(f.dtype)
             total = f if reg is None else f + reg
-            info["lambda"] = zero
+            info["lambda"] = self._const(f, "zero", 0.0)  # not chosen (logged only)
             info["size"] = self._fixed_size
             if self.target_size is not None:
                 info["target_size"] = self._const(f, "target_size", self.target_size)
             return total, info
-        late = self.stage != "early"
-        s_raw, cores64 = gate_sizes(model, counts=late, bank=self.bank)  # one pass
-        s_hat = s_raw.to(f.dtype) / self.S0
-        info["size_surrogate"] = s_raw.detach()
-        if not late:
-            gamma = cfg.gamma * self._ramp_on(f.device).to(f.dtype)
-            total = f + gamma * s_hat
-            info["lambda"] = zero
-            info["gamma"] = gamma
-        else:
-            assert self.z_f is not None and self.target_size is not None
-            assert cores64 is not None
-            size = (cores64 + self._extra).to(f.dtype)
-            if cfg.late_norm != "initial":  # Ŝ / S_c (ours); the paper's is Ŝ / S₀
-                s_hat = s_hat * (self.S0 / cores64.to(f.dtype).clamp_min(1.0))
-            fv = _mean_over_processes(f.detach())  # every process picks the same λ
-            gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, 0.0)
-            gap_s = torch.where(size > 0, (size - self.target_size) / size, -1.0)
-            if cfg.size_off_at_target is False:  # the paper's: the size terms stay on
-                pursue = torch.ones_like(size)
-            else:  # the size terms, until the size is at the target
-                pursue = (size > self.target_size).to(f.dtype)
-            lam = (gap_f < gap_s).to(f.dtype) * pursue
-            total = cfg.rho_f * f + (pursue * cfg.rho_s) * s_hat + lam * s_hat + (1 - lam) * f
-            info["lambda"] = lam
-            info["size"] = size
-            info["z_f"] = self._const(f, "z_f", self.z_f)
+        gates = self.bank.flat()[0]
+        backend = cpu_backend(gates[0]) if gates else None
+        if backend is not None and f.dim() == 0 and f.device == gates[0].device and (
+                f.dtype in (torch.float32, torch.float64)):
+            total = self._native_terms(backend.ops, f, info)
+        elif gates:  # the whole loss as one autograd node (_Scalarised)
+            total = _Scalarised.apply(self, info, f, *gates)
+        else:  # single-core layers only (no bond): the same terms, autograd through them
+            s_raw, cores64 = gate_sizes(model, counts=self.stage != "early", bank=self.bank)
+            total, _ = self._terms(f, s_raw, cores64, info)
         if reg is not None:
             total = total + reg
         if self.target_size is not None:
             info["target_size"] = self._const(f, "target_size", self.target_size)
         return total, info
+
+    def _terms(self, f: Tensor, s_raw: Tensor, cores64: Tensor | None,
+               info: dict[str, Tensor]) -> tuple[Tensor, Callable[[Tensor], tuple]]:
+        """The current stage's loss from the task loss ``f``, the surrogate ``Ŝ``
+        (``s_raw``) and, in the late stage, the cores' effective size (``cores64``), its
+        terms logged in ``info``; and the function that takes ``dL/d(loss)`` to
+        ``(dL/df, dL/dŜ)``, each product and sum as autograd would form them through
+        these expressions (:class:`_Scalarised`: the same bits)."""
+        cfg = self.cfg
+        s_hat = s_raw.to(f.dtype) / self.S0
+        info["size_surrogate"] = s_raw.detach()
+        if self.stage == "early":
+            gamma = cfg.gamma * self._ramp_on(f.device).to(f.dtype)
+            info["lambda"] = self._const(f, "zero", 0.0)  # λ is not chosen (logged only)
+            info["gamma"] = gamma
+            return f + gamma * s_hat, lambda d: (d, ((d * gamma) / self.S0).to(s_raw.dtype))
+        assert self.z_f is not None and self.target_size is not None
+        assert cores64 is not None
+        size = (cores64 + self._extra).to(f.dtype)
+        norm = None
+        if cfg.late_norm != "initial":  # Ŝ / S_c (ours); the paper's is Ŝ / S₀
+            norm = self.S0 / cores64.to(f.dtype).clamp_min(1.0)
+            s_hat = s_hat * norm
+        fv = _mean_over_processes(f.detach())  # every process picks the same λ
+        gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, 0.0)
+        gap_s = torch.where(size > 0, (size - self.target_size) / size, -1.0)
+        if cfg.size_off_at_target is False:  # the paper's: the size terms stay on
+            pursue = torch.ones_like(size)
+        else:  # the size terms, until the size is at the target
+            pursue = (size > self.target_size).to(f.dtype)
+        lam = (gap_f < gap_s).to(f.dtype) * pursue
+        on_s, off_f = pursue * cfg.rho_s, 1 - lam
+        total = cfg.rho_f * f + on_s * s_hat + lam * s_hat + off_f * f
+        info["lambda"] = lam
+        info["size"] = size
+        info["z_f"] = self._const(f, "z_f", self.z_f)
+
+        def grads(d: Tensor) -> tuple[Tensor, Tensor]:
+            d_s = d * on_s + d * lam
+            d_s = d_s if norm is None else d_s * norm
+            return d * cfg.rho_f + d * off_f, (d_s / self.S0).to(s_raw.dtype)
+
+        return total, grads
+
+    def _native_terms(self, ops, f: Tensor, info: dict[str, Tensor]) -> Tensor:  # noqa: ANN001
+        """The loss of :meth:`_terms` as one autograd node of the CPU backend
+        (``csrc/gate_size.cpp``: every scalar op of the expressions rounded as the tensor
+        op rounds it, and the backward's products and sums as autograd forms them)."""
+        cfg = self.cfg
+        late = self.stage != "early"
+        if late:
+            assert self.z_f is not None and self.target_size is not None
+            side = _mean_over_processes(f.detach())  # every process picks the same λ
+            settings = [self.S0, self._extra, self.z_f, self.target_size, cfg.rho_f,
+                        cfg.rho_s, float(cfg.late_norm != "initial"),
+                        float(cfg.size_off_at_target is not False)]
+        else:
+            side, settings = self._ramp_on(f.device), [self.S0, cfg.gamma]
+        gates, alive, _ = self.bank.flat()
+        total, s_raw, first, lam = ops.size_objective(self.bank.native(ops), gates, alive, f,
+                                                      side, late, settings)
+        info["size_surrogate"] = s_raw
+        if late:
+            info["lambda"], info["size"] = lam, first
+            info["z_f"] = self._const(f, "z_f", self.z_f)
+        else:
+            info["lambda"] = self._const(f, "zero", 0.0)  # λ is not chosen (logged only)
+            info["gamma"] = first
+        return total
 
     def _const(self, like: Tensor, name: str, value: float) -> Tensor:
         """``value`` as a 0-d tensor like ``like``, made once (logged every step)."""
@@ -186,6 +244,31 @@ class CoMERAObjective:
             t = (key, like.new_full((), value))
             self._consts[name] = t
         return t[1]
+
+
+class _Scalarised(torch.autograd.Function):
+    """The CoMERA objective's loss (:meth:`CoMERAObjective._terms`) as one autograd node:
+    inputs the objective, the ``info`` dict it fills, the task loss ``f`` and the gates
+    of its :class:`~comera_engine.rank.size.GateBank`. The surrogate comes from
+    :func:`~comera_engine.rank.size.gate_size_pass` with its gradient worked out; the
+    backward multiplies as autograd would through the expressions, so the gradients have
+    the same bits as differentiating them, without a node per term and per scalar op
+    (each small op costs more than its arithmetic, several times its own time right
+    after a model's forward). The CPU backend has the node itself
+    (:meth:`CoMERAObjective._native_terms`)."""
+
+    @staticmethod
+    def forward(ctx, obj: CoMERAObjective, info: dict[str, Tensor],  # noqa: ANN001
+                f: Tensor, *gates: Tensor) -> Tensor:
+        s_raw, cores64, to_gates = gate_size_pass(obj.bank, obj.stage != "early")
+        total, ctx.grads = obj._terms(f, s_raw, cores64, info)
+        ctx.to_gates = to_gates
+        return total
+
+    @staticmethod
+    def backward(ctx, d: Tensor):  # type: ignore[override]  # noqa: ANN205
+        d_f, d_s = ctx.grads(d)
+        return (None, None, d_f if ctx.needs_input_grad[2] else None, *ctx.to_gates(d_s))
 
 
 def _mean_over_processes(value: Tensor) -> Tensor:

@@ -93,8 +93,7 @@ def refresh_gates(model: nn.Module, step: int = 0,
         return []
     backend = cpu_backend(gates[0])
     if backend is not None:  # the same check in one call
-        bonds, _, taus, _ = bank.layout()
-        if not backend.ops.gates_dying(gates, alive, bonds, taus):
+        if not backend.ops.layout_dying(bank.native(backend.ops), gates, alive):
             return []
     else:
         g = torch.cat(gates).detach()

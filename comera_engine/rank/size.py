@@ -26,7 +26,7 @@ is all the gates can change).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import torch
@@ -37,9 +37,9 @@ from ..layers import TTEmbedding, TTLinear, peer_layers, tt_layers
 from ..tensor import structure_generation
 from .target import LayerSpec, SizeSpec
 
-__all__ = ["GateBank", "dense_size", "effective_core_size", "effective_size", "layer_size",
-           "layer_size_surrogate", "min_size", "model_sizes", "size_extra", "size_spec",
-           "surrogate_size"]
+__all__ = ["GateBank", "SurrogateGrad", "dense_size", "effective_core_size", "effective_size",
+           "gate_size_pass", "layer_size", "layer_size_surrogate", "min_size", "model_sizes",
+           "size_extra", "size_spec", "surrogate_size"]
 
 
 def layer_size_surrogate(layer: TTLinear | TTEmbedding) -> Tensor:
@@ -82,6 +82,7 @@ class GateBank:
         self._flat: tuple[list[Tensor], list[Tensor], tuple] = ([], [], ())
         self._plans: dict[tuple[torch.device, torch.dtype], tuple] = {}
         self._layout: tuple[list[int], list[float], list[float], list[int]] | None = None
+        self._native: object | None = None
 
     def flat(self) -> tuple[list[Tensor], list[Tensor], tuple]:
         """``(gates, alive, key)`` of :func:`_flat_gates`, current."""
@@ -90,6 +91,7 @@ class GateBank:
             self._flat = _flat_gates(self.layers)
             self._plans = {}
             self._layout = None
+            self._native = None
             self._generation = generation
         return self._flat
 
@@ -104,6 +106,16 @@ class GateBank:
                             [float(t) for _, _, t in key],
                             [r for gs, _, _ in key for r in gs])
         return self._layout
+
+    def native(self, ops) -> object:  # noqa: ANN001
+        """The CPU backend's ``BankLayout`` of the current gates (``ops``: the backend's
+        module): :meth:`layout` handed over once per structure, so a call over all
+        gates passes it and the tensors of :meth:`flat` (``csrc/gate_size.cpp``)."""
+        self.flat()
+        if self._native is None:
+            gates, alive, _ = self._flat
+            self._native = ops.BankLayout(gates, alive, *self.layout()[:3])
+        return self._native
 
     def plan(self, device: torch.device, dtype: torch.dtype) -> tuple:
         """:func:`_surrogate_plan` of the current layout on ``device`` in ``dtype``."""
@@ -138,79 +150,75 @@ def gate_sizes(model: nn.Module, counts: bool = False,
         bank = GateBank([m for _, m in tt_layers(model)] if layers is None else layers)
     if not bank.layers:
         return torch.zeros(()), (torch.zeros((), dtype=torch.float64) if counts else None)
-    gates, alive, _ = bank.flat()
+    gates = bank.flat()[0]
     if not gates:  # single-core layers only: no bond, nothing the gates control
         s_hat = torch.stack([layer_size_surrogate(m) for m in bank.layers]).sum()
         return s_hat, (effective_core_size(model) if counts else None)
-    backend = cpu_backend(gates[0])
-    if backend is not None:  # the same sums in one call (float64 inside)
-        s_hat, cores = _GateSizeNative.apply(backend.ops, bank.layout(), alive, counts,
-                                             *gates)
-        return s_hat, (cores if counts else None)
-    layers = bank.layers
-    plan = bank.plan(gates[0].device, gates[0].dtype)
-    plan64 = bank.plan(gates[0].device, torch.float64) if counts else None
-    s_hat, cores = _GateSize.apply(plan, plan64, len(layers), len(gates), *gates, *alive)
+    s_hat, cores = _GateSize.apply(bank, counts, *gates)
     return s_hat, (cores if counts else None)
 
 
-class _GateSize(torch.autograd.Function):
-    """``(Ŝ, S)`` of :func:`gate_sizes`: inputs the two index plans (``plan64`` ``None``:
-    no ``S``), the numbers of layers and of gate vectors, the gates, then their ``alive``
-    vectors."""
+SurrogateGrad = Callable[[Tensor], tuple[Tensor, ...]]
+"""``dL/dŜ`` (a 0-d tensor) to ``dL/dg`` per gate vector (:func:`gate_size_pass`)."""
 
-    @staticmethod
-    def forward(ctx, plan: tuple, plan64: tuple | None, n_layers: int,  # noqa: ANN001
-                n: int, *tensors: Tensor) -> tuple[Tensor, Tensor]:
+
+def gate_size_pass(bank: GateBank, counts: bool) -> tuple[Tensor, Tensor, SurrogateGrad]:
+    """:func:`gate_sizes` of ``bank``'s gates (at least one) without autograd: ``Ŝ``, the
+    cores' effective size ``S`` (float64; 0 without ``counts``) and the function that
+    takes ``dL/dŜ`` to the gates' gradients, for a caller that differentiates ``Ŝ``
+    inside its own ``autograd.Function`` (:class:`_GateSize`; the CoMERA objective, one
+    autograd node for the whole loss). The CPU backend does it in one call
+    (``csrc/gate_size.cpp``: ``Ŝ``, ``S`` and ``∂Ŝ/∂g`` together, float64 inside);
+    elsewhere the index plans of :func:`_surrogate_plan`, ``∂Ŝ/∂g`` worked out from
+    ``dL/dŜ`` as autograd would."""
+    gates, alive, _ = bank.flat()
+    with torch.no_grad():
+        backend = cpu_backend(gates[0])
+        if backend is not None:
+            bonds, modes, taus, sizes = bank.layout()
+            s_hat, cores, grad = backend.ops.gate_size(gates, alive, bonds, modes, taus,
+                                                       counts)
+            return s_hat, cores, lambda d_s: (grad * d_s).split(sizes)
+        plan = bank.plan(gates[0].device, gates[0].dtype)
         table, tau, li, ri, sizes = plan[:5]
-        g = torch.cat(tensors[:n])
+        g = torch.cat(gates)
         a = g.abs()
-        live = torch.cat(tensors[n:]) & (a > tau)
+        live = torch.cat(alive) & (a > tau)
         a = torch.where(live, a, 0.0)
         R = torch.cat([g.new_ones(1), torch.cat([a, a.new_zeros(1)])[table].sum(1)])
         left = sizes * R[li]
         s_hat = (left * R[ri]).sum()
-        ctx.save_for_backward(g, live, R, left)
-        ctx.plan, ctx.sizes = plan, [int(t.shape[0]) for t in tensors[:n]]
         cores = g.new_zeros((), dtype=torch.float64)
-        if plan64 is not None:
-            cores = _core_size(live, plan64, n_layers)
-        ctx.mark_non_differentiable(cores)
-        return s_hat, cores
+        if counts:
+            cores = _core_size(live, bank.plan(g.device, torch.float64), len(bank.layers))
+    lengths = [int(v.shape[0]) for v in gates]
 
-    @staticmethod
-    def backward(ctx, d_s: Tensor, _d_cores: Tensor):  # type: ignore[override]  # noqa: ANN205
-        g, live, R, left = ctx.saved_tensors
-        _, _, li, ri, sizes, _, _, lc, rc, entry_bond = ctx.plan
+    def grads(d_s: Tensor) -> tuple[Tensor, ...]:
         # autograd's own products for Σ (s·R[li])·R[ri]: into R[li] (d·R[ri])·s, into
         # R[ri] d·(s·R[li]); bond b is the left bond of core rc[b], the right of lc[b]
+        _, _, li, ri, sizes, _, _, lc, rc, entry_bond = plan
         via_left = (d_s * R[ri]) * sizes
         via_right = d_s * left
         d_bond = via_left[rc] + via_right[lc]
-        d_g = torch.where(live, d_bond[entry_bond], 0.0) * g.sgn()
-        return (None, None, None, None, *d_g.split(ctx.sizes), *([None] * len(ctx.sizes)))
+        return (torch.where(live, d_bond[entry_bond], 0.0) * g.sgn()).split(lengths)
+
+    return s_hat, cores, grads
 
 
-class _GateSizeNative(torch.autograd.Function):
-    """:class:`_GateSize` in one call of the CPU backend (``csrc/gate_size.cpp``), which
-    returns ``Ŝ``, ``S`` and ``∂Ŝ/∂g`` together: the backward only scales the latter.
-    Inputs: the backend's module, :meth:`GateBank.layout`, the ``alive`` vectors, whether
-    ``S`` is wanted, then the gates."""
+class _GateSize(torch.autograd.Function):
+    """``(Ŝ, S)`` of :func:`gate_sizes` (:func:`gate_size_pass`): inputs the
+    :class:`GateBank`, whether ``S`` is wanted, then its gates."""
 
     @staticmethod
-    def forward(ctx, ops, layout: tuple, alive: list[Tensor], counts: bool,  # noqa: ANN001
+    def forward(ctx, bank: GateBank, counts: bool,  # noqa: ANN001
                 *gates: Tensor) -> tuple[Tensor, Tensor]:
-        bonds, modes, taus, sizes = layout
-        s_hat, cores, grad = ops.gate_size(list(gates), alive, bonds, modes, taus, counts)
-        ctx.save_for_backward(grad)
-        ctx.sizes = sizes
+        s_hat, cores, ctx.grads = gate_size_pass(bank, counts)
         ctx.mark_non_differentiable(cores)
         return s_hat, cores
 
     @staticmethod
     def backward(ctx, d_s: Tensor, _d_cores: Tensor):  # type: ignore[override]  # noqa: ANN205
-        (grad,) = ctx.saved_tensors
-        return (None, None, None, None, *(grad * d_s).split(ctx.sizes))
+        return (None, None, *ctx.grads(d_s))
 
 
 def _core_size(live: Tensor, plan64: tuple, n_layers: int) -> Tensor:

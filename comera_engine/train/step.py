@@ -94,7 +94,9 @@ class TrainStep:
             result["gate_counts"] = gate_counts
         for key, value in info.items():  # tensors (graph-safe objective) or floats
             if isinstance(value, torch.Tensor):
-                result[f"comera/{key}"] = value.detach().float().reshape(())
+                if value.requires_grad or value.dtype != torch.float32 or value.dim():
+                    value = value.detach().float().reshape(())
+                result[f"comera/{key}"] = value
             elif isinstance(value, (int, float)):
                 result[f"comera/{key}"] = float(value)
         return result

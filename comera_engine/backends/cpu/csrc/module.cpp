@@ -20,4 +20,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "rank gates: size surrogate, its gradient and the cores' size (rank.size)");
   mod.def("gates_dying", &comera::gates_dying,
           "rank gates: some live entry at or below its threshold (rank.optim)");
+  pybind11::class_<comera::BankLayout, std::shared_ptr<comera::BankLayout>>(
+      mod, "BankLayout", "rank gates: a model's gates laid out for the calls below")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                          std::vector<int64_t>, std::vector<double>, std::vector<double>>());
+  mod.def("size_objective", &comera::size_objective,
+          "rank gates: the CoMERA objective's loss and its terms, differentiable "
+          "(rank.objective)");
+  mod.def("layout_dying", &comera::layout_dying,
+          "rank gates: some live entry at or below its threshold, over a BankLayout");
 }

@@ -95,5 +95,25 @@ std::vector<Tensor> gate_size(const std::vector<Tensor>& gates,
                               const std::vector<double>& taus, bool want_size);
 bool gates_dying(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive,
                  const std::vector<int64_t>& bonds, const std::vector<double>& taus);
+// A model's gates laid out once for the calls below (rank.size.GateBank: made again when
+// the structure changes): the numbers of the layout; the calls take the gate and alive
+// tensors themselves (held here, they would keep a truncated parameter from being
+// swapped for its new tensor: torch.utils.swap_tensors wants no other owner).
+struct BankLayout {
+  BankLayout(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive,
+             std::vector<int64_t> bonds, std::vector<double> modes, std::vector<double> taus);
+  // the gates and alive vectors still have the layout's lengths and kinds
+  void check(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive) const;
+  std::vector<int64_t> bonds, sizes;
+  std::vector<double> modes, taus;
+};
+// The CoMERA objective's loss over a layout, an autograd node (the same file): {loss,
+// Ŝ, gamma (early) or size (late), lambda}.
+std::vector<Tensor> size_objective(const BankLayout& layout, const std::vector<Tensor>& gates,
+                                   const std::vector<Tensor>& alive, const Tensor& f,
+                                   const Tensor& side, bool late, const std::vector<double>& p);
+// gates_dying over a layout.
+bool layout_dying(const BankLayout& layout, const std::vector<Tensor>& gates,
+                  const std::vector<Tensor>& alive);
 
 }  // namespace comera
