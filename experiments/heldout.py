@@ -33,23 +33,22 @@ N_TEST = 1500
 TEST_SEED = 29  # fixed: every seed and method is scored on the same examples
 
 
-def split(source: Path = SOURCE, config: Path = CONFIG, n_test: int = N_TEST,
+def split(n: int, config: Path = CONFIG, n_test: int = N_TEST,
           seed: int = TEST_SEED) -> dict[str, list[int]]:
-    """Indices into the labelled examples of ``source`` (the trainer's reader): the
-    config's ``eval`` part (left out), the ``test`` set held out of its training part,
-    and ``train``, the rest of the training part. Each sorted; together a partition."""
+    """Indices into ``n`` labelled examples (the source as the trainer's reader reads
+    it): the config's ``eval`` part (left out), the ``test`` set held out of its
+    training part, and ``train``, the rest of the training part. Each sorted; together a
+    partition of ``range(n)``."""
     import numpy as np
 
     from comera_engine.config import load_config
     from comera_engine.data.base import split_indices
-    from comera_engine.data.nli import read_nli_file
     from comera_engine.data.registry import dataset_info
 
     data = load_config(config).data
     fraction = float(data.get("split_fraction", dataset_info("snli").defaults["split_fraction"]))
     data_seed = int(data.get("seed", dataset_info("snli").defaults["seed"]))
-    examples = read_nli_file(source)
-    train_idx, eval_idx = split_indices(len(examples), fraction, data_seed)
+    train_idx, eval_idx = split_indices(n, fraction, data_seed)
     if not 0 < n_test < len(train_idx):
         raise ValueError(f"n_test: must be between 1 and {len(train_idx) - 1}, got {n_test}")
     pick = np.random.default_rng(seed).permutation(len(train_idx))[:n_test]
@@ -65,7 +64,7 @@ def write(folder: Path = FOLDER, source: Path = SOURCE, config: Path = CONFIG,
     from comera_engine.data.nli import LABEL_NAMES, read_nli_file
 
     examples = read_nli_file(source)
-    parts = split(source, config, n_test)
+    parts = split(len(examples), config, n_test)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name in ("train", "test"):

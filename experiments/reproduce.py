@@ -79,6 +79,14 @@ SHRINK = ("prune", "int8", "prune_int8", "comera_int8")
 #: on digits and SNLI-tiny only, as the peers above.
 SCHEDULES = ("sched_comera", "sched_paper")
 
+
+def _heldout_overrides() -> tuple[str, ...]:
+    """The held-out SNLI files written (experiments/heldout.py), as --set overrides."""
+    import heldout
+
+    return heldout.overrides()
+
+
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("digits", "scikit-learn digits, TT MLP",
          {"cpu": "digits_tt_mlp.toml", "paper": "digits_tt_mlp_paper.toml"},
@@ -96,7 +104,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          quick=("train.steps=150", "train.eval_every=150"),
          needs="../shared/data/snli/dev.jsonl", cpu_targets=(10.0,),
          cpu_skip=("tt_svd", "tt_svd_ft", "tltorch", *SHRINK, *SCHEDULES),
-         prepare=lambda: _heldout_overrides()),
+         prepare=_heldout_overrides),
     # the small preset is 8x slower a step on a CPU: 200 steps and the targets the claims
     # name (10x, 30x) fit the budget, without tltorch (its TT-matrix layers take 5 min a
     # run here against 1 min for CoMERA: 12 more minutes);
@@ -141,12 +149,6 @@ class Method:
     needs_dense: bool = False  # starts from the trained dense run of the same seed
     linear_only: bool = False
     after: str | None = None  # starts from that method's run of the same seed and target
-
-
-def _heldout_overrides() -> tuple[str, ...]:
-    import heldout
-
-    return heldout.overrides()
 
 
 def _target(t: float | None) -> list[str]:

@@ -27,8 +27,8 @@ def test_the_test_set_comes_from_the_configs_training_part_only(tmp_path) -> Non
     from comera_engine.config import load_config
     from comera_engine.data.nli import build_nli, read_nli_file
 
-    parts = heldout.split(n_test=300)
     everything = read_nli_file(heldout.SOURCE)
+    parts = heldout.split(len(everything), n_test=300)
     sets = {k: set(v) for k, v in parts.items()}
     assert len(parts["test"]) == 300
     assert not (sets["test"] & sets["eval"]) and not (sets["test"] & sets["train"])
