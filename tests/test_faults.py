@@ -665,7 +665,14 @@ def test_deleting_a_live_runs_folder_stops_it(store: RunStore) -> None:
 
     rid = launch(CONFIG, LONG, store=store)
     wait_for(lambda: (store.get_run(rid)["last_step"] or 0) >= 30, START_TIMEOUT, "30 steps")
-    shutil.rmtree(store.run_dir(rid))
+    # Move the folder aside before removing it: the run, seeing its files unlinked, drops
+    # its own disk reserve by path, which would race an in-place rmtree over that file.
+    # From the run's side this is the same deletion (its paths are gone, its files
+    # unlinked).
+    run_dir = Path(store.run_dir(rid))
+    gone = run_dir.with_name(run_dir.name + ".deleted")
+    run_dir.rename(gone)
+    shutil.rmtree(gone)
     wait_for(lambda: store.get_run(rid)["status"] == "failed", 60, "failed")
     assert "was deleted while the run trained" in store.get_run(rid)["error"]
 
