@@ -182,6 +182,34 @@ def native_impl(request, monkeypatch) -> str:
     return request.param
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_module_gates_are_the_masked_product_bit_for_bit(dtype: torch.dtype) -> None:
+    """``TensorTrain.gated_cores`` (``absorb_gates``: hardshrink, then the alive vector) is
+    ``G_k · diag(g_k ⊙ m_k)`` with ``m = alive & (|g| > tau)`` written out by hand, the
+    same bits for the cores and for the gradients of cores and gates; entries dead, at
+    tau or below get exactly zero gradient."""
+    torch.manual_seed(5)
+    tt = TTMCores((2, 3, 2), (3, 2, 2), 4, tau=0.05, dtype=dtype)
+    with torch.no_grad():
+        for k, g in enumerate(tt.gates):
+            g.copy_(torch.randn(g.shape[0], dtype=dtype))
+            g[0] = 0.05  # at tau: masked
+            g[1] = -0.5
+            tt.alive(k)[2] = False  # dead, its gate not yet zeroed
+    cores, gates, alive = tt.parts()
+    hand = [c * (g * (a & (g.detach().abs() > tt.tau)).to(dtype))
+            for c, g, a in zip(cores, gates, alive)] + [cores[-1]]
+    got = tt.gated_cores()
+    assert all(torch.equal(a, b) for a, b in zip(got, hand))
+    w = [torch.randn_like(c) for c in got]
+    g_got = torch.autograd.grad(sum((c * v).sum() for c, v in zip(got, w)), [*cores, *gates])
+    g_hand = torch.autograd.grad(sum((c * v).sum() for c, v in zip(hand, w)),
+                                 [*cores, *gates])
+    assert all(torch.equal(a, b) for a, b in zip(g_got, g_hand))
+    for dg in g_got[len(cores):]:
+        assert float(dg[0]) == 0.0 and float(dg[2]) == 0.0 and float(dg[1]) != 0.0
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("d", [2, 3])
 def test_gates_absorbed_inside_match_pre_gated_cores(path: str, d: int, native_impl: str

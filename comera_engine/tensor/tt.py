@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..ops.gates import apply_gates, flat_mask, gate_masks
+from ..ops.gates import absorb_gates, flat_mask, gate_masks
 
 __all__ = [
     "RankChange",
@@ -313,7 +313,8 @@ class TensorTrain(nn.Module):
         """Cores with the masked gates absorbed into their right bond:
         ``G_k · diag(g_k ⊙ mask_k)`` for ``k < K``, ``G_K`` as is. Differentiable in both
         cores and gates; dead entries contribute (and receive) exactly zero."""
-        return apply_gates(list(self.cores), list(self.gates), self.masks())
+        cores, gates, alive = self.parts()
+        return absorb_gates(cores, gates, self.tau, alive)
 
     def full_tensor(self) -> Tensor:
         """Contract all (gated) cores: shape ``(*mode_shapes[0], *mode_shapes[1], …)``."""
