@@ -30,7 +30,7 @@ run: $(VENV)/.installed
 	$(PY) -m comera_engine.cli app --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: $(VENV)/.installed
 	$(PY) experiments/bench_tt_linear.py
