@@ -62,8 +62,7 @@ def absorb_gates(cores: Sequence[Tensor], gates: Sequence[Tensor], tau: float,
     of the module path (forward and backward) on small cores, where each op costs more
     than its arithmetic. ``alive``: one bool ``(r_k,)`` a bond."""
     shrink = torch.nn.functional.hardshrink
-    return [*(c * (shrink(g, tau) * a) for c, g, a in zip(cores, gates, alive)),
-            *cores[len(gates):]]
+    return _scale_bonds(cores, [shrink(g, tau) * a for g, a in zip(gates, alive)])
 
 
 def _scale_bonds(cores: Sequence[Tensor], vecs: Sequence[Tensor]) -> list[Tensor]:

@@ -317,12 +317,4 @@ bool layout_dying(const BankLayout& layout, const std::vector<Tensor>& gates,
   return any_dying(gates, alive, layout.bonds, layout.taus);
 }
 
-bool gates_dying(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive,
-                 const std::vector<int64_t>& bonds, const std::vector<double>& taus) {
-  std::vector<double> modes;
-  for (int64_t b : bonds) modes.resize(modes.size() + b + 1, 1.0);
-  check_layout(gates, alive, bonds, modes, taus);
-  return any_dying(gates, alive, bonds, taus);
-}
-
 }  // namespace comera

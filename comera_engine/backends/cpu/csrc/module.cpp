@@ -18,8 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "TT-linear halves: the batch GEMMs of the backward, row-blocked (ops)");
   mod.def("gate_size", &comera::gate_size,
           "rank gates: size surrogate, its gradient and the cores' size (rank.size)");
-  mod.def("gates_dying", &comera::gates_dying,
-          "rank gates: some live entry at or below its threshold (rank.optim)");
   pybind11::class_<comera::BankLayout, std::shared_ptr<comera::BankLayout>>(
       mod, "BankLayout", "rank gates: a model's gates laid out for the calls below")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,

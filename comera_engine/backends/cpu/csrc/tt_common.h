@@ -93,8 +93,6 @@ std::vector<Tensor> gate_size(const std::vector<Tensor>& gates,
                               const std::vector<int64_t>& bonds,
                               const std::vector<double>& modes,
                               const std::vector<double>& taus, bool want_size);
-bool gates_dying(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive,
-                 const std::vector<int64_t>& bonds, const std::vector<double>& taus);
 // A model's gates laid out once for the calls below (rank.size.GateBank: made again when
 // the structure changes): the numbers of the layout; the calls take the gate and alive
 // tensors themselves (held here, they would keep a truncated parameter from being
@@ -112,7 +110,7 @@ struct BankLayout {
 std::vector<Tensor> size_objective(const BankLayout& layout, const std::vector<Tensor>& gates,
                                    const std::vector<Tensor>& alive, const Tensor& f,
                                    const Tensor& side, bool late, const std::vector<double>& p);
-// gates_dying over a layout.
+// Some live entry at or below its threshold, over a layout (rank.optim's refresh).
 bool layout_dying(const BankLayout& layout, const std::vector<Tensor>& gates,
                   const std::vector<Tensor>& alive);
 
