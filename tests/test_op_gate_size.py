@@ -85,6 +85,21 @@ def test_the_bank_follows_truncation_and_a_new_threshold(op_impl: str) -> None:
     assert float(size) == ref_size
 
 
+def test_the_bank_looks_up_the_backend_once_per_structure(cpu_backend) -> None:  # noqa: ANN001
+    """The hook's answer for the bank's gates, kept until the structure changes: a
+    float16 copy (``.to()``) gets none, as the hook says; CPU autocast gets none."""
+    from comera_engine import backends
+
+    model = _model(torch.float32)
+    bank = GateBank([m for _, m in tt_layers(model)])
+    assert bank.backend() is cpu_backend is backends.cpu_backend(bank.flat()[0][0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert bank.backend() is None
+    assert bank.backend() is cpu_backend
+    model.half()  # a new structure generation: looked up again
+    assert bank.flat()[0][0].dtype == torch.float16 and bank.backend() is None
+
+
 def test_refresh_finds_an_entry_that_fell_to_its_threshold(op_impl: str) -> None:
     model = _model(torch.float64)
     assert refresh_gates(model) != []  # the random gates: some below tau die now

@@ -48,7 +48,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ..backends import cpu_backend
 from ..config import CoMERAConfig, resolve_schedule, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
@@ -152,7 +151,7 @@ class CoMERAObjective:
                 info["target_size"] = self._const(f, "target_size", self.target_size)
             return total, info
         gates = self.bank.flat()[0]
-        backend = cpu_backend(gates[0]) if gates else None
+        backend = self.bank.backend()
         if backend is not None and f.dim() == 0 and f.device == gates[0].device and (
                 f.dtype in (torch.float32, torch.float64)):
             total = self._native_terms(backend.ops, f, info)

@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from ..backends import cpu_backend
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
 from .size import GateBank
 
@@ -91,7 +90,7 @@ def refresh_gates(model: nn.Module, step: int = 0,
     gates, alive, _ = bank.flat()
     if not gates:
         return []
-    backend = cpu_backend(gates[0])
+    backend = bank.backend()
     if backend is not None:  # the same check in one call
         if not backend.ops.layout_dying(bank.native(backend.ops), gates, alive):
             return []

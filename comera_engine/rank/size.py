@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,9 @@ from ..backends import cpu_backend
 from ..layers import TTEmbedding, TTLinear, peer_layers, tt_layers
 from ..tensor import structure_generation
 from .target import LayerSpec, SizeSpec
+
+if TYPE_CHECKING:
+    from ..backends.cpu import CPUBackend
 
 __all__ = ["GateBank", "SurrogateGrad", "dense_size", "effective_core_size", "effective_size",
            "gate_size_pass", "layer_size", "layer_size_surrogate", "min_size", "model_sizes",
@@ -83,6 +87,7 @@ class GateBank:
         self._plans: dict[tuple[torch.device, torch.dtype], tuple] = {}
         self._layout: tuple[list[int], list[float], list[float], list[int]] | None = None
         self._native: object | None = None
+        self._backend: tuple[object | None] | None = None  # (the backend or None,) once
 
     def flat(self) -> tuple[list[Tensor], list[Tensor], tuple]:
         """``(gates, alive, key)`` of :func:`_flat_gates`, current."""
@@ -92,8 +97,25 @@ class GateBank:
             self._plans = {}
             self._layout = None
             self._native = None
+            self._backend = None
             self._generation = generation
         return self._flat
+
+    def backend(self) -> CPUBackend | None:
+        """:func:`~comera_engine.backends.cpu_backend` for these gates, looked up once per
+        structure (the gates' device and dtype, ``COMERA_NATIVE`` and the loaded module
+        are read then); ``None`` without gates and under CPU autocast, as the hook says.
+        Each lookup costs tens of microseconds right after a model's forward, twice a
+        step (the objective, the refresh): a few per cent of a small model's step."""
+        gates = self.flat()[0]
+        if self._backend is None:
+            ok = bool(gates) and gates[0].device.type == "cpu" and gates[0].dtype in (
+                torch.float32, torch.float64)
+            self._backend = (cpu_backend() if ok else None,)
+        backend = self._backend[0]
+        if backend is not None and torch.is_autocast_enabled("cpu"):
+            return None
+        return backend  # type: ignore[return-value]
 
     def layout(self) -> tuple[list[int], list[float], list[float], list[int]]:
         """The CPU backend's view of the layout (``csrc/gate_size.cpp``): per layer its
@@ -173,7 +195,7 @@ def gate_size_pass(bank: GateBank, counts: bool) -> tuple[Tensor, Tensor, Surrog
     ``dL/dŜ`` as autograd would."""
     gates, alive, _ = bank.flat()
     with torch.no_grad():
-        backend = cpu_backend(gates[0])
+        backend = bank.backend()
         if backend is not None:
             bonds, modes, taus, sizes = bank.layout()
             s_hat, cores, grad = backend.ops.gate_size(gates, alive, bonds, modes, taus,
