@@ -98,6 +98,40 @@ def test_prune_to_reaches_the_goal_in_the_band_lowest_scores_first(factor: float
     assert pruned and sorted(pruned)[len(pruned) // 2] <= sorted(kept)[len(kept) // 2]
 
 
+def test_prune_to_stays_just_above_the_goal_when_no_entry_lands_in_the_band() -> None:
+    """Coarse ranks: every single entry's removal takes the size below the band, and the
+    size is within the band's width above the goal: it stays (nearer the goal as a ratio
+    than anything below the band), nothing pruned; counted independently of prune_to."""
+    from comera_engine.rank import host_size
+
+    from comera_engine.layers import TTLinear
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": TTLinear(16, 16, rank=2)})  # an entry: 1/8 of it
+    layers = tt_layers(model)
+    rep = size_report(model)["tensorized"]
+    start = float(rep["effective_params"])
+    extra = start - sum(m.tt.num_params(True) for m in layers.values())
+    sizes = [list(m.tt.mode_sizes) for m in layers.values()]
+    counts = [m.tt.effective_ranks() for m in layers.values()]
+    steps = []  # the size after removing one entry of each bond that has two
+    for li, c in enumerate(counts):
+        for k, r in enumerate(c):
+            if r > 1:
+                fewer = [list(x) for x in counts]
+                fewer[li][k] -= 1
+                steps.append(host_size(sizes, fewer, extra))
+    goal = start - 1.0
+    low = goal / 1.05
+    assert steps and max(steps) < low and start * low <= goal * goal  # the case at hand
+    size, changes = prune_to(model, goal, low, extra)
+    assert (size, changes) == (start, {})
+    assert size_report(model)["tensorized"]["effective_params"] == start
+    # a goal farther below: the band's width above it is passed, the smallest step taken
+    size, changes = prune_to(model, start / 1.06, start / 1.06 / 1.05, extra)
+    assert size == max(steps) and changes
+
+
 def test_freezing_fixes_the_ranks_and_survives_a_checkpoint() -> None:
     model = _model()
     state = CoMERA(model, target_compression=30.0, total_steps=100)
