@@ -111,8 +111,9 @@ def prune_to(model: nn.Module, goal: float, low: float, extra: float
     the ``model`` scope) is at most ``goal``. An entry whose removal would take the size
     below ``low`` is passed over for the next one; if every remaining one would, the one
     that saves least is pruned, unless the size is at most ``goal²/low`` (as near ``goal``
-    above it as ``low`` is below: it stays there, nearer than any size below ``low``). Pruned entries get gate 0 and ``alive`` False, in place
-    (graph-safe). Returns the new size and ``{layer: [(bond, old, new), …]}``."""
+    above it as ``low`` is below: it stays there, nearer than any size below ``low``).
+    Pruned entries get gate 0 and ``alive`` False, in place (graph-safe). Returns the
+    new size and ``{layer: [(bond, old, new), …]}``."""
     layers = list(tt_layers(model))
     sizes = [list(m.tt.mode_sizes) for _, m in layers]
     counts = [[int(mk.sum()) for mk in m.tt.masks()] for _, m in layers]
