@@ -102,9 +102,8 @@ def test_prune_to_stays_just_above_the_goal_when_no_entry_lands_in_the_band() ->
     """Coarse ranks: every single entry's removal takes the size below the band, and the
     size is within the band's width above the goal: it stays (nearer the goal as a ratio
     than anything below the band), nothing pruned; counted independently of prune_to."""
-    from comera_engine.rank import host_size
-
     from comera_engine.layers import TTLinear
+    from comera_engine.rank import host_size
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"a": TTLinear(16, 16, rank=2)})  # an entry: 1/8 of it
