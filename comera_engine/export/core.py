@@ -582,7 +582,7 @@ def _write_safetensors(path: Path, doc: dict[str, Any], tensors: dict[str, torch
     from safetensors.torch import save_file
 
     recipe, arrays = _packed.split_meta(doc["model"], doc["storage"]["dtype"])
-    clash = next((k for k in tensors if k.startswith(_packed.META_PREFIX)), None)
+    clash = next(iter(_packed.meta_names(tensors)), None)
     if clash is not None:
         raise ConfigError("model", f"holds a tensor named {clash!r}; names starting with "
                                    f"{_packed.META_PREFIX!r} are the data spec's in an export")
@@ -688,7 +688,7 @@ def _file_recipe(p: Path, header: Header, doc: Mapping[str, Any]
                  ) -> tuple[Any, dict[str, TensorEntry]]:
     """A format-3 file's recipe with its data spec's arrays read back from the
     ``meta:<key>`` tensors, and the header's other tensors."""
-    arrays = {k: e for k, e in header.tensors.items() if k.startswith(_packed.META_PREFIX)}
+    arrays = {k: header.tensors[k] for k in _packed.meta_names(header.tensors)}
     try:
         recipe = _packed.join_meta(doc.get("model"), arrays,
                                    lambda names: _read_tensors(p, names))

@@ -57,11 +57,17 @@ def packed_names(expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     return sorted(n for n in params if n in expected and expected[n][1].is_floating_point)
 
 
+def _scaled(stored: Mapping[str, Any], names: list[str]) -> tuple[list[str], set[str]]:
+    """The names among ``names`` that have int8 scales in ``stored``, and every key of
+    ``stored`` the pack takes (``names`` and those scales)."""
+    scaled = [n for n in names if n + SCALE_SUFFIX in stored]
+    return scaled, set(names) | {n + SCALE_SUFFIX for n in scaled}
+
+
 def pack(stored: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
     """``stored`` (per name, with ``<name>.scale`` beside each int8 tensor) with the
     tensors of ``names`` and their scales concatenated into ``params`` and ``scales``."""
-    scaled = [n for n in names if n + SCALE_SUFFIX in stored]
-    gone = set(names) | {n + SCALE_SUFFIX for n in scaled}
+    scaled, gone = _scaled(stored, names)
     out = {k: v for k, v in stored.items() if k not in gone}
     for taken in (PARAMS, SCALES):
         if taken in out:
@@ -78,8 +84,7 @@ def pack(stored: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torc
 def packed_expectation(stored: Expectation, names: list[str]) -> Expectation:
     """What a compressed file holds for the per-name expectation ``stored`` (what
     :func:`pack` was given): ``params`` and ``scales`` for ``names``, the rest as is."""
-    scaled = [n for n in names if n + SCALE_SUFFIX in stored]
-    gone = set(names) | {n + SCALE_SUFFIX for n in scaled}
+    scaled, gone = _scaled(stored, names)
     out = {k: v for k, v in stored.items() if k not in gone}
     if names:
         out[PARAMS] = ((sum(math.prod(stored[n][0]) for n in names),), stored[names[0]][1])
@@ -93,9 +98,8 @@ def unpack(read: Mapping[str, torch.Tensor], stored: Expectation, names: list[st
            ) -> dict[str, torch.Tensor]:
     """The per-name tensors back from what :func:`pack` wrote (shapes from ``stored``)."""
     out = {k: v for k, v in read.items() if k not in (PARAMS, SCALES)}
-    for flat_name, keys in ((PARAMS, names),
-                            (SCALES, [n + SCALE_SUFFIX for n in names
-                                      if n + SCALE_SUFFIX in stored])):
+    scaled, _ = _scaled(stored, names)
+    for flat_name, keys in ((PARAMS, names), (SCALES, [n + SCALE_SUFFIX for n in scaled])):
         pos = 0
         for key in keys:
             shape = stored[key][0]
