@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,8 +59,9 @@ def split(n: int, config: Path = CONFIG, n_test: int = N_TEST,
 def write(folder: Path = FOLDER, source: Path = SOURCE, config: Path = CONFIG,
           n_test: int = N_TEST) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` into ``folder`` (each whole or not at
-    all: written beside, then renamed); returns their paths."""
+    all: :func:`comera_engine.store.layout.write_atomic`); returns their paths."""
     from comera_engine.data.nli import LABEL_NAMES, read_nli_file
+    from comera_engine.store.layout import write_atomic
 
     examples = read_nli_file(source)
     parts = split(len(examples), config, n_test)
@@ -69,13 +69,10 @@ def write(folder: Path = FOLDER, source: Path = SOURCE, config: Path = CONFIG,
     paths = []
     for name in ("train", "test"):
         path = folder / f"{name}.jsonl"
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for i in parts[name]:
-                f.write(json.dumps({"premise": examples.premises[i],
-                                    "hypothesis": examples.hypotheses[i],
-                                    "label": LABEL_NAMES[examples.labels[i]]}) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, "".join(
+            json.dumps({"premise": examples.premises[i], "hypothesis": examples.hypotheses[i],
+                        "label": LABEL_NAMES[examples.labels[i]]}) + "\n"
+            for i in parts[name]))
         paths.append(path)
     return paths[0], paths[1]
 
