@@ -46,6 +46,7 @@ def test_the_test_set_comes_from_the_configs_training_part_only(tmp_path) -> Non
     train, test = heldout.write(tmp_path, n_test=300)
     assert _texts(read_nli_file(test)) == _texts(everything, parts["test"])
     assert _texts(read_nli_file(train)) == _texts(everything, parts["train"])
-    assert not list(tmp_path.glob(".*.tmp"))  # nothing half-written left behind
+    # nothing half-written left behind: the two files and nothing else
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.jsonl", "train.jsonl"]
     run = build_nli({**data, "path": str(train), "eval_path": str(test)})
     assert (len(run.train), len(run.eval)) == (len(parts["train"]), 300)
