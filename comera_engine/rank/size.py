@@ -87,7 +87,7 @@ class GateBank:
         self._plans: dict[tuple[torch.device, torch.dtype], tuple] = {}
         self._layout: tuple[list[int], list[float], list[float], list[int]] | None = None
         self._native: object | None = None
-        self._backend: tuple[object | None] | None = None  # (the backend or None,) once
+        self._backend: tuple[CPUBackend | None] | None = None  # (the backend or None,)
 
     def flat(self) -> tuple[list[Tensor], list[Tensor], tuple]:
         """``(gates, alive, key)`` of :func:`_flat_gates`, current."""
@@ -115,7 +115,7 @@ class GateBank:
         backend = self._backend[0]
         if backend is not None and torch.is_autocast_enabled("cpu"):
             return None
-        return backend  # type: ignore[return-value]
+        return backend
 
     def layout(self) -> tuple[list[int], list[float], list[float], list[int]]:
         """The CPU backend's view of the layout (``csrc/gate_size.cpp``): per layer its
