@@ -8,6 +8,9 @@ fused CPU AdamW) followed by :meth:`comera_engine.CoMERA.step`, in four variants
 
 * ``fixed``: gates frozen at 1 (``comera.method = "fixed"``: task loss alone, no gate
   gradients, the controller's step a no-op refresh);
+* ``gates trained``: the same, but the gates train (in the optimizer's ``gates`` group,
+  through the task loss alone): what CoMERA's own parameters cost before the controller
+  does anything, the floor of the rows below;
 * ``early``: the CoMERA objective of the early stage (size surrogate, gate gradients,
   gate refresh, plateau);
 * ``late``: the late stage (λ, the effective size, the pace's checks);
@@ -76,12 +79,13 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
     fns: dict[str, Callable[[], object]] = {}
     info: dict = {"params": sum(p.numel() for p in base.parameters()),
                   "batch": cfg.train.batch_size}
-    for variant in ("fixed", "early", "late", "fixed ranks reached"):
+    for variant in ("fixed", "gates trained", "early", "late", "fixed ranks reached"):
         model = copy.deepcopy(base)
         settings = dataclasses.replace(cfg.comera, tau=0.0)
+        if variant in ("fixed", "gates trained"):
+            settings = dataclasses.replace(settings, method="fixed")
         if variant == "fixed":
             freeze_gates(model)
-            settings = dataclasses.replace(settings, method="fixed")
         comera = CoMERA(model, config=settings, total_steps=10**6)
         if variant == "late" or variant == "fixed ranks reached":
             comera.objective.switch_to_late(z_f=1.0)  # type: ignore[union-attr]

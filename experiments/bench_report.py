@@ -77,7 +77,9 @@ def controller(data: dict[str, Any]) -> str:
     what = (f"Each shipped config's model at the ranks its run starts from, one batch of its "
             f"shape, the trainer's step followed by `CoMERA.step` ({data['rounds']} "
             f"alternating rounds of {data['reps']} steps); `fixed` has its gates frozen "
-            "(`comera.method = \"fixed\"`). No gate dies while timing, so every row has the "
+            "(`comera.method = \"fixed\"`), `gates trained` trains them on the task loss "
+            "alone (CoMERA's own parameters in the optimizer, no size objective: the floor "
+            "of the stages below it). No gate dies while timing, so every row has the "
             "same ranks. Medians of the rounds, wall-clock and the process's CPU time (on "
             "a shared machine what other processes take is not counted in the latter).")
     header = ["config", "variant", "ms per step", "vs fixed ranks"]

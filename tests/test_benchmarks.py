@@ -201,7 +201,8 @@ def test_bench_controller_writes_table_and_json(tmp_path) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "bench_controller_cpu.json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["fixed", "early", "late", "fixed ranks reached"]
+    assert [r["variant"] for r in rows] == ["fixed", "gates trained", "early", "late",
+                                           "fixed ranks reached"]
     assert all(r["ms"] > 0 for r in rows) and rows[0]["overhead"] == 0.0
     assert "| digits_tt_mlp" in out.stdout
     bad = subprocess.run([*cmd[:2], "--configs", "no_such_config"], capture_output=True,
