@@ -26,6 +26,9 @@ from torch import nn
 
 import comera_engine as ce
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import machine  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"target": args.target, "steps": args.steps,
-                               "threads": args.threads, "summary": summary, "runs": rows},
+                               "threads": args.threads, "machine": machine(),
+                               "summary": summary, "runs": rows},
                               indent=1))
     tmp.replace(args.out)
     print(f"wrote {args.out}")
