@@ -349,7 +349,8 @@ def merge_reports(reports: list[dict[str, Any]], per_target: bool = True) -> dic
             mean, std = _mean_std([c[key] for c in done])
             row[key], row[f"{key}_std"] = mean, std
         rows.append(row)
-    return {"metric": metric, "higher_is_better": higher, "groups": rows, "cells": cells}
+    return {"metric": metric, "higher_is_better": higher, "groups": rows, "cells": cells,
+            "step_time": "median"}  # each cell's: its run's median step (sweep_report)
 
 
 def rereport(folder: Path, store_path: str | None) -> int:

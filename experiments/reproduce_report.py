@@ -174,8 +174,25 @@ def cost_table(res: dict[str, Any]) -> list[str]:
         lines.append(f"| {t:g}× | " + " | ".join(_cost(group(res, m, t)) for m in methods)
                      + " |")
     dense = group(res, "dense", None)
-    return [f"Cost per cell (mean over seeds; dense: {_cost(dense).replace('<br>', ', ')}; "
-            "TT-SVD without a fine-tune and the int8 cells only evaluate):", "", *lines]
+    # files before the sweep report kept each run's median step time hold its last
+    # logged step's (one sample, several times the typical step when it pruned)
+    sampled = [TITLES[m] for m in ("dense", *methods)
+               if m in res["methods"] and res["methods"][m].get("step_time") != "median"]
+    every = [m for m in ("dense", *methods) if m in res["methods"]]
+    if not sampled:
+        timing = "ms/step: each run's median step"
+    elif len(sampled) == len(every):
+        timing = ("ms/step: each run's last logged step, one sample, not its median (the "
+                  "runs predate the median)")
+    else:
+        timing = ("ms/step: each run's median step; for " + ", ".join(sampled)
+                  + " its last logged step, one sample")
+    return [f"Cost per cell (mean over seeds; {timing}; dense: "
+            f"{_cost(dense).replace('<br>', ', ')}; TT-SVD without a fine-tune and the int8 "
+            "cells only evaluate). The cells train several at a time on the machine's "
+            "cores, so a step time carries the load of whatever ran beside it: it says "
+            "where a cell's cost lies, not a speed ratio (those are measured side by side "
+            "in docs/BENCHMARKS.md):", "", *lines]
 
 
 def claims(results: dict[str, dict[str, Any]]) -> list[str]:

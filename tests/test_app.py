@@ -625,6 +625,12 @@ def test_compare_page(home: Path) -> None:
     assert set(final["scope"]) == {"TT layers"}
     # which method trained each run
     assert sorted(final["method"]) == ["CoMERA, schedule paced"] * 2 + ["dense baseline"]
+    # throughput: the median over each run's steps, not its last step's figure
+    import statistics
+
+    logged = [500.0 + s % 7 for s in range(1, 601, 5)]
+    assert statistics.median(logged) != logged[-1]
+    assert list(final["samples/s"]) == [statistics.median(logged)] * 3
 
 
 # ------------------------------------------------------------------ export (real run)

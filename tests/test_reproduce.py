@@ -91,6 +91,9 @@ def test_the_report_tabulates_the_json_and_draws_the_front(quick) -> None:
     cost = [line for line in text.splitlines() if line.startswith("| 10× |")][1]
     assert f"{comera[10.0]['params'] / 1e3:,.1f}k params" in cost
     assert f"{comera[10.0]['step_time_s'] * 1e3:.1f} ms/step" in cost
+    # a cell's step time is its run's median step, and the page says so
+    assert all(m.get("step_time") == "median" for m in result["methods"].values())
+    assert "ms/step: each run's median step;" in text and "last logged step" not in text
     dense = result["methods"]["dense"]["groups"][0]["score"]
     gap = (dense - comera[10.0]["score"]) * 100
     claim = next(line for line in text.splitlines()
@@ -104,6 +107,25 @@ def _result(dense: float, comera: float) -> dict:
               "comera": [{"target": 10.0, "score": comera, "compression": 10.1}]}
     return {"targets": [10.0], "methods": {m: {"groups": g, "higher_is_better": True}
                                            for m, g in groups.items()}}
+
+
+def test_the_cost_table_says_which_step_times_are_one_sample() -> None:
+    """Results written before the sweep report kept a run's median step time hold its
+    last logged step's; the page names those methods instead of calling them medians."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce_report
+
+    res = _result(0.976, 0.950)
+    for g in res["methods"].values():
+        g["groups"][0].update(params=1000.0, step_time_s=0.002, peak_mem_mb=100.0)
+    old = reproduce_report.cost_table(res)[0]
+    assert "last logged step, one sample, not its median" in old
+    res["methods"]["dense"]["step_time"] = "median"
+    mixed = reproduce_report.cost_table(res)[0]
+    assert "each run's median step; for CoMERA (paced) its last logged step" in mixed
+    res["methods"]["comera"]["step_time"] = "median"
+    assert "each run's median step;" in reproduce_report.cost_table(res)[0]
+    assert "last logged" not in reproduce_report.cost_table(res)[0]
 
 
 @pytest.mark.parametrize("dense, comera, verdict", [

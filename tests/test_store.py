@@ -385,6 +385,32 @@ def test_metrics_since_is_incremental(store):
     assert store.metrics_since(rid, 9) == []
 
 
+def test_median_metric_is_the_median_of_every_logged_value(store):
+    """A run's typical value of a metric (its step time), against statistics.median over
+    the values logged, NaN rows left out; odd and even counts; None without rows."""
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    rid = store.create_run("r", {})
+    odd = [rng.lognormvariate(-5, 0.3) for _ in range(301)]
+    odd[-1] = 50.0  # the last step: a prune, a checkpoint, a busy machine
+    even = [rng.uniform(0, 1) for _ in range(40)]
+    with StoreSink(store, rid, flush_every=60) as sink:
+        for step, v in enumerate(odd):
+            sink.log_metrics(step, {"perf/step_time_s": v})
+        for step, v in enumerate(even):
+            sink.log_metrics(step, {"even": v if step % 7 else float("nan")})
+    assert store.median_metric(rid, "perf/step_time_s") == pytest.approx(
+        statistics.median(odd), rel=1e-12)
+    assert store.latest_metrics(rid)["perf/step_time_s"][1] == 50.0  # what it is not
+    kept = [v for i, v in enumerate(even) if i % 7]
+    assert len(kept) % 2 == 0
+    assert store.median_metric(rid, "even") == pytest.approx(statistics.median(kept), rel=1e-12)
+    assert store.median_metric(rid, "nothing") is None
+    assert store.median_metric("no-such-run", "even") is None
+
+
 def test_series_downsampling_keeps_ends_and_extremes(store):
     rid = store.create_run("r", {})
     n = 50_000

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +159,11 @@ def test_four_cells_two_at_a_time_end_finished_with_a_report(tmp_path):
             evals = [r["values"]["eval/acc"] for r in jsonl
                      if r["type"] == "metrics" and "eval/acc" in r["values"]]
             assert c["score"] == pytest.approx(evals[-1])
+            # its step time is the run's median step, not its last one
+            times = [r["values"]["perf/step_time_s"] for r in jsonl
+                     if r["type"] == "metrics" and "perf/step_time_s" in r["values"]]
+            assert len(times) > 10
+            assert c["step_time_s"] == pytest.approx(statistics.median(times), rel=1e-9)
         assert g["compression"] == pytest.approx(target, rel=0.1)
     assert any(g["pareto"] for g in rep["groups"])
     assert by_target[20]["pareto"]  # nothing is smaller

@@ -116,7 +116,7 @@ for r in sel:
         "params": m.get("params/effective"),
         "model size": fmt.nbytes(m.get("bytes/effective")),
         f"peak memory ({what or 'n/a'})": fmt.mib(peak),
-        "samples/s": m.get("perf/samples_per_s"),
+        "samples/s": store.median_metric(r["id"], "perf/samples_per_s"),
     })
 if not any(p["dense"] for p in points):
     st.caption(":material/info: No dense baseline among the chosen runs: launch the same preset "
@@ -157,7 +157,9 @@ st.dataframe(
             "one its target is asked in): the figure every page shows."),
         "target": st.column_config.NumberColumn(format="%.0f×"),
         "params": st.column_config.NumberColumn(format="compact"),
-        "samples/s": st.column_config.NumberColumn(format="%.0f"),
+        "samples/s": st.column_config.NumberColumn(
+            format="%.0f", help="Training throughput, the median over the run's steps (one "
+            "step's own figure swings with pruning, checkpoints and the machine's load)."),
     },
 )
 

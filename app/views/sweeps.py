@@ -105,7 +105,10 @@ def view() -> None:
             "compression": st.column_config.NumberColumn(format="%.1f×"),
             "± std ": st.column_config.NumberColumn(format="%.1f"),
             "target": st.column_config.NumberColumn(format="%g×"),
-            "step time": st.column_config.NumberColumn(format="%.4f s"),
+            "step time": st.column_config.NumberColumn(
+                format="%.4f s", help="Each finished cell's median training step, averaged "
+                "over the seeds; cells that ran side by side share the machine, and each "
+                "step time carries that load."),
         })
     st.subheader("Cells", anchor=False)
     st.dataframe(

@@ -343,10 +343,11 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
 
     ``sweep`` (the row, with status and counts); ``metric`` / ``higher_is_better`` (what
     it is scored on, :func:`score_metric`); ``cells``: one row per run (id, label, grid
-    values, seed, status, step, score, compression reached and asked, parameters, step
-    time, peak memory); ``groups``: one row per grid point (mean ± std of score and
-    compression over its finished seeds, how many finished, the cells' statuses, whether
-    it is on the Pareto front of score vs compression reached)."""
+    values, seed, status, step, score, compression reached and asked, parameters, the
+    median step time over the run, peak memory); ``groups``: one row per grid point
+    (mean ± std of score and compression over its finished seeds, how many finished, the
+    cells' statuses, whether it is on the Pareto front of score vs compression
+    reached)."""
     sid = store.resolve_sweep(sweep_id)
     sweep = store.get_sweep(sid) or {}
     runs = store.sweep_runs(sid)
@@ -368,7 +369,8 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
             "scope": compression_scope(r.get("config")),
             "target": target, "params": m.get("params/effective"),
             "bytes": m.get("bytes/effective"),
-            "step_time_s": m.get("perf/step_time_s"), "peak_mem_mb": peak,
+            "step_time_s": store.median_metric(r["id"], "perf/step_time_s"),
+            "peak_mem_mb": peak,
         })
     groups: dict[str, dict[str, Any]] = {}
     for c in cells:

@@ -266,6 +266,23 @@ class MetricRows(Database):
 
         return self.read(q)
 
+    def median_metric(self, run_id: str, name: str) -> float | None:
+        """The median of a metric over every step the run logged it (NaN rows left out;
+        ``None`` when it has none): e.g. a run's typical step time, which one step's value
+        is not (a step that prunes, truncates or shares the machine takes several times
+        longer)."""
+
+        def q(c: sqlite3.Connection) -> float | None:
+            where = "FROM metrics WHERE run_id = ? AND name = ? AND value IS NOT NULL"
+            n = c.execute(f"SELECT COUNT(*) {where}", (run_id, name)).fetchone()[0]
+            if not n:
+                return None
+            mid = c.execute(f"SELECT value {where} ORDER BY value LIMIT ? OFFSET ?",
+                            (run_id, name, 2 - n % 2, (n - 1) // 2)).fetchall()
+            return sum(float(r[0]) for r in mid) / len(mid)
+
+        return self.read(q)
+
     def series(self, run_id: str, name: str, max_points: int = 2000) -> dict[str, Any]:
         """One metric curve, at most ``max_points`` points.
 
