@@ -353,6 +353,19 @@ def merge_reports(reports: list[dict[str, Any]], per_target: bool = True) -> dic
             "step_time": "median"}  # each cell's: its run's median step (sweep_report)
 
 
+def add_methods(old: dict[str, Any], new: dict[str, Any], methods: list[str]
+                ) -> dict[str, Any]:
+    """A task's results ``old`` with ``methods`` taken from a later run of them
+    (``new``), their machine and time kept under ``added`` (the page names where they
+    ran when that is another machine)."""
+    asked = sorted(m for m in methods if m in new["methods"])
+    out = {**old, "methods": {**old["methods"], **{m: new["methods"][m] for m in asked}}}
+    out["wall_s"] = old.get("wall_s", 0.0) + new["wall_s"]
+    out["added"] = [*old.get("added", []), {"methods": asked, "machine": new["machine"],
+                                             "wall_s": new["wall_s"]}]
+    return out
+
+
 def rereport(folder: Path, store_path: str | None) -> int:
     """Rewrite every result JSON under ``folder`` from its sweeps in the store."""
     from comera_engine.launch import open_store
@@ -454,11 +467,7 @@ def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: 
         suffix = "_quick" if args.quick else ("" if args.scale == "cpu" else f"_{args.scale}")
         path = args.out / f"{name}{suffix}.json"
         if args.methods and path.exists():  # a subset of the methods: added to the others
-            old = json.loads(path.read_text())
-            asked = {m for m in args.methods if m in result["methods"]}
-            old["methods"].update({m: result["methods"][m] for m in asked})
-            old["wall_s"] = old.get("wall_s", 0.0) + result["wall_s"]
-            result = old
+            result = add_methods(json.loads(path.read_text()), result, args.methods)
         path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
         print(f"{name}: {result['wall_s'] / 60:.1f} min -> {path}", file=sys.stderr)
     return 0

@@ -355,6 +355,22 @@ def memory_table(path: Path) -> list[str]:
             "the paper's 256 MB → 3.2 MB).", "", *lines]
 
 
+def machine_line(res: dict[str, Any]) -> str:
+    """``<CPU>, <n> cores, torch <version>[, <GPU>]`` of one task's results file."""
+    m = res.get("machine", {})
+    return (f"{m.get('cpu_model', m.get('processor', '?'))}, {m.get('cpu_count', '?')} "
+            f"cores, torch {m.get('torch', '?')}" + (f", {m['gpu']}" if m.get("gpu") else ""))
+
+
+def added_line(res: dict[str, Any]) -> str:
+    """Where methods added to a task's file later ran, when elsewhere than the file's
+    machine (their costs then compare across machines)."""
+    home = machine_line(res)
+    parts = [f"{', '.join(TITLES.get(m, m) for m in a['methods'])} on {machine_line(a)}"
+             for a in res.get("added", []) if machine_line(a) != home]
+    return f" ({'; '.join(parts)}: added later)" if parts else ""
+
+
 def build(results_dir: Path, out: Path, suffix: str = "") -> str:
     results = {}
     for p in sorted(results_dir.glob(f"*{suffix}.json")):
@@ -373,10 +389,13 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
         lines.append("No results yet: run `make reproduce`.")
     else:
         any_res = next(iter(results.values()))
-        m = any_res.get("machine", {})
-        lines += [f"Machine: {m.get('cpu_model', m.get('processor', '?'))}, "
-                  f"{m.get('cpu_count', '?')} cores, torch {m.get('torch', '?')}"
-                  + (f", {m['gpu']}" if m.get("gpu") else "") + f"; scale `{any_res['scale']}`"
+        machines: dict[str, list[str]] = {}  # each task ran where its file says
+        for name, res in results.items():
+            machines.setdefault(machine_line(res), []).append(name)
+        where = ("Machine: " + next(iter(machines)) if len(machines) == 1 else
+                 "Machines (each task's section names its own): " + "; ".join(
+                     f"{m} ({', '.join(names)})" for m, names in machines.items()))
+        lines += [where + f"; scale `{any_res['scale']}`"
                   + (" (quick)" if any_res.get("quick") else "") + ".", "",
                   f"The tasks took {sum(r['wall_s'] for r in results.values()) / 60:.0f} "
                   "min in all (one after the other).", "",
@@ -388,7 +407,8 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
         lines += [f"## {res['title']}", "",
                   f"Config `experiments/configs/{res['config']}`"
                   + (f" with `{' '.join(res['overrides'])}`" if res["overrides"] else "")
-                  + f"; {res['wall_s'] / 60:.1f} min for the whole task.", ""]
+                  + f"; {res['wall_s'] / 60:.1f} min for the whole task on "
+                  f"{machine_line(res)}{added_line(res)}.", ""]
         lines += task_table(res)
         png = figs / f"reproduce_{name}{suffix}.png"
         if figure(res, png):

@@ -185,3 +185,48 @@ def test_slow_tasks_run_a_smaller_grid_at_cpu_size_unless_told() -> None:
     assert grid("snli_small", targets=[5.0])[1] == list(reproduce.TARGETS)  # main() passes them
     assert grid("snli_small", methods=["dense"])[0] == ["dense"]
     assert grid("snli_small", scale="paper")[1] == list(reproduce.TARGETS)
+
+
+def test_the_page_names_the_machine_each_task_and_each_added_method_ran_on(tmp_path) -> None:
+    """Results files from two machines: the header lists both with their tasks (not the
+    first file's machine for all), each section names its own, and methods added to a
+    file later on another machine are named with theirs."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce_report
+
+    src = ROOT / "experiments" / "results" / "reproduce"
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for name, cpu in (("adult", "CPU A"), ("snli_heldout", "CPU B")):
+        data = json.loads((src / f"{name}.json").read_text())
+        data["machine"] = {**data["machine"], "cpu_model": cpu}
+        data["added"] = [{"methods": ["dense"], "machine": {**data["machine"],
+                                                           "cpu_model": "CPU C"},
+                          "wall_s": 1.0}] if name == "adult" else []
+        (folder / f"{name}.json").write_text(json.dumps(data))
+    page = reproduce_report.build(folder, tmp_path / "RESULTS.md")
+    header = next(line for line in page.splitlines() if line.startswith("Machines"))
+    assert "CPU A, 2 cores" in header and "(adult)" in header
+    assert "CPU B, 2 cores" in header and "(snli_heldout)" in header
+    sections = [line for line in page.splitlines() if "min for the whole task on" in line]
+    assert len(sections) == 2
+    adult = next(line for line in sections if "dlrm_adult" in line)
+    assert "on CPU A" in adult and "dense on CPU C" in adult and "added later" in adult
+    assert "on CPU B" in next(line for line in sections if line is not adult)
+    assert "added later" not in next(line for line in sections if line is not adult)
+
+
+def test_methods_run_again_replace_theirs_and_say_where_they_ran() -> None:
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce
+
+    old = {"wall_s": 100.0, "machine": {"cpu_model": "A"},
+           "methods": {"dense": {"groups": [1]}, "comera": {"groups": [2]}}}
+    new = {"wall_s": 10.0, "machine": {"cpu_model": "B"},
+           "methods": {"comera": {"groups": [3]}, "fixed": {"groups": [4]}}}
+    out = reproduce.add_methods(old, new, ["comera", "tltorch"])
+    assert out["methods"] == {"dense": {"groups": [1]}, "comera": {"groups": [3]}}
+    assert out["wall_s"] == 110.0 and out["machine"] == {"cpu_model": "A"}
+    assert out["added"] == [{"methods": ["comera"], "machine": {"cpu_model": "B"},
+                             "wall_s": 10.0}]
+    assert "added" not in old and old["methods"]["comera"] == {"groups": [2]}
