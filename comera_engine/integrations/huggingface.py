@@ -1,0 +1,119 @@
+"""CoMERA in a Hugging Face ``transformers.Trainer``: one callback.
+
+::
+
+    import comera_engine as ce
+    from comera_engine.integrations.huggingface import CoMERACallback
+
+    ce.tensorize(model, rank="auto", target_compression=20, exclude=["classifier"])
+    comera = ce.CoMERA(model, target_compression=20, total_steps=args.max_steps)
+    trainer = Trainer(model=model, args=args, train_dataset=train,
+                      optimizers=(torch.optim.AdamW(comera.param_groups()), None),
+                      callbacks=[CoMERACallback(comera)])
+    trainer.train()
+    comera.report()["message"]          # "target 20x · reached 20.1x (+0 %)"
+
+The Trainer owns the loop, so the controller's two calls go where it lets them:
+
+* **the loss**: while the model trains, a forward hook on it hands the loss the model
+  returns (``outputs.loss``: the model computes it from ``labels``, the Trainer's
+  default) through :meth:`~comera_engine.CoMERA.loss`, which adds the current stage's
+  rank terms; evaluation (``model.eval()``) sees the task loss alone. A loss computed
+  outside the model never passes the hook: label smoothing is refused; do not give the
+  Trainer a ``compute_loss_func``.
+* **the step**: after every optimizer step (``on_step_end``) the callback calls
+  :meth:`~comera_engine.CoMERA.step` with the Trainer's optimizer: gates, stage switch,
+  pace, and the truncation of the cores and of the optimizer's state.
+
+The optimizer must come from :meth:`~comera_engine.CoMERA.param_groups` (each group its
+own learning rate; the gates need theirs): the Trainer's default one, built over the
+model's parameters at one rate, is refused in one line naming the fix. The Trainer's
+learning-rate schedule scales every group alike. One process only: under DDP a
+truncation would change shapes under the live wrapper (``comera train`` rebuilds it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from ..errors import ConfigError
+from ..rank import CoMERA
+
+__all__ = ["CoMERACallback"]
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's wrapper (which proxies its state)."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class CoMERACallback(TrainerCallback):
+    """Runs ``comera`` (a :class:`~comera_engine.CoMERA` over the model the Trainer
+    trains) inside ``transformers.Trainer`` (see the module doc). :attr:`events` keeps
+    what the controller did, as ``comera.events`` does."""
+
+    def __init__(self, comera: CoMERA) -> None:
+        self.comera = comera
+        self._hook: Any = None
+
+    @property
+    def events(self) -> list:
+        return self.comera.events
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        comera = self.comera
+        if getattr(args, "world_size", 1) > 1:
+            raise ConfigError("CoMERACallback", "runs in one process; under DDP use "
+                                                "`comera train` or your own loop")
+        if model is not None and model is not comera.model and not any(
+                m is comera.model for m in model.modules()):
+            raise ConfigError("CoMERACallback", "the Trainer trains another model than "
+                                                "the one given to ce.CoMERA")
+        if getattr(args, "label_smoothing_factor", 0.0):
+            raise ConfigError("CoMERACallback", "label smoothing computes the loss outside "
+                                                "the model, where the rank terms are added: "
+                                                "set label_smoothing_factor=0")
+        self._check_optimizer(optimizer)
+        if self._hook is None:
+            self._hook = comera.model.register_forward_hook(self._add_rank_terms)
+
+    def _check_optimizer(self, optimizer: Any) -> None:
+        """The optimizer's groups are :meth:`~comera_engine.CoMERA.param_groups`' (the
+        gates in their own, at their own rate), or the run would not prune as planned."""
+        if optimizer is None:
+            return
+        gates = {id(p) for g in self.comera.param_groups() if g["name"] == "gates"
+                 for p in g["params"]}
+        for group in _inner(optimizer).param_groups:
+            if group.get("name") != "gates" and any(id(p) in gates for p in group["params"]):
+                raise ConfigError(
+                    "optimizers", "the Trainer's optimizer trains the rank gates at the "
+                                  "model's rate; pass optimizers=(torch.optim.AdamW("
+                                  "comera.param_groups()), None)")
+
+    def _add_rank_terms(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        if not module.training or not torch.is_grad_enabled():
+            return output
+        if isinstance(output, dict) and output.get("loss") is not None:
+            output["loss"] = self.comera.loss(output["loss"])
+            return output
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) \
+                and output[0].dim() == 0:
+            return (self.comera.loss(output[0]), *output[1:])
+        return output
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                    **kwargs: Any) -> None:
+        self.comera.step(_inner(optimizer) if optimizer is not None else None)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

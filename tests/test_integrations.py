@@ -1,0 +1,116 @@
+"""CoMERA inside a Hugging Face ``transformers.Trainer`` through ``CoMERACallback``: a
+small BERT classifier built from a config (nothing downloaded), tensorized, trained by
+the Trainer's own loop to the target; its optimizer checked; evaluation left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import comera_engine as ce
+from comera_engine.errors import ConfigError
+from comera_engine.layers import size_report, tt_layers
+
+pytest.importorskip("transformers", reason="transformers is not installed (huggingface extra)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (huggingface extra)")
+
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+)
+
+from comera_engine.integrations.huggingface import CoMERACallback  # noqa: E402
+
+TARGET, STEPS = 8.0, 200
+KEEP_DENSE = ["classifier", "pooler", "position_embeddings", "token_type_embeddings"]
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Sequences of 16 tokens of a 64-word vocabulary; the label says whether the first
+    token is in the lower half (balanced, learnable, nothing to download)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, 64, (n, 16), generator=g)
+        self.labels = (self.ids[:, 0] < 33).long()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=16, num_labels=2)
+    model = BertForSequenceClassification(cfg)
+    ce.tensorize(model, rank="auto", target_compression=TARGET, exclude=KEEP_DENSE)
+    return model
+
+
+def _args(tmp_path, **kw) -> TrainingArguments:  # noqa: ANN001
+    return TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS,
+                             per_device_train_batch_size=32, report_to="none",
+                             save_strategy="no", logging_steps=STEPS, use_cpu=True,
+                             disable_tqdm=True, **kw)
+
+
+def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> None:
+    torch.set_num_threads(1)
+    model = _bert()
+    comera = ce.CoMERA(model, target_compression=TARGET, total_steps=STEPS, lr_cores=3e-3,
+                       lr_embedding=3e-3, lr_dense=1e-3)
+    opt = torch.optim.AdamW(comera.param_groups())
+    callback = CoMERACallback(comera)
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=Tokens(4000, 0),
+                      optimizers=(opt, None), callbacks=[callback])
+    trainer.train()
+    # the controller stepped after every optimizer step and landed at the target
+    rep, sizes = comera.report(), size_report(model)
+    assert comera.steps_done == STEPS and rep["step"] == STEPS
+    assert abs(rep["compression"] / TARGET - 1) <= 0.05, rep["message"]
+    assert rep["compression"] == sizes["tensorized"]["compression"]
+    assert {"stage", "pace", "target_met", "truncate"} <= {e.kind for e in callback.events}
+    # the rank terms went into the loss the Trainer trained on (the hook ran loss())
+    assert "size_surrogate" in comera.info or "size" in comera.info
+    # truncated in the Trainer's loop: live entries only, optimizer state at their shapes
+    assert all(bool(mk.all()) for _, m in tt_layers(model) for mk in m.tt.masks())
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for v in opt.state[p].values():
+                if torch.is_tensor(v) and v.dim():
+                    assert v.shape == p.shape
+    # evaluation sees the task loss alone, and the hook is gone after training
+    test = Tokens(500, 1)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=test.ids, labels=test.labels)
+    assert out.loss.item() == pytest.approx(F.cross_entropy(out.logits, test.labels).item(),
+                                            rel=1e-6)
+    assert not model._forward_hooks
+    # it learned the rule on sequences it never saw (chance: 0.5)
+    assert (out.logits.argmax(1) == test.labels).float().mean().item() > 0.9
+
+
+def test_the_trainers_default_optimizer_and_label_smoothing_are_refused(tmp_path) -> None:
+    model = _bert()
+    comera = ce.CoMERA(model, target_compression=TARGET, total_steps=STEPS)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=Tokens(64, 0),
+                      callbacks=[CoMERACallback(comera)])  # AdamW over all, one rate
+    with pytest.raises(ConfigError, match=r"^optimizers: .*comera\.param_groups\(\)"):
+        trainer.train()
+    assert comera.steps_done == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    trainer = Trainer(model=model, args=_args(tmp_path, label_smoothing_factor=0.1),
+                      train_dataset=Tokens(64, 0),
+                      optimizers=(torch.optim.AdamW(comera.param_groups()), None),
+                      callbacks=[CoMERACallback(comera)])
+    with pytest.raises(ConfigError, match="label_smoothing_factor=0"):
+        trainer.train()
+    assert not model._forward_hooks
