@@ -100,6 +100,17 @@ def trained(digits) -> tuple:
     return model, comera, opt
 
 
+def assert_truncated(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The TT cores hold only live rank entries, and every optimizer state tensor has its
+    parameter's (sliced) shape."""
+    assert all(bool(mk.all()) for _, m in tt_layers(model) for mk in m.tt.masks())
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for v in opt.state[p].values():
+                if torch.is_tensor(v) and v.dim():
+                    assert v.shape == p.shape
+
+
 def test_own_loop_lands_at_the_target_and_report_agrees_with_size_report(trained, digits):
     model, comera, opt = trained
     rep, sizes = comera.report(), size_report(model)
@@ -118,14 +129,8 @@ def test_own_loop_lands_at_the_target_and_report_agrees_with_size_report(trained
     start = sum(sum(r) for r in _setup()[1].report()["ranks"].values())
     assert sum(rep["removed"].values()) == start - sum(sum(r) for r in rep["ranks"].values())
     assert rep["removed"]["pace"] > 0
-    # truncation happened in the loop: cores hold only live entries, and the optimizer's
-    # state has the cores' shapes
-    assert all(bool(mk.all()) for _, m in tt_layers(model) for mk in m.tt.masks())
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for v in opt.state[p].values():
-                if torch.is_tensor(v) and v.dim():
-                    assert v.shape == p.shape
+    # truncation happened in the loop
+    assert_truncated(model, opt)
     # learning, not a benchmark (experiments/own_loop.py compares with dense)
     assert _accuracy(model, digits["x_test"], digits["y_test"]) > 0.7
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import comera_engine as ce
 from comera_engine.errors import ConfigError
-from comera_engine.layers import size_report, tt_layers
+from comera_engine.layers import size_report
+from tests.test_controller import assert_truncated
 
 pytest.importorskip("transformers", reason="transformers is not installed (huggingface extra)")
 pytest.importorskip("accelerate", reason="accelerate is not installed (huggingface extra)")
@@ -79,12 +80,7 @@ def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> No
     # the rank terms went into the loss the Trainer trained on (the hook ran loss())
     assert "size_surrogate" in comera.info or "size" in comera.info
     # truncated in the Trainer's loop: live entries only, optimizer state at their shapes
-    assert all(bool(mk.all()) for _, m in tt_layers(model) for mk in m.tt.masks())
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for v in opt.state[p].values():
-                if torch.is_tensor(v) and v.dim():
-                    assert v.shape == p.shape
+    assert_truncated(model, opt)
     # evaluation sees the task loss alone, and the hook is gone after training
     test = Tokens(500, 1)
     model.eval()
