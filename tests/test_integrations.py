@@ -93,7 +93,7 @@ def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> No
     assert (out.logits.argmax(1) == test.labels).float().mean().item() > 0.9
 
 
-def test_the_trainers_default_optimizer_and_label_smoothing_are_refused(tmp_path) -> None:
+def test_the_default_optimizer_label_smoothing_and_accumulation_are_refused(tmp_path) -> None:
     model = _bert()
     comera = ce.CoMERA(model, target_compression=TARGET, total_steps=STEPS)
     before = [p.detach().clone() for p in model.parameters()]
@@ -109,4 +109,11 @@ def test_the_trainers_default_optimizer_and_label_smoothing_are_refused(tmp_path
                       callbacks=[CoMERACallback(comera)])
     with pytest.raises(ConfigError, match="label_smoothing_factor=0"):
         trainer.train()
-    assert not model._forward_hooks
+    trainer = Trainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=2),
+                      train_dataset=Tokens(64, 0),
+                      optimizers=(torch.optim.AdamW(comera.param_groups()), None),
+                      callbacks=[CoMERACallback(comera)])
+    with pytest.raises(ConfigError, match="^gradient_accumulation_steps: .*needs 1"):
+        trainer.train()
+    assert not model._forward_hooks and comera.steps_done == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

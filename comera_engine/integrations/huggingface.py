@@ -28,8 +28,10 @@ The Trainer owns the loop, so the controller's two calls go where it lets them:
 The optimizer must come from :meth:`~comera_engine.CoMERA.param_groups` (each group its
 own learning rate; the gates need theirs): the Trainer's default one, built over the
 model's parameters at one rate, is refused in one line naming the fix. The Trainer's
-learning-rate schedule scales every group alike. One process only: under DDP a
-truncation would change shapes under the live wrapper (``comera train`` rebuilds it).
+learning-rate schedule scales every group alike. One process and no gradient
+accumulation: under DDP a truncation would change shapes under the live wrapper
+(``comera train`` rebuilds it), and with accumulation the Trainer may hand the model a
+loss scaled to a micro-batch's share of the batch, which the rank terms would outweigh.
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ class CoMERACallback(TrainerCallback):
                 m is comera.model for m in model.modules()):
             raise ConfigError("CoMERACallback", "the Trainer trains another model than "
                                                 "the one given to ce.CoMERA")
+        if getattr(args, "gradient_accumulation_steps", 1) > 1:
+            raise ConfigError("gradient_accumulation_steps",
+                              "CoMERACallback needs 1: the Trainer may scale each "
+                              "micro-batch's loss to its share of the batch, against which "
+                              "the rank terms and the late stage's choice would be weighed; "
+                              "raise per_device_train_batch_size instead")
         if getattr(args, "label_smoothing_factor", 0.0):
             raise ConfigError("CoMERACallback", "label smoothing computes the loss outside "
                                                 "the model, where the rank terms are added: "
