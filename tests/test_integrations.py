@@ -93,27 +93,21 @@ def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> No
     assert (out.logits.argmax(1) == test.labels).float().mean().item() > 0.9
 
 
-def test_the_default_optimizer_label_smoothing_and_accumulation_are_refused(tmp_path) -> None:
+@pytest.mark.parametrize("own_optimizer, setting, error", [
+    (False, {}, r"^optimizers: .*comera\.param_groups\(\)"),  # AdamW over all, one rate
+    (True, {"label_smoothing_factor": 0.1}, "label_smoothing_factor=0"),
+    (True, {"gradient_accumulation_steps": 2}, "^gradient_accumulation_steps: .*needs 1"),
+])
+def test_what_the_callback_cannot_run_is_refused_before_a_step(tmp_path, own_optimizer,
+                                                               setting, error) -> None:
     model = _bert()
     comera = ce.CoMERA(model, target_compression=TARGET, total_steps=STEPS)
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=Tokens(64, 0),
-                      callbacks=[CoMERACallback(comera)])  # AdamW over all, one rate
-    with pytest.raises(ConfigError, match=r"^optimizers: .*comera\.param_groups\(\)"):
-        trainer.train()
-    assert comera.steps_done == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    trainer = Trainer(model=model, args=_args(tmp_path, label_smoothing_factor=0.1),
-                      train_dataset=Tokens(64, 0),
-                      optimizers=(torch.optim.AdamW(comera.param_groups()), None),
-                      callbacks=[CoMERACallback(comera)])
-    with pytest.raises(ConfigError, match="label_smoothing_factor=0"):
-        trainer.train()
-    trainer = Trainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=2),
-                      train_dataset=Tokens(64, 0),
-                      optimizers=(torch.optim.AdamW(comera.param_groups()), None),
-                      callbacks=[CoMERACallback(comera)])
-    with pytest.raises(ConfigError, match="^gradient_accumulation_steps: .*needs 1"):
+    optimizers = (torch.optim.AdamW(comera.param_groups()), None) if own_optimizer else (
+        None, None)
+    trainer = Trainer(model=model, args=_args(tmp_path, **setting), train_dataset=Tokens(64, 0),
+                      optimizers=optimizers, callbacks=[CoMERACallback(comera)])
+    with pytest.raises(ConfigError, match=error):
         trainer.train()
     assert not model._forward_hooks and comera.steps_done == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
