@@ -89,18 +89,37 @@ def controller(data: dict[str, Any]) -> str:
                    table(header + (["CPU ms", "vs fixed (CPU)"] if cpu else []), rows))
 
 
-def own_loop(data: dict[str, Any]) -> str:
+def _accuracy_table(data: dict[str, Any]) -> str:
+    """Per model of a ``summary`` (own_loop.json, hf_trainer.json): held-out accuracy,
+    mean ± std over the seeds, and the compression reached."""
     rows = [[name, f"{100 * s['test_acc_mean']:.1f} ± {100 * s['test_acc_std']:.1f} %",
              f"{s['compression_min']:.1f}× – {s['compression_max']:.1f}×"]
             for name, s in data["summary"].items()]
-    seeds = sorted({r["seed"] for r in data["runs"]})
+    return table(["model", "test accuracy", "compression (TT layers)"], rows)
+
+
+def _seeds(data: dict[str, Any]) -> str:
+    return ", ".join(map(str, sorted({r["seed"] for r in data["runs"]})))
+
+
+def own_loop(data: dict[str, Any]) -> str:
     what = (f"A network defined in the script, trained by a plain PyTorch loop with "
             f"`comera_engine.CoMERA` dropped in (README, \"Your own model\"), target "
-            f"{data['target']:g}× over {data['steps']} steps, seeds "
-            f"{', '.join(map(str, seeds))}, against the same network dense.")
+            f"{data['target']:g}× over {data['steps']} steps, seeds {_seeds(data)}, against "
+            f"the same network dense.")
     return section("CoMERA in your own loop", "python experiments/own_loop.py",
-                   "own_loop.json", data, what,
-                   table(["model", "test accuracy", "compression (TT layers)"], rows))
+                   "own_loop.json", data, what, _accuracy_table(data))
+
+
+def hf_trainer(data: dict[str, Any]) -> str:
+    what = (f"A BERT classifier built from a config (d 64, 2 layers) on the clothing "
+            f"reviews (recommended or not; majority class {100 * data['majority']:.1f} %), "
+            f"trained by `transformers.Trainer`: dense, fixed-rank TT at the target size, "
+            f"and CoMERA through `CoMERACallback` (README, \"Your own model\"), target "
+            f"{data['target']:g}× over {data['steps']} steps, seeds {_seeds(data)}; "
+            f"accuracy on the held-out 20 %.")
+    return section("CoMERA in a Hugging Face Trainer", "python experiments/hf_trainer.py",
+                   "hf_trainer.json", data, what, _accuracy_table(data))
 
 
 def schedules(data: dict[str, Any]) -> str:
@@ -256,6 +275,7 @@ def reproduction(files: list[tuple[str, dict[str, Any]]]) -> str:
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("bench_controller_cpu.json", controller),
     ("own_loop.json", own_loop),
+    ("hf_trainer.json", hf_trainer),
     ("schedule_ablation.json", schedules),
     ("reproduce/memory/bench_memory_peers.json", memory),
 ]

@@ -68,3 +68,19 @@ def test_the_readme_quotes_the_own_loop_results_file() -> None:
             f"± {100 * d['test_acc_std']:.1f} %")
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert said in readme, f"README should say: {said}"
+
+
+def test_the_readme_quotes_the_hf_trainer_results_file() -> None:
+    """README's Hugging Face Trainer paragraph states what
+    experiments/results/hf_trainer.json holds, in the script's own sentence."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import hf_trainer
+
+    data = json.loads((ROOT / "experiments" / "results" / "hf_trainer.json").read_text())
+    said = hf_trainer.sentence(data["target"], data["summary"], data["majority"])
+    assert "CoMERA" in said and "dense" in said and "fixed-rank TT" in said
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert " ".join(said.split()) in readme, f"README should say: {said}"

@@ -111,3 +111,33 @@ def test_what_the_callback_cannot_run_is_refused_before_a_step(tmp_path, own_opt
         trainer.train()
     assert not model._forward_hooks and comera.steps_done == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_hf_trainer_example_runs_on_the_reviews_and_writes_json(tmp_path, capsys) -> None:
+    """experiments/hf_trainer.py end to end, briefly (in this process): dense, fixed ranks
+    and CoMERA in the Trainer on the real reviews, CoMERA at the target within ±5 %, the
+    fixed-rank model within it, the JSON written; a bad flag refused."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import hf_trainer
+
+    out_json = tmp_path / "hf_trainer.json"
+    threads = torch.get_num_threads()
+    try:
+        assert hf_trainer.main(["--steps", "20", "--seeds", "0", "--out", str(out_json)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    assert [r["method"] for r in data["runs"]] == ["dense", "fixed-rank TT", "CoMERA"]
+    dense, fixed, comera = data["runs"]
+    assert abs(comera["compression"] / 10 - 1) <= 0.05, comera["message"]
+    assert fixed["compression"] >= 10 and fixed["params"] < dense["params"]
+    assert 0.5 < data["majority"] < 1 and data["machine"]["torch"] == torch.__version__
+    assert "target 10× (TT layers)" in out and "majority class" in out
+    with pytest.raises(SystemExit):
+        hf_trainer.main(["--target", "1"])
+    assert "--target" in capsys.readouterr().err
