@@ -32,6 +32,9 @@ learning-rate schedule scales every group alike. One process and no gradient
 accumulation: under DDP a truncation would change shapes under the live wrapper
 (``comera train`` rebuilds it), and with accumulation the Trainer may hand the model a
 loss scaled to a micro-batch's share of the batch, which the rank terms would outweigh.
+The Trainer's checkpoints save the model at its current (truncated) shapes; resuming one
+is not supported yet (the Trainer loads it into the model as first built, and CoMERA's
+state is not in it): train in one go, or save ``comera.state_dict()`` yourself.
 """
 
 from __future__ import annotations
@@ -72,12 +75,12 @@ class CoMERACallback(TrainerCallback):
                        optimizer: Any = None, **kwargs: Any) -> None:
         comera = self.comera
         if getattr(args, "world_size", 1) > 1:
-            raise ConfigError("CoMERACallback", "runs in one process; under DDP use "
-                                                "`comera train` or your own loop")
+            raise ConfigError("world_size", "CoMERACallback runs in one process; under "
+                                            "DDP use `comera train` or your own loop")
         if model is not None and model is not comera.model and not any(
                 m is comera.model for m in model.modules()):
-            raise ConfigError("CoMERACallback", "the Trainer trains another model than "
-                                                "the one given to ce.CoMERA")
+            raise ConfigError("model", "the Trainer trains another model than the one "
+                                       "given to ce.CoMERA: pass that one to both")
         if getattr(args, "gradient_accumulation_steps", 1) > 1:
             raise ConfigError("gradient_accumulation_steps",
                               "CoMERACallback needs 1: the Trainer may scale each "
@@ -85,9 +88,10 @@ class CoMERACallback(TrainerCallback):
                               "the rank terms and the late stage's choice would be weighed; "
                               "raise per_device_train_batch_size instead")
         if getattr(args, "label_smoothing_factor", 0.0):
-            raise ConfigError("CoMERACallback", "label smoothing computes the loss outside "
-                                                "the model, where the rank terms are added: "
-                                                "set label_smoothing_factor=0")
+            raise ConfigError("label_smoothing_factor", "label smoothing computes the loss "
+                                                        "outside the model, where the rank "
+                                                        "terms are added: set "
+                                                        "label_smoothing_factor=0")
         self._check_optimizer(optimizer)
         if self._hook is None:
             self._hook = comera.model.register_forward_hook(self._add_rank_terms)
