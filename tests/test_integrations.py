@@ -93,6 +93,58 @@ def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> No
     assert (out.logits.argmax(1) == test.labels).float().mean().item() > 0.9
 
 
+def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> None:
+    """Stopped right after the Trainer's checkpoint at step 60, then resumed from it into
+    a freshly built model (``CoMERACallback.restore``, then ``resume_from_checkpoint``):
+    the same ranks, controller state and outputs as the run that went through."""
+    from transformers import TrainerCallback
+
+    from comera_engine.integrations.huggingface import STATE_FILE
+
+    steps, half = 120, 60
+    data = Tokens(2000, 0)
+
+    class StopAfterSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            control.should_training_stop = True
+
+    def run(out, stop: bool, resume: str | None = None):  # noqa: ANN001, ANN202
+        torch.set_num_threads(1)
+        model = _bert()
+        comera = ce.CoMERA(model, target_compression=TARGET, total_steps=steps, switch=30,
+                           lr_cores=3e-3, lr_embedding=3e-3, lr_dense=1e-3)
+        callback = CoMERACallback(comera)
+        if resume:
+            callback.restore(resume)
+        args = TrainingArguments(output_dir=str(out), max_steps=steps, seed=0,
+                                 per_device_train_batch_size=32, report_to="none",
+                                 save_strategy="steps" if stop else "no", save_steps=half,
+                                 logging_strategy="no", use_cpu=True, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data,
+                          optimizers=(torch.optim.AdamW(comera.param_groups()), None),
+                          callbacks=[callback, *([StopAfterSave()] if stop else [])])
+        trainer.train(resume_from_checkpoint=resume)
+        return model, comera
+
+    whole, whole_c = run(tmp_path / "whole", stop=False)
+    _, first_c = run(tmp_path / "parts", stop=True)
+    ckpt = tmp_path / "parts" / f"checkpoint-{half}"
+    assert first_c.steps_done == half and (ckpt / STATE_FILE).is_file()
+    resumed, resumed_c = run(tmp_path / "parts", stop=False, resume=str(ckpt))
+    assert resumed_c.steps_done == whole_c.steps_done == steps
+    assert resumed_c.report()["ranks"] == whole_c.report()["ranks"]
+    assert resumed_c.report()["compression"] == whole_c.report()["compression"]
+    assert [e.kind for e in resumed_c.events] == [e.kind for e in whole_c.events
+                                                  if e.step > half]
+    test = Tokens(256, 1)
+    whole.eval(), resumed.eval()
+    with torch.no_grad():
+        a, b = whole(input_ids=test.ids).logits, resumed(input_ids=test.ids).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="^resume_from_checkpoint: .*comera_state.json"):
+        CoMERACallback(resumed_c).restore(tmp_path / "whole")
+
+
 @pytest.mark.parametrize("own_optimizer, setting, error", [
     (False, {}, r"^optimizers: .*comera\.param_groups\(\)"),  # AdamW over all, one rate
     (True, {"label_smoothing_factor": 0.1}, "^label_smoothing_factor: .*=0$"),

@@ -32,13 +32,24 @@ learning-rate schedule scales every group alike. One process and no gradient
 accumulation: under DDP a truncation would change shapes under the live wrapper
 (``comera train`` rebuilds it), and with accumulation the Trainer may hand the model a
 loss scaled to a micro-batch's share of the batch, which the rank terms would outweigh.
-The Trainer's checkpoints save the model at its current (truncated) shapes; resuming one
-is not supported yet (the Trainer loads it into the model as first built, and CoMERA's
-state is not in it): train in one go, or save ``comera.state_dict()`` yourself.
+
+**Resuming.** With every checkpoint the Trainer saves, the callback writes the
+controller's state beside it (``comera_state.json``: stage, plateau, pace plan, steps,
+every TT layer's ranks). The Trainer loads a checkpoint into the model as it is built, so
+shape the fresh model first::
+
+    callback = CoMERACallback(comera)
+    callback.restore(checkpoint)       # TT layers at the saved ranks, the controller's state
+    opt = torch.optim.AdamW(comera.param_groups())
+    trainer = Trainer(..., optimizers=(opt, None), callbacks=[callback])
+    trainer.train(resume_from_checkpoint=checkpoint)
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,8 +58,12 @@ from transformers import TrainerCallback
 
 from ..errors import ConfigError
 from ..rank import CoMERA
+from ..store.layout import write_atomic
 
-__all__ = ["CoMERACallback"]
+__all__ = ["STATE_FILE", "CoMERACallback"]
+
+STATE_FILE = "comera_state.json"
+"""The controller's state, written into each of the Trainer's checkpoint folders."""
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
@@ -124,6 +139,31 @@ class CoMERACallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                     **kwargs: Any) -> None:
         self.comera.step(_inner(optimizer) if optimizer is not None else None)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Beside the checkpoint the Trainer just wrote: the controller's state."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if folder.is_dir() and state.is_world_process_zero:
+            write_atomic(folder / STATE_FILE, json.dumps(self.comera.state_dict(), indent=1))
+
+    def restore(self, checkpoint: str | os.PathLike[str]) -> None:
+        """Before ``trainer.train(resume_from_checkpoint=checkpoint)``: the TT layers
+        reshaped to the checkpoint's ranks and the controller's state restored (from the
+        ``comera_state.json`` :meth:`on_save` wrote there).
+
+        Raises:
+            ConfigError: the folder holds no controller state.
+        """
+        path = Path(checkpoint) / STATE_FILE
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError("resume_from_checkpoint",
+                              f"{path} is missing or unreadable ({type(e).__name__}): resume "
+                              "from a checkpoint the Trainer saved with CoMERACallback") from e
+        self.comera.load_state_dict(state)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hook is not None:
