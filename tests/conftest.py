@@ -4,10 +4,18 @@ in this environment already (or skipped, with the reason, where it cannot be bui
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The Triton kernels' tests run interpreted on the CPU unless the caller says otherwise
+# (experiments/gpu_check.sh sets TRITON_INTERPRET=0 on a GPU). Triton reads the variable
+# when it is first imported, and a test module collected before tests/test_kernels.py may
+# import a library that imports Triton (transformers, in tests/test_integrations.py): so
+# it is set here, before any test module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
