@@ -154,10 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--max-examples", type=int, default=None,
+                    help="train on this many reviews and test on a quarter as many (a smoke "
+                         "run; default: the whole split)")
     ap.add_argument("--out", type=Path, default=RESULTS / "hf_trainer.json")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.batch < 1 or args.threads < 1:
-        ap.error("--steps, --batch, --threads: must be positive integers")
+    if args.steps < 1 or args.batch < 1 or args.threads < 1 or (
+            args.max_examples is not None and args.max_examples < 8):
+        ap.error("--steps, --batch, --threads, --max-examples: must be positive integers "
+                 "(--max-examples at least 8)")
     if not args.target > 1:
         ap.error("--target: must be a ratio above 1 (e.g. 10 for 10x smaller)")
     try:
@@ -168,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     from comera_engine.data import build_dataset
 
     torch.set_num_threads(args.threads)
-    bundle = build_dataset(DATA)
+    data = dict(DATA)
+    if args.max_examples is not None:
+        data.update(max_examples=args.max_examples, max_eval_examples=args.max_examples // 4)
+    bundle = build_dataset(data)
     majority = max(float((bundle.eval.tensors["labels"] == c).float().mean())
                    for c in range(bundle.num_classes))
     rows = []
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"target": args.target, "steps": args.steps,
                                "batch": args.batch, "threads": args.threads,
-                               "data": DATA, "majority": majority, "machine": machine(),
+                               "data": data, "majority": majority, "machine": machine(),
                                "summary": summary, "runs": rows}, indent=1))
     tmp.replace(args.out)
     print(f"wrote {args.out}")

@@ -94,14 +94,15 @@ def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> No
 
 
 def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> None:
-    """Stopped right after the Trainer's checkpoint at step 60, then resumed from it into
-    a freshly built model (``CoMERACallback.restore``, then ``resume_from_checkpoint``):
-    the same ranks, controller state and outputs as the run that went through."""
+    """Stopped right after the Trainer's checkpoint at step 40, while the pace prunes,
+    then resumed from it into a freshly built model (``CoMERACallback.restore``, then
+    ``resume_from_checkpoint``): the same ranks, controller state and outputs as the run
+    that went through."""
     from transformers import TrainerCallback
 
     from comera_engine.integrations.huggingface import STATE_FILE
 
-    steps, half = 120, 60
+    steps, half = 80, 40
     data = Tokens(2000, 0)
 
     class StopAfterSave(TrainerCallback):
@@ -111,7 +112,7 @@ def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> No
     def run(out, stop: bool, resume: str | None = None):  # noqa: ANN001, ANN202
         torch.set_num_threads(1)
         model = _bert()
-        comera = ce.CoMERA(model, target_compression=TARGET, total_steps=steps, switch=30,
+        comera = ce.CoMERA(model, target_compression=TARGET, total_steps=steps, switch=20,
                            lr_cores=3e-3, lr_embedding=3e-3, lr_dense=1e-3)
         callback = CoMERACallback(comera)
         if resume:
@@ -127,6 +128,8 @@ def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> No
         return model, comera
 
     whole, whole_c = run(tmp_path / "whole", stop=False)
+    paced = [e.step for e in whole_c.events if e.kind == "pace"]
+    assert min(paced) < half < max(paced)  # the checkpoint falls mid-pruning
     _, first_c = run(tmp_path / "parts", stop=True)
     ckpt = tmp_path / "parts" / f"checkpoint-{half}"
     assert first_c.steps_done == half and (ckpt / STATE_FILE).is_file()
@@ -179,7 +182,8 @@ def test_the_hf_trainer_example_runs_on_the_reviews_and_writes_json(tmp_path, ca
     out_json = tmp_path / "hf_trainer.json"
     threads = torch.get_num_threads()
     try:
-        assert hf_trainer.main(["--steps", "20", "--seeds", "0", "--out", str(out_json)]) == 0
+        assert hf_trainer.main(["--steps", "20", "--seeds", "0", "--max-examples", "2000",
+                                "--out", str(out_json)]) == 0
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
@@ -189,6 +193,7 @@ def test_the_hf_trainer_example_runs_on_the_reviews_and_writes_json(tmp_path, ca
     assert abs(comera["compression"] / 10 - 1) <= 0.05, comera["message"]
     assert fixed["compression"] >= 10 and fixed["params"] < dense["params"]
     assert 0.5 < data["majority"] < 1 and data["machine"]["torch"] == torch.__version__
+    assert data["data"]["max_examples"] == 2000 and data["data"]["name"] == "reviews"
     assert "target 10× (TT layers)" in out and "majority class" in out
     with pytest.raises(SystemExit):
         hf_trainer.main(["--target", "1"])
