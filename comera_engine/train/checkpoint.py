@@ -127,11 +127,16 @@ def save_checkpoint(
 def failure_text(exc: BaseException, run_dir: str | Path) -> str:
     """The error a failed run records: ``disk full: free N MB in FOLDER ...`` for a full
     disk (one line, with the fix; the run folder's disk reserve is released first, so
-    that this status and the last records can still be written), else
+    that this status and the last records can still be written); for a file not found
+    because the run folder itself is gone, that the folder was deleted while the run
+    trained (whichever write meets it first: a checkpoint or the metrics log); else
     ``Type: message``."""
     if is_disk_full(exc):
         release_reserve(run_dir)
         return disk_full_text(run_dir)
+    if isinstance(exc, FileNotFoundError) and not Path(run_dir).exists():
+        return (f"FileNotFoundError: {run_dir} was deleted while the run trained (its "
+                "folder removed?); the run stops here")
     return f"{type(exc).__name__}: {exc}"
 
 
