@@ -10,10 +10,9 @@ tensorized at the ranks the target asks for (``rank="auto"``: ``headroom`` times
 target size), the optimizer from ``comera.param_groups()`` and ``CoMERACallback``.
 Fixed-rank TT: the same layers tensorized from the start at the largest rank whose
 size is within the target, gates frozen, the same optimizer groups and rates, no
-callback. Same seeds, steps,
-batches and schedule. Accuracy on the held-out 20 % (the majority class is printed beside it: the
-reviews are four-fifths "recommended"). Prints a table and writes
-experiments/results/hf_trainer.json.
+callback. Same seeds, steps, batches and schedule. Accuracy on the held-out 20 % (the
+majority class is printed beside it: the reviews are four-fifths "recommended"). Prints
+a table and writes experiments/results/hf_trainer.json.
 
     python experiments/hf_trainer.py [--target 10] [--steps 1000] [--seeds 0 1 2]
 """
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -32,9 +30,11 @@ from typing import Any
 import torch
 
 import comera_engine as ce
+from comera_engine.store.layout import write_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import machine  # noqa: E402
+from own_loop import summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATA = {"name": "reviews", "label": "recommended", "split_fraction": 0.8, "seq_len": 64,
@@ -186,22 +186,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"seed {seed} {row['method']:13s} test acc {row['test_acc']:.3f}  "
                   f"{row['params']:>8,} params  {row['seconds']:.1f} s  {row['message']}")
-    summary = {}
-    for method in METHODS:
-        accs = [r["test_acc"] for r in rows if r["method"] == method]
-        comp = [r["compression"] for r in rows if r["method"] == method]
-        summary[method] = {"test_acc_mean": statistics.mean(accs),
-                           "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                           "compression_min": min(comp), "compression_max": max(comp)}
+    summary = summarize(rows, METHODS)
     print("\n" + sentence(args.target, summary, majority)
           + f" ({len(args.seeds)} seeds, {args.steps} steps)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"target": args.target, "steps": args.steps,
-                               "batch": args.batch, "threads": args.threads,
-                               "data": data, "majority": majority, "machine": machine(),
-                               "summary": summary, "runs": rows}, indent=1))
-    tmp.replace(args.out)
+    write_atomic(args.out, json.dumps({"target": args.target, "steps": args.steps,
+                                       "batch": args.batch, "threads": args.threads,
+                                       "data": data, "majority": majority,
+                                       "machine": machine(), "summary": summary,
+                                       "runs": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_engine as ce
+from comera_engine.store.layout import write_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import machine  # noqa: E402
@@ -94,6 +96,19 @@ def train(data: dict[str, torch.Tensor], seed: int, steps: int, target: float | 
             "ranks": rep["ranks"]}
 
 
+def summarize(rows: list[dict], methods: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per method of ``methods``: its rows' held-out accuracy, mean and std over the
+    seeds (std 0 for one), and the least and most compression reached."""
+    summary = {}
+    for method in methods:
+        accs = [r["test_acc"] for r in rows if r["method"] == method]
+        comp = [r["compression"] for r in rows if r["method"] == method]
+        summary[method] = {"test_acc_mean": statistics.mean(accs),
+                           "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                           "compression_min": min(comp), "compression_max": max(comp)}
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=float, default=30.0, help="compression asked (TT layers)")
@@ -115,13 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"seed {seed} {row['method']:6s} test acc {row['test_acc']:.3f}  "
                   f"{row['params']:>7,} params  {row['seconds']:.1f} s  {row['message']}")
-    summary = {}
-    for method in ("dense", "CoMERA"):
-        accs = [r["test_acc"] for r in rows if r["method"] == method]
-        comp = [r["compression"] for r in rows if r["method"] == method]
-        summary[method] = {"test_acc_mean": statistics.mean(accs),
-                           "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                           "compression_min": min(comp), "compression_max": max(comp)}
+    summary = summarize(rows, ("dense", "CoMERA"))
     c, d = summary["CoMERA"], summary["dense"]
     print(f"\ntarget {args.target:g}x (TT layers): reached {c['compression_min']:.1f}x to "
           f"{c['compression_max']:.1f}x; held-out accuracy CoMERA "
@@ -129,12 +138,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{d['test_acc_mean'] * 100:.1f} ± {d['test_acc_std'] * 100:.1f} % "
           f"({len(args.seeds)} seeds, {args.steps} steps)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"target": args.target, "steps": args.steps,
-                               "threads": args.threads, "machine": machine(),
-                               "summary": summary, "runs": rows},
-                              indent=1))
-    tmp.replace(args.out)
+    write_atomic(args.out, json.dumps({"target": args.target, "steps": args.steps,
+                                       "threads": args.threads, "machine": machine(),
+                                       "summary": summary, "runs": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
 
