@@ -105,9 +105,7 @@ class JSONLSink:
         if self._fd is None or not self._buf:
             return
         if os.fstat(self._fd).st_nlink == 0:  # someone deleted the run folder (or file)
-            raise FileNotFoundError(errno.ENOENT, f"{self.path} was deleted while the run "
-                                    "trained (its folder removed?); the run stops here",
-                                    str(self.path))
+            raise FileNotFoundError(errno.ENOENT, deleted_text(self.path), str(self.path))
         data = "".join(self._buf).encode("utf-8")
         try:
             view = memoryview(data)
@@ -184,6 +182,12 @@ class MultiSink:
 
     def close(self) -> None:
         self._each("close")
+
+
+def deleted_text(path: str | os.PathLike[str]) -> str:
+    """The one-line cause a run records when ``path`` (its folder, or a file in it) was
+    deleted under it, whichever of its writes met that first."""
+    return f"{path} was deleted while the run trained (its folder removed?); the run stops here"
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

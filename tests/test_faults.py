@@ -679,22 +679,30 @@ def test_deleting_a_live_runs_folder_stops_it(store: RunStore) -> None:
 
 def test_a_write_that_meets_a_deleted_run_folder_says_the_folder_was_deleted(
         tmp_path: Path) -> None:
-    """Whichever write meets the deletion first (a checkpoint's temporary file here, the
-    metrics log in the test above) records the same one-line cause; a file missing from a
-    folder that still exists keeps its own message."""
+    """Whichever write meets the deletion first (a checkpoint's temporary file, or its
+    safetensors write, here; the metrics log in the test above) records the same one-line
+    cause; a failure while the folder still exists keeps its own message."""
     from comera_engine.train.checkpoint import failure_text
 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     missing = FileNotFoundError(2, "No such file or directory",
                                 str(run_dir / "checkpoints" / "step_000030.safetensors.tmp"))
+    from safetensors import SafetensorError
+
+    serializing = SafetensorError("Error while serializing: I/O error: No such file or "
+                                  "directory (os error 2)")
     assert failure_text(missing, run_dir).startswith("FileNotFoundError: [Errno 2]")
+    assert failure_text(serializing, run_dir).startswith("SafetensorError: Error while")
+    assert failure_text(ValueError("bad"), run_dir) == "ValueError: bad"
     run_dir.rename(tmp_path / "moved")
     text = failure_text(missing, run_dir)
     assert text == (f"FileNotFoundError: {run_dir} was deleted while the run trained (its "
                     "folder removed?); the run stops here")
     assert "\n" not in text
-    assert failure_text(ValueError("bad"), run_dir) == "ValueError: bad"
+    assert failure_text(serializing, run_dir) == (
+        f"SafetensorError: {run_dir} was deleted while the run trained (its folder "
+        "removed?); the run stops here")
 
 
 def test_names_checksums_and_the_run_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

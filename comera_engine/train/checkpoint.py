@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from comera_engine.config import TrainConfig
+from comera_engine.metrics import deleted_text
 
 # reading one back into a model: below the trainer and the export, which both do it
 from comera_engine.models.checkpoint import load_checkpoint, model_state, resize_to_shapes
@@ -127,16 +128,15 @@ def save_checkpoint(
 def failure_text(exc: BaseException, run_dir: str | Path) -> str:
     """The error a failed run records: ``disk full: free N MB in FOLDER ...`` for a full
     disk (one line, with the fix; the run folder's disk reserve is released first, so
-    that this status and the last records can still be written); for a file not found
-    because the run folder itself is gone, that the folder was deleted while the run
-    trained (whichever write meets it first: a checkpoint or the metrics log); else
-    ``Type: message``."""
+    that this status and the last records can still be written); when the run folder
+    itself is gone, that it was deleted while the run trained, whatever the write that
+    met it first raised (the metrics log a ``FileNotFoundError``, a checkpoint's
+    safetensors file a ``SafetensorError``); else ``Type: message``."""
     if is_disk_full(exc):
         release_reserve(run_dir)
         return disk_full_text(run_dir)
-    if isinstance(exc, FileNotFoundError) and not Path(run_dir).exists():
-        return (f"FileNotFoundError: {run_dir} was deleted while the run trained (its "
-                "folder removed?); the run stops here")
+    if not Path(run_dir).exists():
+        return f"{type(exc).__name__}: {deleted_text(run_dir)}"
     return f"{type(exc).__name__}: {exc}"
 
 
