@@ -267,6 +267,43 @@ def test_events_reach_the_callback_and_bf16_autocast_trains(digits) -> None:
     assert abs(comera.report()["compression"] / TARGET - 1) <= 0.05
 
 
+def test_gradient_accumulation_matches_the_whole_batch_float64(digits) -> None:
+    """Each step as two micro-batches of 32 (``comera.loss`` on each, divided by 2,
+    ``comera.step`` once) against one batch of 64 (float64): the same parameters through
+    the early stage (the rank terms count once a step), the same stage switch and the
+    same plateau loss ``z_f`` (the mean of the micro-batches' losses, not the last)."""
+    def run(parts: int) -> tuple:
+        torch.manual_seed(0)
+        model = PixelNet()
+        ce.tensorize(model, rank="auto", target_compression=TARGET, exclude=["head"])
+        model.double()
+        comera = ce.CoMERA(model, target_compression=TARGET, total_steps=STEPS, switch=40,
+                           lr_cores=3e-3, lr_embedding=1e-2, lr_gates=1e-2, lr_dense=3e-3)
+        opt = torch.optim.AdamW(comera.param_groups())
+        x0, y0 = _batch(digits, 0)
+        with torch.no_grad():
+            first = float(F.cross_entropy(model(x0), y0))
+        for step in range(40):
+            x, y = _batch(digits, step)
+            opt.zero_grad()
+            for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+                (comera.loss(F.cross_entropy(model(xs), ys)) / parts).backward()
+            opt.step()
+            comera.step(opt)
+        with torch.no_grad():  # it trained on the task, not on the rank terms alone
+            assert float(F.cross_entropy(model(x0), y0)) < 0.5 * first
+        return model, comera
+
+    whole, whole_c = run(1)
+    acc, acc_c = run(2)
+    assert whole_c.stage == acc_c.stage == "late"
+    assert acc_c.state_dict()["z_f"] == pytest.approx(whole_c.state_dict()["z_f"], rel=1e-9)
+    assert acc_c.state_dict()["plateau"] == pytest.approx(whole_c.state_dict()["plateau"],
+                                                          rel=1e-9)
+    for (name, a), b in zip(whole.named_parameters(), acc.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-8, atol=1e-10, msg=name)
+
+
 def test_plain_model_trains_on_the_task_loss_alone() -> None:
     model = PixelNet()
     comera = ce.CoMERA(model, lr_dense=1e-3)

@@ -170,7 +170,8 @@ class CoMERA:
         # the target scope's parameters outside the TT cores (TT biases; with the model
         # scope every other parameter too): constant through training
         self._extra = size_extra(model, cfg.target_scope)
-        self._task_loss: Tensor | None = None
+        self._task_loss: Tensor | None = None  # the step's task loss (summed over calls)
+        self._loss_calls = 0  # loss() calls since the last step (micro-batches)
         self._dirty = False  # entries died since the last truncation
         #: rank entries removed so far by the objective (gates at or below tau) and by
         #: the pace (its prunes, less what it revived)
@@ -261,9 +262,19 @@ class CoMERA:
     def loss(self, task_loss: Tensor) -> Tensor:
         """``task_loss`` plus the current stage's rank terms (the task loss itself when
         the objective is off). Keeps the task loss for the plateau of :meth:`step`
-        and the terms in :attr:`info`. No host synchronisation."""
+        and the terms in :attr:`info`. No host synchronisation.
+
+        With gradient accumulation call it on every micro-batch's loss (its own mean)
+        and divide the result by the number of micro-batches, as for the task loss alone:
+        the rank terms then count once per optimizer step, and :meth:`step` judges the
+        plateau on the mean of the task losses it saw since the last step. The late
+        stage's ``λ`` is chosen per call, from that micro-batch's loss."""
         f = task_loss if task_loss.dtype in (torch.float32, torch.float64) else task_loss.float()
-        self._task_loss = f.detach()
+        seen = f.detach()
+        if self._loss_calls and self._task_loss is not None:
+            seen = self._task_loss + seen  # a further micro-batch of this step: summed
+        self._task_loss = seen
+        self._loss_calls += 1
         if self.objective is None:
             self.info = {}
             return task_loss
@@ -292,7 +303,8 @@ class CoMERA:
             optimizer: the optimizer built from :meth:`param_groups`; its state is
                 truncated with the cores (``None``: no truncation).
             loss: this step's task loss, for the plateau (default: the one
-                :meth:`loss` saw, averaged over DDP processes). A float is taken as
+                :meth:`loss` saw, or the mean of those it saw since the last step,
+                averaged over DDP processes). A float is taken as
                 already agreed by every process.
             counts: the bond counts a device refresh (:meth:`refresh_fn`) returned.
             truncate: slice dead rank entries out of the cores and the optimizer state
@@ -302,6 +314,9 @@ class CoMERA:
         """
         self._steps += 1
         step = self._steps
+        if self._loss_calls > 1 and self._task_loss is not None:  # micro-batches: their mean
+            self._task_loss = self._task_loss / self._loss_calls
+        self._loss_calls = 0
         events: list[Event] = []
         if (self.objective is not None and not self.frozen and self.cfg.balance
                 and step % self.cfg.balance_every == 0):
