@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import comera_engine as ce
 from comera_engine.errors import ConfigError
-from comera_engine.layers import size_report
+from comera_engine.layers import size_report, tt_layers
 from tests.test_controller import assert_truncated
 
 pytest.importorskip("transformers", reason="transformers is not installed (huggingface extra)")
@@ -45,10 +45,10 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-def _bert() -> BertForSequenceClassification:
+def _bert(**config) -> BertForSequenceClassification:  # noqa: ANN003
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=16, num_labels=2)
+                     intermediate_size=128, max_position_embeddings=16, num_labels=2, **config)
     model = BertForSequenceClassification(cfg)
     ce.tensorize(model, rank="auto", target_compression=TARGET, exclude=KEEP_DENSE)
     return model
@@ -151,7 +151,8 @@ def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> No
 @pytest.mark.parametrize("own_optimizer, setting, error", [
     (False, {}, r"^optimizers: .*comera\.param_groups\(\)"),  # AdamW over all, one rate
     (True, {"label_smoothing_factor": 0.1}, "^label_smoothing_factor: .*=0$"),
-    (True, {"gradient_accumulation_steps": 2}, "^gradient_accumulation_steps: .*needs 1"),
+    # BERT takes **kwargs: the Trainer hands it num_items_in_batch and leaves its loss unscaled
+    (True, {"gradient_accumulation_steps": 2}, "^gradient_accumulation_steps: .*accepts_loss_"),
 ])
 def test_what_the_callback_cannot_run_is_refused_before_a_step(tmp_path, own_optimizer,
                                                                setting, error) -> None:
@@ -166,6 +167,47 @@ def test_what_the_callback_cannot_run_is_refused_before_a_step(tmp_path, own_opt
         trainer.train()
     assert not model._forward_hooks and comera.steps_done == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_gradient_accumulation_trains_as_the_whole_batch_does(tmp_path) -> None:
+    """Two micro-batches of 16 a step (``gradient_accumulation_steps=2``; the model's loss
+    its micro-batch's mean, ``accepts_loss_kwargs = False``) against one batch of 32, no
+    dropout: the same model at the stage switch (the rank terms counted once a step) and
+    the same plateau loss ``z_f`` (the mean of the micro-batches', not the last one's)."""
+    steps = 20
+
+    def run(batch: int, accumulate: int):  # noqa: ANN202
+        torch.set_num_threads(1)
+        model = _bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model.accepts_loss_kwargs = False
+        comera = ce.CoMERA(model, target_compression=TARGET, total_steps=STEPS, switch=steps,
+                           lr_cores=3e-3, lr_embedding=3e-3, lr_dense=1e-3)
+        args = TrainingArguments(output_dir=str(tmp_path / f"b{batch}"), max_steps=steps,
+                                 seed=0, per_device_train_batch_size=batch,
+                                 gradient_accumulation_steps=accumulate, report_to="none",
+                                 save_strategy="no", logging_strategy="no", use_cpu=True,
+                                 disable_tqdm=True)
+        Trainer(model=model, args=args, train_dataset=Tokens(1000, 0),
+                optimizers=(torch.optim.AdamW(comera.param_groups()), None),
+                callbacks=[CoMERACallback(comera)]).train()
+        return model, comera
+
+    whole, whole_c = run(32, 1)
+    acc, acc_c = run(16, 2)
+    assert whole_c.steps_done == acc_c.steps_done == steps
+    assert whole_c.stage == acc_c.stage == "late"
+    assert acc_c.state_dict()["z_f"] == pytest.approx(whole_c.state_dict()["z_f"], rel=1e-5)
+    # the same model: its outputs (an attention key bias has no true gradient, so Adam
+    # moves it by rounding noise alone: parameters are not compared one by one) and gates
+    test = Tokens(256, 1)
+    whole.eval(), acc.eval()
+    with torch.no_grad():
+        a, b = whole(input_ids=test.ids).logits, acc(input_ids=test.ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    gates = [(n, m.tt.gates) for n, m in tt_layers(whole)]
+    for (name, g_whole), (_, g_acc) in zip(gates, [(n, m.tt.gates) for n, m in tt_layers(acc)]):
+        for u, v in zip(g_whole, g_acc):
+            torch.testing.assert_close(v, u, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_the_hf_trainer_example_runs_on_the_reviews_and_writes_json(tmp_path, capsys) -> None:

@@ -28,10 +28,18 @@ The Trainer owns the loop, so the controller's two calls go where it lets them:
 The optimizer must come from :meth:`~comera_engine.CoMERA.param_groups` (each group its
 own learning rate; the gates need theirs): the Trainer's default one, built over the
 model's parameters at one rate, is refused in one line naming the fix. The Trainer's
-learning-rate schedule scales every group alike. One process and no gradient
-accumulation: under DDP a truncation would change shapes under the live wrapper
-(``comera train`` rebuilds it), and with accumulation the Trainer may hand the model a
-loss scaled to a micro-batch's share of the batch, which the rank terms would outweigh.
+learning-rate schedule scales every group alike. One process: under DDP a truncation
+would change shapes under the live wrapper (``comera train`` rebuilds it).
+
+**Gradient accumulation.** Each micro-batch's loss goes through the hook and the Trainer
+divides it by the number of micro-batches, so the rank terms count once per optimizer
+step and the plateau is judged on the micro-batches' mean loss (the late stage's ``λ`` is
+chosen per micro-batch, from its loss). A model that takes loss keyword arguments
+(``**kwargs`` in its ``forward``, most of transformers' models) is instead handed
+``num_items_in_batch`` and normalises its own loss over the whole accumulation, which the
+Trainer then leaves unscaled: its first micro-batch is refused in one line, naming the
+fix (``model.accepts_loss_kwargs = False`` before building the Trainer: the loss of each
+micro-batch is then its own mean, averaged by the Trainer).
 
 **Resuming.** With every checkpoint the Trainer saves, the callback writes the
 controller's state beside it (``comera_state.json``: stage, plateau, pace plan, steps,
@@ -81,6 +89,7 @@ class CoMERACallback(TrainerCallback):
     def __init__(self, comera: CoMERA) -> None:
         self.comera = comera
         self._hook: Any = None
+        self._accumulating = False  # the Trainer accumulates gradients over micro-batches
 
     @property
     def events(self) -> list:
@@ -96,12 +105,7 @@ class CoMERACallback(TrainerCallback):
                 m is comera.model for m in model.modules()):
             raise ConfigError("model", "the Trainer trains another model than the one "
                                        "given to ce.CoMERA: pass that one to both")
-        if getattr(args, "gradient_accumulation_steps", 1) > 1:
-            raise ConfigError("gradient_accumulation_steps",
-                              "CoMERACallback needs 1: the Trainer may scale each "
-                              "micro-batch's loss to its share of the batch, against which "
-                              "the rank terms and the late stage's choice would be weighed; "
-                              "raise per_device_train_batch_size instead")
+        self._accumulating = getattr(args, "gradient_accumulation_steps", 1) > 1
         if getattr(args, "label_smoothing_factor", 0.0):
             raise ConfigError("label_smoothing_factor", "label smoothing computes the loss "
                                                         "outside the model, where the rank "
@@ -109,7 +113,8 @@ class CoMERACallback(TrainerCallback):
                                                         "label_smoothing_factor=0")
         self._check_optimizer(optimizer)
         if self._hook is None:
-            self._hook = comera.model.register_forward_hook(self._add_rank_terms)
+            self._hook = comera.model.register_forward_hook(self._add_rank_terms,
+                                                             with_kwargs=True)
 
     def _check_optimizer(self, optimizer: Any) -> None:
         """The optimizer's groups are :meth:`~comera_engine.CoMERA.param_groups`' (the
@@ -125,9 +130,18 @@ class CoMERACallback(TrainerCallback):
                                   "model's rate; pass optimizers=(torch.optim.AdamW("
                                   "comera.param_groups()), None)")
 
-    def _add_rank_terms(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+    def _add_rank_terms(self, module: nn.Module, inputs: Any, kwargs: dict[str, Any],
+                        output: Any) -> Any:
         if not module.training or not torch.is_grad_enabled():
             return output
+        if self._accumulating and kwargs.get("num_items_in_batch") is not None:
+            self._remove_hook()  # refused before any backward: nothing trained
+            raise ConfigError(
+                "gradient_accumulation_steps", "this model normalises its loss over the "
+                "whole accumulation (the Trainer hands it num_items_in_batch), so the rank "
+                "terms would count once per micro-batch: set model.accepts_loss_kwargs = "
+                "False before building the Trainer (each micro-batch's loss its own mean, "
+                "averaged by the Trainer), or use 1")
         if isinstance(output, dict) and output.get("loss") is not None:
             output["loss"] = self.comera.loss(output["loss"])
             return output
@@ -166,6 +180,9 @@ class CoMERACallback(TrainerCallback):
         self.comera.load_state_dict(state)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove_hook()
+
+    def _remove_hook(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
