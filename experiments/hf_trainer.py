@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--target: must be a ratio above 1 (e.g. 10 for 10x smaller)")
     try:
         import accelerate  # noqa: F401
-        import transformers  # noqa: F401
+
+        from comera_engine.train.shrink import quiet_import
+        with quiet_import():  # the Trainer imports torchao, which logs the CUDA kernels it
+            import transformers.trainer  # noqa: F401  # cannot load on a CPU machine
     except ImportError as e:
         ap.error(f"needs transformers and accelerate: pip install -e '.[huggingface]' ({e})")
     from comera_engine.data import build_dataset

@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +39,7 @@ from torch import nn
 from comera_engine.config import Config
 from comera_engine.errors import ConfigError
 
-__all__ = ["dense_reference", "int8_tt_", "prune_to_target", "quantize_int8",
+__all__ = ["dense_reference", "int8_tt_", "prune_to_target", "quantize_int8", "quiet_import",
            "resize_to_state"]
 
 
@@ -64,7 +64,7 @@ def _count(model: nn.Module) -> int:
 
 def _require(module: str, key: str, extra: str) -> Any:
     try:
-        with _quiet_import():
+        with quiet_import():
             return __import__(module)
     except ImportError as exc:
         raise ConfigError(key, f"needs {extra}, which is not installed ({exc}); install it "
@@ -73,7 +73,7 @@ def _require(module: str, key: str, extra: str) -> Any:
 
 
 @contextmanager
-def _quiet_import():  # noqa: ANN202
+def quiet_import() -> Iterator[None]:
     """torchao logs its optional CUDA kernels it cannot load on a CPU machine: hidden."""
     loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
@@ -150,7 +150,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     """torchao weight-only int8, in place: ``nn.Linear`` weights per output row,
     ``nn.Embedding`` tables per row; returns ``model``."""
     _require("torchao", "model.quantize", "torchao")
-    with _quiet_import():
+    with quiet_import():
         from torchao.quantization import (
             Int8WeightOnlyConfig,
             IntxWeightOnlyConfig,
