@@ -20,7 +20,9 @@ No gate dies while timing (the threshold is 0), so every variant keeps the same 
 Rows are the median of alternating rounds (a new random order each round), in
 milliseconds per step, wall-clock (``ms``) and the process's CPU time (``cpu_ms``: on a
 shared machine what other processes take does not count); ``overhead`` and
-``cpu_overhead`` are against ``fixed``. Prints a table and writes
+``cpu_overhead`` are against ``fixed``. The process keeps freed memory as ``comera
+train`` does on CPU (:func:`comera_engine.backends.keep_freed_memory`; the JSON's
+``mmap_threshold``, 0 where it is off). Prints a table and writes
 experiments/results/bench_controller_cpu.json.
 
     python experiments/bench_controller.py [--configs digits_tt_mlp snli_transformer_tiny]
@@ -124,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (CONFIGS / f"{name}.toml").is_file():
             ap.error(f"--configs: no experiments/configs/{name}.toml")
     apply_rounds_args(ap, args)
+    from comera_engine.backends import keep_freed_memory
+
+    heap = keep_freed_memory()  # the heap settings `comera train` runs a CPU step under
     rows = [row for name in args.configs for row in bench(name, args.rounds, args.reps)]
     print(f"\nrank controller cost per training step, CPU, {args.threads} thread(s)")
     print_and_write(rows, [("config", "config", ""), ("variant", "variant", ""),
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                            ("cpu_overhead", "vs fixed (CPU)", "+.1%")],
                     "bench_controller_cpu", {"machine": machine(), "threads": args.threads,
                                              "rounds": args.rounds, "reps": args.reps,
-                                             "rows": rows}, args.out)
+                                             "mmap_threshold": heap, "rows": rows}, args.out)
     return 0
 
 

@@ -82,6 +82,11 @@ def controller(data: dict[str, Any]) -> str:
             "of the stages below it). No gate dies while timing, so every row has the "
             "same ranks. Medians of the rounds, wall-clock and the process's CPU time (on "
             "a shared machine what other processes take is not counted in the latter).")
+    if data.get("mmap_threshold"):
+        what += (" The process keeps freed memory between steps, as `comera train` does on "
+                 "CPU (`comera_engine.backends.keep_freed_memory`).")
+    what += (" Repeated runs move these overheads by 2-3 points; only rows of one run "
+             "compare.")
     header = ["config", "variant", "ms per step", "vs fixed ranks"]
     return section("What the rank controller costs",
                    f"python experiments/bench_controller.py --rounds {data['rounds']} "
