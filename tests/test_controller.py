@@ -394,22 +394,29 @@ dist.destroy_process_group()
 """
 
 
+def run_two_processes(script: str, folder: Path, *args: str, timeout: int) -> tuple:
+    """``script`` under torchrun in two gloo processes (1 thread each), with ``folder`` and
+    this tests folder as its first arguments (then ``args``); each process writes
+    ``rank{r}.json`` into ``folder``: the two, read back."""
+    path = folder / "ddp_script.py"
+    path.write_text(script)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(path), str(folder), str(root / "tests"), *args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tuple(json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1))
+
+
 def test_ddp_processes_agree_on_the_switch_lambda_and_ranks(tmp_path) -> None:
     """Two gloo processes, each with its own examples (so its own loss), in a
     hand-written DDP loop: the plateau and λ are judged on the loss averaged over the
     processes, so both switch at the same step with the same plateau loss ``z_f`` (each
     process's own loss gives each its own), take the same λ at every step and end at the
     same ranks."""
-    script = tmp_path / "loop.py"
-    script.write_text(_DDP_LOOP)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(script), str(tmp_path), str(root / "tests")],
-        cwd=root, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    a, b = run_two_processes(_DDP_LOOP, tmp_path, timeout=180)
     assert a["switch"] is not None and a["switch"] == b["switch"] and a["z_f"] == b["z_f"]
     assert a["lambda"] == b["lambda"] and {0.0, 1.0} <= set(a["lambda"])
     assert a["ranks"] == b["ranks"] and a["shapes"] == b["shapes"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import comera_engine as ce
 from comera_engine.errors import ConfigError
 from comera_engine.layers import size_report, tt_layers
-from tests.test_controller import assert_truncated
+from tests.test_controller import assert_truncated, run_two_processes
 
 pytest.importorskip("transformers", reason="transformers is not installed (huggingface extra)")
 pytest.importorskip("accelerate", reason="accelerate is not installed (huggingface extra)")
@@ -55,10 +55,10 @@ def _bert(**config) -> BertForSequenceClassification:  # noqa: ANN003
 
 
 def _args(tmp_path, **kw) -> TrainingArguments:  # noqa: ANN001
+    kw = {"save_strategy": "no", **kw}
     return TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS,
                              per_device_train_batch_size=32, report_to="none",
-                             save_strategy="no", logging_steps=STEPS, use_cpu=True,
-                             disable_tqdm=True, **kw)
+                             logging_steps=STEPS, use_cpu=True, disable_tqdm=True, **kw)
 
 
 def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> None:
@@ -148,9 +148,72 @@ def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> No
         CoMERACallback(resumed_c).restore(tmp_path / "whole")
 
 
+_DDP_TRAINER = """
+import json, os, sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import comera_engine as ce
+from comera_engine.layers import tt_layers
+from comera_engine.train.shrink import quiet_import
+with quiet_import():
+    from transformers import Trainer, TrainingArguments
+from comera_engine.integrations.huggingface import CoMERACallback
+from test_integrations import TARGET, Tokens, _bert
+
+torch.set_num_threads(1)
+steps = int(sys.argv[3])
+model = _bert()  # seeded: the same initial model in both processes
+comera = ce.CoMERA(model, target_compression=TARGET, total_steps=steps, switch=40,
+                   lr_cores=3e-3, lr_embedding=3e-3, lr_dense=1e-3)
+opt = torch.optim.AdamW(comera.param_groups())
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=steps, seed=0,
+                         per_device_train_batch_size=16, report_to="none", save_strategy="no",
+                         logging_strategy="no", use_cpu=True, disable_tqdm=True)
+callback = CoMERACallback(comera)
+trainer = Trainer(model=model, args=args, train_dataset=Tokens(4000, 0),
+                  optimizers=(opt, None), callbacks=[callback])
+trainer.train()
+rank = int(os.environ["RANK"])
+state_shapes = [[list(v.shape) for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]
+                for g in opt.param_groups for p in g["params"]]
+out = {"world": args.world_size, "report": comera.report(), "z_f": comera.state_dict()["z_f"],
+       "events": [[e.step, e.kind] for e in comera.events],
+       "shapes": [list(p.shape) for g in opt.param_groups for p in g["params"]],
+       "state_shapes": state_shapes,
+       "masks_full": all(bool(mk.all()) for _, m in tt_layers(model) for mk in m.tt.masks()),
+       "params": [float(p.detach().double().abs().sum()) for p in model.parameters()]}
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+def test_under_ddp_the_processes_agree_and_the_model_is_truncated_at_the_end(tmp_path):
+    """Two gloo processes, each its own shard of the examples, in the Trainer's DDP: the
+    plateau and λ judged on the loss averaged over the processes (the same ``z_f``), the
+    same parameters and ranks in both, the target reached; dead entries stay masked under
+    the live wrapper and are sliced out of the model and the optimizer's state once
+    training ends (the only ``truncate`` event, at the last step)."""
+    steps = 160
+    a, b = run_two_processes(_DDP_TRAINER, tmp_path, str(steps), timeout=300)
+    assert a["world"] == b["world"] == 2
+    assert a["z_f"] is not None and a["z_f"] == b["z_f"]
+    assert a["params"] == b["params"] and a["events"] == b["events"]
+    assert a["report"]["ranks"] == b["report"]["ranks"]
+    rep = a["report"]
+    assert abs(rep["compression"] / TARGET - 1) <= 0.05, rep["message"]
+    kinds = {kind for _, kind in a["events"]}
+    assert {"stage", "pace", "target_met", "truncate"} <= kinds
+    assert [s for s, kind in a["events"] if kind == "truncate"] == [steps]
+    assert a["masks_full"] and all(all(s == shape for s in states) for shape, states
+                                   in zip(a["shapes"], a["state_shapes"]))
+
+
 @pytest.mark.parametrize("own_optimizer, setting, error", [
     (False, {}, r"^optimizers: .*comera\.param_groups\(\)"),  # AdamW over all, one rate
     (True, {"label_smoothing_factor": 0.1}, "^label_smoothing_factor: .*=0$"),
+    (True, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps",
+            "save_steps": 100, "eval_steps": 100},
+     "^load_best_model_at_end: .*=False$"),
     # BERT takes **kwargs: the Trainer hands it num_items_in_batch and leaves its loss unscaled
     (True, {"gradient_accumulation_steps": 2}, "^gradient_accumulation_steps: .*accepts_loss_"),
 ])
@@ -162,6 +225,7 @@ def test_what_the_callback_cannot_run_is_refused_before_a_step(tmp_path, own_opt
     optimizers = (torch.optim.AdamW(comera.param_groups()), None) if own_optimizer else (
         None, None)
     trainer = Trainer(model=model, args=_args(tmp_path, **setting), train_dataset=Tokens(64, 0),
+                      eval_dataset=Tokens(64, 1),
                       optimizers=optimizers, callbacks=[CoMERACallback(comera)])
     with pytest.raises(ConfigError, match=error):
         trainer.train()

@@ -28,8 +28,13 @@ The Trainer owns the loop, so the controller's two calls go where it lets them:
 The optimizer must come from :meth:`~comera_engine.CoMERA.param_groups` (each group its
 own learning rate; the gates need theirs): the Trainer's default one, built over the
 model's parameters at one rate, is refused in one line naming the fix. The Trainer's
-learning-rate schedule scales every group alike. One process: under DDP a truncation
-would change shapes under the live wrapper (``comera train`` rebuilds it).
+learning-rate schedule scales every group alike. Under DDP (several processes) the
+plateau and the late stage's ``λ`` are judged on the loss averaged over the processes,
+as in any loop; shapes must not change under the live wrapper, so dead rank entries stay
+masked while the Trainer trains and are sliced out of the model and the optimizer's
+state when it ends (``comera train`` instead rebuilds its wrapper to truncate as it
+goes). ``load_best_model_at_end`` is refused: the model shrinks as it trains, so an
+earlier checkpoint holds other ranks than the model at the target.
 
 **Gradient accumulation.** Each micro-batch's loss goes through the hook and the Trainer
 divides it by the number of micro-batches, so the rank terms count once per optimizer
@@ -90,6 +95,7 @@ class CoMERACallback(TrainerCallback):
         self.comera = comera
         self._hook: Any = None
         self._accumulating = False  # the Trainer accumulates gradients over micro-batches
+        self._distributed = False  # several processes: the model under a DDP wrapper
 
     @property
     def events(self) -> list:
@@ -98,14 +104,18 @@ class CoMERACallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
         comera = self.comera
-        if getattr(args, "world_size", 1) > 1:
-            raise ConfigError("world_size", "CoMERACallback runs in one process; under "
-                                            "DDP use `comera train` or your own loop")
+        self._distributed = getattr(args, "world_size", 1) > 1
         if model is not None and model is not comera.model and not any(
                 m is comera.model for m in model.modules()):
             raise ConfigError("model", "the Trainer trains another model than the one "
                                        "given to ce.CoMERA: pass that one to both")
         self._accumulating = getattr(args, "gradient_accumulation_steps", 1) > 1
+        if getattr(args, "load_best_model_at_end", False):
+            raise ConfigError("load_best_model_at_end", "the model shrinks as it trains, so "
+                                                        "a best checkpoint from before the "
+                                                        "end holds other ranks than the "
+                                                        "model at the target: set "
+                                                        "load_best_model_at_end=False")
         if getattr(args, "label_smoothing_factor", 0.0):
             raise ConfigError("label_smoothing_factor", "label smoothing computes the loss "
                                                         "outside the model, where the rank "
@@ -152,7 +162,10 @@ class CoMERACallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                     **kwargs: Any) -> None:
-        self.comera.step(_inner(optimizer) if optimizer is not None else None)
+        # under DDP shapes must not change beneath the live wrapper: dead entries stay
+        # masked (as they are between truncations) until the training ends
+        self.comera.step(_inner(optimizer) if optimizer is not None else None,
+                         truncate=not self._distributed)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Beside the checkpoint the Trainer just wrote: the controller's state."""
@@ -179,8 +192,13 @@ class CoMERACallback(TrainerCallback):
                               "from a checkpoint the Trainer saved with CoMERACallback") from e
         self.comera.load_state_dict(state)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                     **kwargs: Any) -> None:
         self._remove_hook()
+        if self._distributed:
+            # the wrapper is done with: the model and the optimizer's state slice down to
+            # the live entries, as one process's run did step by step
+            self.comera.truncate(_inner(optimizer) if optimizer is not None else None)
 
     def _remove_hook(self) -> None:
         if self._hook is not None:
