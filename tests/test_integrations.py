@@ -91,6 +91,12 @@ def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> No
     assert not model._forward_hooks
     # it learned the rule on sequences it never saw (chance: 0.5)
     assert (out.logits.argmax(1) == test.labels).float().mean().item() > 0.9
+    # saved small and rebuilt in a fresh instance of the Hugging Face class: same outputs
+    ce.save(model, tmp_path / "small.safetensors")
+    fresh = ce.load_into(BertForSequenceClassification(model.config),
+                         tmp_path / "small.safetensors").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=test.ids).logits, out.logits)
 
 
 def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> None:

@@ -46,6 +46,10 @@ Trainer then leaves unscaled: its first micro-batch is refused in one line, nami
 fix (``model.accepts_loss_kwargs = False`` before building the Trainer: the loss of each
 micro-batch is then its own mean, averaged by the Trainer).
 
+**Keeping the small model.** ``ce.save(model, path)`` and later
+``ce.load_into(ModelClass(config), path)``: ``from_pretrained`` builds the dense
+architecture and would leave every tensorized layer at its random initialisation.
+
 **Resuming.** With every checkpoint the Trainer saves, the callback writes the
 controller's state beside it (``comera_state.json``: stage, plateau, pace plan, steps,
 every TT layer's ranks). The Trainer loads a checkpoint into the model as it is built, so
