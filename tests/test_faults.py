@@ -404,6 +404,38 @@ def test_a_frozen_trainer_shows_stalled_and_stop_wakes_it_for_its_checkpoint(
     assert st.stalled_for(st.get_run(rid)) is None
 
 
+def test_a_store_whose_write_lock_a_frozen_process_holds_is_still_listed(
+        store: RunStore, capsys: pytest.CaptureFixture) -> None:
+    """A process stopped in the middle of a write holds the store's write lock (here a
+    SIGSTOPped one that took it): ``comera runs`` waits a moment for housekeeping, says in
+    one line that it listed without it, and lists what is recorded (reads need no lock);
+    once the process goes on, housekeeping runs again."""
+    from comera_engine.launch.cli import HOUSEKEEPING_WAIT_S
+
+    rid = store.create_run("listed", {"name": "listed"}, "queued")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+         "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(120)",
+         str(store.path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert main(["runs", "--store", str(store.path)]) == 0
+        took = time.monotonic() - t0
+        out, err = capsys.readouterr()
+        assert rid in out and "queued" in out  # listed as recorded
+        assert err.count("\n") == 1 and "stayed locked" in err and "without" in err
+        assert took < HOUSEKEEPING_WAIT_S + 10  # not the store's 30 s wait
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.kill()
+        holder.wait()
+    assert main(["runs", "--store", str(store.path)]) == 0
+    assert capsys.readouterr().err == ""  # the lock is free: housekeeping, no note
+
+
 def _runs_table(st: RunStore) -> str:
     """``comera runs`` as it prints (in this process)."""
     import contextlib

@@ -26,7 +26,7 @@ from comera_engine.launch import (
 )
 from comera_engine.metrics import format_ratio, run_compression, target_status
 from comera_engine.store import FINAL_STATUSES, RunStore, StoreError, resolve_store_path
-from comera_engine.store.errors import is_damaged
+from comera_engine.store.errors import StoreLocked, is_damaged
 from comera_engine.store.runs import STATUSES
 
 __all__ = ["add_override_option", "add_subparsers", "bounded_float", "bounded_int", "main",
@@ -257,13 +257,29 @@ def _fmt_status(run: dict[str, Any]) -> str:
     return f"{status} · {phase}" + ("" if progress is None else f" {progress * 100:.0f}%")
 
 
+#: How long a listing waits for the store's write lock before it lists without
+#: housekeeping (the store's own wait, for writes that must happen, is longer).
+HOUSEKEEPING_WAIT_S = 2.0
+
+
+def _housekeeping_if_free(st: RunStore) -> None:
+    """:func:`housekeeping` when the store's write lock comes within
+    :data:`HOUSEKEEPING_WAIT_S`; else a note on stderr, and the listing goes on from what
+    is recorded (reads need no lock: a trainer frozen in a write blocks no listing)."""
+    try:
+        housekeeping(RunStore(st.path, create=False, busy_timeout=HOUSEKEEPING_WAIT_S))
+    except StoreLocked as e:
+        print(f"comera: note: {e}; listed without marking dead runs crashed or starting "
+              "queued ones", file=sys.stderr)
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     if _no_store_yet(args, "runs"):
         return 0
     try:
         st = _existing_store(args.store)
         if not st.readonly:  # a read-only home is listed as it is
-            housekeeping(st)
+            _housekeeping_if_free(st)
         runs = st.list_runs(status=args.status, name_like=args.name, limit=args.limit)
         for r in runs:
             r["stalled_s"] = st.stalled_for(r)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from comera_engine.store import schema
-from comera_engine.store.errors import StoreError
+from comera_engine.store.errors import StoreError, StoreLocked
 from comera_engine.store.layout import resolve_store_path
 
 T = TypeVar("T")
@@ -161,7 +161,7 @@ class Database:
                 "`comera repair` rebuilds it from the run folders (the damaged file is kept)"
             )
         if _is_busy(e):
-            return StoreError(
+            return StoreLocked(
                 f"store: {self.path} stayed locked for {self.busy_timeout:g} s ({e})"
             )
         return StoreError(f"store: {self.path}: {e}")

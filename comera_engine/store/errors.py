@@ -7,6 +7,11 @@ class StoreError(ValueError):
     """The run store cannot be used: foreign or corrupt file, newer schema, unknown run."""
 
 
+class StoreLocked(StoreError):
+    """Another process held the store's write lock for longer than this one would wait
+    (e.g. a trainer frozen in the middle of a write); reads still work."""
+
+
 class RunNotFoundError(StoreError):
     """No run matches the given id, id prefix or name."""
 
