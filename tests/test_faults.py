@@ -436,6 +436,36 @@ def test_a_store_whose_write_lock_a_frozen_process_holds_is_still_listed(
     assert capsys.readouterr().err == ""  # the lock is free: housekeeping, no note
 
 
+def test_stop_wakes_a_trainer_frozen_in_a_store_write_before_it_writes(
+        store: RunStore) -> None:
+    """``comera stop`` of a run whose trainer froze while it held the store's write lock:
+    the stop request is a write, so ``stop`` wakes the trainer first (SIGCONT); the
+    trainer finishes its write, the request gets the lock at once (not after the store's
+    30 s wait, which ended in an error) and the trainer is signalled to stop."""
+    from comera_engine.launch import stop
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+         "sys.stdin.readline(); c.execute('BEGIN IMMEDIATE'); print('held', flush=True)\n"
+         "time.sleep(0.5); c.execute('COMMIT'); time.sleep(120)",
+         str(store.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        rid = store.create_run("frozen", {"name": "frozen"}, "running")
+        store.update_run(rid, pid=holder.pid)  # the run's trainer
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)  # frozen in the middle of its write
+        t0 = time.monotonic()
+        assert stop(rid, timeout=5, store=store, wait=False) == "stopping"
+        assert time.monotonic() - t0 < 10
+        assert holder.wait(timeout=10) == -signal.SIGTERM  # woken, then told to stop
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def _runs_table(st: RunStore) -> str:
     """``comera runs`` as it prints (in this process)."""
     import contextlib

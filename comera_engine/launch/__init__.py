@@ -465,6 +465,9 @@ def stop(
     if run["host"] and run["host"] != this_host():
         raise LaunchError(f"run: {rid} runs on host {run['host']}; stop it there")
     deadline = time.time() + float(timeout)
+    # a trainer frozen in the middle of a store write holds its lock: woken first, it
+    # finishes the write, and the request below gets the lock
+    wake(run["pid"])
     st.lifecycle(rid).request_stop(
         deadline, event=("stop", f"stop requested (SIGTERM, kill after {timeout:g} s)"))
     run = st.get_run(rid)
