@@ -408,8 +408,8 @@ def test_a_store_whose_write_lock_a_frozen_process_holds_is_still_listed(
         store: RunStore, capsys: pytest.CaptureFixture) -> None:
     """A process stopped in the middle of a write holds the store's write lock (here a
     SIGSTOPped one that took it): ``comera runs`` waits a moment for housekeeping, says in
-    one line that it listed without it, and lists what is recorded (reads need no lock);
-    once the process goes on, housekeeping runs again."""
+    one line that it listed without it, and lists what is recorded (reads need no lock),
+    as ``comera sweeps`` does; once the process goes on, housekeeping runs again."""
     from comera_engine.launch.cli import HOUSEKEEPING_WAIT_S
 
     rid = store.create_run("listed", {"name": "listed"}, "queued")
@@ -428,6 +428,9 @@ def test_a_store_whose_write_lock_a_frozen_process_holds_is_still_listed(
         assert rid in out and "queued" in out  # listed as recorded
         assert err.count("\n") == 1 and "stayed locked" in err and "without" in err
         assert took < HOUSEKEEPING_WAIT_S + 10  # not the store's 30 s wait
+        assert main(["sweeps", "--store", str(store.path)]) == 0  # the other listing
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "stayed locked" in err
     finally:
         os.kill(holder.pid, signal.SIGCONT)
         holder.kill()

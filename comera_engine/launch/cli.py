@@ -29,8 +29,8 @@ from comera_engine.store import FINAL_STATUSES, RunStore, StoreError, resolve_st
 from comera_engine.store.errors import StoreLocked, is_damaged
 from comera_engine.store.runs import STATUSES
 
-__all__ = ["add_override_option", "add_subparsers", "bounded_float", "bounded_int", "main",
-           "one_line"]
+__all__ = ["add_override_option", "add_subparsers", "bounded_float", "bounded_int",
+           "housekeeping_if_free", "main", "one_line"]
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
@@ -262,10 +262,11 @@ def _fmt_status(run: dict[str, Any]) -> str:
 HOUSEKEEPING_WAIT_S = 2.0
 
 
-def _housekeeping_if_free(st: RunStore) -> None:
-    """:func:`housekeeping` when the store's write lock comes within
-    :data:`HOUSEKEEPING_WAIT_S`; else a note on stderr, and the listing goes on from what
-    is recorded (reads need no lock: a trainer frozen in a write blocks no listing)."""
+def housekeeping_if_free(st: RunStore) -> None:
+    """:func:`housekeeping` before a listing (``comera runs``, ``comera sweeps``) when the
+    store's write lock comes within :data:`HOUSEKEEPING_WAIT_S`; else a note on stderr,
+    and the listing goes on from what is recorded (reads need no lock: a trainer frozen in
+    a write blocks no listing)."""
     try:
         housekeeping(RunStore(st.path, create=False, busy_timeout=HOUSEKEEPING_WAIT_S))
     except StoreLocked as e:
@@ -279,7 +280,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     try:
         st = _existing_store(args.store)
         if not st.readonly:  # a read-only home is listed as it is
-            _housekeeping_if_free(st)
+            housekeeping_if_free(st)
         runs = st.list_runs(status=args.status, name_like=args.name, limit=args.limit)
         for r in runs:
             r["stalled_s"] = st.stalled_for(r)

@@ -25,6 +25,7 @@ from comera_engine.launch.cli import (
     _positive_int,
     _said_without_a_table,
     add_override_option,
+    housekeeping_if_free,
     print_table,
 )
 from comera_engine.launch.sweep import create_sweep, parse_grid, sweep_report, wait_sweeps
@@ -130,9 +131,7 @@ def cmd_sweeps(args: argparse.Namespace) -> int:
         return 0
     try:
         st = RunStore(args.store, create=False)
-        from comera_engine.launch import housekeeping
-
-        housekeeping(st)
+        housekeeping_if_free(st)
         if args.sweep:
             return print_report(st, st.resolve_sweep(args.sweep), args.json)
         sweeps = st.list_sweeps()
