@@ -274,9 +274,8 @@ def test_gradient_accumulation_trains_as_the_whole_batch_does(tmp_path) -> None:
     with torch.no_grad():
         a, b = whole(input_ids=test.ids).logits, acc(input_ids=test.ids).logits
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    gates = [(n, m.tt.gates) for n, m in tt_layers(whole)]
-    for (name, g_whole), (_, g_acc) in zip(gates, [(n, m.tt.gates) for n, m in tt_layers(acc)]):
-        for u, v in zip(g_whole, g_acc):
+    for (name, a_layer), (_, b_layer) in zip(tt_layers(whole), tt_layers(acc)):
+        for u, v in zip(a_layer.tt.gates, b_layer.tt.gates):
             torch.testing.assert_close(v, u, rtol=1e-4, atol=1e-5, msg=name)
 
 
