@@ -12,11 +12,14 @@ fused CPU AdamW) followed by :meth:`comera_engine.CoMERA.step`, in four variants
   through the task loss alone): what CoMERA's own parameters cost before the controller
   does anything, the floor of the rows below;
 * ``early``: the CoMERA objective of the early stage (size surrogate, gate gradients,
-  gate refresh, plateau);
+  gate refresh, plateau; ``switch = "never"`` keeps it there);
 * ``late``: the late stage (λ, the effective size, the pace's checks);
 * ``fixed ranks reached``: after the target is met (ranks fixed, task loss alone).
 
-No gate dies while timing (the threshold is 0), so every variant keeps the same ranks.
+No gate dies while timing (the threshold is 0), so every variant keeps the same ranks,
+and every round starts each variant from where it was after the warm-up (its parameters,
+buffers and optimizer state put back in place): trained on and on, the one batch is learnt
+by heart and a step's cost drifts by more than what is timed here.
 Rows are the median of alternating rounds (a new random order each round), in
 milliseconds per step, wall-clock (``ms``) and the process's CPU time (``cpu_ms``: on a
 shared machine what other processes take does not count); ``overhead`` and
@@ -61,8 +64,10 @@ def _batch(shape, batch_size: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
             "labels": torch.randint(0, classes, (batch_size,), generator=g)}
 
 
-def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
-    """One step function per variant, each over its own copy of the model."""
+def _variants(config: str) -> tuple[dict[str, Callable[[], object]],
+                                    dict[str, Callable[[], None]], dict]:
+    """One step function per variant, each over its own copy of the model, and for each
+    the function that puts it back at its starting state (:func:`_restorer`)."""
     from comera_engine.config import load_config
     from comera_engine.models import TaskModel
     from comera_engine.preview import data_shape
@@ -79,6 +84,7 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
     batch = _batch(shape, cfg.train.batch_size)
     task = shape.task
     fns: dict[str, Callable[[], object]] = {}
+    resets: dict[str, Callable[[], None]] = {}
     info: dict = {"params": sum(p.numel() for p in base.parameters()),
                   "batch": cfg.train.batch_size}
     for variant in ("fixed", "gates trained", "early", "late", "fixed ranks reached"):
@@ -86,6 +92,8 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
         settings = dataclasses.replace(cfg.comera, tau=0.0)
         if variant in ("fixed", "gates trained"):
             settings = dataclasses.replace(settings, method="fixed")
+        if variant == "early":  # stays in the early stage however long it is timed
+            settings = dataclasses.replace(settings, switch="never")
         if variant == "fixed":
             freeze_gates(model)
         comera = CoMERA(model, config=settings, total_steps=10**6)
@@ -103,13 +111,36 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]], dict]:
             comera.step(opt, loss=float(out["loss/task"]), truncate=False)
 
         fns[variant] = run
-    return fns, info
+        resets[variant] = _restorer(model, opt)
+    return fns, resets, info
+
+
+def _restorer(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """A function that puts ``model``'s parameters and buffers and ``opt``'s state back
+    where they were at its first call (after the warm-up), in place: every round then
+    times the same steps from the same state. Trained on and on, one batch is learnt by
+    heart and the step's cost drifts (gradients towards subnormal numbers, a variant's
+    own state), by more than the differences timed here."""
+    snap: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def restore() -> None:
+        tensors = [*model.parameters(), *model.buffers(),
+                   *(v for st in opt.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor))]
+        with torch.no_grad():
+            if not snap:
+                snap.extend((t, t.detach().clone()) for t in tensors)
+            for t, saved in snap:
+                t.copy_(saved)
+
+    return restore
 
 
 def bench(config: str, rounds: int, reps: int) -> list[dict]:
-    fns, info = _variants(config)
+    fns, resets, info = _variants(config)
     cpu: dict[str, list[float]] = {}
-    times = time_rounds(fns, torch.device("cpu"), rounds, reps, warmup=3, cpu=cpu)
+    times = time_rounds(fns, torch.device("cpu"), rounds, reps, warmup=3, cpu=cpu,
+                        reset=resets)
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     cpu_ms = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
     return [{"config": config, "variant": k, "ms": v, "overhead": v / ms["fixed"] - 1.0,

@@ -118,7 +118,8 @@ def time_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], device: to
 
 
 def time_rounds(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
-                reps: int, warmup: int = 1, cpu: dict[str, list[float]] | None = None
+                reps: int, warmup: int = 1, cpu: dict[str, list[float]] | None = None,
+                reset: dict[str, Callable[[], object]] | None = None
                 ) -> dict[str, list[float]]:
     """Seconds per call of each function, one entry per round of ``reps`` calls, the
     functions in a new (seeded) random order each round: what ran just before a function
@@ -126,7 +127,9 @@ def time_rounds(fns: dict[str, Callable[[], object]], device: torch.device, roun
     ``nn.Linear`` ran ~10% slower at 4096 tokens than after another TT variant), so none
     always follows another. ``cpu``: filled with the calling thread's CPU seconds per call
     the same way (``time.thread_time``: what other processes on a shared machine take
-    does not count, the cache misses they cause do)."""
+    does not count, the cache misses they cause do). ``reset``: per function, called
+    (untimed) before each of its rounds, e.g. to put a training step back at its starting
+    state so that every round times the same steps."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -137,6 +140,8 @@ def time_rounds(fns: dict[str, Callable[[], object]], device: torch.device, roun
     for _ in range(rounds):
         shuffle(order)
         for k in order:
+            if reset is not None and k in reset:
+                reset[k]()
             sync(device)
             c0, t0 = time.thread_time(), time.perf_counter()
             for _ in range(reps):

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.gates import absorb_gates, flat_mask, gate_masks
+from ..ops.ttm_matrix import ttm_matrix as gated_ttm_matrix
+from ..ops.ttm_matrix import ttm_matrix_reference
 
 __all__ = [
     "RankChange",
@@ -51,13 +53,9 @@ def contract_chain(cores: Sequence[Tensor]) -> Tensor:
 def ttm_matrix(cores: Sequence[Tensor]) -> Tensor:
     """The matrix ``(∏ n_k, ∏ m_k)`` of TT-matrix cores ``(r_{k-1}, n_k, m_k, r_k)``:
     :func:`contract_chain` gives modes ``(n_1, m_1, n_2, m_2, …)``, permuted to
-    ``(n_1..n_d, m_1..m_d)``."""
-    rows = [int(c.shape[1]) for c in cores]
-    cols = [int(c.shape[2]) for c in cores]
-    d = len(cores)
-    t = contract_chain(cores).reshape([x for k in range(d) for x in (rows[k], cols[k])])
-    perm = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
-    return t.permute(perm).reshape(math.prod(rows), math.prod(cols))
+    ``(n_1..n_d, m_1..m_d)`` (:func:`comera_engine.ops.ttm_matrix.ttm_matrix_reference`,
+    the cores as they are: PyTorch ops an ONNX trace records)."""
+    return ttm_matrix_reference(cores)
 
 
 @dataclass(frozen=True)
@@ -552,6 +550,13 @@ class TTMCores(_TTMatrix):
     @property
     def shape(self) -> tuple[int, int]:
         return math.prod(self.row_factors), math.prod(self.col_factors)
+
+    def to_matrix(self) -> Tensor:
+        """The matrix ``(∏ v_k, ∏ e_k)`` of the gated cores, padding included
+        (:func:`comera_engine.ops.ttm_matrix.ttm_matrix`: one autograd node on the CPU
+        backend)."""
+        cores, gates, alive = self.parts()
+        return gated_ttm_matrix(cores, gates, alive, self.tau)
 
     def to_dense(self) -> Tensor:
         """Full tensor ``(v_1..v_d, e_1..e_d)`` (tensorly's ``tt_matrix_to_tensor`` layout)."""

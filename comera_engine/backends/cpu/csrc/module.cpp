@@ -25,6 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("size_objective", &comera::size_objective,
           "rank gates: the CoMERA objective's loss and its terms, differentiable "
           "(rank.objective)");
+  mod.def("ttm_matrix", &comera::ttm_matrix,
+          "TT matrix: W (N, M) from gated cores, one autograd node (tensor.tt)");
+  mod.def("clip_grad_norm", &comera::clip_grad_norm,
+          "gradients: total 2-norm, scaled in place to max_norm (train.step)");
   mod.def("layout_dying", &comera::layout_dying,
           "rank gates: some live entry at or below its threshold, over a BankLayout");
 }

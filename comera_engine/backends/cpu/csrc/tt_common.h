@@ -114,4 +114,10 @@ std::vector<Tensor> size_objective(const BankLayout& layout, const std::vector<T
 bool layout_dying(const BankLayout& layout, const std::vector<Tensor>& gates,
                   const std::vector<Tensor>& alive);
 
+// A gated TT matrix's W (N, M) as one autograd node, and a step's gradient clipping over
+// all its gradients (ttm_matrix.cpp).
+Tensor ttm_matrix(const std::vector<Tensor>& cores, const std::vector<Tensor>& gates,
+                  const std::vector<Tensor>& alive, double tau);
+Tensor clip_grad_norm(const std::vector<Tensor>& grads, double max_norm);
+
 }  // namespace comera
