@@ -20,7 +20,9 @@ No gate dies while timing (the threshold is 0), so every variant keeps the same 
 and every round starts each variant from where it was after the warm-up (its parameters,
 buffers and optimizer state put back in place): trained on and on, the one batch is learnt
 by heart and a step's cost drifts by more than what is timed here.
-Rows are the median of alternating rounds (a new random order each round), in
+Rows are the median of alternating rounds (a new random order each round; the rounds
+spread over ``--builds`` fresh builds of the variants, since where a model's tensors lie
+moves its time for the whole process), in
 milliseconds per step, wall-clock (``ms``) and the process's CPU time (``cpu_ms``: on a
 shared machine what other processes take does not count); ``overhead`` and
 ``cpu_overhead`` are against ``fixed``. The process keeps freed memory as ``comera
@@ -29,6 +31,7 @@ train`` does on CPU (:func:`comera_engine.backends.keep_freed_memory`; the JSON'
 experiments/results/bench_controller_cpu.json.
 
     python experiments/bench_controller.py [--configs digits_tt_mlp snli_transformer_tiny]
+        [--rounds 15] [--reps 20] [--builds 5]
 """
 
 from __future__ import annotations
@@ -136,11 +139,22 @@ def _restorer(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[]
     return restore
 
 
-def bench(config: str, rounds: int, reps: int) -> list[dict]:
-    fns, resets, info = _variants(config)
+def bench(config: str, rounds: int, reps: int, builds: int) -> list[dict]:
+    """The rows of one config: ``rounds`` rounds in all, spread over ``builds`` fresh
+    builds of the variants (new tensors at new addresses: where a model's tensors happen
+    to lie moved one variant's time by a few per cent for a whole process)."""
+    times: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
-    times = time_rounds(fns, torch.device("cpu"), rounds, reps, warmup=3, cpu=cpu,
-                        reset=resets)
+    for b in range(builds):
+        fns, resets, info = _variants(config)
+        part = rounds // builds + (1 if b < rounds % builds else 0)
+        part_cpu: dict[str, list[float]] = {}
+        part_times = time_rounds(fns, torch.device("cpu"), part, reps, warmup=3,
+                                 cpu=part_cpu, reset=resets)
+        for k, v in part_times.items():
+            times.setdefault(k, []).extend(v)
+            cpu.setdefault(k, []).extend(part_cpu[k])
+        del fns, resets
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     cpu_ms = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
     return [{"config": config, "variant": k, "ms": v, "overhead": v / ms["fixed"] - 1.0,
@@ -152,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=["digits_tt_mlp", "snli_transformer_tiny"])
     add_rounds_args(ap, rounds=15, reps=20, reps_help="steps per round and variant")
+    ap.add_argument("--builds", type=int, default=5,
+                    help="fresh builds of the variants the rounds are spread over")
     args = ap.parse_args(argv)
+    if not 1 <= args.builds <= args.rounds:
+        ap.error("--builds: must be between 1 and --rounds")
     for name in args.configs:
         if not (CONFIGS / f"{name}.toml").is_file():
             ap.error(f"--configs: no experiments/configs/{name}.toml")
@@ -160,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     from comera_engine.backends import keep_freed_memory
 
     heap = keep_freed_memory()  # the heap settings `comera train` runs a CPU step under
-    rows = [row for name in args.configs for row in bench(name, args.rounds, args.reps)]
+    rows = [row for name in args.configs
+            for row in bench(name, args.rounds, args.reps, args.builds)]
     print(f"\nrank controller cost per training step, CPU, {args.threads} thread(s)")
     print_and_write(rows, [("config", "config", ""), ("variant", "variant", ""),
                            ("ms", "ms per step", ".3f"), ("overhead", "vs fixed", "+.1%"),
@@ -168,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                            ("cpu_overhead", "vs fixed (CPU)", "+.1%")],
                     "bench_controller_cpu", {"machine": machine(), "threads": args.threads,
                                              "rounds": args.rounds, "reps": args.reps,
+                                             "builds": args.builds,
                                              "mmap_threshold": heap, "rows": rows}, args.out)
     return 0
 

@@ -82,6 +82,11 @@ def controller(data: dict[str, Any]) -> str:
             "of the stages below it). No gate dies while timing, so every row has the "
             "same ranks. Medians of the rounds, wall-clock and the process's CPU time (on "
             "a shared machine what other processes take is not counted in the latter).")
+    if data.get("builds"):
+        what += (f" Every round starts each variant from its state after the warm-up, and "
+                 f"the rounds are spread over {data['builds']} fresh builds of the "
+                 "variants (where a model's tensors lie moves its time for a whole "
+                 "process).")
     if data.get("mmap_threshold"):
         what += (" The process keeps freed memory between steps, as `comera train` does on "
                  "CPU (`comera_engine.backends.keep_freed_memory`).")
@@ -90,7 +95,9 @@ def controller(data: dict[str, Any]) -> str:
     header = ["config", "variant", "ms per step", "vs fixed ranks"]
     return section("What the rank controller costs",
                    f"python experiments/bench_controller.py --rounds {data['rounds']} "
-                   f"--reps {data['reps']}", "bench_controller_cpu.json", data, what,
+                   f"--reps {data['reps']}"
+                   + (f" --builds {data['builds']}" if data.get("builds") else ""),
+                   "bench_controller_cpu.json", data, what,
                    table(header + (["CPU ms", "vs fixed (CPU)"] if cpu else []), rows))
 
 

@@ -79,7 +79,7 @@ def test_bench_gemm_backends_writes_table_and_json(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("op", ["tt_linear_halves", "tt_linear_sweep", "ttm_lookup",
-                                "ttm_matrix"])
+                                "ttm_matrix", "adamw"])
 def test_bench_op_writes_table_and_json(tmp_path, op: str) -> None:
     """Each op's benchmark runs (one round) and writes its table and JSON."""
     cmd = [sys.executable, str(ROOT / "experiments" / f"bench_op_{op}.py"), "--rounds", "1",

@@ -65,6 +65,7 @@ from ..config import (
 from ..errors import ConfigError
 from ..layers import dense_size_metrics, factorized_layers, size_report, tt_layers
 from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
+from ..ops.adamw import AdamW
 from .balance import balance_gates
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
 from .optim import RankEvent, gate_lr, param_groups, refresh_gates, refresh_gates_on_device
@@ -223,16 +224,18 @@ class CoMERA:
         return gate_lr(c.lr_gates, c.tau, late)
 
     def make_optimizer(self, capturable: bool = False) -> torch.optim.Optimizer:
-        """AdamW over :meth:`param_groups`. On CPU the fused kernel: a TT model has
-        hundreds of small parameters and the default per-parameter loop costs more than
-        the update (``experiments/bench_step_overheads.py``); elsewhere torch's default.
-        ``capturable``: state on the device, for a CUDA graph."""
+        """AdamW over :meth:`param_groups`. On CPU every group's update in one call of the
+        CPU backend (:class:`comera_engine.ops.adamw.AdamW`, torch's fused AdamW where the
+        backend is not built): a TT model has hundreds of small parameters, and a
+        per-tensor step costs more than the update (``experiments/bench_op_adamw.py``);
+        elsewhere torch's default. ``capturable``: state on the device, for a CUDA
+        graph."""
         groups = self.param_groups()
         params = [p for g in groups for p in g["params"]]
         cpu = bool(params) and all(p.device.type == "cpu" and p.is_floating_point()
                                    for p in params)
         if cpu and not capturable:
-            return torch.optim.AdamW(groups, fused=True)
+            return AdamW(groups)
         return torch.optim.AdamW(groups, capturable=capturable)
 
     # ------------------------------------------------------------------ the loss

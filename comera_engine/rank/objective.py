@@ -151,8 +151,8 @@ class CoMERAObjective:
                 info["target_size"] = self._const(f, "target_size", self.target_size)
             return total, info
         gates = self.bank.flat()[0]
-        backend = self.bank.backend()
-        if backend is not None and f.dim() == 0 and f.device == gates[0].device and (
+        backend = self.bank.backend()  # not None: the gates are float CPU tensors
+        if backend is not None and f.is_cpu and f.dim() == 0 and (
                 f.dtype in (torch.float32, torch.float64)):
             total = self._native_terms(backend.ops, f, info)
         elif gates:  # the whole loss as one autograd node (_Scalarised)
@@ -222,7 +222,9 @@ class CoMERAObjective:
                         cfg.rho_s, float(cfg.late_norm != "initial"),
                         float(cfg.size_off_at_target is not False)]
         else:
-            side, settings = self._ramp_on(f.device), [self.S0, cfg.gamma]
+            ramp = self._ramp
+            side = ramp if ramp is not None and ramp.is_cpu else self._ramp_on(f.device)
+            settings = [self.S0, cfg.gamma]
         gates, alive, _ = self.bank.flat()
         total, s_raw, first, lam = ops.size_objective(self.bank.native(ops), gates, alive, f,
                                                       side, late, settings)
@@ -231,13 +233,13 @@ class CoMERAObjective:
             info["lambda"], info["size"] = lam, first
             info["z_f"] = self._const(f, "z_f", self.z_f)
         else:
-            info["lambda"] = self._const(f, "zero", 0.0)  # λ is not chosen (logged only)
+            info["lambda"] = lam  # 0: λ is not chosen in the early stage (logged only)
             info["gamma"] = first
         return total
 
     def _const(self, like: Tensor, name: str, value: float) -> Tensor:
         """``value`` as a 0-d tensor like ``like``, made once (logged every step)."""
-        key = (name, value, like.device, like.dtype)
+        key = (name, value, like.get_device(), like.dtype)  # an index: no device object
         t = self._consts.get(name)
         if t is None or t[0] != key:
             t = (key, like.new_full((), value))

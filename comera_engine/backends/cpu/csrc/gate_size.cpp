@@ -50,8 +50,8 @@ void check_layout(const std::vector<Tensor>& gates, const std::vector<Tensor>& a
 
 namespace {
 
-// Sums of the layout in double: S_hat, S and, in `grad` (zeros, the gates' dtype, one
-// entry per gate entry), dS_hat/dg.
+// Sums of the layout in double: S_hat, S and, in `grad` (the gates' dtype, one entry per
+// gate entry, every one written), dS_hat/dg.
 void surrogate_pass(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive,
                     const std::vector<int64_t>& bonds, const std::vector<double>& modes,
                     const std::vector<double>& taus, const Tensor& grad, double& s_hat,
@@ -96,9 +96,9 @@ void surrogate_pass(const std::vector<Tensor>& gates, const std::vector<Tensor>&
         const scalar_t* g = gates[b0 + k].data_ptr<scalar_t>();
         const bool* a = alive[b0 + k].data_ptr<bool>();
         for (int64_t j = 0, n = gates[b0 + k].numel(); j < n; ++j, ++off) {
-          if (a[j] && std::abs(g[j]) > tau) {
-            out[off] = static_cast<scalar_t>(g[j] > 0 ? coeff : -coeff);
-          }
+          out[off] = (a[j] && std::abs(g[j]) > tau)
+                         ? static_cast<scalar_t>(g[j] > 0 ? coeff : -coeff)
+                         : scalar_t(0);
         }
       }
       b0 += nb;
@@ -114,9 +114,28 @@ Tensor checked_pass(const std::vector<Tensor>& gates, const std::vector<Tensor>&
   TORCH_CHECK(!gates.empty(), "gate_size: no gates");
   int64_t total = 0;
   for (const auto& g : gates) total += g.numel();
-  Tensor grad = at::zeros({total}, gates[0].options());
+  Tensor grad = at::empty({total}, gates[0].options());
   surrogate_pass(gates, alive, bonds, modes, taus, grad, s_hat, size);
   return grad;
+}
+
+// A 0-d CPU tensor's value as T: read in place where it holds a T (no dispatch: the
+// call runs right after a model's forward, where each small op costs several times its
+// own time), else through item().
+template <typename T>
+T scalar_of(const Tensor& t) {
+  if (t.scalar_type() == c10::CppTypeToScalarType<T>::value && t.numel() == 1) {
+    return *t.data_ptr<T>();
+  }
+  return t.item<T>();
+}
+
+// A new 0-d tensor holding v (one allocation, no fill op).
+template <typename T>
+Tensor scalar_as(T v, const at::TensorOptions& options) {
+  Tensor t = at::empty({}, options);
+  *t.data_ptr<T>() = v;
+  return t;
 }
 
 // One product in its own rounding: a compiler may not fuse it with a following sum into
@@ -191,19 +210,24 @@ struct SizeObjective : public torch::autograd::Function<SizeObjective> {
     int64_t total_n = 0;
     for (int64_t n : L.sizes) total_n += n;
     const std::vector<Tensor> gs = gates.vec();
-    Tensor grad = at::zeros({total_n}, gs[0].options());
+    Tensor grad = at::empty({total_n}, gs[0].options());
     surrogate_pass(gs, *alive, L.bonds, L.modes, L.taus, grad, s_hat_d, size_d);
-    Tensor s_raw = at::scalar_tensor(s_hat_d, gs[0].options());  // rounded to the gates'
-    const double s_g = s_raw.item<double>();
+    Tensor s_raw = at::empty({}, gs[0].options());  // S_hat rounded to the gates' dtype
+    double s_g = 0.0;
+    AT_DISPATCH_FLOATING_TYPES(s_raw.scalar_type(), "size_objective_s", [&] {
+      const auto v = static_cast<scalar_t>(s_hat_d);
+      *s_raw.data_ptr<scalar_t>() = v;
+      s_g = static_cast<double>(v);
+    });
     std::vector<double> c(6, 0.0);  // the backward's: rho_f, c1..c4, S0
     Tensor out, first, lam;
     AT_DISPATCH_FLOATING_TYPES(f.scalar_type(), "size_objective", [&] {
       using T = scalar_t;
-      const T fl = f.item<T>(), S0 = static_cast<T>(p[0]);
+      const T fl = scalar_of<T>(f), S0 = static_cast<T>(p[0]);
       T s_hat = static_cast<T>(s_g) / S0, total, a, l = 0;
       c[5] = static_cast<double>(S0);
       if (!late) {
-        const T gamma = mul(static_cast<T>(p[1]), static_cast<T>(side.item<float>()));
+        const T gamma = mul(static_cast<T>(p[1]), static_cast<T>(scalar_of<float>(side)));
         total = fl + mul(gamma, s_hat);
         a = gamma;
         c[1] = static_cast<double>(gamma);
@@ -217,7 +241,7 @@ struct SizeObjective : public torch::autograd::Function<SizeObjective> {
           norm = mul(T(1) / cores, S0);
           s_hat = mul(s_hat, norm);
         }
-        const T fv = side.item<T>();
+        const T fv = scalar_of<T>(side);
         const T gap_f = fv != 0 ? (fv - z_f) / fv : T(0);
         const T gap_s = size > 0 ? (size - target) / size : T(-1);
         const T pursue = p[7] == 0.0 ? T(1) : (size > target ? T(1) : T(0));
@@ -231,9 +255,9 @@ struct SizeObjective : public torch::autograd::Function<SizeObjective> {
         c[3] = static_cast<double>(norm);
         c[4] = static_cast<double>(off_f);
       }
-      out = at::scalar_tensor(total, f.options());
-      first = at::scalar_tensor(a, f.options());
-      lam = at::scalar_tensor(l, f.options());
+      out = scalar_as<T>(total, f.options());
+      first = scalar_as<T>(a, f.options());
+      lam = scalar_as<T>(l, f.options());
     });
     ctx->mark_non_differentiable({s_raw, first, lam});
     ctx->set_materialize_grads(false);
@@ -252,10 +276,11 @@ struct SizeObjective : public torch::autograd::Function<SizeObjective> {
     if (!d.defined()) return out;
     const auto c = ctx->saved_data["c"].toDoubleVector();
     const bool late = ctx->saved_data["late"].toBool();
-    Tensor d_f, d_s;
+    Tensor d_f;
+    double d_s_v = 0.0;  // d_s in d's dtype, held exactly in a double
     AT_DISPATCH_FLOATING_TYPES(d.scalar_type(), "size_objective_grad", [&] {
       using T = scalar_t;
-      const T dv = d.item<T>(), S0 = static_cast<T>(c[5]);
+      const T dv = scalar_of<T>(d), S0 = static_cast<T>(c[5]);
       T df = dv, ds;
       if (!late) {
         ds = mul(dv, static_cast<T>(c[1])) / S0;
@@ -265,11 +290,19 @@ struct SizeObjective : public torch::autograd::Function<SizeObjective> {
         if (c[3] != 0.0) ds = mul(ds, static_cast<T>(c[3]));
         ds = ds / S0;
       }
-      d_f = at::scalar_tensor(df, d.options());
-      d_s = at::scalar_tensor(ds, d.options());
+      // the early stage passes d on to the task loss as it came (d times nothing)
+      d_f = late ? scalar_as<T>(df, d.options()) : d;
+      d_s_v = static_cast<double>(ds);
     });
     if (ctx->needs_input_grad(0)) out[0] = d_f;
-    Tensor scaled = grad * d_s.to(grad.scalar_type());
+    // grad * d_s, d_s first rounded to the gates' dtype (as `grad * d_s.to(dtype)`)
+    Tensor scaled = at::empty_like(grad);
+    AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "size_objective_scale", [&] {
+      const scalar_t* __restrict__ src = grad.data_ptr<scalar_t>();
+      scalar_t* __restrict__ dst = scaled.data_ptr<scalar_t>();
+      const auto m = static_cast<scalar_t>(d_s_v);
+      for (int64_t i = 0, n = grad.numel(); i < n; ++i) dst[i] = src[i] * m;
+    });
     auto parts = scaled.split_with_sizes(sizes);
     for (size_t i = 0; i < parts.size(); ++i) out[1 + i] = parts[i];
     return out;

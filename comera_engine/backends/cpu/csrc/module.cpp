@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "TT matrix: W (N, M) from gated cores, one autograd node (tensor.tt)");
   mod.def("clip_grad_norm", &comera::clip_grad_norm,
           "gradients: total 2-norm, scaled in place to max_norm (train.step)");
+  mod.def("adamw_step", &comera::adamw_step,
+          "AdamW: every parameter group's update in one call (ops.adamw)");
   mod.def("layout_dying", &comera::layout_dying,
           "rank gates: some live entry at or below its threshold, over a BankLayout");
 }

@@ -91,7 +91,10 @@ std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
   // E = G·diag(v) (right bond) or diag(v)·G (left): dG = dE·v, dg = m ⊙ Σ dE ⊙ G over
   // the core's other axes (summed in the gate dtype, row by row: vectorizes)
   std::vector<Tensor> d_raw(d_eff.begin(), d_eff.end());
-  Tensor flat = need_gates ? at::zeros_like(gm) : Tensor();
+  // every entry is written below unless a core got no gradient (its gate's stay zero)
+  bool all_reached = true;
+  for (const auto& g : d_eff) all_reached = all_reached && g.defined();
+  Tensor flat = !need_gates ? Tensor() : all_reached ? at::empty_like(gm) : at::zeros_like(gm);
   std::vector<int64_t> sizes;
   AT_DISPATCH_FLOATING_TYPES(gm.scalar_type(), "gate_grads", [&] {
     const scalar_t* pg = gm.data_ptr<scalar_t>();
@@ -150,11 +153,7 @@ std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
   });
   for (auto& g : d_raw) out.push_back(need_cores ? g : Tensor());
   if (need_gates) {
-    int64_t o = 0;
-    for (int64_t r : sizes) {
-      out.push_back(flat.narrow(0, o, r));
-      o += r;
-    }
+    for (auto& part : flat.split_with_sizes(sizes)) out.push_back(part);
   } else {
     out.resize(out.size() + 2 * d - 1);
   }

@@ -120,4 +120,12 @@ Tensor ttm_matrix(const std::vector<Tensor>& cores, const std::vector<Tensor>& g
                   const std::vector<Tensor>& alive, double tau);
 Tensor clip_grad_norm(const std::vector<Tensor>& grads, double max_norm);
 
+// AdamW over every parameter group in one call (adamw.cpp): counts[g] parameters of group
+// g in order, hyper[5g..5g+4] its lr, beta1, beta2, weight decay, eps. False (nothing
+// written) where some tensor is not what it takes.
+bool adamw_step(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                const std::vector<Tensor>& steps, const std::vector<int64_t>& counts,
+                const std::vector<double>& hyper);
+
 }  // namespace comera

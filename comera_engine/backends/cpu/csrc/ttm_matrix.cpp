@@ -151,7 +151,7 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
     }
     const Tensor gm = ctx->saved_data["gm"].toTensor();
     const Tensor m = ctx->saved_data["m"].toTensor();
-    Tensor flat = want_gates ? at::zeros_like(gm) : Tensor();
+    Tensor flat = want_gates ? at::empty_like(gm) : Tensor();  // every entry written
     std::vector<Tensor> d_raw(dE);
     AT_DISPATCH_FLOATING_TYPES(gm.scalar_type(), "ttm_matrix_gate_grads", [&] {
       const scalar_t* pg = gm.data_ptr<scalar_t>();
@@ -193,11 +193,11 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
       if (ctx->needs_input_grad(k)) out[k] = d_raw[k];
     }
     if (want_gates) {
-      int64_t o = 0;
+      std::vector<int64_t> sizes;
+      for (int64_t b = 0; b < n_g; ++b) sizes.push_back(raw[b].size(-1));
+      auto parts = flat.split_with_sizes(sizes);
       for (int64_t b = 0; b < n_g; ++b) {
-        const int64_t r = raw[b].size(-1);
-        if (ctx->needs_input_grad(K + b)) out[K + b] = flat.narrow(0, o, r);
-        o += r;
+        if (ctx->needs_input_grad(K + b)) out[K + b] = parts[b];
       }
     }
     return out;

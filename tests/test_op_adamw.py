@@ -1,0 +1,88 @@
+"""``ops.adamw.AdamW`` (every group's update in one call of the CPU backend) against
+``torch.optim.AdamW`` (the per-tensor loop, float64): parameters, state and
+``state_dict`` over several steps of several groups; what it leaves to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comera_engine.ops.adamw import AdamW
+
+SHAPES = [(3, 4), (7,), (2, 3, 5), (1,)]
+
+
+def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in SHAPES]
+
+
+def _groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    """Two groups with their own lr, betas, eps and weight decay, and one of lr only."""
+    return [{"params": params[:2], "lr": 3e-3, "weight_decay": 0.1},
+            {"params": params[2:3], "lr": 1e-2, "weight_decay": 0.0, "betas": (0.8, 0.99),
+             "eps": 1e-6},
+            {"params": params[3:], "lr": 5e-2}]
+
+
+def _train(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int,
+           seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for k in range(steps):
+        for i, p in enumerate(params):
+            # one parameter without a gradient on odd steps: its state must not move
+            p.grad = None if (i == 1 and k % 2) else torch.randn(p.shape, generator=g,
+                                                                  dtype=p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_adamw_matches_torch_over_several_steps_and_groups(op_impl: str,
+                                                           dtype: torch.dtype) -> None:
+    mine, ref = _params(dtype), _params(dtype)
+    opt = AdamW(_groups(mine))
+    ref_opt = torch.optim.AdamW(_groups(ref), foreach=False)
+    _train(opt, mine, 6)
+    _train(ref_opt, ref, 6)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for p, r in zip(mine, ref):
+        torch.testing.assert_close(p, r, rtol=tol, atol=tol)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], ref_opt.state[r][key], rtol=tol,
+                                       atol=tol * 1e-2)
+        assert float(opt.state[p]["step"]) == float(ref_opt.state[r]["step"])
+    # the state dict is torch's: it loads into a torch AdamW, which steps on the same
+    again = torch.optim.AdamW(_groups([torch.nn.Parameter(p.detach().clone()) for p in mine]),
+                              foreach=False)
+    again.load_state_dict(opt.state_dict())
+    assert again.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+def test_adamw_takes_the_backend_step_where_built(cpu_backend: object,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the backend the step does not reach torch's per-tensor kernel; without it,
+    and with options the backend does not take (amsgrad), it does and agrees."""
+    calls = []
+    real = torch._fused_adamw_
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    params = _params(torch.float32)
+    opt = AdamW(_groups(params))
+    _train(opt, params, 2)
+    assert calls == []
+    monkeypatch.setenv("COMERA_NATIVE", "0")
+    _train(opt, params, 1)
+    assert calls  # torch's fused step, on the state the backend made
+    calls.clear()
+    monkeypatch.setenv("COMERA_NATIVE", "1")
+    amsgrad, ref = _params(torch.float64), _params(torch.float64)
+    opt = AdamW(amsgrad, lr=1e-2, amsgrad=True)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, amsgrad=True, foreach=False)
+    _train(opt, amsgrad, 3)
+    _train(ref_opt, ref, 3)
+    for p, r in zip(amsgrad, ref):
+        torch.testing.assert_close(p, r, rtol=1e-12, atol=1e-12)
