@@ -22,7 +22,8 @@ buffers and optimizer state put back in place): trained on and on, the one batch
 by heart and a step's cost drifts by more than what is timed here.
 Rows are the median of alternating rounds (a new random order each round; the rounds
 spread over ``--builds`` fresh builds of the variants, since where a model's tensors lie
-moves its time for the whole process), in
+moves its time for the whole process), then the median over ``--processes`` runs in
+fresh processes (the JSON keeps each process's overhead: ``overhead_runs``), in
 milliseconds per step, wall-clock (``ms``) and the process's CPU time (``cpu_ms``: on a
 shared machine what other processes take does not count); ``overhead`` and
 ``cpu_overhead`` are against ``fixed``. The process keeps freed memory as ``comera
@@ -31,7 +32,7 @@ train`` does on CPU (:func:`comera_engine.backends.keep_freed_memory`; the JSON'
 experiments/results/bench_controller_cpu.json.
 
     python experiments/bench_controller.py [--configs digits_tt_mlp snli_transformer_tiny]
-        [--rounds 15] [--reps 20] [--builds 5]
+        [--rounds 15] [--reps 20] [--builds 5] [--processes 3]
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -162,15 +166,47 @@ def bench(config: str, rounds: int, reps: int, builds: int) -> list[dict]:
              **info} for k, v in ms.items()]
 
 
+def _in_processes(argv: list[str], processes: int) -> list[dict]:
+    """The rows of ``processes`` runs of this script, one after another, each in its own
+    process (``--processes 1``): per config and variant the median of the processes' ms
+    and overheads, and every process's overhead (``overhead_runs``, ``cpu_overhead_runs``).
+    Processes differ by more than rounds of one process do (the same step ran 15 % faster
+    in one process than in the next), so one process's ratio is one sample."""
+    runs: list[list[dict]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(processes):
+            out = Path(tmp) / str(i)
+            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--processes", "1",
+                   "--out", str(out)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.stderr.write(done.stderr)
+                raise SystemExit(f"bench_controller: process {i + 1} of {processes} failed")
+            runs.append(json.loads((out / "bench_controller_cpu.json").read_text())["rows"])
+    rows = []
+    for k, row in enumerate(runs[0]):
+        same = [run[k] for run in runs]
+        rows.append({**row, **{key: statistics.median(r[key] for r in same)
+                               for key in ("ms", "overhead", "cpu_ms", "cpu_overhead")},
+                     "overhead_runs": [r["overhead"] for r in same],
+                     "cpu_overhead_runs": [r["cpu_overhead"] for r in same]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=["digits_tt_mlp", "snli_transformer_tiny"])
     add_rounds_args(ap, rounds=15, reps=20, reps_help="steps per round and variant")
     ap.add_argument("--builds", type=int, default=5,
                     help="fresh builds of the variants the rounds are spread over")
+    ap.add_argument("--processes", type=int, default=3,
+                    help="runs in fresh processes; rows are their medians")
     args = ap.parse_args(argv)
-    if not 1 <= args.builds <= args.rounds:
-        ap.error("--builds: must be between 1 and --rounds")
+    for name in ("builds", "processes"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: must be a positive integer")
+    args.builds = min(args.builds, args.rounds)  # a build times one round at least
     for name in args.configs:
         if not (CONFIGS / f"{name}.toml").is_file():
             ap.error(f"--configs: no experiments/configs/{name}.toml")
@@ -178,18 +214,45 @@ def main(argv: list[str] | None = None) -> int:
     from comera_engine.backends import keep_freed_memory
 
     heap = keep_freed_memory()  # the heap settings `comera train` runs a CPU step under
-    rows = [row for name in args.configs
-            for row in bench(name, args.rounds, args.reps, args.builds)]
-    print(f"\nrank controller cost per training step, CPU, {args.threads} thread(s)")
-    print_and_write(rows, [("config", "config", ""), ("variant", "variant", ""),
-                           ("ms", "ms per step", ".3f"), ("overhead", "vs fixed", "+.1%"),
-                           ("cpu_ms", "CPU ms", ".3f"),
-                           ("cpu_overhead", "vs fixed (CPU)", "+.1%")],
+    cols = [("config", "config", ""), ("variant", "variant", ""),
+            ("ms", "ms per step", ".3f"), ("overhead", "vs fixed", "+.1%"),
+            ("cpu_ms", "CPU ms", ".3f"), ("cpu_overhead", "vs fixed (CPU)", "+.1%")]
+    if args.processes > 1:
+        inner = _strip(argv, ("--processes", "--out"))
+        rows = _in_processes(inner, args.processes)
+        for r in rows:
+            r["range"] = (f"{100 * min(r['overhead_runs']):+.1f} to "
+                          f"{100 * max(r['overhead_runs']):+.1f} %")
+        cols.append(("range", "vs fixed, per process", ""))
+    else:
+        rows = [row for name in args.configs
+                for row in bench(name, args.rounds, args.reps, args.builds)]
+    print(f"\nrank controller cost per training step, CPU, {args.threads} thread(s)"
+          + (f", median of {args.processes} processes" if args.processes > 1 else ""))
+    print_and_write(rows, cols,
                     "bench_controller_cpu", {"machine": machine(), "threads": args.threads,
                                              "rounds": args.rounds, "reps": args.reps,
                                              "builds": args.builds,
+                                             "processes": args.processes,
                                              "mmap_threshold": heap, "rows": rows}, args.out)
     return 0
+
+
+def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``options`` and their values (``--opt v`` or ``--opt=v``)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in options:
+            skip = True
+            continue
+        if any(a.startswith(o + "=") for o in options):
+            continue
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":

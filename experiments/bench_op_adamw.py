@@ -59,4 +59,4 @@ def step(make: Callable[[list[dict]], torch.optim.Optimizer], config: str
 if __name__ == "__main__":
     sys.exit(bench_op("adamw", [(label, step(AdamW, name),
                                  step(lambda gs: torch.optim.AdamW(gs, fused=True), name))
-                                for label, name in CASES]))
+                                for label, name in CASES], what="optimizer step"))

@@ -71,8 +71,11 @@ def section(title: str, command: str, source: str, data: dict[str, Any], what: s
 
 def controller(data: dict[str, Any]) -> str:
     cpu = all("cpu_ms" in r for r in data["rows"])  # files before the CPU-time columns
+    runs = all("overhead_runs" in r for r in data["rows"])  # several processes
     rows = [[r["config"], r["variant"], f"{r['ms']:.2f}", f"{100 * r['overhead']:+.1f} %",
-             *([f"{r['cpu_ms']:.2f}", f"{100 * r['cpu_overhead']:+.1f} %"] if cpu else [])]
+             *([f"{r['cpu_ms']:.2f}", f"{100 * r['cpu_overhead']:+.1f} %"] if cpu else []),
+             *([", ".join(f"{100 * v:+.1f}" for v in r["overhead_runs"]) + " %"]
+               if runs else [])]
             for r in data["rows"]]
     what = (f"Each shipped config's model at the ranks its run starts from, one batch of its "
             f"shape, the trainer's step followed by `CoMERA.step` ({data['rounds']} "
@@ -90,15 +93,22 @@ def controller(data: dict[str, Any]) -> str:
     if data.get("mmap_threshold"):
         what += (" The process keeps freed memory between steps, as `comera train` does on "
                  "CPU (`comera_engine.backends.keep_freed_memory`).")
-    what += (" Repeated runs move these overheads by 2-3 points; only rows of one run "
-             "compare.")
+    if runs:
+        what += (f" Each row is the median of {data['processes']} runs in fresh processes; "
+                 "the last column gives every process's overhead (wall-clock): one run is "
+                 "one sample, and runs differ by a few points.")
+    else:
+        what += (" Repeated runs move these overheads by 2-3 points; only rows of one run "
+                 "compare.")
     header = ["config", "variant", "ms per step", "vs fixed ranks"]
     return section("What the rank controller costs",
                    f"python experiments/bench_controller.py --rounds {data['rounds']} "
                    f"--reps {data['reps']}"
-                   + (f" --builds {data['builds']}" if data.get("builds") else ""),
+                   + (f" --builds {data['builds']}" if data.get("builds") else "")
+                   + (f" --processes {data['processes']}" if data.get("processes") else ""),
                    "bench_controller_cpu.json", data, what,
-                   table(header + (["CPU ms", "vs fixed (CPU)"] if cpu else []), rows))
+                   table(header + (["CPU ms", "vs fixed (CPU)"] if cpu else [])
+                         + (["vs fixed, each process"] if runs else []), rows))
 
 
 def _accuracy_table(data: dict[str, Any]) -> str:

@@ -270,9 +270,10 @@ def median_rounds_ms(fns: dict[str, Callable[[], object]], rounds: int, reps: in
 
 
 def bench_op(name: str, cases: list[tuple[str, Callable[[], object], Callable[[], object]]],
-             argv: list[str] | None = None) -> int:
+             argv: list[str] | None = None, what: str = "forward+backward") -> int:
     """The body of ``experiments/bench_op_<name>.py``: per case ``(label, op step,
-    reference step)`` (each a closure running forward and backward), the op with the CPU
+    reference step)`` (each a closure running forward and backward, or ``what`` it runs),
+    the op with the CPU
     backend, the op on the pure PyTorch path and the reference, in alternating rounds;
     prints a table and writes ``bench_op_<name>.json``."""
     ap = argparse.ArgumentParser(description=f"Benchmark of the {name} op against its "
@@ -298,7 +299,7 @@ def bench_op(name: str, cases: list[tuple[str, Callable[[], object], Callable[[]
                      "speedup_backend": on.a_median / on.b_median,
                      "speedup_pytorch": off.a_median / off.b_median})
         os.environ["COMERA_NATIVE"] = "1"
-    print(f"\n{name}: forward+backward, fp32, {torch.get_num_threads()} threads "
+    print(f"\n{name}: {what}, fp32, {torch.get_num_threads()} threads "
           "(backend: the CPU backend where built, else the same as pytorch)")
     print_table(rows, [("case", "case", ""), ("reference_ms", "reference ms", ".3f"),
                        ("op_pytorch_ms", "op ms (pytorch)", ".3f"),

@@ -195,9 +195,11 @@ def test_bench_tt_linear_key_row_and_backend_check(tmp_path, cpu_backend_dir) ->
 
 
 def test_bench_controller_writes_table_and_json(tmp_path) -> None:
-    """The controller's cost against fixed ranks: every stage's row, at the same ranks."""
+    """The controller's cost against fixed ranks: every stage's row, at the same ranks, the
+    median of two processes, each process's overhead kept."""
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_controller.py"), "--configs",
-           "digits_tt_mlp", "--rounds", "1", "--reps", "1", "--out", str(tmp_path)]
+           "digits_tt_mlp", "--rounds", "2", "--reps", "1", "--processes", "2", "--out",
+           str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -205,7 +207,11 @@ def test_bench_controller_writes_table_and_json(tmp_path) -> None:
     assert [r["variant"] for r in rows] == ["fixed", "gates trained", "early", "late",
                                            "fixed ranks reached"]
     assert all(r["ms"] > 0 for r in rows) and rows[0]["overhead"] == 0.0
-    assert "| digits_tt_mlp" in out.stdout
+    assert all(len(r["overhead_runs"]) == 2 for r in rows)
+    assert rows[0]["overhead_runs"] == [0.0, 0.0]
+    for r in rows:  # the row is the median of the processes' overheads
+        assert r["overhead"] == pytest.approx(sum(r["overhead_runs"]) / 2)
+    assert "| digits_tt_mlp" in out.stdout and "per process" in out.stdout
     bad = subprocess.run([*cmd[:2], "--configs", "no_such_config"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--configs" in bad.stderr
