@@ -72,17 +72,28 @@ def require_store() -> RunStore:
         raise  # pragma: no cover - st.stop() raises
 
 
+REAP_WAIT_S = 1.0
+"""How long a page waits for the store's write lock to mark vanished runs crashed. A
+process frozen in the middle of a write (a SIGSTOPped trainer) holds the lock: the page
+then renders from what is recorded, and a later rerun tries again."""
+
+
 def reap(store: RunStore, every: float = 5.0) -> None:
     """Mark runs whose process vanished as crashed (at most every ``every`` seconds per
-    session)."""
+    session), waiting at most :data:`REAP_WAIT_S` for the store's write lock."""
     now = time.monotonic()
     last = st.session_state.get("_last_reap", 0.0)
     if now - last >= every:
         st.session_state["_last_reap"] = now
+        brief = None
         try:
-            reap_dead_runs(store)
+            brief = RunStore(store.path, create=False, busy_timeout=REAP_WAIT_S)
+            reap_dead_runs(brief)
         except Exception:  # noqa: BLE001 - a busy store must not break a page
             pass
+        finally:
+            if brief is not None:
+                brief.close()
 
 
 def go_live(run_id: str) -> None:
