@@ -418,34 +418,19 @@ def test_pages_render_while_a_frozen_process_holds_the_store_lock(home: Path) ->
     the pages still render from what is recorded (their reap of vanished runs gives up
     after ``REAP_WAIT_S``; it waited the store's 30 s, past this test's page timeout),
     and once the lock is free a later rerun marks the vanished run crashed."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
     from app.lib.ui import REAP_WAIT_S
+    from tests.store_checks import frozen_lock_holder
 
     st = store_at(home)
     rid = seed_run(st, "vanished", "running", upto=50)
     long_ago = time.time() - 3600
     st.update_run(rid, started_at=long_ago, heartbeat_at=long_ago)  # no sign of life
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sqlite3, sys, time\n"
-         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-         "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(120)",
-         str(st.path)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        os.kill(holder.pid, signal.SIGSTOP)
+    with frozen_lock_holder(st.path):
         at = AppTest.from_file(HOME, default_timeout=REAP_WAIT_S + 20).run()
         at.switch_page(PAGES["live"]).run()
         no_exception(at)
         assert at.selectbox(key="live-run").value == rid
         assert store_at(home).get_run(rid)["status"] == "running"  # as recorded
-    finally:
-        os.kill(holder.pid, signal.SIGCONT)
-        holder.kill()
-        holder.wait()
     at.session_state["_last_reap"] = 0.0  # the next rerun reaps
     at.run()
     assert store_at(home).get_run(rid)["status"] == "crashed"

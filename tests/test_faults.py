@@ -22,6 +22,7 @@ import pytest
 
 from comera_engine.cli import main
 from comera_engine.store import RunStore
+from tests.store_checks import frozen_lock_holder
 from tests.test_launch import store  # the fixture: a store whose processes are reaped
 
 __all__ = ["store"]
@@ -413,14 +414,7 @@ def test_a_store_whose_write_lock_a_frozen_process_holds_is_still_listed(
     from comera_engine.launch.cli import HOUSEKEEPING_WAIT_S
 
     rid = store.create_run("listed", {"name": "listed"}, "queued")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sqlite3, sys, time\n"
-         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-         "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(120)",
-         str(store.path)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        os.kill(holder.pid, signal.SIGSTOP)
+    with frozen_lock_holder(store.path):
         t0 = time.monotonic()
         assert main(["runs", "--store", str(store.path)]) == 0
         took = time.monotonic() - t0
@@ -431,10 +425,6 @@ def test_a_store_whose_write_lock_a_frozen_process_holds_is_still_listed(
         assert main(["sweeps", "--store", str(store.path)]) == 0  # the other listing
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "stayed locked" in err
-    finally:
-        os.kill(holder.pid, signal.SIGCONT)
-        holder.kill()
-        holder.wait()
     assert main(["runs", "--store", str(store.path)]) == 0
     assert capsys.readouterr().err == ""  # the lock is free: housekeeping, no note
 
