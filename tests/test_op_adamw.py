@@ -9,7 +9,7 @@ import torch
 
 from comera_engine.ops.adamw import AdamW
 
-SHAPES = [(3, 4), (7,), (2, 3, 5), (1,)]
+SHAPES = [(3, 4), (7,), (2, 3, 5), (1,), (256, 300)]  # the last split over threads
 
 
 def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -44,12 +44,13 @@ def test_adamw_matches_torch_over_several_steps_and_groups(op_impl: str,
     ref_opt = torch.optim.AdamW(_groups(ref), foreach=False)
     _train(opt, mine, 6)
     _train(ref_opt, ref, 6)
-    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    # float32: the two round their products in another order (a few ulps)
+    rtol, atol = (1e-12, 1e-14) if dtype == torch.float64 else (1e-5, 1e-7)
     for p, r in zip(mine, ref):
-        torch.testing.assert_close(p, r, rtol=tol, atol=tol)
+        torch.testing.assert_close(p, r, rtol=rtol, atol=atol)
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(opt.state[p][key], ref_opt.state[r][key], rtol=tol,
-                                       atol=tol * 1e-2)
+            torch.testing.assert_close(opt.state[p][key], ref_opt.state[r][key], rtol=rtol,
+                                       atol=atol)
         assert float(opt.state[p]["step"]) == float(ref_opt.state[r]["step"])
     # the state dict is torch's: it loads into a torch AdamW, which steps on the same
     again = torch.optim.AdamW(_groups([torch.nn.Parameter(p.detach().clone()) for p in mine]),

@@ -26,7 +26,8 @@ from . import CHOICES, CSRC, LOCK, MANIFEST, NAME, READY, SOURCES, ready_dir, so
 
 __all__ = ["build"]
 
-# OpenMP for at::parallel_for in tt_halves_batch.cpp: without it the header's parallel_for
+# -fno-math-errno: a loop calling sqrt vectorizes (no errno to set for a negative
+# argument; adamw.cpp). OpenMP for at::parallel_for in tt_halves_batch.cpp: without it the header's parallel_for
 # runs serially in an extension. On Linux the extension then shares torch's libgomp (same
 # soname, already loaded), so BLAS calls inside a parallel region run single-threaded.
 _OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
@@ -53,7 +54,7 @@ def _compile(into: Path, verbose: bool):  # noqa: ANN202
     from torch.utils.cpp_extension import load
 
     return load(name=NAME, sources=[str(CSRC / f) for f in SOURCES],
-                extra_cflags=["-O3", *_OPENMP], extra_ldflags=_OPENMP,
+                extra_cflags=["-O3", "-fno-math-errno", *_OPENMP], extra_ldflags=_OPENMP,
                 build_directory=str(into), verbose=verbose)
 
 

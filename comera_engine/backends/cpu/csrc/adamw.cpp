@@ -10,6 +10,7 @@
 //   p ← p − lr/(1−β1^t) · m / (√v / √(1−β2^t) + eps).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <vector>
@@ -19,6 +20,24 @@
 namespace comera {
 
 namespace {
+
+constexpr int64_t kGrain = 1 << 16;  // elements a thread takes at least
+
+// The update of n entries (a function of its own: the restrict pointers let the loop
+// vectorize, which they do not through a lambda's captures).
+template <typename T, bool kDecay>
+void update(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m,
+            T* __restrict__ v, int64_t n, T decay, T a1, T b2, T a2, T ss, T bc, T e) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T pj = kDecay ? p[j] - decay * p[j] : p[j];
+    const T gj = g[j];
+    const T mj = m[j] + a1 * (gj - m[j]);
+    const T vj = b2 * v[j] + a2 * gj * gj;
+    m[j] = mj;
+    v[j] = vj;
+    p[j] = pj - ss * mj / (std::sqrt(vj) / bc + e);
+  }
+}
 
 bool fits(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
           const Tensor& t) {
@@ -62,24 +81,24 @@ bool adamw_step(const std::vector<Tensor>& params, const std::vector<Tensor>& gr
       const double bc2_sqrt = std::sqrt(1.0 - std::pow(beta2, t));
       AT_DISPATCH_FLOATING_TYPES(params[i].scalar_type(), "adamw_step", [&] {
         using T = scalar_t;
-        T* __restrict__ p = params[i].data_ptr<T>();
-        const T* __restrict__ g = grads[i].data_ptr<T>();
-        T* __restrict__ m = exp_avgs[i].data_ptr<T>();
-        T* __restrict__ v = exp_avg_sqs[i].data_ptr<T>();
+        T* p = params[i].data_ptr<T>();
+        const T* g = grads[i].data_ptr<T>();
+        T* m = exp_avgs[i].data_ptr<T>();
+        T* v = exp_avg_sqs[i].data_ptr<T>();
         const T decay = static_cast<T>(lr * wd), a1 = static_cast<T>(1.0 - beta1);
         const T b2 = static_cast<T>(beta2), a2 = static_cast<T>(1.0 - beta2);
         const T ss = static_cast<T>(step_size), bc = static_cast<T>(bc2_sqrt);
         const T e = static_cast<T>(eps);
-        for (int64_t j = 0, len = params[i].numel(); j < len; ++j) {
-          T pj = p[j];
-          if (decay != T(0)) pj = pj - decay * pj;
-          const T gj = g[j];
-          const T mj = m[j] + a1 * (gj - m[j]);
-          const T vj = b2 * v[j] + a2 * gj * gj;
-          m[j] = mj;
-          v[j] = vj;
-          p[j] = pj - ss * mj / (std::sqrt(vj) / bc + e);
-        }
+        // a large parameter is split over the threads (a small one runs inline)
+        at::parallel_for(0, params[i].numel(), kGrain, [&](int64_t lo, int64_t hi) {
+          if (decay != T(0)) {
+            update<T, true>(p + lo, g + lo, m + lo, v + lo, hi - lo, decay, a1, b2, a2, ss,
+                            bc, e);
+          } else {
+            update<T, false>(p + lo, g + lo, m + lo, v + lo, hi - lo, decay, a1, b2, a2, ss,
+                             bc, e);
+          }
+        });
       });
     }
   }
