@@ -27,9 +27,10 @@ from . import CHOICES, CSRC, LOCK, MANIFEST, NAME, READY, SOURCES, ready_dir, so
 __all__ = ["build"]
 
 # -fno-math-errno: a loop calling sqrt vectorizes (no errno to set for a negative
-# argument; adamw.cpp). OpenMP for at::parallel_for in tt_halves_batch.cpp: without it the header's parallel_for
-# runs serially in an extension. On Linux the extension then shares torch's libgomp (same
-# soname, already loaded), so BLAS calls inside a parallel region run single-threaded.
+# argument; adamw.cpp). OpenMP for at::parallel_for (tt_halves_batch.cpp, adamw.cpp):
+# without it the header's parallel_for runs serially in an extension. On Linux the
+# extension then shares torch's libgomp (same soname, already loaded), so BLAS calls
+# inside a parallel region run single-threaded.
 _OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 
 
