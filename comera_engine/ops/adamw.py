@@ -44,7 +44,11 @@ class AdamW(torch.optim.AdamW):
 
     def _native_step(self) -> bool:
         """The update on the backend; False (nothing changed but lazily made state) where
-        it does not take these groups."""
+        it does not take these groups, or no backend is built (then nothing is gathered:
+        torch's step gathers its own)."""
+        backend = cpu_backend()
+        if backend is None:
+            return False
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         exp_avgs: list[torch.Tensor] = []
@@ -82,9 +86,8 @@ class AdamW(torch.optim.AdamW):
                       float(group["eps"])]
         if not params:
             return True  # no gradient anywhere: torch's step does nothing either
-        backend = cpu_backend(params[0])
-        return backend is not None and bool(backend.ops.adamw_step(
-            params, grads, exp_avgs, exp_avg_sqs, steps, counts, hyper))
+        return bool(backend.ops.adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps,
+                                           counts, hyper))
 
 
 def _all_cpu_float(params: list[Any]) -> bool:

@@ -13,8 +13,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-__all__ = ["layout", "left_mat", "merge_left", "merge_left_grads", "merge_right",
-           "merge_right_grads", "right_mat"]
+__all__ = ["contract_chain", "layout", "left_mat", "merge_left", "merge_left_grads",
+           "merge_right", "merge_right_grads", "right_mat"]
 
 
 def left_mat(G: Tensor) -> Tensor:
@@ -25,6 +25,16 @@ def left_mat(G: Tensor) -> Tensor:
 def right_mat(G: Tensor) -> Tensor:
     """A core ``(r0, n, r1)`` as the ``(r0, n·r1)`` matrix (a view when contiguous)."""
     return G.reshape(G.shape[0], -1)
+
+
+def contract_chain(cores: Sequence[Tensor]) -> Tensor:
+    """Contract a train of cores ``(r_{k-1}, *s_k, r_k)`` left to right (``r_0 = r_d =
+    1``): the full tensor flattened, ``(∏_k ∏ s_k, 1)``, modes in core order. Shapes are
+    read as Python ints, so an ONNX trace keeps them static."""
+    acc = cores[0].reshape(-1, int(cores[0].shape[-1]))
+    for c in cores[1:]:
+        acc = (acc @ c.reshape(int(c.shape[0]), -1)).reshape(-1, int(c.shape[-1]))
+    return acc
 
 
 def merge_left(cores: Sequence[Tensor]) -> list[Tensor]:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..backends import cpu_backend
 from .gates import absorb_gates
+from .merges import contract_chain
 
 __all__ = ["ttm_matrix", "ttm_matrix_reference"]
 
@@ -38,11 +39,8 @@ def ttm_matrix_reference(cores: Sequence[Tensor], gates: Sequence[Tensor] = (),
         cores = absorb_gates(cores, gates, tau, alive)
     if any(int(c.shape[-1]) == 0 for c in cores[:-1]):
         return cores[0].new_zeros(math.prod(rows), math.prod(cols))
-    acc = cores[0].reshape(-1, int(cores[0].shape[-1]))
-    for c in cores[1:]:  # shapes as Python ints: an ONNX trace keeps them static
-        acc = (acc @ c.reshape(int(c.shape[0]), -1)).reshape(-1, int(c.shape[-1]))
     d = len(cores)
-    t = acc.reshape([x for k in range(d) for x in (rows[k], cols[k])])
+    t = contract_chain(cores).reshape([x for k in range(d) for x in (rows[k], cols[k])])
     perm = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
     return t.permute(perm).reshape(math.prod(rows), math.prod(cols))
 

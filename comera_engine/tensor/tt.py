@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.gates import absorb_gates, flat_mask, gate_masks
+from ..ops.merges import contract_chain
 from ..ops.ttm_matrix import ttm_matrix as gated_ttm_matrix
 from ..ops.ttm_matrix import ttm_matrix_reference
 
@@ -38,16 +39,6 @@ __all__ = [
     "ttm_matrix",
     "tt_svd",
 ]
-
-
-def contract_chain(cores: Sequence[Tensor]) -> Tensor:
-    """Contract a train of cores ``(r_{k-1}, *s_k, r_k)`` left to right (``r_0 = r_d =
-    1``): the full tensor flattened, ``(∏_k ∏ s_k, 1)``, modes in core order. Shapes are
-    read as Python ints, so an ONNX trace keeps them static."""
-    acc = cores[0].reshape(-1, int(cores[0].shape[-1]))
-    for c in cores[1:]:
-        acc = (acc @ c.reshape(int(c.shape[0]), -1)).reshape(-1, int(c.shape[-1]))
-    return acc
 
 
 def ttm_matrix(cores: Sequence[Tensor]) -> Tensor:

@@ -27,10 +27,22 @@ GateLayout layout_of(const Tensor& core, bool right) {
 
 }  // namespace
 
+std::vector<GateSite> halves_sites(int64_t d) {
+  std::vector<GateSite> sites;
+  for (int64_t b = 0; b < 2 * d - 1; ++b) sites.push_back({b < d ? b : b + 1, b < d});
+  return sites;
+}
+
+std::vector<GateSite> right_sites(int64_t K) {
+  std::vector<GateSite> sites;
+  for (int64_t b = 0; b + 1 < K; ++b) sites.push_back({b, true});
+  return sites;
+}
+
 std::vector<Tensor> absorb_gates(const std::vector<Tensor>& cores,
                                  const std::vector<Tensor>& gates,
-                                 const std::vector<Tensor>& alive, double tau, int64_t d,
-                                 Tensor& gm, Tensor& m) {
+                                 const std::vector<Tensor>& alive, double tau,
+                                 const std::vector<GateSite>& sites, Tensor& gm, Tensor& m) {
   std::vector<Tensor> eff(cores.begin(), cores.end());
   if (gates.empty()) return eff;
   int64_t total = 0;
@@ -42,7 +54,7 @@ std::vector<Tensor> absorb_gates(const std::vector<Tensor>& cores,
     bool* pm = m.data_ptr<bool>();
     const auto t = static_cast<scalar_t>(tau);  // hardshrink compares in the gate dtype
     int64_t off = 0;
-    for (int64_t b = 0; b < 2 * d - 1; ++b) {
+    for (size_t b = 0; b < sites.size(); ++b) {
       // g where alive and |g| > tau, else 0; the mask: the entries kept (nonzero)
       const Tensor g = gates[b].contiguous();
       const Tensor a = alive.empty() ? Tensor() : alive[b].contiguous();
@@ -55,9 +67,9 @@ std::vector<Tensor> absorb_gates(const std::vector<Tensor>& cores,
         pm[off + i] = v != 0;
       }
       // the gated core: its right bond (input half, middle) or left bond scaled by v
-      const int64_t j = gate_core(b, d);
+      const int64_t j = sites[b].core;
       const Tensor c = cores[j].contiguous();
-      const GateLayout L = layout_of(c, gate_right(b, d));
+      const GateLayout L = layout_of(c, sites[b].right);
       Tensor e = at::empty_like(c);
       const scalar_t* __restrict__ pc = c.data_ptr<scalar_t>();
       scalar_t* __restrict__ pe = e.data_ptr<scalar_t>();
@@ -81,8 +93,8 @@ std::vector<Tensor> absorb_gates(const std::vector<Tensor>& cores,
 
 std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
                                const std::vector<Tensor>& raw, const Tensor& gm,
-                               const Tensor& m, int64_t d, bool need_cores,
-                               bool need_gates) {
+                               const Tensor& m, const std::vector<GateSite>& sites,
+                               bool need_cores, bool need_gates) {
   std::vector<Tensor> out;
   if (!gm.defined()) {
     for (const auto& g : d_eff) out.push_back(need_cores ? g : Tensor());
@@ -102,9 +114,9 @@ std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
     scalar_t* pf = need_gates ? flat.data_ptr<scalar_t>() : nullptr;
     int64_t off = 0;
     std::vector<scalar_t> acc;
-    for (int64_t b = 0; b < 2 * d - 1; ++b) {
-      const int64_t j = gate_core(b, d);
-      const GateLayout L = layout_of(raw[j], gate_right(b, d));
+    for (size_t b = 0; b < sites.size(); ++b) {
+      const int64_t j = sites[b].core;
+      const GateLayout L = layout_of(raw[j], sites[b].right);
       const int64_t r = L.right ? L.cols : L.rows;
       sizes.push_back(r);
       const scalar_t* v = pg + off;
@@ -155,9 +167,31 @@ std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
   if (need_gates) {
     for (auto& part : flat.split_with_sizes(sizes)) out.push_back(part);
   } else {
-    out.resize(out.size() + 2 * d - 1);
+    out.resize(out.size() + sites.size());
   }
   return out;
+}
+
+std::vector<Tensor> merge_left(const std::vector<Tensor>& cores, int64_t n) {
+  std::vector<Tensor> P{left_mat(cores[0])};
+  for (int64_t k = 1; k < n; ++k) {
+    const Tensor& G = cores[k];
+    P.push_back(at::mm(P.back(), right_mat(G)).reshape({-1, G.size(-1)}));
+  }
+  return P;
+}
+
+std::vector<Tensor> merge_left_grads(Tensor dP, const std::vector<Tensor>& cores,
+                                     const std::vector<Tensor>& P, int64_t n) {
+  std::vector<Tensor> d_cores(n);  // P_k = P_{k-1}·G_k, P_{k-1}: (a, r), G_k: (r, rest)
+  for (int64_t k = n - 1; k > 0; --k) {
+    const Tensor& G = cores[k];
+    Tensor dPk = dP.reshape({-1, G.numel() / G.size(0)});
+    d_cores[k] = at::mm(P[k - 1].t(), dPk).view(G.sizes());
+    dP = at::mm(dPk, right_mat(G).t());
+  }
+  d_cores[0] = dP.reshape(cores[0].sizes());
+  return d_cores;
 }
 
 Tensor transposed(const Tensor& a) {

@@ -15,9 +15,17 @@ namespace comera {
 
 using at::Tensor;
 
-// Core carrying bond b's gate, and whether on its right bond.
-inline int64_t gate_core(int64_t b, int64_t d) { return b < d ? b : b + 1; }
-inline bool gate_right(int64_t b, int64_t d) { return b < d; }
+// Where a bond's gate is absorbed: into core `core`, on its right bond or its left one.
+struct GateSite {
+  int64_t core;
+  bool right;
+};
+
+// A TT-linear train of 2d cores: bond b on the right of core b for b < d, else on the
+// left of core b+1 (the outer, smaller core of the two).
+std::vector<GateSite> halves_sites(int64_t d);
+// A train of K cores with every bond on the right of its left core (the TT matrix).
+std::vector<GateSite> right_sites(int64_t K);
 
 inline Tensor left_mat(const Tensor& G) { return G.reshape({-1, G.size(-1)}); }   // (r0·n, r1)
 inline Tensor right_mat(const Tensor& G) { return G.reshape({G.size(0), -1}); }  // (r0, n·r1)
@@ -31,15 +39,22 @@ Tensor transposed(const Tensor& a);
 
 std::vector<Tensor> absorb_gates(const std::vector<Tensor>& cores,
                                  const std::vector<Tensor>& gates,
-                                 const std::vector<Tensor>& alive, double tau, int64_t d,
-                                 Tensor& gm, Tensor& m);
+                                 const std::vector<Tensor>& alive, double tau,
+                                 const std::vector<GateSite>& sites, Tensor& gm, Tensor& m);
 
-// From gradients of the gated cores d_eff to [d_raw_0..d_raw_{2d-1}, d_gate_0..] (the
-// raw cores' and, when gated, the gates'; undefined where not asked for).
+// From gradients of the gated cores d_eff to [d_raw_0.., d_gate_0..] (the raw cores'
+// and, when gated, the gates' at `sites`; undefined where not asked for).
 std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
                                const std::vector<Tensor>& raw, const Tensor& gm,
-                               const Tensor& m, int64_t d, bool need_cores,
-                               bool need_gates);
+                               const Tensor& m, const std::vector<GateSite>& sites,
+                               bool need_cores, bool need_gates);
+
+// The left merge chain of cores[0..n): prefixes P_k = G_0⋯G_k as (∏ modes, r_{k+1})
+// matrices, [P_0, …, P_{n-1}]; and back from the last prefix's gradient dP to the
+// gradients of cores[0..n) (P: the prefixes, the last one not needed).
+std::vector<Tensor> merge_left(const std::vector<Tensor>& cores, int64_t n);
+std::vector<Tensor> merge_left_grads(Tensor dP, const std::vector<Tensor>& cores,
+                                     const std::vector<Tensor>& P, int64_t n);
 
 // The sweep path (TTLinearSweep).
 std::vector<Tensor> sweep_forward(const Tensor& x, const std::vector<Tensor>& cores,

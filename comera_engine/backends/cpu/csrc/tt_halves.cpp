@@ -20,12 +20,8 @@ std::vector<Tensor> halves_prepare(const std::vector<Tensor>& cores,
                                    int64_t rp) {
   at::AutoDispatchBelowADInplaceOrView guard;  // inside a Function: no autograd here
   Tensor gm, m;
-  std::vector<Tensor> eff = absorb_gates(cores, gates, alive, tau, d, gm, m);
-  std::vector<Tensor> P{left_mat(eff[0])};
-  for (int64_t k = 1; k < d; ++k) {
-    const Tensor& G = eff[k];
-    P.push_back(at::mm(P.back(), right_mat(G)).reshape({-1, G.size(2)}));
-  }
+  std::vector<Tensor> eff = absorb_gates(cores, gates, alive, tau, halves_sites(d), gm, m);
+  std::vector<Tensor> P = merge_left(eff, d);
   std::vector<Tensor> Q{right_mat(eff[2 * d - 1])};  // built last to first
   for (int64_t j = 2 * d - 2; j >= d; --j) {
     const Tensor& G = eff[j];
@@ -65,15 +61,8 @@ std::vector<Tensor> halves_core_grads(const Tensor& dL, const Tensor& dR,
                                       const c10::optional<Tensor>& m_opt, int64_t d,
                                       bool need_cores, bool need_gates) {
   at::AutoDispatchBelowADInplaceOrView guard;
-  std::vector<Tensor> d_eff(2 * d);
-  Tensor dP = dL;  // P_k = P_{k-1}·G_k, P_{k-1}: (a, r), G_k: (r, n·r')
-  for (int64_t k = d - 1; k > 0; --k) {
-    const Tensor& G = eff[k];
-    Tensor dPk = dP.reshape({-1, G.size(1) * G.size(2)});
-    d_eff[k] = at::mm(P[k - 1].t(), dPk).view(G.sizes());
-    dP = at::mm(dPk, right_mat(G).t());
-  }
-  d_eff[0] = dP.reshape(eff[0].sizes());
+  std::vector<Tensor> d_eff = merge_left_grads(dL, eff, P, d);
+  d_eff.resize(2 * d);
   Tensor dQ = dR;  // Q_j = G_j·Q_{j+1}, G_j: (r·m, r'), Q_{j+1}: (r', rest)
   for (int64_t j = 0; j < d - 1; ++j) {
     const Tensor& G = eff[d + j];
@@ -84,7 +73,7 @@ std::vector<Tensor> halves_core_grads(const Tensor& dL, const Tensor& dR,
   d_eff[2 * d - 1] = dQ.reshape(eff[2 * d - 1].sizes());
   const Tensor gm = gm_opt.has_value() ? *gm_opt : Tensor();
   const Tensor m = m_opt.has_value() ? *m_opt : Tensor();
-  return gate_grads(d_eff, raw, gm, m, d, need_cores, need_gates);
+  return gate_grads(d_eff, raw, gm, m, halves_sites(d), need_cores, need_gates);
 }
 
 }  // namespace comera

@@ -16,7 +16,7 @@ std::vector<Tensor> sweep_forward(const Tensor& x, const std::vector<Tensor>& co
                                   bool tail) {
   at::AutoDispatchBelowADInplaceOrView guard;  // inside a Function: no autograd here
   Tensor gm, m;
-  std::vector<Tensor> eff = absorb_gates(cores, gates, alive, tau, d, gm, m);
+  std::vector<Tensor> eff = absorb_gates(cores, gates, alive, tau, halves_sites(d), gm, m);
   std::vector<Tensor> ml, mr;
   for (int64_t k = 0; k < d; ++k) ml.push_back(left_mat(eff[k]));
   for (int64_t k = d; k < 2 * d; ++k) mr.push_back(right_mat(eff[k]));
@@ -121,7 +121,7 @@ std::vector<Tensor> sweep_backward(const Tensor& dy, const std::vector<Tensor>& 
     const Tensor& g = k < static_cast<int64_t>(lg.size()) ? lg[k] : rg[k - lg.size()];
     d_eff.push_back(g.view(eff[k].sizes()));
   }
-  std::vector<Tensor> g = gate_grads(d_eff, raw, gm, m, d, need_cores, need_gates);
+  std::vector<Tensor> g = gate_grads(d_eff, raw, gm, m, halves_sites(d), need_cores, need_gates);
   out.insert(out.end(), g.begin(), g.end());
   return out;
 }

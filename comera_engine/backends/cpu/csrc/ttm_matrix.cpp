@@ -41,51 +41,18 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
       TORCH_CHECK(c.dim() == 4, "ttm_matrix: cores must be (r0, n, m, r1)");
       raw.push_back(c.contiguous());
     }
-    std::vector<Tensor> eff(raw);
+    for (size_t b = 0; b < gates_in.size(); ++b) {
+      TORCH_CHECK(raw[b].size(-1) == gates_in[b].size(0) &&
+                      (*alive)[b].numel() == gates_in[b].size(0),
+                  "ttm_matrix: gate ", b, " does not match its bond");
+    }
     Tensor gm, m;  // the masked gate values (flat) and their mask, when gated
-    if (!gates_in.empty()) {
-      int64_t total = 0;
-      for (const auto& g : gates_in) total += g.size(0);
-      gm = at::empty({total}, gates_in[0].options());
-      m = at::empty({total}, gates_in[0].options().dtype(at::kBool));
-      AT_DISPATCH_FLOATING_TYPES(gm.scalar_type(), "ttm_matrix_gates", [&] {
-        scalar_t* pg = gm.data_ptr<scalar_t>();
-        bool* pm = m.data_ptr<bool>();
-        const auto t = static_cast<scalar_t>(tau);  // hardshrink compares in the gate dtype
-        int64_t off = 0;
-        for (int64_t b = 0; b < K - 1; ++b) {
-          const Tensor g = gates_in[b].contiguous();
-          const Tensor a = (*alive)[b].contiguous();
-          const int64_t r = g.size(0);
-          TORCH_CHECK(raw[b].size(-1) == r && a.numel() == r,
-                      "ttm_matrix: gate ", b, " does not match its bond");
-          const scalar_t* s = g.data_ptr<scalar_t>();
-          const bool* pa = a.data_ptr<bool>();
-          for (int64_t i = 0; i < r; ++i) {
-            const scalar_t v = (std::abs(s[i]) > t && pa[i]) ? s[i] : scalar_t(0);
-            pg[off + i] = v;
-            pm[off + i] = v != 0;
-          }
-          Tensor e = at::empty_like(raw[b]);
-          const scalar_t* __restrict__ pc = raw[b].data_ptr<scalar_t>();
-          scalar_t* __restrict__ pe = e.data_ptr<scalar_t>();
-          const scalar_t* __restrict__ v = pg + off;
-          const int64_t rows = raw[b].numel() / r;
-          for (int64_t i = 0; i < rows; ++i) {
-            for (int64_t k = 0; k < r; ++k) pe[i * r + k] = pc[i * r + k] * v[k];
-          }
-          eff[b] = e;
-          off += r;
-        }
-      });
-    }
-    // the chain, keeping every A_k but the last for backward
-    std::vector<Tensor> accs;
-    Tensor acc = eff[0].reshape({-1, eff[0].size(-1)});
-    for (int64_t k = 1; k < K; ++k) {
-      accs.push_back(acc);
-      acc = at::mm(acc, eff[k].reshape({eff[k].size(0), -1})).reshape({-1, eff[k].size(-1)});
-    }
+    const std::vector<Tensor> eff =
+        absorb_gates(raw, gates_in.vec(), *alive, tau, right_sites(K), gm, m);
+    // the chain; every prefix but the last kept for backward
+    std::vector<Tensor> P = merge_left(eff, K);
+    const Tensor last = P.back();  // (n_0 m_0 n_1 m_1 …, 1)
+    P.pop_back();
     std::vector<int64_t> dims, perm;
     int64_t N = 1, M = 1;
     for (int64_t k = 0; k < K; ++k) {
@@ -96,12 +63,12 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
     }
     for (int64_t k = 0; k < K; ++k) perm.push_back(2 * k);
     for (int64_t k = 0; k < K; ++k) perm.push_back(2 * k + 1);
-    Tensor W = acc.reshape(dims).permute(perm).reshape({N, M});
+    Tensor W = last.reshape(dims).permute(perm).reshape({N, M});
     if (!W.is_contiguous()) W = W.contiguous();
     ctx->set_materialize_grads(false);
     ctx->saved_data["raw"] = raw;
     ctx->saved_data["eff"] = eff;
-    ctx->saved_data["accs"] = accs;
+    ctx->saved_data["prefixes"] = P;
     ctx->saved_data["gated"] = gm.defined();
     if (gm.defined()) {
       ctx->saved_data["gm"] = gm;
@@ -114,7 +81,7 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto raw = ctx->saved_data["raw"].toTensorVector();
     const auto eff = ctx->saved_data["eff"].toTensorVector();
-    const auto accs = ctx->saved_data["accs"].toTensorVector();
+    const auto P = ctx->saved_data["prefixes"].toTensorVector();
     const bool gated = ctx->saved_data["gated"].toBool();
     const auto dims = ctx->saved_data["dims"].toIntVector();
     const int64_t K = static_cast<int64_t>(raw.size());
@@ -133,72 +100,14 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
       inv[2 * k] = k;
       inv[2 * k + 1] = K + k;
     }
-    Tensor dacc = dW.reshape(split_dims).permute(inv).contiguous();
-    std::vector<Tensor> dE(K);
-    for (int64_t k = K - 1; k >= 1; --k) {
-      const Tensor& prev = accs[k - 1];
-      const Tensor dB = dacc.reshape({prev.size(0), -1});  // (P_{k-1}, n_k m_k r_{k+1})
-      const Tensor Emat = eff[k].reshape({eff[k].size(0), -1});
-      dE[k] = at::mm(prev.t(), dB).reshape(eff[k].sizes());
-      dacc = at::mm(dB, Emat.t());
-    }
-    dE[0] = dacc.reshape(eff[0].sizes());
-    if (!gated) {
-      for (int64_t k = 0; k < K; ++k) {
-        if (ctx->needs_input_grad(k)) out[k] = dE[k];
-      }
-      return out;
-    }
-    const Tensor gm = ctx->saved_data["gm"].toTensor();
-    const Tensor m = ctx->saved_data["m"].toTensor();
-    Tensor flat = want_gates ? at::empty_like(gm) : Tensor();  // every entry written
-    std::vector<Tensor> d_raw(dE);
-    AT_DISPATCH_FLOATING_TYPES(gm.scalar_type(), "ttm_matrix_gate_grads", [&] {
-      const scalar_t* pg = gm.data_ptr<scalar_t>();
-      const bool* pm = m.data_ptr<bool>();
-      scalar_t* pf = want_gates ? flat.data_ptr<scalar_t>() : nullptr;
-      std::vector<scalar_t> acc_row;
-      int64_t off = 0;
-      for (int64_t b = 0; b < K - 1; ++b) {
-        const int64_t r = raw[b].size(-1);
-        const int64_t rows = raw[b].numel() / r;
-        const Tensor e = dE[b].contiguous();
-        const scalar_t* __restrict__ pe = e.data_ptr<scalar_t>();
-        const scalar_t* __restrict__ pc = raw[b].data_ptr<scalar_t>();
-        const scalar_t* __restrict__ v = pg + off;
-        const bool need_core = ctx->needs_input_grad(b);
-        Tensor dG = need_core ? at::empty_like(e) : Tensor();
-        scalar_t* __restrict__ pd = need_core ? dG.data_ptr<scalar_t>() : nullptr;
-        acc_row.assign(r, scalar_t(0));
-        scalar_t* __restrict__ pa = acc_row.data();
-        for (int64_t i = 0; i < rows; ++i) {
-          const scalar_t* __restrict__ ei = pe + i * r;
-          const scalar_t* __restrict__ ci = pc + i * r;
-          if (pd != nullptr) {
-            scalar_t* __restrict__ di = pd + i * r;
-            for (int64_t k = 0; k < r; ++k) di[k] = ei[k] * v[k];
-          }
-          if (pf != nullptr) {
-            for (int64_t k = 0; k < r; ++k) pa[k] += ei[k] * ci[k];
-          }
-        }
-        if (pf != nullptr) {
-          for (int64_t k = 0; k < r; ++k) pf[off + k] = pm[off + k] ? pa[k] : scalar_t(0);
-        }
-        d_raw[b] = dG;
-        off += r;
-      }
-    });
-    for (int64_t k = 0; k < K; ++k) {
-      if (ctx->needs_input_grad(k)) out[k] = d_raw[k];
-    }
-    if (want_gates) {
-      std::vector<int64_t> sizes;
-      for (int64_t b = 0; b < n_g; ++b) sizes.push_back(raw[b].size(-1));
-      auto parts = flat.split_with_sizes(sizes);
-      for (int64_t b = 0; b < n_g; ++b) {
-        if (ctx->needs_input_grad(K + b)) out[K + b] = parts[b];
-      }
+    const Tensor dlast = dW.reshape(split_dims).permute(inv).contiguous();
+    const std::vector<Tensor> d_eff = merge_left_grads(dlast, eff, P, K);
+    const Tensor gm = gated ? ctx->saved_data["gm"].toTensor() : Tensor();
+    const Tensor m = gated ? ctx->saved_data["m"].toTensor() : Tensor();
+    const std::vector<Tensor> g =
+        gate_grads(d_eff, raw, gm, m, right_sites(K), want_cores, want_gates);
+    for (int64_t i = 0; i < K + n_g; ++i) {
+      if (ctx->needs_input_grad(i)) out[i] = g[i];
     }
     return out;
   }
