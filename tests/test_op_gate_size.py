@@ -114,37 +114,73 @@ def test_refresh_finds_an_entry_that_fell_to_its_threshold(op_impl: str) -> None
     assert not bool(layer.alive(k)[j]) and float(layer.gates[k][j].detach()) == 0.0
 
 
+def _ttm_net(dtype: torch.dtype) -> nn.Module:
+    """Two TT-matrix (``ttm`` layout) layers, gates spread around the threshold, some
+    entries dead for good: each layer's node gives its own size outputs."""
+    torch.manual_seed(1)
+    net = nn.Sequential(TTLinear(24, 36, rank=4, tau=TAU, layout="ttm"), nn.Tanh(),
+                        TTLinear(36, 16, rank=3, tau=TAU, layout="ttm")).to(dtype)
+    with torch.no_grad():
+        for _, m in tt_layers(net):
+            for k, g in enumerate(m.tt.gates):
+                g.copy_(torch.randn(g.shape, dtype=dtype) * 0.2)
+                m.tt.alive(k).copy_(torch.rand(g.shape) > 0.2)
+    return net
+
+
+
+FOLDED = "CoMERAObjectiveBackward"  # the objective's node over the layers' own outputs
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("stage", ["early", "late", "late, paper's norm", "late, at target"])
+@pytest.mark.parametrize("model", ["gates", "ttm layers"])
 def test_the_objective_is_its_expressions_differentiated_to_the_bit(
-        op_impl: str, dtype: torch.dtype, stage: str) -> None:
+        op_impl: str, dtype: torch.dtype, stage: str, model: str) -> None:
     """The CoMERA objective's loss is one autograd node (one call each way on the CPU
     backend): its loss, logged terms and gradients are those of its expressions over the
-    surrogate, differentiated by autograd, bit for bit, for both λ outcomes."""
+    surrogate, differentiated by autograd, bit for bit, for both λ outcomes. Over the
+    gates (a task loss of its own), and over TT-matrix layers, whose node on the backend
+    hands the objective the layer's ``(Ŝ, S)`` and takes the size term's gradient too."""
     from comera_engine.config import CoMERAConfig
     from comera_engine.rank import CoMERAObjective
 
-    model = _model(dtype)
+    if model == "gates":
+        net = _model(dtype)
+        wrt = [g for _, m in tt_layers(net) for g in m.tt.gates]
+        leaf = torch.tensor(0.7, dtype=dtype, requires_grad=True)
+        wrt.insert(0, leaf)
+
+        def task_loss() -> torch.Tensor:
+            return leaf
+    else:
+        net = _ttm_net(dtype)
+        wrt = list(net.parameters())
+        x = torch.randn(5, 24, dtype=dtype)
+
+        def task_loss() -> torch.Tensor:
+            return net(x).pow(2).mean()
     cfg = CoMERAConfig(gamma=0.3, gamma_warmup=10, target_compression=2.0,
                        late_norm="initial" if "paper" in stage else "current")
-    obj = CoMERAObjective(model, cfg)
+    obj = CoMERAObjective(net, cfg)
     obj.begin_step(3)  # γ still warming up
-    gates = [g for _, m in tt_layers(model) for g in m.tt.gates]
     lambdas = set()
     for z_f in (0.69, -10.0):  # λ 1 (the loss near its target) and λ 0
         if stage != "early":
-            obj.switch_to_late(z_f=z_f)  # the size (121) above the target, or at it
+            obj.switch_to_late(z_f=z_f)  # the size above the target, or at it
             obj.target_size = 1e9 if stage == "late, at target" else 10.0
         runs = []
         for reference in (False, True):
-            f = torch.tensor(0.7, dtype=dtype, requires_grad=True)
+            f = task_loss()
             info: dict[str, torch.Tensor] = {}
             if reference:  # the expressions, autograd through every op
-                s_raw, cores = gate_sizes(model, counts=stage != "early", bank=obj.bank)
+                s_raw, cores = gate_sizes(net, counts=stage != "early", bank=obj.bank)
                 total, _ = obj._terms(f, s_raw, cores, info)
             else:
                 total, info = obj(f)
-            grads = torch.autograd.grad(2.0 * total, [f, *gates])
+                if model != "gates" and op_impl == "backend":
+                    assert total.grad_fn.name() == FOLDED
+            grads = torch.autograd.grad(2.0 * total, wrt)
             runs.append((total.detach(), {k: v.detach() for k, v in info.items()
                                           if k != "target_size"}, grads))
         (total, info, grads), (ref_total, ref_info, ref_grads) = runs
@@ -156,3 +192,43 @@ def test_the_objective_is_its_expressions_differentiated_to_the_bit(
         if stage == "early":
             break
     assert lambdas == ({0.0} if stage in ("early", "late, at target") else {0.0, 1.0})
+
+
+def test_a_layer_without_an_output_of_this_step_sends_the_objective_to_the_gates(
+        cpu_backend: object) -> None:
+    """An output counts only within its step and once: a layer that did not run since
+    the last step (or whose output a call already took) leaves the objective to its own
+    pass over the gates, with the same loss and gradients; frozen ranks switch the
+    layers' outputs off; a copy of the model starts with none."""
+    import copy
+
+    from comera_engine.config import CoMERAConfig
+    from comera_engine.rank import CoMERAObjective
+
+    net = _ttm_net(torch.float64)
+    x = torch.randn(5, 24, dtype=torch.float64)
+    obj = CoMERAObjective(net, CoMERAConfig(gamma=0.3, target_compression=2.0))
+    params = list(net.parameters())
+    assert obj(net(x).pow(2).mean())[0].grad_fn.name() == FOLDED
+    f = net(x).pow(2).mean()
+    obj.begin_step(2)  # a step went by: the outputs of that forward are stale
+    total, info = obj(f)
+    assert total.grad_fn.name() != FOLDED
+    assert torch.equal(info["size_surrogate"], gate_sizes(net, bank=obj.bank)[0].detach())
+    f = net(x).pow(2).mean()
+    assert obj(f)[0].grad_fn.name() == FOLDED
+    assert obj(f)[0].grad_fn.name() != FOLDED  # taken once
+    # the last layer does not run in this step: its gates still get the size term
+    f = net[1](net[0](x)).pow(2).mean()
+    total, _ = obj(f)
+    assert total.grad_fn.name() != FOLDED
+    s_raw, _ = gate_sizes(net, bank=obj.bank)
+    ref, _ = obj._terms(f, s_raw, None, {})
+    for g, r in zip(torch.autograd.grad(total, params, retain_graph=True, allow_unused=True),
+                    torch.autograd.grad(ref, params, allow_unused=True)):
+        assert (g is None) == (r is None) and (g is None or torch.equal(g, r))
+    net(x)
+    twin = copy.deepcopy(net)  # right after a forward: the outputs are not copied
+    assert all(m.tt.size_tap.slots is None for _, m in tt_layers(twin))
+    obj.frozen = True
+    assert all(m.tt.size_tap.slots is None for _, m in tt_layers(net))

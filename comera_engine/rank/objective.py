@@ -46,6 +46,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..config import CoMERAConfig, resolve_schedule, validate_comera
@@ -93,11 +94,21 @@ class CoMERAObjective:
         self._layers = [m for _, m in tt_layers(model)]  # the model's structure is fixed
         self.bank = GateBank(self._layers)  # their gates, laid out once per structure
         self.S0 = float(max(1, sum(m.tt.num_params(False) for m in self._layers)))
+        self._early_settings = [self.S0, cfg.gamma]  # the backend's, early stage
         self.dense = dense_size(model)
         self.step_index = 0
         self._ramp: Tensor | None = None
         self._ramp_value = 0.0  # what _ramp holds
         self.target_size: float | None = None
+        # the layers' own size outputs (SizeTap: a TT matrix's node gives its layer's Ŝ
+        # and S), used where every layer gives them
+        taps = [getattr(m.tt, "size_tap", None) for m in self._layers]
+        self._taps = taps if taps and all(t is not None for t in taps) else None
+        self._slots: list[Tensor | None] | None = None  # what the taps leave, per layer
+        if self._taps is not None:
+            self._slots = [None] * len(self._taps)
+            for index, tap in enumerate(self._taps):
+                tap.index = index
         self.frozen = False  # ranks fixed at the target: the task loss alone
         self._fixed_size: Tensor | None = None  # the size once frozen (a constant)
         self._consts: dict[str, tuple] = {}
@@ -106,6 +117,19 @@ class CoMERAObjective:
         if cfg.target_compression is not None:  # refuses a target below the floor
             self.target_size = plan_target(size_spec(model), cfg.target_scope,
                                            cfg.target_compression).target
+
+    @property
+    def frozen(self) -> bool:
+        """The ranks are fixed at the target: the objective is the task loss alone."""
+        return self._frozen
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self._frozen = bool(value)
+        if self._slots is not None:  # the layers' size outputs, while the size counts
+            self._slots[:] = [None] * len(self._slots)
+            for tap in self._taps or ():
+                tap.slots = None if self._frozen else self._slots
 
     def switch_to_late(self, z_f: float) -> None:
         """Enter the late stage. ``z_f``: the early-stage plateau loss."""
@@ -118,6 +142,8 @@ class CoMERAObjective:
     def begin_step(self, index: int) -> None:
         """The 0-based index of the step about to run (drives the ``γ`` warm-up)."""
         self.step_index = index
+        if self._slots is not None:  # the layers' size outputs from before are stale
+            self._slots[:] = [None] * len(self._slots)
         ramp = gamma_ramp(self.cfg.gamma_warmup, index)
         if self._ramp is not None and ramp != self._ramp_value:  # 1 after the warm-up
             self._ramp.fill_(ramp)
@@ -131,37 +157,32 @@ class CoMERAObjective:
         return self._ramp
 
     def __call__(self, f: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        cfg, model = self.cfg, self.model
-        reg = None  # the cores' L2 term (comera.l2_cores; off by default)
-        if cfg.l2_cores > 0:
+        info: dict[str, Tensor] = {}
+        if self._frozen:  # ranks fixed: the size is a constant, counted once
+            if self._fixed_size is None or self._fixed_size.device != f.device:
+                self._fixed_size = (effective_core_size(self.model, self.bank)
+                                    + self._extra).to(f.dtype)
+            total = f
+            info["lambda"] = self._const(f, "zero", 0.0)  # not chosen (logged only)
+            info["size"] = self._fixed_size
+        else:
+            sized = self._layer_sizes()  # taken on every call: each is of one step
+            backend = self.bank.backend()  # not None: the gates are float CPU tensors
+            if backend is not None and f.is_cpu and f.dim() == 0 and (
+                    f.dtype in (torch.float32, torch.float64)):
+                total = self._native_terms(backend.ops, f, info, sized)
+            elif self.bank.flat()[0]:  # the whole loss as one autograd node (_Scalarised)
+                total = _Scalarised.apply(self, info, f, *self.bank.flat()[0])
+            else:  # single-core layers only (no bond): the same terms, autograd through them
+                s_raw, cores64 = gate_sizes(self.model, counts=self.stage != "early",
+                                            bank=self.bank)
+                total, _ = self._terms(f, s_raw, cores64, info)
+        if self.cfg.l2_cores > 0:  # the cores' L2 term (comera.l2_cores; off by default)
             reg = f.new_zeros(())
             for m in self._layers:
                 for c in m.tt.cores:
                     reg = reg + c.pow(2).sum()
-            reg = cfg.l2_cores * reg
-        info: dict[str, Tensor] = {}
-        if self.frozen:  # ranks fixed: the size is a constant, counted once
-            if self._fixed_size is None or self._fixed_size.device != f.device:
-                self._fixed_size = (effective_core_size(model, self.bank)
-                                    + self._extra).to(f.dtype)
-            total = f if reg is None else f + reg
-            info["lambda"] = self._const(f, "zero", 0.0)  # not chosen (logged only)
-            info["size"] = self._fixed_size
-            if self.target_size is not None:
-                info["target_size"] = self._const(f, "target_size", self.target_size)
-            return total, info
-        gates = self.bank.flat()[0]
-        backend = self.bank.backend()  # not None: the gates are float CPU tensors
-        if backend is not None and f.is_cpu and f.dim() == 0 and (
-                f.dtype in (torch.float32, torch.float64)):
-            total = self._native_terms(backend.ops, f, info)
-        elif gates:  # the whole loss as one autograd node (_Scalarised)
-            total = _Scalarised.apply(self, info, f, *gates)
-        else:  # single-core layers only (no bond): the same terms, autograd through them
-            s_raw, cores64 = gate_sizes(model, counts=self.stage != "early", bank=self.bank)
-            total, _ = self._terms(f, s_raw, cores64, info)
-        if reg is not None:
-            total = total + reg
+            total = total + self.cfg.l2_cores * reg
         if self.target_size is not None:
             info["target_size"] = self._const(f, "target_size", self.target_size)
         return total, info
@@ -209,42 +230,66 @@ class CoMERAObjective:
 
         return total, grads
 
-    def _native_terms(self, ops, f: Tensor, info: dict[str, Tensor]) -> Tensor:  # noqa: ANN001
+    def _layer_sizes(self) -> list[Tensor] | None:
+        """Every layer's ``(Ŝ, S)`` pair as its own forward output it in this step (its
+        :class:`~comera_engine.tensor.tt.SizeTap`), each taken once; ``None`` where some
+        layer left none (it did not run with gradients on the backend's node since the
+        last step or call): the objective then makes its own pass over the gates."""
+        slots = self._slots
+        if slots is None:
+            return None
+        sized = slots.copy()
+        slots[:] = [None] * len(slots)
+        for pair in sized:
+            if pair is None:
+                return None
+        return sized  # type: ignore[return-value]
+
+    def _native_terms(self, ops, f: Tensor, info: dict[str, Tensor],  # noqa: ANN001
+                      sized: list[Tensor] | None) -> Tensor:
         """The loss of :meth:`_terms` as one autograd node of the CPU backend
         (``csrc/gate_size.cpp``: every scalar op of the expressions rounded as the tensor
-        op rounds it, and the backward's products and sums as autograd forms them)."""
-        cfg = self.cfg
+        op rounds it, and the backward's products and sums as autograd forms them): over
+        the layers' own ``(Ŝ, S)`` pairs where ``sized`` holds them (their nodes then give
+        the gates their size gradient), else over the gates."""
         late = self.stage != "early"
         if late:
             assert self.z_f is not None and self.target_size is not None
-            side = _mean_over_processes(f.detach())  # every process picks the same λ
+            side = _mean_over_processes(f)  # every process picks the same λ (read only)
+            cfg = self.cfg
             settings = [self.S0, self._extra, self.z_f, self.target_size, cfg.rho_f,
                         cfg.rho_s, float(cfg.late_norm != "initial"),
                         float(cfg.size_off_at_target is not False)]
         else:
-            ramp = self._ramp
-            side = ramp if ramp is not None and ramp.is_cpu else self._ramp_on(f.device)
-            settings = [self.S0, cfg.gamma]
+            side = self._ramp
+            if side is None or not side.is_cpu:
+                side = self._ramp_on(f.device)
+            settings = self._early_settings
         gates, alive, _ = self.bank.flat()
-        total, s_raw, first, lam = ops.size_objective(self.bank.native(ops), gates, alive, f,
-                                                      side, late, settings)
+        if sized is not None:
+            total, s_raw, first, lam = ops.size_objective_layers(
+                sized, f, side, late, settings, gates[0].dtype is torch.float64)
+        else:
+            total, s_raw, first, lam = ops.size_objective(self.bank.native(ops), gates, alive,
+                                                          f, side, late, settings)
         info["size_surrogate"] = s_raw
+        info["lambda"] = lam  # the early stage's 0: λ is not chosen there (logged only)
         if late:
-            info["lambda"], info["size"] = lam, first
+            info["size"] = first
             info["z_f"] = self._const(f, "z_f", self.z_f)
         else:
-            info["lambda"] = lam  # 0: λ is not chosen in the early stage (logged only)
             info["gamma"] = first
         return total
 
     def _const(self, like: Tensor, name: str, value: float) -> Tensor:
         """``value`` as a 0-d tensor like ``like``, made once (logged every step)."""
-        key = (name, value, like.get_device(), like.dtype)  # an index: no device object
         t = self._consts.get(name)
-        if t is None or t[0] != key:
-            t = (key, like.new_full((), value))
-            self._consts[name] = t
-        return t[1]
+        if t is not None and t[0] == value and t[1] is like.dtype and (
+                t[2] == like.get_device()):  # a device's index: no device object
+            return t[3]
+        made = like.new_full((), value)
+        self._consts[name] = (value, like.dtype, like.get_device(), made)
+        return made
 
 
 class _Scalarised(torch.autograd.Function):
@@ -273,15 +318,13 @@ class _Scalarised(torch.autograd.Function):
 
 
 def _mean_over_processes(value: Tensor) -> Tensor:
-    """``value`` averaged over the processes of a running process group (itself alone).
-    Under DDP each process sees its own share of the batch, so its own loss; deciding λ
-    from it would have the processes optimise different objectives. (DDP steps run
-    eagerly: no CUDA graph captures this collective.)"""
-    import torch.distributed as dist
-
+    """``value`` averaged over the processes of a running process group (itself alone,
+    as it is). Under DDP each process sees its own share of the batch, so its own loss;
+    deciding λ from it would have the processes optimise different objectives. (DDP
+    steps run eagerly: no CUDA graph captures this collective.)"""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return value
-    total = value.clone()
+    total = value.detach().clone()
     dist.all_reduce(total)
     return total / dist.get_world_size()
 

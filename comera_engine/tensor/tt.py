@@ -26,10 +26,11 @@ from torch import Tensor, nn
 from ..ops.gates import absorb_gates, flat_mask, gate_masks
 from ..ops.merges import contract_chain
 from ..ops.ttm_matrix import ttm_matrix as gated_ttm_matrix
-from ..ops.ttm_matrix import ttm_matrix_reference
+from ..ops.ttm_matrix import ttm_matrix_reference, ttm_matrix_sized
 
 __all__ = [
     "RankChange",
+    "SizeTap",
     "TensorTrain",
     "TTLinearCores",
     "TTMCores",
@@ -521,6 +522,29 @@ class TTLinearCores(_TTMatrix):
 
 
 
+class SizeTap:
+    """Where a TT matrix's forward leaves its layer's size outputs for the CoMERA
+    objective (:func:`comera_engine.ops.ttm_matrix.ttm_matrix_sized`): while ``slots`` is
+    set (the objective's list, an entry per layer), a forward run with gradients writes
+    the float64 pair ``(Ŝ, S)`` of the backend's node to ``slots[index]`` (``None``
+    where the reference ran). The objective takes the entries at each call and empties
+    them at each step, so an entry is of the step whose forward made it. Neither copied
+    nor pickled: a copy of the module starts unset (the entries are of an autograd
+    graph)."""
+
+    __slots__ = ("index", "slots")
+
+    def __init__(self) -> None:
+        self.slots: list[Tensor | None] | None = None
+        self.index = 0
+
+    def __deepcopy__(self, memo: dict) -> SizeTap:
+        return SizeTap()
+
+    def __reduce__(self) -> tuple:
+        return (SizeTap, ())
+
+
 class TTMCores(_TTMatrix):
     """TT-matrix of a table ``E ∈ R^{V×D}``: cores ``(r_{k-1}, v_k, e_k, r_k)``,
     ``V <= ∏ v_k``, ``D = ∏ e_k``. Row ``i`` unravels to ``(i_1..i_d)`` (row-major)."""
@@ -533,6 +557,8 @@ class TTMCores(_TTMatrix):
                                                           ("row_factors", "col_factors"))
         modes = list(zip(self.row_factors, self.col_factors))
         super().__init__(modes, rank, tau=tau, init_var=init_var, dtype=dtype, device=device)
+        #: the layer's size outputs for the CoMERA objective (:class:`SizeTap`)
+        self.size_tap = SizeTap()
 
     @property
     def d(self) -> int:
@@ -545,8 +571,13 @@ class TTMCores(_TTMatrix):
     def to_matrix(self) -> Tensor:
         """The matrix ``(∏ v_k, ∏ e_k)`` of the gated cores, padding included
         (:func:`comera_engine.ops.ttm_matrix.ttm_matrix`: one autograd node on the CPU
-        backend)."""
+        backend). With :attr:`size_tap` set and gradients on, the same node's size
+        outputs are left in the tap."""
         cores, gates, alive = self.parts()
+        tap = self.size_tap
+        if tap.slots is not None and torch.is_grad_enabled():
+            W, tap.slots[tap.index] = ttm_matrix_sized(cores, gates, alive, self.tau)
+            return W
         return gated_ttm_matrix(cores, gates, alive, self.tau)
 
     def to_dense(self) -> Tensor:

@@ -25,8 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("size_objective", &comera::size_objective,
           "rank gates: the CoMERA objective's loss and its terms, differentiable "
           "(rank.objective)");
+  mod.def("size_objective_layers", &comera::size_objective_layers,
+          "rank gates: the CoMERA objective over the layers' own size outputs "
+          "(rank.objective)");
   mod.def("ttm_matrix", &comera::ttm_matrix,
-          "TT matrix: W (N, M) from gated cores, one autograd node (tensor.tt)");
+          "TT matrix: W (N, M) from gated cores, with the layer's size surrogate on "
+          "request, one autograd node (tensor.tt)");
   mod.def("clip_grad_norm", &comera::clip_grad_norm,
           "gradients: total 2-norm, scaled in place to max_norm (train.step)");
   mod.def("adamw_step", &comera::adamw_step,
