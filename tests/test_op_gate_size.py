@@ -129,7 +129,7 @@ def _ttm_net(dtype: torch.dtype) -> nn.Module:
 
 
 
-FOLDED = "CoMERAObjectiveBackward"  # the objective's node over the layers' own outputs
+FOLDED = "CoMERAObjectiveOverLayersBackward"  # the objective's node over the layers' own outputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -12,7 +12,6 @@
 // Sums are taken in double.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
@@ -243,7 +242,6 @@ void BankLayout::check(const std::vector<Tensor>& gates, const std::vector<Tenso
 
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // The CoMERA objective's loss (rank/objective.py, CoMERAObjective._terms: the PyTorch
@@ -336,41 +334,23 @@ Tensor objective_backward(const Tensor& d, const std::vector<double>& c, bool la
   return d_f;
 }
 
-// The objective over a layout (objective_forward), Ŝ from the surrogate pass over its
-// gates: inputs the task loss `f` and the gates; the gates' gradient is dŜ/dg times dL/dŜ.
-struct SizeObjective : public torch::autograd::Function<SizeObjective> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& f, at::TensorList gates,
-                               const std::vector<Tensor>* alive, const BankLayout* layout,
-                               const Tensor& side, bool late, const std::vector<double>& p) {
-    const auto& L = *layout;
-    double s_hat_d = 0.0, size_d = 0.0;
-    int64_t total_n = 0;
-    for (int64_t n : L.sizes) total_n += n;
-    const std::vector<Tensor> gs = gates.vec();
-    Tensor grad = at::empty({total_n}, gs[0].options());
-    surrogate_pass(gs, *alive, L.bonds, L.modes, L.taus, grad, s_hat_d, size_d);
-    std::vector<double> c;
-    variable_list res =
-        objective_forward(f, side, late, p, s_hat_d, size_d, gs[0].scalar_type(), c);
-    ctx->mark_non_differentiable({res[1], res[2], res[3]});
-    ctx->set_materialize_grads(false);
-    ctx->saved_data["grad"] = grad;
-    ctx->saved_data["c"] = c;
-    ctx->saved_data["late"] = late;
-    ctx->saved_data["sizes"] = L.sizes;
-    return res;
-  }
+// The backward of the objective over a layout (objective_forward, Ŝ from the surrogate
+// pass over its gates; size_objective below), a plain autograd node (see
+// LayerSizesBackward). Edges: the task loss `f`, then the gates; a gate's gradient is
+// dŜ/dg times dL/dŜ.
+struct SizeObjectiveBackward : public torch::autograd::Node {
+  Tensor grad;                 // dŜ/dg of every entry, flat
+  std::vector<int64_t> sizes;  // the gates' lengths
+  std::vector<double> c;       // objective_forward's
+  bool late = false;
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(num_outputs());
     const Tensor& d = grads[0];
-    const Tensor grad = ctx->saved_data["grad"].toTensor();
-    const auto sizes = ctx->saved_data["sizes"].toIntVector();
-    variable_list out(1 + sizes.size() + 5);  // f, the gates, then the other arguments
     if (!d.defined()) return out;
     double d_s_v = 0.0;
-    const Tensor d_f = objective_backward(d, ctx->saved_data["c"].toDoubleVector(),
-                                          ctx->saved_data["late"].toBool(), d_s_v);
-    if (ctx->needs_input_grad(0)) out[0] = d_f;
+    Tensor d_f = objective_backward(d, c, late, d_s_v);
+    if (task_should_compute_output(0)) out[0] = std::move(d_f);
     // grad * d_s, d_s first rounded to the gates' dtype (as `grad * d_s.to(dtype)`)
     Tensor scaled = at::empty_like(grad);
     AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "size_objective_scale", [&] {
@@ -380,9 +360,15 @@ struct SizeObjective : public torch::autograd::Function<SizeObjective> {
       for (int64_t i = 0, n = grad.numel(); i < n; ++i) dst[i] = src[i] * m;
     });
     auto parts = scaled.split_with_sizes(sizes);
-    for (size_t i = 0; i < parts.size(); ++i) out[1 + i] = parts[i];
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (task_should_compute_output(1 + i)) out[1 + i] = parts[i];
+    }
     return out;
   }
+
+  void release_variables() override { grad.reset(); }
+
+  std::string name() const override { return "CoMERAObjectiveOverGatesBackward"; }
 };
 
 // The backward of the objective over the {Ŝ_l, S_l} pairs the layers' own nodes output
@@ -417,7 +403,7 @@ struct LayerSizesBackward : public torch::autograd::Node {
     return out;
   }
 
-  std::string name() const override { return "CoMERAObjectiveBackward"; }
+  std::string name() const override { return "CoMERAObjectiveOverLayersBackward"; }
 };
 
 // Some live entry at or below its threshold (the layout checked by the caller).
@@ -452,7 +438,25 @@ std::vector<Tensor> size_objective(const BankLayout& layout, const std::vector<T
                                    const Tensor& side, bool late,
                                    const std::vector<double>& p) {
   layout.check(gates, alive);
-  return SizeObjective::apply(f, at::TensorList(gates), &alive, &layout, side, late, p);
+  double s_hat_d = 0.0, size_d = 0.0;
+  int64_t total_n = 0;
+  for (int64_t n : layout.sizes) total_n += n;
+  Tensor grad = at::empty({total_n}, gates[0].options());
+  surrogate_pass(gates, alive, layout.bonds, layout.modes, layout.taus, grad, s_hat_d, size_d);
+  std::vector<double> c;
+  std::vector<Tensor> res = objective_forward(f, side, late, p, s_hat_d, size_d,
+                                              gates[0].scalar_type(), c);
+  const at::TensorList gs(gates);
+  if (torch::autograd::compute_requires_grad(f, gs)) {
+    auto node = c10::make_intrusive<SizeObjectiveBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(f, gs));
+    node->grad = std::move(grad);
+    node->sizes = layout.sizes;
+    node->c = std::move(c);
+    node->late = late;
+    torch::autograd::set_history(res[0], node);
+  }
+  return res;
 }
 
 std::vector<Tensor> size_objective_layers(const std::vector<Tensor>& sized, const Tensor& f,
