@@ -26,7 +26,8 @@ moves its time for the whole process), then the median over ``--processes`` runs
 fresh processes (the JSON keeps each process's overhead: ``overhead_runs``), in
 milliseconds per step, wall-clock (``ms``) and the process's CPU time (``cpu_ms``: on a
 shared machine what other processes take does not count); ``overhead`` and
-``cpu_overhead`` are against ``fixed``. The process keeps freed memory as ``comera
+``cpu_overhead`` are against ``fixed``, paired by round: the median over rounds of the
+variant's time over ``fixed``'s in the same round. The process keeps freed memory as ``comera
 train`` does on CPU (:func:`comera_engine.backends.keep_freed_memory`; the JSON's
 ``mmap_threshold``, 0 where it is off). Prints a table and writes
 experiments/results/bench_controller_cpu.json.
@@ -161,9 +162,17 @@ def bench(config: str, rounds: int, reps: int, builds: int) -> list[dict]:
         del fns, resets
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     cpu_ms = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
-    return [{"config": config, "variant": k, "ms": v, "overhead": v / ms["fixed"] - 1.0,
-             "cpu_ms": cpu_ms[k], "cpu_overhead": cpu_ms[k] / cpu_ms["fixed"] - 1.0,
-             **info} for k, v in ms.items()]
+    return [{"config": config, "variant": k, "ms": v, "overhead": _paired(times, k),
+             "cpu_ms": cpu_ms[k], "cpu_overhead": _paired(cpu, k), **info}
+            for k, v in ms.items()]
+
+
+def _paired(times: dict[str, list[float]], variant: str) -> float:
+    """The median over rounds of ``variant``'s time over ``fixed``'s in the same round,
+    less 1: within a round the variants run one right after another, so a round's ratio
+    leaves out what the machine drifts by over the seconds between rounds (the same
+    step's time moved by 20 % within a process on the shared VMs)."""
+    return statistics.median(t / f for t, f in zip(times[variant], times["fixed"])) - 1.0
 
 
 def _in_processes(argv: list[str], processes: int) -> list[dict]:
@@ -234,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "rounds": args.rounds, "reps": args.reps,
                                              "builds": args.builds,
                                              "processes": args.processes,
+                                             "paired": True,
                                              "mmap_threshold": heap, "rows": rows}, args.out)
     return 0
 

@@ -85,6 +85,10 @@ def controller(data: dict[str, Any]) -> str:
             "of the stages below it). No gate dies while timing, so every row has the "
             "same ranks. Medians of the rounds, wall-clock and the process's CPU time (on "
             "a shared machine what other processes take is not counted in the latter).")
+    if data.get("paired"):
+        what += (" An overhead is paired by round: per round the variant's time over "
+                 "`fixed`'s in that round (the variants run one right after another), "
+                 "the median over the rounds.")
     if data.get("builds"):
         what += (f" Every round starts each variant from its state after the warm-up, and "
                  f"the rounds are spread over {data['builds']} fresh builds of the "

@@ -325,17 +325,19 @@ class CoMERA:
                 and step % self.cfg.balance_every == 0):
             balance_gates(self._layers.values())  # before the refresh judges the gates
         rank_events = self._refresh(step, counts)
-        events += [Event(step, "rank_change", str(e), e.as_dict()) for e in rank_events]
-        self.removed["objective"] += sum(e.old - e.new for e in rank_events)
+        if rank_events:
+            events += [Event(step, "rank_change", str(e), e.as_dict()) for e in rank_events]
+            self.removed["objective"] += sum(e.old - e.new for e in rank_events)
         if self.objective is not None and self.objective.stage == "early":
             switched = self._maybe_switch(step, self._loss_value(loss))
             if switched is not None:
                 events.append(switched)
         paced = self._pace_step(step, bool(rank_events), counts)
-        for e in paced:  # prunes count up, revivals down
-            for changes in e.data.get("changes", {}).values():
-                self.removed["pace"] += sum(old - new for _, old, new in changes)
-        events += paced
+        if paced:
+            for e in paced:  # prunes count up, revivals down
+                for changes in e.data.get("changes", {}).values():
+                    self.removed["pace"] += sum(old - new for _, old, new in changes)
+            events += paced
         if rank_events and not paced:
             met = self._stop_at_target(step, counts)
             if met is not None:
@@ -348,7 +350,8 @@ class CoMERA:
                 events.append(done)
         if self.objective is not None:
             self.objective.begin_step(step)  # the γ warm-up's next step
-        self._emit(events)
+        if events:
+            self._emit(events)
         return events
 
     def _emit(self, events: list[Event]) -> None:
@@ -464,16 +467,16 @@ class CoMERA:
         """Prune ranks that lag the planned path (at every pace check, and every step from
         ``reach_at`` on until the target is met), and fix the ranks once the size is at
         the target."""
-        if not self._pacing() or self.frozen:
-            return []
-        assert self.objective is not None and self.objective.target_size is not None
-        target = float(self.objective.target_size)
-        events: list[Event] = []
         pace = self.pace
+        if (pace is None and not ranks_changed) or not self._pacing() or self.frozen:
+            return []  # (no pace yet: nothing to check unless ranks changed)
+        assert self.objective is not None and self.objective.target_size is not None
         check = pace is not None and (step >= pace.reach_step
                                       or (step - pace.start_step) % pace.every() == 0)
         if not (check or ranks_changed):
             return []
+        target = float(self.objective.target_size)
+        events: list[Event] = []
         size = self.current_size(counts)
         low = target / (1 + TARGET_TOLERANCE)
         if check and pace is not None and size > pace.goal(step):

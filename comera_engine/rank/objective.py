@@ -94,7 +94,8 @@ class CoMERAObjective:
         self._layers = [m for _, m in tt_layers(model)]  # the model's structure is fixed
         self.bank = GateBank(self._layers)  # their gates, laid out once per structure
         self.S0 = float(max(1, sum(m.tt.num_params(False) for m in self._layers)))
-        self._early_settings = [self.S0, cfg.gamma]  # the backend's, early stage
+        self._early_settings = [self.S0, cfg.gamma]  # the backend's, per stage
+        self._late_settings: list[float | None] = [None] * 8  # made at the first call
         self.dense = dense_size(model)
         self.step_index = 0
         self._ramp: Tensor | None = None
@@ -256,10 +257,13 @@ class CoMERAObjective:
         if late:
             assert self.z_f is not None and self.target_size is not None
             side = _mean_over_processes(f)  # every process picks the same λ (read only)
-            cfg = self.cfg
-            settings = [self.S0, self._extra, self.z_f, self.target_size, cfg.rho_f,
-                        cfg.rho_s, float(cfg.late_norm != "initial"),
-                        float(cfg.size_off_at_target is not False)]
+            settings = self._late_settings
+            if settings[2] != self.z_f or settings[3] != self.target_size:
+                cfg = self.cfg
+                settings = self._late_settings = [
+                    self.S0, self._extra, self.z_f, self.target_size, cfg.rho_f, cfg.rho_s,
+                    float(cfg.late_norm != "initial"),
+                    float(cfg.size_off_at_target is not False)]
         else:
             side = self._ramp
             if side is None or not side.is_cpu:

@@ -154,10 +154,10 @@ T scalar_of(const Tensor& t) {
   return t.item<T>();
 }
 
-// A new 0-d tensor holding v (one allocation, no fill op).
+// A new 0-d CPU tensor of T holding v (one allocation, no fill op).
 template <typename T>
-Tensor scalar_as(T v, const at::TensorOptions& options) {
-  Tensor t = at::empty({}, options);
+Tensor scalar_as(T v) {
+  Tensor t = cpu_empty({}, c10::CppTypeToScalarType<T>::value);
   *t.data_ptr<T>() = v;
   return t;
 }
@@ -261,7 +261,7 @@ std::vector<Tensor> objective_forward(const Tensor& f, const Tensor& side, bool 
   TORCH_CHECK(f.dim() == 0 && f.is_cpu() && side.dim() == 0 && side.is_cpu(),
               "size_objective: the loss and its side value must be CPU scalars");
   TORCH_CHECK(p.size() == (late ? 8u : 2u), "size_objective: ", p.size(), " settings");
-  Tensor s_raw = at::empty({}, f.options().dtype(gate_dtype));  // S_hat in the gates' dtype
+  Tensor s_raw = cpu_empty({}, gate_dtype);  // S_hat in the gates' dtype
   double s_g = 0.0;
   AT_DISPATCH_FLOATING_TYPES(s_raw.scalar_type(), "size_objective_s", [&] {
     const auto v = static_cast<scalar_t>(s_hat_d);
@@ -304,9 +304,9 @@ std::vector<Tensor> objective_forward(const Tensor& f, const Tensor& side, bool 
       c[3] = static_cast<double>(norm);
       c[4] = static_cast<double>(off_f);
     }
-    out = scalar_as<T>(total, f.options());
-    first = scalar_as<T>(a, f.options());
-    lam = scalar_as<T>(l, f.options());
+    out = scalar_as<T>(total);
+    first = scalar_as<T>(a);
+    lam = scalar_as<T>(l);
   });
   return {out, s_raw, first, lam};
 }
@@ -328,7 +328,7 @@ Tensor objective_backward(const Tensor& d, const std::vector<double>& c, bool la
       if (c[3] != 0.0) ds = mul(ds, static_cast<T>(c[3]));
       ds = ds / S0;
     }
-    d_f = late ? scalar_as<T>(df, d.options()) : d;
+    d_f = late ? scalar_as<T>(df) : d;
     d_s = static_cast<double>(ds);
   });
   return d_f;
@@ -352,7 +352,7 @@ struct SizeObjectiveBackward : public torch::autograd::Node {
     Tensor d_f = objective_backward(d, c, late, d_s_v);
     if (task_should_compute_output(0)) out[0] = std::move(d_f);
     // grad * d_s, d_s first rounded to the gates' dtype (as `grad * d_s.to(dtype)`)
-    Tensor scaled = at::empty_like(grad);
+    Tensor scaled = cpu_empty(grad.sizes(), grad.scalar_type());
     AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "size_objective_scale", [&] {
       const scalar_t* __restrict__ src = grad.data_ptr<scalar_t>();
       scalar_t* __restrict__ dst = scaled.data_ptr<scalar_t>();
@@ -394,7 +394,7 @@ struct LayerSizesBackward : public torch::autograd::Node {
     for (size_t l = 1; l < n; ++l) {
       if (!task_should_compute_output(l)) continue;
       if (!d_s.defined()) {
-        d_s = at::empty({2}, d.options().dtype(at::kDouble));
+        d_s = cpu_empty({2}, at::kDouble);
         d_s.data_ptr<double>()[0] = d_s_v;
         d_s.data_ptr<double>()[1] = 0.0;
       }
@@ -441,7 +441,7 @@ std::vector<Tensor> size_objective(const BankLayout& layout, const std::vector<T
   double s_hat_d = 0.0, size_d = 0.0;
   int64_t total_n = 0;
   for (int64_t n : layout.sizes) total_n += n;
-  Tensor grad = at::empty({total_n}, gates[0].options());
+  Tensor grad = cpu_empty({total_n}, gates[0].scalar_type());
   surrogate_pass(gates, alive, layout.bonds, layout.modes, layout.taus, grad, s_hat_d, size_d);
   std::vector<double> c;
   std::vector<Tensor> res = objective_forward(f, side, late, p, s_hat_d, size_d,

@@ -103,24 +103,25 @@ std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
   // E = G·diag(v) (right bond) or diag(v)·G (left): dG = dE·v, dg = m ⊙ Σ dE ⊙ G over
   // the core's other axes (summed in the gate dtype, row by row: vectorizes)
   std::vector<Tensor> d_raw(d_eff.begin(), d_eff.end());
-  // every entry is written below unless a core got no gradient (its gate's stay zero)
-  bool all_reached = true;
-  for (const auto& g : d_eff) all_reached = all_reached && g.defined();
-  Tensor flat = !need_gates ? Tensor() : all_reached ? at::empty_like(gm) : at::zeros_like(gm);
-  std::vector<int64_t> sizes;
+  // one new vector per gate (no views of a shared one: each view is a dispatch)
+  std::vector<Tensor> d_gates(need_gates ? sites.size() : 0);
   AT_DISPATCH_FLOATING_TYPES(gm.scalar_type(), "gate_grads", [&] {
     const scalar_t* pg = gm.data_ptr<scalar_t>();
     const bool* pm = m.data_ptr<bool>();
-    scalar_t* pf = need_gates ? flat.data_ptr<scalar_t>() : nullptr;
     int64_t off = 0;
     std::vector<scalar_t> acc;
     for (size_t b = 0; b < sites.size(); ++b) {
       const int64_t j = sites[b].core;
       const GateLayout L = layout_of(raw[j], sites[b].right);
       const int64_t r = L.right ? L.cols : L.rows;
-      sizes.push_back(r);
+      scalar_t* pf = nullptr;
+      if (need_gates) {
+        d_gates[b] = cpu_empty({r}, gm.scalar_type());
+        pf = d_gates[b].data_ptr<scalar_t>();
+      }
       const scalar_t* v = pg + off;
       if (!d_eff[j].defined()) {  // no gradient reached this core: zero for its gate
+        if (pf != nullptr) std::fill(pf, pf + r, scalar_t(0));
         off += r;
         continue;
       }
@@ -157,7 +158,7 @@ std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
         }
       }
       if (pf != nullptr) {
-        for (int64_t k = 0; k < r; ++k) pf[off + k] = pm[off + k] ? pa[k] : 0;
+        for (int64_t k = 0; k < r; ++k) pf[k] = pm[off + k] ? pa[k] : 0;
       }
       if (need_cores) d_raw[j] = dG;
       off += r;
@@ -165,7 +166,7 @@ std::vector<Tensor> gate_grads(const std::vector<Tensor>& d_eff,
   });
   for (auto& g : d_raw) out.push_back(need_cores ? g : Tensor());
   if (need_gates) {
-    for (auto& part : flat.split_with_sizes(sizes)) out.push_back(part);
+    for (auto& g : d_gates) out.push_back(g);
   } else {
     out.resize(out.size() + sites.size());
   }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 
 #include <algorithm>
 #include <vector>
@@ -26,6 +27,13 @@ struct GateSite {
 std::vector<GateSite> halves_sites(int64_t d);
 // A train of K cores with every bond on the right of its left core (the TT matrix).
 std::vector<GateSite> right_sites(int64_t K);
+
+// A new CPU tensor as at::empty makes it, without going through the dispatcher: right
+// after a model's forward every dispatch costs several times its own work, and the
+// rank gates' small outputs are made then.
+inline Tensor cpu_empty(at::IntArrayRef size, at::ScalarType dtype) {
+  return Tensor(at::detail::empty_cpu(size, dtype));
+}
 
 inline Tensor left_mat(const Tensor& G) { return G.reshape({-1, G.size(-1)}); }   // (r0·n, r1)
 inline Tensor right_mat(const Tensor& G) { return G.reshape({G.size(0), -1}); }  // (r0, n·r1)

@@ -99,7 +99,7 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
     std::vector<double> modes;
     size_layout(raw, dims, lens, modes);
     const LayerSize ls = layer_surrogate(gm, m, lens, modes, Tensor());
-    Tensor sized = at::empty({2}, W.options().dtype(at::kDouble));
+    Tensor sized = cpu_empty({2}, at::kDouble);
     sized.data_ptr<double>()[0] = ls.s_hat;
     sized.data_ptr<double>()[1] = ls.size;
     ctx->saved_data["sized"] = true;
@@ -144,7 +144,7 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
       std::vector<int64_t> lens;
       std::vector<double> modes;
       size_layout(raw, ctx->saved_data["dims"].toIntVector(), lens, modes);
-      Tensor sgrad = at::empty_like(gm);  // dŜ/dg, worked out again from the gates kept
+      Tensor sgrad = cpu_empty({gm.numel()}, gm.scalar_type());  // dŜ/dg, again from the gates kept
       layer_surrogate(gm, ctx->saved_data["m"].toTensor(), lens, modes, sgrad);
       const double dsv = d_s.contiguous().data_ptr<double>()[0];
       AT_DISPATCH_FLOATING_TYPES(sgrad.scalar_type(), "ttm_matrix_size_grad", [&] {
@@ -154,7 +154,7 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
           const int64_t r = raw[b].size(-1);
           Tensor& gb = g[K + b];
           if (!gb.defined()) {
-            gb = at::empty({r}, sgrad.options());
+            gb = cpu_empty({r}, sgrad.scalar_type());
             scalar_t* __restrict__ dst = gb.data_ptr<scalar_t>();
             for (int64_t j = 0; j < r; ++j) dst[j] = src[off + j] * mult;
           } else {  // from W, then plus the product (rounded first, as autograd's add)
