@@ -94,7 +94,9 @@ class CoMERAObjective:
         self._layers = [m for _, m in tt_layers(model)]  # the model's structure is fixed
         self.bank = GateBank(self._layers)  # their gates, laid out once per structure
         self.S0 = float(max(1, sum(m.tt.num_params(False) for m in self._layers)))
+        self._backend_ops = None  # the CPU backend's module, for the layers' pairs
         self._early_settings = [self.S0, cfg.gamma]  # the backend's, per stage
+        self._l2 = cfg.l2_cores
         self._late_settings: list[float | None] = [None] * 8  # made at the first call
         self.dense = dense_size(model)
         self.step_index = 0
@@ -168,22 +170,16 @@ class CoMERAObjective:
             info["size"] = self._fixed_size
         else:
             sized = self._layer_sizes()  # taken on every call: each is of one step
-            backend = self.bank.backend()  # not None: the gates are float CPU tensors
-            if backend is not None and f.is_cpu and f.dim() == 0 and (
-                    f.dtype in (torch.float32, torch.float64)):
-                total = self._native_terms(backend.ops, f, info, sized)
-            elif self.bank.flat()[0]:  # the whole loss as one autograd node (_Scalarised)
-                total = _Scalarised.apply(self, info, f, *self.bank.flat()[0])
-            else:  # single-core layers only (no bond): the same terms, autograd through them
-                s_raw, cores64 = gate_sizes(self.model, counts=self.stage != "early",
-                                            bank=self.bank)
-                total, _ = self._terms(f, s_raw, cores64, info)
-        if self.cfg.l2_cores > 0:  # the cores' L2 term (comera.l2_cores; off by default)
+            # the layers' own pairs come from the backend's nodes only (no autocast)
+            total = None if sized is None else self._native_terms(self._ops(), f, info, sized)
+            if total is None:
+                total = self._gate_terms(f, info)
+        if self._l2:  # the cores' L2 term (comera.l2_cores; off by default)
             reg = f.new_zeros(())
             for m in self._layers:
                 for c in m.tt.cores:
                     reg = reg + c.pow(2).sum()
-            total = total + self.cfg.l2_cores * reg
+            total = total + self._l2 * reg
         if self.target_size is not None:
             info["target_size"] = self._const(f, "target_size", self.target_size)
         return total, info
@@ -246,13 +242,39 @@ class CoMERAObjective:
                 return None
         return sized  # type: ignore[return-value]
 
+    def _gate_terms(self, f: Tensor, info: dict[str, Tensor]) -> Tensor:
+        """The loss over the gates themselves: the CPU backend's node where it takes
+        them and ``f``, else one autograd node in PyTorch (:class:`_Scalarised`), else
+        (single-core layers only, no bond) autograd through the expressions."""
+        backend = self.bank.backend()  # not None: the gates are float CPU tensors
+        if backend is not None and f.is_cpu and f.dim() == 0 and (
+                f.dtype in (torch.float32, torch.float64)):
+            total = self._native_terms(backend.ops, f, info)
+            assert total is not None
+            return total
+        gates = self.bank.flat()[0]
+        if gates:
+            return _Scalarised.apply(self, info, f, *gates)
+        s_raw, cores64 = gate_sizes(self.model, counts=self.stage != "early", bank=self.bank)
+        return self._terms(f, s_raw, cores64, info)[0]
+
+    def _ops(self):  # noqa: ANN202
+        """The CPU backend's module (looked up once)."""
+        if self._backend_ops is None:
+            from ..backends import cpu_backend
+
+            backend = cpu_backend()
+            assert backend is not None, "the layers' size outputs come from the backend"
+            self._backend_ops = backend.ops
+        return self._backend_ops
+
     def _native_terms(self, ops, f: Tensor, info: dict[str, Tensor],  # noqa: ANN001
-                      sized: list[Tensor] | None) -> Tensor:
+                      sized: list[Tensor] | None = None) -> Tensor | None:
         """The loss of :meth:`_terms` as one autograd node of the CPU backend
         (``csrc/gate_size.cpp``: every scalar op of the expressions rounded as the tensor
         op rounds it, and the backward's products and sums as autograd forms them): over
-        the layers' own ``(Ŝ, S)`` pairs where ``sized`` holds them (their nodes then give
-        the gates their size gradient), else over the gates."""
+        the layers' own ``(Ŝ, S)`` pairs where ``sized`` holds them (``None`` where the
+        node does not take ``f``), else over the gates."""
         late = self.stage != "early"
         if late:
             assert self.z_f is not None and self.target_size is not None
@@ -271,8 +293,11 @@ class CoMERAObjective:
             settings = self._early_settings
         gates, alive, _ = self.bank.flat()
         if sized is not None:
-            total, s_raw, first, lam = ops.size_objective_layers(
-                sized, f, side, late, settings, gates[0].dtype is torch.float64)
+            out = ops.size_objective_layers(sized, f, side, late, settings,
+                                            gates[0].dtype is torch.float64)
+            if not out:
+                return None
+            total, s_raw, first, lam = out
         else:
             total, s_raw, first, lam = ops.size_objective(self.bank.native(ops), gates, alive,
                                                           f, side, late, settings)

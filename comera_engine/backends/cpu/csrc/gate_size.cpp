@@ -462,6 +462,12 @@ std::vector<Tensor> size_objective(const BankLayout& layout, const std::vector<T
 std::vector<Tensor> size_objective_layers(const std::vector<Tensor>& sized, const Tensor& f,
                                           const Tensor& side, bool late,
                                           const std::vector<double>& p, bool double_gates) {
+  // a task loss it does not take (not a float32/float64 CPU scalar): nothing made, an
+  // empty list returned (the caller runs its other path)
+  if (!f.defined() || f.dim() != 0 || !f.is_cpu() ||
+      (f.scalar_type() != at::kFloat && f.scalar_type() != at::kDouble)) {
+    return {};
+  }
   // Ŝ = Σ Ŝ_l and S = Σ S_l in layer order, as surrogate_pass adds them up
   TORCH_CHECK(!sized.empty(), "size_objective_layers: no layer");
   double s_hat_d = 0.0, size_d = 0.0;

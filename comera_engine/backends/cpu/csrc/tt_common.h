@@ -140,7 +140,8 @@ LayerSize layer_surrogate(const Tensor& gm, const Tensor& m, const std::vector<i
                           const std::vector<double>& modes, const Tensor& grad);
 // The CoMERA objective's loss over a layout, an autograd node (the same file): {loss,
 // Ŝ, gamma (early) or size (late), lambda}; and the same node over the {Ŝ_l, S_l} pairs
-// the layers' own nodes output (float64; double_gates: the gates' dtype).
+// the layers' own nodes output (float64; double_gates: the gates' dtype), which returns
+// nothing for a task loss that is not a float32/float64 CPU scalar.
 std::vector<Tensor> size_objective(const BankLayout& layout, const std::vector<Tensor>& gates,
                                    const std::vector<Tensor>& alive, const Tensor& f,
                                    const Tensor& side, bool late, const std::vector<double>& p);
