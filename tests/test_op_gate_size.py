@@ -232,3 +232,37 @@ def test_a_layer_without_an_output_of_this_step_sends_the_objective_to_the_gates
     assert all(m.tt.size_tap.slots is None for _, m in tt_layers(twin))
     obj.frozen = True
     assert all(m.tt.size_tap.slots is None for _, m in tt_layers(net))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_keeps_the_objective_and_its_gradients(
+        cpu_backend: object, reentrant: bool) -> None:
+    """A TT-matrix layer under ``torch.utils.checkpoint``: non-reentrant, its forward runs
+    with gradients and hands the objective its size pair; reentrant, the first forward
+    runs without (the objective makes its own pass over the gates). Either way the loss
+    and every gradient are those of the same step without checkpointing, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    from comera_engine.config import CoMERAConfig
+    from comera_engine.rank import CoMERAObjective
+
+    net = _ttm_net(torch.float64)
+    # an input that wants a gradient: the reentrant checkpoint gives the wrapped layer's
+    # parameters theirs only then
+    x = torch.randn(5, 24, dtype=torch.float64, requires_grad=True)
+    obj = CoMERAObjective(net, CoMERAConfig(gamma=0.3, target_compression=2.0))
+    params = list(net.parameters())
+    runs = []
+    for wrapped in (True, False):
+        obj.begin_step(1)
+        h = (checkpoint(net[0], x, use_reentrant=reentrant) if wrapped else net[0](x))
+        total, _ = obj(net[2](net[1](h)).pow(2).mean())
+        if wrapped:
+            assert (total.grad_fn.name() == FOLDED) is not reentrant
+        for p in params:
+            p.grad = None
+        total.backward()  # (the reentrant checkpoint takes no torch.autograd.grad)
+        runs.append((total.detach(), [p.grad for p in params]))
+    (a, ga), (b, gb) = runs
+    assert torch.equal(a, b)
+    assert all(torch.equal(u, v) for u, v in zip(ga, gb))
