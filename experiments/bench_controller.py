@@ -245,7 +245,23 @@ def main(argv: list[str] | None = None) -> int:
                                              "processes": args.processes,
                                              "paired": True,
                                              "mmap_threshold": heap, "rows": rows}, args.out)
+    if args.processes > 1:  # the README quotes it from the results file
+        print(sentence(rows))
     return 0
+
+
+NAMES = {"digits_tt_mlp": "digits", "snli_transformer_tiny": "SNLI-tiny"}
+
+
+def sentence(rows: list[dict]) -> str:
+    """What a run showed, in one sentence (the README quotes it): per config the early
+    and late stages' overhead over fixed ranks."""
+    by = {(r["config"], r["variant"]): r["overhead"] for r in rows}
+    parts = [f"{100 * by[c, 'early']:+.1f} % early and {100 * by[c, 'late']:+.1f} % late on "
+             f"{NAMES.get(c, c)}" for c in dict.fromkeys(r["config"] for r in rows)
+             if (c, "early") in by and (c, "late") in by]
+    return ("a CoMERA step costs " + ", ".join(parts)
+            + " over the same TT model at fixed ranks")
 
 
 def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:

@@ -70,6 +70,23 @@ def test_the_readme_quotes_the_own_loop_results_file() -> None:
     assert said in readme, f"README should say: {said}"
 
 
+def test_the_readme_quotes_the_controller_cost_results_file() -> None:
+    """README's "Your own model and training loop" states what
+    experiments/results/bench_controller_cpu.json holds, in the script's own sentence."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_controller
+
+    data = json.loads((ROOT / "experiments" / "results" / "bench_controller_cpu.json")
+                      .read_text())
+    said = bench_controller.sentence(data["rows"])
+    assert "digits" in said and "SNLI-tiny" in said
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert " ".join(said.split()) in readme, f"README should say: {said}"
+
+
 def test_the_readme_quotes_the_hf_trainer_results_file() -> None:
     """README's Hugging Face Trainer paragraph states what
     experiments/results/hf_trainer.json holds, in the script's own sentence."""
