@@ -5,7 +5,7 @@ in this environment already (or skipped, with the reason, where it cannot be bui
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -96,3 +96,21 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def count_calls(monkeypatch: pytest.MonkeyPatch) -> Callable[[object, str], list[int]]:
+    """``count_calls(owner, name)``: ``owner.name`` replaced for this test by a wrapper
+    that calls it as it was; returns the list that gets an entry per call."""
+    def patch(owner: object, name: str) -> list[int]:
+        calls: list[int] = []
+        real = getattr(owner, name)
+
+        def counting(*args: object, **kwargs: object) -> object:
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+        return calls
+
+    return patch

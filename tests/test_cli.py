@@ -432,20 +432,13 @@ def test_runs_shows_one_compression_and_a_verdict_only_when_finished(tmp_path, c
     assert "60x→28.0x miss 53%" in out["done"]
 
 
-def test_a_run_is_planned_once_and_its_plan_kept(tmp_path, monkeypatch) -> None:
+def test_a_run_is_planned_once_and_its_plan_kept(tmp_path, monkeypatch, count_calls) -> None:
     """`comera train` plans the run once (no replanning in the preview or the trainer, no
     throwaway model) and keeps the plan beside the run: the initial ranks config.toml
     starts from, the target plan and the data spec it was made from."""
     import comera_engine.runplan as runplan
 
-    planned = []
-    real = runplan.plan_initial_ranks
-
-    def counting(*a: object, **k: object) -> object:
-        planned.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(runplan, "plan_initial_ranks", counting)
+    planned = count_calls(runplan, "plan_initial_ranks")
     monkeypatch.chdir(tmp_path)
     cfg = ROOT / "experiments" / "configs" / "digits_tt_mlp.toml"
     assert main(["train", str(cfg), "--no-progress", "--no-store", "--run-dir", "out",

@@ -111,7 +111,8 @@ def test_bench_kernels_smoke_run(tmp_path) -> None:
                     tmp_path, DEVICE, {"fused", "halves", "nn.Linear"})
 
 
-def test_tt_linear_layer_runs_its_halves_path_on_the_fused_kernels(monkeypatch) -> None:
+def test_tt_linear_layer_runs_its_halves_path_on_the_fused_kernels(monkeypatch,
+                                                                   count_calls) -> None:
     """A TTLinear with gates (one dead entry) through the planner's halves path: on the
     fused kernels (``COMERA_KERNELS=interpret`` takes CPU tensors under the interpreter)
     it gives the halves op's output and gradients; with the default setting a CPU tensor
@@ -133,14 +134,7 @@ def test_tt_linear_layer_runs_its_halves_path_on_the_fused_kernels(monkeypatch) 
         y.backward(dy)
         return [y.detach(), x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
 
-    calls = []
-    real = kt.tt_linear_chain
-
-    def counting(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(kt, "tt_linear_chain", counting)
+    calls = count_calls(kt, "tt_linear_chain")
     monkeypatch.setenv("COMERA_KERNELS", "0")
     want = run()  # the PyTorch halves op
     monkeypatch.setenv("COMERA_KERNELS", "1")

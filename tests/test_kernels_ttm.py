@@ -124,7 +124,7 @@ def test_bench_kernels_ttm_smoke_run(tmp_path) -> None:
                     tmp_path, DEVICE, {"fused", "gather", "nn.Embedding"})
 
 
-def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch) -> None:
+def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch, count_calls) -> None:
     """A TTEmbedding (gates with a dead entry, a padding row, repeated ids): with the
     kernels on (``interpret`` takes CPU tensors under the interpreter) its rows and core
     and gate gradients equal the PyTorch path's, and the kernel ran."""
@@ -136,14 +136,7 @@ def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch) -> None:
         emb.tt.gates[0][1] = 0.0
     ids = torch.tensor([[3, 0, 59, 3], [17, 17, 42, 1]], device=DEVICE)
     dy = torch.randn(2, 4, 12, device=DEVICE)
-    calls = []
-    real = K.ttm_lookup_fused
-
-    def counting(*a):  # noqa: ANN002, ANN202
-        calls.append(1)
-        return real(*a)
-
-    monkeypatch.setattr(K, "ttm_lookup_fused", counting)
+    calls = count_calls(K, "ttm_lookup_fused")
 
     def run() -> list[torch.Tensor]:
         emb.zero_grad()

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -60,17 +62,11 @@ def test_adamw_matches_torch_over_several_steps_and_groups(op_impl: str,
 
 
 def test_adamw_takes_the_backend_step_where_built(cpu_backend: object,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  count_calls: Callable) -> None:
     """With the backend the step does not reach torch's per-tensor kernel; without it,
     and with options the backend does not take (amsgrad), it does and agrees."""
-    calls = []
-    real = torch._fused_adamw_
-
-    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    calls = count_calls(torch, "_fused_adamw_")
     params = _params(torch.float32)
     opt = AdamW(_groups(params))
     _train(opt, params, 2)
