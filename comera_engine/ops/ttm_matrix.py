@@ -55,12 +55,8 @@ def ttm_matrix(cores: Sequence[Tensor], gates: Sequence[Tensor] = (),
                alive: Sequence[Tensor] = (), tau: float = 0.0) -> Tensor:
     """``W`` ``(∏ n_k, ∏ m_k)`` (module doc): the CPU backend's node where it runs the
     call, else :func:`ttm_matrix_reference`. Differentiable in cores and gates."""
-    if _native_ok(cores, gates, alive):
-        backend = cpu_backend(cores[0])
-        if backend is not None:
-            return backend.ops.ttm_matrix(list(cores), list(gates), list(alive), float(tau),
-                                          False)[0]
-    return ttm_matrix_reference(cores, gates, alive, tau)
+    out = _native(cores, gates, alive, tau, want_size=False)
+    return out[0] if out is not None else ttm_matrix_reference(cores, gates, alive, tau)
 
 
 def ttm_matrix_sized(cores: Sequence[Tensor], gates: Sequence[Tensor],
@@ -70,13 +66,22 @@ def ttm_matrix_sized(cores: Sequence[Tensor], gates: Sequence[Tensor],
     layer's size surrogate (differentiable in the gates) and effective size (a constant;
     0 when a bond has no live entry), both from the backend's node (module doc);
     ``(W, None)`` where the reference runs or there are no gates."""
-    if gates and _native_ok(cores, gates, alive):
-        backend = cpu_backend(cores[0])
-        if backend is not None:
-            W, sized = backend.ops.ttm_matrix(list(cores), list(gates), list(alive),
-                                              float(tau), True)
-            return W, sized
-    return ttm_matrix_reference(cores, gates, alive, tau), None
+    out = _native(cores, gates, alive, tau, want_size=True) if gates else None
+    if out is None:
+        return ttm_matrix_reference(cores, gates, alive, tau), None
+    return out[0], out[1]
+
+
+def _native(cores: Sequence[Tensor], gates: Sequence[Tensor], alive: Sequence[Tensor],
+            tau: float, want_size: bool) -> list[Tensor] | None:
+    """The backend node's outputs (``[W]``, with ``want_size`` ``[W, sized]``), or
+    ``None`` where it does not run the call (:func:`_native_ok`, no backend)."""
+    if not _native_ok(cores, gates, alive):
+        return None
+    backend = cpu_backend(cores[0])
+    if backend is None:
+        return None
+    return backend.ops.ttm_matrix(list(cores), list(gates), list(alive), float(tau), want_size)
 
 
 def _native_ok(cores: Sequence[Tensor], gates: Sequence[Tensor],

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..backends import cpu_backend
 from ..config import CoMERAConfig, resolve_schedule, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
@@ -96,7 +97,6 @@ class CoMERAObjective:
         self.S0 = float(max(1, sum(m.tt.num_params(False) for m in self._layers)))
         self._backend_ops = None  # the CPU backend's module, for the layers' pairs
         self._early_settings = [self.S0, cfg.gamma]  # the backend's, per stage
-        self._l2 = cfg.l2_cores
         self._late_settings: list[float | None] = [None] * 8  # made at the first call
         self.dense = dense_size(model)
         self.step_index = 0
@@ -129,10 +129,9 @@ class CoMERAObjective:
     @frozen.setter
     def frozen(self, value: bool) -> None:
         self._frozen = bool(value)
-        if self._slots is not None:  # the layers' size outputs, while the size counts
-            self._slots[:] = [None] * len(self._slots)
-            for tap in self._taps or ():
-                tap.slots = None if self._frozen else self._slots
+        self._empty_slots()
+        for tap in self._taps or ():  # the layers' size outputs, while the size counts
+            tap.slots = None if self._frozen else self._slots
 
     def switch_to_late(self, z_f: float) -> None:
         """Enter the late stage. ``z_f``: the early-stage plateau loss."""
@@ -145,8 +144,7 @@ class CoMERAObjective:
     def begin_step(self, index: int) -> None:
         """The 0-based index of the step about to run (drives the ``γ`` warm-up)."""
         self.step_index = index
-        if self._slots is not None:  # the layers' size outputs from before are stale
-            self._slots[:] = [None] * len(self._slots)
+        self._empty_slots()  # the layers' size outputs from before are stale
         ramp = gamma_ramp(self.cfg.gamma_warmup, index)
         if self._ramp is not None and ramp != self._ramp_value:  # 1 after the warm-up
             self._ramp.fill_(ramp)
@@ -174,12 +172,12 @@ class CoMERAObjective:
             total = None if sized is None else self._native_terms(self._ops(), f, info, sized)
             if total is None:
                 total = self._gate_terms(f, info)
-        if self._l2:  # the cores' L2 term (comera.l2_cores; off by default)
+        if self.cfg.l2_cores > 0:  # the cores' L2 term (comera.l2_cores; off by default)
             reg = f.new_zeros(())
             for m in self._layers:
                 for c in m.tt.cores:
                     reg = reg + c.pow(2).sum()
-            total = total + self._l2 * reg
+            total = total + self.cfg.l2_cores * reg
         if self.target_size is not None:
             info["target_size"] = self._const(f, "target_size", self.target_size)
         return total, info
@@ -232,15 +230,19 @@ class CoMERAObjective:
         :class:`~comera_engine.tensor.tt.SizeTap`), each taken once; ``None`` where some
         layer left none (it did not run with gradients on the backend's node since the
         last step or call): the objective then makes its own pass over the gates."""
-        slots = self._slots
-        if slots is None:
+        if self._slots is None:
             return None
-        sized = slots.copy()
-        slots[:] = [None] * len(slots)
+        sized = self._slots.copy()
+        self._empty_slots()
         for pair in sized:
             if pair is None:
                 return None
         return sized  # type: ignore[return-value]
+
+    def _empty_slots(self) -> None:
+        """No layer's size output is left to take (in place: the taps share the list)."""
+        if self._slots is not None:
+            self._slots[:] = [None] * len(self._slots)
 
     def _gate_terms(self, f: Tensor, info: dict[str, Tensor]) -> Tensor:
         """The loss over the gates themselves: the CPU backend's node where it takes
@@ -261,8 +263,6 @@ class CoMERAObjective:
     def _ops(self):  # noqa: ANN202
         """The CPU backend's module (looked up once)."""
         if self._backend_ops is None:
-            from ..backends import cpu_backend
-
             backend = cpu_backend()
             assert backend is not None, "the layers' size outputs come from the backend"
             self._backend_ops = backend.ops
