@@ -382,7 +382,7 @@ def check_task(task: Any) -> str | dict[str, Any] | None:
     if task is None:
         return None
     if isinstance(task, str):
-        _choice("task", task, USER_TASKS)
+        check_choice("task", task, USER_TASKS)
         return task
     if not isinstance(task, dict):
         raise ConfigError("task", f'must be "classify", "regress" or a table with factory, '
@@ -494,8 +494,8 @@ def _describe(tp: Any) -> str:
 def validate(cfg: Config) -> None:
     """Range and consistency checks (types were checked while building)."""
     m, c, t = cfg.model, cfg.comera, cfg.train
-    _choice("model.name", m.name, MODEL_NAMES)
-    _choice("model.preset", m.preset, PRESETS)
+    check_choice("model.name", m.name, MODEL_NAMES)
+    check_choice("model.preset", m.preset, PRESETS)
     for key, models in _MODEL_FIELDS.items():
         if getattr(m, key) is not None and m.name not in models:
             raise ConfigError(
@@ -539,7 +539,7 @@ def validate(cfg: Config) -> None:
     _positive_int("train.eval_batches", t.eval_batches)
     _positive_int("train.keep_checkpoints", t.keep_checkpoints)
     _nonneg("train.grad_clip", t.grad_clip)
-    _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
+    check_choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
     if t.device not in ("auto", "cpu", "cuda") and not (
         t.device.startswith("cuda:") and t.device[5:].isdigit()
     ):
@@ -599,7 +599,7 @@ def _validate_shrink(cfg: Config) -> None:
     """``comera.method = "prune"`` and ``model.quantize``: of a dense run's model."""
     m, c, t = cfg.model, cfg.comera, cfg.train
     if m.quantize is not None:
-        _choice("model.quantize", m.quantize, QUANTIZE)
+        check_choice("model.quantize", m.quantize, QUANTIZE)
         if t.steps != 0:
             raise ConfigError("train.steps", "model.quantize evaluates a trained run's "
                                              "quantized model: set train.steps = 0")
@@ -619,16 +619,16 @@ def validate_methods(cfg: Config) -> None:
     """The peer methods' switches (docs/METHODS.md) against each other: ``comera.method``,
     ``model.tt_impl``, ``model.init_from`` and ``train.optimizer`` with its settings."""
     m, c, t = cfg.model, cfg.comera, cfg.train
-    _choice("comera.method", c.method, METHODS)
+    check_choice("comera.method", c.method, METHODS)
     if m.tt_impl is not None:
-        _choice("model.tt_impl", m.tt_impl, TT_IMPLS)
+        check_choice("model.tt_impl", m.tt_impl, TT_IMPLS)
     if m.linear_layout is not None:
-        _choice("model.linear_layout", m.linear_layout, LINEAR_LAYOUTS)
+        check_choice("model.linear_layout", m.linear_layout, LINEAR_LAYOUTS)
     if m.linear_layout == "tt" and m.tt_impl == "tltorch" and not m.dense:
         raise ConfigError("model.linear_layout", 'tltorch linears are TT matrices ("ttm"), '
                                                  'not the "tt" layout: set it to "ttm", drop '
                                                  'it, or set model.tt_impl = "comera"')
-    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    check_choice("train.optimizer", t.optimizer, OPTIMIZERS)
     if m.tt_impl == "tltorch" and not m.dense and c.method == "tt_svd":
         raise ConfigError("model.tt_impl", 'TT-SVD initialises the engine\'s TT layers; use '
                                            'model.tt_impl = "comera" with comera.method = '
@@ -666,104 +666,6 @@ def validate_methods(cfg: Config) -> None:
         raise ConfigError("train.galore_scale", f"must be a positive number, got {t.galore_scale}")
 
 
-#: ``comera.schedule`` → the value of every switch it leaves unset (docs/METHODS.md).
-SCHEDULES: dict[str, dict[str, Any]] = {
-    "paper": {"late_norm": "initial", "size_off_at_target": False, "plateau_min_drop": 0.0,
-              "rank_floor": False, "ranks_from_target": False, "balance": False,
-              "gate_speed": False, "deadline": False, "pace": False},
-    "comera": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
-               "rank_floor": True, "ranks_from_target": True, "balance": True,
-               "gate_speed": True, "deadline": True, "pace": False},
-    "paced": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
-              "rank_floor": True, "ranks_from_target": True, "balance": False,
-              "gate_speed": False, "deadline": True, "pace": True},
-}
-
-
-def resolve_schedule(c: CoMERAConfig) -> CoMERAConfig:
-    """``c`` with every switch it leaves unset taken from its ``schedule``
-    (:data:`SCHEDULES`); an unknown schedule is refused naming the choices."""
-    _choice("comera.schedule", c.schedule, tuple(SCHEDULES))
-    unset = {k: v for k, v in SCHEDULES[c.schedule].items() if getattr(c, k) is None}
-    return dataclasses.replace(c, **unset) if unset else c
-
-
-def schedule_label(c: CoMERAConfig) -> str:
-    """The schedule, and the switches set against it: ``"paced"``,
-    ``"comera (pace on)"``."""
-    own = SCHEDULES.get(c.schedule, {})
-    changed = [f"{k} {_word(getattr(c, k))}" for k, v in own.items()
-               if getattr(c, k) is not None and getattr(c, k) != v]
-    return c.schedule + (f" ({', '.join(changed)})" if changed else "")
-
-
-def method_label(config: Any) -> str:
-    """Which method trained a run, in words, from its config (a :class:`Config` or its
-    plain ``to_dict``): ``"CoMERA, schedule paced"``, ``"fixed-rank TT"``,
-    ``"TT-SVD of a dense run"``, ``"dense baseline"``."""
-    raw = config.to_dict() if isinstance(config, Config) else dict(config or {})
-    model, c = raw.get("model") or {}, raw.get("comera") or {}
-    if model.get("quantize"):
-        return f"{model['quantize']} weights (torchao) of a trained run"
-    if model.get("dense") and c.get("method") == "prune":
-        return "structured pruning (torch-pruning) of a dense run, fine-tuned"
-    if model.get("dense"):
-        galore = (raw.get("train") or {}).get("optimizer") == "galore"
-        return "dense baseline" + (" (GaLore)" if galore else "")
-    method = c.get("method", "comera")
-    if method != "comera":
-        return {"fixed": "fixed-rank TT", "tt_svd": "TT-SVD of a dense run"}.get(method, method)
-    if not c.get("enabled", True):
-        return "TT at its initial ranks (comera.enabled = false)"
-    known = {f.name for f in dataclasses.fields(CoMERAConfig)}
-    try:
-        label = schedule_label(CoMERAConfig(**{k: v for k, v in c.items() if k in known}))
-    except TypeError:  # a value of the wrong kind in an old record
-        label = str(c.get("schedule", "paced"))
-    return f"CoMERA, schedule {label}"
-
-
-def _word(value: Any) -> str:
-    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else (
-        f"{value:g}" if isinstance(value, float) else str(value))
-
-
-@dataclass(frozen=True)
-class SwitchPlan:
-    """When the late stage starts, by the ``[comera]`` switch rule (:func:`switch_plan`):
-    ``switch`` a step, ``"plateau"`` or ``"never"``; ``latest`` the step by which it
-    starts whatever ``switch`` says (``None``: no deadline); ``reach``
-    the step by which the pace lands the size at the target (``None``: no pace)."""
-
-    switch: int | str
-    latest: int | None
-    reach: int | None
-
-
-def step_of(fraction: float, steps: int) -> int:
-    """The step at ``fraction`` of ``steps`` (at least 1): ``ceil(fraction · steps)``."""
-    return max(1, math.ceil(fraction * steps))
-
-
-def switch_plan(c: CoMERAConfig, steps: int, steps_per_epoch: int = 0) -> SwitchPlan:
-    """The one switch rule, for the rank controller and the preview alike: ``comera.switch``
-    (``"auto"``: on a loss plateau with a target, else never) or ``comera.switch_epoch``
-    epochs (with ``steps_per_epoch``); with a target and a step budget the late stage
-    starts by ``switch_by`` of the steps at the latest when ``comera.deadline`` or the
-    pace is on, and with the pace the size is at the target by ``reach_at`` of them."""
-    c = resolve_schedule(c)
-    switch: int | str = c.switch
-    if c.switch_epoch is not None and steps_per_epoch:
-        switch = c.switch_epoch * steps_per_epoch
-    if switch == "auto":
-        switch = "plateau" if c.target_compression is not None else "never"
-    budget = c.target_compression is not None and steps > 0
-    pacing = bool(c.pace and budget)
-    due = pacing or bool(c.deadline and budget)  # the pace always needs its deadline
-    latest = step_of(c.switch_by, steps) if due and switch != "never" else None
-    return SwitchPlan(switch, latest, step_of(c.reach_at, steps) if pacing else None)
-
-
 def validate_comera(c: CoMERAConfig) -> None:
     """Range and consistency checks of the ``[comera]`` section (also run by the
     objective, so settings built in code are checked the same way)."""
@@ -783,15 +685,15 @@ def validate_comera(c: CoMERAConfig) -> None:
             "comera.target_compression",
             f"must be a finite ratio > 1 (e.g. 50 for 50x smaller), got {c.target_compression}",
         )
-    _choice("comera.target_scope", c.target_scope, ("model", "tensorized"))
-    _choice("comera.schedule", c.schedule, tuple(SCHEDULES))
+    check_choice("comera.target_scope", c.target_scope, ("model", "tensorized"))
+    check_choice("comera.schedule", c.schedule, SCHEDULE_NAMES)
     if c.late_norm is not None:
-        _choice("comera.late_norm", c.late_norm, ("current", "initial"))
+        check_choice("comera.late_norm", c.late_norm, ("current", "initial"))
     if c.plateau_min_drop is not None and not 0.0 <= c.plateau_min_drop < 1.0:
         raise ConfigError("comera.plateau_min_drop",
                           f"must be a fraction in [0, 1) (0: off), got {c.plateau_min_drop}")
     if isinstance(c.switch, str):
-        _choice("comera.switch", c.switch, ("auto", "plateau", "never"))
+        check_choice("comera.switch", c.switch, ("auto", "plateau", "never"))
     elif c.switch < 0:
         raise ConfigError(
             "comera.switch", f"must be a step >= 0, 'auto', 'plateau' or 'never', got {c.switch}"
@@ -863,9 +765,14 @@ TT_IMPLS = ("comera", "tltorch")
 #: matrix: one input and one output factor per core).
 LINEAR_LAYOUTS = ("tt", "ttm")
 OPTIMIZERS = ("adamw", "galore")
+#: ``comera.schedule``: which method runs; what each sets is
+#: :data:`comera_engine.rank.schedule.SCHEDULES`.
+SCHEDULE_NAMES = ("paper", "comera", "paced")
 
 
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Refuse ``value`` of field ``name`` unless it is one of ``choices`` (naming the
+    closest one and every choice)."""
     if value not in choices:
         close = difflib.get_close_matches(value, choices, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""

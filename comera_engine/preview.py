@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comera_engine.config import resolve_schedule, switch_plan
+from comera_engine.rank.schedule import method_label, resolve_schedule, switch_plan
 from comera_engine.runplan.data import data_shape
 
 __all__ = ["LateStage", "LayerPreview", "Preview", "check_runnable", "data_problems",
            "data_shape", "datasets_for", "default_tt_layers", "late_stage", "make_preview",
-           "memory_problem", "preview", "size_defaults"]
+           "memory_problem", "method_label", "preview", "size_defaults"]
 
 DIGITS_EXAMPLES = 1797
 _FP32 = 4
@@ -76,7 +76,7 @@ class LateStage:
 
 def late_stage(comera: Any, steps: int, tensorized: bool = True) -> LateStage:
     """The late stage of a run with these ``[comera]`` settings and ``train.steps``, as the
-    rank controller decides it (:func:`comera_engine.config.switch_plan`): the switch
+    rank controller decides it (:func:`comera_engine.rank.schedule.switch_plan`): the switch
     is ``comera.switch`` (a step, ``"plateau"``, ``"never"``; ``"auto"``: plateau with a
     target, else never) or ``comera.switch_epoch``, and with a target, a step budget and
     ``comera.pace`` or ``comera.deadline`` on it comes after ``ceil(switch_by · steps)``

@@ -55,7 +55,8 @@ def run_one(path: Path, seed: int, steps: int | None = None, target: float | Non
             dense: bool = False, overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Train ``path`` (seed ``seed``; optionally another target, ``--set`` style
     ``overrides``, or its dense model) in a temporary folder; the final metrics."""
-    from comera_engine.config import apply_override, method_label
+    from comera_engine.config import apply_override
+    from comera_engine.rank.schedule import method_label
     from comera_engine.train import train
 
     raw = tomllib.loads(path.read_text())

@@ -425,8 +425,10 @@ def test_ddp_processes_agree_on_the_switch_lambda_and_ranks(tmp_path) -> None:
 def test_schedules_set_every_switch_and_a_switch_set_against_one_is_named() -> None:
     """``comera.schedule`` names the method; each addition of ours is its own switch with
     the schedule's value unless set, and a switch set against the schedule is named."""
-    from comera_engine.config import SCHEDULES, CoMERAConfig, resolve_schedule, schedule_label
+    from comera_engine.config import SCHEDULE_NAMES, CoMERAConfig
+    from comera_engine.rank.schedule import SCHEDULES, resolve_schedule, schedule_label
 
+    assert tuple(SCHEDULES) == SCHEDULE_NAMES  # the names the config accepts, each defined
     switches = set(SCHEDULES["paper"])
     assert set(SCHEDULES["comera"]) == set(SCHEDULES["paced"]) == switches
     for name, values in SCHEDULES.items():
@@ -444,7 +446,7 @@ def test_schedules_set_every_switch_and_a_switch_set_against_one_is_named() -> N
     assert ce.CoMERA(model, target_compression=2.0).schedule == "paced"
     with pytest.raises(ConfigError, match="comera.schedule"):
         ce.CoMERA(model, schedule="papr")
-    from comera_engine.config import method_label  # what cards and run records say
+    from comera_engine.rank.schedule import method_label  # what cards and run records say
 
     assert method_label({"comera": {"schedule": "paper"}}) == "CoMERA, schedule paper"
     assert method_label({"comera": {"schedule": "comera", "pace": True}}) == (

@@ -209,7 +209,7 @@ def test_every_shipped_config_with_a_target_is_feasible_and_paced(path: Path) ->
     pv = make_preview(cfg, "cpu")
     assert not pv.errors, pv.errors
     assert pv.floor_size < pv.target_size < pv.start_size
-    from comera_engine.config import resolve_schedule
+    from comera_engine.rank.schedule import resolve_schedule
 
     assert resolve_schedule(cfg.comera).pace and cfg.comera.switch_by < cfg.comera.reach_at
 
@@ -274,8 +274,9 @@ def test_the_deadline_holds_without_the_pace_and_the_paper_has_none() -> None:
     plateau alone. The form's preview says where and why."""
     import dataclasses
 
-    from comera_engine.config import CoMERAConfig, switch_plan
+    from comera_engine.config import CoMERAConfig
     from comera_engine.preview import late_stage
+    from comera_engine.rank.schedule import switch_plan
 
     c = CoMERAConfig(target_compression=10.0, switch="plateau", schedule="comera")
     plan = switch_plan(c, 800)

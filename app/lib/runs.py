@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from comera_engine.config import method_label
 from comera_engine.metrics import (
     Compression,
     compression_metric,
@@ -24,6 +23,7 @@ from comera_engine.metrics import (
     run_compression,
     target_status,
 )
+from comera_engine.preview import method_label
 from comera_engine.store import (
     ACTIVE_STATUSES,
     FINAL_STATUSES,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app.lib import fmt, plots, runs, ui
-from comera_engine.config import method_label
+from comera_engine.preview import method_label
 
 store = ui.store_page(
     "Compare",

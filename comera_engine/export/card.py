@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from comera_engine.config import method_label
 from comera_engine.export.quant import INT8_SCALES
 from comera_engine.metrics import SCOPE_LABELS, compression_scope
+from comera_engine.rank.schedule import method_label
 
 __all__ = ["PROVENANCE", "model_card", "read_card_metadata"]
 

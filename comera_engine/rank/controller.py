@@ -54,14 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..config import (
-    CoMERAConfig,
-    SwitchPlan,
-    resolve_schedule,
-    schedule_label,
-    switch_plan,
-    validate_comera,
-)
+from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import dense_size_metrics, factorized_layers, size_report, tt_layers
 from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
@@ -71,6 +64,7 @@ from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
 from .optim import RankEvent, gate_lr, param_groups, refresh_gates, refresh_gates_on_device
 from .optim import truncate_model_and_optimizer as _truncate_all
 from .pace import PacePlan, grow_to, host_size, prune_to
+from .schedule import SwitchPlan, resolve_schedule, schedule_label, switch_plan
 from .size import GateBank, dense_size, size_extra
 
 __all__ = ["EVENT_KINDS", "CoMERA", "Event"]

@@ -50,9 +50,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..backends import cpu_backend
-from ..config import CoMERAConfig, resolve_schedule, validate_comera
+from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
+from .schedule import resolve_schedule
 from .size import (
     GateBank,
     dense_size,

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comera_engine.config import Config, resolve_schedule
+from comera_engine.config import Config
+from comera_engine.rank.schedule import resolve_schedule
 from comera_engine.runplan.data import (
     data_config,
     data_namespace,
