@@ -101,9 +101,9 @@ def expand_cells(grid: Mapping[str, Sequence[Any]], seeds: int, base_seed: int =
 
 
 def _toml(value: Any) -> str:
-    from comera_engine.config import _toml_value
+    from comera_engine.config import toml_value
 
-    return _toml_value(value)
+    return toml_value(value)
 
 
 def cell_overrides(cell: Mapping[str, Any]) -> list[str]:

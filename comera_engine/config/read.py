@@ -1,0 +1,212 @@
+"""Reading a config: a TOML file (bounded in size and depth) with ``--set`` overrides,
+each table's values coerced to its dataclass's field types, unknown keys refused with a
+"did you mean", then :func:`~comera_engine.config.validate.validate`. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from comera_engine.config.schema import (
+    MAX_CONFIG_BYTES,
+    MAX_DEPTH,
+    MAX_LIST,
+    MAX_OVERRIDE_CHARS,
+    SECTIONS,
+    Config,
+)
+from comera_engine.config.validate import check_run_name, check_task, refuse_unknown, validate
+from comera_engine.errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | None = None, base_dir: str | Path | None = None
+) -> Config:
+    """Read a TOML config, apply ``--set`` overrides, validate everything but the data.
+
+    Relative data paths are resolved from ``base_dir`` (default: the current folder).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", f"file not found: {path}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{path.name} is {path.stat().st_size:,} bytes; a run "
+                          f"config is at most {MAX_CONFIG_BYTES // 1024} KB")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path.name} is not valid TOML ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"{path.name} is not UTF-8 text (byte {exc.start}); "
+                                    "save it as UTF-8") from None
+    except RecursionError:
+        raise ConfigError("config", f"{path.name} nests values too deeply (at most "
+                          f"{MAX_DEPTH} levels)") from None
+    for item in overrides or []:
+        apply_override(raw, item)
+    cfg = config_from_dict(raw)
+    cfg.base_dir = str(Path(base_dir).resolve()) if base_dir else str(Path.cwd())
+    return cfg
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``section.key=value`` override to the raw dict (value read as TOML)."""
+    if len(item) > MAX_OVERRIDE_CHARS:
+        raise ConfigError("--set", f"a value of {len(item):,} characters; at most "
+                          f"{MAX_OVERRIDE_CHARS:,} (put long settings in the config file)")
+    if "=" not in item:
+        raise ConfigError("--set", f"expected section.key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not all(parts) or len(parts) > 2:
+        raise ConfigError("--set", f"expected section.key=value, got {item!r}")
+    value = parse_value(text.strip())
+    if len(parts) == 1:
+        raw[parts[0]] = value
+        return
+    section = raw.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(parts[0], "is a value, not a table; cannot set a key inside it")
+    section[parts[1]] = value
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal (``64``, ``1e-3``, ``true``, ``"x"``, ``[1, 2]``); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+    except RecursionError:
+        raise ConfigError("--set", f"the value nests too deeply (at most {MAX_DEPTH} "
+                          "levels)") from None
+
+
+def check_bounds(raw: Any, where: str = "", depth: int = 1) -> None:
+    """Refuse a raw config (nested tables and lists) nested deeper than
+    :data:`MAX_DEPTH` or with a list longer than :data:`MAX_LIST`, naming the field
+    (the walk stops at that depth, so it never recurses far)."""
+    if depth > MAX_DEPTH:
+        raise ConfigError(where or "config", f"nested more than {MAX_DEPTH} levels deep")
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            check_bounds(value, f"{where}.{key}" if where else str(key), depth + 1)
+    elif isinstance(raw, list):
+        if len(raw) > MAX_LIST:
+            raise ConfigError(where or "config", f"a list of {len(raw):,} entries; at most "
+                              f"{MAX_LIST}")
+        for value in raw:
+            check_bounds(value, where, depth + 1)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from nested plain values (TOML tables)."""
+    check_bounds(raw)
+    allowed_top = {"name", "task", "model", "data", "comera", "train"}
+    for key in raw:
+        if key not in allowed_top:
+            refuse_unknown(key, sorted(allowed_top) + _all_field_names())
+    name = check_run_name(raw.get("name", "run"))
+    data = raw.get("data", {})
+    if not isinstance(data, dict):
+        raise ConfigError("data", "must be a table ([data])")
+    if "factory" in data and "name" not in data:  # data.factory alone: user datasets
+        data = {"name": "factory", **data}
+    if "name" not in data:
+        raise ConfigError("data.name", "missing; name a dataset (e.g. digits, snli, code_mlm, "
+                                       "files)")
+    sections = {}
+    for section, cls in SECTIONS.items():
+        values = raw.get(section, {})
+        if not isinstance(values, dict):
+            raise ConfigError(section, f"must be a table ([{section}])")
+        if section == "model" and "factory" in values and "name" not in values:
+            values = {"name": "custom", **values}  # model.factory alone: a user model
+        sections[section] = _build_section(section, cls, values)
+    cfg = Config(name=name.strip(), data=dict(data), task=check_task(raw.get("task")),
+                 **sections)
+    validate(cfg)
+    m = cfg.model
+    for key in ("rank", "embedding_rank"):  # a fixed [model.tensorize] rank is the model's
+        value = (m.tensorize or {}).get(key)
+        if isinstance(value, int) and getattr(m, key) is None:
+            setattr(m, key, value)
+    return cfg
+
+
+def _all_field_names() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        full = f"{section}.{key}"
+        if key not in names:
+            refuse_unknown(full, [f"{section}.{n}" for n in names] + _all_field_names())
+        kwargs[key] = _coerce(full, value, hints[key])
+    return cls(**kwargs)
+
+
+def _coerce(full: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    ok, out = _match(value, tp)
+    if not ok:
+        raise ConfigError(full, f"must be {_describe(tp)}, got {value!r}")
+    return out
+
+
+def _match(value: Any, tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, out = _match(value, arg)
+            if ok:
+                return True, out
+        return False, None
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            return False, None
+        items = [_match(v, item_tp) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        return isinstance(value, dict), value
+    if tp is type(None):
+        return value is None, None
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, None
+        return True, float(value)
+    if tp is str:
+        return isinstance(value, str), value
+    return True, value
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(parts)
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    if origin is dict:
+        return "a table"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )

@@ -1,0 +1,47 @@
+"""Writing a config back as TOML text (``--print-config``, a run folder's
+``config.toml``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from comera_engine.config.schema import Config
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML text (what ``--print-config`` shows)."""
+    d = cfg.to_dict()
+    lines = [f"name = {toml_value(d['name'])}"]
+    if "task" in d:
+        lines.append(f"task = {toml_value(d['task'])}")
+    for section in ("model", "data", "comera", "train"):
+        lines += ["", f"[{section}]"]
+        lines += [f"{k} = {toml_value(v)}" for k, v in d[section].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_key(key: str) -> str:
+    """A table key: bare when it may be, else quoted."""
+    return key if key and all(ch.isascii() and (ch.isalnum() or ch in "_-") for ch in key) \
+        else json.dumps(key)
+
+
+def toml_value(value: Any) -> str:
+    """One value as TOML text: a string, number, boolean, list or inline table."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {toml_value(v)}"
+                                for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} as TOML")
