@@ -158,7 +158,7 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     labels = {w.label for w in [*at.selectbox, *at.number_input, *at.radio, *at.toggle]}
     assert labels >= {
         "Model preset", "Dataset", "Model size", "Dense baseline", "Target compression (×)",
-        "Max rank (linear layers)", "Stage schedule", "Late stage from step", "Device",
+        "Max rank (linear layers)", "Late-stage switch", "Late stage from step", "Device",
         "Precision", "Steps", "CUDA Graph", "Enforce a target compression",
         "Initial ranks from the target", "TT linear layout",
     }

@@ -28,7 +28,7 @@ def test_every_preset_round_trips_through_the_form_and_validates(key: str) -> No
     preset = PRESETS[key]
     before = preset.config()
     raw, gpus = form_to_config(before, _values(preset, target=12.5, scope="model",
-                                               schedule="step", switch_step=20))
+                                               late_switch="step", switch_step=20))
     assert before == preset.config()  # the preset is left unchanged
     assert gpus is None and raw["train"]["device"] == "cpu"
     assert raw["comera"]["target_compression"] == 12.5 and raw["comera"]["switch"] == 20
@@ -51,15 +51,15 @@ def test_every_preset_round_trips_through_the_form_and_validates(key: str) -> No
 def test_dense_baseline_has_no_target_and_no_stages() -> None:
     preset = PRESETS["digits_tt_mlp"]
     raw, _ = form_to_config(preset.config(), _values(preset, dense=True, use_target=True,
-                                                     schedule="plateau", patience=7))
+                                                     late_switch="plateau", patience=7))
     assert raw["model"]["dense"] is True
     assert "target_compression" not in raw["comera"] and raw["comera"]["switch"] == "never"
 
 
-def test_schedule_gpu_name_and_patience() -> None:
+def test_late_switch_gpu_name_and_patience() -> None:
     preset = PRESETS["digits_tt_mlp"]
     raw, gpus = form_to_config(preset.config(), _values(
-        preset, schedule="plateau", patience=33, device="cuda:1", run_name="  mine  ",
+        preset, late_switch="plateau", patience=33, device="cuda:1", run_name="  mine  ",
         use_target=False))
     assert gpus == "1" and raw["train"]["device"] == "cuda"
     assert raw["comera"]["switch"] == "plateau" and raw["comera"]["plateau_patience"] == 33
@@ -170,7 +170,7 @@ def test_the_late_stage_the_form_states_is_where_the_engine_switches(
 
     preset = PRESETS["digits_tt_mlp"]
     raw, _ = form_to_config(preset.config(), _values(
-        preset, steps=steps, schedule="step", switch_step=switch, target=10.0, batch_size=64,
+        preset, steps=steps, late_switch="step", switch_step=switch, target=10.0, batch_size=64,
         auto_rank=True, headroom=3.0,
         eval_every=0, ckpt_every=0))
     cfg = resolve_config(raw)

@@ -14,8 +14,9 @@ __all__ = ["FormValues", "form_to_config"]
 class FormValues:
     """Every value the New experiment widgets collect.
 
-    ``schedule``: ``"step"`` (late stage from ``switch_step``), ``"plateau"`` (when the
-    loss plateaus, after ``patience`` steps without improvement) or ``"never"``.
+    ``late_switch`` (``comera.switch``): ``"step"`` (late stage from ``switch_step``),
+    ``"plateau"`` (when the loss plateaus, after ``patience`` steps without improvement)
+    or ``"never"``.
     ``device``: ``"cpu"`` or ``"cuda:N"``. ``embedding_rank`` is ``None`` when the model
     has no TT embedding. ``auto_rank``: the initial ranks are chosen from the target
     (``headroom`` × its size, as ``comera train`` does with a config that leaves
@@ -36,7 +37,7 @@ class FormValues:
     auto_rank: bool = False
     headroom: float | None = None
     linear_layout: str | None = None  # "tt" | "ttm"; None: the preset's
-    schedule: str = "plateau"
+    late_switch: str = "plateau"
     switch_step: int | None = None
     patience: int | None = None
     steps: int = 1000
@@ -93,13 +94,13 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
         if v.embedding_rank is not None:
             m["embedding_rank"] = int(v.embedding_rank)
     c["target_scope"] = v.scope
-    if v.schedule == "step":
+    if v.late_switch == "step":
         c["switch"] = int(v.switch_step if v.switch_step is not None else 0)
     else:
-        c["switch"] = v.schedule
+        c["switch"] = v.late_switch
     if v.dense:  # the baseline has no ranks to learn: plain training, no stages
         c["switch"] = "never"
-    if v.schedule == "plateau" and v.patience is not None:
+    if v.late_switch == "plateau" and v.patience is not None:
         c["plateau_patience"] = int(v.patience)
     t.update(
         steps=int(v.steps), batch_size=int(v.batch_size), seed=int(v.seed),

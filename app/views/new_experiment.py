@@ -38,7 +38,8 @@ from comera_engine.studio import read_registry
 
 SIZES = ("tiny", "small", "paper")
 TASKS = {"classify": "classify (cross-entropy; accuracy)", "regress": "regress (MSE; RMSE, R²)"}
-SCHEDULES = {
+#: The late-stage switch (comera.switch): when the late stage starts, if ever.
+LATE_STAGE_SWITCHES = {
     "step": "Early stage, then late stage from a step",
     "plateau": "Early stage, then late stage when the loss plateaus",
     "never": "Early stage only (no late stage)",
@@ -270,28 +271,30 @@ with left:
     slots["rank"] = st.container()
 
     sw = c.get("switch", "plateau")
-    sched0 = "step" if isinstance(sw, int) else ("never" if sw == "never" else "plateau")
-    sched = st.selectbox("Stage schedule", list(SCHEDULES), index=list(SCHEDULES).index(sched0),
-                         format_func=SCHEDULES.get, key=k("schedule"), disabled=dense,
-                         help="Early stage: loss + γ·size (stable convergence). Late stage: "
-                              "drive the size to the target.")
+    late_switch0 = "step" if isinstance(sw, int) else ("never" if sw == "never" else "plateau")
+    late_switch = st.selectbox(
+        "Late-stage switch", list(LATE_STAGE_SWITCHES),
+        index=list(LATE_STAGE_SWITCHES).index(late_switch0),
+        format_func=LATE_STAGE_SWITCHES.get, key=k("late_switch"), disabled=dense,
+        help="Early stage: loss + γ·size (stable convergence). Late stage: "
+             "drive the size to the target.")
     t = raw.setdefault("train", {})
     steps_default = int(t.get("steps", 1000))
     switch_step = patience = None
-    if sched == "step":
+    if late_switch == "step":
         switch_step = st.number_input(
             "Late stage from step",
             value=int(sw) if isinstance(sw, int) else max(1, steps_default // 2), step=50,
             key=k("switch_step"), disabled=dense,
         )
-    elif sched == "plateau":
+    elif late_switch == "plateau":
         patience = st.number_input(
             "Plateau patience (steps)",
             value=int(c.get("plateau_patience", 200)), step=50, key=k("patience"),
             disabled=dense,
             help="Steps without a relative loss improvement before the late stage starts.",
         )
-    slots["schedule"] = st.container()
+    slots["late_switch"] = st.container()
 
     c1, c2 = st.columns(2)
     devices = ["cpu"] + [f"cuda:{g.index}" for g in gpus]
@@ -337,7 +340,7 @@ raw, gpu_ids = form_to_config(raw, FormValues(
     target=float(target),
     scope=scope, rank=int(max_rank), embedding_rank=None if emb_rank is None else int(emb_rank),
     auto_rank=auto, headroom=float(headroom) if auto else None, linear_layout=layout,
-    schedule=sched, switch_step=None if switch_step is None else int(switch_step),
+    late_switch=late_switch, switch_step=None if switch_step is None else int(switch_step),
     patience=None if patience is None else int(patience), steps=int(steps),
     batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
     ckpt_every=int(ckpt_every), precision=precision, cuda_graph=bool(cuda_graph),
@@ -348,10 +351,11 @@ FIELD_SLOTS = {
     "data": "data", "model.preset": "data", "model.name": "data",
     "comera.target_compression": "target", "comera.target_scope": "target",
     "model.rank": "rank", "model.linear_layout": "rank", "model.embedding_rank": "rank",
-    "comera.switch": "schedule", "comera.plateau_patience": "schedule", "train.device": "device",
+    "comera.switch": "late_switch", "comera.plateau_patience": "late_switch",
+    "train.device": "device",
     "train.precision": "device", "train.steps": "steps", "train.batch_size": "advanced",
     "train.eval_every": "advanced", "train.ckpt_every": "advanced", "name": "advanced",
-    "comera.headroom": "rank", "comera.switch_by": "schedule", "train.seed": "advanced",
+    "comera.headroom": "rank", "comera.switch_by": "late_switch", "train.seed": "advanced",
     "task": "data", "model.factory": "data", "model.kwargs": "data", "model.tensorize": "rank",
 }
 
@@ -389,11 +393,11 @@ if pv is not None:
     stage = pv.stage  # the engine's own decision (comera_engine.preview.late_stage)
     if stage is not None and not dense and use_target:
         if stage.moved:
-            say("schedule", "warning", stage.moved)
+            say("late_switch", "warning", stage.moved)
         elif not stage.pursued and stage.why_not and not pv.errors:
-            say("schedule", "warning", f"The target is not reached: {stage.why_not}.")
-        elif stage.step is not None and sched != "step":
-            say("schedule", "note", f"Late stage {stage.how}.")
+            say("late_switch", "warning", f"The target is not reached: {stage.why_not}.")
+        elif stage.step is not None and late_switch != "step":
+            say("late_switch", "note", f"Late stage {stage.how}.")
     requested = {"linear": int(max_rank), "embedding": int(emb_rank or 0)}
     clamped = [layer for layer in pv.layers if max(layer.ranks) < requested[layer.kind]]
     if auto and pv.layers:
