@@ -542,6 +542,8 @@ def _run(
 
             latest, _ = resume_point(run_dir / "checkpoints")
             step = int(latest.stem.split("_")[1]) if latest else 0
+            from comera_engine.store.repair import mend_jsonl, rewind_jsonl
+
             rewind_jsonl(jsonl, step)
             mend_jsonl(jsonl, step, writer.store, writer.run_id)
         sinks: list[Any] = [JSONLSink(jsonl)]
@@ -589,55 +591,6 @@ def _thread_budget(store: Any, sink: Any) -> list[Any]:
                        f"{runs} run(s) in flight", step)
 
     return [ThreadBudget(lambda: runs_in_flight(store), cpu_cores(), on_change=changed)]
-
-
-def mend_jsonl(path: Path, step: int, store: Any, run_id: str | None) -> None:
-    """Before a resume from ``step``: a ``metrics.jsonl`` that lacks some of steps
-    1..``step`` (deleted, or cut by a full disk) is rewritten from the run store, which
-    holds them; without a store it says in itself that it is partial (an event)."""
-    import json
-
-    from comera_engine.metrics import read_jsonl
-    from comera_engine.store.layout import write_atomic
-
-    have = {r["step"] for r in (read_jsonl(path) if path.exists() else [])
-            if r.get("type") == "metrics"}
-    missing = sorted(set(range(1, step + 1)) - have)
-    if not missing:
-        return
-    records: list[dict[str, Any]] = []
-    if store is not None and run_id is not None:
-        from comera_engine.store.repair import records_from_store
-
-        records = records_from_store(store, run_id, step)
-        stored = {r["step"] for r in records if r["type"] == "metrics"}
-        if stored >= set(range(1, step + 1)):
-            note = f"metrics.jsonl lacked {len(missing)} of steps 1..{step}: rewritten from " \
-                   "the run store"
-            records.append({"type": "event", "kind": "info", "text": note, "step": step})
-            write_atomic(path, "".join(json.dumps({"t": r.get("t", 0), **r}) + "\n"
-                                       for r in records))
-            print(f"comera: {note}", file=sys.stderr)
-            return
-    note = (f"metrics.jsonl is partial: it lacks {len(missing)} of steps 1..{step} "
-            f"(first {missing[0]}); the run store has the run's full record")
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"type": "event", "kind": "partial", "text": note,
-                            "step": step}) + "\n")
-    print(f"comera: {note}", file=sys.stderr)
-
-
-def rewind_jsonl(path: Path, step: int) -> None:
-    """Drop records of steps after ``step`` (left by an attempt that is being resumed)."""
-    if not path.exists():
-        return
-    import json
-
-    from comera_engine.metrics import read_jsonl
-    from comera_engine.store.layout import write_atomic
-
-    kept = [r for r in read_jsonl(path) if r.get("step") is None or r["step"] <= step]
-    write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 if __name__ == "__main__":

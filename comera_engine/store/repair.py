@@ -13,7 +13,12 @@ found there.
 
 Repair refuses while a trainer holds a run folder's lock (``comera stop RUN`` works
 without a readable store), and never touches a healthy store or another application's
-database. Torch-free.
+database.
+
+The other way round, before a resume: :func:`rewind_jsonl` drops what the attempt being
+resumed logged after its checkpoint, and :func:`mend_jsonl` rewrites a ``metrics.jsonl``
+that lacks steps from the store (:func:`records_from_store`), or marks it partial.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from comera_engine.store.errors import StoreError
-from comera_engine.store.layout import resolve_store_path
+from comera_engine.store.layout import resolve_store_path, write_atomic
 from comera_engine.store.run_store import RunStore
 from comera_engine.store.runs import FINAL_STATUSES, STATUSES
 
@@ -36,7 +42,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["RepairReport", "rebuild_run", "records_from_store", "repair", "store_problem"]
+__all__ = ["RepairReport", "mend_jsonl", "rebuild_run", "records_from_store", "repair",
+           "rewind_jsonl", "store_problem"]
 
 #: What the store says about a database that belongs to something else: never moved.
 _FOREIGN = ("not a CoMERA run store", "another application", "newer than this")
@@ -220,3 +227,39 @@ def records_from_store(st: RunStore, run_id: str, upto: int) -> list[dict[str, A
             for t, s, k, x in rows["events"]]
     out += [{"t": t, "type": "artifact", "kind": k, "path": p} for k, p, t in rows["artifacts"]]
     return sorted(out, key=lambda r: (r["t"], r.get("step") or 0))
+
+
+def mend_jsonl(path: Path, step: int, store: RunStore | None, run_id: str | None) -> None:
+    """Before a resume from ``step``: a ``metrics.jsonl`` that lacks some of steps
+    1..``step`` (deleted, or cut by a full disk) is rewritten from the run store, which
+    holds them; without a store it says in itself that it is partial (an event)."""
+    have = {r["step"] for r in _records(path) if r.get("type") == "metrics"}
+    missing = sorted(set(range(1, step + 1)) - have)
+    if not missing:
+        return
+    records: list[dict[str, Any]] = []
+    if store is not None and run_id is not None:
+        records = records_from_store(store, run_id, step)
+        stored = {r["step"] for r in records if r["type"] == "metrics"}
+        if stored >= set(range(1, step + 1)):
+            note = f"metrics.jsonl lacked {len(missing)} of steps 1..{step}: rewritten from " \
+                   "the run store"
+            records.append({"type": "event", "kind": "info", "text": note, "step": step})
+            write_atomic(path, "".join(json.dumps({"t": r.get("t", 0), **r}) + "\n"
+                                       for r in records))
+            print(f"comera: {note}", file=sys.stderr)
+            return
+    note = (f"metrics.jsonl is partial: it lacks {len(missing)} of steps 1..{step} "
+            f"(first {missing[0]}); the run store has the run's full record")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"type": "event", "kind": "partial", "text": note,
+                            "step": step}) + "\n")
+    print(f"comera: {note}", file=sys.stderr)
+
+
+def rewind_jsonl(path: Path, step: int) -> None:
+    """Drop records of steps after ``step`` (left by an attempt that is being resumed)."""
+    if not path.exists():
+        return
+    kept = [r for r in _records(path) if r.get("step") is None or r["step"] <= step]
+    write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
