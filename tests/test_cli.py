@@ -396,7 +396,7 @@ def test_runs_outside_the_store_started_in_the_same_second_get_their_own_folders
     and the second was refused as "in use"."""
     import argparse
 
-    from comera_engine.cli import _run_dir
+    from comera_engine.train.session import _run_dir
 
     args = argparse.Namespace(run_dir=None, run_id=None, resume=False, config="x.toml")
     folders = {_run_dir(args, "snli tiny") for _ in range(20)}
