@@ -91,7 +91,7 @@ def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None
 
 def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("comera_engine.launch.dispatch", lambda *a, **k: [])  # start nothing
+    monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])  # start nothing
     st = RunStore(home / "comera.db")
     sid, ids = seed_sweep(st, unfinished=True)
     at = app("views/sweeps.py", sweep=sid)
@@ -111,7 +111,7 @@ def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,
 
 def test_new_experiment_launches_a_sweep_once(home: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("comera_engine.launch.dispatch", lambda *a, **k: [])  # start nothing
+    monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])  # start nothing
     at = app("views/new_experiment.py")
     no_exception(at)
     at.text_input(key="sw-targets").set_value("5, 10x, 5").run()
@@ -144,7 +144,7 @@ def test_new_experiment_refuses_bad_sweep_targets(home: Path) -> None:
 def test_a_sweep_with_an_unreachable_target_is_refused_whole(home: Path,
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
-    monkeypatch.setattr("comera_engine.launch.dispatch", lambda *a, **k: [])
+    monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])
     at = app("views/new_experiment.py")
     at.text_input(key="sw-targets").set_value("5, 100000").run()
     at.button(key="sw-launch").click().run()

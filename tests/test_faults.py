@@ -188,7 +188,7 @@ def test_unusable_home_is_one_line_exit_2(home: str, tmp_path: Path,
 def _no_supervisor(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Dispatch without starting processes: ``subprocess.Popen`` of the launcher is a
     stand-in (the thread budget is decided at dispatch, before any process starts)."""
-    import comera_engine.launch as launcher
+    from comera_engine.launch import runs as launcher
 
     started: list[str] = []
 

@@ -329,7 +329,7 @@ def test_a_resumed_run_starts_without_the_old_phase(
     (store.run_dir(rid) / launch.CONFIG_FILENAME).write_text(DIGITS.read_text())
     store.set_phase(rid, "training")
     store.set_status(rid, "crashed", "killed")
-    monkeypatch.setattr(launch, "dispatch", lambda st: None)  # start no supervisor
+    monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda st: None)  # start none
     launch.resume(rid, store=store)
     run = store.get_run(rid)
     assert run["status"] == "queued" and (run["phase"], run["phase_progress"]) == (None, None)

@@ -228,12 +228,13 @@ def test_a_stopped_cell_is_cancelled_and_the_others_go_on(
     cell carries) cancels the task, whose trainer checkpoints and reports stopped. A
     queued cell stopped before it started never runs; the other cell finishes."""
     import comera_engine.launch as launch
+    from comera_engine.launch import signals
 
     def no_signal(*args: Any, **kwargs: Any) -> bool:
         raise AssertionError("stop() signalled the pid of a Ray cell (the driver)")
 
-    for name in ("send_stop_signal", "signal_group", "_kill_owner"):
-        monkeypatch.setattr(launch, name, no_signal)
+    for name in ("send_stop_signal", "signal_group", "kill_owner"):
+        monkeypatch.setattr(signals, name, no_signal)
     st = RunStore(tmp_path / "store")
     sid, (long, short, waiting) = _digits_sweep(st, [LONG, SHORT, SHORT], max_parallel=2)
     out: dict[str, Any] = {}

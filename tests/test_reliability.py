@@ -355,7 +355,7 @@ def test_stop_kills_an_owner_that_ignores_sigterm_and_only_then_says_so(stubborn
 
 
 def test_stop_says_when_it_could_not_stop_the_owner(stubborn_run, capsys, monkeypatch):
-    import comera_engine.launch as launch_mod
+    from comera_engine.launch import runs, signals
 
     st, rid, owner = stubborn_run
 
@@ -370,8 +370,8 @@ def test_stop_says_when_it_could_not_stop_the_owner(stubborn_run, capsys, monkey
         def sleep(self, seconds: float) -> None:
             pass
 
-    monkeypatch.setattr(launch_mod, "time", Clock())
-    monkeypatch.setattr(launch_mod, "_kill_owner", lambda run: False)  # SIGKILL had no effect
+    monkeypatch.setattr(runs, "time", Clock())
+    monkeypatch.setattr(signals, "kill_owner", lambda run: False)  # SIGKILL had no effect
     assert main(["stop", rid, "--timeout", "0.2", "--store", str(st.path)]) == 1
     out = capsys.readouterr()
     assert out.out == "" and _one_line(out.err) == (

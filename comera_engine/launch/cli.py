@@ -14,13 +14,13 @@ import sys
 import time
 from typing import Any
 
-from comera_engine.launch import (
+from comera_engine.launch.liveness import reap
+from comera_engine.launch.logs import logs
+from comera_engine.launch.runs import (
     DEFAULT_STOP_TIMEOUT,
     housekeeping,
     launch,
-    logs,
     open_store,
-    reap,
     resume,
     stop,
 )
@@ -186,7 +186,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def _say_threads(st: RunStore, rid: str) -> None:
     """One line on stderr when the new run shares this machine's cores with others."""
-    from comera_engine.launch import recorded_env
+    from comera_engine.launch.env import recorded_env
     from comera_engine.launch.threads import AUTO_KEY, cpu_cores, runs_in_flight
 
     env = recorded_env(st.run_dir(rid)) or {}
@@ -418,7 +418,7 @@ def _follow(st: RunStore, rid: str, tail: int | None) -> int:
 def _stop_without_store(args: argparse.Namespace) -> int:
     """``comera stop`` when the store cannot be read: through the run folder's owner
     record (its ``.lock``)."""
-    from comera_engine.launch import run_folder_of, stop_folder
+    from comera_engine.launch.runs import run_folder_of, stop_folder
 
     try:
         folder = run_folder_of(resolve_store_path(args.store).parent, args.run)

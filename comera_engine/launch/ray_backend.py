@@ -69,13 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.errors import ConfigError
-from comera_engine.launch import (
-    CONFIG_FILENAME,
-    DEFAULT_STOP_TIMEOUT,
-    child_env,
-    open_store,
-    recorded_env,
-)
+from comera_engine.launch.env import child_env, recorded_env
 from comera_engine.launch.liveness import process_start_time, reap, this_host
 from comera_engine.launch.ray_task import (  # what runs on the workers
     LOG_LIMIT,
@@ -84,6 +78,7 @@ from comera_engine.launch.ray_task import (  # what runs on the workers
     run_cell,
     unpack_run_folder,
 )
+from comera_engine.launch.runs import CONFIG_FILENAME, DEFAULT_STOP_TIMEOUT, open_store
 from comera_engine.launch.scheduler import Outcome, Scheduler, Slot
 from comera_engine.store import (
     RunStore,

@@ -27,8 +27,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from comera_engine.launch import CONFIG_FILENAME, DEFAULT_STOP_TIMEOUT, child_env
+from comera_engine.launch.env import child_env
 from comera_engine.launch.liveness import this_host
+from comera_engine.launch.runs import CONFIG_FILENAME, DEFAULT_STOP_TIMEOUT
 from comera_engine.store import LOG_FILENAME, list_checkpoints
 
 __all__ = ["LOG_LIMIT", "STREAM_EVERY_S", "CellStream", "pack_run_folder", "run_cell",

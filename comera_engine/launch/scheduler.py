@@ -12,7 +12,7 @@ Executors only start, watch and cancel:
 
 * the **local executor** (:class:`comera_engine.launch.supervisor.LocalExecutor`): the
   trainer as a subprocess in its own process group, one per detached supervisor
-  (``comera launch``, the dashboard, local sweeps; :func:`comera_engine.launch.dispatch`
+  (``comera launch``, the dashboard, local sweeps; :func:`comera_engine.launch.runs.dispatch`
   fills the local queue by starting supervisors);
 * the **Ray executor** (:class:`comera_engine.launch.ray_backend.RayExecutor`): a
   sweep's cells as Ray tasks, one detached driver per sweep.
@@ -303,10 +303,10 @@ class Scheduler:
 
 def start_queued(store: RunStore | str | os.PathLike[str] | None = None,
                  sweep_id: str | None = None) -> None:
-    """Start what is queued: the local queue (:func:`comera_engine.launch.dispatch`),
+    """Start what is queued: the local queue (:func:`comera_engine.launch.runs.dispatch`),
     or, for a sweep on the Ray backend, its detached driver. ``comera launch``,
     ``comera sweep``, ``resume`` and the dashboard all start runs through here."""
-    from comera_engine.launch import dispatch, open_store
+    from comera_engine.launch.runs import dispatch, open_store
 
     st = open_store(store)
     sweep = st.get_sweep(sweep_id) if sweep_id else None

@@ -25,19 +25,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from comera_engine.launch import (
+from comera_engine.launch.env import child_env, recorded_env, run_env
+from comera_engine.launch.liveness import process_start_time, this_host
+from comera_engine.launch.runs import (
     CONFIG_FILENAME,
     DEFAULT_STOP_TIMEOUT,
     checkpoint_steps,
-    child_env,
     dispatch,
-    recorded_env,
-    run_env,
-    send_stop_signal,
-    signal_group,
 )
-from comera_engine.launch.liveness import process_start_time, this_host
 from comera_engine.launch.scheduler import Outcome, Scheduler, Slot
+from comera_engine.launch.signals import send_stop_signal, signal_group
 from comera_engine.store import RunStore, StoreError, extract_traceback
 from comera_engine.store.errors import is_damaged
 

@@ -162,7 +162,7 @@ def create_sweep(
     passes its device/data/memory check). Every cell is validated first: a bad grid value
     raises :class:`ConfigError` naming the cell, and nothing is written."""
     from comera_engine.config import MAX_NAME
-    from comera_engine.launch import _check_gpus, open_store, queue_run, resolve_config
+    from comera_engine.launch.runs import _check_gpus, open_store, queue_run, resolve_config
     from comera_engine.store import SWEEP_BACKENDS
 
     if backend not in SWEEP_BACKENDS:
@@ -238,7 +238,7 @@ def stop_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None = 
     """Stop every cell of a sweep: waiting cells at once (so none starts while the others
     stop), then the running ones gracefully (checkpoint, then stop). Returns the cells
     per status afterwards."""
-    from comera_engine.launch import open_store, stop
+    from comera_engine.launch.runs import open_store, stop
 
     st = open_store(store)
     sid = st.resolve_sweep(sweep_id)
@@ -261,7 +261,7 @@ def resume_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None 
                  ) -> list[str]:
     """Queue again every stopped, crashed or failed cell (each from its newest checkpoint;
     one that never started, from the start); finished cells stay. Returns their ids."""
-    from comera_engine.launch import open_store, resume
+    from comera_engine.launch.runs import open_store, resume
 
     st = open_store(store)
     sid = st.resolve_sweep(sweep_id)
@@ -282,7 +282,7 @@ def wait_sweeps(store: RunStore, sweep_ids: Sequence[str], poll: float = 1.0, *,
     ``{indent}HH:MM:SS {label}<cells per status>`` to stderr whenever the counts change."""
     import sys
 
-    from comera_engine.launch import housekeeping
+    from comera_engine.launch.runs import housekeeping
 
     last = ""
     while True:

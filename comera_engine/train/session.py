@@ -219,7 +219,7 @@ class _Writer:
         return self
 
     def _create(self) -> str:
-        from comera_engine.launch import run_env
+        from comera_engine.launch.env import run_env
         from comera_engine.launch.liveness import this_process
 
         in_root = self._in_store_root()
