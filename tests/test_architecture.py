@@ -1,6 +1,7 @@
 """The import contract (pyproject.toml, [tool.importlinter]): layers only point down, the
 dashboard reaches the engine through its public API, the config, the run store and the
-dataset registry load without torch. `make lint` checks it too."""
+dataset registry load without torch, and no engine module imports itself back through
+others. `make lint` checks the contract too."""
 
 from __future__ import annotations
 
@@ -41,6 +42,57 @@ def test_the_contract_catches_a_dashboard_import_of_engine_internals(tmp_path: P
     assert "app.lib.sneaky -> comera_engine.tensor" in out.stdout
     assert "load without torch BROKEN" in out.stdout
     assert "comera_engine.store.heavy -> torch" in out.stdout
+
+
+#: The import cycles of the package in the current folder, one a line: the modules that
+#: reach each other through their imports (``a <-> b``), from grimp's graph
+#: (import-linter's). Imports made only for type checking never run and are left out, and
+#: so is a module's import of itself (``__main__`` reaching its module's own copy).
+_CYCLES = """
+import grimp
+graph = grimp.build_graph("comera_engine", exclude_type_checking_imports=True,
+                          cache_dir=None)
+reach = {}
+for module in graph.modules:
+    seen, todo = set(), [module]
+    while todo:
+        importer = todo.pop()
+        for imported in graph.find_modules_directly_imported_by(importer) - {importer}:
+            if imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    reach[module] = seen
+cycles = {tuple(sorted(m for m in reach[module] if module in reach[m]))
+          for module in reach if module in reach[module]}
+for cycle in sorted(cycles):
+    print(" <-> ".join(cycle))
+"""
+
+
+def _import_cycles(root: Path) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _CYCLES], cwd=root, capture_output=True,
+                         text=True, timeout=240, env={"PYTHONPATH": str(root),
+                                                      "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_no_module_of_the_engine_imports_itself_back() -> None:
+    """No import cycle inside ``comera_engine``: a module never reaches itself through
+    the modules it imports (function-level imports included)."""
+    assert _import_cycles(ROOT) == []
+
+
+def test_the_cycle_check_catches_a_cycle(tmp_path: Path) -> None:
+    """The same check on a copy of the engine where two launcher modules import each
+    other (one of them inside a function): the cycle is reported."""
+    shutil.copytree(ROOT / "comera_engine", tmp_path / "comera_engine",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"))
+    launch = tmp_path / "comera_engine" / "launch"
+    (launch / "loop_a.py").write_text("from comera_engine.launch import loop_b  # noqa\n")
+    (launch / "loop_b.py").write_text("def f():\n    import comera_engine.launch.loop_a\n")
+    assert _import_cycles(tmp_path) == [
+        "comera_engine.launch.loop_a <-> comera_engine.launch.loop_b"]
 
 
 def _doc_layers() -> list[list[str]]:

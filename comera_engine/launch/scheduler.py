@@ -18,12 +18,12 @@ Executors only start, watch and cancel:
   sweep's cells as Ray tasks, one detached driver per sweep.
 
 :func:`start_queued` is the one entry that starts what is queued, for a run or a sweep
-on either backend (``comera launch``, ``comera sweep``, the dashboard).
+on either backend, through the executor's starter its caller hands in (the sweep's:
+:data:`comera_engine.launch.sweep.STARTERS`); nothing here imports an executor.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -34,7 +34,8 @@ from typing import Any, Protocol
 from comera_engine.store import FINAL_STATUSES, RunStore, StoreError
 from comera_engine.store.errors import is_damaged
 
-__all__ = ["HEARTBEAT_EVERY_S", "Executor", "Outcome", "Scheduler", "Slot", "start_queued"]
+__all__ = ["HEARTBEAT_EVERY_S", "Executor", "Outcome", "Scheduler", "Slot", "Starter",
+           "start_queued"]
 
 #: Seconds between the scheduler's heartbeats of the runs in flight.
 HEARTBEAT_EVERY_S = 2.0
@@ -301,18 +302,17 @@ class Scheduler:
         self.executor.ended(slot, f"status {out.status}")
 
 
-def start_queued(store: RunStore | str | os.PathLike[str] | None = None,
-                 sweep_id: str | None = None) -> None:
-    """Start what is queued: the local queue (:func:`comera_engine.launch.runs.dispatch`),
-    or, for a sweep on the Ray backend, its detached driver. ``comera launch``,
-    ``comera sweep``, ``resume`` and the dashboard all start runs through here."""
-    from comera_engine.launch.runs import dispatch, open_store
+#: What starts the queued runs of one backend: ``start(store, sweep_id)``.
+Starter = Callable[[RunStore, str | None], object]
 
-    st = open_store(store)
-    sweep = st.get_sweep(sweep_id) if sweep_id else None
-    if sweep is not None and sweep.get("backend") == "ray":
-        from comera_engine.launch.ray_backend import spawn_ray_driver
 
-        spawn_ray_driver(st, str(sweep_id))
-    else:
-        dispatch(st)
+def start_queued(store: RunStore, sweep_id: str | None,
+                 starters: Mapping[str, Starter]) -> None:
+    """Start what is queued through the starter of its backend: ``starters`` by backend
+    name (:data:`~comera_engine.store.SWEEP_BACKENDS`), handed in by the caller, so the
+    scheduler imports none of its executors. A sweep's cells start by the starter of the
+    sweep's backend (Ray: its detached driver), anything else by ``starters["local"]``
+    (the local queue)."""
+    sweep = store.get_sweep(sweep_id) if sweep_id else None
+    backend = sweep.get("backend") if sweep is not None else None
+    starters[backend if backend in starters else "local"](store, sweep_id)

@@ -18,7 +18,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from comera_engine.errors import ConfigError
@@ -230,7 +230,29 @@ def _start(st: RunStore, sweep_id: str, backend: str) -> None:
     local launcher's queue, or the sweep's Ray driver."""
     from comera_engine.launch.scheduler import start_queued
 
-    start_queued(st, sweep_id)
+    start_queued(st, sweep_id, STARTERS)
+
+
+def _start_local(st: RunStore, sweep_id: str | None) -> None:
+    """The local executor's start: supervisors for the queued runs that fit
+    (:func:`comera_engine.launch.runs.dispatch`)."""
+    from comera_engine.launch.runs import dispatch
+
+    dispatch(st)
+
+
+def _start_ray(st: RunStore, sweep_id: str | None) -> None:
+    """The Ray executor's start: the sweep's detached driver
+    (:func:`comera_engine.launch.ray_backend.spawn_ray_driver`)."""
+    from comera_engine.launch.ray_backend import spawn_ray_driver
+
+    spawn_ray_driver(st, str(sweep_id))
+
+
+#: How each backend (``SWEEP_BACKENDS``) starts its queued runs, for
+#: :func:`comera_engine.launch.scheduler.start_queued`.
+STARTERS: dict[str, Callable[[RunStore, str | None], object]] = {
+    "local": _start_local, "ray": _start_ray}
 
 
 def stop_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None = None,
