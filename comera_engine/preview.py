@@ -268,20 +268,11 @@ def data_problems(data: dict[str, Any], batch_size: int, base_dir: str | Path | 
 
 
 def tt_params(mode_sizes: tuple[int, ...], ranks: list[int]) -> int:
-    """``Σ r_{k-1}·s_k·r_k`` for ranks with the boundary ones."""
-    return sum(ranks[k] * s * ranks[k + 1] for k, s in enumerate(mode_sizes))
+    """A TT layer's cores (:func:`comera_engine.tensor.size.tt_size`) at ``ranks``, the
+    boundary ones included."""
+    from comera_engine.tensor.size import tt_size
 
-
-def _max_ranks(mode_sizes: tuple[int, ...]) -> list[int]:
-    from comera_engine.tensor import max_tt_ranks
-
-    return max_tt_ranks(mode_sizes)
-
-
-def scaled_ranks(ranks: list[int], caps: list[int], s: float) -> list[int]:
-    """Allocated internal ranks scaled by ``s`` (at least 1, at most the cap)."""
-    inner = [max(1, min(c, int(round(r * s)))) for r, c in zip(ranks[1:-1], caps)]
-    return [1, *inner, 1]
+    return tt_size(mode_sizes, ranks[1:-1])
 
 
 def linear_macs(batch: int, in_f: tuple[int, ...], out_f: tuple[int, ...], ranks: list[int],
@@ -505,7 +496,7 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
             ))
         elif isinstance(mod, nn.Linear):
             other_macs += float(mod.in_features * mod.out_features)
-    gates = {id(p) for n, p in model.named_parameters() if ".gates." in f".{n}."}
+    gates = {id(p) for n, p in model.named_parameters() if n.endswith(".tt.gate")}
     other = sum(
         p.numel() for p in model.parameters() if id(p) not in tt_param_ids and id(p) not in gates
     )
@@ -534,42 +525,24 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
                         "learn. Train it to mark the baseline on the Compare page.")
     elif not layers:
         pv.notes.append("No layer is in TT form with these settings (model.tt_layers).")
-    _fit_target(pv, device, tokens)
+    _at_target(pv, plan.target if plan is not None else None, device, tokens)
     pv.memory = _memory(cfg, model, pv, shape, device)
     return pv
 
 
-def _fit_target(pv: Preview, device: str, tokens: int) -> None:
-    """Scale every layer's ranks by one factor so the TT layers fit the target budget."""
+def _at_target(pv: Preview, target: Any, device: str, tokens: int) -> None:
+    """Each layer at the target, from the run's plan (``target``: its
+    :class:`~comera_engine.rank.target.TargetPlan`): the fixed-rank methods' ranks
+    (``bond_ranks``), or for learnt ranks the plan's illustration (``target_ranks``:
+    every bond scaled by one factor to fit the target)."""
     for layer in pv.layers:
         layer.target_params = layer.tt_params
-    if pv.target is None or not pv.layers:
+    ranks = None if target is None else (target.bond_ranks or target.target_ranks)
+    if pv.target is None or not pv.layers or ranks is None or pv.errors:
         return
-    budget = pv.target_size
-    if pv.errors or budget is None or budget < pv.floor_size:  # refused by the plan
-        return
-    pv.budget_params = budget - (pv.other_params if pv.scope == "model" else 0)
-    budget = pv.budget_params
-    if pv.alloc_tt <= budget:  # only with a fixed model.rank, which the plan refuses
-        return
-    caps = {id(layer): _max_ranks(layer.mode_sizes) for layer in pv.layers}
-
-    def total(s: float) -> int:
-        return sum(
-            tt_params(layer.mode_sizes, scaled_ranks(layer.ranks, caps[id(layer)], s))
-            + layer.bias
-            for layer in pv.layers
-        )
-
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if total(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    for layer in pv.layers:
-        r = scaled_ranks(layer.ranks, caps[id(layer)], lo)
+    pv.budget_params = target.target - (pv.other_params if pv.scope == "model" else 0)
+    for layer, inner in zip(pv.layers, ranks):
+        r = [1, *inner, 1]
         layer.target_ranks = r
         layer.target_params = tt_params(layer.mode_sizes, r) + layer.bias
         if layer.kind == "linear":

@@ -33,13 +33,15 @@ from benchlib import add_rounds_args, apply_rounds_args, machine, median_rounds_
 def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
     """Size surrogate (one pass against the per-layer sum) and gate refresh."""
     from comera_engine.layers import tt_layers
-    from comera_engine.rank import refresh_gates, surrogate_size
-    from comera_engine.rank.size import layer_size_surrogate
+    from comera_engine.rank.optim import refresh_gates
+    from comera_engine.tensor.size import train_sizes
 
     layers = [m for _, m in tt_layers(model)]
+    trains = [m.tt for m in layers]
     times = median_rounds_ms({
-        "one pass": lambda: surrogate_size(model),
-        "per-layer sum": lambda: torch.stack([layer_size_surrogate(m) for m in layers]).sum(),
+        "one pass": lambda: train_sizes(trains, sizes=False)[0],
+        "per-layer sum": lambda: torch.stack([train_sizes([t], sizes=False)[0]
+                                              for t in trains]).sum(),
     }, rounds, reps)
     times |= median_rounds_ms({"refresh_gates": lambda: refresh_gates(model)}, rounds, reps)
     return [{"part": "gate refresh" if name == "refresh_gates" else "size surrogate",

@@ -55,19 +55,20 @@ def test_only_committed_results_feed_the_page(tmp_path: Path) -> None:
 
 
 def test_the_readme_quotes_the_own_loop_results_file() -> None:
-    """README's "Your own model and training loop" states what
-    experiments/results/own_loop.json holds (not figures copied by hand from an older
-    run)."""
+    """README's "Your own model and training loop" states, per network, what
+    experiments/results/own_loop.json holds, in the script's own sentence (not figures
+    copied by hand from an older run)."""
     import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import own_loop
 
     data = json.loads((ROOT / "experiments" / "results" / "own_loop.json").read_text())
-    c, d = data["summary"]["CoMERA"], data["summary"]["dense"]
-    said = (f"asked {data['target']:g}× (TT layers), reached {c['compression_min']:.1f}× to "
-            f"{c['compression_max']:.1f}×; held-out accuracy {100 * c['test_acc_mean']:.1f} "
-            f"± {100 * c['test_acc_std']:.1f} % against dense {100 * d['test_acc_mean']:.1f} "
-            f"± {100 * d['test_acc_std']:.1f} %")
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    assert said in readme, f"README should say: {said}"
+    for name, result in data["networks"].items():
+        said = own_loop.sentence(name, result)
+        assert said in readme, f"README should say: {said}"
 
 
 def test_the_readme_quotes_the_controller_cost_results_file() -> None:

@@ -218,16 +218,19 @@ def test_bench_controller_writes_table_and_json(tmp_path) -> None:
 
 
 def test_own_loop_example_trains_to_the_target_against_dense(tmp_path) -> None:
-    """experiments/own_loop.py (the README's loop) end to end, briefly: both methods per
+    """experiments/own_loop.py (the README's loop, no CoMERA learning rate) end to end,
+    briefly, on the MLP: the dense learning rate chosen on validation, both methods per
     seed, the target reached within ±5 %, the JSON written."""
     out_json = tmp_path / "own_loop.json"
-    cmd = [sys.executable, str(ROOT / "experiments" / "own_loop.py"), "--steps", "200",
-           "--seeds", "0", "--target", "10", "--out", str(out_json)]
+    cmd = [sys.executable, str(ROOT / "experiments" / "own_loop.py"), "--networks", "mlp",
+           "--steps", "200", "--seeds", "0", "--lrs", "1e-3", "3e-3", "--out", str(out_json)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    data = json.loads(out_json.read_text())
-    assert [r["method"] for r in data["runs"]] == ["dense", "CoMERA"]
-    comera = data["runs"][1]
-    assert abs(comera["compression"] / 10 - 1) <= 0.05 and comera["test_acc"] > 0.5
-    assert "target 10x" in out.stdout and "dense" in out.stdout
+    mlp = json.loads(out_json.read_text())["networks"]["mlp"]
+    assert set(mlp["lr_search"]) == {"0.001", "0.003"} and mlp["lr"] in (1e-3, 3e-3)
+    assert [r["method"] for r in mlp["runs"]] == ["dense", "CoMERA"]
+    comera = mlp["runs"][1]
+    assert abs(comera["compression"] / mlp["target"] - 1) <= 0.05 and comera["test_acc"] > 0.5
+    assert "mlp: asked 20× (TT layers)" in out.stdout
+    assert "the optimizer's" in out.stderr  # CoMERA says which rates it set (the gates')

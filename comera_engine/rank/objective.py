@@ -32,36 +32,29 @@ early-stage loss plateau (the smoothed loss when the stage switches), never a ha
 constant. ``ramp`` is the early-stage warm-up factor
 ``min(1, (step+1)/gamma_warmup)``.
 
-Under DDP, λ is decided from the loss averaged over all processes (as the stage switch
-is), so every process optimises the same objective. Every quantity stays on the device
-(``λ``, the effective size ``S`` counted from the gate masks), so the same code runs
-eagerly and inside a captured CUDA graph; values are read back to the host only for
-logging. The settings are the run config's
+``Ŝ`` and ``S`` come from :func:`comera_engine.tensor.size.train_sizes` (one pass over
+all gates, plain PyTorch); the loss is the expressions above, differentiated by
+autograd. Under DDP, λ is decided from the loss averaged over all processes (as the
+stage switch is), so every process optimises the same objective. Every quantity stays
+on the device (``λ``, the effective size ``S`` counted from the gate masks), so the same
+code runs eagerly and inside a captured CUDA graph; values are read back to the host
+only for logging. The settings are the run config's
 :class:`~comera_engine.config.CoMERAConfig` (one set of names and defaults).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..backends import cpu_backend
 from ..config import CoMERAConfig, resolve_schedule, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
-from .size import (
-    GateBank,
-    dense_size,
-    effective_core_size,
-    gate_size_pass,
-    gate_sizes,
-    size_extra,
-    size_spec,
-)
+from ..tensor.size import train_sizes
+from .size import size_extra, size_spec
 from .target import plan_target
 
 __all__ = ["CoMERAObjective", "PlateauDetector", "gamma_ramp"]
@@ -77,10 +70,10 @@ class CoMERAObjective:
 
     ``obj(f)`` returns ``(total_loss, info)``: ``info`` holds 0-d device tensors for
     logging (``lambda``; ``size_surrogate`` until the ranks are fixed; ``gamma`` in the
-    early stage, ``size`` and ``z_f`` in the late one, ``target_size`` when a target is
-    set). Nothing is read back
-    to the host, so the call can be captured into a CUDA graph. :meth:`begin_step` sets
-    the step that drives the ``γ`` warm-up (in place on the device).
+    early stage, ``size`` and ``z_f`` in the late one and once the ranks are fixed,
+    ``target_size`` when a target is set). Nothing is read back to the host, so the call
+    can be captured into a CUDA graph. :meth:`begin_step` sets the step that drives the
+    ``γ`` warm-up (in place on the device).
 
     Raises:
         ConfigError: bad settings, or a target below what rank 1 everywhere allows.
@@ -88,50 +81,22 @@ class CoMERAObjective:
 
     def __init__(self, model: nn.Module, cfg: CoMERAConfig) -> None:
         validate_comera(cfg)
-        self.model = model
         self.cfg = cfg = resolve_schedule(cfg)
         self.stage = "early"
         self.z_f: float | None = None
-        self._layers = [m for _, m in tt_layers(model)]  # the model's structure is fixed
-        self.bank = GateBank(self._layers)  # their gates, laid out once per structure
-        self.S0 = float(max(1, sum(m.tt.num_params(False) for m in self._layers)))
-        self._backend_ops = None  # the CPU backend's module, for the layers' pairs
-        self._early_settings = [self.S0, cfg.gamma]  # the backend's, per stage
-        self._late_settings: list[float | None] = [None] * 8  # made at the first call
-        self.dense = dense_size(model)
-        self.step_index = 0
-        self._ramp: Tensor | None = None
-        self._ramp_value = 0.0  # what _ramp holds
-        self.target_size: float | None = None
-        # the layers' own size outputs (SizeTap: a TT matrix's node gives its layer's Ŝ
-        # and S), used where every layer gives them
-        taps = [getattr(m.tt, "size_tap", None) for m in self._layers]
-        self._taps = taps if taps and all(t is not None for t in taps) else None
-        self._slots: list[Tensor | None] | None = None  # what the taps leave, per layer
-        if self._taps is not None:
-            self._slots = [None] * len(self._taps)
-            for index, tap in enumerate(self._taps):
-                tap.index = index
         self.frozen = False  # ranks fixed at the target: the task loss alone
-        self._fixed_size: Tensor | None = None  # the size once frozen (a constant)
-        self._consts: dict[str, tuple] = {}
+        self.step_index = 0
+        self._trains = [m.tt for _, m in tt_layers(model)]  # the model's layers are fixed
+        #: the cores' allocated size at the start: ``Ŝ/S₀`` starts at 1
+        self.S0 = float(max(1, sum(t.num_params(False) for t in self._trains)))
         # the target scope's parameters outside the TT cores (TT biases, other layers)
         self._extra = size_extra(model, cfg.target_scope)
+        self._ramp: Tensor | None = None  # γ's warm-up factor, on the loss's device
+        self._fixed_size: Tensor | None = None  # the size once the ranks are fixed
+        self.target_size: float | None = None
         if cfg.target_compression is not None:  # refuses a target below the floor
             self.target_size = plan_target(size_spec(model), cfg.target_scope,
                                            cfg.target_compression).target
-
-    @property
-    def frozen(self) -> bool:
-        """The ranks are fixed at the target: the objective is the task loss alone."""
-        return self._frozen
-
-    @frozen.setter
-    def frozen(self, value: bool) -> None:
-        self._frozen = bool(value)
-        self._empty_slots()
-        for tap in self._taps or ():  # the layers' size outputs, while the size counts
-            tap.slots = None if self._frozen else self._slots
 
     def switch_to_late(self, z_f: float) -> None:
         """Enter the late stage. ``z_f``: the early-stage plateau loss."""
@@ -142,68 +107,59 @@ class CoMERAObjective:
         self.stage = "late"
 
     def begin_step(self, index: int) -> None:
-        """The 0-based index of the step about to run (drives the ``γ`` warm-up)."""
+        """The 0-based index of the step about to run (drives the ``γ`` warm-up; the
+        factor is filled in place, so a captured graph reads the new value)."""
         self.step_index = index
-        self._empty_slots()  # the layers' size outputs from before are stale
-        ramp = gamma_ramp(self.cfg.gamma_warmup, index)
-        if self._ramp is not None and ramp != self._ramp_value:  # 1 after the warm-up
-            self._ramp.fill_(ramp)
-            self._ramp_value = ramp
+        if self._ramp is not None:
+            self._ramp.fill_(gamma_ramp(self.cfg.gamma_warmup, index))
 
-    def _ramp_on(self, device: torch.device) -> Tensor:
-        if self._ramp is None or self._ramp.device != device:
-            ramp = gamma_ramp(self.cfg.gamma_warmup, self.step_index)
-            self._ramp = torch.full((), ramp, dtype=torch.float32, device=device)
-            self._ramp_value = ramp
+    def _ramp_on(self, like: Tensor) -> Tensor:
+        if self._ramp is None or self._ramp.device != like.device:
+            self._ramp = torch.full((), gamma_ramp(self.cfg.gamma_warmup, self.step_index),
+                                    dtype=torch.float32, device=like.device)
         return self._ramp
 
     def __call__(self, f: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         info: dict[str, Tensor] = {}
-        if self._frozen:  # ranks fixed: the size is a constant, counted once
+        if self.frozen:  # ranks fixed: the size is a constant, counted once
             if self._fixed_size is None or self._fixed_size.device != f.device:
-                self._fixed_size = (effective_core_size(self.model, self.bank)
-                                    + self._extra).to(f.dtype)
+                cores = train_sizes(self._trains)[1]
+                assert cores is not None
+                self._fixed_size = (cores + self._extra).to(f.dtype)
             total = f
-            info["lambda"] = self._const(f, "zero", 0.0)  # not chosen (logged only)
+            info["lambda"] = f.new_zeros(())  # not chosen (logged only)
             info["size"] = self._fixed_size
+        elif self.stage == "early":
+            total = self._early(f, info)
         else:
-            sized = self._layer_sizes()  # taken on every call: each is of one step
-            # the layers' own pairs come from the backend's nodes only (no autocast)
-            total = None if sized is None else self._native_terms(self._ops(), f, info, sized)
-            if total is None:
-                total = self._gate_terms(f, info)
+            total = self._late(f, info)
         if self.cfg.l2_cores > 0:  # the cores' L2 term (comera.l2_cores; off by default)
-            reg = f.new_zeros(())
-            for m in self._layers:
-                for c in m.tt.cores:
-                    reg = reg + c.pow(2).sum()
+            reg = sum(c.pow(2).sum() for t in self._trains for c in t.cores)
             total = total + self.cfg.l2_cores * reg
         if self.target_size is not None:
-            info["target_size"] = self._const(f, "target_size", self.target_size)
+            info["target_size"] = f.new_full((), self.target_size)
         return total, info
 
-    def _terms(self, f: Tensor, s_raw: Tensor, cores64: Tensor | None,
-               info: dict[str, Tensor]) -> tuple[Tensor, Callable[[Tensor], tuple]]:
-        """The current stage's loss from the task loss ``f``, the surrogate ``Ŝ``
-        (``s_raw``) and, in the late stage, the cores' effective size (``cores64``), its
-        terms logged in ``info``; and the function that takes ``dL/d(loss)`` to
-        ``(dL/df, dL/dŜ)``, each product and sum as autograd would form them through
-        these expressions (:class:`_Scalarised`: the same bits)."""
+    def _early(self, f: Tensor, info: dict[str, Tensor]) -> Tensor:
+        """``f + γ·ramp·Ŝ/S₀``."""
+        s_hat = train_sizes(self._trains, sizes=False)[0]
+        gamma = self.cfg.gamma * self._ramp_on(f).to(f.dtype)
+        info["size_surrogate"] = s_hat.detach()
+        info["lambda"] = f.new_zeros(())  # λ is not chosen (logged only)
+        info["gamma"] = gamma
+        return f + gamma * s_hat.to(f.dtype) / self.S0
+
+    def _late(self, f: Tensor, info: dict[str, Tensor]) -> Tensor:
+        """``ρ_f·f + ρ_S·Ŝ/S_c + λ·Ŝ/S_c + (1−λ)·f`` (module doc), the size terms off once
+        the size is at the target unless the schedule keeps them."""
         cfg = self.cfg
-        s_hat = s_raw.to(f.dtype) / self.S0
-        info["size_surrogate"] = s_raw.detach()
-        if self.stage == "early":
-            gamma = cfg.gamma * self._ramp_on(f.device).to(f.dtype)
-            info["lambda"] = self._const(f, "zero", 0.0)  # λ is not chosen (logged only)
-            info["gamma"] = gamma
-            return f + gamma * s_hat, lambda d: (d, ((d * gamma) / self.S0).to(s_raw.dtype))
         assert self.z_f is not None and self.target_size is not None
-        assert cores64 is not None
-        size = (cores64 + self._extra).to(f.dtype)
-        norm = None
-        if cfg.late_norm != "initial":  # Ŝ / S_c (ours); the paper's is Ŝ / S₀
-            norm = self.S0 / cores64.to(f.dtype).clamp_min(1.0)
-            s_hat = s_hat * norm
+        s_hat, cores = train_sizes(self._trains)
+        assert cores is not None
+        info["size_surrogate"] = s_hat.detach()
+        size = (cores + self._extra).to(f.dtype)
+        norm = self.S0 if cfg.late_norm == "initial" else cores.to(f.dtype).clamp_min(1.0)
+        s_term = s_hat.to(f.dtype) / norm
         fv = _mean_over_processes(f.detach())  # every process picks the same λ
         gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, 0.0)
         gap_s = torch.where(size > 0, (size - self.target_size) / size, -1.0)
@@ -212,138 +168,10 @@ class CoMERAObjective:
         else:  # the size terms, until the size is at the target
             pursue = (size > self.target_size).to(f.dtype)
         lam = (gap_f < gap_s).to(f.dtype) * pursue
-        on_s, off_f = pursue * cfg.rho_s, 1 - lam
-        total = cfg.rho_f * f + on_s * s_hat + lam * s_hat + off_f * f
         info["lambda"] = lam
         info["size"] = size
-        info["z_f"] = self._const(f, "z_f", self.z_f)
-
-        def grads(d: Tensor) -> tuple[Tensor, Tensor]:
-            d_s = d * on_s + d * lam
-            d_s = d_s if norm is None else d_s * norm
-            return d * cfg.rho_f + d * off_f, (d_s / self.S0).to(s_raw.dtype)
-
-        return total, grads
-
-    def _layer_sizes(self) -> list[Tensor] | None:
-        """Every layer's ``(Ŝ, S)`` pair as its own forward output it in this step (its
-        :class:`~comera_engine.tensor.tt.SizeTap`), each taken once; ``None`` where some
-        layer left none (it did not run with gradients on the backend's node since the
-        last step or call): the objective then makes its own pass over the gates."""
-        if self._slots is None:
-            return None
-        sized = self._slots.copy()
-        self._empty_slots()
-        for pair in sized:
-            if pair is None:
-                return None
-        return sized  # type: ignore[return-value]
-
-    def _empty_slots(self) -> None:
-        """No layer's size output is left to take (in place: the taps share the list)."""
-        if self._slots is not None:
-            self._slots[:] = [None] * len(self._slots)
-
-    def _gate_terms(self, f: Tensor, info: dict[str, Tensor]) -> Tensor:
-        """The loss over the gates themselves: the CPU backend's node where it takes
-        them and ``f``, else one autograd node in PyTorch (:class:`_Scalarised`), else
-        (single-core layers only, no bond) autograd through the expressions."""
-        backend = self.bank.backend()  # not None: the gates are float CPU tensors
-        if backend is not None and f.is_cpu and f.dim() == 0 and (
-                f.dtype in (torch.float32, torch.float64)):
-            total = self._native_terms(backend.ops, f, info)
-            assert total is not None
-            return total
-        gates = self.bank.flat()[0]
-        if gates:
-            return _Scalarised.apply(self, info, f, *gates)
-        s_raw, cores64 = gate_sizes(self.model, counts=self.stage != "early", bank=self.bank)
-        return self._terms(f, s_raw, cores64, info)[0]
-
-    def _ops(self):  # noqa: ANN202
-        """The CPU backend's module (looked up once)."""
-        if self._backend_ops is None:
-            backend = cpu_backend()
-            assert backend is not None, "the layers' size outputs come from the backend"
-            self._backend_ops = backend.ops
-        return self._backend_ops
-
-    def _native_terms(self, ops, f: Tensor, info: dict[str, Tensor],  # noqa: ANN001
-                      sized: list[Tensor] | None = None) -> Tensor | None:
-        """The loss of :meth:`_terms` as one autograd node of the CPU backend
-        (``csrc/gate_size.cpp``: every scalar op of the expressions rounded as the tensor
-        op rounds it, and the backward's products and sums as autograd forms them): over
-        the layers' own ``(Ŝ, S)`` pairs where ``sized`` holds them (``None`` where the
-        node does not take ``f``), else over the gates."""
-        late = self.stage != "early"
-        if late:
-            assert self.z_f is not None and self.target_size is not None
-            side = _mean_over_processes(f)  # every process picks the same λ (read only)
-            settings = self._late_settings
-            if settings[2] != self.z_f or settings[3] != self.target_size:
-                cfg = self.cfg
-                settings = self._late_settings = [
-                    self.S0, self._extra, self.z_f, self.target_size, cfg.rho_f, cfg.rho_s,
-                    float(cfg.late_norm != "initial"),
-                    float(cfg.size_off_at_target is not False)]
-        else:
-            side = self._ramp
-            if side is None or not side.is_cpu:
-                side = self._ramp_on(f.device)
-            settings = self._early_settings
-        gates, alive, _ = self.bank.flat()
-        if sized is not None:
-            out = ops.size_objective_layers(sized, f, side, late, settings,
-                                            gates[0].dtype is torch.float64)
-            if not out:
-                return None
-            total, s_raw, first, lam = out
-        else:
-            total, s_raw, first, lam = ops.size_objective(self.bank.native(ops), gates, alive,
-                                                          f, side, late, settings)
-        info["size_surrogate"] = s_raw
-        info["lambda"] = lam  # the early stage's 0: λ is not chosen there (logged only)
-        if late:
-            info["size"] = first
-            info["z_f"] = self._const(f, "z_f", self.z_f)
-        else:
-            info["gamma"] = first
-        return total
-
-    def _const(self, like: Tensor, name: str, value: float) -> Tensor:
-        """``value`` as a 0-d tensor like ``like``, made once (logged every step)."""
-        t = self._consts.get(name)
-        if t is not None and t[0] == value and t[1] is like.dtype and (
-                t[2] == like.get_device()):  # a device's index: no device object
-            return t[3]
-        made = like.new_full((), value)
-        self._consts[name] = (value, like.dtype, like.get_device(), made)
-        return made
-
-
-class _Scalarised(torch.autograd.Function):
-    """The CoMERA objective's loss (:meth:`CoMERAObjective._terms`) as one autograd node:
-    inputs the objective, the ``info`` dict it fills, the task loss ``f`` and the gates
-    of its :class:`~comera_engine.rank.size.GateBank`. The surrogate comes from
-    :func:`~comera_engine.rank.size.gate_size_pass` with its gradient worked out; the
-    backward multiplies as autograd would through the expressions, so the gradients have
-    the same bits as differentiating them, without a node per term and per scalar op
-    (each small op costs more than its arithmetic, several times its own time right
-    after a model's forward). The CPU backend has the node itself
-    (:meth:`CoMERAObjective._native_terms`)."""
-
-    @staticmethod
-    def forward(ctx, obj: CoMERAObjective, info: dict[str, Tensor],  # noqa: ANN001
-                f: Tensor, *gates: Tensor) -> Tensor:
-        s_raw, cores64, to_gates = gate_size_pass(obj.bank, obj.stage != "early")
-        total, ctx.grads = obj._terms(f, s_raw, cores64, info)
-        ctx.to_gates = to_gates
-        return total
-
-    @staticmethod
-    def backward(ctx, d: Tensor):  # type: ignore[override]  # noqa: ANN205
-        d_f, d_s = ctx.grads(d)
-        return (None, None, d_f if ctx.needs_input_grad[2] else None, *ctx.to_gates(d_s))
+        info["z_f"] = f.new_full((), self.z_f)
+        return cfg.rho_f * f + (cfg.rho_s * pursue + lam) * s_term + (1 - lam) * f
 
 
 def _mean_over_processes(value: Tensor) -> Tensor:

@@ -3,18 +3,18 @@
 from .factorize import Factorization, factorize, resolve_factors
 from .lookup import ttm_lookup, ttm_lookup_naive
 from .planner import PATHS, estimate, explain, explain_ttm, plan, tt_linear
+from .size import train_sizes, tt_size
 from .tt import (
     RankChange,
     TensorTrain,
     TTLinearCores,
     TTMCores,
     max_tt_ranks,
-    structure_generation,
     tt_svd,
 )
 
 __all__ = [
     "PATHS", "Factorization", "RankChange", "TTLinearCores", "TTMCores", "TensorTrain",
     "estimate", "explain", "explain_ttm", "factorize", "max_tt_ranks", "plan", "resolve_factors",
-    "structure_generation", "tt_linear", "tt_svd", "ttm_lookup", "ttm_lookup_naive",
+    "train_sizes", "tt_linear", "tt_size", "tt_svd", "ttm_lookup", "ttm_lookup_naive",
 ]

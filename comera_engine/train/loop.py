@@ -243,7 +243,8 @@ class _Run:
         if self.cfg.train.optimizer == "galore":  # the dense model's GaLore peer
             self.optimizer = methods.galore_optimizer(self.model, self.cfg)
         else:
-            self.optimizer = self.comera.make_optimizer(capturable=self.use_graph)
+            self.optimizer = self.comera.make_optimizer(lr=self.cfg.train.lr,
+                                                       capturable=self.use_graph)
 
     def _wrap(self) -> None:
         """(Re)build the DDP wrapper and the step function (after setup or a truncation)."""
