@@ -180,7 +180,7 @@ class CoMERAConfig:
     lr_cores: float = 1e-4
     # the TT embedding tables' cores (their own AdamW group); None: lr_cores. A table's
     # rows move only through shared cores and want a larger step than the linears'
-    # (CHANGELOG.md, 2026-11-25: the SNLI-tiny gap)
+    # (docs/RESULTS.md, the SNLI note under "Where the claims are missed")
     lr_embedding: float | None = None
     lr_gates: float = 1e-3
     lr_dense: float = 5e-5
