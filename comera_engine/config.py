@@ -183,7 +183,8 @@ class CoMERAConfig:
     # schedule (rank/optim.py, gate_lr).
     lr_cores: float | None = None
     # the TT embedding tables' cores in their own group (None: with the other cores). A
-    # table's rows move only through shared cores and may want a larger step.
+    # table's rows move only through shared cores and may want a larger step
+    # (docs/RESULTS.md, the SNLI note under "Where the claims are missed").
     lr_embedding: float | None = None
     lr_gates: float | None = None
     lr_dense: float | None = None
