@@ -34,14 +34,13 @@ def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
     """Size surrogate (one pass against the per-layer sum) and gate refresh."""
     from comera_engine.layers import tt_layers
     from comera_engine.rank.optim import refresh_gates
-    from comera_engine.tensor.size import train_sizes
+    from comera_engine.tensor.size import surrogate
 
     layers = [m for _, m in tt_layers(model)]
     trains = [m.tt for m in layers]
     times = median_rounds_ms({
-        "one pass": lambda: train_sizes(trains, sizes=False)[0],
-        "per-layer sum": lambda: torch.stack([train_sizes([t], sizes=False)[0]
-                                              for t in trains]).sum(),
+        "one pass": lambda: surrogate(trains),
+        "per-layer sum": lambda: torch.stack([surrogate([t]) for t in trains]).sum(),
     }, rounds, reps)
     times |= median_rounds_ms({"refresh_gates": lambda: refresh_gates(model)}, rounds, reps)
     return [{"part": "gate refresh" if name == "refresh_gates" else "size surrogate",

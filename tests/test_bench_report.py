@@ -69,6 +69,9 @@ def test_the_readme_quotes_the_own_loop_results_file() -> None:
     for name, result in data["networks"].items():
         said = own_loop.sentence(name, result)
         assert said in readme, f"README should say: {said}"
+    low = json.loads((ROOT / "experiments" / "results" / "own_loop_lr3e-4.json").read_text())
+    said = f"in points: {own_loop.gaps(low)}."
+    assert said in readme, f"README should say: {said}"
 
 
 def test_the_readme_quotes_the_controller_cost_results_file() -> None:

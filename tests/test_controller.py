@@ -155,8 +155,9 @@ def test_save_then_load_into_a_fresh_instance_gives_equal_outputs(trained, digit
     model.eval()
     fresh.eval()
     with torch.no_grad():
+        # float32: the gates absorbed into the cores round differently than applied live
         torch.testing.assert_close(fresh(digits["x_test"]), model(digits["x_test"]),
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=1e-5, atol=1e-5)
     # the file holds the effective size (4-byte floats) plus the buffer and a small header
     effective = size_report(model)["model"]["effective_bytes"]
     assert effective < path.stat().st_size < effective + 64 * 8 + 16_000

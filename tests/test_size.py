@@ -1,8 +1,7 @@
 """The one size formula (``comera_engine.tensor.size``): ``tt_size`` against tensorly's
-TT of the same ranks, and ``train_sizes`` (the surrogate ``Ŝ`` and the effective size
-``S`` of many trains in one pass over an index table) against a per-layer float64
-reference written out bond by bond, values and gradients, before and after the
-structure changes."""
+TT of the same ranks, and ``surrogate`` (``Ŝ`` of many trains as one quadratic form)
+against a per-layer float64 reference written out bond by bond, value and gradient,
+before and after the structure changes."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from torch import nn
 
 from comera_engine import TTEmbedding, TTLinear
 from comera_engine.layers import size_report, tt_layers
-from comera_engine.tensor.size import size_index, train_sizes, tt_size
+from comera_engine.tensor.size import size_form, surrogate, tt_size
 
 pytestmark = pytest.mark.pytorch_path
 
@@ -66,26 +65,27 @@ def _model(dtype: torch.dtype) -> nn.Sequential:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_train_sizes_match_the_per_layer_reference(dtype: torch.dtype) -> None:
+def test_the_surrogate_and_the_sizes_match_the_per_layer_reference(dtype: torch.dtype) -> None:
     """Over a TTM embedding, TT linears in both layouts, dead entries, entries at or
     below per-layer thresholds: ``Ŝ`` and its gradient in every gate equal the float64
-    reference's; ``S`` equals the reference count and ``size_report``'s; again
-    after a truncation and an empty bond change the structure."""
+    reference's, and each layer's ``num_params`` (``tt_size`` at the effective ranks)
+    the reference count, which ``size_report`` sums; again after a truncation and an
+    empty bond change the structure."""
     m = _model(dtype)
     layers = [layer for _, layer in tt_layers(m)]
     trains = [layer.tt for layer in layers]
     tol = 1e-12 if dtype == torch.float64 else 1e-5
 
     def check() -> None:
-        s_hat, size = train_sizes(trains)
-        assert s_hat.dtype == dtype and size is not None and size.dtype == torch.float64
+        s_hat = surrogate(trains)
+        assert s_hat.dtype == dtype
         refs = [_reference(layer) for layer in layers]
         ref_hat = sum(r[0] for r in refs)
         torch.testing.assert_close(s_hat.double(), ref_hat, rtol=tol, atol=tol)
-        assert float(size) == sum(r[1] for r in refs)
+        assert [t.num_params(True) for t in trains] == [r[1] for r in refs]
         bias = sum(layer.bias.numel() for layer in layers if getattr(layer, "bias", None)
                    is not None)
-        assert float(size) + bias == size_report(m)["tensorized"]["effective_params"]
+        assert sum(r[1] for r in refs) + bias == size_report(m)["tensorized"]["effective_params"]
         gates = [t.gate for t in trains]
         got = torch.autograd.grad(s_hat, gates)
         want = torch.autograd.grad(ref_hat, gates)
@@ -95,7 +95,7 @@ def test_train_sizes_match_the_per_layer_reference(dtype: torch.dtype) -> None:
 
     check()
     trains[2].refresh_()
-    trains[2].truncate_()  # new ranks: a new index
+    trains[2].truncate_()  # new ranks: a new form
     check()
     with torch.no_grad():
         trains[1].gates[2].zero_()
@@ -103,14 +103,20 @@ def test_train_sizes_match_the_per_layer_reference(dtype: torch.dtype) -> None:
     check()
 
 
-def test_train_sizes_of_unit_gates_is_the_allocated_size_and_the_index_is_cached() -> None:
-    """All gates at 1 and alive: ``Ŝ = S`` = the cores' allocated size; the index is
-    built once per structure, device and dtype."""
-    m = nn.Sequential(TTLinear(64, 64, rank=5), TTLinear(64, 32, rank=[2, 3, 4, 3, 2]))
-    trains = [m[0].tt, m[1].tt]
+def test_unit_gates_give_the_allocated_size_and_the_form_is_cached() -> None:
+    """All gates at 1 and alive: ``Ŝ`` = the cores' allocated size (a single-core train
+    included); the form is built once per structure, device and dtype, one threshold
+    kept as a number, several as a vector."""
+    m = nn.Sequential(TTLinear(64, 64, rank=5), TTLinear(64, 32, rank=[2, 3, 4, 3, 2]),
+                      TTLinear(7, 5, d=1))
+    trains = [m[0].tt, m[1].tt, m[2].tt]
     allocated = sum(c.numel() for t in trains for c in t.cores)
-    size_index.cache_clear()
-    s_hat, size = train_sizes(trains)
-    assert float(s_hat.detach()) == float(size) == allocated
-    train_sizes(trains)
-    assert size_index.cache_info().misses == 1 and size_index.cache_info().hits >= 1
+    size_form.cache_clear()
+    assert float(surrogate(trains).detach()) == allocated
+    surrogate(trains)
+    assert size_form.cache_info().misses == 1 and size_form.cache_info().hits >= 1
+    assert isinstance(size_form(tuple(t.structure() for t in trains), torch.device("cpu"),
+                                torch.float32).tau, float)
+    trains[1].tau = 0.2
+    assert size_form(tuple(t.structure() for t in trains), torch.device("cpu"),
+                     torch.float32).tau.shape == (sum(sum(t.bond_ranks) for t in trains),)

@@ -412,6 +412,8 @@ class CoMERA:
                 events.append(met)
         if rank_events or paced:
             self._dirty = True
+            if self.objective is not None:  # its S: counted again at each rank change
+                self.objective.recount(self.current_size(counts) - self._extra)
         if truncate and optimizer is not None and self._dirty:
             done = self.truncate(optimizer, emit=False)
             if done is not None:
@@ -714,6 +716,8 @@ class CoMERA:
             self.freeze()
         if "step" in state:
             self.steps_done = int(state["step"])
+        if self.objective is not None:
+            self.objective.recount()
         if "removed" in state:
             self.removed = {k: int(v) for k, v in state["removed"].items()}
 

@@ -32,13 +32,16 @@ early-stage loss plateau (the smoothed loss when the stage switches), never a ha
 constant. ``ramp`` is the early-stage warm-up factor
 ``min(1, (step+1)/gamma_warmup)``.
 
-``Ŝ`` and ``S`` come from :func:`comera_engine.tensor.size.train_sizes` (one pass over
-all gates, plain PyTorch); the loss is the expressions above, differentiated by
-autograd. Under DDP, λ is decided from the loss averaged over all processes (as the
-stage switch is), so every process optimises the same objective. Every quantity stays
-on the device (``λ``, the effective size ``S`` counted from the gate masks), so the same
-code runs eagerly and inside a captured CUDA graph; values are read back to the host
-only for logging. The settings are the run config's
+``Ŝ`` comes from :func:`comera_engine.tensor.size.surrogate` (one pass over all gates,
+plain PyTorch); ``S`` changes only when ranks die or are pruned, so it is counted then,
+on the host (:meth:`CoMERAObjective.recount`, which the controller calls on every rank
+change), and everything that depends on it alone (``S``, ``1/S_c``, ``(S − z_S)/S``,
+whether the size is above the target) is kept in small device tensors refilled in
+place. The loss is the expressions above, differentiated by autograd. Under DDP, λ is
+decided from the loss averaged over all processes (as the stage switch is), so every
+process optimises the same objective. Nothing per step is read back to the host, so the
+same code runs eagerly and inside a captured CUDA graph (whose replays read the refilled
+tensors). The settings are the run config's
 :class:`~comera_engine.config.CoMERAConfig` (one set of names and defaults).
 """
 
@@ -53,7 +56,7 @@ from torch import Tensor, nn
 from ..config import CoMERAConfig, resolve_schedule, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
-from ..tensor.size import train_sizes
+from ..tensor.size import surrogate
 from .size import size_extra, size_spec
 from .target import plan_target
 
@@ -73,7 +76,8 @@ class CoMERAObjective:
     early stage, ``size`` and ``z_f`` in the late one and once the ranks are fixed,
     ``target_size`` when a target is set). Nothing is read back to the host, so the call
     can be captured into a CUDA graph. :meth:`begin_step` sets the step that drives the
-    ``γ`` warm-up (in place on the device).
+    ``γ`` warm-up and :meth:`recount` the cores' size after ranks change (both refill
+    their device tensors in place).
 
     Raises:
         ConfigError: bad settings, or a target below what rank 1 everywhere allows.
@@ -83,7 +87,9 @@ class CoMERAObjective:
         validate_comera(cfg)
         self.cfg = cfg = resolve_schedule(cfg)
         self.stage = "early"
-        self.z_f: float | None = None
+        self._z_f: float | None = None
+        self._target: float | None = None
+        self._consts: dict[str, Tensor] = {}  # the per-stage constants, on the loss's device
         self.frozen = False  # ranks fixed at the target: the task loss alone
         self.step_index = 0
         self._trains = [m.tt for _, m in tt_layers(model)]  # the model's layers are fixed
@@ -91,87 +97,119 @@ class CoMERAObjective:
         self.S0 = float(max(1, sum(t.num_params(False) for t in self._trains)))
         # the target scope's parameters outside the TT cores (TT biases, other layers)
         self._extra = size_extra(model, cfg.target_scope)
-        self._ramp: Tensor | None = None  # γ's warm-up factor, on the loss's device
-        self._fixed_size: Tensor | None = None  # the size once the ranks are fixed
         self.target_size: float | None = None
         if cfg.target_compression is not None:  # refuses a target below the floor
             self.target_size = plan_target(size_spec(model), cfg.target_scope,
                                            cfg.target_compression).target
+        self._cores = 0.0  # the cores' effective size (recount)
+        self.recount()
+
+    @property
+    def z_f(self) -> float | None:
+        """The late stage's reference loss (the early stage's plateau)."""
+        return self._z_f
+
+    @z_f.setter
+    def z_f(self, value: float | None) -> None:
+        self._z_f = None if value is None else float(value)
+        self._fill()
+
+    @property
+    def target_size(self) -> float | None:
+        """``z_S``: the size the target compression asks for, in the target's scope."""
+        return self._target
+
+    @target_size.setter
+    def target_size(self, value: float | None) -> None:
+        self._target = None if value is None else float(value)
+        self._fill()
+
+    # ------------------------------------------------------------------ state
+
+    def recount(self, cores: float | None = None) -> None:
+        """The cores' effective size ``S_c`` (``Σ`` of :func:`tt_size` at the effective
+        ranks; given as ``cores`` when the caller counted it), after ranks changed."""
+        self._cores = float(sum(t.num_params(True) for t in self._trains)
+                            if cores is None else cores)
+        self._fill()
 
     def switch_to_late(self, z_f: float) -> None:
         """Enter the late stage. ``z_f``: the early-stage plateau loss."""
         if self.target_size is None:
             raise ConfigError("comera.target_compression",
                               "the late stage needs a target compression")
-        self.z_f = float(z_f)
         self.stage = "late"
+        self.z_f = float(z_f)
 
     def begin_step(self, index: int) -> None:
-        """The 0-based index of the step about to run (drives the ``γ`` warm-up; the
-        factor is filled in place, so a captured graph reads the new value)."""
+        """The 0-based index of the step about to run (drives the ``γ`` warm-up)."""
+        if gamma_ramp(self.cfg.gamma_warmup, index) != gamma_ramp(self.cfg.gamma_warmup,
+                                                                  self.step_index):
+            self.step_index = index
+            self._fill()
         self.step_index = index
-        if self._ramp is not None:
-            self._ramp.fill_(gamma_ramp(self.cfg.gamma_warmup, index))
 
-    def _ramp_on(self, like: Tensor) -> Tensor:
-        if self._ramp is None or self._ramp.device != like.device:
-            self._ramp = torch.full((), gamma_ramp(self.cfg.gamma_warmup, self.step_index),
-                                    dtype=torch.float32, device=like.device)
-        return self._ramp
+    def _values(self) -> dict[str, float]:
+        """The current constants: ``coef`` (``γ·ramp/S₀``), ``gamma`` (``γ·ramp``), the
+        size ``S``, ``gap_s`` (``(S − z_S)/S``), ``pursue`` (the size terms on: above the
+        target, or always in the paper's schedule), ``inv_norm`` (``1/S_c``, or ``1/S₀``
+        with ``late_norm = "initial"``), ``rho_s`` (``ρ_S·pursue/S_c``), ``one_rho_f``
+        (``1 + ρ_f``), ``z_f``, ``target_size``."""
+        cfg = self.cfg
+        gamma = cfg.gamma * gamma_ramp(cfg.gamma_warmup, self.step_index)
+        size = self._cores + self._extra
+        target = self.target_size if self.target_size is not None else math.nan
+        norm = self.S0 if cfg.late_norm == "initial" else max(1.0, self._cores)
+        above = size > target if cfg.size_off_at_target is not False else True
+        pursue = float(above)
+        return {"coef": gamma / self.S0, "gamma": gamma, "size": size,
+                "gap_s": (size - target) / size if size > 0 else -1.0,
+                "pursue": pursue, "inv_norm": 1 / norm,
+                "rho_s": self.cfg.rho_s * pursue / norm, "one_rho_f": 1.0 + self.cfg.rho_f,
+                "z_f": self.z_f if self.z_f is not None else 0.0,
+                "target_size": target, "zero": 0.0}
+
+    def _fill(self, like: Tensor | None = None) -> None:
+        """Refill the constants' device tensors in place (made on first use, like the
+        loss: its device and dtype)."""
+        if like is not None and (not self._consts or self._consts["zero"].device != like.device
+                                 or self._consts["zero"].dtype != like.dtype):
+            self._consts = {k: like.new_full((), v) for k, v in self._values().items()}
+            return
+        if self._consts:
+            for key, value in self._values().items():
+                self._consts[key].fill_(value)
+
+    # ------------------------------------------------------------------ the loss
 
     def __call__(self, f: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        info: dict[str, Tensor] = {}
-        if self.frozen:  # ranks fixed: the size is a constant, counted once
-            if self._fixed_size is None or self._fixed_size.device != f.device:
-                cores = train_sizes(self._trains)[1]
-                assert cores is not None
-                self._fixed_size = (cores + self._extra).to(f.dtype)
+        c = self._consts
+        if not c or c["zero"].device != f.device or c["zero"].dtype != f.dtype:
+            self._fill(f)
+            c = self._consts
+        info: dict[str, Tensor] = {"lambda": c["zero"]}
+        if self.frozen:  # ranks fixed: the task loss alone, the size a constant
             total = f
-            info["lambda"] = f.new_zeros(())  # not chosen (logged only)
-            info["size"] = self._fixed_size
-        elif self.stage == "early":
-            total = self._early(f, info)
-        else:
-            total = self._late(f, info)
+            info["size"] = c["size"]
+        elif self.stage == "early":  # f + γ·ramp·Ŝ/S₀
+            s_hat = surrogate(self._trains).to(f.dtype)
+            total = torch.addcmul(f, c["coef"], s_hat)
+            info["size_surrogate"] = s_hat.detach()
+            info["gamma"] = c["gamma"]
+        else:  # (1 + ρ_f − λ)·f + (ρ_S + λ)·Ŝ/S_c, the size terms off at the target
+            s_hat = surrogate(self._trains).to(f.dtype)
+            fv = _mean_over_processes(f.detach())  # every process picks the same λ
+            lam = torch.where((fv - c["z_f"]) / fv < c["gap_s"], c["pursue"], c["zero"])
+            weight_s = torch.addcmul(c["rho_s"], lam, c["inv_norm"])
+            total = torch.addcmul((c["one_rho_f"] - lam) * f, weight_s, s_hat)
+            info.update(size_surrogate=s_hat.detach(), size=c["size"], z_f=c["z_f"],
+                        **{"lambda": lam})
         if self.cfg.l2_cores > 0:  # the cores' L2 term (comera.l2_cores; off by default)
-            reg = sum(c.pow(2).sum() for t in self._trains for c in t.cores)
+            reg = sum(core.pow(2).sum() for t in self._trains for core in t.cores)
             total = total + self.cfg.l2_cores * reg
         if self.target_size is not None:
-            info["target_size"] = f.new_full((), self.target_size)
+            info["target_size"] = c["target_size"]
         return total, info
-
-    def _early(self, f: Tensor, info: dict[str, Tensor]) -> Tensor:
-        """``f + γ·ramp·Ŝ/S₀``."""
-        s_hat = train_sizes(self._trains, sizes=False)[0]
-        gamma = self.cfg.gamma * self._ramp_on(f).to(f.dtype)
-        info["size_surrogate"] = s_hat.detach()
-        info["lambda"] = f.new_zeros(())  # λ is not chosen (logged only)
-        info["gamma"] = gamma
-        return f + gamma * s_hat.to(f.dtype) / self.S0
-
-    def _late(self, f: Tensor, info: dict[str, Tensor]) -> Tensor:
-        """``ρ_f·f + ρ_S·Ŝ/S_c + λ·Ŝ/S_c + (1−λ)·f`` (module doc), the size terms off once
-        the size is at the target unless the schedule keeps them."""
-        cfg = self.cfg
-        assert self.z_f is not None and self.target_size is not None
-        s_hat, cores = train_sizes(self._trains)
-        assert cores is not None
-        info["size_surrogate"] = s_hat.detach()
-        size = (cores + self._extra).to(f.dtype)
-        norm = self.S0 if cfg.late_norm == "initial" else cores.to(f.dtype).clamp_min(1.0)
-        s_term = s_hat.to(f.dtype) / norm
-        fv = _mean_over_processes(f.detach())  # every process picks the same λ
-        gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, 0.0)
-        gap_s = torch.where(size > 0, (size - self.target_size) / size, -1.0)
-        if cfg.size_off_at_target is False:  # the paper's: the size terms stay on
-            pursue = torch.ones_like(size)
-        else:  # the size terms, until the size is at the target
-            pursue = (size > self.target_size).to(f.dtype)
-        lam = (gap_f < gap_s).to(f.dtype) * pursue
-        info["lambda"] = lam
-        info["size"] = size
-        info["z_f"] = f.new_full((), self.z_f)
-        return cfg.rho_f * f + (cfg.rho_s * pursue + lam) * s_term + (1 - lam) * f
 
 
 def _mean_over_processes(value: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
+from ..tensor.size import gate_entries
 
 __all__ = ["GATE_TRAVEL", "RankEvent", "RankTracker", "gate_lr", "param_groups", "refresh_gates",
            "refresh_gates_on_device", "truncate_model_and_optimizer"]
@@ -103,10 +104,9 @@ def refresh_gates(model: nn.Module, step: int = 0,
     if not trains:
         return []
     with torch.no_grad():
-        dying = torch.cat([(t.alive & (t.gate.abs() <= t.tau)).any().reshape(1)
-                           for t in trains])
-    if not bool(dying.any()):
-        return []
+        g, alive, form = gate_entries(trains)
+        if not bool((alive & (g.abs() <= form.tau)).any()):
+            return []
     events = []
     for name, m in layers:
         for ch in m.tt.refresh_(floor):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..layers import TTEmbedding, TTLinear, peer_layers, tt_layers
-from ..tensor.size import train_sizes, tt_size
+from ..tensor.size import tt_size
 from .target import LayerSpec, SizeSpec
 
 __all__ = ["dense_size", "effective_size", "min_size", "model_sizes", "size_extra",
@@ -71,14 +71,12 @@ def min_size(model: nn.Module) -> dict[str, int]:
     return {"tensorized": tt, "other": other, "model": tt + other}
 
 
-def effective_size(model: nn.Module, scope: str) -> Tensor:
+def effective_size(model: nn.Module, scope: str) -> float:
     """Effective size ``S`` (``"tensorized"`` or ``"model"``; ``"cores"``: the TT cores
-    alone, no bias) as a float64 device tensor: the cores at their effective ranks
-    (:func:`~comera_engine.tensor.size.train_sizes`) plus the TT biases, plus every other
-    parameter for ``"model"``."""
-    cores = train_sizes([m.tt for _, m in tt_layers(model)])[1]
-    assert cores is not None
-    return cores + size_extra(model, scope)
+    alone, no bias): the cores at their effective ranks (:func:`tt_size` of each layer)
+    plus the TT biases, plus every other parameter for ``"model"``."""
+    cores = sum(m.tt.num_params(effective=True) for _, m in tt_layers(model))
+    return float(cores) + size_extra(model, scope)
 
 
 def size_extra(model: nn.Module, scope: str) -> float:

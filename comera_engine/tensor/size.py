@@ -12,12 +12,15 @@ objective's surrogate ``Ŝ`` is the same sum with each ``R_k`` replaced by the l
 the bond's active gate entries, ``‖g_k ⊙ active_k‖₁``, so each gate entry is weighted by
 the parameters its bond controls; with every gate at 1, ``Ŝ = S``.
 
-:func:`train_sizes` computes ``(Ŝ, S)`` for many trains at once, in plain PyTorch over an
-index table built once per structure (:func:`size_index`): no host read, no data-dependent
-shapes, so it runs the same eagerly, on the CPU and GPU, and inside a CUDA graph; ``Ŝ``'s
-gradient comes from autograd. Everything else that counts a train's size (the layers'
-``num_params``, the target plan, the pace, the preview, the report) calls
-:func:`tt_size`.
+Over many trains at once the sum is a quadratic form: with ``R = (1, R_1, …, R_B)`` the
+ranks of all bonds (a leading 1 for the outer sides), ``Σ_c s_c·R_left(c)·R_right(c) =
+Rᵀ Q R`` where ``Q`` holds each core's ``s_c`` (halved, symmetric) at its two sides; and
+the gates' l1 norms are a linear map of their magnitudes, ``R = e₀ + M·|g ⊙ active|``.
+:func:`surrogate` computes ``Ŝ`` so for all TT layers of a model, in plain PyTorch over
+``M`` and ``Q`` built once per structure (:func:`size_form`): no host read, no
+data-dependent shapes, so it runs the same eagerly, on the CPU and GPU, and inside a CUDA
+graph. Everything that counts a train's size (the layers' ``num_params``, the target
+plan, the pace, the preview, the report, the objective's ``S``) calls :func:`tt_size`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .tt import TensorTrain
 
-__all__ = ["SizeIndex", "core_sizes", "size_index", "train_sizes", "tt_size"]
+__all__ = ["SizeForm", "core_sizes", "gate_entries", "size_form", "surrogate", "tt_size"]
 
 N = TypeVar("N", int, float, Tensor)
 
@@ -57,97 +60,83 @@ def tt_size(mode_sizes: Sequence[int], ranks: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True)
-class SizeIndex:
-    """Index tensors of some trains laid end to end (:func:`size_index`). ``E`` gate
-    entries (every train's bonds in order), ``B`` bonds, ``C`` cores, ``L`` trains:
+class SizeForm:
+    """The size of some trains laid end to end as a quadratic form (:func:`size_form`).
+    ``E`` gate entries (every train's bonds in order), ``B`` bonds:
 
-    - ``table`` ``(B, width)``: each bond's entry positions, padded with ``E`` (a zero
-      appended to the entries), so a bond's norm is one gather and a row sum (no
-      scatter: the same sums in the same order on every device);
-    - ``tau`` ``(E,)``: each entry's threshold;
-    - ``s``, ``left``, ``right`` ``(C,)``: each core's mode size and the positions of the
-      ranks on its two sides in ``[1, R_1, …, R_B]`` (0: an outer side, rank 1);
-    - ``core_train`` ``(C,)``, ``bond_train`` ``(B,)``: the train each core / bond is of.
+    - ``M`` ``(B+1, E)``: row ``b`` sums bond ``b``'s entries (row 0, the outer sides', is
+      empty), so ``R = e0 + M·a`` are the bonds' norms (or counts) of entry values ``a``;
+    - ``e0`` ``(B+1,)``: ``[1, 0, …, 0]``;
+    - ``Q`` ``(B+1, B+1)``: symmetric, ``s_c / 2`` at ``(left, right)`` and
+      ``(right, left)`` for every core ``c``, so ``RᵀQR = Σ_c core_sizes(s_c, R_left,
+      R_right)``;
+    - ``tau``: each entry's threshold ``(E,)``, or one float when every train has the
+      same.
     """
 
-    table: Tensor
-    tau: Tensor
-    s: Tensor
-    left: Tensor
-    right: Tensor
-    core_train: Tensor
-    bond_train: Tensor
-    trains: int
+    M: Tensor
+    e0: Tensor
+    Q: Tensor
+    tau: Tensor | float
 
 
 @lru_cache(maxsize=64)
-def size_index(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
-               device: torch.device, dtype: torch.dtype) -> SizeIndex:
-    """The :class:`SizeIndex` of trains whose ``structure`` is, per train, ``(internal
-    ranks, mode sizes, tau)`` (:meth:`TensorTrain.structure`), on ``device``, ``tau`` and
-    ``s`` in ``dtype``. Cached: built once per structure, device and dtype."""
-    rows: list[list[int]] = []
-    tau: list[float] = []
-    s: list[float] = []
-    left: list[int] = []
-    right: list[int] = []
-    core_train: list[int] = []
-    bond_train: list[int] = []
-    entry = bond = 0
-    for t, (ranks, modes, threshold) in enumerate(structure):
-        first = bond + 1  # this train's first rank in [1, R_1, …]
-        for r in ranks:
-            rows.append(list(range(entry, entry + r)))
+def size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
+              device: torch.device, dtype: torch.dtype) -> SizeForm:
+    """The :class:`SizeForm` of trains whose ``structure`` is, per train, ``(internal
+    ranks, mode sizes, tau)`` (:meth:`TensorTrain.structure`), on ``device`` in ``dtype``.
+    Cached: built once per structure, device and dtype."""
+    bonds = sum(len(ranks) for ranks, _, _ in structure)
+    entries = sum(sum(ranks) for ranks, _, _ in structure)
+    M = torch.zeros(bonds + 1, entries, dtype=dtype)
+    Q = torch.zeros(bonds + 1, bonds + 1, dtype=dtype)
+    taus: list[float] = []
+    bond = entry = 0
+    for ranks, modes, tau in structure:
+        first = bond + 1  # this train's first bond in R = (1, R_1, …)
+        for k, r in enumerate(ranks):
+            M[first + k, entry : entry + r] = 1.0
             entry += r
-            tau += [threshold] * r
-            bond_train.append(t)
+        taus += [tau] * sum(ranks)
         K = len(modes)
-        for k, size in enumerate(modes):
-            s.append(float(size))
-            left.append(first + k - 1 if k > 0 else 0)
-            right.append(first + k if k < K - 1 else 0)
-            core_train.append(t)
+        for k, s in enumerate(modes):
+            left = first + k - 1 if k > 0 else 0
+            right = first + k if k < K - 1 else 0
+            Q[left, right] += s / 2
+            Q[right, left] += s / 2
         bond += len(ranks)
-    width = max([1, *(len(r) for r in rows)])
-    table = [r + [entry] * (width - len(r)) for r in rows]
-
-    def ints(v: list[int], shape: tuple[int, ...] | None = None) -> Tensor:
-        out = torch.tensor(v, dtype=torch.long, device=device)
-        return out.reshape(shape) if shape is not None else out
-
-    return SizeIndex(ints([x for row in table for x in row], (len(table), width)),
-                     torch.tensor(tau, dtype=dtype, device=device),
-                     torch.tensor(s, dtype=dtype, device=device), ints(left), ints(right),
-                     ints(core_train), ints(bond_train), len(structure))
+    tau: Tensor | float = taus[0] if len(set(taus)) <= 1 and taus else torch.tensor(
+        taus, dtype=dtype)
+    e0 = torch.zeros(bonds + 1, dtype=dtype)
+    e0[0] = 1.0
+    return SizeForm(M.to(device), e0.to(device), Q.to(device),
+                    tau if isinstance(tau, float) else tau.to(device))
 
 
-def _bond_sums(values: Tensor, index: SizeIndex) -> Tensor:
-    """``[1, Σ_{bond 1} values, …, Σ_{bond B} values]``: a rank per bond with the outer
-    rank 1 in front (``values``: one per gate entry)."""
-    padded = torch.cat([values, values.new_zeros(1)])
-    return torch.cat([values.new_ones(1), padded[index.table].sum(1)])
-
-
-def train_sizes(trains: Sequence[TensorTrain], sizes: bool = True
-                ) -> tuple[Tensor, Tensor | None]:
-    """``(Ŝ, S)`` summed over ``trains``: the surrogate (differentiable in the gates, in
-    their dtype) and, with ``sizes``, the size at the effective ranks (float64, a
-    constant; a train with an empty bond counts 0). Module doc for the formulas; a train
-    without bonds counts its one core."""
-    if not trains:
-        zero = torch.zeros(())
-        return zero, (zero.double() if sizes else None)
-    gates = [t.gate for t in trains]
+def gate_entries(trains: Sequence[TensorTrain]) -> tuple[Tensor, Tensor, SizeForm]:
+    """Every gate entry of ``trains`` in one vector, its ``alive`` flags, and their
+    :class:`SizeForm` (read straight from the modules' registries: a module attribute
+    lookup costs more than the concatenation on a small model)."""
+    gates = [t._parameters["gate"] for t in trains]
+    alive = [t._buffers["alive"] for t in trains]
     g = torch.cat(gates) if len(gates) > 1 else gates[0]
-    alive = torch.cat([t.alive for t in trains]) if len(trains) > 1 else trains[0].alive
-    index = size_index(tuple(t.structure() for t in trains), g.device, g.dtype)
-    active = alive & (g.abs() > index.tau)
-    R = _bond_sums(torch.where(active, g.abs(), 0.0), index)
-    s_hat = core_sizes(index.s, R[index.left], R[index.right]).sum()
-    if not sizes:
-        return s_hat, None
-    n = _bond_sums(active.to(torch.float64), index)
-    per_core = core_sizes(index.s.to(torch.float64), n[index.left], n[index.right])
-    per_train = n.new_zeros(index.trains).index_add_(0, index.core_train, per_core)
-    empty = n.new_zeros(index.trains).index_add_(0, index.bond_train, (n[1:] == 0).double())
-    return s_hat, torch.where(empty > 0, 0.0, per_train).sum()
+    a = torch.cat(alive) if len(alive) > 1 else alive[0]
+    return g, a, size_form(tuple(t.structure() for t in trains), g.device, g.dtype)
+
+
+def surrogate(trains: Sequence[TensorTrain]) -> Tensor:
+    """``Ŝ`` summed over ``trains``: :func:`tt_size`'s formula with every internal rank
+    replaced by the l1 norm of the bond's active gates (alive and ``|g| > tau``),
+    differentiable in the gates (their dtype; autograd's gradient). A train without bonds
+    counts its cores. Shapes: each train's ``gate`` ``(Σ_k r_k,)``; the result a 0-d
+    tensor. Half a dozen ops for any number of layers: each costs more than its
+    arithmetic on a small model, so the form is the fewest that express it."""
+    if not trains:
+        return torch.zeros(())
+    g, alive, form = gate_entries(trains)
+    if isinstance(form.tau, float):  # g where |g| > tau, else 0; dead entries 0
+        kept = torch.nn.functional.hardshrink(g, form.tau) * alive
+    else:
+        kept = torch.where(g.abs() > form.tau, g, 0.0) * alive
+    R = torch.addmv(form.e0, form.M, kept.abs())  # (1, ‖g_1‖₁, …, ‖g_B‖₁)
+    return torch.dot(R, torch.mv(form.Q, R))

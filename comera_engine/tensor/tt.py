@@ -197,6 +197,7 @@ class TensorTrain(nn.Module):
         self.mode_shapes = [tuple(int(x) for x in m) for m in mode_shapes]
         if not self.mode_shapes or any(not m or min(m) < 1 for m in self.mode_shapes):
             raise ValueError(f"mode_shapes: need non-empty positive shapes, got {mode_shapes}")
+        self._mode_sizes = tuple(math.prod(m) for m in self.mode_shapes)
         if tau < 0:
             raise ValueError(f"tau: must be >= 0, got {tau}")
         self.tau = float(tau)
@@ -226,7 +227,7 @@ class TensorTrain(nn.Module):
     @property
     def mode_sizes(self) -> list[int]:
         """``s_k = ∏ mode_shapes[k]``."""
-        return [math.prod(m) for m in self.mode_shapes]
+        return list(self._mode_sizes)
 
     @property
     def ranks(self) -> list[int]:
@@ -236,7 +237,7 @@ class TensorTrain(nn.Module):
     def structure(self) -> tuple[tuple[int, ...], tuple[int, ...], float]:
         """``(internal ranks, mode sizes, tau)``: what an index over the gates is built
         from (:func:`comera_engine.tensor.size.size_index`)."""
-        return self.bond_ranks, tuple(self.mode_sizes), self.tau
+        return self.bond_ranks, self._mode_sizes, self.tau
 
     @property
     def gates(self) -> list[Tensor]:
