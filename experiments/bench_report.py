@@ -133,8 +133,9 @@ def own_loop(data: dict[str, Any]) -> str:
     nets = data["networks"]
     what = (f"Networks defined in the script (none a preset: {', '.join(nets)}), trained by "
             f"the README's loop with `comera_engine.CoMERA` dropped in and the optimizer's "
-            f"learning rate (the one the same network trains best at dense, chosen on "
-            f"validation), nothing set on the controller; {data['steps']} steps, seeds "
+            f"learning rate (the fastest the same network trains as well at dense: the "
+            f"largest of the grid within a point of its best validation accuracy), nothing "
+            f"set on the controller; {data['steps']} steps, seeds "
             f"{', '.join(map(str, data['seeds']))}, against the same network dense; accuracy "
             f"on held-out data.")
     rows = [[f"{name} ({method})", f"{r['target']:g}×" if method == "CoMERA" else "–",
