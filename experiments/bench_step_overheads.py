@@ -5,10 +5,9 @@ For the six-encoder transformer (``--preset``), CoMERA and dense, one thread by 
 * ``AdamW step``: per-parameter loop (torch's CPU default), ``foreach`` and ``fused``
   kernels, on random gradients; a TT model has hundreds of small parameter tensors
   (cores and gates of every layer), where the per-parameter loop costs most;
-* ``size surrogate``: ``rank.surrogate_size`` (one pass over all gates of the model)
-  against the per-layer reference ``Σ layer_size_surrogate`` (a few dozen small ops per
-  layer);
-* ``gate refresh``: ``rank.refresh_gates`` after an optimizer step.
+* ``size surrogate``: ``tensor.size.surrogate`` over all layers at once (one quadratic
+  form) against its sum layer by layer;
+* ``gate refresh``: ``rank.optim.refresh_gates`` after an optimizer step.
 
 Each row is the median of alternating rounds (the variants of a group take turns, in a
 new random order each round), in milliseconds per call. Prints a table and writes

@@ -670,9 +670,8 @@ def _train_on_two_processes(tmp_path: Path, raw: dict[str, Any], run_dir: Path,
 @pytest.mark.pytorch_path
 def test_ddp_two_processes_match_one_process_with_the_global_batch(tmp_path, layout) -> None:
     """2 gloo processes with batch b train exactly like 1 process with batch 2b: same
-    examples per step (the global batch is split), gradients averaged. In both linear
-    layouts: a TT-matrix layer's node hands the objective its own size term and takes
-    its gradient (``ops.ttm_matrix_sized``)."""
+    examples per step (the global batch is split), gradients averaged, in both linear
+    layouts."""
     base = digits_cfg(
         model={"dropout": 0.0, "linear_layout": layout},
         comera={"switch": 8},
