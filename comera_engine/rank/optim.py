@@ -10,18 +10,19 @@ from torch import Tensor, nn
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
 from ..tensor.size import gate_entries
 
-__all__ = ["GATE_TRAVEL", "RankEvent", "RankTracker", "gate_lr", "param_groups", "refresh_gates",
+__all__ = ["GATE_MIN_STEPS", "GATE_TRAVEL", "RankEvent", "RankTracker", "gate_lr", "param_groups", "refresh_gates",
            "refresh_gates_on_device", "truncate_model_and_optimizer"]
 
 
 #: A gate can fall from 1 to ``tau`` within this fraction of the steps before the target
-#: is due (:func:`gate_lr`).
+#: is due, and never in fewer than ``GATE_MIN_STEPS`` (:func:`gate_lr`).
 GATE_TRAVEL = 0.1
+GATE_MIN_STEPS = 50
 
 
 def gate_lr(tau: float, steps_to_target: int) -> float | None:
-    """The gates' learning rate from the schedule: ``(1 - tau) / (GATE_TRAVEL ·
-    steps_to_target)``.
+    """The gates' learning rate from the schedule: ``(1 - tau) / max(GATE_MIN_STEPS,
+    GATE_TRAVEL · steps_to_target)``.
 
     Adam moves a parameter by about its learning rate a step, so a gate at 1 needs about
     ``(1 - tau) / lr`` steps to reach the threshold ``tau``. At this rate it can do so
@@ -29,12 +30,13 @@ def gate_lr(tau: float, steps_to_target: int) -> float | None:
     step, else the run's last): the early stage's size term can tell the gates that
     matter from those that do not in time for the pace to prune by them, whatever the
     model's own learning rate (experiments/results/own_loop.json: a rate that lets a
-    gate cross only in half the late stage cost 5-12 points on untuned networks).
+    gate cross only in half the late stage cost 5-12 points on untuned networks). In a
+    short run it takes at least 50 steps, so a few noisy batches cannot kill an entry.
     ``None`` without a step budget (``steps_to_target <= 0``): the optimizer's rate then
     applies."""
     if steps_to_target <= 0:
         return None
-    return (1.0 - tau) / (GATE_TRAVEL * steps_to_target)
+    return (1.0 - tau) / max(GATE_MIN_STEPS, GATE_TRAVEL * steps_to_target)
 
 
 def param_groups(model: nn.Module, lr_cores: float | None = None,
