@@ -10,8 +10,9 @@ from torch import Tensor, nn
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
 from ..tensor.size import gate_entries
 
-__all__ = ["GATE_MIN_STEPS", "GATE_TRAVEL", "RankEvent", "RankTracker", "gate_lr", "param_groups", "refresh_gates",
-           "refresh_gates_on_device", "truncate_model_and_optimizer"]
+__all__ = ["GATE_MIN_STEPS", "GATE_TRAVEL", "RankEvent", "RankTracker", "gate_lr",
+           "param_groups", "refresh_gates", "refresh_gates_on_device",
+           "truncate_model_and_optimizer"]
 
 
 #: A gate can fall from 1 to ``tau`` within this fraction of the steps before the target
