@@ -348,19 +348,10 @@ def bench_tt_linear_op(path: str, cases: list[tuple[str, list[int], list[int], i
 
 def graph_or_eager(step: Callable[[], None], graph: bool) -> Callable[[], object]:
     """``step`` as is, or captured into a CUDA graph (after three warm-up calls on a side
-    stream) and returned as the graph's ``replay``."""
-    if not graph:
-        return step
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g.replay
+    stream) and returned as the graph's ``replay`` (:func:`comera_engine.tensor.tune.graphed`)."""
+    from comera_engine.tensor.tune import graphed
+
+    return graphed(step) if graph else step
 
 
 def median_ms(steps: dict[str, Callable[[], object]], rounds: int, reps: int,

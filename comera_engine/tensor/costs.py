@@ -481,15 +481,35 @@ def _decode_work(path: str, c: Case, f: Work, g: Work) -> None:
         raise ValueError(f"path: unknown path {path!r}; choose one of {OPS['ttm_decode']}")
 
 
+def _reference_work(path: str, c: Case, f: Work, g: Work) -> None:
+    """The dense layer a case's op replaces (what the tuning script times beside it):
+    ``nn.Linear`` (``X·W + b``; for the decoder ``h·Eᵀ``) or ``nn.Embedding``."""
+    T, A, Bd = c.tokens, math.prod(c.rows), math.prod(c.cols)
+    if c.op == "ttm_lookup":  # rows gathered; backward zeroes dE and scatters into it
+        f.copy(T * Bd)
+        g.copy(A * Bd)
+        g.copy(2 * T * Bd)
+        return
+    if c.op == "ttm_decode":  # h (T × D) · Eᵀ (D × V)
+        A, Bd = Bd, A
+    f.gemm(T, A, Bd)
+    g.gemm(T, Bd, A)  # dX
+    g.gemm(A, T, Bd)  # dW
+    if c.op != "ttm_decode":
+        f.copy(T * Bd)  # the bias
+        g.copy(T * Bd)
+
+
 _WORK = {"tt_linear": _tt_linear_work, "ttm_linear": _ttm_linear_work,
          "ttm_lookup": _lookup_work, "ttm_decode": _decode_work}
 
 
 @lru_cache(maxsize=8192)
 def path_work(case: Case, path: str) -> tuple[Work, Work]:
-    """The kernels of ``path`` for ``case``: (forward, backward) :class:`Work`."""
+    """The kernels of ``path`` for ``case``: (forward, backward) :class:`Work`. A name
+    starting ``nn.`` is the dense layer the op replaces (``nn.Linear``, ``nn.Embedding``)."""
     f, g = Work(case.elt), Work(case.elt)
-    _WORK[case.op](path, case, f, g)
+    (_reference_work if path.startswith("nn.") else _WORK[case.op])(path, case, f, g)
     return f, g
 
 
