@@ -223,3 +223,21 @@ def test_the_fused_lookup_path_matches_float64(interpreted: None, count_calls) -
     calls = count_calls(kl, "ttm_lookup_fused")
     _check_lookup(_embedding(), "fused", 1e-4, torch.float32)
     assert calls
+
+
+def test_a_run_says_which_path_each_tt_op_takes(tmp_path) -> None:
+    """``comera train`` logs the planner's choices once training starts (a ``paths``
+    event: each TT op's case, path and where its time came from), which the Live run
+    page states above its charts."""
+    import json
+
+    from comera_engine.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "experiments/configs/digits_tt_mlp.toml", "--no-store",
+                 "--no-progress", "--run-dir", str(run), "--set", "train.steps=3",
+                 "--set", "train.eval_every=3", "--set", "train.ckpt_every=3"]) == 0
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (paths,) = [e for e in events if e.get("type") == "event" and e["kind"] == "paths"]
+    assert "ttm_linear 256×256" in paths["text"] and ": dense (cpu default)" in paths["text"]
+    assert "Cost model: cpu" in paths["text"]

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -67,12 +68,12 @@ from .costs import (
 from .profile import DeviceProfile, fallback_model, find_profile
 from .roofline import dtype_name, spec_for_name
 
-__all__ = ["DEVICE_MODELS", "PATHS", "Choice", "DeviceModel", "PathCost", "choose",
-           "clear_caches", "compute_dtype", "device_model", "estimate", "estimate_ttm",
-           "explain", "explain_case", "explain_decode", "explain_lookup", "explain_ttm",
-           "fused_available",
-           "graph_planning", "in_graph", "plan", "plan_case", "tt_linear", "tt_linear_dense",
-           "ttm_linear", "ttm_reconstruct_macs"]
+__all__ = ["DEVICE_MODELS", "PATHS", "Choice", "DeviceModel", "PathCost", "choices_made",
+           "choose", "clear_caches", "compute_dtype", "describe_choices", "device_model",
+           "estimate", "estimate_ttm", "explain", "explain_case", "explain_decode",
+           "explain_lookup", "explain_ttm", "fused_available", "graph_planning", "in_graph",
+           "plan", "plan_case", "tt_linear", "tt_linear_dense", "ttm_linear",
+           "ttm_reconstruct_macs"]
 
 PATHS = OPS["tt_linear"]
 
@@ -290,13 +291,45 @@ def choose(case: Case, device: torch.device | str = "cpu") -> Choice:
                           case.need_dx, _env())
 
 
+#: what :func:`plan_case` answered in this process: its arguments -> the choice
+_SEEN: dict[tuple, Choice] = {}
+
+
 def plan_case(op: str, rows: Sequence[int], cols: Sequence[int], ranks: Sequence[int],
               tokens: int, device: torch.device | str, dtype: torch.dtype | str,
               graph: bool = False, training: bool = True, need_dx: bool = True) -> str:
-    """:func:`choose`'s path name for an op given by its parts (cached)."""
-    return _choose_cached(op, tuple(rows), tuple(cols), tuple(ranks), int(tokens),
-                          torch.device(device), dtype_name(dtype), bool(graph),
-                          bool(training), bool(need_dx), _env()).path
+    """:func:`choose`'s path name for an op given by its parts (cached; kept for
+    :func:`choices_made`)."""
+    key = (op, tuple(rows), tuple(cols), tuple(ranks), int(tokens), torch.device(device),
+           dtype_name(dtype), bool(graph), bool(training), bool(need_dx))
+    ch = _choose_cached(*key, _env())
+    _SEEN[key] = ch
+    return ch.path
+
+
+def choices_made(clear: bool = False) -> list[tuple[Case, Choice]]:
+    """The cases the layers planned in this process (since the last ``clear``) and what
+    was chosen for each: what a run reports it runs."""
+    out = [(Case(*k[:5], *k[6:]), ch) for k, ch in _SEEN.items()]
+    if clear:
+        _SEEN.clear()
+    return out
+
+
+def describe_choices(pairs: Sequence[tuple[Case, Choice]]) -> str:
+    """One line for :func:`choices_made`: per case the op, ``N×M`` (rows × dim for a
+    table), largest rank, rows, dtype, graph or not, the path and where its time came
+    from; then the cost model and profile used."""
+    if not pairs:
+        return "no TT op planned"
+    parts = []
+    for c, ch in pairs:
+        shape = f"{math.prod(c.rows)}×{math.prod(c.cols)}"
+        parts.append(f"{c.op} {shape} r{max(c.ranks)} ×{c.tokens} "
+                     f"{c.dtype}{', graph' if c.graph else ''}: {ch.path} ({ch.source})")
+    ch = pairs[-1][1]
+    where = f"profile {Path(ch.profile).name}" if ch.profile else ch.model_source
+    return "; ".join(parts) + f". Cost model: {ch.device_model} ({where})."
 
 
 def plan(B: int, in_factors: Sequence[int], out_factors: Sequence[int], ranks: Sequence[int],
