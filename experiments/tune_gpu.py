@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     fit = {k: v for k, v in prof.fit.items() if k != "path_factors"}
     print(f"wrote {out}: {len(prof.measurements)} cases in {time.perf_counter() - t0:.0f} s, "
           f"fit {fit}, kernels {sorted(prof.kernels)}")
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_report import profile_rows, table
+
+    print(table(*profile_rows(prof.to_json())))
     return 0
 
 

@@ -104,11 +104,11 @@ def test_kernels_compile_ahead_for_a100_and_h100_without_spills(tmp_path) -> Non
 
 
 def test_bench_kernels_smoke_run(tmp_path) -> None:
-    """experiments/bench_kernels.py runs its three variants, eager and in a CUDA graph
+    """experiments/bench_kernels.py runs its four variants, eager and in a CUDA graph
     where there is one, and writes its JSON (at a tiny shape: the code path, not a
     timing): interpreted on the CPU, compiled on a GPU."""
     bench_smoke_run("bench_kernels", ["--shapes", "64x48", "--tokens", "37", "--rank", "6"],
-                    tmp_path, DEVICE, {"fused", "halves", "nn.Linear"})
+                    tmp_path, DEVICE, {"fused", "halves", "dense", "nn.Linear"})
 
 
 def test_tt_linear_layer_runs_its_fused_path_on_the_fused_kernels(monkeypatch,

@@ -121,7 +121,7 @@ def test_bench_kernels_ttm_smoke_run(tmp_path) -> None:
     timing): interpreted on the CPU, compiled on a GPU."""
     bench_smoke_run("bench_kernels_ttm", ["--tokens", "37", "--rows", "5", "4", "3", "--cols",
                                           "2", "3", "2", "--rank", "5"],
-                    tmp_path, DEVICE, {"fused", "gather", "nn.Embedding"})
+                    tmp_path, DEVICE, {"fused", "gather", "dense", "nn.Embedding"})
 
 
 def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch, count_calls) -> None:

@@ -78,3 +78,41 @@ def test_the_kernel_sweep_picks_a_configuration_per_shape(fresh_planner, monkeyp
                            if tuple(e["shape"]) == (33, 12, 6, 20))
     finally:
         configs.reset()
+
+
+def _gpu_check_steps() -> list[tuple[str, int, str]]:
+    """``(function, limit seconds, command)`` of every step of experiments/gpu_check.sh."""
+    import re
+
+    text = (ROOT / "experiments" / "gpu_check.sh").read_text()
+    out, fn = [], None
+    lines = text.replace("\\\n", " ").splitlines()
+    for line in lines:
+        m = re.match(r"^(\w+)\(\) \{", line)
+        if m:
+            fn = m.group(1)
+        m = re.search(r"\bstep (\d+) \S+ (.*)$", line)
+        if m and fn in ("tune", "tests", "bench"):
+            out.append((fn, int(m.group(1)), m.group(2)))
+    return out
+
+
+def test_gpu_check_fits_ten_minutes_and_its_flags_exist() -> None:
+    """Every step of the GPU script has a time limit; tune + tests + bench add up to under
+    ten minutes (a 600 s device call, with room for the start and the summary); every
+    flag a tune or bench step passes is one its script takes."""
+    import re
+
+    steps = _gpu_check_steps()
+    per = {fn: sum(limit for f, limit, _ in steps if f == fn) for fn in ("tune", "tests",
+                                                                          "bench")}
+    assert all(per.values()) and sum(per.values()) <= 590, per
+    for fn, _, cmd in steps:
+        script = re.search(r"(experiments/\w+\.py)", cmd)
+        if fn == "tests" or not script:
+            continue
+        helptext = subprocess.run([sys.executable, str(ROOT / script.group(1)), "--help"],
+                                  capture_output=True, text=True, timeout=120, cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+        for flag in re.findall(r"(--[a-z][a-z-]*)", cmd):
+            assert flag in helptext, (script.group(1), flag)

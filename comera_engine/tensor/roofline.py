@@ -22,8 +22,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["GPU_SPECS", "DeviceSpec", "dtype_name", "geometric_mean", "roofline_report",
-           "roofline_seconds", "spec_for_name", "tt_linear_traffic"]
+__all__ = ["GPU_SPECS", "DeviceSpec", "dtype_name", "geometric_mean", "linear_traffic",
+           "lookup_traffic", "roofline_report", "roofline_seconds", "spec_for_name",
+           "tt_linear_traffic"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,20 @@ def tt_linear_traffic(tokens: int, n: int, m: int, rank: int, params: int, elt: 
     acts = tokens * (n + m) * (2 if training else 1)
     nbytes = (acts + params * (2 if training else 1)) * elt
     return flops, float(nbytes)
+
+
+def linear_traffic(tokens: int, n: int, m: int, elt: int) -> tuple[float, float]:
+    """``(FLOPs, bytes)`` of ``nn.Linear`` ``n -> m`` forward + backward on ``tokens``
+    rows: ``6·B·N·M`` FLOPs; ``X``, ``Y``, ``dY``, ``dX``, ``W`` and ``dW`` once each."""
+    return 6.0 * tokens * n * m, float((2 * tokens * (n + m) + 2 * n * m) * elt)
+
+
+def lookup_traffic(tokens: int, dim: int, products: float, params: int, elt: int
+                   ) -> tuple[float, float]:
+    """``(FLOPs, bytes)`` of a TTM lookup of ``tokens`` ids, forward + backward: the
+    rows' products (``products`` MACs forward, twice that backward), the rows written and
+    their gradient read once, the cores and their gradients."""
+    return 6.0 * products, float((2 * tokens * dim + 2 * params) * elt)
 
 
 def geometric_mean(values: Sequence[float]) -> float:
