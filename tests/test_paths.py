@@ -241,3 +241,4 @@ def test_a_run_says_which_path_each_tt_op_takes(tmp_path) -> None:
     (paths,) = [e for e in events if e.get("type") == "event" and e["kind"] == "paths"]
     assert "ttm_linear 256×256" in paths["text"] and ": dense (cpu default)" in paths["text"]
     assert "Cost model: cpu" in paths["text"]
+    assert "×64 " in paths["text"]  # the training batch's rows (evaluation's are not told)

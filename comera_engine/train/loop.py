@@ -322,6 +322,7 @@ class _Run:
         status = "finished"
         error: str | None = None
         metrics: dict[str, float] = {}
+        choices_made(clear=True)  # what this run's steps plan, not an earlier run's
         batches = iterate_batches(
             self.bundle.train,
             self.plan,
@@ -605,10 +606,10 @@ class _Run:
     # ------------------------------------------------------------------ logging
 
     def _log_paths(self) -> None:
-        """The path each TT op of the step took (the planner's choices, with where their
-        times came from): an event the Live run page shows, logged again only when it
-        changed (after a truncation the ranks are new)."""
-        made = choices_made(clear=True)
+        """The path each TT op of the training step took (the planner's choices, with
+        where their times came from; evaluation's left out): an event the Live run page
+        shows, logged again only when it changed (after a truncation the ranks are new)."""
+        made = [(c, ch) for c, ch in choices_made(clear=True) if c.training]
         text = describe_choices(made) if made else None
         if text is not None and text != getattr(self, "_paths_text", None):
             self._paths_text = text
