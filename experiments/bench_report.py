@@ -26,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 PAGE = ROOT / "docs" / "BENCHMARKS.md"
+PROFILES = ROOT / "comera_engine" / "tensor" / "profiles"
 
 HEAD = """# Benchmarks
 
@@ -130,6 +131,13 @@ def _seeds(data: dict[str, Any]) -> str:
 
 
 def own_loop(data: dict[str, Any]) -> str:
+    if "networks" not in data:  # a file from before the networks and their lr
+        what = (f"A network defined in the script, trained by a plain PyTorch loop with "
+                f"`comera_engine.CoMERA` dropped in (README, \"Your own model\"), target "
+                f"{data['target']:g}× over {data['steps']} steps, seeds {_seeds(data)}, "
+                f"against the same network dense.")
+        return section("CoMERA in your own loop", "python experiments/own_loop.py",
+                       "own_loop.json", data, what, _accuracy_table(data))
     nets = data["networks"]
     what = (f"Networks defined in the script (none a preset: {', '.join(nets)}), trained by "
             f"the README's loop with `comera_engine.CoMERA` dropped in and the optimizer's "
@@ -201,34 +209,97 @@ def gpu_machine(files: dict[str, dict[str, Any]]) -> str:
     return "Machine: " + "; ".join(f"{g}, torch {t}" for g, t in seen) + "."
 
 
+def _times(ratio: float) -> str:
+    """A speed ratio (dense ÷ CoMERA time) in words: ``2.1× faster`` or ``3.9× slower``."""
+    return f"{ratio:.1f}× faster" if ratio >= 1 else f"{1 / ratio:.1f}× slower"
+
+
+def step_sentence(data: dict[str, Any]) -> str:
+    """What a GPU training-step file says of CoMERA against dense, in one sentence per
+    batch (the planner's paths, no compile): the step times eagerly and in a CUDA graph,
+    and the peak memory. README quotes it (tests/test_bench_report.py)."""
+    auto = [r for r in data["ratios"] if r.get("paths", "auto") == "auto"
+            and not r.get("compile")]
+    out = []
+    for batch in sorted({r["batch"] for r in auto}):
+        rows = sorted((r for r in auto if r["batch"] == batch), key=lambda r: r["graph"])
+        times = " and ".join(
+            f"{r['comera_ms']:.1f} ms against dense's {r['dense_ms']:.1f} ms "
+            f"{'in a CUDA graph' if r['graph'] else 'eagerly'} ({_times(r['speedup'])})"
+            for r in rows)
+        mem = rows[-1]["mem_ratio"]
+        out.append(f"On an {data['device']} (bf16, the paper's six-encoder transformer, "
+                   f"batch {batch}) a CoMERA training step takes {times}, with "
+                   + (f"{mem:.2f}× less" if mem >= 1 else f"{1 / mem:.2f}× more")
+                   + f" peak memory ({rows[-1]['comera_mem_mb']:.0f} MB against "
+                   f"{rows[-1]['dense_mem_mb']:.0f} MB).")
+    return " ".join(out)
+
+
+def _step_table(key: str, d: dict[str, Any]) -> str:
+    graphed_mem = d.get("peak_from") == "before warm-up"
+    with_paths = any("paths" in r for r in d["ratios"])
+    rows = [[r["preset"], r["batch"], "yes" if r["graph"] else "no",
+             *([r["paths"] + (", compiled" if r.get("compile") else "")] if with_paths else []),
+             f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
+             f"{r['dense_mem_mb']:.0f} / {r['comera_mem_mb']:.0f}"
+             if graphed_mem or not r["graph"] else "not measured",
+             f"{r['params_ratio']:.1f}×"] for r in d["ratios"]]
+    kernels = ("with the fused Triton kernels (`COMERA_KERNELS=1`)" if key.endswith("kernels")
+               else "at batch 1 (peak memory against dense + AdamW)" if key.endswith("batch1")
+               else "per path choice (`--paths`)" if with_paths
+               else "on the PyTorch paths (the default)")
+    paths = (" CoMERA paths: `auto` is the planner's choice per layer (the device's "
+             "profile where it has one), `reconstructed` / `factorised` / `fused` every TT "
+             "op on that family where it has it." if with_paths else "")
+    return (f"### Training step, {kernels}\n\n`{d['command']}`. The paper's "
+            "six-encoder transformer, CoMERA's early stage against the dense "
+            "model, bf16 autocast; speed-up is dense ÷ CoMERA step time (below 1: "
+            "CoMERA is the slower); peak memory is `torch.cuda.max_memory_allocated`"
+            + ("" if graphed_mem else " (not measured for graphed rows in this "
+               "file: its peak was reset after the graph's capture)") + "." + paths
+            + "\n\n"
+            + table(["preset", "batch", "CUDA graph", *(["CoMERA paths"] if with_paths else []),
+                     "dense ms", "CoMERA ms", "speed-up", "peak MB dense / CoMERA",
+                     "params ratio"], rows) + "\n")
+
+
+def _pct(r: dict[str, Any], k: str) -> str:
+    v = (r.get("roofline") or {}).get(k, {}).get("pct_roofline")
+    return "–" if v is None else f"{v:.0f} %"
+
+
 def gpu(files: dict[str, dict[str, Any]]) -> str:
     """The GPU section: every table from ``experiments/results/gpu/*.json``."""
     parts = [f"## On a GPU\n\n`bash experiments/gpu_check.sh bench` → "
              f"`experiments/results/gpu/`. {gpu_machine(files)} Step times are medians "
              "of alternating rounds, measured side by side in one process.\n"]
-    for key in ("bench_train_step_cuda", "bench_train_step_cuda_kernels"):
-        d = files.get(key)
-        if not d:
-            continue
-        graphed_mem = d.get("peak_from") == "before warm-up"
-        rows = [[r["preset"], r["batch"], "yes" if r["graph"] else "no",
-                 f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
-                 f"{r['dense_mem_mb']:.0f} / {r['comera_mem_mb']:.0f}"
-                 if graphed_mem or not r["graph"] else "not measured",
-                 f"{r['params_ratio']:.1f}×"] for r in d["ratios"]]
-        kernels = "with the fused Triton kernels (`COMERA_KERNELS=1`)" if key.endswith(
-            "kernels") else "on the PyTorch paths (the default)"
-        parts.append(f"### Training step, {kernels}\n\n`{d['command']}`. The paper's "
-                     "six-encoder transformer, CoMERA's early stage against the dense "
-                     "model, bf16 autocast; speed-up is dense ÷ CoMERA step time; peak "
-                     "memory is `torch.cuda.max_memory_allocated`"
-                     + ("" if graphed_mem else " (not measured for graphed rows in this "
-                        "file: its peak was reset after the graph's capture)") + ".\n\n"
-                     + table(["preset", "batch", "CUDA graph", "dense ms", "CoMERA ms",
-                              "speed-up", "peak MB dense / CoMERA", "params ratio"], rows)
-                     + "\n")
+    if "bench_train_step_cuda" in files:
+        parts.append("What these files say: " + step_sentence(files["bench_train_step_cuda"])
+                     + " A TT layer does 6–60× fewer multiply-adds than the dense one it "
+                     "replaces, but runs as tens of small kernels (gates, core merges, the "
+                     "batch products and their backward), each far below the GPU's roofline "
+                     "(the \"% roofline\" columns where measured): launch-bound eagerly, "
+                     "kernel-bound in a graph.\n")
+    for key in ("bench_train_step_cuda", "bench_train_step_cuda_batch1",
+                "bench_train_step_cuda_kernels"):
+        if files.get(key):
+            parts.append(_step_table(key, files[key]))
     d = files.get("bench_kernels_cuda")
-    if d:
+    if d and "dense" in d["rows"][0]["ms"]:  # every path, with its % of the roofline
+        names = ["fused", "halves", "dense", "nn.Linear"]
+        rows = [[r["shape"], r["rank"], r["tokens"], "yes" if r["graph"] else "no",
+                 *(f"{r['ms'][k]:.3f} ({_pct(r, k)})" for k in names),
+                 f"{r['best_tt_vs_linear']:.2f}×"] for r in d["rows"]]
+        parts.append(f"### TT-linear paths\n\n`{d['command']}`. Forward + backward, "
+                     f"{d['rows'][0]['dtype'].removeprefix('torch.')}; ms per path and, "
+                     "in brackets, its % of the roofline (the least time the layer's work "
+                     "takes on the GPU's datasheet peaks ÷ the time measured); the last "
+                     "column is nn.Linear's time ÷ the fastest TT path's.\n\n"
+                     + table(["shape", "rank", "tokens", "CUDA graph",
+                              *(f"{k} ms" for k in names), "best TT vs nn.Linear"], rows)
+                     + "\n")
+    elif d:
         rows = [[r["shape"], r["rank"], r["tokens"], "yes" if r["graph"] else "no",
                  f"{r['ms']['fused']:.3f}", f"{r['ms']['halves']:.3f}",
                  f"{r['ms']['nn.Linear']:.3f}", f"{r['fused_vs_halves']:.2f}×",
@@ -240,7 +311,20 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                               "halves ms", "nn.Linear ms", "vs halves", "vs nn.Linear"],
                              rows) + "\n")
     d = files.get("bench_kernels_ttm_cuda")
-    if d:
+    if d and "dense" in d["rows"][0]["ms"]:
+        r0 = d["rows"][0]
+        names = ["fused", "gather", "dense", "nn.Embedding"]
+        rows = [["yes" if r["graph"] else "no",
+                 *(f"{r['ms'][k]:.3f} ({_pct(r, k)})" for k in names),
+                 f"{r['best_tt_vs_embedding']:.2f}×"] for r in d["rows"]]
+        parts.append(f"### TTM embedding lookup paths\n\n`{d['command']}`. Rows "
+                     f"{'·'.join(map(str, r0['rows']))} × columns "
+                     f"{'·'.join(map(str, r0['cols']))}, rank {r0['rank']}, {r0['tokens']} "
+                     f"ids, forward + backward, {r0['dtype'].removeprefix('torch.')}; ms "
+                     "and % of the roofline per path.\n\n"
+                     + table(["CUDA graph", *(f"{k} ms" for k in names),
+                              "best TT vs nn.Embedding"], rows) + "\n")
+    elif d:
         r0 = d["rows"][0]
         rows = [[ "yes" if r["graph"] else "no", f"{r['ms']['fused']:.3f}",
                  f"{r['ms']['gather']:.3f}", f"{r['ms']['nn.Embedding']:.3f}",
@@ -252,17 +336,28 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                      f"ids, forward + backward, {r0['dtype'].removeprefix('torch.')}.\n\n"
                      + table(["CUDA graph", "fused ms", "gather ms", "nn.Embedding ms",
                               "vs gather", "vs nn.Embedding"], rows) + "\n")
-    d = files.get("bench_tt_linear_cuda")
-    if d:
+    for key in ("bench_tt_linear_cuda", "bench_tt_linear_cuda_bf16_graph"):
+        d = files.get(key)
+        if not d:
+            continue
+        r0 = d["rows"][0]
+        roof = "roofline" in r0
         rows = [[r["shape"], r["tokens"], r["rank"], r["path"], f"{r['dense_ms']:.3f}",
                  f"{r['tt_ms']:.3f}", f"{r['speedup']:.2f}×", f"{r['mem_ratio']:.1f}×",
-                 f"{r['params_ratio']:.1f}×"] for r in d["rows"]]
-        parts.append("### One TT layer against `nn.Linear`\n\n`python "
-                     "experiments/bench_tt_linear.py --device cuda --quick --rounds 5`. "
-                     "Forward + backward, fp32, eager; speed-up and memory ratio are "
-                     "nn.Linear ÷ TT.\n\n"
+                 f"{r['params_ratio']:.1f}×",
+                 *([_pct({"roofline": {"tt": r["roofline"]}}, "tt")] if roof else [])]
+                for r in d["rows"]]
+        how = (f"{r0.get('dtype', 'float32')}, "
+               + ("replayed from a CUDA graph" if r0.get("graph") else "eager"))
+        parts.append("### One TT layer against `nn.Linear`" + (f" ({how})" if roof else "")
+                     + "\n\n`" + d.get("command", "python experiments/bench_tt_linear.py "
+                                          "--device cuda --quick --rounds 5")
+                     + f"`. Forward + backward, {how}, on the planner's path; speed-up and "
+                     "memory ratio are nn.Linear ÷ TT (below 1: the TT layer is the "
+                     "slower)" + ("; % roofline: the TT layer's" if roof else "") + ".\n\n"
                      + table(["shape", "tokens", "rank", "path", "nn.Linear ms", "TT ms",
-                              "speed-up", "memory ratio", "params ratio"], rows) + "\n")
+                              "speed-up", "memory ratio", "params ratio",
+                              *(["TT % roofline"] if roof else [])], rows) + "\n")
     d = files.get("bench_tt_embedding_cuda")
     if d:
         rows = [[r["batch"], r["unique"], f"{r['naive_ms']:.2f}", f"{r['opt_ms']:.2f}",
@@ -275,6 +370,55 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                      + table(["ids", "unique", "naive ms", "optimised ms", "speed-up",
                               "step memory vs naive", "train memory vs nn.Embedding"],
                              rows) + "\n")
+    return "\n".join(parts)
+
+
+def profile_rows(d: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """A device profile's measurements as a table: per case the op, its shape (inputs ×
+    outputs; rows × dim for a table), largest rank, rows, graph or not, every path's ms,
+    the dense layer's, the fastest path and dense ÷ fastest (above 1: the TT op is the
+    faster)."""
+    def prod(xs: list[int]) -> int:
+        out = 1
+        for x in xs:
+            out *= x
+        return out
+
+    rows = []
+    for m in d["measurements"]:
+        paths = {p: v for p, v in m["ms"].items() if not p.startswith("nn.")}
+        ref = next((v for p, v in m["ms"].items() if p.startswith("nn.")), None)
+        best = min(paths, key=paths.get)
+        rows.append([m["op"], f"{prod(m['rows'])}×{prod(m['cols'])}", max(m["ranks"]),
+                     m["tokens"], "yes" if m["graph"] else "no",
+                     " · ".join(f"{p} {v:.3f}" for p, v in paths.items()),
+                     "–" if ref is None else f"{ref:.3f}", best,
+                     "–" if ref is None else f"{ref / paths[best]:.2f}×"])
+    return (["op", "shape", "max rank", "tokens", "CUDA graph", "ms per path",
+             "dense layer ms", "fastest", "dense ÷ fastest"], rows)
+
+
+def profiles(files: list[tuple[str, dict[str, Any]]]) -> str:
+    """The section of the committed device profiles (comera_engine/tensor/profiles)."""
+    parts = ["## Paths measured on each GPU (the planner's profiles)\n\n`python "
+             "experiments/tune_gpu.py` (`bash experiments/gpu_check.sh tune`) → "
+             "`comera_engine/tensor/profiles/<gpu>.json`, the profile the planner picks "
+             "each layer's path from. Forward + backward of each TT op of the paper's "
+             "model and the paper-size configs, every path, beside the dense layer it "
+             "replaces, medians of rounds.\n"]
+    for name, d in files:
+        dev = d["device"]
+        fit = d["fit"]
+        parts.append(f"### {dev['name']}\n\n`{dev.get('command', '')}` → "
+                     f"`comera_engine/tensor/profiles/{name}.json`. torch "
+                     f"{dev.get('torch')}, Triton {dev.get('triton')}, {dev.get('time')}"
+                     + ("" if dev.get("complete", True) else "; cut short by its budget "
+                        f"({dev.get('skipped_cases')} cases not measured)")
+                     + f". Calibrated model: {100 * fit['mac_eff']:.0f} % of the peak MAC "
+                     f"rate, {100 * fit['bw_eff']:.0f} % of the bandwidth, "
+                     f"{1e6 * fit['op_overhead']:.1f} µs a kernel eagerly, "
+                     f"{1e6 * fit['graph_op_overhead']:.1f} µs in a CUDA graph.\n\n"
+                     + table(*profile_rows(d)) + "\n")
     return "\n".join(parts)
 
 
@@ -354,6 +498,11 @@ def render(results: Path = RESULTS) -> str:
                  for p in sorted((results / "gpu").glob("*.json"))}
     if gpu_files:
         parts.append(gpu(gpu_files))
+    profs = [(p.stem, d) for p in sorted(PROFILES.glob("*.json"))
+             for d in [json.loads(p.read_text(encoding="utf-8"))]
+             if not d["device"].get("fake")]
+    if profs:
+        parts.append(profiles(profs))
     repro = sorted((p.stem, json.loads(p.read_text(encoding="utf-8")))
                    for p in (results / "reproduce").glob("*.json"))
     if repro:

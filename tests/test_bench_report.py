@@ -105,3 +105,20 @@ def test_the_readme_quotes_the_hf_trainer_results_file() -> None:
     assert "CoMERA" in said and "dense" in said and "fixed-rank TT" in said
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert " ".join(said.split()) in readme, f"README should say: {said}"
+
+
+def test_the_readme_says_what_the_gpu_step_results_file_says() -> None:
+    """README's opening states the committed GPU training-step figures in bench_report's
+    own sentence (the GPU, the batch, by how much CoMERA is faster or slower, the memory),
+    so a claim cannot outlive the figures: a rerun that changes them fails here until the
+    README says the new ones."""
+    import json
+
+    data = json.loads((ROOT / "experiments" / "results" / "gpu"
+                       / "bench_train_step_cuda.json").read_text())
+    said = _report().step_sentence(data)
+    opening = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split(
+        "## Quick start")[0].split())
+    assert said in opening, f"README's opening should say: {said}"
+    if "slower" in said:
+        assert "faster and lighter" not in opening and "not faster" in opening

@@ -135,7 +135,8 @@ def test_ttm_size_truncation_and_planner_against_a_hand_count() -> None:
     assert layer.tt.cores[0].shape == (1, n1, m1, r - 2)
     assert torch.allclose(model(x), before, atol=1e-6)
     info = layer.explain(64)
-    assert info["path"] == "dense" and list(info["paths"]) == ["dense"]
+    # the CPU keeps the reconstructed path; the factorised one (sweep) is costed too
+    assert info["path"] == "dense" and list(info["paths"]) == ["dense", "sweep"]
     recon = (n1 * m1) * (r - 2) * (n2 * m2)  # W from the two cores
     assert info["reconstruct_macs"] == recon
     assert info["paths"]["dense"]["macs_fwd"] == recon + 64 * (n1 * n2) * (m1 * m2)
