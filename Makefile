@@ -29,8 +29,12 @@ install: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(PY) -m comera_engine.cli app --host $(HOST) --port $(PORT)
 
+# The whole suite, then the tests marked pytorch_path again with the CPU backend off
+# (COMERA_NATIVE=0): the controller, the target contract, resume and DDP on the pure
+# PyTorch path every GPU and backend-less machine runs.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15 tests
+	COMERA_NATIVE=0 $(PY) -m pytest -q -m pytorch_path tests
 
 bench: $(VENV)/.installed
 	$(PY) experiments/bench_tt_linear.py

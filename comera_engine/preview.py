@@ -47,7 +47,7 @@ class LayerPreview:
     dense_macs: float  # per token, forward
     tt_macs: float
     target_macs: float
-    path: str  # planner path at the allocated ranks ("lookup" for embeddings)
+    path: str  # the planner's path at the allocated ranks (an embedding's lookup path)
     target_path: str
     layout: str = "tt"  # a linear's core layout: "tt" (the paper's) or "ttm" (model.linear_layout)
 
@@ -268,33 +268,45 @@ def data_problems(data: dict[str, Any], batch_size: int, base_dir: str | Path | 
 
 
 def tt_params(mode_sizes: tuple[int, ...], ranks: list[int]) -> int:
-    """``Σ r_{k-1}·s_k·r_k`` for ranks with the boundary ones."""
-    return sum(ranks[k] * s * ranks[k + 1] for k, s in enumerate(mode_sizes))
+    """A TT layer's cores (:func:`comera_engine.tensor.size.tt_size`) at ``ranks``, the
+    boundary ones included."""
+    from comera_engine.tensor.size import tt_size
+
+    return tt_size(mode_sizes, ranks[1:-1])
 
 
-def _max_ranks(mode_sizes: tuple[int, ...]) -> list[int]:
-    from comera_engine.tensor import max_tt_ranks
-
-    return max_tt_ranks(mode_sizes)
-
-
-def scaled_ranks(ranks: list[int], caps: list[int], s: float) -> list[int]:
-    """Allocated internal ranks scaled by ``s`` (at least 1, at most the cap)."""
-    inner = [max(1, min(c, int(round(r * s)))) for r, c in zip(ranks[1:-1], caps)]
-    return [1, *inner, 1]
+def planning(cfg: Any, device: str) -> tuple[str, bool]:
+    """``(dtype, graph)`` the trainer plans a step of ``cfg`` with on ``device``: bf16
+    where its precision is (``auto`` on a GPU), inside a CUDA graph where it captures one."""
+    precision = getattr(cfg.train, "precision", "auto")
+    bf16 = precision == "bf16" or (precision == "auto" and device == "cuda")
+    graph = bool(getattr(cfg.train, "cuda_graph", False)) and device == "cuda"
+    return ("bfloat16" if bf16 else "float32"), graph
 
 
 def linear_macs(batch: int, in_f: tuple[int, ...], out_f: tuple[int, ...], ranks: list[int],
-                device: str, layout: str = "tt") -> tuple[float, str]:
-    """Forward MACs per row on the planner's path (merges amortised over the batch). A
-    ``"ttm"`` linear has one path, ``dense``: ``N·M`` per row plus the materialisation of
-    ``W`` from the cores amortised over the batch."""
+                device: str, layout: str = "tt", dtype: str = "float32",
+                graph: bool = False) -> tuple[float, str]:
+    """Forward MACs per row on the planner's path (merges amortised over the batch) and
+    the path: for a ``"tt"`` linear halves, sweep, dense or fused; for a ``"ttm"`` one
+    dense (``N·M`` per row plus ``W`` from the cores amortised over the batch) or sweep.
+    ``dtype`` and ``graph``: as the trainer plans (:func:`planning`)."""
     from comera_engine.tensor import explain, explain_ttm
 
     info = (explain_ttm if layout == "ttm" else explain)(batch, in_f, out_f, ranks, device,
-                                                         training=True)
+                                                         dtype, True, graph)
     path = info["path"]
     return info["paths"][path]["macs_fwd"] / max(batch, 1), path
+
+
+def lookup_path(tokens: int, vocab_f: tuple[int, ...], dim_f: tuple[int, ...],
+                ranks: list[int], device: str, dtype: str = "float32",
+                graph: bool = False) -> str:
+    """The planner's path of a TT embedding's lookup of ``tokens`` ids: dense (the table
+    from the cores), gather (the two half tables) or fused."""
+    from comera_engine.tensor import explain_lookup
+
+    return explain_lookup(tokens, vocab_f, dim_f, ranks, device, dtype, True, graph)["path"]
 
 
 def embedding_macs(vocab_f: tuple[int, ...], dim_f: tuple[int, ...], ranks: list[int]
@@ -472,6 +484,7 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
     model = build_meta_model(cfg, shape)
     is_text = shape.seq_len is not None
     tokens = cfg.train.batch_size * (shape.seq_len or 1)
+    dtype, graph = planning(cfg, device)
     unit = "token" if is_text else "example"
 
     layers: list[LayerPreview] = []
@@ -483,7 +496,7 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
             ranks = list(mod.tt.ranks)
             bias = mod.bias.numel() if mod.bias is not None else 0
             macs, path = linear_macs(tokens, mod.in_factors, mod.out_factors, ranks, device,
-                                     mod.layout)
+                                     mod.layout, dtype, graph)
             layers.append(LayerPreview(
                 name, "linear", (mod.in_features, mod.out_features),
                 (tuple(mod.in_factors), tuple(mod.out_factors)), tuple(mod.tt.mode_sizes),
@@ -497,15 +510,15 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
             ranks = list(mod.tt.ranks)
             vf, df = tuple(mod.vocab_factors), tuple(mod.dim_factors)
             macs = embedding_macs(vf, df, ranks)
+            path = lookup_path(tokens, vf, df, ranks, device, dtype, graph)
             layers.append(LayerPreview(
                 name, "embedding", (mod.num_embeddings, mod.embedding_dim), (vf, df),
                 tuple(mod.tt.mode_sizes), ranks, ranks, 0, mod.dense_num_params(),
-                tt_params(tuple(mod.tt.mode_sizes), ranks), 0, 0.0, macs, macs, "lookup",
-                "lookup",
+                tt_params(tuple(mod.tt.mode_sizes), ranks), 0, 0.0, macs, macs, path, path,
             ))
         elif isinstance(mod, nn.Linear):
             other_macs += float(mod.in_features * mod.out_features)
-    gates = {id(p) for n, p in model.named_parameters() if ".gates." in f".{n}."}
+    gates = {id(p) for n, p in model.named_parameters() if n.endswith(".tt.gate")}
     other = sum(
         p.numel() for p in model.parameters() if id(p) not in tt_param_ids and id(p) not in gates
     )
@@ -534,50 +547,35 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
                         "learn. Train it to mark the baseline on the Compare page.")
     elif not layers:
         pv.notes.append("No layer is in TT form with these settings (model.tt_layers).")
-    _fit_target(pv, device, tokens)
+    _at_target(pv, plan.target if plan is not None else None, device, tokens, dtype, graph)
     pv.memory = _memory(cfg, model, pv, shape, device)
     return pv
 
 
-def _fit_target(pv: Preview, device: str, tokens: int) -> None:
-    """Scale every layer's ranks by one factor so the TT layers fit the target budget."""
+def _at_target(pv: Preview, target: Any, device: str, tokens: int, dtype: str = "float32",
+               graph: bool = False) -> None:
+    """Each layer at the target, from the run's plan (``target``: its
+    :class:`~comera_engine.rank.target.TargetPlan`): the fixed-rank methods' ranks
+    (``bond_ranks``), or for learnt ranks the plan's illustration (``target_ranks``:
+    every bond scaled by one factor to fit the target)."""
     for layer in pv.layers:
         layer.target_params = layer.tt_params
-    if pv.target is None or not pv.layers:
+    ranks = None if target is None else (target.bond_ranks or target.target_ranks)
+    if pv.target is None or not pv.layers or ranks is None or pv.errors:
         return
-    budget = pv.target_size
-    if pv.errors or budget is None or budget < pv.floor_size:  # refused by the plan
-        return
-    pv.budget_params = budget - (pv.other_params if pv.scope == "model" else 0)
-    budget = pv.budget_params
-    if pv.alloc_tt <= budget:  # only with a fixed model.rank, which the plan refuses
-        return
-    caps = {id(layer): _max_ranks(layer.mode_sizes) for layer in pv.layers}
-
-    def total(s: float) -> int:
-        return sum(
-            tt_params(layer.mode_sizes, scaled_ranks(layer.ranks, caps[id(layer)], s))
-            + layer.bias
-            for layer in pv.layers
-        )
-
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if total(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    for layer in pv.layers:
-        r = scaled_ranks(layer.ranks, caps[id(layer)], lo)
+    pv.budget_params = target.target - (pv.other_params if pv.scope == "model" else 0)
+    for layer, inner in zip(pv.layers, ranks):
+        r = [1, *inner, 1]
         layer.target_ranks = r
         layer.target_params = tt_params(layer.mode_sizes, r) + layer.bias
         if layer.kind == "linear":
             layer.target_macs, layer.target_path = linear_macs(
-                tokens, layer.factors[0], layer.factors[1], r, device, layer.layout
-            )
+                tokens, layer.factors[0], layer.factors[1], r, device, layer.layout, dtype,
+                graph)
         else:
             layer.target_macs = embedding_macs(layer.factors[0], layer.factors[1], r)
+            layer.target_path = lookup_path(tokens, layer.factors[0], layer.factors[1], r,
+                                            device, dtype, graph)
 
 
 def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, device: str

@@ -5,10 +5,9 @@ For the six-encoder transformer (``--preset``), CoMERA and dense, one thread by 
 * ``AdamW step``: per-parameter loop (torch's CPU default), ``foreach`` and ``fused``
   kernels, on random gradients; a TT model has hundreds of small parameter tensors
   (cores and gates of every layer), where the per-parameter loop costs most;
-* ``size surrogate``: ``rank.surrogate_size`` (one pass over all gates of the model)
-  against the per-layer reference ``Σ layer_size_surrogate`` (a few dozen small ops per
-  layer);
-* ``gate refresh``: ``rank.refresh_gates`` after an optimizer step.
+* ``size surrogate``: ``tensor.size.surrogate`` over all layers at once (one quadratic
+  form) against its sum layer by layer;
+* ``gate refresh``: ``rank.optim.refresh_gates`` after an optimizer step.
 
 Each row is the median of alternating rounds (the variants of a group take turns, in a
 new random order each round), in milliseconds per call. Prints a table and writes
@@ -33,13 +32,14 @@ from benchlib import add_rounds_args, apply_rounds_args, machine, median_rounds_
 def _bookkeeping(model: torch.nn.Module, rounds: int, reps: int) -> list[dict]:
     """Size surrogate (one pass against the per-layer sum) and gate refresh."""
     from comera_engine.layers import tt_layers
-    from comera_engine.rank import refresh_gates, surrogate_size
-    from comera_engine.rank.size import layer_size_surrogate
+    from comera_engine.rank.optim import refresh_gates
+    from comera_engine.tensor.size import surrogate
 
     layers = [m for _, m in tt_layers(model)]
+    trains = [m.tt for m in layers]
     times = median_rounds_ms({
-        "one pass": lambda: surrogate_size(model),
-        "per-layer sum": lambda: torch.stack([layer_size_surrogate(m) for m in layers]).sum(),
+        "one pass": lambda: surrogate(trains),
+        "per-layer sum": lambda: torch.stack([surrogate([t]) for t in trains]).sum(),
     }, rounds, reps)
     times |= median_rounds_ms({"refresh_gates": lambda: refresh_gates(model)}, rounds, reps)
     return [{"part": "gate refresh" if name == "refresh_gates" else "size surrogate",

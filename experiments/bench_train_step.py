@@ -9,10 +9,20 @@ RSS before the model was built on CPU.
 
     python experiments/bench_train_step.py                      # defaults for this machine
     python experiments/bench_train_step.py --presets small --batches 1 32 --steps 10
+    python experiments/bench_train_step.py --presets paper --batches 32 128 \
+        --paths auto reconstructed factorised fused --graphs both   # every path choice
 
-Prints a table and writes ``experiments/results/bench_train_step.json``
-(``docs/BENCHMARKS.md`` is generated from committed results by
-``experiments/bench_report.py``; this script no longer edits it).
+CoMERA runs once per ``--paths`` choice: ``auto`` (the planner, as a run does: the
+device profile's fastest path per layer, the Triton kernels off), ``kernels`` (the
+planner with the kernels allowed, ``COMERA_KERNELS=1``), ``reconstructed``,
+``factorised`` or ``fused`` (every TT op restricted to that family where it has it,
+``COMERA_PATHS``); the dense model once, with the same precision (bf16 autocast on a
+GPU) and CUDA-graph setting. ``--compile`` adds both models eagerly under
+``torch.compile`` (the first step's time, the compile, is its own column). Each row
+records the paths the planner chose. Prints a table and writes
+``experiments/results/bench_train_step.json`` after every row (a run cut short keeps
+what it measured; ``docs/BENCHMARKS.md`` is generated from committed results by
+``experiments/bench_report.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ if str(ROOT) not in sys.path:
 
 RESULTS = ROOT / "experiments" / "results" / "bench_train_step.json"
 VOCAB, SEQ, CLASSES = 30522, 128, 3
+#: --paths choice -> (COMERA_PATHS, COMERA_KERNELS) of its process
+PATH_CHOICES = {"auto": ("", "0"), "kernels": ("", "1"), "reconstructed": ("reconstructed", "0"),
+                "factorised": ("factorised", "0"), "fused": ("fused", "1")}
 
 
 # ---------------------------------------------------------------------- one configuration
@@ -62,6 +75,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     from comera_engine.models import TaskModel
     from comera_engine.rank import CoMERA
+    from comera_engine.tensor.planner import choices_made, describe_choices
     from comera_engine.train.step import GraphedStep, TrainStep
 
     torch.manual_seed(0)
@@ -73,6 +87,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     model = build_transformer(spec["preset"], dense=spec["variant"] == "dense")
     task_model = TaskModel(model, "nli").to(device)
+    if spec.get("compile"):
+        task_model = torch.compile(task_model)
     state = CoMERA(model)
     optimizer = state.make_optimizer(capturable=spec["graph"])
     step = TrainStep(
@@ -105,8 +121,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     if cuda:  # before the warm-up: a CUDA graph's capture allocates what its replays reuse
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(spec["warmup"]):
+    t_first = time.perf_counter()
+    for i in range(spec["warmup"]):
         after(runner(batch))
+        if i == 0:
+            sync()
+            first_ms = 1e3 * (time.perf_counter() - t_first)  # a compile or lazy set-up
     sync()
     times = []
     while len(times) < spec["steps"] or (
@@ -122,20 +142,37 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     size = state.size_metrics()
+    made = choices_made()
     return {
         **spec,
         "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_min": 1e3 * min(times),
+        "first_step_ms": first_ms if spec["warmup"] else None,
         "steps_timed": len(times),
         "peak_mem_mb": peak / 2**20,
         "params": size["params/effective"],
         "loss": loss,
         "graph_reason": getattr(runner, "reason", None),
+        "paths_chosen": sorted({f"{c.op}:{ch.path}:{ch.source}" for c, ch in made}),
+        "paths_text": describe_choices(made) if made else None,
+        "recompiles": _recompiles() if spec.get("compile") else None,
     }
+
+
+def _recompiles() -> int | None:
+    """How many times Dynamo recompiled in this process (None where it cannot say)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(sum(counters["recompiles"].values()))
+    except Exception:  # noqa: BLE001 - a private counter, absent in some torch versions
+        return None
 
 
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(spec["threads"])}
+    family, kernels = PATH_CHOICES[spec.get("paths", "auto")]
+    env.update(COMERA_PATHS=family, COMERA_KERNELS=kernels)
     proc = subprocess.run(
         [sys.executable, __file__, "--one", json.dumps(spec)],
         capture_output=True,
@@ -158,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=["small", "paper"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128] if cuda else [1, 32])
+    parser.add_argument("--paths", nargs="+", choices=list(PATH_CHOICES), default=["auto"],
+                        help="CoMERA's path choices, one run each (the dense model once)")
+    parser.add_argument("--eager-paths", nargs="+", choices=list(PATH_CHOICES), default=None,
+                        help="the path choices of the runs without a CUDA graph "
+                             "(default: --paths)")
+    parser.add_argument("--graphs", choices=("on", "off", "both"),
+                        default="both" if cuda else "off", help="CUDA graph (GPU only)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also both models under torch.compile, eagerly")
     parser.add_argument("--steps", type=int, default=20 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--min-seconds", type=float, default=3.0,
@@ -186,26 +232,49 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     device = "cuda" if cuda else "cpu"
-    graphs = [False, True] if cuda else [False]
-    rows = []
+    graphs = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
+    if not cuda and any(graphs):
+        parser.error("--graphs on/both: CUDA graphs need a GPU")
+    rows: list[dict[str, Any]] = []
     for preset in args.presets:
         for batch in args.batches:
-            for graph in graphs:
-                for variant in ("dense", "comera"):
-                    spec = {
-                        "preset": preset,
-                        "batch": batch,
-                        "variant": variant,
-                        "graph": graph,
-                        "device": device,
-                        "steps": args.steps,
-                        "min_seconds": args.min_seconds,
-                        "warmup": max(args.warmup, 4 if graph else 0),
-                        "threads": args.threads,
-                    }
-                    row = run_child(spec, args.timeout)
-                    rows.append(row)
-                    print(_row_text(row), flush=True)
+            for graph, compiled, variant, paths in _grid(graphs, args.paths, args.eager_paths,
+                                                         args.compile):
+                spec = {
+                    "preset": preset, "batch": batch, "variant": variant, "graph": graph,
+                    "device": device, "steps": args.steps, "min_seconds": args.min_seconds,
+                    "warmup": max(args.warmup, 4 if graph else 1 if compiled else 0),
+                    "threads": args.threads, "paths": paths, "compile": compiled,
+                }
+                row = run_child(spec, args.timeout)
+                rows.append(row)
+                print(_row_text(row), flush=True)
+                _write(out_json, rows, args, argv, cuda)
+    result = _write(out_json, rows, args, argv, cuda)
+    print()
+    print(markdown(result))
+    return 0
+
+
+def _grid(graphs: list[bool], paths: list[str], eager_paths: list[str] | None,
+          compile_too: bool) -> list[tuple[bool, bool, str, str]]:
+    """``(graph, compiled, variant, paths)`` of every configuration: per CUDA-graph
+    setting the dense model, then CoMERA per path choice (``eager_paths`` without a
+    graph, where given); compiled ones eagerly."""
+    out = []
+    for graph in graphs:
+        out.append((graph, False, "dense", "auto"))
+        out += [(graph, False, "comera", p)
+                for p in (paths if graph or eager_paths is None else eager_paths)]
+    if compile_too:
+        out += [(False, True, "dense", "auto"), (False, True, "comera", "auto")]
+    return out
+
+
+def _write(out_json: Path, rows: list[dict[str, Any]], args: argparse.Namespace,
+           argv: list[str] | None, cuda: bool) -> dict[str, Any]:
+    import torch
+
     result = {
         "benchmark": "train_step",
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -219,27 +288,30 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=2))
-    table = markdown(result)
-    print()
-    print(table)
-    return 0
+    return result
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Dense / CoMERA step time and peak memory for each (preset, batch, graph)."""
+    """Dense / CoMERA step time and peak memory for each (preset, batch, graph, compiled)
+    and CoMERA path choice, against the dense row of the same settings."""
     out = []
-    keyed = {
-        (r["preset"], r["batch"], r["graph"], r["variant"]): r for r in rows if "error" not in r
-    }
-    for (preset, batch, graph, variant), dense in sorted(keyed.items()):
-        if variant != "dense" or (preset, batch, graph, "comera") not in keyed:
+    ok = [r for r in rows if "error" not in r]
+
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["preset"], r["batch"], r["graph"], bool(r.get("compile")))
+
+    dense_of = {key(r): r for r in ok if r["variant"] == "dense"}
+    for tt in ok:
+        dense = dense_of.get(key(tt))
+        if tt["variant"] != "comera" or dense is None:
             continue
-        tt = keyed[(preset, batch, graph, "comera")]
         out.append(
             {
-                "preset": preset,
-                "batch": batch,
-                "graph": graph,
+                "preset": tt["preset"],
+                "batch": tt["batch"],
+                "graph": tt["graph"],
+                "paths": tt.get("paths", "auto"),
+                "compile": bool(tt.get("compile")),
                 "dense_ms": dense["step_ms_median"],
                 "comera_ms": tt["step_ms_median"],
                 "speedup": dense["step_ms_median"] / tt["step_ms_median"],
@@ -260,13 +332,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"early stage) vs the dense baseline. Device: {result['device']}{threads}"
         f"; torch {result['torch']}; {result['time']}. Command: `{result['command'].strip()}`.",
         "",
-        "| preset | batch | CUDA graph | dense ms/step | CoMERA ms/step | speed-up | "
-        "dense peak MB | CoMERA peak MB | memory ratio | params ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| preset | batch | CUDA graph | CoMERA paths | dense ms/step | CoMERA ms/step | "
+        "speed-up | dense peak MB | CoMERA peak MB | memory ratio | params ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["ratios"]:
+        paths = r.get("paths", "auto") + (", compiled" if r.get("compile") else "")
         lines.append(
-            f"| {r['preset']} | {r['batch']} | {'yes' if r['graph'] else 'no'} | "
+            f"| {r['preset']} | {r['batch']} | {'yes' if r['graph'] else 'no'} | {paths} | "
             f"{r['dense_ms']:.1f} | {r['comera_ms']:.1f} | {r['speedup']:.2f}x | "
             f"{r['dense_mem_mb']:.0f} | {r['comera_mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
             f"{r['params_ratio']:.1f}x |"
@@ -294,7 +367,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _row_text(r: dict[str, Any]) -> str:
-    head = f"{r['preset']:>5} b={r['batch']:<4} {r['variant']:>6} graph={r['graph']!s:<5}"
+    paths = f" {r.get('paths', 'auto')}" + (" compiled" if r.get("compile") else "")
+    head = (f"{r['preset']:>5} b={r['batch']:<4} {r['variant']:>6} graph={r['graph']!s:<5}"
+            f"{paths if r['variant'] == 'comera' else ''}")
     if "error" in r:
         return f"{head} ERROR {r['error']}"
     extra = f" ({r['graph_reason']})" if r.get("graph_reason") else ""

@@ -10,6 +10,13 @@ experiments/results/bench_tt_linear_<device>.json.
 
     python experiments/bench_tt_linear.py [--device cuda] [--quick] [--backend off]
     python experiments/bench_tt_linear.py --shapes 768x768 --ranks 30 --tokens 4096  # key row
+    python experiments/bench_tt_linear.py --device cuda --quick --dtype bf16 --graph
+        # as the trainer runs on a GPU: bf16 autocast, each step replayed from a CUDA graph
+
+The TT layer runs the path the planner picks for it (the device's profile, where it has
+one); ``% roofline`` is the least time its work can take on the GPU's datasheet peaks (its
+batch products, ``X``, ``Y``, ``dY``, ``dX`` moved once: ``tensor.roofline``) over the time
+measured, where the peaks are known.
 
 On CPU the table runs with the CPU backend (``comera_engine.backends.cpu``: C++ ops and
 the install's GEMM ways) where it is built, or on the pure PyTorch ops with ``--backend
@@ -33,9 +40,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
     backend_ways,
+    graph_or_eager,
     keep_freed_memory_as_training_does,
     machine,
     print_table,
+    roofline_cells,
     time_pair,
     training_bytes,
     write_json,
@@ -43,6 +52,7 @@ from benchlib import (  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.backends import cpu_backend  # noqa: E402
+from comera_engine.tensor.roofline import tt_linear_traffic  # noqa: E402
 
 SHAPES = [
     ("768x768", 768, 768, [12, 8, 8], [8, 8, 12]),
@@ -108,8 +118,20 @@ def backend_check(rounds: int) -> dict:
             "backend_speedup": both.a_median / both.b_median}
 
 
+def as_trained(step: Callable[[], torch.Tensor], device: torch.device,
+               dtype: torch.dtype, graph: bool) -> Callable[[], object]:
+    """``step`` under autocast to ``dtype`` (not fp32) and, with ``graph``, captured in a
+    CUDA graph and replayed: the way the trainer runs a layer on a GPU."""
+    def run_step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            return step()
+
+    return graph_or_eager(run_step, graph)
+
+
 def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int = 9,
-        shapes: list[str] | None = None) -> list[dict]:
+        shapes: list[str] | None = None, dtype: torch.dtype = torch.float32,
+        graph: bool = False) -> list[dict]:
     rows = []
     for name, fin, fout, inf, outf in SHAPES:
         if shapes and name not in shapes:
@@ -123,14 +145,22 @@ def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int =
             for r in ranks:
                 tt = TTLinear(fin, fout, rank=r, in_factors=inf, out_factors=outf,
                               device=device)
-                info = tt.explain(B)
+                info = tt.explain(B, graph=graph, dtype=dtype)
                 path = info["path"]
                 c = info["paths"][path]
 
-                t = time_pair(fwd_bwd(dense, x, dy), fwd_bwd(tt, x, dy), device, rounds=rounds)
+                t = time_pair(as_trained(fwd_bwd(dense, x, dy), device, dtype, graph),
+                              as_trained(fwd_bwd(tt, x, dy), device, dtype, graph), device,
+                              rounds=rounds)
                 m_tt = training_bytes(partial(tt, x), list(tt.parameters()), device)
+                work = tt_linear_traffic(B, fin, fout, tt.tt.ranks[len(inf)],
+                                         tt.num_params(False),
+                                         torch.empty((), dtype=dtype).element_size())
                 rows.append({
                     "shape": name, "tokens": B, "rank": r, "path": path,
+                    "source": info["source"], "dtype": str(dtype).removeprefix("torch."),
+                    "graph": graph, "roofline": roofline_cells(
+                        {"tt": t.b_median * 1e3}, {"tt": work}, device, dtype)["tt"],
                     "mac_ratio": info["dense_linear_macs_fwd_bwd"] / (c["macs_fwd"]
                                                                       + c["macs_bwd"]),
                     "dense_ms": t.a_median * 1e3, "tt_ms": t.b_median * 1e3,
@@ -154,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON folder (experiments/results)")
     ap.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES],
                     help="shapes (default all three)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: under autocast, as the trainer runs on a GPU")
+    ap.add_argument("--graph", action="store_true",
+                    help="each step replayed from a CUDA graph (GPU only)")
     ap.add_argument("--backend", choices=["on", "off"], default="on",
                     help="the CPU backend for the table: on where built (default), or off "
                     "(the pure PyTorch ops)")
@@ -162,15 +196,22 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["COMERA_NATIVE"] = "0"
     keep_freed_memory_as_training_does()
     device = torch.device(args.device)
+    if args.graph and device.type != "cuda":
+        ap.error("--graph: CUDA graphs need --device cuda")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ranks = args.ranks or ([8, 30] if args.quick else [4, 8, 16, 30, 64])
-    rows = run(device, ranks, args.tokens, args.rounds, args.shapes)
-    print(f"\nTT-linear vs nn.Linear, forward+backward, fp32, device={device.type}")
+    rows = run(device, ranks, args.tokens, args.rounds, args.shapes, dtype, args.graph)
+    for r in rows:
+        pct = r["roofline"]["pct_roofline"]
+        r["pct"] = "–" if pct is None else f"{pct:.0f} %"
+    print(f"\nTT-linear vs nn.Linear, forward+backward, {args.dtype}"
+          f"{', CUDA graph' if args.graph else ''}, device={device.type}")
     print_table(rows, [("shape", "shape", ""), ("tokens", "tokens", ""), ("rank", "rank", ""),
                        ("path", "path", ""), ("mac_ratio", "MAC ratio", ".1f"),
                        ("dense_ms", "dense ms", ".3f"), ("tt_ms", "TT ms", ".3f"),
                        ("speedup", "speed-up", ".2f"), ("speedup_best", "best-round", ".2f"),
                        ("mem_ratio", "mem ratio", ".2f"),
-                       ("params_ratio", "params ratio", ".1f")])
+                       ("params_ratio", "params ratio", ".1f"), ("pct", "TT % roofline", "")])
     key = [r for r in rows if r["shape"] == "768x768" and r["tokens"] == 4096
            and r["rank"] == 30]
     summary = {
@@ -195,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
               f"= {chk['speedup_off']:.2f}x median, {chk['speedup_off_best']:.2f}x best; "
               f"the backend's speed-up {chk['backend_speedup']:.2f}x; ways: "
               + ", ".join(f"{k} {v}" for k, v in chk["ways"].items()))
-    out = write_json(f"bench_tt_linear_{device.type}", {"machine": machine(), "rows": rows,
-                                                        "summary": summary}, args.out)
+    name = f"bench_tt_linear_{device.type}" + ("" if args.dtype == "fp32" else f"_{args.dtype}")
+    out = write_json(name + ("_graph" if args.graph else ""),
+                     {"machine": machine(), "command": " ".join(["python", *sys.argv]),
+                      "rows": rows, "summary": summary}, args.out)
     print(f"wrote {out}")
     return 0
 

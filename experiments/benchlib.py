@@ -348,19 +348,10 @@ def bench_tt_linear_op(path: str, cases: list[tuple[str, list[int], list[int], i
 
 def graph_or_eager(step: Callable[[], None], graph: bool) -> Callable[[], object]:
     """``step`` as is, or captured into a CUDA graph (after three warm-up calls on a side
-    stream) and returned as the graph's ``replay``."""
-    if not graph:
-        return step
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g.replay
+    stream) and returned as the graph's ``replay`` (:func:`comera_engine.tensor.tune.graphed`)."""
+    from comera_engine.tensor.tune import graphed
+
+    return graphed(step) if graph else step
 
 
 def median_ms(steps: dict[str, Callable[[], object]], rounds: int, reps: int,
@@ -396,13 +387,27 @@ def fused_bench_parser(description: str, rank: int) -> argparse.ArgumentParser:
     return p
 
 
+def allow_kernels(device: str) -> None:
+    """Let the planner's fused paths run here: the kernels on a GPU
+    (``COMERA_KERNELS=1``), interpreted on a CPU (``interpret``, with ``TRITON_INTERPRET=1``)."""
+    os.environ["COMERA_KERNELS"] = "1" if device.startswith("cuda") else "interpret"
+
+
 def fused_bench_dtype(p: argparse.ArgumentParser, args: argparse.Namespace
                       ) -> tuple[bool, torch.dtype]:
     """``(cuda, dtype)`` of a fused-kernel bench: a usage error where ``--device cuda``
-    has no device; bf16 only on CUDA (the interpreter on the CPU runs fp32)."""
+    has no device or the fused kernels do not run here; bf16 only on CUDA (the
+    interpreter on the CPU runs fp32). The planner's fused paths run from here on
+    (:func:`allow_kernels`)."""
+    from comera_engine.tensor.planner import fused_available
+
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (use --device cpu with TRITON_INTERPRET=1)")
+    allow_kernels(args.device)
+    if not fused_available(torch.device(args.device), args.rank):
+        p.error("the fused kernels do not run here (Triton missing, or on a CPU without "
+                "TRITON_INTERPRET=1)")
     return cuda, torch.bfloat16 if args.dtype == "bf16" and cuda else torch.float32
 
 
@@ -421,16 +426,46 @@ def median_fwd_bwd_ms(variants: dict[str, Callable[[torch.Tensor], torch.Tensor]
     return median_ms({k: fwd_bwd(f) for k, f in variants.items()}, rounds, reps, cuda)
 
 
+def device_spec(device: str | torch.device):  # noqa: ANN201 - DeviceSpec | None
+    """The datasheet peaks of ``device`` where it is a GPU this project knows
+    (:data:`comera_engine.tensor.roofline.GPU_SPECS`), else None (a CPU: no roofline)."""
+    from comera_engine.tensor.roofline import spec_for_name
+
+    dev = torch.device(device)
+    return spec_for_name(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
+
+
+def roofline_cells(ms: dict[str, float], work: dict[str, tuple[float, float]],
+                   device: str | torch.device, dtype: torch.dtype) -> dict[str, dict]:
+    """Per variant (``ms``: its milliseconds, ``work``: its ``(FLOPs, bytes)``) what it
+    achieved against the device's peaks: ``tflops``, ``gbps``, ``pct_roofline`` (None
+    where the peaks are not known: :func:`comera_engine.tensor.roofline.roofline_report`)."""
+    from comera_engine.tensor.roofline import dtype_name, roofline_report
+
+    spec = device_spec(device)
+    return {k: {key: rep[key] for key in ("tflops", "gbps", "pct_roofline", "roofline_ms")}
+            for k, t in ms.items() if k in work
+            for rep in [roofline_report(t * 1e-3, *work[k], spec, dtype_name(dtype))]}
+
+
 def report_fused(name: str, rows: list[dict], lead: list[str], ratios: dict[str, str],
                  out: str) -> None:
     """Print a fused-kernel bench's table (per row the ``lead`` columns, each variant's
-    median ms from ``row["ms"]``, and the speed-ups ``ratios``: row key -> header) and
+    median ms from ``row["ms"]``, its % of the roofline from ``row["roofline"]`` where
+    the device's peaks are known, and the speed-ups ``ratios``: row key -> header) and
     write the rows, with the machine and the command, to ``<out>/<name>.json``."""
     variants = list(rows[0]["ms"])
+
+    def pct(r: dict, k: str) -> str:
+        v = (r.get("roofline") or {}).get(k, {}).get("pct_roofline")
+        return "–" if v is None else f"{v:.0f} %"
+
     flat = [{**{k: r[k] for k in lead}, **{f"{k} ms": v for k, v in r["ms"].items()},
+             **{f"{k} roof": pct(r, k) for k in variants},
              **{head: r[k] for k, head in ratios.items()}} for r in rows]
     print_and_write(flat, [(k, k, "") for k in lead]
                     + [(f"{k} ms", f"{k} ms", ".3f") for k in variants]
+                    + [(f"{k} roof", f"{k} % roofline", "") for k in variants]
                     + [(head, head, ".2f") for head in ratios.values()], name,
                     {"machine": machine(), "command": " ".join(["python", *sys.argv]),
                      "rows": rows}, out)

@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one place, for a session that is lent one.
 #
-#   bash experiments/gpu_check.sh tests   # GPU tests, and the trainer on the GPU (bf16, graphs)
-#   bash experiments/gpu_check.sh bench   # GPU rows of the benchmarks (JSON + tables)
-#   bash experiments/gpu_check.sh all     # both, in that order (about 5 minutes on an H200)
+#   bash experiments/gpu_check.sh tune bench        # first thing whenever a GPU is at hand
+#   bash experiments/gpu_check.sh tune tests bench  # everything (within 10 minutes)
+#   bash experiments/gpu_check.sh tests             # GPU tests, the trainer on the GPU
+#
+# Steps, in the order given, each with its own time limit (so a slow step cannot eat the
+# others' time; the limits add up to 120 s for tune, 200 s for tests, 270 s for bench):
+#   tune   the device profile: every path of every TT op of the paper model (batch 32 and
+#          128) and the paper-size configs timed in bf16, eager and graphed, the Triton
+#          kernels' launch configurations swept, the cost model calibrated
+#          (experiments/tune_gpu.py) -> $RES/profiles/<gpu>.json; later steps of the same
+#          call plan with it (COMERA_PROFILE_DIR). Commit it as
+#          comera_engine/tensor/profiles/<gpu>.json.
+#   tests  the GPU-marked tests (CUDA graph vs eager, export from a CUDA run, bf16), the
+#          Triton kernels compiled against float64, the trainer on the GPU with and
+#          without CUDA graphs
+#   bench  the step benchmark (paper transformer, batch 32 and 128, CoMERA on each path
+#          choice, CUDA graph on and off, dense alike; batch 1 for peak memory), the
+#          TT-linear and TTM-lookup paths with their % of the roofline, one TT layer vs
+#          nn.Linear in bf16 in a CUDA graph
 #
 # Runs with the machine's own python3 and torch (no venv, no streamlit). Logs and JSON go
 # to experiments/results/gpu (or $RES); with $OUT set (the device tool's folder, which
 # takes back 8 files at most) they go to a scratch folder packed into $OUT/gpu_check.tgz.
 # Ends with gpu_check.json: the tests' outcome lines and the trainer runs' final figures.
-# Each step has its own time limit, so a slow step cannot eat the others' time.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,65 +44,81 @@ rc=0
 step() {  # step SECONDS LOG COMMAND...: run with a time limit, log to $RES/LOG
     local limit=$1 log=$2
     shift 2
+    local t0=$SECONDS
     timeout "$limit" "$@" > "$RES/$log" 2>&1
     local code=$?
     echo "$log: exit $code" | tee -a "$RES/steps.txt"
+    echo "$log: $((SECONDS - t0)) s of $limit" >> "$RES/step_seconds.txt"
     [ $code -eq 0 ] || rc=1
+}
+
+tune() {
+    # the tuner stops its cases at 70 % of --budget and its kernel sweep at --budget, and
+    # writes the profile after every case: a timeout still leaves a valid file
+    step 120 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 100
+    export COMERA_PROFILE_DIR="$RES/profiles"
 }
 
 tests() {
     # the GPU-marked tests (CUDA graph vs eager ratio, export from a CUDA run), the bf16
     # and checkpoint tests, which then run with CUDA present, and DDP (gloo, on the CPU)
-    step 120 gpu_tests.log $PY -m pytest -q -rs -p no:cacheprovider tests/test_train.py \
+    step 50 gpu_tests.log $PY -m pytest -q -rs -p no:cacheprovider tests/test_train.py \
         tests/test_export.py -k "gpu or cuda or graph or bf16 or resume or ddp_truncation"
-    # the Triton kernels compiled and run on the GPU, against the same float64 references
-    # (the bench smoke tests run the kernels' benchmarks compiled, eager and graphed)
-    TRITON_INTERPRET=0 step 150 gpu_kernels.log $PY -m pytest -q -rs -p no:cacheprovider \
-        tests/test_kernels.py tests/test_kernels_ttm.py
-    # the trainer end to end on the GPU (auto precision = bf16): CUDA graphs on and off,
-    # and with the fused Triton kernels (opt-in: COMERA_KERNELS=1). (NCCL DDP needs two
-    # GPUs: the lent machines have one, so DDP is tested on gloo only.)
-    for variant in graph eager kernels; do
-        local graph=true kernels=0
+    # the Triton kernels compiled and run on the GPU, every launch configuration, against
+    # the same float64 references (the ahead-of-time compile is a CPU test)
+    TRITON_INTERPRET=0 step 80 gpu_kernels.log $PY -m pytest -q -rs -p no:cacheprovider \
+        tests/test_kernels.py tests/test_kernels_ttm.py -k "not compile_ahead"
+    # the trainer end to end on the GPU (auto precision = bf16), CUDA graphs on and off,
+    # planning with the profile of the tune step where it ran. (NCCL DDP needs two GPUs:
+    # the lent machines have one, so DDP is tested on gloo only.)
+    for variant in graph eager; do
+        local graph=true
         [ $variant = eager ] && graph=false
-        [ $variant = kernels ] && kernels=1
         rm -rf /tmp/gpu_run
-        COMERA_KERNELS=$kernels step 90 "train_$variant.log" $PY -m comera_engine.cli train \
+        step 35 "train_$variant.log" $PY -m comera_engine.cli train \
             experiments/configs/digits_tt_mlp.toml --set train.device='"cuda"' \
             --set train.cuda_graph=$graph --run-dir /tmp/gpu_run --no-progress
         grep '"type": "metrics"' /tmp/gpu_run/metrics.jsonl 2>/dev/null | tail -n 1 \
             > "$RES/train_$variant.last.jsonl"
+        grep '"kind": "paths"' /tmp/gpu_run/metrics.jsonl 2>/dev/null | tail -n 1 \
+            > "$RES/train_$variant.paths.jsonl"
     done
     [ -f experiments/results/cuda_graph_step_ratio.json ] &&
         cp experiments/results/cuda_graph_step_ratio.json "$RES/"
 }
 
 bench() {
-    # the fused kernels against the PyTorch paths they replace, eager and in a CUDA graph
-    step 90 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
-    step 60 bench_kernels_ttm.log $PY experiments/bench_kernels_ttm.py --out "$RES" --rounds 5
-    # a training step of the paper's transformer, CoMERA vs dense, kernels off and on
-    step 120 bench_train_step.log $PY experiments/bench_train_step.py --presets small paper \
-        --batches 128 --min-seconds 1 --out "$RES/bench_train_step_cuda.json"
-    COMERA_KERNELS=1 step 90 bench_train_step_kernels.log $PY experiments/bench_train_step.py \
-        --presets paper --batches 128 --min-seconds 1 \
-        --out "$RES/bench_train_step_cuda_kernels.json"
-    # one TT layer and one TT embedding against nn.Linear / nn.Embedding
-    step 90 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
-        --rounds 5 --out "$RES"
-    step 60 bench_tt_embedding.log $PY experiments/bench_tt_embedding.py --device cuda
-    cp experiments/results/bench_tt_embedding_cuda.json "$RES/" 2>/dev/null
+    # a training step of the paper's transformer, CoMERA vs dense: batch 32 (the paper's)
+    # and 128, graphed with every path choice, eager with the planner's; the JSON is
+    # written after every run, so a timeout keeps what was measured
+    step 150 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
+        --batches 32 128 --paths auto reconstructed factorised fused --eager-paths auto \
+        --graphs both --steps 10 --min-seconds 0.5 --out "$RES/bench_train_step_cuda.json"
+    # batch 1: peak memory against dense + AdamW
+    step 25 bench_train_step_batch1.log $PY experiments/bench_train_step.py \
+        --presets paper --batches 1 --graphs on --steps 10 --min-seconds 0.3 \
+        --out "$RES/bench_train_step_cuda_batch1.json"
+    # every TT-linear path and the TTM lookup's against the dense layers, % of roofline
+    step 35 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
+    step 25 bench_kernels_ttm.log $PY experiments/bench_kernels_ttm.py --out "$RES" --rounds 5
+    # one TT layer on the planner's path against nn.Linear, as the trainer runs it
+    step 35 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
+        --dtype bf16 --graph --tokens 4096 16384 --rounds 5 --out "$RES"
 }
 
-case "${1:-tests}" in
-tests) tests ;;
-bench) bench ;;
-all) tests; bench ;;
-*)
-    echo "usage: $0 tests|bench|all" >&2
-    exit 2
-    ;;
-esac
+[ $# -gt 0 ] || set -- tests
+for what in "$@"; do
+    case "$what" in
+    tune) tune ;;
+    tests) tests ;;
+    bench) bench ;;
+    all) tune; tests; bench ;;
+    *)
+        echo "usage: $0 [tune] [tests] [bench] | all" >&2
+        exit 2
+        ;;
+    esac
+done
 
 $PY - "$RES" <<'EOF'
 """gpu_check.json: what ran, on what, and how it ended."""
@@ -99,11 +130,17 @@ import triton
 
 res = Path(sys.argv[1])
 steps = {}
+seconds = {}
+if (res / "step_seconds.txt").is_file():
+    for line in (res / "step_seconds.txt").read_text().splitlines():
+        log, _, took = line.partition(": ")
+        seconds[log] = took
 for line in (res / "steps.txt").read_text().splitlines():
     log, _, code = line.partition(": exit ")
     text = (res / log).read_text(errors="replace") if (res / log).is_file() else ""
     outcome = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
-    steps[log] = {"exit": int(code), "pytest": outcome[-1] if outcome else None}
+    steps[log] = {"exit": int(code), "pytest": outcome[-1] if outcome else None,
+                  "seconds": seconds.get(log)}
 train = {}
 for path in sorted(res.glob("train_*.last.jsonl")):
     text = path.read_text().strip()

@@ -86,7 +86,7 @@ def train(bundle: Any, seed: int, steps: int, method: str, target: float, batch:
             ce.tensorize(model, rank=rank, exclude=KEEP_DENSE)
             freeze_gates(model)
         else:
-            ce.tensorize(model, rank="auto", target_compression=target, exclude=KEEP_DENSE)
+            ce.tensorize(model, ce.CoMERAConfig(target_compression=target), exclude=KEEP_DENSE)
         comera = ce.CoMERA(model, target_compression=target, total_steps=steps,
                            method="fixed" if fixed else "comera", **RATES)
         optimizers = (torch.optim.AdamW(comera.param_groups()), None)

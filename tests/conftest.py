@@ -114,3 +114,16 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> Callable[[object, str], list
         return calls
 
     return patch
+
+
+@pytest.fixture
+def fresh_planner(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """The planner with no profile, no path family and nothing cached (and nothing left
+    cached after the test); the test's monkeypatch, to set its own."""
+    from comera_engine.tensor import planner
+
+    for var in ("COMERA_DEVICE_PROFILE", "COMERA_PROFILE_DIR", "COMERA_PATHS"):
+        monkeypatch.delenv(var, raising=False)
+    planner.clear_caches()
+    yield monkeypatch
+    planner.clear_caches()

@@ -469,15 +469,19 @@ def test_live_page_says_what_a_starting_run_is_doing(home: Path) -> None:
 
 
 def test_live_page_states_the_target_outcome_and_slower_paths(home: Path) -> None:
-    """The run's final word on its target and any fallback to a slower path (a CUDA
-    graph capture that failed) are banners above the charts, read from the store."""
+    """The run's final word on its target, the TT paths its step runs and any fallback
+    to a slower path (a CUDA graph capture that failed) are banners above the charts,
+    read from the store."""
     st = store_at(home)
     rid = seed_run(st, "missed", "finished", upto=600)
     st.log_event(rid, "slow_path", "CUDA graph off: capture failed: RuntimeError: x", 4)
+    st.log_event(rid, "paths", "tt_linear 768×768 r30 ×4096 bfloat16, graph: dense "
+                 "(measured)", 4)
     st.log_event(rid, "target", "target 60x · reached 42.2x: missed by 30 % (why)", 600)
     at = app("live")
     no_exception(at)
     assert any("missed by 30 %" in w.value for w in at.warning)
+    assert any(i.value.startswith("TT paths: tt_linear 768×768") for i in at.info)
     assert any("CUDA graph off: capture failed" in w.value and "step 4" in w.value
                for w in at.warning)
     met = seed_run(st, "met", "finished", upto=600)

@@ -55,18 +55,22 @@ def test_only_committed_results_feed_the_page(tmp_path: Path) -> None:
 
 
 def test_the_readme_quotes_the_own_loop_results_file() -> None:
-    """README's "Your own model and training loop" states what
-    experiments/results/own_loop.json holds (not figures copied by hand from an older
-    run)."""
+    """README's "Your own model and training loop" states, per network, what
+    experiments/results/own_loop.json holds, in the script's own sentence (not figures
+    copied by hand from an older run)."""
     import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import own_loop
 
     data = json.loads((ROOT / "experiments" / "results" / "own_loop.json").read_text())
-    c, d = data["summary"]["CoMERA"], data["summary"]["dense"]
-    said = (f"asked {data['target']:g}× (TT layers), reached {c['compression_min']:.1f}× to "
-            f"{c['compression_max']:.1f}×; held-out accuracy {100 * c['test_acc_mean']:.1f} "
-            f"± {100 * c['test_acc_std']:.1f} % against dense {100 * d['test_acc_mean']:.1f} "
-            f"± {100 * d['test_acc_std']:.1f} %")
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    for name, result in data["networks"].items():
+        said = own_loop.sentence(name, result)
+        assert said in readme, f"README should say: {said}"
+    low = json.loads((ROOT / "experiments" / "results" / "own_loop_lr3e-4.json").read_text())
+    said = f"in points: {own_loop.gaps(low)}."
     assert said in readme, f"README should say: {said}"
 
 
@@ -101,3 +105,20 @@ def test_the_readme_quotes_the_hf_trainer_results_file() -> None:
     assert "CoMERA" in said and "dense" in said and "fixed-rank TT" in said
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert " ".join(said.split()) in readme, f"README should say: {said}"
+
+
+def test_the_readme_says_what_the_gpu_step_results_file_says() -> None:
+    """README's opening states the committed GPU training-step figures in bench_report's
+    own sentence (the GPU, the batch, by how much CoMERA is faster or slower, the memory),
+    so a claim cannot outlive the figures: a rerun that changes them fails here until the
+    README says the new ones."""
+    import json
+
+    data = json.loads((ROOT / "experiments" / "results" / "gpu"
+                       / "bench_train_step_cuda.json").read_text())
+    said = _report().step_sentence(data)
+    opening = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split(
+        "## Quick start")[0].split())
+    assert said in opening, f"README's opening should say: {said}"
+    if "slower" in said:
+        assert "faster and lighter" not in opening and "not faster" in opening

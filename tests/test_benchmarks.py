@@ -128,22 +128,31 @@ def test_bench_tt_linear_parts_times_a_git_revision_side_by_side(tmp_path) -> No
 
 def test_bench_train_step_times_until_min_seconds_and_writes_json(tmp_path) -> None:
     """Smoke run on the tiny preset: each configuration in its own process, at least
-    ``--steps`` timed and more until ``--min-seconds``; the table and JSON have both
-    variants and their ratio; docs untouched with ``--no-docs``."""
+    ``--steps`` timed and more until ``--min-seconds``; the dense model once and CoMERA
+    per path choice (``--paths``: the planner's, and every TT op reconstructed), each
+    row with the paths the planner chose and a ratio against the dense row; docs
+    untouched with ``--no-docs``."""
     out_json = tmp_path / "train_step.json"
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_train_step.py"),
            "--presets", "tiny", "--batches", "1", "--steps", "2", "--min-seconds", "0.3",
-           "--threads", "1", "--no-docs", "--out", str(out_json)]
+           "--threads", "1", "--paths", "auto", "reconstructed", "--no-docs",
+           "--out", str(out_json)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out_json.read_text())
-    rows = {r["variant"]: r for r in data["rows"]}
-    assert set(rows) == {"dense", "comera"}
+    rows = {(r["variant"], r["paths"]): r for r in data["rows"]}
+    assert set(rows) == {("dense", "auto"), ("comera", "auto"), ("comera", "reconstructed")}
     for r in rows.values():
         assert r["steps_timed"] >= 2 and r["step_ms_median"] > 0
         assert r["steps_timed"] * r["step_ms_median"] >= 0.3e3 * 0.5 or r["steps_timed"] == 200
-    (ratio,) = data["ratios"]
-    assert ratio["speedup"] > 0 and "| tiny | 1 |" in out.stdout
+    assert rows[("dense", "auto")]["paths_chosen"] == []
+    assert "tt_linear:halves:model" in rows[("comera", "auto")]["paths_chosen"]
+    assert {p.split(":")[1] for p in rows[("comera", "reconstructed")]["paths_chosen"]} == {
+        "dense"}
+    assert [(r["paths"], r["speedup"] > 0) for r in data["ratios"]] == [
+        ("auto", True), ("reconstructed", True)]
+    assert "| tiny | 1 | no | auto |" in out.stdout
+    assert "| tiny | 1 | no | reconstructed |" in out.stdout
     bad = subprocess.run([*cmd, "--steps", "0"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
     assert bad.returncode != 0 and "--steps" in bad.stderr
@@ -218,16 +227,19 @@ def test_bench_controller_writes_table_and_json(tmp_path) -> None:
 
 
 def test_own_loop_example_trains_to_the_target_against_dense(tmp_path) -> None:
-    """experiments/own_loop.py (the README's loop) end to end, briefly: both methods per
+    """experiments/own_loop.py (the README's loop, no CoMERA learning rate) end to end,
+    briefly, on the MLP: the dense learning rate chosen on validation, both methods per
     seed, the target reached within ±5 %, the JSON written."""
     out_json = tmp_path / "own_loop.json"
-    cmd = [sys.executable, str(ROOT / "experiments" / "own_loop.py"), "--steps", "200",
-           "--seeds", "0", "--target", "10", "--out", str(out_json)]
+    cmd = [sys.executable, str(ROOT / "experiments" / "own_loop.py"), "--networks", "mlp",
+           "--steps", "200", "--seeds", "0", "--lrs", "1e-3", "3e-3", "--out", str(out_json)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    data = json.loads(out_json.read_text())
-    assert [r["method"] for r in data["runs"]] == ["dense", "CoMERA"]
-    comera = data["runs"][1]
-    assert abs(comera["compression"] / 10 - 1) <= 0.05 and comera["test_acc"] > 0.5
-    assert "target 10x" in out.stdout and "dense" in out.stdout
+    mlp = json.loads(out_json.read_text())["networks"]["mlp"]
+    assert set(mlp["lr_search"]) == {"0.001", "0.003"} and mlp["lr"] in (1e-3, 3e-3)
+    assert [r["method"] for r in mlp["runs"]] == ["dense", "CoMERA"]
+    comera = mlp["runs"][1]
+    assert abs(comera["compression"] / mlp["target"] - 1) <= 0.05 and comera["test_acc"] > 0.5
+    assert "mlp: asked 20× (TT layers)" in out.stdout
+    assert "the optimizer's" in out.stderr  # CoMERA says which rates it set (the gates')

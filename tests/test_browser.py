@@ -332,7 +332,7 @@ def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
     charts_drawn(page, "Relative error", 3, "learn charts")
     no_exception(page, "learn")
     shot(page, "06-learn-tt-svd")
-    for i, tab in enumerate(["768×768 → cores", "Rank gates", "Two halves are cheaper"]):
+    for i, tab in enumerate(["768×768 → cores", "Rank gates", "Two halves: fewer MACs"]):
         page.get_by_role("tab", name=re.compile(re.escape(tab))).click()
         time.sleep(1.0)
         no_exception(page, f"learn / {tab}")

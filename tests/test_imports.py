@@ -23,7 +23,8 @@ def test_engine_core_imports_and_trains_without_optional_packages() -> None:
         import comera_engine
         from comera_engine import TTLinear, TTEmbedding, tensorize, size_report, truncate
         from comera_engine.config import CoMERAConfig
-        from comera_engine.rank import CoMERAObjective, param_groups
+        from comera_engine.rank.objective import CoMERAObjective
+        from comera_engine.rank.optim import param_groups
         from comera_engine.tensor import explain, factorize
         m = torch.nn.Sequential(TTEmbedding(100, 16, rank=4), TTLinear(16, 8, rank=4))
         obj = CoMERAObjective(m, CoMERAConfig())

@@ -50,7 +50,7 @@ def _bert(**config) -> BertForSequenceClassification:  # noqa: ANN003
     cfg = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=128, max_position_embeddings=16, num_labels=2, **config)
     model = BertForSequenceClassification(cfg)
-    ce.tensorize(model, rank="auto", target_compression=TARGET, exclude=KEEP_DENSE)
+    ce.tensorize(model, ce.CoMERAConfig(target_compression=TARGET), exclude=KEEP_DENSE)
     return model
 
 

@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 triton = pytest.importorskip("triton", reason="triton is not installed (Linux x86-64 only)")
 
-from comera_engine.kernels import aot  # noqa: E402
+from comera_engine.kernels import aot, configs  # noqa: E402
 from comera_engine.kernels import tt_linear as K  # noqa: E402
 from tests.kernel_checks import bench_smoke_run  # noqa: E402
 
@@ -104,24 +104,24 @@ def test_kernels_compile_ahead_for_a100_and_h100_without_spills(tmp_path) -> Non
 
 
 def test_bench_kernels_smoke_run(tmp_path) -> None:
-    """experiments/bench_kernels.py runs its three variants, eager and in a CUDA graph
+    """experiments/bench_kernels.py runs its four variants, eager and in a CUDA graph
     where there is one, and writes its JSON (at a tiny shape: the code path, not a
     timing): interpreted on the CPU, compiled on a GPU."""
     bench_smoke_run("bench_kernels", ["--shapes", "64x48", "--tokens", "37", "--rank", "6"],
-                    tmp_path, DEVICE, {"fused", "halves", "nn.Linear"})
+                    tmp_path, DEVICE, {"fused", "halves", "dense", "nn.Linear"})
 
 
-def test_tt_linear_layer_runs_its_halves_path_on_the_fused_kernels(monkeypatch,
-                                                                   count_calls) -> None:
-    """A TTLinear with gates (one dead entry) through the planner's halves path: on the
-    fused kernels (``COMERA_KERNELS=interpret`` takes CPU tensors under the interpreter)
-    it gives the halves op's output and gradients; with the default setting a CPU tensor
-    never reaches Triton."""
+def test_tt_linear_layer_runs_its_fused_path_on_the_fused_kernels(monkeypatch,
+                                                                  count_calls) -> None:
+    """A TTLinear with gates (one dead entry) on its ``fused`` path: on the fused kernels
+    (``COMERA_KERNELS=interpret`` takes CPU tensors under the interpreter) it gives the
+    halves op's output and gradients; where the kernels do not run (the default for a
+    CPU tensor) the path is the halves op and no tensor reaches Triton."""
     from comera_engine import TTLinear
     from comera_engine.kernels import tt_linear as kt
 
     torch.manual_seed(0)
-    layer = TTLinear(24, 20, rank=6, path="halves").to(DEVICE)
+    layer = TTLinear(24, 20, rank=6, path="fused").to(DEVICE)
     with torch.no_grad():
         layer.tt.gates[1][2] = 0.0
     x = torch.randn(13, 24, device=DEVICE, requires_grad=True)
@@ -146,3 +146,52 @@ def test_tt_linear_layer_runs_its_halves_path_on_the_fused_kernels(monkeypatch,
     assert calls  # the same layer on the fused kernels
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _rel_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    s = want.abs().max()
+    torch.testing.assert_close(got.cpu().double() / s, want / s, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", configs.CANDIDATES["chain"], ids=str)
+def test_every_chain_configuration_matches_float64(cfg) -> None:
+    """Each launch configuration a tuning sweep may pick for the chain (tiles, column
+    groups, warps) gives ``(x·L)·R + b`` and ``x·L`` at a shape with several row and
+    column tiles and a ragged edge."""
+    x, L, R, b = (t.detach() for t in _inputs(70, 45, 30, 300, torch.float32))
+    y, mid = K.chain(x, L, R, b, save_mid=True, cfg=cfg)
+    x64, L64, R64, b64 = (t.cpu().double() for t in (x, L, R, b))
+    _rel_close(mid, x64 @ L64)
+    _rel_close(y, (x64 @ L64) @ R64 + b64)
+
+
+@pytest.mark.parametrize("cfg", configs.CANDIDATES["matmul_tn"], ids=str)
+def test_every_batch_sum_configuration_matches_float64(cfg) -> None:
+    """``matmul_tn`` (row groups summed after) at 150 rows, and the bias gradient's
+    ``colsum`` at every one of its configurations."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(150, 40, generator=g, dtype=torch.float64)
+    gg = torch.randn(150, 70, generator=g, dtype=torch.float64)
+    _rel_close(K.matmul_tn(a.to(DEVICE, torch.float32), gg.to(DEVICE, torch.float32),
+                           cfg=cfg), a.t() @ gg)
+    for col_cfg in configs.CANDIDATES["colsum"]:
+        _rel_close(K.colsum(gg.to(DEVICE, torch.float32), cfg=col_cfg), gg.sum(0))
+
+
+def test_the_launch_configuration_follows_the_installed_table() -> None:
+    """The nearest tuned shape of the same dtype gives the configuration; none, the
+    default; a forced one wins inside its block."""
+    tuned = {"BLOCK_B": 64, "BLOCK_K": 32, "BLOCK_M": 64, "SPLIT": 8, "num_warps": 4}
+    try:
+        configs.install({"chain": [{"shape": [4096, 768, 30, 3072], "dtype": "bfloat16",
+                                    "config": tuned}], "unknown": []})
+        assert configs.config("chain", (2048, 768, 30, 3072), "bfloat16") == tuned
+        assert configs.config("chain", (2048, 768, 30, 3072), "float32") == configs.DEFAULTS[
+            "chain"]
+        assert configs.installed() == {"chain": 1}
+        with configs.forced("chain", configs.CANDIDATES["chain"][2]):
+            assert configs.config("chain", (1, 1, 1, 1), "bfloat16")["SPLIT"] == 4
+        assert configs.config("chain", (1, 1, 1, 1), "bfloat16") == tuned
+    finally:
+        configs.reset()
+    assert configs.launch_options(tuned) == {"num_warps": 4}

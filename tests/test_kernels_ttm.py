@@ -121,17 +121,18 @@ def test_bench_kernels_ttm_smoke_run(tmp_path) -> None:
     timing): interpreted on the CPU, compiled on a GPU."""
     bench_smoke_run("bench_kernels_ttm", ["--tokens", "37", "--rows", "5", "4", "3", "--cols",
                                           "2", "3", "2", "--rank", "5"],
-                    tmp_path, DEVICE, {"fused", "gather", "nn.Embedding"})
+                    tmp_path, DEVICE, {"fused", "gather", "dense", "nn.Embedding"})
 
 
 def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch, count_calls) -> None:
-    """A TTEmbedding (gates with a dead entry, a padding row, repeated ids): with the
-    kernels on (``interpret`` takes CPU tensors under the interpreter) its rows and core
-    and gate gradients equal the PyTorch path's, and the kernel ran."""
+    """A TTEmbedding on its ``fused`` path (gates with a dead entry, a padding row,
+    repeated ids): with the kernels on (``interpret`` takes CPU tensors under the
+    interpreter) its rows and core and gate gradients equal the PyTorch path's (what the
+    path runs where the kernels are off), and the kernel ran."""
     from comera_engine import TTEmbedding
 
     torch.manual_seed(0)
-    emb = TTEmbedding(60, 12, rank=5, padding_idx=0).to(DEVICE)
+    emb = TTEmbedding(60, 12, rank=5, padding_idx=0, path="fused").to(DEVICE)
     with torch.no_grad():
         emb.tt.gates[0][1] = 0.0
     ids = torch.tensor([[3, 0, 59, 3], [17, 17, 42, 1]], device=DEVICE)
@@ -152,3 +153,26 @@ def test_tt_embedding_rows_come_from_the_fused_lookup(monkeypatch, count_calls) 
     assert calls
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["lookup", "segment_grad"])
+def test_every_lookup_configuration_matches_float64(kernel) -> None:
+    """Each launch configuration a tuning sweep may pick for the lookup and for its
+    backward's segment kernel gives the same rows and gradients."""
+    from comera_engine.kernels import configs
+
+    A64, Bt64 = _tables((5, 4, 3), (2, 3, 2), 5, 1, torch.float32)
+    ids = torch.randint(0, 60, (29,), generator=torch.Generator().manual_seed(4))
+    dy = torch.randn(29, 12, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    Ar, Btr = A64.clone().requires_grad_(), Bt64.clone().requires_grad_()
+    ref = K.ttm_lookup_fused_reference(ids, Ar, Btr)
+    ref.backward(dy)
+    for cfg in configs.CANDIDATES[kernel]:
+        A = A64.to(DEVICE, torch.float32).requires_grad_()
+        Bt = Bt64.to(DEVICE, torch.float32).requires_grad_()
+        with configs.forced(kernel, cfg):
+            out = K.ttm_lookup_fused(ids.to(DEVICE), A, Bt)
+            out.backward(dy.to(DEVICE, torch.float32))
+        for got, want in ((out.detach(), ref.detach()), (A.grad, Ar.grad), (Bt.grad, Btr.grad)):
+            s = want.abs().max()
+            torch.testing.assert_close(got.cpu().double() / s, want / s, rtol=1e-4, atol=1e-4)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from comera_engine import TTEmbedding, TTLinear, size_report, tensorize, truncate
+from comera_engine.layers import tensorize_layers
 from comera_engine.tensor.lookup import ttm_lookup, ttm_lookup_naive
 
 DT = torch.float64
@@ -117,14 +118,17 @@ def test_tensorize_random_and_pretrained() -> None:
                           nn.Linear(64, 4))
     x = torch.randint(0, 256, (5, 4))
     ref = model(x).detach()
-    # TT-SVD at full rank reproduces the trained model exactly
-    pre = tensorize(model, rank=64, from_pretrained=True)
-    assert [r["replaced"] for r in pre] == [True, True, False]
-    assert pre[2]["reason"].startswith("smaller than")
+    # TT-SVD at full rank reproduces the trained model exactly; the public tensorize
+    # returns the model, the layer-level one reports each candidate
+    assert tensorize(model, rank=64, from_pretrained=True) is model
     assert isinstance(model[0], TTEmbedding) and isinstance(model[2], TTLinear)
+    assert isinstance(model[4], nn.Linear)  # a side below min_features: kept dense
     assert torch.allclose(model(x), ref, atol=1e-5)
+    pre = tensorize_layers(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)), rank=4)
+    assert [r["replaced"] for r in pre] == [True, False]
+    assert pre[1]["reason"].startswith("smaller than")
     m2 = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-    rep = tensorize(m2, rank=4, exclude=["1"])
+    rep = tensorize_layers(m2, rank=4, exclude=["1"])
     assert rep[0]["replaced"] and not rep[1]["replaced"] and rep[1]["reason"] == "excluded"
     assert rep[0]["params_after"] < rep[0]["params_before"]
 

@@ -131,7 +131,7 @@ def test_fixed_ranks_meet_the_target_size(which: str, target: float) -> None:
     reached = dense / comp
     assert 1.0 <= reached / target <= 1.10, (reached, plan.note)
     assert plan.start == comp and plan.bond_ranks is not None
-    gates = [g for n, g in model.named_parameters() if ".gates." in n]
+    gates = [g for n, g in model.named_parameters() if n.endswith(".tt.gate")]
     assert gates and not any(g.requires_grad for g in gates)
 
 

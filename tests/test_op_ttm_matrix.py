@@ -14,7 +14,7 @@ import torch
 from tensorly.tt_matrix import tt_matrix_to_tensor
 
 from comera_engine.layers import TTLinear
-from comera_engine.ops.ttm_matrix import ttm_matrix, ttm_matrix_reference, ttm_matrix_sized
+from comera_engine.ops.ttm_matrix import ttm_matrix, ttm_matrix_reference
 from comera_engine.train.step import clip_grad_norm_
 
 TAU = 0.1
@@ -74,58 +74,6 @@ def test_ttm_matrix_and_its_gradients_match_tensorly(op_impl: str, name: str,
         assert torch.allclose(mine.grad.double(), ref.grad, rtol=tol, atol=tol * scale)
     for v, a, grad in zip(gates, alive, leaves[len(cores):]):  # pruned entries get none
         assert not grad.grad[~(a & (v.abs() > TAU))].any()
-
-
-def _size_reference(cores: list[torch.Tensor], gates: list[torch.Tensor],
-                    alive: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
-    """The layer's size surrogate Σ_k s_k ‖g_{k-1}‖₁ ‖g_k‖₁ over live entries (outer norms
-    1, s_k = n_k m_k) as a float64 autograd expression in the gates, and its size
-    Σ_k s_k C_{k-1} C_k from the live counts (0 with an empty bond)."""
-    keep = [(v.detach().abs() > TAU) & a for v, a in zip(gates, alive)]
-    R = [1.0, *[(v.double().abs() * k).sum() for v, k in zip(gates, keep)], 1.0]
-    C = [1, *[int(k.sum()) for k in keep], 1]
-    modes = [int(c.shape[1] * c.shape[2]) for c in cores]
-    s_hat = sum(s * R[k] * R[k + 1] for k, s in enumerate(modes))
-    size = sum(s * C[k] * C[k + 1] for k, s in enumerate(modes)) if min(C) > 0 else 0
-    return s_hat, float(size)
-
-
-@pytest.mark.parametrize("name", ["two cores", "digits layer", "four cores"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_size_output_is_the_layers_surrogate_and_trains_its_gates(
-        cpu_backend: object, name: str, dtype: torch.dtype) -> None:
-    """``ttm_matrix_sized``: ``W`` as ``ttm_matrix`` gives it, bit for bit, and the pair
-    ``(Ŝ, S)`` of the layer's size surrogate and effective size against the formulas in
-    float64; a loss in ``W`` and ``Ŝ`` together differentiates as the float64 reference
-    (tensorly's ``W`` plus the surrogate's expression) does, both terms in one node."""
-    cores, gates, alive = _inputs(SHAPES[name], dtype)
-    alive[-1][:] = True  # one bond with every entry alive, one with some dead
-    leaves = [t.clone().requires_grad_() for t in (*cores, *gates)]
-    n = len(cores)
-    W, sized = ttm_matrix_sized(leaves[:n], leaves[n:], alive, TAU)
-    assert sized is not None and sized.dtype == torch.float64 and sized.shape == (2,)
-    assert torch.equal(W, ttm_matrix(leaves[:n], leaves[n:], alive, TAU))
-    ref_leaves = [t.detach().double().requires_grad_() for t in (*cores, *gates)]
-    R = _tensorly_w(ref_leaves[:n], ref_leaves[n:], alive)
-    s_ref, size_ref = _size_reference(cores, ref_leaves[n:], alive)
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(sized[0], s_ref.detach(), rtol=1e-12, atol=1e-12)
-    assert float(sized[1].detach()) == size_ref
-    dW = torch.randn(R.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    ((W.double() * dW).sum() + 3.0 * sized[0]).backward()
-    ((R * dW).sum() + 3.0 * s_ref).backward()
-    for mine, ref in zip(leaves, ref_leaves):
-        scale = max(1.0, float(ref.grad.abs().max()))
-        assert torch.allclose(mine.grad.double(), ref.grad, rtol=tol, atol=tol * scale)
-    # the size term alone (W unused) reaches the gates only
-    leaves = [t.clone().requires_grad_() for t in (*cores, *gates)]
-    _, sized = ttm_matrix_sized(leaves[:n], leaves[n:], alive, TAU)
-    (2.0 * sized[0]).backward()
-    assert all(c.grad is None for c in leaves[:n])
-    ref_gates = [t.detach().double().requires_grad_() for t in gates]
-    s_ref, _ = _size_reference(cores, ref_gates, alive)
-    for mine, ref in zip(leaves[n:], torch.autograd.grad(2.0 * s_ref, ref_gates)):
-        torch.testing.assert_close(mine.grad.double(), ref, rtol=tol, atol=tol)
 
 
 def test_frozen_gates_and_no_grad_cores_take_the_same_node(op_impl: str) -> None:

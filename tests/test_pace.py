@@ -19,7 +19,8 @@ from comera_engine.layers import size_report
 from comera_engine.layers import tt_layers as _pairs
 from comera_engine.metrics import JSONLSink, read_jsonl
 from comera_engine.models import build_model
-from comera_engine.rank import CoMERA, PacePlan, entry_scores, prune_to
+from comera_engine.rank import CoMERA
+from comera_engine.rank.pace import PacePlan, entry_scores, prune_to
 from comera_engine.train import train
 
 
@@ -103,7 +104,7 @@ def test_prune_to_stays_just_above_the_goal_when_no_entry_lands_in_the_band() ->
     size is within the band's width above the goal: it stays (nearer the goal as a ratio
     than anything below the band), nothing pruned; counted independently of prune_to."""
     from comera_engine.layers import TTLinear
-    from comera_engine.rank import host_size
+    from comera_engine.rank.pace import host_size
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"a": TTLinear(16, 16, rank=2)})  # an entry: 1/8 of it
@@ -246,7 +247,7 @@ def test_every_cpu_size_shipped_config_ends_within_5_percent(path: Path) -> None
 def test_grow_to_revives_allocated_entries_back_into_the_band() -> None:
     """An overshoot (several entries died in one step) is undone by reviving the dead,
     still-allocated entries whose cores carry most, up to the band and never past it."""
-    from comera_engine.rank import grow_to
+    from comera_engine.rank.pace import grow_to
 
     model = _model(rank=12)
     layers = tt_layers(model)
@@ -257,14 +258,14 @@ def test_grow_to_revives_allocated_entries_back_into_the_band() -> None:
     size, _ = prune_to(model, 0.6 * start, 0.0, extra)  # overshoot well below the band
     low = target / 1.05
     assert size < low
-    dead = {(n, k): (~m.tt.alive(k)).nonzero().flatten().tolist()
+    dead = {(n, k): (~m.tt.bond_alive()[k]).nonzero().flatten().tolist()
             for n, m in layers.items() for k in range(len(m.tt.gates))}
     new, changes = grow_to(model, low, target, extra)
     assert low <= new <= target and changes
     assert new == size_report(model)["tensorized"]["effective_params"]
     for (n, k), was_dead in dead.items():  # revived entries came from the dead ones
         tt = layers[n].tt
-        back = [j for j in was_dead if bool(tt.alive(k)[j])]
+        back = [j for j in was_dead if bool(tt.bond_alive()[k][j])]
         assert all(float(tt.gates[k][j].detach()) == pytest.approx(1.5 * tt.tau) for j in back)
 
 

@@ -195,18 +195,18 @@ def test_module_gates_are_the_masked_product_bit_for_bit(dtype: torch.dtype) -> 
             g.copy_(torch.randn(g.shape[0], dtype=dtype))
             g[0] = 0.05  # at tau: masked
             g[1] = -0.5
-            tt.alive(k)[2] = False  # dead, its gate not yet zeroed
+            tt.bond_alive()[k][2] = False  # dead, its gate not yet zeroed
     cores, gates, alive = tt.parts()
     hand = [c * (g * (a & (g.detach().abs() > tt.tau)).to(dtype))
             for c, g, a in zip(cores, gates, alive)] + [cores[-1]]
     got = tt.gated_cores()
     assert all(torch.equal(a, b) for a, b in zip(got, hand))
     w = [torch.randn_like(c) for c in got]
-    g_got = torch.autograd.grad(sum((c * v).sum() for c, v in zip(got, w)), [*cores, *gates])
+    g_got = torch.autograd.grad(sum((c * v).sum() for c, v in zip(got, w)), [*cores, tt.gate])
     g_hand = torch.autograd.grad(sum((c * v).sum() for c, v in zip(hand, w)),
-                                 [*cores, *gates])
+                                 [*cores, tt.gate])
     assert all(torch.equal(a, b) for a, b in zip(g_got, g_hand))
-    for dg in g_got[len(cores):]:
+    for dg in g_got[-1].split(tt.bond_ranks):  # each bond's part of the one gate tensor
         assert float(dg[0]) == 0.0 and float(dg[2]) == 0.0 and float(dg[1]) != 0.0
 
 
@@ -329,7 +329,7 @@ def test_gate_at_threshold_acts_as_removed_rank() -> None:
     # no gradient to the dead gate entry nor to the core slices it controls
     x = torch.randn(7, 12, dtype=DT)
     tt_linear(x, tt.gated_cores(), 2).pow(2).sum().backward()
-    assert tt.gates[k].grad[j] == 0
+    assert tt.gate.grad.split(tt.bond_ranks)[k][j] == 0
     assert torch.all(tt.cores[k].grad[..., j] == 0)
     assert torch.all(tt.cores[k + 1].grad[j] == 0)
 

@@ -282,8 +282,9 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
     the trainer's ``target`` event, only for a run that finished its steps: a miss is a
     warning; otherwise its progress toward the target, never an old verdict of an
     attempt that was stopped and resumed), the moment its ranks were fixed at the target
-    (``pace``), and every slower path the trainer fell back to (``slow_path``: e.g. a
-    CUDA graph capture that failed)."""
+    (``pace``), the TT paths its step runs (``paths``: the planner's choice per op and
+    where its times came from) and every slower path the trainer fell back to
+    (``slow_path``: e.g. a CUDA graph capture that failed)."""
     out: list[tuple[str, str]] = []
     rid = run["id"]
     step = int(run.get("last_step") or 0)
@@ -292,7 +293,7 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
         out.append(("warning", f"Stalled: no step for {stalled:.0f} s (at step {step:,}); "
                     "the trainer may be frozen or starved. Stop resumes it to write its "
                     "checkpoint first."))
-    evs = store.events(rid, kinds=["target", "pace", "slow_path", "threads"])
+    evs = store.events(rid, kinds=["target", "pace", "slow_path", "threads", "paths"])
     finals = [e for e in evs if e["kind"] == "target" and (e.get("step") or 0) >= step]
     target = target_of(run)
     if run.get("status") == "finished" and finals:
@@ -309,6 +310,9 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
     threads = [e for e in evs if e["kind"] == "threads"]
     if threads:
         out.append(("info", f"CPU threads: {threads[-1]['text']}"))
+    paths = [e for e in evs if e["kind"] == "paths"]
+    if paths:
+        out.append(("info", f"TT paths: {paths[-1]['text']}"))
     seen = set()
     for e in evs:
         if e["kind"] == "slow_path" and e["text"] not in seen:

@@ -24,8 +24,8 @@ PAPER_IN, PAPER_OUT = [12, 8, 8], [8, 8, 12]
 
 st.title(":material/school: Learn", anchor=False)
 st.caption("How a tensor train stores a matrix with far fewer numbers, how CoMERA learns its "
-           "ranks, and why the TT layer is cheaper to run. Every number on this page is "
-           "computed live.")
+           "ranks, and why the TT layer needs far fewer multiply-adds. Every number on this "
+           "page is computed live.")
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -51,7 +51,7 @@ tab1, tab2, tab3, tab4 = st.tabs([
     ":material/image: TT-SVD playground",
     ":material/view_column: 768×768 → cores",
     ":material/tune: Rank gates",
-    ":material/speed: Two halves are cheaper",
+    ":material/speed: Two halves: fewer MACs",
 ])
 
 # ------------------------------------------------------------------ 1. TT-SVD playground
@@ -251,7 +251,11 @@ with tab4:
         "($r \\times M$), and $Y = (XL)R$ costs $B\\,r\\,(N+M)$ multiply-adds instead of "
         "$B\\,N\\,M$, plus merges that do not depend on the batch. A core-by-core "
         "*sweep* wins for tiny batches; rebuilding $W$ (*dense*) only near full rank. "
-        "The planner picks per layer from a cost model (forward and backward)."
+        "Fewer multiply-adds is not yet less time on a GPU: the TT layer runs as tens of "
+        "small kernels, and a CoMERA training step of the paper's model is still slower "
+        "than dense there (docs/BENCHMARKS.md, \"On a GPU\"). So the planner picks each "
+        "layer's path from timings measured on the GPU where the device has a profile, "
+        "and from a cost model (forward and backward) elsewhere, as below."
     )
     c1, c2, c3 = st.columns(3)
     shape = c1.radio("Layer", ["768×768 (attention)", "768×3072 (FFN in)"], horizontal=True,
@@ -297,5 +301,6 @@ with tab4:
         plots.base_layout(fig, title, 400, xt, "MACs, forward + backward (log)")
         plots.legend_below(fig)
         col.plotly_chart(fig, width="stretch", key=f"l-cost-{xt}")
-    st.caption("The planner minimises modelled time, not MACs: skinny GEMMs and kernel "
-               "launches cost extra, which is why the sweep can win at tiny batches.")
+    st.caption("The planner minimises time (measured, or modelled as here), not MACs: "
+               "skinny GEMMs and kernel launches cost extra, which is why the sweep can win "
+               "at tiny batches.")

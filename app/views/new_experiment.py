@@ -621,8 +621,11 @@ with right:
                 f"dense MACs/{unit}": st.column_config.NumberColumn(format="compact"),
                 f"TT MACs/{unit}": st.column_config.NumberColumn(format="compact"),
                 "path": st.column_config.TextColumn(
-                    help="Contraction path the planner picks: halves (X·L)·R, a core-by-core "
-                         "sweep, dense reconstruction, or the TTM lookup for embeddings."),
+                    help="The path the planner picks for the layer at this batch (from "
+                         "timings measured on the GPU where it has a profile, else a cost "
+                         "model): reconstructed (dense: W or the table from the cores), "
+                         "factorised (halves (X·L)·R, a core-by-core sweep, gather from two "
+                         "half tables) or fused (the Triton kernels)."),
             },
         )
         if pv.target and not pv.dense_model:

@@ -145,10 +145,10 @@ class CoMERAConfig:
     # while its slices grow back, so the size objective prunes by itself
     balance: bool | None = None
     balance_every: int = 10
-    # the gates learn at least at 2·(1 - tau) / (the late stage's steps at the least):
-    # Adam moves a gate by about its lr a step, so at lr_gates alone a gate may have too
-    # few steps to reach tau, and the size objective could not prune to the target in
-    # the run (comera_engine/rank/optim.py, gate_lr). lr_gates stands when larger.
+    # a set lr_gates is raised to the schedule's gate rate where lower: (1 - tau) over a
+    # tenth of the steps before the target is due (comera_engine/rank/optim.py, gate_lr;
+    # Adam moves a gate by about its lr a step). Without lr_gates the gates learn at the
+    # schedule's rate anyway.
     gate_speed: bool | None = None
     # with a target and a step budget, the late stage starts by switch_by of the steps at
     # the latest, whatever switch says (the pace needs it; the paper switches on the
@@ -165,14 +165,18 @@ class CoMERAConfig:
     # initial ranks chosen from a target start at about this many times the target size
     # (only when model.rank is not fixed; docs/SIZE_AND_TARGET.md)
     headroom: float = 3.0
-    lr_cores: float = 1e-4
-    # the TT embedding tables' cores (their own AdamW group); None: lr_cores. A table's
-    # rows move only through shared cores and want a larger step than the linears'
-    # (CHANGELOG.md, 2026-11-25: the SNLI-tiny gap)
+    # Learning rates and weight decay of the optimizer's groups (rank/optim.py,
+    # param_groups). Unset (None): the optimizer's own (train.lr in `comera train`, the
+    # lr a user's optimizer is given in their loop); the gates' rate then follows the
+    # schedule (rank/optim.py, gate_lr).
+    lr_cores: float | None = None
+    # the TT embedding tables' cores in their own group (None: with the other cores). A
+    # table's rows move only through shared cores and may want a larger step
+    # (docs/RESULTS.md, the SNLI note under "Where the claims are missed").
     lr_embedding: float | None = None
-    lr_gates: float = 1e-3
-    lr_dense: float = 5e-5
-    weight_decay: float = 0.01
+    lr_gates: float | None = None
+    lr_dense: float | None = None
+    weight_decay: float | None = None
 
 
 @dataclass
@@ -190,6 +194,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cuda_graph: bool = True  # capture the whole step into a CUDA graph (GPU only)
     seed: int = 0
+    # the optimizer's learning rate: every parameter group's unless [comera] sets the
+    # group's own (lr_cores, lr_embedding, lr_dense; the gates follow the schedule)
+    lr: float = 1e-3
     num_workers: int = 0  # background batch-building processes
     # adamw (CoMERA's groups) | galore: GaLore AdamW (galore-torch) on the dense model's
     # linear weight matrices, AdamW on every other parameter (docs/METHODS.md)

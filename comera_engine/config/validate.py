@@ -79,6 +79,8 @@ def validate(cfg: Config) -> None:
     _positive_int("train.eval_batches", t.eval_batches)
     _positive_int("train.keep_checkpoints", t.keep_checkpoints)
     _nonneg("train.grad_clip", t.grad_clip)
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        raise ConfigError("train.lr", f"must be a positive number, got {t.lr}")
     check_choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
     if t.device not in ("auto", "cpu", "cuda") and not (
         t.device.startswith("cuda:") and t.device[5:].isdigit()
@@ -267,11 +269,13 @@ def validate_comera(c: CoMERAConfig) -> None:
                           f"got {c.headroom}")
     _positive_int("comera.plateau_patience", c.plateau_patience)
     _nonneg("comera.plateau_min_delta", c.plateau_min_delta)
-    for key in ("rho_f", "rho_s", "weight_decay"):
+    for key in ("rho_f", "rho_s"):
         _nonneg(f"comera.{key}", getattr(c, key))
+    if c.weight_decay is not None:
+        _nonneg("comera.weight_decay", c.weight_decay)
     for key in ("lr_cores", "lr_embedding", "lr_gates", "lr_dense"):
         value = getattr(c, key)
-        if key == "lr_embedding" and value is None:
+        if value is None:
             continue
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"comera.{key}", f"must be a positive number, got {value}")

@@ -802,9 +802,8 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
             tt.resize_(ones)
             for k, shape in enumerate(tt.mode_shapes):
                 state[f"{name}.tt.cores.{k}"] = torch.zeros(1, *shape, 1, dtype=dtype)
-            for k in range(len(ranks)):
-                state[f"{name}.tt.gates.{k}"] = torch.zeros(1, dtype=dtype)
-                state[f"{name}.tt.alive_{k}"] = torch.zeros(1, dtype=torch.bool)
+            state[f"{name}.tt.gate"] = torch.zeros(len(ranks), dtype=dtype)
+            state[f"{name}.tt.alive"] = torch.zeros(len(ranks), dtype=torch.bool)
             continue
         tt.resize_(ranks)
         pos = 0
@@ -812,9 +811,8 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
             n = math.prod(shape)
             state[f"{name}.tt.cores.{k}"] = flat[pos: pos + n].reshape(shape)
             pos += n
-        for k in range(len(ranks)):
-            state[f"{name}.tt.gates.{k}"] = torch.ones(ranks[k], dtype=dtype)
-            state[f"{name}.tt.alive_{k}"] = torch.ones(ranks[k], dtype=torch.bool)
+        state[f"{name}.tt.gate"] = torch.ones(sum(ranks), dtype=dtype)
+        state[f"{name}.tt.alive"] = torch.ones(sum(ranks), dtype=torch.bool)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:  # pragma: no cover - shapes were checked above

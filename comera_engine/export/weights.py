@@ -178,7 +178,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
             if not any(k.startswith(p) for p in prefixes)}
     for name, layer in new.items():
         want.update({f"{name}." + k: tuple(v.shape) for k, v in layer.state_dict().items()
-                     if not k.startswith(("tt.gates.", "tt.alive_"))})
+                     if k not in ("tt.gate", "tt.alive")})
     have = {k: e.shape for k, e in header.tensors.items()}
     for key in sorted(set(want) | set(have)):
         if key not in have:

@@ -5,18 +5,23 @@ absorbed, ``ops.tt_linear_halves``). Three kernels, fp32 accumulation for fp32, 
 fp16 inputs, any ``r <= 128`` and sizes that are not multiples of the blocks:
 
 * :func:`chain` - ``mid = A·P`` ``[B, r]``, ``out = mid·Q (+ bias)`` ``[B, M]``: one
-  program per block of rows computes its ``mid`` tile (loop over ``K``), keeps it in
-  registers and sweeps the output columns (loop over ``M``), as flash-attention does
-  without the softmax. The forward is ``chain(X, L, R, b)``; ``dX`` is
-  ``chain(dY, Rᵀ, Lᵀ)`` (its ``mid`` is ``dY·Rᵀ``, which ``dL`` needs too).
-* :func:`matmul_tn` - ``Aᵀ·G`` ``[I, J]`` with the sum over the batch rows in the kernel:
+  program per block of rows and group of output columns computes its ``mid`` tile (loop
+  over ``K``), keeps it in registers and sweeps its columns (loop over ``M``), as
+  flash-attention does without the softmax. With ``SPLIT`` column groups, ``mid`` is
+  computed ``SPLIT`` times (``B·K·r`` MACs each, small) for ``SPLIT`` times the programs.
+  The forward is ``chain(X, L, R, b)``; ``dX`` is ``chain(dY, Rᵀ, Lᵀ)`` (its ``mid`` is
+  ``dY·Rᵀ``, which ``dL`` needs too).
+* :func:`matmul_tn` - ``Aᵀ·G`` ``[I, J]`` with the sum over the batch rows in the kernel,
+  split over ``SPLIT`` groups of rows whose fp32 partial sums are added after:
   ``dR = (X·L)ᵀ·dY`` and ``dL = Xᵀ·(dY·Rᵀ)``.
-* :func:`colsum` - ``Σ_rows G`` ``[M]``: the bias gradient.
+* :func:`colsum` - ``Σ_rows G`` ``[M]``: the bias gradient (row groups likewise).
 
-No launch depends on data and nothing is read back to the host, so a step built from
-them can be captured in a CUDA graph. :func:`tt_linear_chain_reference` is the plain
-PyTorch computation the kernels are tested against (float64, under
-``TRITON_INTERPRET=1`` on a CPU); :class:`TTLinearChain` is the ``autograd.Function``.
+The tiles, splits and warps of each launch come from :mod:`.configs` (the defaults, or a
+device profile's tuned table). No launch depends on data and nothing is read back to
+the host, so a step built from them can be captured in a CUDA graph.
+:func:`tt_linear_chain_reference` is the plain PyTorch computation the kernels are
+tested against (float64, under ``TRITON_INTERPRET=1`` on a CPU, every candidate
+configuration); :class:`TTLinearChain` is the ``autograd.Function``.
 """
 
 from __future__ import annotations
@@ -28,21 +33,30 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import configs
+
 __all__ = ["MAX_RANK", "TTLinearChain", "chain", "colsum", "matmul_tn",
            "tt_linear_chain", "tt_linear_chain_reference"]
 
 MAX_RANK = 128
-BLOCK_B, BLOCK_K, BLOCK_M = 32, 32, 64  # row, reduction and column tiles of chain
-BLOCK_I, BLOCK_J, BLOCK_ROWS = 32, 64, 32  # output tiles and row chunk of matmul_tn
+# the default tiles (configs.DEFAULTS): row, reduction and column tiles of chain; output
+# tiles and row chunk of matmul_tn
+BLOCK_B, BLOCK_K, BLOCK_M = (configs.DEFAULTS["chain"][k] for k in ("BLOCK_B", "BLOCK_K",
+                                                                    "BLOCK_M"))
+BLOCK_I, BLOCK_J, BLOCK_ROWS = (configs.DEFAULTS["matmul_tn"][k]
+                                for k in ("BLOCK_I", "BLOCK_J", "BLOCK_ROWS"))
 
 
 @triton.jit
-def chain_kernel(A, P, Q, BIAS, OUT, MID, n_rows, n_k, n_r, n_m,
+def chain_kernel(A, P, Q, BIAS, OUT, MID, n_rows, n_k, n_r, n_m, n_split,
                  s_ab, s_ak, s_pk, s_pr, s_qr, s_qm, s_ob, s_om, s_mb, s_mr,
                  HAS_BIAS: tl.constexpr, SAVE_MID: tl.constexpr, PRECISION: tl.constexpr,
                  UPCAST: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One block of ``BLOCK_B`` rows: ``mid = A·P`` then ``out = mid·Q (+ bias)``."""
+    """One block of ``BLOCK_B`` rows and column group ``program_id(1)`` of ``n_split``
+    (the column tiles ``g, g + n_split, …``): ``mid = A·P`` then ``out = mid·Q (+ bias)``;
+    group 0 stores ``mid``."""
+    group = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rr = tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
@@ -56,11 +70,13 @@ def chain_kernel(A, P, Q, BIAS, OUT, MID, n_rows, n_k, n_r, n_m,
         if UPCAST:
             a, p = a.to(tl.float32), p.to(tl.float32)
         mid += tl.dot(a, p, input_precision=PRECISION, out_dtype=tl.float32)
-    if SAVE_MID:
+    if SAVE_MID:  # by group 0 alone: the other groups' rows end at 0
+        mid_rows = tl.where(group == 0, n_rows, 0)
         tl.store(MID + rows[:, None] * s_mb + rr[None, :] * s_mr,
-                 mid.to(MID.dtype.element_ty), mask=row_ok[:, None] & (rr[None, :] < n_r))
+                 mid.to(MID.dtype.element_ty),
+                 mask=(rows[:, None] < mid_rows) & (rr[None, :] < n_r))
     mid_in = mid.to(Q.dtype.element_ty)  # the second product at the inputs' precision
-    for m0 in range(0, n_m, BLOCK_M):
+    for m0 in range(group * BLOCK_M, n_m, n_split * BLOCK_M):
         mm = m0 + tl.arange(0, BLOCK_M)
         q = tl.load(Q + rr[:, None] * s_qr + mm[None, :] * s_qm,
                     mask=(rr[:, None] < n_r) & (mm[None, :] < n_m), other=0.0)
@@ -76,19 +92,23 @@ def chain_kernel(A, P, Q, BIAS, OUT, MID, n_rows, n_k, n_r, n_m,
 
 
 @triton.jit
-def matmul_tn_kernel(A, G, C, n_rows, n_i, n_j, s_ab, s_ai, s_gb, s_gj, s_ci, s_cj,
-                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_I: tl.constexpr,
-                     BLOCK_J: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    """One ``BLOCK_I × BLOCK_J`` tile of ``C = Aᵀ·G``, summed over every row."""
+def matmul_tn_kernel(A, G, C, n_rows, n_i, n_j, rows_per, s_ab, s_ai, s_gb, s_gj, s_cs,
+                     s_ci, s_cj, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """One ``BLOCK_I × BLOCK_J`` tile of ``C[s] = Aᵀ·G`` summed over the rows of group
+    ``s = program_id(2)`` (rows ``s·rows_per`` up to the next group's)."""
     ii = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     jj = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    first = tl.program_id(2) * rows_per
+    last = tl.minimum(first + rows_per, n_rows)
+    C += tl.program_id(2) * s_cs
     acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
-    for b0 in range(0, n_rows, BLOCK_ROWS):
+    for b0 in range(first, last, BLOCK_ROWS):
         bb = b0 + tl.arange(0, BLOCK_ROWS)
         at = tl.load(A + bb[None, :] * s_ab + ii[:, None] * s_ai,
-                     mask=(bb[None, :] < n_rows) & (ii[:, None] < n_i), other=0.0)
+                     mask=(bb[None, :] < last) & (ii[:, None] < n_i), other=0.0)
         g = tl.load(G + bb[:, None] * s_gb + jj[None, :] * s_gj,
-                    mask=(bb[:, None] < n_rows) & (jj[None, :] < n_j), other=0.0)
+                    mask=(bb[:, None] < last) & (jj[None, :] < n_j), other=0.0)
         if UPCAST:
             at, g = at.to(tl.float32), g.to(tl.float32)
         acc += tl.dot(at, g, input_precision=PRECISION, out_dtype=tl.float32)
@@ -97,17 +117,20 @@ def matmul_tn_kernel(A, G, C, n_rows, n_i, n_j, s_ab, s_ai, s_gb, s_gj, s_ci, s_
 
 
 @triton.jit
-def colsum_kernel(G, OUT, n_rows, n_m, s_gb, s_gm, BLOCK_ROWS: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    """``OUT[m] = Σ_b G[b, m]`` for one block of columns."""
+def colsum_kernel(G, OUT, n_rows, n_m, rows_per, s_gb, s_gm, s_os,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``OUT[s, m] = Σ_b G[b, m]`` for one block of columns over the rows of group
+    ``s = program_id(1)``."""
     mm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.program_id(1) * rows_per
+    last = tl.minimum(first + rows_per, n_rows)
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for b0 in range(0, n_rows, BLOCK_ROWS):
+    for b0 in range(first, last, BLOCK_ROWS):
         bb = b0 + tl.arange(0, BLOCK_ROWS)
         g = tl.load(G + bb[:, None] * s_gb + mm[None, :] * s_gm,
-                    mask=(bb[:, None] < n_rows) & (mm[None, :] < n_m), other=0.0)
+                    mask=(bb[:, None] < last) & (mm[None, :] < n_m), other=0.0)
         acc += tl.sum(g.to(tl.float32), axis=0)
-    tl.store(OUT + mm, acc.to(OUT.dtype.element_ty), mask=mm < n_m)
+    tl.store(OUT + tl.program_id(1) * s_os + mm, acc.to(OUT.dtype.element_ty), mask=mm < n_m)
 
 
 def precision(x: Tensor) -> str:
@@ -131,49 +154,74 @@ def rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
+def _dtype_name(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _row_groups(n_rows: int, split: int, block: int) -> tuple[int, int]:
+    """``(groups, rows per group)``: at most ``split`` groups of whole ``block``s."""
+    per = triton.cdiv(triton.cdiv(n_rows, max(1, split)), block) * block
+    return max(1, triton.cdiv(n_rows, per)), per
+
+
 def chain(a: Tensor, p: Tensor, q: Tensor, bias: Tensor | None = None,
-          save_mid: bool = False) -> tuple[Tensor, Tensor | None]:
+          save_mid: bool = False, cfg: dict | None = None) -> tuple[Tensor, Tensor | None]:
     """``(a·p)·q + bias`` ``[B, M]`` and, with ``save_mid``, ``a·p`` ``[B, r]``.
 
     Shapes: ``a [B, K]``, ``p [K, r]``, ``q [r, M]``, ``bias [M]``; outputs in ``a``'s dtype.
+    ``cfg``: the launch configuration (default :func:`.configs.config` for the shape).
     """
     n_rows, n_k = a.shape
     n_r, n_m = q.shape
     if p.shape != (n_k, n_r):
         raise ValueError(f"p: expected shape {(n_k, n_r)}, got {tuple(p.shape)}")
+    cfg = cfg or configs.config("chain", (n_rows, n_k, n_r, n_m), _dtype_name(a))
     out = torch.empty(n_rows, n_m, dtype=a.dtype, device=a.device)
     mid = torch.empty(n_rows, n_r, dtype=a.dtype, device=a.device) if save_mid else out
-    grid = (triton.cdiv(n_rows, BLOCK_B),)
+    split = max(1, min(int(cfg["SPLIT"]), triton.cdiv(n_m, cfg["BLOCK_M"])))
+    grid = (triton.cdiv(n_rows, cfg["BLOCK_B"]), split)
     chain_kernel[grid](
-        a, p, q, bias if bias is not None else out, out, mid, n_rows, n_k, n_r, n_m,
+        a, p, q, bias if bias is not None else out, out, mid, n_rows, n_k, n_r, n_m, split,
         a.stride(0), a.stride(1), p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), mid.stride(0), mid.stride(1),
         HAS_BIAS=bias is not None, SAVE_MID=save_mid, PRECISION=precision(a), UPCAST=upcast(a),
-        BLOCK_B=BLOCK_B, BLOCK_K=BLOCK_K,
-        BLOCK_R=rank_block(n_r), BLOCK_M=BLOCK_M)
+        BLOCK_B=cfg["BLOCK_B"], BLOCK_K=cfg["BLOCK_K"], BLOCK_R=rank_block(n_r),
+        BLOCK_M=cfg["BLOCK_M"], **configs.launch_options(cfg))
     return out, (mid if save_mid else None)
 
 
-def matmul_tn(a: Tensor, g: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-    """``aᵀ·g`` ``[I, J]`` for ``a [B, I]``, ``g [B, J]`` (the batch sum in the kernel)."""
+def matmul_tn(a: Tensor, g: Tensor, out_dtype: torch.dtype | None = None,
+              cfg: dict | None = None) -> Tensor:
+    """``aᵀ·g`` ``[I, J]`` for ``a [B, I]``, ``g [B, J]`` (the batch sum in the kernel; with
+    ``SPLIT`` row groups, fp32 partial sums added after)."""
     n_rows, n_i = a.shape
     n_j = g.shape[1]
-    c = torch.empty(n_i, n_j, dtype=out_dtype or a.dtype, device=a.device)
-    grid = (triton.cdiv(n_i, BLOCK_I), triton.cdiv(n_j, BLOCK_J))
-    matmul_tn_kernel[grid](a, g, c, n_rows, n_i, n_j, a.stride(0), a.stride(1), g.stride(0),
-                           g.stride(1), c.stride(0), c.stride(1), PRECISION=precision(a),
-                           UPCAST=upcast(a), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J,
-                           BLOCK_ROWS=BLOCK_ROWS)
-    return c
+    cfg = cfg or configs.config("matmul_tn", (n_rows, n_i, n_j), _dtype_name(a))
+    groups, per = _row_groups(n_rows, int(cfg["SPLIT"]), cfg["BLOCK_ROWS"])
+    dtype = out_dtype or a.dtype
+    c = torch.empty(groups, n_i, n_j, dtype=dtype if groups == 1 else torch.float32,
+                    device=a.device)
+    grid = (triton.cdiv(n_i, cfg["BLOCK_I"]), triton.cdiv(n_j, cfg["BLOCK_J"]), groups)
+    matmul_tn_kernel[grid](a, g, c, n_rows, n_i, n_j, per, a.stride(0), a.stride(1),
+                           g.stride(0), g.stride(1), *c.stride(), PRECISION=precision(a),
+                           UPCAST=upcast(a), BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"],
+                           BLOCK_ROWS=cfg["BLOCK_ROWS"], **configs.launch_options(cfg))
+    return c[0] if groups == 1 else c.sum(0).to(dtype)
 
 
-def colsum(g: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+def colsum(g: Tensor, out_dtype: torch.dtype | None = None, cfg: dict | None = None
+           ) -> Tensor:
     """``Σ_rows g`` ``[M]`` for ``g [B, M]``."""
     n_rows, n_m = g.shape
-    out = torch.empty(n_m, dtype=out_dtype or g.dtype, device=g.device)
-    colsum_kernel[(triton.cdiv(n_m, BLOCK_M),)](g, out, n_rows, n_m, g.stride(0), g.stride(1),
-                                                BLOCK_ROWS=BLOCK_ROWS, BLOCK_M=BLOCK_M)
-    return out
+    cfg = cfg or configs.config("colsum", (n_rows, n_m), _dtype_name(g))
+    groups, per = _row_groups(n_rows, int(cfg["SPLIT"]), cfg["BLOCK_ROWS"])
+    dtype = out_dtype or g.dtype
+    out = torch.empty(groups, n_m, dtype=dtype if groups == 1 else torch.float32,
+                      device=g.device)
+    colsum_kernel[(triton.cdiv(n_m, cfg["BLOCK_M"]), groups)](
+        g, out, n_rows, n_m, per, g.stride(0), g.stride(1), out.stride(0),
+        BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_M=cfg["BLOCK_M"], **configs.launch_options(cfg))
+    return out[0] if groups == 1 else out.sum(0).to(dtype)
 
 
 class TTLinearChain(torch.autograd.Function):

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import configs
 from .tt_linear import MAX_RANK, precision, upcast
 
 __all__ = ["TTMLookupFused", "lookup", "lookup_backward", "ttm_lookup_fused",
@@ -104,6 +105,10 @@ def segment_grad_kernel(ORDER, START, COUNT, OTHER, G, H, D, n_m, n_n, n_r,
     _store_tile(D + k * s_dv, acc, mm, rr, s_dm, s_dr, n_m, n_r)
 
 
+def _dtype_name(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _block(n: int) -> int:
     """A tile for ``n``: a power of two, at least 16 (``tl.dot``)."""
     return max(16, triton.next_power_of_2(n))
@@ -126,10 +131,11 @@ def lookup(ids: Tensor, A: Tensor, Bt: Tensor) -> Tensor:
     out = torch.empty(ids.shape[0], Ea, Eb, dtype=A.dtype, device=A.device)
     if ids.numel() == 0:
         return out
+    cfg = configs.config("lookup", (ids.shape[0], Ea, r, Eb), _dtype_name(A))
     lookup_kernel[(ids.shape[0],)](
         ids, A, Bt, out, Ea, r, Eb, Vb, *A.stride(), *Bt.stride(), *out.stride(),
         PRECISION=precision(A), UPCAST=upcast(A), BLOCK_EA=_block(Ea), BLOCK_R=_block(r),
-        BLOCK_EB=_block(Eb))
+        BLOCK_EB=_block(Eb), **configs.launch_options(cfg))
     return out
 
 
@@ -153,10 +159,11 @@ def _segment_grad(keys: Tensor, n: int, other: Tensor, G: Tensor, H: Tensor, D: 
     order, start, count = _segments(keys, n)
     _, M, N = G.shape
     r = H.shape[2]
+    cfg = configs.config("segment_grad", (G.shape[0], M, N, r), _dtype_name(H))
     segment_grad_kernel[(n,)](order, start, count, other, G, H, D, M, N, r, *G.stride(),
                               *H.stride(), *D.stride(), PRECISION=precision(H),
                               UPCAST=upcast(H), BLOCK_M=_block(M), BLOCK_N=_block(N),
-                              BLOCK_R=_block(r))
+                              BLOCK_R=_block(r), **configs.launch_options(cfg))
 
 
 def lookup_backward(ids: Tensor, grad: Tensor, A: Tensor, Bt: Tensor) -> tuple[Tensor, Tensor]:

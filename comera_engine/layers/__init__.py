@@ -8,7 +8,7 @@ from .tensorize import (
     factorized_layers,
     size_report,
     stored_nbytes,
-    tensorize,
+    tensorize_layers,
     truncate,
     tt_layers,
 )
@@ -17,4 +17,4 @@ from .tt_linear import TTLinear
 
 __all__ = ["PEER_LAYERS", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS", "TTEmbedding",
            "TTLinear", "dense_size_metrics", "factorized_layers", "peer_layers", "size_report",
-           "stored_nbytes", "tensorize", "truncate", "tt_layers"]
+           "stored_nbytes", "tensorize_layers", "truncate", "tt_layers"]

@@ -16,7 +16,7 @@ from .peers import peer_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
-__all__ = ["TT_LAYERS", "factorized_layers", "tensorize", "truncate", "size_report",
+__all__ = ["TT_LAYERS", "factorized_layers", "size_report", "tensorize_layers", "truncate",
            "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
@@ -43,7 +43,7 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def tensorize(
+def tensorize_layers(
     model: nn.Module,
     rank: int | Sequence[int] = 8,
     include: Iterable[str] | None = None,
@@ -56,10 +56,10 @@ def tensorize(
     embedding_rank: int | Sequence[int] | None = None,
     dry_run: bool = False,
 ) -> list[dict]:
-    """Replace ``nn.Linear`` / ``nn.Embedding`` modules by TT layers, in place.
-
-    (``comera_engine.tensorize`` adds ``rank="auto"``: initial ranks chosen from a target
-    compression; see :func:`comera_engine.rank.tensorize`.)
+    """Replace ``nn.Linear`` / ``nn.Embedding`` modules by TT layers at the ranks given,
+    in place, and report each candidate layer. (The public ``comera_engine.tensorize``
+    takes a :class:`~comera_engine.config.CoMERAConfig`, chooses the ranks from its
+    target and returns the model: :func:`comera_engine.rank.tensorize`.)
 
     Args:
         rank: TT rank for every replaced layer.

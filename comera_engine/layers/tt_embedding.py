@@ -7,8 +7,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from ..tensor.costs import OPS
 from ..tensor.factorize import Factorization, resolve_factors
-from ..tensor.lookup import split_point, ttm_lookup
+from ..tensor.lookup import lookup_rows, split_point
+from ..tensor.planner import compute_dtype, explain_decode, explain_lookup, in_graph, plan_case
 from ..tensor.tt import TTMCores
 
 __all__ = ["TTEmbedding", "embedding_factors"]
@@ -30,10 +32,15 @@ def embedding_factors(num_embeddings: int, embedding_dim: int,
 class TTEmbedding(nn.Module):
     """``E[ids]`` with ``E`` (num_embeddings × embedding_dim) in TTM format.
 
-    Lookup: unique ids, two merged half-tables, one batched GEMM (see
-    :func:`~comera_engine.tensor.lookup.ttm_lookup`). ``padding_idx`` behaves as in
-    ``nn.Embedding``: its row reads as zeros and receives no gradient.
-    Initialisation matches ``nn.Embedding`` (entries of variance 1).
+    Lookup paths (``path``; default the planner's choice per step shape,
+    :func:`~comera_engine.tensor.planner.choose`): ``gather`` (unique ids, two merged
+    half-tables, one batched GEMM: :func:`~comera_engine.tensor.lookup.ttm_lookup`),
+    ``dense`` (the table ``E`` made from the gated cores, then its rows: one gather;
+    gradients scatter into ``E`` and back through the cores) and ``fused`` (the Triton
+    lookup, where the kernels run). :meth:`decode` (the tied MLM decoder) has ``table``
+    and ``tt``. ``padding_idx`` behaves as in ``nn.Embedding``: its row reads as zeros
+    and receives no gradient. Initialisation matches ``nn.Embedding`` (entries of
+    variance 1).
 
     Args:
         num_embeddings, embedding_dim: table shape.
@@ -43,6 +50,7 @@ class TTEmbedding(nn.Module):
             ``num_embeddings``; ``∏ dim_factors`` may exceed ``embedding_dim``).
         d: cores when factors are chosen automatically (default 4 for vocabularies of
             at least 4096 rows, else 3).
+        path: force the lookup's path (``dense``, ``gather``, ``fused``); default: planner.
     """
 
     def __init__(
@@ -57,8 +65,13 @@ class TTEmbedding(nn.Module):
         tau: float = 1e-2,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        path: str | None = None,
     ) -> None:
         super().__init__()
+        if path is not None and path not in OPS["ttm_lookup"]:
+            raise ValueError(f"path: a TT embedding's paths are "
+                             f"{', '.join(OPS['ttm_lookup'])}; got {path!r}")
+        self.path = path
         for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
@@ -84,9 +97,9 @@ class TTEmbedding(nn.Module):
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids: expected an integer tensor, got {ids.dtype}")
         ids = ids.long()
-        cores = self.tt.gated_cores()
+        path = self.path or self._plan("ttm_lookup", ids.numel(), ids)
         h = split_point(self.vocab_factors, self.dim_factors, self.tt.ranks)
-        out = ttm_lookup(ids, cores, h)
+        out = lookup_rows(ids, *self.tt.parts(), self.tt.tau, path, h)
         if out.shape[-1] != self.embedding_dim:
             out = out[..., : self.embedding_dim]
         if self.padding_idx is not None:
@@ -94,18 +107,40 @@ class TTEmbedding(nn.Module):
             out = out * keep
         return out
 
-    def decode(self, h: Tensor) -> Tensor:
+    def _plan(self, op: str, tokens: int, t: Tensor) -> str:
+        """The planner's path for ``op`` (``ttm_lookup``, ``ttm_decode``) on ``tokens``
+        rows, ``t`` the input (its device, dtype, graph capture)."""
+        tt = self.tt
+        training = torch.is_grad_enabled() and any(c.requires_grad for c in tt.cores)
+        return plan_case(op, self.vocab_factors, self.dim_factors, tt.ranks, tokens,
+                         t.device, compute_dtype(t, tt.cores[0]), in_graph(t), training,
+                         t.requires_grad)
+
+    def decode(self, h: Tensor, path: str | None = None) -> Tensor:
         """``h · Eᵀ``: hidden states ``(..., embedding_dim)`` to scores over the rows
-        ``(..., num_embeddings)`` (a tied decoder), contracted through the two half
-        tables without building ``E`` (:func:`comera_engine.ops.ttm_decode.ttm_decode`;
-        the padding row scores 0)."""
+        ``(..., num_embeddings)`` (a tied decoder; the padding row scores 0). ``path``:
+        ``tt`` (contracted through the two half tables without building ``E``,
+        :func:`comera_engine.ops.ttm_decode.ttm_decode`) or ``table`` (``E`` built);
+        default: the planner's choice."""
         from ..ops.ttm_decode import ttm_decode
 
         cores = self.tt.gated_cores()
         split = split_point(self.vocab_factors, self.dim_factors, self.tt.ranks)
         flat = h.reshape(-1, h.shape[-1])
-        out = ttm_decode(flat, cores, split, self.num_embeddings, self.padding_idx)
+        path = path or self._plan("ttm_decode", flat.shape[0], flat)
+        out = ttm_decode(flat, cores, split, self.num_embeddings, self.padding_idx, path=path)
         return out.reshape(*h.shape[:-1], self.num_embeddings)
+
+    def explain(self, tokens: int, training: bool = True, graph: bool = False,
+                dtype: torch.dtype | None = None, decode: bool = False) -> dict:
+        """The planner's view of this table's lookup of ``tokens`` ids (``decode``: of
+        the tied decoder on ``tokens`` hidden states), at the effective ranks
+        (:func:`~comera_engine.tensor.planner.explain_lookup`, ``explain_decode``)."""
+        ranks = [1, *self.effective_ranks(), 1]
+        p = self.tt.cores[0]
+        fn = explain_decode if decode else explain_lookup
+        return fn(tokens, self.vocab_factors, self.dim_factors, ranks, p.device,
+                  dtype or p.dtype, training, graph)
 
     def dense_weight(self) -> Tensor:
         """The reconstructed table ``(num_embeddings, embedding_dim)`` (padding row zero)."""

@@ -11,8 +11,9 @@ from torch import Tensor, nn
 
 from ..config import LINEAR_LAYOUTS  # "tt" (the paper's order-2d train) | "ttm" (TT matrix)
 from ..tensor.contract import explain, tt_linear
+from ..tensor.costs import OPS
 from ..tensor.factorize import Factorization, resolve_factors
-from ..tensor.planner import explain_ttm
+from ..tensor.planner import compute_dtype, explain_ttm, in_graph, plan_case, ttm_linear
 from ..tensor.tt import TTLinearCores, TTMCores
 
 __all__ = ["LINEAR_LAYOUTS", "TTLinear", "linear_factors"]
@@ -48,10 +49,12 @@ class TTLinear(nn.Module):
     * ``"ttm"``: a TT matrix (tensorly-torch's ``blocktt``), ``d`` cores
       ``(r_{k-1}, n_k, m_k, r_k)`` each pairing one input and one output factor
       (:class:`~comera_engine.tensor.tt.TTMCores`, the same gates, pruning and
-      truncation). Forward materialises ``W`` from the gated cores (about
+      truncation). Its paths: ``dense`` materialises ``W`` from the gated cores (about
       ``N·M·r_{d-1}`` MACs per step, batch independent: small against the batch's
-      ``B·N·M``) and runs one dense GEMM, so a TTM linear computes like ``nn.Linear``:
-      it saves parameters, not MACs, and its matrix rank is not capped by one bond.
+      ``B·N·M``) and runs one GEMM, computing like ``nn.Linear``; ``sweep`` contracts
+      ``x`` with one core at a time (:mod:`comera_engine.ops.ttm_linear`: fewer MACs
+      only at small batches or ranks). It saves parameters more than MACs, and its
+      matrix rank is not capped by one bond.
 
     Args:
         in_features, out_features: as ``nn.Linear``.
@@ -62,8 +65,9 @@ class TTLinear(nn.Module):
             :func:`~comera_engine.tensor.factorize.factorize` when omitted.
         d: number of factors per side when factors are chosen automatically (default 3).
         tau: rank-gate threshold.
-        path: force a contraction path (``halves``/``sweep``/``dense``); default: planner.
-            ``"ttm"`` has one path (``dense``: materialise ``W``).
+        path: force a contraction path (``"tt"``: ``halves``/``sweep``/``dense``/
+            ``fused``; ``"ttm"``: ``dense``/``sweep``); default: the planner's choice
+            (:func:`comera_engine.tensor.planner.choose`).
         layout: ``"tt"`` or ``"ttm"`` (above); ``"ttm"`` needs as many input as output
             factors (``d`` each).
 
@@ -90,8 +94,10 @@ class TTLinear(nn.Module):
         if layout not in LINEAR_LAYOUTS:
             raise ValueError(f"layout: must be one of {', '.join(LINEAR_LAYOUTS)}, "
                              f"got {layout!r}")
-        if layout == "ttm" and path not in (None, "dense"):
-            raise ValueError(f"path: a ttm layer has one path, dense; got {path!r}")
+        paths = OPS["ttm_linear" if layout == "ttm" else "tt_linear"]
+        if path is not None and path not in paths:
+            raise ValueError(f"path: a {layout} layer's paths are {', '.join(paths)}; "
+                             f"got {path!r}")
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
@@ -125,9 +131,10 @@ class TTLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dimension {x.shape[-1]} != in_features "
                              f"{self.in_features}")
-        if self.layout == "ttm":  # materialise W (in, out) from the gated cores, one GEMM
-            W = self.tt.to_matrix()[: self.in_features, : self.out_features]
-            return F.linear(x, W.t(), self.bias)
+        if self.layout == "ttm":
+            cores, gates, alive = self.tt.parts()
+            return ttm_linear(x, cores, self._ttm_path(x), self.bias, gates, alive,
+                              self.tt.tau, self.out_features)
         if N != self.in_features:
             x = F.pad(x, (0, N - self.in_features))
         bias = self.bias
@@ -140,6 +147,17 @@ class TTLinear(nn.Module):
         if M != self.out_features:
             y = y[..., : self.out_features]
         return y
+
+    def _ttm_path(self, x: Tensor) -> str:
+        """The ``"ttm"`` layout's path for ``x``: as forced, else the planner's."""
+        if self.path is not None:
+            return self.path
+        tt = self.tt
+        training = torch.is_grad_enabled() and (
+            x.requires_grad or any(c.requires_grad for c in tt.cores))
+        rows = x.numel() // max(1, x.shape[-1])
+        return plan_case("ttm_linear", self.in_factors, self.out_factors, tt.ranks, rows,
+                         x.device, compute_dtype(x), in_graph(x), training, x.requires_grad)
 
     def dense_weight(self) -> Tensor:
         """The reconstructed weight, ``nn.Linear`` layout ``(out_features, in_features)``."""
@@ -157,16 +175,17 @@ class TTLinear(nn.Module):
         b = self.bias.numel() if self.bias is not None else 0
         return self.in_features * self.out_features + b
 
-    def explain(self, batch: int, training: bool = True) -> dict:
-        """The planner's view of this layer at ``batch`` rows (effective ranks); a
-        ``"ttm"`` layer has the one ``dense`` path (materialise ``W``, one GEMM)."""
+    def explain(self, batch: int, training: bool = True, graph: bool = False,
+                dtype: torch.dtype | None = None) -> dict:
+        """The planner's view of this layer at ``batch`` rows (effective ranks), in
+        ``dtype`` (default: the cores') and inside a CUDA graph or not: the path it picks,
+        where the times came from, each path's cost (:func:`~comera_engine.tensor.explain`,
+        :func:`~comera_engine.tensor.explain_ttm` for the ``"ttm"`` layout)."""
         ranks = [1, *self.effective_ranks(), 1]
         p = self.tt.cores[0]
-        if self.layout == "ttm":
-            return explain_ttm(batch, self.in_factors, self.out_factors, ranks, p.device,
-                               p.dtype, training)
-        return explain(batch, self.in_factors, self.out_factors, ranks, p.device, p.dtype,
-                       training)
+        fn = explain_ttm if self.layout == "ttm" else explain
+        return fn(batch, self.in_factors, self.out_factors, ranks, p.device, dtype or p.dtype,
+                  training, graph)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int | Sequence[int] | None = None,

@@ -115,13 +115,14 @@ def build_custom(cfg: Any, data: Any, dense: bool, *, exposed_only: bool = False
                                            "nn.Module; return the network")
     if dense:
         return model
-    from comera_engine.layers import factorized_layers, tensorize
+    from comera_engine.layers import factorized_layers, tensorize_layers
 
     t = dict(cfg.tensorize or {})
     rank = cfg.rank or (t["rank"] if isinstance(t.get("rank"), int) else BASE_RANK)
-    rows = tensorize(model, rank=rank, embedding_rank=cfg.embedding_rank or rank,
-                     include=t.get("include"), exclude=t.get("exclude"),
-                     layout=t.get("layout", "tt"), min_features=t.get("min_features", 8))
+    rows = tensorize_layers(model, rank=rank, embedding_rank=cfg.embedding_rank or rank,
+                            include=t.get("include"), exclude=t.get("exclude"),
+                            layout=t.get("layout", "tt"),
+                            min_features=t.get("min_features", 8))
     if not any(r.get("replaced") for r in rows) and not factorized_layers(model):
         raise ConfigError("model.tensorize", f"no nn.Linear or nn.Embedding of {spec}'s model "
                                              "is made TT; widen include / exclude, lower "

@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-__all__ = ["GatedFunction", "absorb_gates", "apply_gates", "flat_mask", "gate_args",
+__all__ = ["GatedFunction", "absorb_gates", "apply_gates", "gate_args",
            "gate_masks", "save", "saved"]
 
 
@@ -79,14 +79,6 @@ def _gate_plan(d: int) -> tuple[tuple[int, bool], ...]:
     return tuple((k, True) if k < d else (k + 1, False) for k in range(2 * d - 1))
 
 
-def flat_mask(g: Tensor, tau: float, alive: Sequence[Tensor] = ()) -> Tensor:
-    """``alive & (|g| > tau)`` over the concatenated gates ``g`` (bool, same length)."""
-    m = g.abs() > tau
-    if alive:
-        m &= torch.cat(list(alive))
-    return m
-
-
 def gate_masks(gates: Sequence[Tensor], tau: float,
                alive: Sequence[Tensor] | None = None) -> list[Tensor]:
     """Per bond, the active gate entries: ``alive_k & (|g_k| > tau)`` (bool ``(r_k,)``).
@@ -96,7 +88,9 @@ def gate_masks(gates: Sequence[Tensor], tau: float,
     if not gates:
         return []
     with torch.no_grad():
-        m = flat_mask(torch.cat(list(gates)), tau, alive or ())
+        m = torch.cat(list(gates)).abs() > tau
+        if alive:
+            m &= torch.cat(list(alive))
     return list(m.split([int(g.shape[0]) for g in gates]))
 
 

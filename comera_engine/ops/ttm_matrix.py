@@ -11,12 +11,6 @@ left to right gives the modes ``(n_0, m_0, n_1, m_1, …)``; permuted to
 :func:`ttm_matrix` hands float32/float64 CPU cores to the CPU backend
 (``csrc/ttm_matrix.cpp``: the same products, one autograd node, backward by hand), and
 runs the reference elsewhere (CUDA, autocast, other dtypes, a rank-0 bond, tracing).
-
-:func:`ttm_matrix_sized` also returns, where the backend's node runs with gates, the
-layer's size surrogate ``Ŝ = Σ_k s_k ‖g_{k-1}‖₁ ‖g_k‖₁`` and effective size ``S`` from
-the same node, as one float64 pair (:mod:`comera_engine.rank.size`; ``s_k = n_k m_k``):
-the CoMERA objective adds these up (:meth:`comera_engine.rank.CoMERAObjective.__call__`),
-and a gate's whole gradient, from ``W`` and from ``Ŝ``, then comes out of this one node.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from ..backends import cpu_backend
 from .gates import absorb_gates
 from .merges import contract_chain
 
-__all__ = ["ttm_matrix", "ttm_matrix_reference", "ttm_matrix_sized"]
+__all__ = ["ttm_matrix", "ttm_matrix_reference"]
 
 
 def ttm_matrix_reference(cores: Sequence[Tensor], gates: Sequence[Tensor] = (),
@@ -53,35 +47,13 @@ def ttm_matrix_reference(cores: Sequence[Tensor], gates: Sequence[Tensor] = (),
 
 def ttm_matrix(cores: Sequence[Tensor], gates: Sequence[Tensor] = (),
                alive: Sequence[Tensor] = (), tau: float = 0.0) -> Tensor:
-    """``W`` ``(∏ n_k, ∏ m_k)`` (module doc): the CPU backend's node where it runs the
+    """``W`` ``(∏ n_k, ∏ m_k)`` (module doc): the CPU backend's node where it takes the
     call, else :func:`ttm_matrix_reference`. Differentiable in cores and gates."""
-    out = _native(cores, gates, alive, tau, want_size=False)
-    return out[0] if out is not None else ttm_matrix_reference(cores, gates, alive, tau)
-
-
-def ttm_matrix_sized(cores: Sequence[Tensor], gates: Sequence[Tensor],
-                     alive: Sequence[Tensor], tau: float = 0.0
-                     ) -> tuple[Tensor, Tensor | None]:
-    """``(W, sized)``: :func:`ttm_matrix` and the float64 pair ``sized = (Ŝ, S)`` of the
-    layer's size surrogate (differentiable in the gates) and effective size (a constant;
-    0 when a bond has no live entry), both from the backend's node (module doc);
-    ``(W, None)`` where the reference runs or there are no gates."""
-    out = _native(cores, gates, alive, tau, want_size=True) if gates else None
-    if out is None:
-        return ttm_matrix_reference(cores, gates, alive, tau), None
-    return out[0], out[1]
-
-
-def _native(cores: Sequence[Tensor], gates: Sequence[Tensor], alive: Sequence[Tensor],
-            tau: float, want_size: bool) -> list[Tensor] | None:
-    """The backend node's outputs (``[W]``, with ``want_size`` ``[W, sized]``), or
-    ``None`` where it does not run the call (:func:`_native_ok`, no backend)."""
-    if not _native_ok(cores, gates, alive):
-        return None
-    backend = cpu_backend(cores[0])
-    if backend is None:
-        return None
-    return backend.ops.ttm_matrix(list(cores), list(gates), list(alive), float(tau), want_size)
+    if _native_ok(cores, gates, alive):
+        backend = cpu_backend(cores[0])
+        if backend is not None:
+            return backend.ops.ttm_matrix(list(cores), list(gates), list(alive), float(tau))[0]
+    return ttm_matrix_reference(cores, gates, alive, tau)
 
 
 def _native_ok(cores: Sequence[Tensor], gates: Sequence[Tensor],

@@ -47,6 +47,7 @@ captured in a CUDA graph; :meth:`CoMERA.step` runs on the host between graph rep
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,16 +57,17 @@ from torch import Tensor, nn
 
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
-from ..layers import dense_size_metrics, factorized_layers, size_report, tt_layers
-from ..metrics import TARGET_TOLERANCE, target_outcome, target_status
+from ..layers import factorized_layers, tt_layers
+from ..metrics import TARGET_TOLERANCE
 from ..ops.adamw import AdamW
+from . import report as _report
 from .balance import balance_gates
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
 from .optim import RankEvent, gate_lr, param_groups, refresh_gates, refresh_gates_on_device
 from .optim import truncate_model_and_optimizer as _truncate_all
 from .pace import PacePlan, grow_to, host_size, prune_to
 from .schedule import SwitchPlan, resolve_schedule, schedule_label, switch_plan
-from .size import GateBank, dense_size, size_extra
+from .size import dense_size, size_extra
 
 __all__ = ["EVENT_KINDS", "CoMERA", "Event"]
 
@@ -94,10 +96,12 @@ def _what(changes: dict[str, list[tuple[int, int, int]]]) -> str:
                      for name, ch in changes.items())
 
 
-def _settings(config: CoMERAConfig | None, target_compression: float | None,
-              settings: dict[str, Any]) -> CoMERAConfig:
-    """``config`` (or the defaults) with ``target_compression`` and ``settings`` applied,
-    validated; an unknown key is refused naming it."""
+def _settings(config: CoMERAConfig | None, settings: dict[str, Any]) -> CoMERAConfig:
+    """``config`` (or the defaults) with ``settings`` applied, validated; an unknown key,
+    or a ``config`` that is not a :class:`CoMERAConfig`, is refused naming it."""
+    if config is not None and not isinstance(config, CoMERAConfig):
+        raise ConfigError("config", f"give a comera_engine.CoMERAConfig (e.g. "
+                                    f"CoMERAConfig(target_compression=20)), got {config!r}")
     known = {f.name for f in dataclasses.fields(CoMERAConfig)}
     for key in settings:
         if key not in known:
@@ -105,10 +109,21 @@ def _settings(config: CoMERAConfig | None, target_compression: float | None,
                                                "the [comera] table's keys: "
                                                + ", ".join(sorted(known)))
     cfg = dataclasses.replace(config or CoMERAConfig(), **settings)
-    if target_compression is not None:
-        cfg = dataclasses.replace(cfg, target_compression=float(target_compression))
     validate_comera(cfg)
     return resolve_schedule(cfg)  # every switch set: the schedule's, or the caller's
+
+
+class Attachment:
+    """A controller attached to an optimizer (:meth:`CoMERA.attach`)."""
+
+    def __init__(self, comera: CoMERA, handle: Any) -> None:
+        self._comera, self._handle = comera, handle
+
+    def remove(self) -> None:
+        """Stop running the controller's step after the optimizer's."""
+        self._handle.remove()
+        if self._comera._attached is self:
+            self._comera._attached = None
 
 
 class CoMERA:
@@ -117,31 +132,31 @@ class CoMERA:
     Args:
         model: a model with TT layers (:func:`comera_engine.tensorize`). A model without
             any trains on the task loss alone (the dense baseline).
-        target_compression: dense size / size asked, in ``target_scope`` (``None``: no
-            target; the early stage alone, pruning what the size surrogate finds
-            unneeded). Overrides ``config``'s.
+        config: a :class:`~comera_engine.config.CoMERAConfig` (the ``[comera]`` table;
+            the one given to :func:`~comera_engine.tensorize`): the target
+            (``target_compression`` in ``target_scope``; ``None``: no target, the early
+            stage alone prunes what the size surrogate finds unneeded) and every other
+            setting. Keywords in ``settings`` override its fields.
         total_steps: the steps the loop will run: the pace plans the path to the target
             over them (``0``: no pace, the objective alone decides the size).
         steps_per_epoch: turns ``switch_epoch`` into a step.
-        config: a :class:`~comera_engine.config.CoMERAConfig` (the ``[comera]`` table);
-            keywords in ``settings`` override its fields.
         on_event: called with every :class:`Event` as it happens (e.g. to log it to
             TensorBoard or W&B); :attr:`events` keeps them all.
-        **settings: any ``[comera]`` key: ``gamma``, ``tau``, ``switch``, ``lr_cores``, …
+        **settings: any ``[comera]`` key: ``target_compression``, ``gamma``, ``switch``,
+            ``lr_cores``, …
 
     Raises:
         ConfigError: an unknown or out-of-range setting, or a target beyond what rank 1
             everywhere allows (the field and the fix in one line).
     """
 
-    def __init__(self, model: nn.Module, target_compression: float | None = None,
+    def __init__(self, model: nn.Module, config: CoMERAConfig | None = None,
                  total_steps: int = 0, *, steps_per_epoch: int = 0,
-                 config: CoMERAConfig | None = None,
                  on_event: Callable[[Event], None] | None = None, **settings: Any) -> None:
         for name, value in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(name, f"must be a whole number of steps >= 0, got {value!r}")
-        self.cfg = cfg = _settings(config, target_compression, settings)
+        self.cfg = cfg = _settings(config, settings)
         #: which method runs: the schedule and any switch set against it ("paced")
         self.schedule = schedule_label(cfg)
         self.model = model
@@ -182,55 +197,99 @@ class CoMERA:
                                            min_drop=float(cfg.plateau_min_drop or 0.0))
         if self.enabled:
             self.objective = CoMERAObjective(model, cfg)
-        # the gates laid out once per structure, for the refresh and the surrogate alike
-        self._bank = (self.objective.bank if self.objective is not None
-                      else GateBank([m for _, m in self._pairs]))
         self._plan_key: tuple[int, int] | None = None
+        self._attached: Attachment | None = None  # attach(): the optimizer runs step
+        self._rates_said = False  # param_groups printed the rates it set
 
     # ------------------------------------------------------------------ optimizer
 
     def param_groups(self) -> list[dict[str, Any]]:
-        """Optimizer parameter groups, each with its ``lr`` and ``weight_decay``:
-        ``cores`` (TT cores, ``lr_cores``), ``embedding`` (the TT embedding tables' cores,
-        ``lr_embedding``, when set), ``gates`` (``lr_gates``, no weight decay) and
-        ``dense`` (every other parameter, ``lr_dense``). Parameters that do not require
-        grad (frozen gates of a fixed-rank model) are left out, empty groups dropped."""
+        """Optimizer parameter groups: ``cores`` (TT cores), ``embedding`` (the TT
+        embedding tables' cores, when ``lr_embedding`` is set), ``gates`` (no weight
+        decay) and ``dense`` (every other parameter).
+
+        The learning rates are the optimizer's (``torch.optim.AdamW(comera.param_groups(),
+        lr=...)``: the rate the same network trains at dense), except what is set on this
+        controller (``lr_cores``, ``lr_embedding``, ``lr_dense``, ``weight_decay``) and the
+        gates' rate, which follows the schedule (:meth:`lr_gates`); what CoMERA sets is
+        printed once. Parameters that do not require grad (frozen gates of a fixed-rank
+        model) are left out, empty groups dropped."""
         c = self.cfg
         if self.has_tt or self.has_peers:  # peer TT cores learn at lr_cores too
             groups = param_groups(self.model, c.lr_cores, self.lr_gates(), c.lr_dense,
                                   c.weight_decay, lr_embedding=c.lr_embedding)
             for g in groups:
                 g["params"] = [p for p in g["params"] if p.requires_grad]
-            return [g for g in groups if g["params"]]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return [{"name": "dense", "params": params, "lr": c.lr_dense,
-                 "weight_decay": c.weight_decay}]
+            groups = [g for g in groups if g["params"]]
+        else:
+            groups = param_groups(self.model, lr_dense=c.lr_dense, weight_decay=c.weight_decay)
+            groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]}
+                      for g in groups]
+        self._say_rates(groups)
+        return groups
 
-    def lr_gates(self) -> float:
-        """The gates' learning rate: ``lr_gates``, raised by ``comera.gate_speed`` to
-        what lets a gate reach ``tau`` in half the late stage (:func:`.optim.gate_lr`)."""
+    def _say_rates(self, groups: list[dict[str, Any]]) -> None:
+        """One line on stderr, once, naming the learning rates CoMERA set (the rest are
+        the optimizer's)."""
+        if self._rates_said:
+            return
+        self._rates_said = True
+        own = [f"{g['name']} {g['lr']:.3g}" for g in groups if "lr" in g]
+        if not own:
+            return
+        why = " (from the schedule)" if self.cfg.lr_gates is None and any(
+            g["name"] == "gates" and "lr" in g for g in groups) else ""
+        rest = [g["name"] for g in groups if "lr" not in g]
+        print(f"CoMERA: learning rate {', '.join(own)}{why}"
+              + (f"; {', '.join(rest)} at the optimizer's" if rest else ""), file=sys.stderr)
+
+    def lr_gates(self) -> float | None:
+        """The gates' learning rate. With a target and a step budget, the schedule's: the
+        rate at which a gate can fall from 1 to ``tau`` within a tenth of the steps before
+        the size is due at the target (:func:`.optim.gate_lr`). ``comera.lr_gates``, when
+        set, replaces it (``comera.gate_speed`` raises it to the schedule's where lower).
+        Neither: ``None``, the optimizer's rate."""
         c = self.cfg
-        if not c.gate_speed or self.objective is None:
-            return c.lr_gates
-        plan = self._switch_plan()
-        starts = [s for s in (plan.switch, plan.latest) if isinstance(s, int)]
-        late = self.total_steps - min(starts) if starts and self.total_steps else 0
-        return gate_lr(c.lr_gates, c.tau, late)
+        derived = None
+        if self.objective is not None and self.total_steps:
+            derived = gate_lr(c.tau, self._switch_plan().reach or self.total_steps)
+        if c.lr_gates is None:
+            return derived
+        if c.gate_speed and derived is not None:
+            return max(c.lr_gates, derived)
+        return c.lr_gates
 
-    def make_optimizer(self, capturable: bool = False) -> torch.optim.Optimizer:
-        """AdamW over :meth:`param_groups`. On CPU every group's update in one call of the
-        CPU backend (:class:`comera_engine.ops.adamw.AdamW`, torch's fused AdamW where the
-        backend is not built): a TT model has hundreds of small parameters, and a
-        per-tensor step costs more than the update (``experiments/bench_op_adamw.py``);
-        elsewhere torch's default. ``capturable``: state on the device, for a CUDA
-        graph."""
+    def make_optimizer(self, lr: float = 1e-3, capturable: bool = False
+                       ) -> torch.optim.Optimizer:
+        """AdamW at ``lr`` over :meth:`param_groups` (the built-in trainer's optimizer:
+        ``train.lr``). On CPU every group's update in one call of the CPU backend
+        (:class:`comera_engine.ops.adamw.AdamW`, torch's fused AdamW where the backend is
+        not built): a TT model has hundreds of small parameters, and a per-tensor step
+        costs more than the update (``experiments/bench_op_adamw.py``); elsewhere torch's
+        default. ``capturable``: state on the device, for a CUDA graph."""
         groups = self.param_groups()
         params = [p for g in groups for p in g["params"]]
         cpu = bool(params) and all(p.device.type == "cpu" and p.is_floating_point()
                                    for p in params)
         if cpu and not capturable:
-            return AdamW(groups)
-        return torch.optim.AdamW(groups, capturable=capturable)
+            return AdamW(groups, lr=lr)
+        return torch.optim.AdamW(groups, lr=lr, capturable=capturable)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Attachment:
+        """Run the controller's step after every ``optimizer.step()`` (the optimizer's
+        post-step hook), so the loop needs only :meth:`loss`. Returns an
+        :class:`Attachment`; its ``remove()`` detaches. Without attaching, call
+        :meth:`step` after ``optimizer.step()`` yourself (it also takes ``loss=`` and
+        ``counts=``)."""
+        if self._attached is not None:
+            raise RuntimeError("CoMERA.attach: already attached to an optimizer; call "
+                               "remove() on what attach returned first")
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self._step(opt)
+
+        self._attached = Attachment(self, optimizer.register_step_post_hook(hook))
+        return self._attached
 
     # ------------------------------------------------------------------ the loss
 
@@ -309,6 +368,15 @@ class CoMERA:
 
         Returns this step's events (also appended to :attr:`events`).
         """
+        if self._attached is not None:
+            raise RuntimeError("CoMERA.step: this controller is attached to the optimizer "
+                               "(attach), which runs its step after every optimizer.step(); "
+                               "drop the comera.step call")
+        return self._step(optimizer, loss=loss, counts=counts, truncate=truncate)
+
+    def _step(self, optimizer: torch.optim.Optimizer | None = None, *,
+              loss: float | Tensor | None = None, counts: list[float] | None = None,
+              truncate: bool = True) -> list[Event]:
         self._steps += 1
         step = self._steps
         if self._loss_calls > 1 and self._task_loss is not None:  # micro-batches: their mean
@@ -338,6 +406,8 @@ class CoMERA:
                 events.append(met)
         if rank_events or paced:
             self._dirty = True
+            if self.objective is not None:  # its S: counted again at each rank change
+                self.objective.recount(self.current_size(counts) - self._extra)
         if truncate and optimizer is not None and self._dirty:
             done = self.truncate(optimizer, emit=False)
             if done is not None:
@@ -377,20 +447,20 @@ class CoMERA:
         if self.frozen:  # the ranks are fixed: nothing dies any more
             return []
         return refresh_gates(self.model, step, layers=self._pairs,
-                             floor=bool(self.cfg.rank_floor), bank=self._bank)
+                             floor=bool(self.cfg.rank_floor))
 
     def refresh_fn(self) -> Callable[[], Tensor] | None:
         """The gate refresh as device work (for a captured step): returns the alive count
         of every bond, to pass to :meth:`step` as ``counts``."""
         if not self.has_tt:
             return None
-        self._counts = [int(m.tt.alive(k).sum()) for m in self._layers.values()
-                        for k in range(len(m.tt.gates))]
+        self._counts = [int(a.sum()) for m in self._layers.values()
+                        for a in m.tt.bond_alive()]
         model, floor = self.model, bool(self.cfg.rank_floor)
         return lambda: refresh_gates_on_device(model, floor=floor)
 
     def _events_from_counts(self, step: int, counts: list[float]) -> list[RankEvent]:
-        bonds = [(n, k) for n, m in self._layers.items() for k in range(len(m.tt.gates))]
+        bonds = [(n, k) for n, m in self._layers.items() for k in range(len(m.tt.bond_ranks))]
         new = [int(c) for c in counts]
         if self._counts is None:  # refresh_fn() takes the first snapshot
             self._counts = new
@@ -415,7 +485,7 @@ class CoMERA:
         return self.objective is not None and self._switch_plan().reach is not None
 
     def _switch_plan(self) -> SwitchPlan:
-        """:func:`~comera_engine.config.switch_plan` of the settings and the step budget
+        """:func:`~comera_engine.rank.schedule.switch_plan` of the settings and the step budget
         (worked out again only if ``total_steps`` or ``steps_per_epoch`` is changed)."""
         key = (self.total_steps, self.steps_per_epoch)
         if key != self._plan_key:
@@ -568,86 +638,33 @@ class CoMERA:
             return {name: list(m.effective_ranks()) for name, m in self._layers.items()}
         out, i = {}, 0
         for name, m in self._layers.items():
-            n = len(m.tt.gates)
+            n = len(m.tt.bond_ranks)
             out[name] = [int(c) for c in counts[i : i + n]]
             i += n
         return out
 
     def size_metrics(self) -> dict[str, float]:
         """Parameters, bytes and compression against the dense model, at the effective
-        ranks (``size_report``'s count): ``params/*``, ``bytes/*``, ``compression/*``."""
-        if not self.has_tt and not self.has_peers:
-            return dense_size_metrics(self.model)
-        rep = size_report(self.model)
-        model, tensorized = rep["model"], rep["tensorized"]
-        stored = getattr(self.model, "comera_stored_bytes", None)  # its int8 form
-        if stored is not None:
-            model = {**model, "effective_bytes": stored}
-        return {
-            "params/effective": float(model["effective_params"]),
-            "params/allocated": float(model["allocated_params"]),
-            "params/dense": float(model["dense_params"]),
-            "bytes/effective": float(model["effective_bytes"]),
-            "bytes/dense": float(model["dense_bytes"]),
-            "compression/model": float(model["compression"]),
-            "compression/tensorized": float(tensorized["compression"]),
-            "params/tensorized_effective": float(tensorized["effective_params"]),
-        }
+        ranks (``size_report``'s count): ``params/*``, ``bytes/*``, ``compression/*``
+        (:func:`.report.size_metrics`)."""
+        return _report.size_metrics(self.model, self.has_tt or self.has_peers)
 
     @property
     def target_compression(self) -> float | None:
         """The target this model is held to (``None``: none, or nothing to compress)."""
-        factorized = self.has_tt or self.has_peers
-        ref = getattr(self.model, "comera_reference", None)
-        if ref is not None:  # pruned (its target) / int8 (none: judged in bytes)
-            return ref.get("target")
-        if not factorized or not (self.cfg.enabled or self.cfg.method != "comera"):
-            return None
-        return self.cfg.target_compression
+        return _report.target_of(self.model, self.cfg, self.has_tt or self.has_peers)
 
     def outcome(self, reached: float | None, final: bool = True) -> str | None:
-        """One line on the target at compression ``reached`` (in the target's scope):
+        """One line on the target at compression ``reached`` (:func:`.report.outcome`):
         ``"target 20x · reached 20.4x (+2 %)"`` or ``"… missed by X % (why)"`` when
-        ``final``; before, progress (:func:`comera_engine.metrics.target_status`):
-        ``"target 20x · now 8.1x at step 300 of 1,500 (still training)"``. ``None``
-        without a target."""
-        target = self.target_compression
-        if target is None or reached is None:
-            return None
-        if not final:  # the studio's own words for a run on its way
-            return target_status(target, reached, "running", self._steps,
-                                 self.total_steps or None)
-        reason = ("the late stage never started" if self.stage_name == "early" else
-                  f"the late stage did not prune enough by step {self._steps}")
-        return target_outcome(target, reached, reason)
+        ``final``; progress before. ``None`` without a target."""
+        return _report.outcome(self, reached, final)
 
     def report(self) -> dict[str, Any]:
-        """Where the model stands, from ``size_report``: ``compression`` (in the target's
-        scope, ``scope``), ``target`` (``None`` without one), ``ranks`` (effective, per
-        TT layer), ``params`` (effective, whole model), ``dense_params``, ``stage``,
-        ``step``, ``removed`` (rank entries removed by the objective and by the pace),
-        ``schedule`` (which method ran: ``comera.schedule`` and the switches set
-        against it; the method's name when the objective is off) and ``message``
-        (:meth:`outcome`: a verdict once the ranks are fixed or the steps are done,
-        progress before)."""
-        rep = size_report(self.model)
-        scope = self.cfg.target_scope
-        if self.has_tt or self.has_peers:
-            reached = float(rep[scope]["compression"])
-        else:  # nothing tensorized: the model is its own dense baseline
-            reached = 1.0
-        done = self.frozen or (self.total_steps > 0 and self._steps >= self.total_steps)
-        message = self.outcome(reached, final=done or not self.total_steps)
-        if message is None and not (self.has_tt or self.has_peers):
-            message = "dense model (no TT layers: comera_engine.tensorize makes them); no target"
-        elif message is None:
-            message = f"{reached:.1f}x smaller than dense ({scope}); no target"
-        return {"compression": reached, "scope": scope, "target": self.target_compression,
-                "removed": dict(self.removed),
-                "schedule": self.schedule if self.enabled else self.cfg.method,
-                "ranks": self.effective_ranks(), "params": int(rep["model"]["effective_params"]),
-                "dense_params": int(rep["model"]["dense_params"]), "stage": self.stage,
-                "step": self._steps, "message": message}
+        """Where the model stands (:func:`.report.report`): ``compression`` (in the
+        target's scope, ``scope``), ``target``, ``ranks``, ``params``, ``dense_params``,
+        ``stage``, ``step``, ``removed``, ``schedule`` and ``message``."""
+        return _report.report(self)
 
     # ------------------------------------------------------------------ state
 
@@ -665,24 +682,26 @@ class CoMERA:
             "frozen": self.frozen,
             "step": self._steps,
             "removed": dict(self.removed),
-            "ranks": {n: [int(g.shape[0]) for g in m.tt.gates]
-                      for n, m in self._layers.items()},
+            "ranks": {n: list(m.tt.bond_ranks) for n, m in self._layers.items()},
+            "S0": obj.S0 if obj is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where :meth:`state_dict` left off. Call it on a freshly tensorized
-        model *before* ``model.load_state_dict``: TT layers whose saved ranks differ are
-        reallocated at them (values are then filled by the model's state dict). Older
-        states without ``step`` / ``ranks`` keep the current ones."""
+        """Continue where :meth:`state_dict` left off, before or after
+        ``model.load_state_dict`` (either reshapes the TT layers to the saved ranks;
+        values come from the model's state dict). Older states without ``step`` /
+        ``ranks`` / ``S0`` keep the current ones."""
         for name, ranks in (state.get("ranks") or {}).items():
             layer = self._layers.get(name)
             if layer is None:
                 raise ConfigError("state", f"the saved controller has a TT layer {name!r} "
                                            "this model does not; tensorize it the same way")
-            if [int(g.shape[0]) for g in layer.tt.gates] != list(ranks):
+            if list(layer.tt.bond_ranks) != list(ranks):
                 layer.tt.resize_(ranks)
         if self.plateau is not None and state.get("plateau") is not None:
             self.plateau.load_state_dict(state["plateau"])
+        if self.objective is not None and state.get("S0") is not None:
+            self.objective.S0 = float(state["S0"])
         if self.objective is not None and state.get("stage") == "late":
             self.objective.switch_to_late(z_f=state["z_f"])
         if self.objective is not None and state.get("pace"):
@@ -691,6 +710,8 @@ class CoMERA:
             self.freeze()
         if "step" in state:
             self.steps_done = int(state["step"])
+        if self.objective is not None:
+            self.objective.recount()
         if "removed" in state:
             self.removed = {k: int(v) for k, v in state["removed"].items()}
 

@@ -32,37 +32,33 @@ early-stage loss plateau (the smoothed loss when the stage switches), never a ha
 constant. ``ramp`` is the early-stage warm-up factor
 ``min(1, (step+1)/gamma_warmup)``.
 
-Under DDP, λ is decided from the loss averaged over all processes (as the stage switch
-is), so every process optimises the same objective. Every quantity stays on the device
-(``λ``, the effective size ``S`` counted from the gate masks), so the same code runs
-eagerly and inside a captured CUDA graph; values are read back to the host only for
-logging. The settings are the run config's
+``Ŝ`` comes from :func:`comera_engine.tensor.size.surrogate` (one pass over all gates,
+plain PyTorch); ``S`` changes only when ranks die or are pruned, so it is counted then,
+on the host (:meth:`CoMERAObjective.recount`, which the controller calls on every rank
+change), and everything that depends on it alone (``S``, ``1/S_c``, ``(S − z_S)/S``,
+whether the size is above the target) is kept in small device tensors refilled in
+place. The loss is the expressions above, differentiated by autograd. Under DDP, λ is
+decided from the loss averaged over all processes (as the stage switch is), so every
+process optimises the same objective. Nothing per step is read back to the host, so the
+same code runs eagerly and inside a captured CUDA graph (whose replays read the refilled
+tensors). The settings are the run config's
 :class:`~comera_engine.config.CoMERAConfig` (one set of names and defaults).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..backends import cpu_backend
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import tt_layers
+from ..tensor.size import surrogate
 from .schedule import resolve_schedule
-from .size import (
-    GateBank,
-    dense_size,
-    effective_core_size,
-    gate_size_pass,
-    gate_sizes,
-    size_extra,
-    size_spec,
-)
+from .size import size_extra, size_spec
 from .target import plan_target
 
 __all__ = ["CoMERAObjective", "PlateauDetector", "gamma_ramp"]
@@ -78,10 +74,11 @@ class CoMERAObjective:
 
     ``obj(f)`` returns ``(total_loss, info)``: ``info`` holds 0-d device tensors for
     logging (``lambda``; ``size_surrogate`` until the ranks are fixed; ``gamma`` in the
-    early stage, ``size`` and ``z_f`` in the late one, ``target_size`` when a target is
-    set). Nothing is read back
-    to the host, so the call can be captured into a CUDA graph. :meth:`begin_step` sets
-    the step that drives the ``γ`` warm-up (in place on the device).
+    early stage, ``size`` and ``z_f`` in the late one and once the ranks are fixed,
+    ``target_size`` when a target is set). Nothing is read back to the host, so the call
+    can be captured into a CUDA graph. :meth:`begin_step` sets the step that drives the
+    ``γ`` warm-up and :meth:`recount` the cores' size after ranks change (both refill
+    their device tensors in place).
 
     Raises:
         ConfigError: bad settings, or a target below what rank 1 everywhere allows.
@@ -89,262 +86,131 @@ class CoMERAObjective:
 
     def __init__(self, model: nn.Module, cfg: CoMERAConfig) -> None:
         validate_comera(cfg)
-        self.model = model
         self.cfg = cfg = resolve_schedule(cfg)
         self.stage = "early"
-        self.z_f: float | None = None
-        self._layers = [m for _, m in tt_layers(model)]  # the model's structure is fixed
-        self.bank = GateBank(self._layers)  # their gates, laid out once per structure
-        self.S0 = float(max(1, sum(m.tt.num_params(False) for m in self._layers)))
-        self._backend_ops = None  # the CPU backend's module, for the layers' pairs
-        self._early_settings = [self.S0, cfg.gamma]  # the backend's, per stage
-        self._late_settings: list[float | None] = [None] * 8  # made at the first call
-        self.dense = dense_size(model)
-        self.step_index = 0
-        self._ramp: Tensor | None = None
-        self._ramp_value = 0.0  # what _ramp holds
-        self.target_size: float | None = None
-        # the layers' own size outputs (SizeTap: a TT matrix's node gives its layer's Ŝ
-        # and S), used where every layer gives them
-        taps = [getattr(m.tt, "size_tap", None) for m in self._layers]
-        self._taps = taps if taps and all(t is not None for t in taps) else None
-        self._slots: list[Tensor | None] | None = None  # what the taps leave, per layer
-        if self._taps is not None:
-            self._slots = [None] * len(self._taps)
-            for index, tap in enumerate(self._taps):
-                tap.index = index
+        self._z_f: float | None = None
+        self._target: float | None = None
+        self._consts: dict[str, Tensor] = {}  # the per-stage constants, on the loss's device
         self.frozen = False  # ranks fixed at the target: the task loss alone
-        self._fixed_size: Tensor | None = None  # the size once frozen (a constant)
-        self._consts: dict[str, tuple] = {}
+        self.step_index = 0
+        self._trains = [m.tt for _, m in tt_layers(model)]  # the model's layers are fixed
+        #: the cores' allocated size at the start: ``Ŝ/S₀`` starts at 1
+        self.S0 = float(max(1, sum(t.num_params(False) for t in self._trains)))
         # the target scope's parameters outside the TT cores (TT biases, other layers)
         self._extra = size_extra(model, cfg.target_scope)
+        self.target_size: float | None = None
         if cfg.target_compression is not None:  # refuses a target below the floor
             self.target_size = plan_target(size_spec(model), cfg.target_scope,
                                            cfg.target_compression).target
+        self._cores = 0.0  # the cores' effective size (recount)
+        self.recount()
 
     @property
-    def frozen(self) -> bool:
-        """The ranks are fixed at the target: the objective is the task loss alone."""
-        return self._frozen
+    def z_f(self) -> float | None:
+        """The late stage's reference loss (the early stage's plateau)."""
+        return self._z_f
 
-    @frozen.setter
-    def frozen(self, value: bool) -> None:
-        self._frozen = bool(value)
-        self._empty_slots()
-        for tap in self._taps or ():  # the layers' size outputs, while the size counts
-            tap.slots = None if self._frozen else self._slots
+    @z_f.setter
+    def z_f(self, value: float | None) -> None:
+        self._z_f = None if value is None else float(value)
+        self._fill()
+
+    @property
+    def target_size(self) -> float | None:
+        """``z_S``: the size the target compression asks for, in the target's scope."""
+        return self._target
+
+    @target_size.setter
+    def target_size(self, value: float | None) -> None:
+        self._target = None if value is None else float(value)
+        self._fill()
+
+    # ------------------------------------------------------------------ state
+
+    def recount(self, cores: float | None = None) -> None:
+        """The cores' effective size ``S_c`` (``Σ`` of :func:`tt_size` at the effective
+        ranks; given as ``cores`` when the caller counted it), after ranks changed."""
+        self._cores = float(sum(t.num_params(True) for t in self._trains)
+                            if cores is None else cores)
+        self._fill()
 
     def switch_to_late(self, z_f: float) -> None:
         """Enter the late stage. ``z_f``: the early-stage plateau loss."""
         if self.target_size is None:
             raise ConfigError("comera.target_compression",
                               "the late stage needs a target compression")
-        self.z_f = float(z_f)
         self.stage = "late"
+        self.z_f = float(z_f)
 
     def begin_step(self, index: int) -> None:
         """The 0-based index of the step about to run (drives the ``γ`` warm-up)."""
+        if gamma_ramp(self.cfg.gamma_warmup, index) != gamma_ramp(self.cfg.gamma_warmup,
+                                                                  self.step_index):
+            self.step_index = index
+            self._fill()
         self.step_index = index
-        self._empty_slots()  # the layers' size outputs from before are stale
-        ramp = gamma_ramp(self.cfg.gamma_warmup, index)
-        if self._ramp is not None and ramp != self._ramp_value:  # 1 after the warm-up
-            self._ramp.fill_(ramp)
-            self._ramp_value = ramp
 
-    def _ramp_on(self, device: torch.device) -> Tensor:
-        if self._ramp is None or self._ramp.device != device:
-            ramp = gamma_ramp(self.cfg.gamma_warmup, self.step_index)
-            self._ramp = torch.full((), ramp, dtype=torch.float32, device=device)
-            self._ramp_value = ramp
-        return self._ramp
+    def _values(self) -> dict[str, float]:
+        """The current constants: ``coef`` (``γ·ramp/S₀``), ``gamma`` (``γ·ramp``), the
+        size ``S``, ``gap_s`` (``(S − z_S)/S``), ``pursue`` (the size terms on: above the
+        target, or always in the paper's schedule), ``inv_norm`` (``1/S_c``, or ``1/S₀``
+        with ``late_norm = "initial"``), ``rho_s`` (``ρ_S·pursue/S_c``), ``one_rho_f``
+        (``1 + ρ_f``), ``z_f``, ``target_size``."""
+        cfg = self.cfg
+        gamma = cfg.gamma * gamma_ramp(cfg.gamma_warmup, self.step_index)
+        size = self._cores + self._extra
+        target = self.target_size if self.target_size is not None else math.nan
+        norm = self.S0 if cfg.late_norm == "initial" else max(1.0, self._cores)
+        above = size > target if cfg.size_off_at_target is not False else True
+        pursue = float(above)
+        return {"coef": gamma / self.S0, "gamma": gamma, "size": size,
+                "gap_s": (size - target) / size if size > 0 else -1.0,
+                "pursue": pursue, "inv_norm": 1 / norm,
+                "rho_s": self.cfg.rho_s * pursue / norm, "one_rho_f": 1.0 + self.cfg.rho_f,
+                "z_f": self.z_f if self.z_f is not None else 0.0,
+                "target_size": target, "zero": 0.0}
+
+    def _fill(self, like: Tensor | None = None) -> None:
+        """Refill the constants' device tensors in place (made on first use, like the
+        loss: its device and dtype)."""
+        if like is not None and (not self._consts or self._consts["zero"].device != like.device
+                                 or self._consts["zero"].dtype != like.dtype):
+            self._consts = {k: like.new_full((), v) for k, v in self._values().items()}
+            return
+        if self._consts:
+            for key, value in self._values().items():
+                self._consts[key].fill_(value)
+
+    # ------------------------------------------------------------------ the loss
 
     def __call__(self, f: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        info: dict[str, Tensor] = {}
-        if self._frozen:  # ranks fixed: the size is a constant, counted once
-            if self._fixed_size is None or self._fixed_size.device != f.device:
-                self._fixed_size = (effective_core_size(self.model, self.bank)
-                                    + self._extra).to(f.dtype)
+        c = self._consts
+        if not c or c["zero"].device != f.device or c["zero"].dtype != f.dtype:
+            self._fill(f)
+            c = self._consts
+        info: dict[str, Tensor] = {"lambda": c["zero"]}
+        if self.frozen:  # ranks fixed: the task loss alone, the size a constant
             total = f
-            info["lambda"] = self._const(f, "zero", 0.0)  # not chosen (logged only)
-            info["size"] = self._fixed_size
-        else:
-            sized = self._layer_sizes()  # taken on every call: each is of one step
-            # the layers' own pairs come from the backend's nodes only (no autocast)
-            total = None if sized is None else self._native_terms(self._ops(), f, info, sized)
-            if total is None:
-                total = self._gate_terms(f, info)
+            info["size"] = c["size"]
+        elif self.stage == "early":  # f + γ·ramp·Ŝ/S₀
+            s_hat = surrogate(self._trains).to(f.dtype)
+            total = torch.addcmul(f, c["coef"], s_hat)
+            info["size_surrogate"] = s_hat.detach()
+            info["gamma"] = c["gamma"]
+        else:  # (1 + ρ_f − λ)·f + (ρ_S + λ)·Ŝ/S_c, the size terms off at the target
+            s_hat = surrogate(self._trains).to(f.dtype)
+            fv = _mean_over_processes(f.detach())  # every process picks the same λ
+            lam = torch.where((fv - c["z_f"]) / fv < c["gap_s"], c["pursue"], c["zero"])
+            weight_s = torch.addcmul(c["rho_s"], lam, c["inv_norm"])
+            total = torch.addcmul((c["one_rho_f"] - lam) * f, weight_s, s_hat)
+            info.update(size_surrogate=s_hat.detach(), size=c["size"], z_f=c["z_f"],
+                        **{"lambda": lam})
         if self.cfg.l2_cores > 0:  # the cores' L2 term (comera.l2_cores; off by default)
-            reg = f.new_zeros(())
-            for m in self._layers:
-                for c in m.tt.cores:
-                    reg = reg + c.pow(2).sum()
+            reg = sum(core.pow(2).sum() for t in self._trains for core in t.cores)
             total = total + self.cfg.l2_cores * reg
         if self.target_size is not None:
-            info["target_size"] = self._const(f, "target_size", self.target_size)
+            info["target_size"] = c["target_size"]
         return total, info
-
-    def _terms(self, f: Tensor, s_raw: Tensor, cores64: Tensor | None,
-               info: dict[str, Tensor]) -> tuple[Tensor, Callable[[Tensor], tuple]]:
-        """The current stage's loss from the task loss ``f``, the surrogate ``Ŝ``
-        (``s_raw``) and, in the late stage, the cores' effective size (``cores64``), its
-        terms logged in ``info``; and the function that takes ``dL/d(loss)`` to
-        ``(dL/df, dL/dŜ)``, each product and sum as autograd would form them through
-        these expressions (:class:`_Scalarised`: the same bits)."""
-        cfg = self.cfg
-        s_hat = s_raw.to(f.dtype) / self.S0
-        info["size_surrogate"] = s_raw.detach()
-        if self.stage == "early":
-            gamma = cfg.gamma * self._ramp_on(f.device).to(f.dtype)
-            info["lambda"] = self._const(f, "zero", 0.0)  # λ is not chosen (logged only)
-            info["gamma"] = gamma
-            return f + gamma * s_hat, lambda d: (d, ((d * gamma) / self.S0).to(s_raw.dtype))
-        assert self.z_f is not None and self.target_size is not None
-        assert cores64 is not None
-        size = (cores64 + self._extra).to(f.dtype)
-        norm = None
-        if cfg.late_norm != "initial":  # Ŝ / S_c (ours); the paper's is Ŝ / S₀
-            norm = self.S0 / cores64.to(f.dtype).clamp_min(1.0)
-            s_hat = s_hat * norm
-        fv = _mean_over_processes(f.detach())  # every process picks the same λ
-        gap_f = torch.where(fv != 0, (fv - self.z_f) / fv, 0.0)
-        gap_s = torch.where(size > 0, (size - self.target_size) / size, -1.0)
-        if cfg.size_off_at_target is False:  # the paper's: the size terms stay on
-            pursue = torch.ones_like(size)
-        else:  # the size terms, until the size is at the target
-            pursue = (size > self.target_size).to(f.dtype)
-        lam = (gap_f < gap_s).to(f.dtype) * pursue
-        on_s, off_f = pursue * cfg.rho_s, 1 - lam
-        total = cfg.rho_f * f + on_s * s_hat + lam * s_hat + off_f * f
-        info["lambda"] = lam
-        info["size"] = size
-        info["z_f"] = self._const(f, "z_f", self.z_f)
-
-        def grads(d: Tensor) -> tuple[Tensor, Tensor]:
-            d_s = d * on_s + d * lam
-            d_s = d_s if norm is None else d_s * norm
-            return d * cfg.rho_f + d * off_f, (d_s / self.S0).to(s_raw.dtype)
-
-        return total, grads
-
-    def _layer_sizes(self) -> list[Tensor] | None:
-        """Every layer's ``(Ŝ, S)`` pair as its own forward output it in this step (its
-        :class:`~comera_engine.tensor.tt.SizeTap`), each taken once; ``None`` where some
-        layer left none (it did not run with gradients on the backend's node since the
-        last step or call): the objective then makes its own pass over the gates."""
-        if self._slots is None:
-            return None
-        sized = self._slots.copy()
-        self._empty_slots()
-        for pair in sized:
-            if pair is None:
-                return None
-        return sized  # type: ignore[return-value]
-
-    def _empty_slots(self) -> None:
-        """No layer's size output is left to take (in place: the taps share the list)."""
-        if self._slots is not None:
-            self._slots[:] = [None] * len(self._slots)
-
-    def _gate_terms(self, f: Tensor, info: dict[str, Tensor]) -> Tensor:
-        """The loss over the gates themselves: the CPU backend's node where it takes
-        them and ``f``, else one autograd node in PyTorch (:class:`_Scalarised`), else
-        (single-core layers only, no bond) autograd through the expressions."""
-        backend = self.bank.backend()  # not None: the gates are float CPU tensors
-        if backend is not None and f.is_cpu and f.dim() == 0 and (
-                f.dtype in (torch.float32, torch.float64)):
-            total = self._native_terms(backend.ops, f, info)
-            assert total is not None
-            return total
-        gates = self.bank.flat()[0]
-        if gates:
-            return _Scalarised.apply(self, info, f, *gates)
-        s_raw, cores64 = gate_sizes(self.model, counts=self.stage != "early", bank=self.bank)
-        return self._terms(f, s_raw, cores64, info)[0]
-
-    def _ops(self):  # noqa: ANN202
-        """The CPU backend's module (looked up once)."""
-        if self._backend_ops is None:
-            backend = cpu_backend()
-            assert backend is not None, "the layers' size outputs come from the backend"
-            self._backend_ops = backend.ops
-        return self._backend_ops
-
-    def _native_terms(self, ops, f: Tensor, info: dict[str, Tensor],  # noqa: ANN001
-                      sized: list[Tensor] | None = None) -> Tensor | None:
-        """The loss of :meth:`_terms` as one autograd node of the CPU backend
-        (``csrc/gate_size.cpp``: every scalar op of the expressions rounded as the tensor
-        op rounds it, and the backward's products and sums as autograd forms them): over
-        the layers' own ``(Ŝ, S)`` pairs where ``sized`` holds them (``None`` where the
-        node does not take ``f``), else over the gates."""
-        late = self.stage != "early"
-        if late:
-            assert self.z_f is not None and self.target_size is not None
-            side = _mean_over_processes(f)  # every process picks the same λ (read only)
-            settings = self._late_settings
-            if settings[2] != self.z_f or settings[3] != self.target_size:
-                cfg = self.cfg
-                settings = self._late_settings = [
-                    self.S0, self._extra, self.z_f, self.target_size, cfg.rho_f, cfg.rho_s,
-                    float(cfg.late_norm != "initial"),
-                    float(cfg.size_off_at_target is not False)]
-        else:
-            side = self._ramp
-            if side is None or not side.is_cpu:
-                side = self._ramp_on(f.device)
-            settings = self._early_settings
-        gates, alive, _ = self.bank.flat()
-        if sized is not None:
-            out = ops.size_objective_layers(sized, f, side, late, settings,
-                                            gates[0].dtype is torch.float64)
-            if not out:
-                return None
-            total, s_raw, first, lam = out
-        else:
-            total, s_raw, first, lam = ops.size_objective(self.bank.native(ops), gates, alive,
-                                                          f, side, late, settings)
-        info["size_surrogate"] = s_raw
-        info["lambda"] = lam  # the early stage's 0: λ is not chosen there (logged only)
-        if late:
-            info["size"] = first
-            info["z_f"] = self._const(f, "z_f", self.z_f)
-        else:
-            info["gamma"] = first
-        return total
-
-    def _const(self, like: Tensor, name: str, value: float) -> Tensor:
-        """``value`` as a 0-d tensor like ``like``, made once (logged every step)."""
-        t = self._consts.get(name)
-        if t is not None and t[0] == value and t[1] is like.dtype and (
-                t[2] == like.get_device()):  # a device's index: no device object
-            return t[3]
-        made = like.new_full((), value)
-        self._consts[name] = (value, like.dtype, like.get_device(), made)
-        return made
-
-
-class _Scalarised(torch.autograd.Function):
-    """The CoMERA objective's loss (:meth:`CoMERAObjective._terms`) as one autograd node:
-    inputs the objective, the ``info`` dict it fills, the task loss ``f`` and the gates
-    of its :class:`~comera_engine.rank.size.GateBank`. The surrogate comes from
-    :func:`~comera_engine.rank.size.gate_size_pass` with its gradient worked out; the
-    backward multiplies as autograd would through the expressions, so the gradients have
-    the same bits as differentiating them, without a node per term and per scalar op
-    (each small op costs more than its arithmetic, several times its own time right
-    after a model's forward). The CPU backend has the node itself
-    (:meth:`CoMERAObjective._native_terms`)."""
-
-    @staticmethod
-    def forward(ctx, obj: CoMERAObjective, info: dict[str, Tensor],  # noqa: ANN001
-                f: Tensor, *gates: Tensor) -> Tensor:
-        s_raw, cores64, to_gates = gate_size_pass(obj.bank, obj.stage != "early")
-        total, ctx.grads = obj._terms(f, s_raw, cores64, info)
-        ctx.to_gates = to_gates
-        return total
-
-    @staticmethod
-    def backward(ctx, d: Tensor):  # type: ignore[override]  # noqa: ANN205
-        d_f, d_s = ctx.grads(d)
-        return (None, None, d_f if ctx.needs_input_grad[2] else None, *ctx.to_gates(d_s))
 
 
 def _mean_over_processes(value: Tensor) -> Tensor:

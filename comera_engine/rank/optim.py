@@ -8,49 +8,70 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
-from .size import GateBank
+from ..tensor.size import gate_entries
 
-__all__ = ["RankEvent", "RankTracker", "gate_lr", "param_groups", "refresh_gates",
-           "refresh_gates_on_device", "truncate_model_and_optimizer"]
+__all__ = ["GATE_MIN_STEPS", "GATE_TRAVEL", "RankEvent", "RankTracker", "gate_lr",
+           "param_groups", "refresh_gates", "refresh_gates_on_device",
+           "truncate_model_and_optimizer"]
 
 
-def gate_lr(lr_gates: float, tau: float, late_steps: int) -> float:
-    """The gates' learning rate under ``comera.gate_speed``:
-    ``max(lr_gates, 2·(1 - tau) / late_steps)``.
+#: A gate can fall from 1 to ``tau`` within this fraction of the steps before the target
+#: is due, and never in fewer than ``GATE_MIN_STEPS`` (:func:`gate_lr`).
+GATE_TRAVEL = 0.1
+GATE_MIN_STEPS = 50
+
+
+def gate_lr(tau: float, steps_to_target: int) -> float | None:
+    """The gates' learning rate from the schedule: ``(1 - tau) / max(GATE_MIN_STEPS,
+    GATE_TRAVEL · steps_to_target)``.
 
     Adam moves a parameter by about its learning rate a step, so a gate at 1 needs about
-    ``(1 - tau) / lr`` steps to reach the threshold ``tau``. With this rate half of the
-    late stage's ``late_steps`` (the fewest it can have: from the switch step, or from
-    the deadline when the switch waits for a plateau) is enough, and the size objective
-    alone can prune to the target within the run. ``late_steps <= 0`` (no step budget,
-    or no late stage): ``lr_gates``."""
-    if late_steps <= 0:
-        return lr_gates
-    return max(lr_gates, 2.0 * (1.0 - tau) / late_steps)
+    ``(1 - tau) / lr`` steps to reach the threshold ``tau``. At this rate it can do so
+    within a tenth of the steps before the size is due at the target (the pace's reach
+    step, else the run's last): the early stage's size term can tell the gates that
+    matter from those that do not in time for the pace to prune by them, whatever the
+    model's own learning rate (experiments/results/own_loop.json: a rate that lets a
+    gate cross only in half the late stage cost 5-12 points on untuned networks). In a
+    short run it takes at least 50 steps, so a few noisy batches cannot kill an entry.
+    ``None`` without a step budget (``steps_to_target <= 0``): the optimizer's rate then
+    applies."""
+    if steps_to_target <= 0:
+        return None
+    return (1.0 - tau) / max(GATE_MIN_STEPS, GATE_TRAVEL * steps_to_target)
 
 
-def param_groups(model: nn.Module, lr_cores: float = 1e-4, lr_gates: float = 1e-3,
-                 lr_dense: float = 5e-5, weight_decay: float = 0.0,
-                 lr_embedding: float | None = None) -> list[dict]:
-    """AdamW groups: ``cores`` (TT cores: the engine's layers' and the tltorch peers'
-    factors), ``gates`` (rank gates, no weight decay) and ``dense`` (everything else);
-    with ``lr_embedding``, the cores of the TT embedding tables form their own
-    ``embedding`` group at that rate. Empty groups are dropped."""
+def param_groups(model: nn.Module, lr_cores: float | None = None,
+                 lr_gates: float | None = None, lr_dense: float | None = None,
+                 weight_decay: float | None = None, lr_embedding: float | None = None
+                 ) -> list[dict]:
+    """Optimizer parameter groups: ``cores`` (TT cores: the engine's layers' and the
+    tltorch peers' factors), ``embedding`` (the TT embedding tables' cores, only with
+    ``lr_embedding``), ``gates`` (rank gates, never weight decay) and ``dense``
+    (everything else). A group carries ``lr`` / ``weight_decay`` only where one is given:
+    otherwise the optimizer's own apply (PEFT's convention: the user's optimizer and
+    lr). Empty groups are dropped."""
     cores, emb, gates = [], [], []
     tables = (TTEmbedding, TLTorchEmbedding) if lr_embedding is not None else ()
     for _, m in tt_layers(model):
         (emb if isinstance(m, tables) else cores).extend(m.tt.cores)
-        gates.extend(m.tt.gates)
+        gates.append(m.tt.gate)
     for _, m in peer_layers(model):  # TT-matrix factors, no gates
         (emb if isinstance(m, tables) else cores).extend(m.factors())
     ids = {id(p) for p in cores + emb + gates}
     dense = [p for p in model.parameters() if id(p) not in ids]
-    groups = [
-        {"name": "cores", "params": cores, "lr": lr_cores, "weight_decay": weight_decay},
-        {"name": "embedding", "params": emb, "lr": lr_embedding, "weight_decay": weight_decay},
-        {"name": "gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
-        {"name": "dense", "params": dense, "lr": lr_dense, "weight_decay": weight_decay},
-    ]
+
+    def group(name: str, params: list, lr: float | None, decay: float | None) -> dict:
+        out = {"name": name, "params": params}
+        if lr is not None:
+            out["lr"] = lr
+        if decay is not None:
+            out["weight_decay"] = decay
+        return out
+
+    groups = [group("cores", cores, lr_cores, weight_decay),
+              group("embedding", emb, lr_embedding, weight_decay),
+              group("gates", gates, lr_gates, 0.0),
+              group("dense", dense, lr_dense, weight_decay)]
     return [g for g in groups if g["params"]]
 
 
@@ -73,31 +94,21 @@ class RankEvent:
 
 def refresh_gates(model: nn.Module, step: int = 0,
                   layers: list[tuple[str, nn.Module]] | None = None,
-                  floor: bool = True, bank: GateBank | None = None) -> list[RankEvent]:
+                  floor: bool = True) -> list[RankEvent]:
     """After an optimizer step: make pruning permanent in every TT layer and return one
     event per bond whose effective rank changed.
 
-    First one check over every gate of the model (concatenated: a handful of ops and one
-    host read, whatever the number of layers): when no live entry is at or below its
-    threshold nothing dies and nothing is touched (a dead entry's gate, zeroed when it
-    died, is masked everywhere, so the optimizer's drift of it changes nothing). ``layers``:
-    ``model``'s ``(name, TT layer)`` pairs when the caller keeps them, and ``bank`` their
-    :class:`~comera_engine.rank.size.GateBank`; ``floor``: no bond loses its last entry
-    (``comera.rank_floor``)."""
+    First one check over every gate of the model (one host read whatever the number of
+    layers): when no live entry is at or below its threshold nothing dies and nothing is
+    touched. ``layers``: ``model``'s ``(name, TT layer)`` pairs when the caller keeps
+    them; ``floor``: no bond loses its last entry (``comera.rank_floor``)."""
     layers = tt_layers(model) if layers is None else layers
-    if bank is None:
-        bank = GateBank([m for _, m in layers])
-    gates, alive, _ = bank.flat()
-    if not gates:
+    trains = [m.tt for _, m in layers if m.tt.bond_ranks]
+    if not trains:
         return []
-    backend = bank.backend()
-    if backend is not None:  # the same check in one call
-        if not backend.ops.layout_dying(bank.native(backend.ops), gates, alive):
-            return []
-    else:
-        g = torch.cat(gates).detach()
-        tau = bank.plan(g.device, g.dtype)[1]
-        if not bool((torch.cat(alive) & (g.abs() <= tau)).any()):
+    with torch.no_grad():
+        g, alive, form = gate_entries(trains)
+        if not bool((alive & (g.abs() <= form.tau)).any()):
             return []
     events = []
     for name, m in layers:
@@ -108,15 +119,16 @@ def refresh_gates(model: nn.Module, step: int = 0,
 
 @torch.no_grad()
 def refresh_gates_on_device(model: nn.Module, floor: bool = True) -> Tensor:
-    """``comera_engine.rank.refresh_gates`` without host reads: per bond, entries with
-    ``|g| <= tau`` die for good and are zeroed, except that (with ``floor``) a bond about
-    to lose its last entry keeps its strongest one, held at ``±1.5·tau``. Returns the
-    alive count of every bond (layers in ``tt_layers`` order), as one device tensor."""
+    """:func:`refresh_gates` without host reads (a captured CUDA graph can run it): per
+    bond, entries with ``|g| <= tau`` die for good and are zeroed, except that (with
+    ``floor``) a bond about to lose its last entry keeps its strongest one, held at
+    ``±1.5·tau``. Returns the alive count of every bond (layers in ``tt_layers`` order),
+    as one device tensor."""
     counts = []
     for _, layer in tt_layers(model):
         tt = layer.tt
-        for k, g in enumerate(tt.gates):
-            alive = tt.alive(k)
+        for g, alive in zip(tt.gate.detach().split(tt.bond_ranks),
+                            tt.alive.split(tt.bond_ranks)):
             survivors = alive & (g.abs() > tt.tau)
             rescue = alive.any() & ~survivors.any() & floor
             strongest = torch.argmax(g.abs().masked_fill(~alive, -1.0))

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import tt_layers
+from ..tensor.size import tt_size
 
 __all__ = ["PacePlan", "entry_scores", "grow_to", "host_size", "prune_to"]
 
@@ -92,14 +93,18 @@ def entry_scores(layer: nn.Module) -> list[Tensor]:
 
 
 def host_size(mode_sizes: list[list[int]], ranks: list[list[int]], extra: float) -> float:
-    """``Σ_layers Σ_k s_k R_{k-1} R_k + extra`` for internal ranks per layer (a layer with
-    a rank-0 bond counts 0): the effective size from rank counts, on the host."""
-    total = float(extra)
-    for sizes, rs in zip(mode_sizes, ranks):
-        R = [1, *rs, 1]
-        if min(R) > 0:
-            total += sum(s * R[k] * R[k + 1] for k, s in enumerate(sizes))
-    return total
+    """The layers' sizes (:func:`~comera_engine.tensor.size.tt_size` of each layer's mode
+    sizes and internal ranks) plus ``extra``: the effective size from rank counts, on the
+    host."""
+    return float(extra) + sum(tt_size(s, r) for s, r in zip(mode_sizes, ranks))
+
+
+def _bond_cost(mode_sizes: list[int], ranks: list[int], k: int) -> float:
+    """What one rank entry of bond ``k`` costs at internal ranks ``ranks``: the layer's
+    size with it less without it."""
+    fewer = list(ranks)
+    fewer[k] -= 1
+    return float(tt_size(mode_sizes, ranks) - tt_size(mode_sizes, fewer))
 
 
 @torch.no_grad()
@@ -131,9 +136,7 @@ def prune_to(model: nn.Module, goal: float, low: float, extra: float
     removed: set[tuple[int, int, int]] = set()
 
     def saving(li: int, k: int) -> float:
-        R = [1, *counts[li], 1]
-        s = sizes[li]
-        return float(s[k] * R[k] + s[k + 1] * R[k + 2])  # bond k sits between cores k, k+1
+        return _bond_cost(sizes[li], counts[li], k)
 
     for _, li, k, j in cands:
         if size <= goal:
@@ -162,9 +165,7 @@ def prune_to(model: nn.Module, goal: float, low: float, extra: float
         size -= d
         removed.add((li, k, j))
     for li, k, j in removed:
-        tt = layers[li][1].tt
-        tt.alive(k)[j] = False
-        tt.gates[k].data[j] = 0.0
+        layers[li][1].tt.set_entry_(k, j, alive=False, value=0.0)
     return size, _changes([n for n, _ in layers], before, counts)
 
 
@@ -194,16 +195,14 @@ def grow_to(model: nn.Module, goal: float, high: float, extra: float
     for _, li, k, j in cands:
         if size >= goal:
             break
-        R = [1, *counts[li], 1]
-        s = sizes[li]
-        add = float(s[k] * R[k] + s[k + 1] * R[k + 2])
-        if size + add > high:
-            continue
         counts[li][k] += 1
+        add = _bond_cost(sizes[li], counts[li], k)
+        if size + add > high:
+            counts[li][k] -= 1
+            continue
         size += add
         tt = layers[li][1].tt
-        tt.alive(k)[j] = True
-        tt.gates[k].data[j] = 1.5 * tt.tau if tt.tau > 0 else 1e-2
+        tt.set_entry_(k, j, alive=True, value=1.5 * tt.tau if tt.tau > 0 else 1e-2)
     return size, _changes([n for n, _ in layers], before, counts)
 
 

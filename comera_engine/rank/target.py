@@ -28,13 +28,15 @@ initial ranks and ``F`` the floor (rank 1 on every bond):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..tensor.size import tt_size
 
 __all__ = ["HEADROOM", "LayerSpec", "SizeSpec", "TargetPlan", "bond_caps", "plan_fixed_ranks",
-           "plan_target", "tt_core_size"]
+           "plan_target"]
 
 HEADROOM = 3.0
 
@@ -78,16 +80,15 @@ class TargetPlan:
     #: fixed-rank methods (:func:`plan_fixed_ranks`): the internal ranks of every TT layer,
     #: in the order of ``SizeSpec.layers`` (``None``: the ranks are learnt, or the config's)
     bond_ranks: tuple[tuple[int, ...], ...] | None = None
+    #: learnt ranks with a target: an illustration of the ranks at the target (the start
+    #: ranks of every bond scaled by one factor, whole ranks, at least 1, the largest
+    #: factor whose size fits the target), per TT layer in ``SizeSpec.layers`` order; the
+    #: run's own ranks are whatever the objective and the pace keep
+    target_ranks: tuple[tuple[int, ...], ...] | None = None
 
     def ratio(self, size: float | None) -> float | None:
         """``dense / size`` (``None`` for no size)."""
         return None if size is None else (self.dense / size if size > 0 else math.inf)
-
-
-def tt_core_size(mode_sizes: tuple[int, ...], ranks: tuple[int, ...]) -> int:
-    """``Σ_k r_{k-1}·s_k·r_k`` with ``r_0 = r_K = 1``; ``ranks`` the ``K-1`` internal ones."""
-    r = (1, *ranks, 1)
-    return sum(r[k] * s * r[k + 1] for k, s in enumerate(mode_sizes))
 
 
 def _full_ranks(mode_sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -127,8 +128,45 @@ def _size(spec: SizeSpec, scope: str, ranks_of: dict[str, int] | None,
             ranks = layer.ranks
         else:
             ranks = tuple(min(ranks_of[layer.kind], c) for c in _full_ranks(layer.mode_sizes))
-        total += tt_core_size(layer.mode_sizes, ranks) + layer.bias
+        total += tt_size(layer.mode_sizes, ranks) + layer.bias
     return total + (spec.other if scope == "model" else 0)
+
+
+def _start_ranks(spec: SizeSpec, ranks_of: dict[str, int] | None
+                 ) -> tuple[tuple[int, ...], ...]:
+    """Each layer's internal ranks at the start: its allocated ones, or
+    ``min(ranks_of[kind], full rank)`` per bond."""
+    if ranks_of is None:
+        return tuple(tuple(layer.ranks) for layer in spec.layers)
+    return tuple(tuple(min(ranks_of[layer.kind], c) for c in _full_ranks(layer.mode_sizes))
+                 for layer in spec.layers)
+
+
+def _scaled_to(spec: SizeSpec, start: tuple[tuple[int, ...], ...], budget: float
+               ) -> tuple[tuple[int, ...], ...]:
+    """``start`` with every bond scaled by the largest one factor (rounded, at least 1)
+    whose TT layers' size (their biases included) is at most ``budget``."""
+    def scaled(f: float) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(max(1, round(r * f)) for r in rs) for rs in start)
+
+    def size(ranks: tuple[tuple[int, ...], ...]) -> int:
+        return sum(tt_size(layer.mode_sizes, rs) + layer.bias
+                   for layer, rs in zip(spec.layers, ranks))
+
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if size(scaled(mid)) <= budget else (lo, mid)
+    return scaled(lo)
+
+
+def _with_target_ranks(plan: TargetPlan, spec: SizeSpec, ranks_of: dict[str, int] | None
+                       ) -> TargetPlan:
+    """``plan`` with its :attr:`TargetPlan.target_ranks` filled in."""
+    assert plan.target is not None
+    budget = plan.target - (spec.other if plan.scope == "model" else 0)
+    return dataclasses.replace(plan, target_ranks=_scaled_to(spec, _start_ranks(spec, ranks_of),
+                                                             budget))
 
 
 def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
@@ -153,7 +191,7 @@ def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
     plan = TargetPlan(scope, dense, start, floor, target, compression)
     if rank_fixed:
         if start > target:
-            return plan
+            return _with_target_ranks(plan, spec, None)
         if kept_by is not None:
             raise ConfigError("model.rank", f"the preset's ranks already give "
                               f"{dense / start:.1f}x ({scope}), more than the "
@@ -182,7 +220,7 @@ def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
         if size >= headroom * target:
             break
     if ranks == base:
-        return plan
+        return _with_target_ranks(plan, spec, None)
     start = _size(spec, scope, ranks)
     has = {layer.kind for layer in spec.layers}
     new_rank = ranks["linear"] if "linear" in has else None
@@ -194,8 +232,9 @@ def plan_target(spec: SizeSpec, scope: str, compression: float | None, *,
             f"(start {dense / start:.1f}x, {start / target:.1f}x the target size)")
     if start <= target:
         note += "; even full ranks do not exceed the target size, nothing to prune"
-    return TargetPlan(scope, dense, start, floor, target, compression,
-                      rank=new_rank, embedding_rank=new_emb, note=note)
+    return _with_target_ranks(TargetPlan(scope, dense, start, floor, target, compression,
+                                         rank=new_rank, embedding_rank=new_emb, note=note),
+                              spec, ranks)
 
 
 # --------------------------------------------------------------------------- fixed ranks
@@ -244,7 +283,7 @@ def plan_fixed_ranks(spec: SizeSpec, scope: str, compression: float) -> TargetPl
         return [[min(r, c) for c in caps] for caps in full]
 
     def total(ranks: list[list[int]]) -> int:
-        return fixed + sum(tt_core_size(layer.mode_sizes, tuple(rk))
+        return fixed + sum(tt_size(layer.mode_sizes, tuple(rk))
                            for layer, rk in zip(spec.layers, ranks))
 
     top = max((c for caps in full for c in caps), default=1)
@@ -261,9 +300,9 @@ def plan_fixed_ranks(spec: SizeSpec, scope: str, compression: float) -> TargetPl
             for k in range(len(rk)):
                 if rk[k] >= bond_caps(layer.mode_sizes, tuple(rk))[k]:
                     continue
-                before = tt_core_size(layer.mode_sizes, tuple(rk))
+                before = tt_size(layer.mode_sizes, tuple(rk))
                 rk[k] += 1
-                step = tt_core_size(layer.mode_sizes, tuple(rk)) - before
+                step = tt_size(layer.mode_sizes, tuple(rk)) - before
                 if size + step <= target:
                     size += step
                     grown += 1

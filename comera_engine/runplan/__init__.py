@@ -144,7 +144,8 @@ def plan_initial_ranks(cfg: Config, data: Any) -> tuple[Config, Any]:
 
     from comera_engine.layers import factorized_layers
     from comera_engine.models import build_model
-    from comera_engine.rank import plan_fixed_ranks, plan_target, size_spec
+    from comera_engine.rank.size import size_spec
+    from comera_engine.rank.target import plan_fixed_ranks, plan_target
 
     c = cfg.comera
     # comera.ranks_from_target (off in the paper's schedule: the preset's ranks are kept)

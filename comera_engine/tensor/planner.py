@@ -1,23 +1,48 @@
-"""The TT-linear planner: a cost model per device kind, and the path dispatch.
+"""The planner: which path each TT op of a step runs, chosen from measurements.
 
-``Y = X · W``, ``X ∈ R^{B×N}``, ``W ∈ R^{N×M}`` held as cores ``G_1..G_{2d}`` of shapes
-``(r_{k-1}, s_k, r_k)`` with ``s = (n_1..n_d, m_1..m_d)``. Three paths compute ``Y``:
+Every TT op has paths in three families (:mod:`comera_engine.tensor.costs`): the
+**reconstructed** one (``W`` or the table made from the gated cores, one GEMM or
+gather), the **factorised** PyTorch paths and, where a Triton kernel exists, the
+**fused** one. ``Y = X·W`` for a TT linear, ``X ∈ R^{B×N}``, ``W ∈ R^{N×M}`` held as cores
+``G_1..G_{2d}`` of shapes ``(r_{k-1}, s_k, r_k)`` with ``s = (n_1..n_d, m_1..m_d)``:
 ``halves`` (:mod:`comera_engine.ops.tt_linear_halves`), ``sweep``
-(:mod:`comera_engine.ops.tt_linear_sweep`) and ``dense`` (reconstruct ``W``, one GEMM;
-wins only when ``r_d`` is close to full rank). A cost model (MACs and bytes moved,
-forward and backward, plus a per-kernel launch cost) estimates each path's time on the
-device, from a small table of device models (:data:`DEVICE_MODELS`: the CPU, CUDA by
-compute capability, a generic CUDA fallback); :func:`plan` picks the cheapest, caching
-the choice per (shapes, ranks, batch, device, dtype, training); :func:`explain` returns
-the numbers behind the choice and names the device model used.
+(:mod:`comera_engine.ops.tt_linear_sweep`), ``dense`` (reconstruct ``W``, one GEMM) and
+``fused`` (the Triton chain, :mod:`comera_engine.kernels.tt_linear`).
+
+:func:`choose` picks, per (op, factors, ranks, tokens, dtype, CUDA graph or not), the
+path of least time, taking each path's time from, in order:
+
+1. the device's **profile** (:mod:`comera_engine.tensor.profile`): the time measured for
+   this case, or for the nearest measured one scaled by the model;
+2. the **cost model** (:mod:`comera_engine.tensor.costs`) of the device: calibrated on its
+   profile where it has one; else the roofline of its datasheet peaks at the
+   efficiencies calibrated on the profiles there are; else a model by device kind
+   (:data:`DEVICE_MODELS`).
+
+On the CPU without a profile the TT-matrix ops keep their one established path
+(``dense`` for a ``ttm`` linear, ``gather`` for a lookup, the smaller-memory path for the
+tied decoder) and the TT linear its CPU cost model. The fused path is a candidate only
+where the kernels run (:func:`comera_engine.kernels.runs_on`: CUDA with
+``COMERA_KERNELS=1``, opt-in, as Triton compiles on first launch). ``COMERA_PATHS``
+(``reconstructed``, ``factorised`` or ``fused``) restricts every choice to one family
+where the op has it (the step benchmark's way to time each). Nothing is timed here: a
+profile is measured ahead by the tuning script. Choices are cached; :func:`explain` and
+:func:`explain_case` return the numbers behind them.
+
+The choice knows it runs in a CUDA graph from :func:`graph_planning` (the trainer's graphed
+step sets it for its warm-up and capture) or from a capture in progress.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -25,13 +50,32 @@ from torch import Tensor
 from ..ops.gates import apply_gates, gate_masks
 from ..ops.merges import layout, merge_left, merge_right
 from ..ops.tt_linear_halves import tt_linear_halves
-from ..ops.tt_linear_sweep import sweep_merges, tt_linear_sweep
+from ..ops.tt_linear_sweep import tt_linear_sweep
+from ..ops.ttm_decode import decode_path
+from ..ops.ttm_linear import ttm_linear_sweep
+from ..ops.ttm_lookup import split_point
+from ..ops.ttm_matrix import ttm_matrix
+from .costs import (
+    DEVICE_MODELS,
+    FAMILY,
+    OPS,
+    Case,
+    DeviceModel,
+    PathCost,
+    case_costs,
+    ttm_reconstruct_macs,
+)
+from .profile import DeviceProfile, fallback_model, find_profile
+from .roofline import dtype_name, spec_for_name
 
-__all__ = ["DEVICE_MODELS", "PATHS", "DeviceModel", "PathCost", "estimate", "estimate_ttm",
-           "explain", "explain_ttm", "plan", "tt_linear", "tt_linear_dense",
+__all__ = ["DEVICE_MODELS", "PATHS", "Choice", "DeviceModel", "PathCost", "choices_made",
+           "choose", "clear_caches", "compute_dtype", "describe_choices", "device_model",
+           "estimate", "estimate_ttm", "explain", "explain_case", "explain_decode",
+           "explain_lookup", "explain_ttm", "fused_available", "graph_planning", "in_graph",
+           "plan", "plan_case", "tt_linear", "tt_linear_dense", "ttm_linear",
            "ttm_reconstruct_macs"]
 
-PATHS = ("halves", "sweep", "dense")
+PATHS = OPS["tt_linear"]
 
 
 def tt_linear_dense(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
@@ -43,52 +87,40 @@ def tt_linear_dense(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
 _IMPL = {"halves": tt_linear_halves, "sweep": tt_linear_sweep, "dense": tt_linear_dense}
 
 
-# ---------------------------------------------------------------------------- cost model
-@dataclass(frozen=True)
-class DeviceModel:
-    """Roofline-style device constants: MAC rate (MAC/s) for large GEMMs, memory
-    bandwidth (B/s), and a fixed cost per kernel/op (s). A GEMM whose smallest dimension
-    ``k`` is below ``full_eff_dim`` runs at ``k/full_eff_dim`` of the peak rate (skinny
-    GEMMs are bandwidth-limited)."""
-
-    name: str
-    mac_rate: float
-    bandwidth: float
-    op_overhead: float
-    full_eff_dim: int = 32
-
-    @staticmethod
-    def for_device(device: torch.device | str) -> DeviceModel:
-        """The model of ``device``'s kind (:data:`DEVICE_MODELS`): CUDA by compute
-        capability (major version), then generic CUDA; anything else the CPU model."""
-        dev = torch.device(device)
-        if dev.type != "cuda":
-            return DEVICE_MODELS["cpu"]
-        return DEVICE_MODELS.get(f"cuda-sm{_cuda_major(dev)}", DEVICE_MODELS["cuda"])
+# ---------------------------------------------------------------------------- graph or not
+_STATE = threading.local()
 
 
-DEVICE_MODELS: dict[str, DeviceModel] = {
-    # a 2-16 core x86 server CPU, fp32 (MKL/oneDNN)
-    "cpu": DeviceModel("cpu", mac_rate=4.0e10, bandwidth=1.2e10, op_overhead=8e-6,
-                       full_eff_dim=16),
-    # generic CUDA GPU (any compute capability not listed below)
-    "cuda": DeviceModel("cuda", mac_rate=2.5e13, bandwidth=2.0e12, op_overhead=6e-6,
-                        full_eff_dim=64),
-    # Volta/Turing (sm7x): ~15 TFLOP/s-class tensor cores, ~0.9 TB/s
-    "cuda-sm7": DeviceModel("cuda-sm7", mac_rate=1.2e13, bandwidth=9.0e11, op_overhead=7e-6,
-                            full_eff_dim=64),
-    # Ampere/Ada (sm8x): A100-class TF32
-    "cuda-sm8": DeviceModel("cuda-sm8", mac_rate=2.5e13, bandwidth=2.0e12, op_overhead=6e-6,
-                            full_eff_dim=64),
-    # Hopper (sm9x): H100-class TF32, HBM3
-    "cuda-sm9": DeviceModel("cuda-sm9", mac_rate=5.0e13, bandwidth=3.3e12, op_overhead=5e-6,
-                            full_eff_dim=64),
-}
-"""The cost model per device kind: ``"cpu"``, ``"cuda-sm<major>"`` by compute capability,
-and ``"cuda"`` for GPUs not listed. Rates are order-of-magnitude (the planner compares
-paths on one device, so only their ratios matter)."""
+@contextmanager
+def graph_planning(on: bool = True) -> Iterator[None]:
+    """Plan as for a step replayed in a CUDA graph (``on``) within this block: the paths
+    a graphed step is warmed up with are the ones it is captured with."""
+    prev = getattr(_STATE, "graph", False)
+    _STATE.graph = on
+    try:
+        yield
+    finally:
+        _STATE.graph = prev
 
 
+def in_graph(t: Tensor) -> bool:
+    """Whether ``t``'s op is planned for a CUDA graph: inside :func:`graph_planning`, or
+    while a capture is in progress on ``t``'s device."""
+    if getattr(_STATE, "graph", False):
+        return True
+    return bool(t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def compute_dtype(t: Tensor, like: Tensor | None = None) -> torch.dtype:
+    """The dtype ``t``'s products run in: autocast's where it is on for ``t``'s device,
+    else ``t``'s (``like``'s for integer ``t``, such as ids)."""
+    dev = t.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return like.dtype if like is not None and not t.is_floating_point() else t.dtype
+
+
+# ---------------------------------------------------------------------------- the device
 @lru_cache(maxsize=16)
 def _cuda_major(dev: torch.device) -> int:
     """The compute capability's major version of ``dev`` (0 where CUDA cannot say)."""
@@ -98,204 +130,277 @@ def _cuda_major(dev: torch.device) -> int:
         return 0
 
 
+@lru_cache(maxsize=16)
+def _cuda_name(dev: torch.device) -> str | None:
+    """The name CUDA gives ``dev`` (None where CUDA cannot say)."""
+    try:
+        return str(torch.cuda.get_device_name(dev))
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+
+
+def _env() -> tuple[str | None, ...]:
+    """The settings a choice depends on besides the case (part of the cache keys)."""
+    return tuple(os.environ.get(k) for k in ("COMERA_PATHS", "COMERA_KERNELS",
+                                             "COMERA_DEVICE_PROFILE", "COMERA_PROFILE_DIR",
+                                             "TRITON_INTERPRET"))
+
+
+@lru_cache(maxsize=32)
+def _device_state(dev: torch.device, env: tuple, major: int, name: str | None
+                  ) -> tuple[DeviceModel, DeviceProfile | None]:
+    if os.environ.get("COMERA_DEVICE_PROFILE"):
+        base = DEVICE_MODELS["cpu" if dev.type != "cuda" else "cuda"]
+        prof = find_profile("")
+        if prof is not None:
+            _install_kernel_configs(prof)
+        return (prof.model(base) if prof else base), prof
+    if dev.type != "cuda":
+        return DEVICE_MODELS["cpu"], None
+    base = DEVICE_MODELS.get(f"cuda-sm{major}", DEVICE_MODELS["cuda"])
+    if name is None:
+        return base, None
+    prof = find_profile(name)
+    if prof is not None:
+        _install_kernel_configs(prof)
+        return prof.model(base), prof
+    spec = spec_for_name(name)
+    return (fallback_model(spec, base) if spec else base), None
+
+
+def _install_kernel_configs(prof: DeviceProfile) -> None:
+    """The Triton kernels launch with the profile's tuned configurations from now on."""
+    from ..kernels import configs
+
+    configs.install(prof.kernels)
+
+
+def device_model(device: torch.device | str) -> tuple[DeviceModel, DeviceProfile | None]:
+    """The cost model of ``device`` and its profile (None without one): the profile's
+    calibrated model; a GPU of known datasheet peaks without one, the roofline model
+    calibrated on the profiles there are; otherwise the model of its kind
+    (:data:`DEVICE_MODELS`: the CPU, CUDA by compute capability, generic CUDA)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return _device_state(dev, _env(), 0, None)
+    return _device_state(dev, _env(), _cuda_major(dev), _cuda_name(dev))
+
+
+def clear_caches() -> None:
+    """Forget cached devices, profiles and choices (after a profile was written)."""
+    for fn in (_cuda_major, _cuda_name, _device_state, _choose_cached, case_costs):
+        getattr(fn, "cache_clear", lambda: None)()  # (a test may have replaced one)
+    from . import profile
+
+    profile._read_cached.cache_clear()
+
+
+# ---------------------------------------------------------------------------- the choice
 @dataclass(frozen=True)
-class PathCost:
-    """Estimated work of one path. MACs and bytes are totals for the direction(s)."""
+class Choice:
+    """A planner's choice: the path, where its times came from (``"measured"``,
+    ``"nearest"``: a measured case scaled, ``"model"``, ``"cpu default"``), the
+    candidates it chose among, per path the seconds it compared (measured or modelled)
+    and the model and profile used."""
 
     path: str
-    macs_fwd: int
-    macs_bwd: int
-    bytes_fwd: int
-    bytes_bwd: int
-    ops_fwd: int
-    ops_bwd: int
-    seconds: float  # estimated (fwd, plus bwd when training)
+    source: str
+    candidates: tuple[str, ...]
+    seconds: tuple[tuple[str, float], ...]
+    measured: tuple[str, ...]
+    device_model: str
+    model_source: str
+    profile: str | None
 
 
-class _Acc:
-    """Accumulates GEMM-like ops: MACs, bytes, op count and modelled time."""
+def fused_available(dev: torch.device, rank: int) -> bool:
+    """The fused kernels take tensors on ``dev`` (:func:`comera_engine.kernels.runs_on`)
+    and a middle rank of ``rank`` fits their tile."""
+    from ..kernels import runs_on_device
 
-    def __init__(self, dm: DeviceModel, elt: int) -> None:
-        self.dm, self.elt = dm, elt
-        self.macs = self.bytes = self.ops = 0
-        self.t = 0.0
+    if not runs_on_device(dev.type):
+        return False
+    from ..kernels.tt_linear import MAX_RANK
 
-    def gemm(self, a: int, k: int, b: int) -> None:
-        """``(a×k)·(k×b)``."""
-        macs = a * k * b
-        byts = (a * k + k * b + a * b) * self.elt
-        eff = min(1.0, max(1, min(a, k, b)) / self.dm.full_eff_dim)
-        self.macs += macs
-        self.bytes += byts
-        self.ops += 1
-        self.t += max(macs / (self.dm.mac_rate * eff), byts / self.dm.bandwidth)
-        self.t += self.dm.op_overhead
-
-    def copy(self, numel: int) -> None:
-        self.bytes += 2 * numel * self.elt
-        self.ops += 1
-        self.t += 2 * numel * self.elt / self.dm.bandwidth + self.dm.op_overhead
+    return 1 <= rank <= MAX_RANK
 
 
-def _merge_costs(acc: _Acc, ins: Sequence[int], outs: Sequence[int], r: Sequence[int]) -> None:
-    d = len(ins)
-    a = ins[0]
-    for k in range(1, d):
-        acc.gemm(a, r[k], ins[k] * r[k + 1])
-        a *= ins[k]
-    b = outs[-1]
-    for j in range(d - 2, -1, -1):
-        acc.gemm(r[d + j] * outs[j], r[d + j + 1], b)
-        b *= outs[j]
+def _middle_rank(case: Case) -> int:
+    if case.op == "tt_linear":
+        return case.ranks[len(case.rows)]
+    return case.ranks[split_point(case.rows, case.cols, case.ranks)]
 
 
-def _path_cost(path: str, B: int, ins: Sequence[int], outs: Sequence[int], r: Sequence[int],
-               dm: DeviceModel, elt: int, training: bool, need_dx: bool) -> PathCost:
-    d = len(ins)
-    N, M, rd = math.prod(ins), math.prod(outs), r[d]
-    f, g = _Acc(dm, elt), _Acc(dm, elt)
-    for _ in range(len(r) - 2):  # gate scaling of each core (both paths pay it)
-        f.copy(0)
-    if path == "halves":
-        _merge_costs(f, ins, outs, r)
-        f.gemm(B, N, rd)
-        f.gemm(B, rd, M)
-        g.gemm(B, M, rd)  # dXL
-        g.gemm(rd, B, M)  # dR
-        if need_dx:
-            g.gemm(B, rd, N)
-        g.gemm(N, B, rd)  # dL
-        _merge_costs(g, ins, outs, r)
-        _merge_costs(g, ins, outs, r)
-    elif path == "sweep":
-        head, tail = sweep_merges(B, ins, outs, r)
-        # the swept cores as (r_in, mode, r_out), after the merges of the outer ones
-        left = [(r[k], ins[k], r[k + 1]) for k in range(d)]
-        right = [(r[d + j], outs[j], r[d + j + 1]) for j in range(d)]
-        for on, side, a in ((head, left, 0), (tail, right, d - 2)):
-            if not on:
-                continue
-            b = a + 1
-            (ra, na, rm), (_, nb, rb) = side[a], side[b]
-            f.gemm(ra * na, rm, nb * rb)  # the merge, and its two backward GEMMs
-            g.gemm(ra * na, nb * rb, rm)
-            g.gemm(rm, ra * na, nb * rb)
-            side[a:b + 1] = [(ra, na * nb, rb)]
-        f.copy(B * N)  # Xᵀ
-        rest = N
-        for k, (r0, n, r1) in enumerate(left):
-            rest //= n
-            # the batch folded into the columns: (r_k × r_{k-1}n_k) · (r_{k-1}n_k × rest·B)
-            f.gemm(r1, r0 * n, rest * B)
-            if k > 0 or need_dx:
-                g.gemm(r0 * n, r1, rest * B)  # dT
-            g.gemm(r0 * n, rest * B, r1)  # dG
-        done = 1
-        for r0, m, r1 in right:
-            f.gemm(B * done, r0, m * r1)
-            g.gemm(B * done, m * r1, r0)
-            g.gemm(r0, B * done, m * r1)
-            done *= m
-    elif path == "dense":
-        _merge_costs(f, ins, outs, r)
-        f.gemm(N, rd, M)
-        f.gemm(B, N, M)
-        g.gemm(N, B, M)  # dW
-        if need_dx:
-            g.gemm(B, M, N)
-        g.gemm(N, M, rd)
-        g.gemm(rd, N, M)
-        _merge_costs(g, ins, outs, r)
-        _merge_costs(g, ins, outs, r)
+def _candidates(case: Case, dev: torch.device) -> tuple[str, ...]:
+    """The op's paths that can run here, within ``COMERA_PATHS``'s family where the op
+    has a path of it."""
+    paths = [p for p in OPS[case.op]
+             if p != "fused" or fused_available(dev, _middle_rank(case))]
+    family = (os.environ.get("COMERA_PATHS") or "auto").strip().lower()
+    if family not in ("", "auto"):
+        picked = [p for p in paths if FAMILY[p] == family]
+        paths = picked or paths
+    return tuple(paths)
+
+
+def _cpu_default(case: Case) -> str | None:
+    """The CPU's established path of a TT-matrix op (module doc), None for a TT linear."""
+    if case.op == "ttm_linear":
+        return "dense"
+    if case.op == "ttm_lookup":
+        return "gather"
+    if case.op == "ttm_decode":
+        h = split_point(case.rows, case.cols, case.ranks)
+        return decode_path(case.tokens, math.prod(case.rows[:h]), math.prod(case.cols[:h]),
+                           case.ranks[h], math.prod(case.rows[h:]), math.prod(case.cols[h:]))
+    return None
+
+
+def _choose(case: Case, dev: torch.device) -> Choice:
+    dm, prof = device_model(dev)
+    cands = _candidates(case, dev)
+    costs = {c.path: c.seconds for c in case_costs(case, dm)}
+    measured, how = prof.times(case, dm) if prof is not None else ({}, "")
+    seconds = {p: measured.get(p, costs[p]) for p in cands}
+    got = tuple(p for p in cands if p in measured)
+    source = how if got else "model"
+    if min(case.ranks) == 0:  # the zero map: nothing to run
+        path = "halves" if case.op == "tt_linear" else cands[0]
+    elif prof is None and dev.type != "cuda" and (fixed := _cpu_default(case)) in cands:
+        path, source = fixed, "cpu default"
     else:
-        raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}")
-    secs = f.t + (g.t if training else 0.0)
-    return PathCost(path, f.macs, g.macs, f.bytes, g.bytes, f.ops, g.ops, secs)
+        path = min(cands, key=lambda p: seconds[p])
+    return Choice(path, source, cands, tuple(seconds.items()), got, dm.name, dm.source,
+                  prof.source if prof is not None else None)
 
 
 @lru_cache(maxsize=8192)
-def _estimate_cached(B: int, ins: tuple[int, ...], outs: tuple[int, ...], r: tuple[int, ...],
-                     dm: DeviceModel, elt: int, training: bool, need_dx: bool
-                     ) -> tuple[PathCost, ...]:
-    return tuple(_path_cost(p, B, ins, outs, r, dm, elt, training, need_dx) for p in PATHS)
+def _choose_cached(op: str, rows: tuple, cols: tuple, ranks: tuple, tokens: int,
+                   dev: torch.device, dtype: str, graph: bool, training: bool,
+                   need_dx: bool, env: tuple) -> Choice:
+    return _choose(Case(op, rows, cols, ranks, tokens, dtype, graph, training, need_dx), dev)
+
+
+_plan_cached = _choose_cached  # the name the planner's cache had
+
+
+def choose(case: Case, device: torch.device | str = "cpu") -> Choice:
+    """The path of least time for ``case`` on ``device`` (module doc; cached)."""
+    return _choose_cached(case.op, case.rows, case.cols, case.ranks, case.tokens,
+                          torch.device(device), case.dtype, case.graph, case.training,
+                          case.need_dx, _env())
+
+
+#: what :func:`plan_case` answered in this process: its arguments -> the choice
+_SEEN: dict[tuple, Choice] = {}
+
+
+def plan_case(op: str, rows: Sequence[int], cols: Sequence[int], ranks: Sequence[int],
+              tokens: int, device: torch.device | str, dtype: torch.dtype | str,
+              graph: bool = False, training: bool = True, need_dx: bool = True) -> str:
+    """:func:`choose`'s path name for an op given by its parts (cached; kept for
+    :func:`choices_made`)."""
+    key = (op, tuple(rows), tuple(cols), tuple(ranks), int(tokens), torch.device(device),
+           dtype_name(dtype), bool(graph), bool(training), bool(need_dx))
+    ch = _choose_cached(*key, _env())
+    _SEEN[key] = ch
+    return ch.path
+
+
+def choices_made(clear: bool = False) -> list[tuple[Case, Choice]]:
+    """The cases the layers planned in this process (since the last ``clear``) and what
+    was chosen for each: what a run reports it runs."""
+    out = [(Case(*k[:5], *k[6:]), ch) for k, ch in _SEEN.items()]
+    if clear:
+        _SEEN.clear()
+    return out
+
+
+def describe_choices(pairs: Sequence[tuple[Case, Choice]]) -> str:
+    """One line for :func:`choices_made`: per case the op, ``N×M`` (rows × dim for a
+    table), largest rank, rows, dtype, graph or not, the path and where its time came
+    from; then the cost model and profile used."""
+    if not pairs:
+        return "no TT op planned"
+    parts = []
+    for c, ch in pairs:
+        shape = f"{math.prod(c.rows)}×{math.prod(c.cols)}"
+        parts.append(f"{c.op} {shape} r{max(c.ranks)} ×{c.tokens} "
+                     f"{c.dtype}{', graph' if c.graph else ''}: {ch.path} ({ch.source})")
+    ch = pairs[-1][1]
+    where = f"profile {Path(ch.profile).name}" if ch.profile else ch.model_source
+    return "; ".join(parts) + f". Cost model: {ch.device_model} ({where})."
+
+
+def plan(B: int, in_factors: Sequence[int], out_factors: Sequence[int], ranks: Sequence[int],
+         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         training: bool = True, need_dx: bool = True, graph: bool = False) -> str:
+    """The path of least time for a TT linear (``ranks``: ``[1, r_1, …, r_{2d-1}, 1]``)."""
+    return plan_case("tt_linear", in_factors, out_factors, ranks, B, device, dtype, graph,
+                     training, need_dx)
+
+
+# ---------------------------------------------------------------------------- explaining it
+def _case(op: str, rows: Sequence[int], cols: Sequence[int], ranks: Sequence[int],
+          tokens: int, dtype: torch.dtype | str, graph: bool, training: bool,
+          need_dx: bool = True) -> Case:
+    return Case(op, tuple(int(v) for v in rows), tuple(int(v) for v in cols),
+                tuple(int(v) for v in ranks), int(tokens), dtype_name(dtype), bool(graph),
+                bool(training), bool(need_dx))
+
+
+def explain_case(case: Case, device: torch.device | str = "cpu") -> dict:
+    """What the planner sees for ``case``: the chosen ``path``, its ``source``
+    (measured, nearest, model, cpu default), the ``candidates``, per path the modelled
+    MACs, bytes, kernels and seconds (``paths``) and the seconds compared
+    (``seconds``: measured where ``measured`` lists the path), and the cost model and
+    profile used."""
+    ch = choose(case, device)
+    dm, _ = device_model(device)
+    return {
+        "path": ch.path, "source": ch.source, "op": case.op,
+        "device_model": ch.device_model, "model_source": ch.model_source,
+        "profile": ch.profile, "batch": case.tokens, "ranks": list(case.ranks),
+        "dtype": case.dtype, "graph": case.graph, "candidates": list(ch.candidates),
+        "seconds": dict(ch.seconds), "measured": list(ch.measured),
+        "paths": {c.path: asdict(c) for c in case_costs(case, dm)},
+    }
+
+
+def _dense_macs(B: int, N: int, M: int) -> dict:
+    return {"dense_linear_macs_fwd": B * N * M, "dense_linear_macs_fwd_bwd": 3 * B * N * M}
 
 
 def estimate(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
              ranks: Sequence[int], device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32, training: bool = True,
-             need_dx: bool = True) -> dict[str, PathCost]:
-    """Cost of every path for batch ``B``; ``ranks`` is ``[1, r_1, …, r_{2d-1}, 1]``."""
+             need_dx: bool = True, graph: bool = False) -> dict[str, PathCost]:
+    """Modelled cost of every TT-linear path for batch ``B``; ``ranks`` is
+    ``[1, r_1, …, r_{2d-1}, 1]``."""
     if len(in_factors) != len(out_factors) or len(ranks) != 2 * len(in_factors) + 1:
         raise ValueError(
             f"ranks: need 2d+1 = {2 * len(in_factors) + 1} ranks for d = {len(in_factors)}, "
             f"got {len(ranks)}"
         )
-    dm = DeviceModel.for_device(device)
-    elt = torch.empty((), dtype=dtype).element_size()
-    costs = _estimate_cached(int(B), tuple(in_factors), tuple(out_factors), tuple(ranks), dm,
-                             elt, bool(training), bool(need_dx))
-    return {c.path: c for c in costs}
-
-
-@lru_cache(maxsize=8192)
-def _plan_cached(B: int, ins: tuple[int, ...], outs: tuple[int, ...], r: tuple[int, ...],
-                 dev: torch.device, dtype: torch.dtype, training: bool, need_dx: bool) -> str:
-    costs = estimate(B, ins, outs, r, dev, dtype, training, need_dx)
-    if min(r) == 0:
-        return "halves"
-    return min(costs.values(), key=lambda c: c.seconds).path
-
-
-def plan(B: int, in_factors: Sequence[int], out_factors: Sequence[int], ranks: Sequence[int],
-         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         training: bool = True, need_dx: bool = True) -> str:
-    """The cheapest path name for these shapes (cached)."""
-    dev = torch.device(device)
-    return _plan_cached(int(B), tuple(in_factors), tuple(out_factors), tuple(ranks), dev,
-                        dtype, bool(training), bool(need_dx))
+    case = _case("tt_linear", in_factors, out_factors, ranks, B, dtype, graph, training,
+                 need_dx)
+    return {c.path: c for c in case_costs(case, device_model(device)[0])}
 
 
 def explain(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
             ranks: Sequence[int], device: torch.device | str = "cpu",
-            dtype: torch.dtype = torch.float32, training: bool = True) -> dict:
-    """What the planner sees: the chosen path and, per path, MACs, bytes and modelled
-    seconds; plus the dense ``nn.Linear`` reference MACs (``B·N·M`` forward)."""
-    costs = estimate(B, in_factors, out_factors, ranks, device, dtype, training)
-    N, M = math.prod(in_factors), math.prod(out_factors)
-    return {
-        "path": plan(B, in_factors, out_factors, ranks, device, dtype, training),
-        "device_model": DeviceModel.for_device(device).name,
-        "batch": int(B),
-        "ranks": list(ranks),
-        "dense_linear_macs_fwd": B * N * M,
-        "dense_linear_macs_fwd_bwd": 3 * B * N * M,
-        "paths": {p: asdict(c) for p, c in costs.items()},
-    }
+            dtype: torch.dtype = torch.float32, training: bool = True,
+            graph: bool = False) -> dict:
+    """:func:`explain_case` for a TT linear (``ranks``: ``[1, r_1, …, r_{2d-1}, 1]``),
+    plus the dense ``nn.Linear`` reference MACs (``B·N·M`` forward)."""
+    case = _case("tt_linear", in_factors, out_factors, ranks, B, dtype, graph, training)
+    return {**explain_case(case, device),
+            **_dense_macs(B, math.prod(in_factors), math.prod(out_factors))}
 
 
-
-# ---------------------------------------------------------------------------- TTM layout
-def ttm_reconstruct_macs(in_factors: Sequence[int], out_factors: Sequence[int],
-                         ranks: Sequence[int]) -> int:
-    """MACs that materialise a TT-matrix weight ``W`` (``N×M``) from its ``d`` cores
-    ``(r_{k-1}, n_k, m_k, r_k)``, left to right: ``Σ_k (∏_{j<=k} n_j m_j)·r_k·n_{k+1}
-    m_{k+1}·r_{k+1}`` (the last product alone is ``N·M·r_{d-1}``). ``ranks``:
-    ``[1, r_1, …, r_{d-1}, 1]``."""
-    sizes = [n * m for n, m in zip(in_factors, out_factors)]
-    done, macs = sizes[0], 0
-    for k in range(1, len(sizes)):
-        macs += done * ranks[k] * sizes[k] * ranks[k + 1]
-        done *= sizes[k]
-    return macs
-
-
-def estimate_ttm(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
-                 ranks: Sequence[int], device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, training: bool = True,
-                 need_dx: bool = True) -> PathCost:
-    """Cost of a ``"ttm"`` TT linear's one path (``dense``): materialise ``W`` from the
-    gated cores (:func:`ttm_reconstruct_macs`, batch independent), then ``X·W``; its
-    backward ``dW``, ``dX`` and the reconstruction's backward (twice its MACs)."""
+def _ttm_case(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
+              ranks: Sequence[int], dtype: torch.dtype | str, training: bool,
+              need_dx: bool, graph: bool) -> Case:
     d = len(in_factors)
     if len(out_factors) != d:
         raise ValueError(f"out_factors: a TT matrix pairs them with the {d} in_factors, "
@@ -303,60 +408,69 @@ def estimate_ttm(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
     if len(ranks) != d + 1:
         raise ValueError(f"ranks: need d+1 = {d + 1} ranks for d = {d} TTM cores, "
                          f"got {len(ranks)}")
-    N, M = math.prod(in_factors), math.prod(out_factors)
-    sizes = [n * m for n, m in zip(in_factors, out_factors)]
-    f, g = (_Acc(DeviceModel.for_device(device), torch.empty((), dtype=dtype).element_size())
-            for _ in range(2))
-    for _ in range(d - 1):  # gate scaling of each core
-        f.copy(0)
-    done = sizes[0]
-    for k in range(1, d):
-        f.gemm(done, ranks[k], sizes[k] * ranks[k + 1])
-        g.gemm(done, sizes[k] * ranks[k + 1], ranks[k])
-        g.gemm(ranks[k], done, sizes[k] * ranks[k + 1])
-        done *= sizes[k]
-    f.copy(N * M)  # (n1, m1, n2, m2, …) -> (N, M)
-    f.gemm(B, N, M)
-    g.gemm(N, B, M)  # dW
-    if need_dx:
-        g.gemm(B, M, N)
-    secs = f.t + (g.t if training else 0.0)
-    return PathCost("dense", f.macs, g.macs, f.bytes, g.bytes, f.ops, g.ops, secs)
+    return _case("ttm_linear", in_factors, out_factors, ranks, B, dtype, graph, training,
+                 need_dx)
+
+
+def estimate_ttm(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
+                 ranks: Sequence[int], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, training: bool = True,
+                 need_dx: bool = True, graph: bool = False) -> PathCost:
+    """Modelled cost of a ``"ttm"`` TT linear's reconstructed path (``dense``):
+    materialise ``W`` from the gated cores (:func:`ttm_reconstruct_macs`, batch
+    independent), then ``X·W``; backward ``dW``, ``dX`` and the reconstruction's."""
+    case = _ttm_case(B, in_factors, out_factors, ranks, dtype, training, need_dx, graph)
+    return {c.path: c for c in case_costs(case, device_model(device)[0])}["dense"]
 
 
 def explain_ttm(B: int, in_factors: Sequence[int], out_factors: Sequence[int],
                 ranks: Sequence[int], device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32, training: bool = True) -> dict:
-    """:func:`explain` for a ``"ttm"`` TT linear: one path, ``dense`` (materialise ``W``
-    from the cores, one GEMM); ``ranks`` is ``[1, r_1, …, r_{d-1}, 1]``. Same keys as
-    :func:`explain`, plus ``layout`` and ``reconstruct_macs``."""
-    cost = estimate_ttm(B, in_factors, out_factors, ranks, device, dtype, training)
-    N, M = math.prod(in_factors), math.prod(out_factors)
-    return {
-        "path": "dense",
-        "layout": "ttm",
-        "device_model": DeviceModel.for_device(device).name,
-        "batch": int(B),
-        "ranks": list(ranks),
-        "dense_linear_macs_fwd": B * N * M,
-        "dense_linear_macs_fwd_bwd": 3 * B * N * M,
-        "reconstruct_macs": ttm_reconstruct_macs(in_factors, out_factors, ranks),
-        "paths": {"dense": asdict(cost)},
-    }
+                dtype: torch.dtype = torch.float32, training: bool = True,
+                graph: bool = False) -> dict:
+    """:func:`explain` for a ``"ttm"`` TT linear (paths ``dense``: ``W`` from the cores
+    and one GEMM, and ``sweep``: ``X`` through the cores one at a time); ``ranks`` is
+    ``[1, r_1, …, r_{d-1}, 1]``. Plus ``layout`` and ``reconstruct_macs``."""
+    case = _ttm_case(B, in_factors, out_factors, ranks, dtype, training, True, graph)
+    return {**explain_case(case, device), "layout": "ttm",
+            **_dense_macs(B, math.prod(in_factors), math.prod(out_factors)),
+            "reconstruct_macs": ttm_reconstruct_macs(in_factors, out_factors, ranks)}
 
 
+def explain_lookup(tokens: int, vocab_factors: Sequence[int], dim_factors: Sequence[int],
+                   ranks: Sequence[int], device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32, training: bool = True,
+                   graph: bool = False) -> dict:
+    """:func:`explain_case` for a TTM embedding lookup of ``tokens`` ids (paths
+    ``dense``: the table from the cores, then its rows; ``gather``: rows from the two
+    half tables; ``fused``: the Triton lookup). ``ranks``: ``[1, r_1, …, r_{d-1}, 1]``."""
+    return explain_case(_case("ttm_lookup", vocab_factors, dim_factors, ranks, tokens,
+                              dtype, graph, training), device)
+
+
+def explain_decode(tokens: int, vocab_factors: Sequence[int], dim_factors: Sequence[int],
+                   ranks: Sequence[int], device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32, training: bool = True,
+                   graph: bool = False) -> dict:
+    """:func:`explain_case` for the tied decoder ``h·Eᵀ`` on ``tokens`` hidden states
+    (paths ``table``: build ``E``; ``tt``: through the half tables)."""
+    return explain_case(_case("ttm_decode", vocab_factors, dim_factors, ranks, tokens,
+                              dtype, graph, training), device)
+
+
+# ---------------------------------------------------------------------------- running it
 def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = None,
               bias: Tensor | None = None, gates: Sequence[Tensor] | None = None,
               tau: float = 0.0, alive: Sequence[Tensor] | None = None) -> Tensor:
     """``Y = X·W (+ bias)`` for the TT weight given by ``cores``.
 
     ``x``: ``(..., N)``; ``bias``: ``(M,)`` (the padded output width) or None; returns
-    ``(..., M)``. ``path=None`` lets the planner choose. ``gates``: the ``2d-1`` rank
-    gates; entry ``i`` of bond ``k`` is active where ``alive[k][i]`` (bool vectors,
-    default all True) and ``|g_k[i]| > tau``, and inactive entries act as removed ranks
-    (:func:`gate_masks`, :func:`apply_gates`). Pass the raw gates rather than pre-gated
-    cores: the halves and sweep Functions absorb them inside, masks included, with no
-    autograd node per gate.
+    ``(..., M)``. ``path=None`` lets the planner choose (:func:`choose`); ``"fused"``
+    runs the Triton chain where the kernels take ``x`` and the halves path otherwise
+    (the same math). ``gates``: the ``2d-1`` rank gates; entry ``i`` of bond ``k`` is
+    active where ``alive[k][i]`` (bool vectors, default all True) and
+    ``|g_k[i]| > tau``, and inactive entries act as removed ranks (:func:`gate_masks`,
+    :func:`apply_gates`). Pass the raw gates rather than pre-gated cores: the halves and
+    sweep Functions absorb them inside, masks included, with no autograd node per gate.
     """
     if len(cores) != 2 * d:
         raise ValueError(f"cores: expected 2d = {2 * d} cores, got {len(cores)}")
@@ -372,40 +486,59 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
     if path is None:
         training = torch.is_grad_enabled() and (
             x.requires_grad or any(c.requires_grad for c in cores))
-        path = plan(x2.shape[0], ins, outs, ranks, x.device, x.dtype, training,
-                    x.requires_grad)
-    try:
-        impl = _IMPL[path]
-    except KeyError:
-        raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}") from None
+        path = plan_case("tt_linear", ins, outs, ranks, x2.shape[0], x.device,
+                         compute_dtype(x), in_graph(x), training, x.requires_grad)
+    if path not in PATHS:
+        raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}")
     if gates is not None and len(gates) != 2 * d - 1:
         raise ValueError(f"gates: expected 2d-1 = {2 * d - 1} gate vectors, got {len(gates)}")
-    if path == "halves" and _fused_ok(x2, ranks[d]):
+    if path == "fused" and _fused_runs(x2, ranks[d]):
         y = _fused_halves(x2, cores, d, bias, gates, tau, alive)
-    elif path in ("halves", "sweep"):
+    elif path in ("halves", "sweep", "fused"):
+        impl = _IMPL["halves" if path == "fused" else path]
         y = impl(x2, cores, d, bias, gates or (), tau, alive or ())
     else:
         if gates is not None:
             cores = apply_gates(cores, gates, gate_masks(gates, tau, alive))
-        y = impl(x2, cores, d)
+        y = tt_linear_dense(x2, cores, d)
         if bias is not None:
             y = y + bias.to(y.dtype)  # keeps autocast's dtype, as nn.Linear does
     return y if x.dim() == 2 else y.reshape(*lead, -1)
 
 
-def _fused_ok(x: Tensor, rank: int) -> bool:
-    """The halves path runs as the fused Triton chain (``kernels/tt_linear.py``) where
-    the kernels take ``x`` (:func:`comera_engine.kernels.runs_on`: CUDA with
-    ``COMERA_KERNELS=1``, opt-in) and the middle rank fits the kernel's tile. Same math
-    as the halves op: the planner's choice of path stands, and no timing happens in a
-    run."""
-    from ..kernels import runs_on
+def ttm_linear(x: Tensor, cores: Sequence[Tensor], path: str, bias: Tensor | None = None,
+               gates: Sequence[Tensor] = (), alive: Sequence[Tensor] = (), tau: float = 0.0,
+               out_features: int | None = None) -> Tensor:
+    """``Y = X·W (+ bias)`` for the TT-matrix weight ``W`` (``∏ n_k × ∏ m_k``) of the raw
+    ``cores`` ``(r_{k-1}, n_k, m_k, r_k)`` gated by ``gates`` (``alive``, ``tau``), on
+    ``path``: ``"dense"`` (``W`` from the gated cores,
+    :func:`comera_engine.ops.ttm_matrix.ttm_matrix`, one GEMM) or ``"sweep"`` (``X``
+    through one core at a time, :func:`comera_engine.ops.ttm_linear.ttm_linear_sweep`).
+    ``x``: ``(..., N')`` with ``N' <= ∏ n_k`` (the rest of the inputs read as zeros);
+    returns ``(..., out_features)`` (default ``∏ m_k``; the other outputs dropped)."""
+    N = math.prod(int(c.shape[1]) for c in cores)
+    M = math.prod(int(c.shape[2]) for c in cores)
+    n_in, n_out = x.shape[-1], out_features or M
+    lead = x.shape[:-1]
+    if path == "dense":
+        W = ttm_matrix(cores, gates, alive, tau)[:n_in, :n_out]
+        return torch.nn.functional.linear(x, W.t(), bias)
+    if path != "sweep":
+        raise ValueError(f"path: a ttm linear's paths are dense, sweep; got {path!r}")
+    if min(int(c.shape[-1]) for c in cores) == 0:  # a bond of rank 0: the zero map
+        y = x.new_zeros(*lead, n_out)
+        return y + bias if bias is not None else y
+    if n_in != N:
+        x = torch.nn.functional.pad(x, (0, N - n_in))
+    y = ttm_linear_sweep(x.reshape(-1, N), cores, gates, alive, tau)
+    y = y[:, :n_out].reshape(*lead, n_out)
+    return y + bias.to(y.dtype) if bias is not None else y
 
-    if not runs_on(x):
-        return False
-    from ..kernels.tt_linear import MAX_RANK
 
-    return 1 <= rank <= MAX_RANK
+def _fused_runs(x: Tensor, rank: int) -> bool:
+    """The fused Triton chain takes ``x`` (:func:`comera_engine.kernels.runs_on`: CUDA
+    with ``COMERA_KERNELS=1``, opt-in) and the middle rank fits the kernel's tile."""
+    return fused_available(x.device, rank)
 
 
 def _fused_halves(x: Tensor, cores: Sequence[Tensor], d: int, bias: Tensor | None,
@@ -415,10 +548,11 @@ def _fused_halves(x: Tensor, cores: Sequence[Tensor], d: int, bias: Tensor | Non
     autograd-tracked products (batch independent, so small)."""
     from ..kernels.tt_linear import tt_linear_chain
 
+    device_model(x.device)  # its profile's kernel configurations, where it has one
     if gates:
         cores = apply_gates(cores, gates, gate_masks(gates, tau, alive))
-    dtype = x.dtype
+    dtype = compute_dtype(x)
     L = merge_left(cores[:d])[-1].to(dtype)
     R = merge_right(cores[d:])[0].to(dtype)
     b = bias.to(dtype) if bias is not None else None
-    return tt_linear_chain(x.contiguous(), L, R, b)
+    return tt_linear_chain(x.to(dtype).contiguous(), L, R, b)

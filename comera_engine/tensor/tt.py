@@ -14,6 +14,7 @@ them out physically.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,20 +24,19 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..ops.gates import absorb_gates, flat_mask, gate_masks
+from ..ops.gates import absorb_gates
 from ..ops.merges import contract_chain
 from ..ops.ttm_matrix import ttm_matrix as gated_ttm_matrix
-from ..ops.ttm_matrix import ttm_matrix_reference, ttm_matrix_sized
+from ..ops.ttm_matrix import ttm_matrix_reference
+from .size import tt_size
 
 __all__ = [
     "RankChange",
-    "SizeTap",
     "TensorTrain",
     "TTLinearCores",
     "TTMCores",
     "contract_chain",
     "max_tt_ranks",
-    "structure_generation",
     "ttm_matrix",
     "tt_svd",
 ]
@@ -151,23 +151,6 @@ def tt_svd(
         return [np.asarray(f) for f in tt]
 
 
-_GENERATION = [0]
-
-
-def structure_generation() -> int:
-    """A number that changes whenever some :class:`TensorTrain` anywhere changes its
-    structure: a tensor of its cores, gates or ``alive`` vectors replaced or reshaped
-    (truncation, :meth:`TensorTrain.resize_`, ``.to()``, a state dict loaded with
-    ``assign``) or its threshold ``tau`` set. What is built from a model's gate layout
-    (:class:`comera_engine.rank.size.GateBank`) is built again when it moves; values
-    changing in place (training, pruning) do not move it."""
-    return _GENERATION[0]
-
-
-def _structure_changed() -> None:
-    _GENERATION[0] += 1
-
-
 def _reshape_param(p: nn.Parameter, data: Tensor) -> None:
     """Give ``p`` ``data`` of another shape, keeping the Python object (so optimizer groups
     and state keyed by it stay valid) and dropping its gradient.
@@ -177,7 +160,6 @@ def _reshape_param(p: nn.Parameter, data: Tensor) -> None:
     (``loss`` of a training loop, alive until the next assignment) keeps the parameter's
     gradient accumulator, which remembers the old shape, so the next backward would
     fail against it. Otherwise ``p.data`` is replaced."""
-    _structure_changed()
     new = nn.Parameter(data, requires_grad=p.requires_grad)
     new.__dict__.update(p.__dict__)  # swapped into p with the tensor
     try:
@@ -189,6 +171,10 @@ def _reshape_param(p: nn.Parameter, data: Tensor) -> None:
 
 class TensorTrain(nn.Module):
     """Gated tensor train with cores of shape ``(r_{k-1}, *mode_shapes[k], r_k)``.
+
+    The rank gates of all ``K-1`` bonds are one parameter, ``gate`` ``(Σ_k r_k,)``, bond
+    by bond; ``alive`` ``(Σ_k r_k,)`` (bool buffer) marks the entries never pruned.
+    :attr:`gates` and :meth:`parts` give each bond's vector as a view of them.
 
     Args:
         mode_shapes: per core, its mode shape: ``(s_k,)`` or ``(v_k, e_k)``.
@@ -211,6 +197,7 @@ class TensorTrain(nn.Module):
         self.mode_shapes = [tuple(int(x) for x in m) for m in mode_shapes]
         if not self.mode_shapes or any(not m or min(m) < 1 for m in self.mode_shapes):
             raise ValueError(f"mode_shapes: need non-empty positive shapes, got {mode_shapes}")
+        self._mode_sizes = tuple(math.prod(m) for m in self.mode_shapes)
         if tau < 0:
             raise ValueError(f"tau: must be >= 0, got {tau}")
         self.tau = float(tau)
@@ -227,24 +214,10 @@ class TensorTrain(nn.Module):
             )
             for k in range(K)
         )
-        self.gates = nn.ParameterList(
-            nn.Parameter(torch.ones(r, dtype=dtype, device=device)) for r in ranks
-        )
-        for k, r in enumerate(ranks):
-            self.register_buffer(f"alive_{k}", torch.ones(r, dtype=torch.bool, device=device))
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "tau" or name.startswith("alive_"):
-            _structure_changed()
-        super().__setattr__(name, value)
-
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
-        _structure_changed()  # .to(), .cuda(), .half(): the tensors are replaced
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        super()._load_from_state_dict(*args, **kwargs)
-        _structure_changed()  # with assign=True the tensors were replaced
+        self.gate = nn.Parameter(torch.ones(sum(ranks), dtype=dtype, device=device))
+        self.register_buffer("alive", torch.ones(sum(ranks), dtype=torch.bool, device=device))
+        #: the allocated internal ranks: the lengths of the bonds' parts of ``gate``
+        self.bond_ranks: tuple[int, ...] = tuple(ranks)
 
     # ----------------------------------------------------------------- structure
     @property
@@ -254,49 +227,59 @@ class TensorTrain(nn.Module):
     @property
     def mode_sizes(self) -> list[int]:
         """``s_k = ∏ mode_shapes[k]``."""
-        return [math.prod(m) for m in self.mode_shapes]
+        return list(self._mode_sizes)
 
     @property
     def ranks(self) -> list[int]:
         """Allocated ranks ``[1, r_1, …, r_{K-1}, 1]``."""
-        return [1, *[int(g.shape[0]) for g in self.gates], 1]
+        return [1, *self.bond_ranks, 1]
 
-    def alive(self, k: int) -> Tensor:
-        return getattr(self, f"alive_{k}")
+    def structure(self) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+        """``(internal ranks, mode sizes, tau)``: what an index over the gates is built
+        from (:func:`comera_engine.tensor.size.size_index`)."""
+        return self.bond_ranks, self._mode_sizes, self.tau
+
+    @property
+    def gates(self) -> list[Tensor]:
+        """Each bond's gate vector ``(r_k,)``: a view of :attr:`gate`."""
+        return list(self.gate.split(self.bond_ranks))
+
+    def bond_alive(self) -> list[Tensor]:
+        """Each bond's ``alive`` vector ``(r_k,)``: a view of the buffer."""
+        return list(self.alive.split(self.bond_ranks))
 
     def parts(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-        """The cores, the gates and the ``alive`` vectors as plain lists, read straight
-        from the module's registries: iterating a ``ParameterList`` resolves each entry
-        through ``getattr`` on every forward."""
-        n_g = len(self.mode_shapes) - 1
-        return (list(self.cores._parameters.values()),
-                list(self.gates._parameters.values()),
-                [self._buffers[f"alive_{k}"] for k in range(n_g)])
+        """The cores, each bond's gates and each bond's ``alive`` vector as plain lists
+        (the gates views of :attr:`gate`, differentiable into it)."""
+        return (list(self.cores._parameters.values()), self.gates, self.bond_alive())
+
+    def active(self) -> Tensor:
+        """The active gate entries, all bonds: ``alive & (|gate| > tau)`` (bool)."""
+        with torch.no_grad():
+            return self.alive & (self.gate.abs() > self.tau)
 
     def masks(self) -> list[Tensor]:
         """Per bond: boolean mask of active gate entries (alive and ``|g| > tau``)."""
-        _, gates, alive = self.parts()
-        return gate_masks(gates, self.tau, alive)
+        return list(self.active().split(self.bond_ranks))
 
     def effective_ranks(self) -> list[int]:
         """Effective internal ranks (length K-1): active gate entries per bond."""
-        return [int(m.sum()) for m in self.masks()]
+        if not self.bond_ranks:
+            return []
+        return [int(c) for c in torch.stack([m.sum() for m in self.masks()]).tolist()]
 
     def num_params(self, effective: bool = True) -> int:
-        """Core parameters. Allocated: ``Σ numel(G_k)``. Effective:
-        ``Σ s_k R_{k-1} R_k`` with effective ranks (0 if any bond has rank 0).
-        Gate vectors are training-only controls (absorbed into cores on export) and are
-        not counted; see ``gate_params``."""
+        """Core parameters, :func:`~comera_engine.tensor.size.tt_size` at the effective
+        ranks (0 if any bond has rank 0), or allocated (``Σ numel(G_k)``). Gates are
+        training-only controls (absorbed into cores on export) and are not counted; see
+        ``gate_params``."""
         if not effective:
             return sum(c.numel() for c in self.cores)
-        R = [1, *self.effective_ranks(), 1]
-        if min(R) == 0:
-            return 0
-        return sum(s * R[k] * R[k + 1] for k, s in enumerate(self.mode_sizes))
+        return tt_size(self.mode_sizes, self.effective_ranks())
 
     @property
     def gate_params(self) -> int:
-        return sum(g.numel() for g in self.gates)
+        return self.gate.numel()
 
     # ----------------------------------------------------------------- math
     def gated_cores(self) -> list[Tensor]:
@@ -326,12 +309,12 @@ class TensorTrain(nn.Module):
         strongest, held at ``1.5·tau``; without, a bond may reach rank 0 and the train is
         the zero map, as the paper allows). Call after each optimizer step. Returns bonds
         whose effective rank changed."""
-        _, gates, alive = self.parts()
-        if gates and bool(flat_mask(torch.cat(gates), self.tau, alive).all()):
+        gate = self.gate.detach()
+        if not self.bond_ranks or bool(self.active().all()):
             return []  # every entry alive and above tau: nothing to prune or to zero
         changes = []
-        for k, g in enumerate(self.gates):
-            alive = self.alive(k)
+        for k, (g, alive) in enumerate(zip(gate.split(self.bond_ranks),
+                                           self.alive.split(self.bond_ranks))):
             old = int(alive.sum())
             survivors = alive & (g.abs() > self.tau)
             if floor and old > 0 and not bool(survivors.any()):
@@ -339,13 +322,21 @@ class TensorTrain(nn.Module):
                 # its strongest entry, held just above the threshold
                 j = int(torch.argmax(g.abs().masked_fill(~alive, -1.0)))
                 survivors[j] = True
-                g[j] = torch.where(g[j] < 0, -1.5 * self.tau, 1.5 * self.tau)
+                g[j] = -1.5 * self.tau if bool(g[j] < 0) else 1.5 * self.tau
             alive &= survivors
             g.masked_fill_(~alive, 0.0)
             new = int(alive.sum())
             if new != old:
                 changes.append(RankChange(k, old, new))
         return changes
+
+    @torch.no_grad()
+    def set_entry_(self, bond: int, entry: int, alive: bool, value: float) -> None:
+        """Set one rank entry: its ``alive`` flag and its gate value (a prune: ``False``,
+        0; a revival: ``True``, a value above ``tau``)."""
+        offset = sum(self.bond_ranks[:bond]) + entry
+        self.alive[offset] = alive
+        self.gate.detach()[offset] = value
 
     @torch.no_grad()
     def effective_cores(self) -> tuple[list[Tensor], list[int]]:
@@ -379,41 +370,58 @@ class TensorTrain(nn.Module):
     ) -> list[RankChange]:
         """Physically slice cores and gates to the effective ranks, in place.
 
-        The same ``nn.Parameter`` objects are kept (their ``.data`` replaced), so optimizer
+        The same ``nn.Parameter`` objects are kept (their tensors replaced), so optimizer
         parameter groups stay valid. ``on_slice(param, dim, keep)`` is called before each
         parameter is sliced along ``dim`` to the indices ``keep``: the hook through which
         optimizer state is sliced the same way (see ``comera_engine.rank``). The computed
         tensor is unchanged.
         """
-        changes = []
-        for k, keep in enumerate(self.keep_indices()):
-            old = self.gates[k].shape[0]
-            if keep.numel() == old:
-                continue
-            left, right, gate = self.cores[k], self.cores[k + 1], self.gates[k]
-            for p, dim in ((left, left.dim() - 1), (right, 0), (gate, 0)):
+        return self.select_(self.keep_indices(), on_slice)
+
+    @torch.no_grad()
+    def select_(
+        self, keep: Sequence[Tensor],
+        on_slice: Callable[[nn.Parameter, int, Tensor], None] | None = None,
+    ) -> list[RankChange]:
+        """Keep the entries ``keep[k]`` (indices, in order) of every bond ``k``: the cores'
+        bond slices, the gates and ``alive`` (the parameter objects kept; ``on_slice`` as
+        in :meth:`truncate_`). Returns the bonds whose allocated rank changed."""
+        if len(keep) != len(self.bond_ranks):
+            raise ValueError(f"keep: one index vector per bond ({len(self.bond_ranks)}), "
+                             f"got {len(keep)}")
+        changes = [RankChange(k, r, int(kk.numel()))
+                   for k, (r, kk) in enumerate(zip(self.bond_ranks, keep)) if kk.numel() != r]
+        if not changes:
+            return []
+        for ch in changes:
+            k = ch.bond
+            for p, dim in ((self.cores[k], self.cores[k].dim() - 1), (self.cores[k + 1], 0)):
                 if on_slice is not None:
-                    on_slice(p, dim, keep)
-                _reshape_param(p, p.data.index_select(dim, keep).contiguous())
-            setattr(self, f"alive_{k}", self.alive(k).index_select(0, keep).contiguous())
-            changes.append(RankChange(k, old, int(keep.numel())))
+                    on_slice(p, dim, keep[k])
+                _reshape_param(p, p.data.index_select(dim, keep[k]).contiguous())
+        offsets = [0, *itertools.accumulate(self.bond_ranks)]
+        flat = torch.cat([kk.to(self.alive.device) + offsets[k] for k, kk in enumerate(keep)])
+        if on_slice is not None:
+            on_slice(self.gate, 0, flat)
+        _reshape_param(self.gate, self.gate.data.index_select(0, flat).contiguous())
+        self.alive = self.alive.index_select(0, flat).contiguous()
+        self.bond_ranks = tuple(int(kk.numel()) for kk in keep)
         return changes
 
     def resize_(self, ranks: Sequence[int]) -> None:
-        """Reallocate cores and gates at the given internal ranks (values lost): used to
-        rebuild a truncated layer before loading its checkpoint."""
+        """Reallocate cores and gates at the given internal ranks (values lost: cores 0,
+        gates 1, all alive), keeping the parameter objects: a train is shaped like a
+        checkpoint before its values are loaded."""
         ranks = [int(r) for r in ranks]
         if len(ranks) != self.num_cores - 1 or min(ranks, default=1) < 0:
             raise ValueError(f"ranks: need {self.num_cores - 1} non-negative ranks, got {ranks}")
-        _structure_changed()
         full = [1, *ranks, 1]
         with torch.no_grad():
             for k, c in enumerate(self.cores):
-                c.data = c.data.new_zeros(full[k], *self.mode_shapes[k], full[k + 1])
-            for k, g in enumerate(self.gates):
-                g.data = g.data.new_ones(ranks[k])
-                setattr(self, f"alive_{k}", torch.ones(ranks[k], dtype=torch.bool,
-                                                        device=g.device))
+                _reshape_param(c, c.data.new_zeros(full[k], *self.mode_shapes[k], full[k + 1]))
+            _reshape_param(self.gate, self.gate.data.new_ones(sum(ranks)))
+            self.alive = torch.ones(sum(ranks), dtype=torch.bool, device=self.gate.device)
+        self.bond_ranks = tuple(ranks)
 
     @torch.no_grad()
     def load_cores_(self, cores: Sequence[Tensor | np.ndarray]) -> None:
@@ -428,14 +436,29 @@ class TensorTrain(nn.Module):
                 raise ValueError(f"cores: core {k} has modes {tuple(t.shape[1:-1])}, want {want}")
             if k and t.shape[0] != ts[k - 1].shape[-1]:
                 raise ValueError(f"cores: rank mismatch between cores {k - 1} and {k}")
-        _structure_changed()
+        self.resize_([int(t.shape[-1]) for t in ts[:-1]])
         for k, t in enumerate(ts):
-            self.cores[k].data = t.reshape(t.shape[0], *self.mode_shapes[k], t.shape[-1]).to(
-                dtype=ref.dtype, device=ref.device).contiguous()
-        for k, g in enumerate(self.gates):
-            r = ts[k].shape[-1]
-            g.data = g.data.new_ones(r)
-            setattr(self, f"alive_{k}", torch.ones(r, dtype=torch.bool, device=g.device))
+            self.cores[k].copy_(t.reshape(t.shape[0], *self.mode_shapes[k], t.shape[-1]).to(
+                dtype=ref.dtype, device=ref.device))
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        """Load a state dict of any ranks: the train is first reshaped to the saved cores
+        (:meth:`resize_`), so a truncated checkpoint loads into a freshly built model
+        (before or after a controller's state). State dicts from before the gates were
+        one tensor (``gates.<k>``, ``alive_<k>``) are read too."""
+        K = self.num_cores
+        old = [f"{prefix}gates.{k}" for k in range(K - 1)]
+        if K > 1 and f"{prefix}gate" not in state_dict and all(k in state_dict for k in old):
+            state_dict[f"{prefix}gate"] = torch.cat([state_dict.pop(k) for k in old])
+            alive = [state_dict.pop(f"{prefix}alive_{k}", None) for k in range(K - 1)]
+            if all(a is not None for a in alive):
+                state_dict[f"{prefix}alive"] = torch.cat(alive)  # type: ignore[arg-type]
+        saved = [state_dict.get(f"{prefix}cores.{k}") for k in range(K)]
+        if all(isinstance(c, Tensor) for c in saved):
+            ranks = [int(c.shape[-1]) for c in saved[:-1]]  # type: ignore[union-attr]
+            if ranks != list(self.bond_ranks):
+                self.resize_(ranks)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"modes={self.mode_shapes}, ranks={self.ranks}, tau={self.tau}"
@@ -522,29 +545,6 @@ class TTLinearCores(_TTMatrix):
 
 
 
-class SizeTap:
-    """Where a TT matrix's forward leaves its layer's size outputs for the CoMERA
-    objective (:func:`comera_engine.ops.ttm_matrix.ttm_matrix_sized`): while ``slots`` is
-    set (the objective's list, an entry per layer), a forward run with gradients writes
-    the float64 pair ``(Ŝ, S)`` of the backend's node to ``slots[index]`` (``None``
-    where the reference ran). The objective takes the entries at each call and empties
-    them at each step, so an entry is of the step whose forward made it. Neither copied
-    nor pickled: a copy of the module starts unset (the entries are of an autograd
-    graph)."""
-
-    __slots__ = ("index", "slots")
-
-    def __init__(self) -> None:
-        self.slots: list[Tensor | None] | None = None
-        self.index = 0
-
-    def __deepcopy__(self, memo: dict) -> SizeTap:
-        return SizeTap()
-
-    def __reduce__(self) -> tuple:
-        return (SizeTap, ())
-
-
 class TTMCores(_TTMatrix):
     """TT-matrix of a table ``E ∈ R^{V×D}``: cores ``(r_{k-1}, v_k, e_k, r_k)``,
     ``V <= ∏ v_k``, ``D = ∏ e_k``. Row ``i`` unravels to ``(i_1..i_d)`` (row-major)."""
@@ -557,8 +557,6 @@ class TTMCores(_TTMatrix):
                                                           ("row_factors", "col_factors"))
         modes = list(zip(self.row_factors, self.col_factors))
         super().__init__(modes, rank, tau=tau, init_var=init_var, dtype=dtype, device=device)
-        #: the layer's size outputs for the CoMERA objective (:class:`SizeTap`)
-        self.size_tap = SizeTap()
 
     @property
     def d(self) -> int:
@@ -571,13 +569,8 @@ class TTMCores(_TTMatrix):
     def to_matrix(self) -> Tensor:
         """The matrix ``(∏ v_k, ∏ e_k)`` of the gated cores, padding included
         (:func:`comera_engine.ops.ttm_matrix.ttm_matrix`: one autograd node on the CPU
-        backend). With :attr:`size_tap` set and gradients on, the same node's size
-        outputs are left in the tap."""
+        backend)."""
         cores, gates, alive = self.parts()
-        tap = self.size_tap
-        if tap.slots is not None and torch.is_grad_enabled():
-            W, tap.slots[tap.index] = ttm_matrix_sized(cores, gates, alive, self.tau)
-            return W
         return gated_ttm_matrix(cores, gates, alive, self.tau)
 
     def to_dense(self) -> Tensor:

@@ -74,6 +74,7 @@ from comera_engine.metrics import (
 from comera_engine.models import TaskModel, run_task
 from comera_engine.rank import CoMERA, Event
 from comera_engine.runplan import RunPlan, data_config, plan_run
+from comera_engine.tensor.planner import choices_made, describe_choices
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train import methods
 from comera_engine.train.batches import (
@@ -243,7 +244,8 @@ class _Run:
         if self.cfg.train.optimizer == "galore":  # the dense model's GaLore peer
             self.optimizer = methods.galore_optimizer(self.model, self.cfg)
         else:
-            self.optimizer = self.comera.make_optimizer(capturable=self.use_graph)
+            self.optimizer = self.comera.make_optimizer(lr=self.cfg.train.lr,
+                                                       capturable=self.use_graph)
 
     def _wrap(self) -> None:
         """(Re)build the DDP wrapper and the step function (after setup or a truncation)."""
@@ -320,6 +322,7 @@ class _Run:
         status = "finished"
         error: str | None = None
         metrics: dict[str, float] = {}
+        choices_made(clear=True)  # what this run's steps plan, not an earlier run's
         batches = iterate_batches(
             self.bundle.train,
             self.plan,
@@ -340,6 +343,7 @@ class _Run:
                 self._phase_now != "building" or settled(self.stepper)
             ):
                 self._set_phase("training")  # building lasts until a graph is captured
+                self._log_paths()
             raw = self._reduce(raw)
 
             if not all(math.isfinite(raw[k]) for k in ("loss/task", "loss/total", "grad_norm")):
@@ -600,6 +604,16 @@ class _Run:
         barrier(self.dist)
 
     # ------------------------------------------------------------------ logging
+
+    def _log_paths(self) -> None:
+        """The path each TT op of the training step took (the planner's choices, with
+        where their times came from; evaluation's left out): an event the Live run page
+        shows, logged again only when it changed (after a truncation the ranks are new)."""
+        made = [(c, ch) for c, ch in choices_made(clear=True) if c.training]
+        text = describe_choices(made) if made else None
+        if text is not None and text != getattr(self, "_paths_text", None):
+            self._paths_text = text
+            self.sink.log_event("paths", text, self.step)
 
     def _slow_path(self, text: str) -> None:
         """A fallback to a slower path (the CUDA graph off): its own event kind, shown

@@ -113,9 +113,8 @@ def freeze_gates(model: nn.Module) -> None:
 
     with torch.no_grad():
         for _, layer in tt_layers(model):
-            for g in layer.tt.gates:
-                g.fill_(1.0)
-                g.requires_grad_(False)
+            layer.tt.gate.fill_(1.0)
+            layer.tt.gate.requires_grad_(False)
             layer.tt.tau = 0.0
 
 
@@ -135,18 +134,13 @@ def apply_bond_ranks(model: nn.Module, bond_ranks: Sequence[Sequence[int]]) -> N
             layer.set_ranks_(ranks)
             continue
         tt = layer.tt
-        old = [int(g.shape[0]) for g in tt.gates]
+        old = list(tt.bond_ranks)
         if len(ranks) != len(old) or any(not 1 <= r <= o for r, o in zip(ranks, old)):
             raise ValueError(f"bond_ranks: need {len(old)} ranks within {old}, got "
                              f"{list(ranks)}")
         for k, (r, o) in enumerate(zip(ranks, old)):
-            if r == o:
-                continue
-            left, right, gate = tt.cores[k], tt.cores[k + 1], tt.gates[k]
-            left.data = (left.data[..., :r] * math.sqrt(o / r)).contiguous()
-            right.data = right.data[:r].contiguous()
-            gate.data = gate.data[:r].contiguous()
-            setattr(tt, f"alive_{k}", tt.alive(k)[:r].contiguous())
+            tt.cores[k].mul_(math.sqrt(o / r))
+        tt.select_([torch.arange(r, device=tt.gate.device) for r in ranks])
 
 
 @torch.no_grad()
@@ -170,7 +164,7 @@ def init_from_dense(model: nn.Module, dense: nn.Module) -> None:
     dense_mods = dict(dense.named_modules())
     for name, layer in own.items():
         src = dense_mods.get(name)
-        ranks = [int(g.shape[0]) for g in layer.tt.gates]
+        ranks = list(layer.tt.bond_ranks)
         if isinstance(layer, TTLinear) and isinstance(src, nn.Linear) and (
                 src.in_features, src.out_features) == (layer.in_features, layer.out_features):
             W = src.weight.detach().t().double()  # (in, out), as the cores hold it
@@ -302,8 +296,9 @@ def galore_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     low-rank gradient projection (group ``galore``: rank ``train.galore_rank``, default a
     quarter of the smaller side; ``update_proj_gap``, ``scale``; GaLore's ``std``
     projection), every other parameter (embeddings, biases, norms, small heads) plain
-    AdamW (group ``dense``). Learning rate ``comera.lr_dense``, weight decay
-    ``comera.weight_decay``, ``eps = 1e-8`` as ``torch.optim.AdamW``.
+    AdamW (group ``dense``). Learning rate ``comera.lr_dense`` (else ``train.lr``), weight
+    decay ``comera.weight_decay`` (else AdamW's 0.01), ``eps = 1e-8`` as
+    ``torch.optim.AdamW``.
 
     Raises:
         ConfigError: galore-torch is not installed (``train.optimizer``).
@@ -327,8 +322,9 @@ def galore_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
         for rank, params in sorted(by_rank.items())]
     if rest:
         groups.append({"name": "dense", "params": rest})
-    return cls(groups, lr=c.lr_dense, weight_decay=c.weight_decay, eps=1e-8,
-               no_deprecation_warning=True)
+    lr = c.lr_dense if c.lr_dense is not None else t.lr
+    decay = c.weight_decay if c.weight_decay is not None else 0.01  # torch's AdamW default
+    return cls(groups, lr=lr, weight_decay=decay, eps=1e-8, no_deprecation_warning=True)
 
 
 def _galore_class() -> type:

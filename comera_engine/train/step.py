@@ -15,7 +15,9 @@ when the step function changes: at a stage change and after a physical truncatio
 When capture is impossible the step falls back to eager execution and remembers why.
 
 The graph and eager paths compute the same numbers; the graph only removes the
-per-kernel launch cost, which dominates TT training (many small kernels).
+per-kernel launch cost, which dominates TT training (many small kernels). The warm-up and
+the capture plan every TT op for a graph (:func:`comera_engine.tensor.planner.graph_planning`:
+the device profile's graphed timings), so the paths warmed up are the ones captured.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from ..backends import cpu_backend
+from ..tensor.planner import graph_planning
 
 Batch = dict[str, torch.Tensor]
 
@@ -198,7 +201,7 @@ class GraphedStep:
     def _on_side_stream(self, batch: Batch) -> dict[str, torch.Tensor]:
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), graph_planning():
             out = self.step(batch)
         torch.cuda.current_stream().wait_stream(stream)
         return out
@@ -208,7 +211,8 @@ class GraphedStep:
         self.step.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=self._side_stream(), capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=self._side_stream(),
+                              capture_error_mode="thread_local"), graph_planning():
             static_out = self.step(static_in)
         self._graph, self._static_in, self._static_out = graph, static_in, static_out
         self.captures += 1

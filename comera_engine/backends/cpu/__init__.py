@@ -4,10 +4,9 @@ At small batches a TT-linear step is bound by per-op cost, not arithmetic; ``csr
 runs the pure-PyTorch ops' work (:mod:`comera_engine.ops`) in the same order from C++:
 the sweep path whole (``tt_sweep.cpp``), the halves path's gates, merges and core
 gradients (``tt_halves.cpp``), its batch GEMMs row-blocked (``tt_halves_batch.cpp``), gate
-helpers shared by all (``tt_common.cpp``), the rank gates' per-step work over a model
-(``gate_size.cpp``), a gated TT matrix's ``W`` as one autograd node with the training
-step's gradient clipping (``ttm_matrix.cpp``), and AdamW over every parameter group in one
-call (``adamw.cpp``). :mod:`.gemm` runs the halves step's batch
+helpers shared by all (``tt_common.cpp``), a gated TT matrix's ``W`` as one autograd node
+with the training step's gradient clipping (``ttm_matrix.cpp``), and AdamW over every
+parameter group in one call (``adamw.cpp``). :mod:`.gemm` runs the halves step's batch
 products the faster of two ways on this machine, and :mod:`.heap` keeps freed memory in
 the process between steps.
 
@@ -50,7 +49,7 @@ NAME = "comera_tt_native"
 ENV_DIR = "COMERA_CPU_BACKEND_DIR"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("tt_common.cpp", "tt_sweep.cpp", "tt_halves.cpp", "tt_halves_batch.cpp",
-           "gate_size.cpp", "ttm_matrix.cpp", "adamw.cpp", "module.cpp")
+           "ttm_matrix.cpp", "adamw.cpp", "module.cpp")
 READY = "ready"  # the complete build, moved into place in one rename
 MANIFEST = "manifest.json"  # written last inside a build
 CHOICES = "choices.json"  # the install's GEMM ways (.tune)

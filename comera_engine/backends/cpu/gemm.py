@@ -10,7 +10,7 @@ Each reaches the CPU's BLAS in two ways that compute the same product:
 * ``aᵀ·b`` (kind ``tn``, a reduction over the batch): ``aᵀ·b`` (way 0) or ``(bᵀ·a)ᵀ``
   (way 1), both MKL.
 
-Which is faster depends on the CPU as much as on the shape (CHANGELOG.md), so the
+Which is faster depends on the CPU as much as on the shape (``bench_gemm_backends.py``), so the
 way per role is chosen once per install, by ``python -m comera_engine.backends.cpu
 build`` timing both on representative operands (:mod:`.tune`), and stored in the
 backend's folder (:class:`Ways`). A run only reads that choice: it never times anything,

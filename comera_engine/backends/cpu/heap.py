@@ -7,7 +7,7 @@ its activations and gradients (a 4096×768 fp32 tensor is 12.6 MB), so, dependin
 what the process freed before, a step's tensors land on fresh pages, and the kernel
 faults in and zeroes every 4 KiB page on first touch: thousands of page faults per
 TT-linear step at 768×768 and 4096 tokens, and that step much slower in some processes
-than in others (CHANGELOG.md).
+than in others (``git show 1127e36:docs/BENCHMARKS.md``, "Freed heap memory kept").
 
 :func:`keep_freed_memory` fixes glibc's thresholds (``mallopt``), so that blocks up to
 ``mmap_threshold`` come from the heap and freed memory stays with the process for the

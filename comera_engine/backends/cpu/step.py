@@ -19,7 +19,7 @@ __all__ = ["BLOCK_ROWS", "batch_backward", "batch_forward"]
 
 BLOCK_ROWS = 512
 """Rows per block of the row-blocked step (blocks of 256-1024 rows timed within 0.1 ms
-of each other at 768×768, rank 30, 4096 rows; CHANGELOG.md)."""
+of each other at 768×768, rank 30, 4096 rows; git show 1127e36:docs/BENCHMARKS.md)."""
 
 
 def batch_forward(ops: ModuleType, ways: Ways, x: Tensor, Lp: Tensor, Rp: Tensor,

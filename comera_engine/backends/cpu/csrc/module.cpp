@@ -16,25 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "TT-linear halves: whether the blocked step calls BLAS directly (-1 asks, 0/1 sets)");
   mod.def("halves_batch_backward", &comera::halves_batch_backward,
           "TT-linear halves: the batch GEMMs of the backward, row-blocked (ops)");
-  mod.def("gate_size", &comera::gate_size,
-          "rank gates: size surrogate, its gradient and the cores' size (rank.size)");
-  pybind11::class_<comera::BankLayout, std::shared_ptr<comera::BankLayout>>(
-      mod, "BankLayout", "rank gates: a model's gates laid out for the calls below")
-      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                          std::vector<int64_t>, std::vector<double>, std::vector<double>>());
-  mod.def("size_objective", &comera::size_objective,
-          "rank gates: the CoMERA objective's loss and its terms, differentiable "
-          "(rank.objective)");
-  mod.def("size_objective_layers", &comera::size_objective_layers,
-          "rank gates: the CoMERA objective over the layers' own size outputs "
-          "(rank.objective)");
   mod.def("ttm_matrix", &comera::ttm_matrix,
-          "TT matrix: W (N, M) from gated cores, with the layer's size surrogate on "
-          "request, one autograd node (tensor.tt)");
+          "TT matrix: W (N, M) from gated cores, one autograd node (tensor.tt)");
   mod.def("clip_grad_norm", &comera::clip_grad_norm,
           "gradients: total 2-norm, scaled in place to max_norm (train.step)");
   mod.def("adamw_step", &comera::adamw_step,
           "AdamW: every parameter group's update in one call (ops.adamw)");
-  mod.def("layout_dying", &comera::layout_dying,
-          "rank gates: some live entry at or below its threshold, over a BankLayout");
 }

@@ -108,56 +108,11 @@ std::vector<Tensor> halves_batch_backward(const Tensor& dy, const Tensor& x,
                                           const Tensor& Rp, bool need_x, bool need_w,
                                           int64_t block);
 
-// The rank gates over a whole model (gate_size.cpp): the size surrogate, its gradient in
-// every entry and the cores' effective size; whether some live entry is at or below its
-// threshold.
-std::vector<Tensor> gate_size(const std::vector<Tensor>& gates,
-                              const std::vector<Tensor>& alive,
-                              const std::vector<int64_t>& bonds,
-                              const std::vector<double>& modes,
-                              const std::vector<double>& taus, bool want_size);
-// A model's gates laid out once for the calls below (rank.size.GateBank: made again when
-// the structure changes): the numbers of the layout; the calls take the gate and alive
-// tensors themselves (held here, they would keep a truncated parameter from being
-// swapped for its new tensor: torch.utils.swap_tensors wants no other owner).
-struct BankLayout {
-  BankLayout(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive,
-             std::vector<int64_t> bonds, std::vector<double> modes, std::vector<double> taus);
-  // the gates and alive vectors still have the layout's lengths and kinds
-  void check(const std::vector<Tensor>& gates, const std::vector<Tensor>& alive) const;
-  std::vector<int64_t> bonds, sizes;
-  std::vector<double> modes, taus;
-};
-// One TT layer's size surrogate Ŝ_l and effective size S_l (0 when a bond has no live
-// entry), each summed in double, from its masked gate values `gm` and their mask `m` as
-// absorb_gates gives them (flat, the bonds' lengths `lens` in order) and its mode sizes;
-// with `grad` defined, dŜ_l/dg of every entry written to it (gm's dtype): the layer's
-// share of the pass above (the same file).
-struct LayerSize {
-  double s_hat, size;
-};
-LayerSize layer_surrogate(const Tensor& gm, const Tensor& m, const std::vector<int64_t>& lens,
-                          const std::vector<double>& modes, const Tensor& grad);
-// The CoMERA objective's loss over a layout, an autograd node (the same file): {loss,
-// Ŝ, gamma (early) or size (late), lambda}; and the same node over the {Ŝ_l, S_l} pairs
-// the layers' own nodes output (float64; double_gates: the gates' dtype), which returns
-// nothing for a task loss that is not a float32/float64 CPU scalar.
-std::vector<Tensor> size_objective(const BankLayout& layout, const std::vector<Tensor>& gates,
-                                   const std::vector<Tensor>& alive, const Tensor& f,
-                                   const Tensor& side, bool late, const std::vector<double>& p);
-std::vector<Tensor> size_objective_layers(const std::vector<Tensor>& sized, const Tensor& f,
-                                          const Tensor& side, bool late,
-                                          const std::vector<double>& p, bool double_gates);
-// Some live entry at or below its threshold, over a layout (rank.optim's refresh).
-bool layout_dying(const BankLayout& layout, const std::vector<Tensor>& gates,
-                  const std::vector<Tensor>& alive);
-
-// A gated TT matrix's W (N, M) as one autograd node: {W}, or with want_size (gated)
-// {W, {Ŝ, S}} with the layer's pair (layer_surrogate, float64; differentiable in Ŝ), and a step's
-// gradient clipping over all its gradients (ttm_matrix.cpp).
+// A gated TT matrix's W (N, M) as one autograd node ({W}), and a step's gradient clipping
+// over all its gradients (ttm_matrix.cpp).
 std::vector<Tensor> ttm_matrix(const std::vector<Tensor>& cores,
                                const std::vector<Tensor>& gates,
-                               const std::vector<Tensor>& alive, double tau, bool want_size);
+                               const std::vector<Tensor>& alive, double tau);
 Tensor clip_grad_norm(const std::vector<Tensor>& grads, double max_norm);
 
 // AdamW over every parameter group in one call (adamw.cpp): counts[g] parameters of group

@@ -12,13 +12,6 @@
 // each an autograd node; at a small model's sizes those per-op costs exceed the
 // arithmetic. Backward walks the chain back: dE_k = A_{k-1}ᵀ·dA_k, dA_{k-1} = dA_k·E_kᵀ,
 // then dG_b = dE_b · diag(v_b) and dg_b = m_b ⊙ Σ_rows dE_b ⊙ G_b.
-//
-// With want_size the node also outputs the layer's size surrogate Ŝ and effective size S
-// (gate_size.cpp, layer_surrogate; a float64 pair, differentiable in Ŝ), for the CoMERA
-// objective to add up (size_objective_layers): a gate's gradient then comes out of this
-// one node, dg_b from W plus dL/dŜ · dŜ/dg_b, rather than from two nodes that autograd
-// adds, and the objective needs no pass over the gates of its own. The sum is the one
-// autograd forms: dL/dŜ rounded to the gates' dtype, times dŜ/dg, added to dg_b.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -35,21 +28,10 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The layer's bond lengths and mode sizes n_k m_k, as layer_surrogate takes them, from
-// its cores and their mode dims (n_0, m_0, n_1, m_1, …).
-void size_layout(const std::vector<Tensor>& raw, const std::vector<int64_t>& dims,
-                 std::vector<int64_t>& lens, std::vector<double>& modes) {
-  const auto K = static_cast<int64_t>(raw.size());
-  for (int64_t b = 0; b + 1 < K; ++b) lens.push_back(raw[b].size(-1));
-  for (int64_t k = 0; k < K; ++k) {
-    modes.push_back(static_cast<double>(dims[2 * k] * dims[2 * k + 1]));
-  }
-}
-
 struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
   static variable_list forward(AutogradContext* ctx, at::TensorList cores_in,
                                at::TensorList gates_in, const std::vector<Tensor>* alive,
-                               double tau, bool want_size) {
+                               double tau) {
     const int64_t K = static_cast<int64_t>(cores_in.size());
     TORCH_CHECK(K >= 1, "ttm_matrix: no cores");
     TORCH_CHECK(gates_in.empty() || static_cast<int64_t>(gates_in.size()) == K - 1,
@@ -93,17 +75,7 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
       ctx->saved_data["m"] = m;
     }
     ctx->saved_data["dims"] = dims;
-    ctx->saved_data["sized"] = false;
-    if (!want_size || !gm.defined()) return {W};
-    std::vector<int64_t> lens;
-    std::vector<double> modes;
-    size_layout(raw, dims, lens, modes);
-    const LayerSize ls = layer_surrogate(gm, m, lens, modes, Tensor());
-    Tensor sized = cpu_empty({2}, at::kDouble);
-    sized.data_ptr<double>()[0] = ls.s_hat;
-    sized.data_ptr<double>()[1] = ls.size;
-    ctx->saved_data["sized"] = true;
-    return {W, sized};
+    return {W};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -111,17 +83,14 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
     const bool gated = ctx->saved_data["gated"].toBool();
     const int64_t K = static_cast<int64_t>(raw.size());
     const int64_t n_g = gated ? K - 1 : 0;
-    variable_list out(K + n_g + 3);  // the cores, the gates, alive, tau, want_size
+    variable_list out(K + n_g + 2);  // the cores, the gates, alive, tau
     const Tensor& dW = grads[0];
-    // dL/dŜ where the size output was used (float64, the loss dtype's value)
-    const Tensor d_s =
-        ctx->saved_data["sized"].toBool() && grads.size() > 1 ? grads[1] : Tensor();
-    if (!dW.defined() && !d_s.defined()) return out;
+    if (!dW.defined()) return out;
     bool want_cores = false, want_gates = false;
     for (int64_t k = 0; k < K; ++k) want_cores = want_cores || ctx->needs_input_grad(k);
     for (int64_t b = 0; b < n_g; ++b) want_gates = want_gates || ctx->needs_input_grad(K + b);
     std::vector<Tensor> g(K + n_g);
-    if (dW.defined()) {
+    {
       const auto eff = ctx->saved_data["eff"].toTensorVector();
       const auto P = ctx->saved_data["prefixes"].toTensorVector();
       const auto dims = ctx->saved_data["dims"].toIntVector();
@@ -139,35 +108,6 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
       const Tensor m = gated ? ctx->saved_data["m"].toTensor() : Tensor();
       g = gate_grads(d_eff, raw, gm, m, right_sites(K), want_cores, want_gates);
     }
-    if (d_s.defined() && want_gates) {  // the size term's share of the gates' gradient
-      const Tensor gm = ctx->saved_data["gm"].toTensor();
-      std::vector<int64_t> lens;
-      std::vector<double> modes;
-      size_layout(raw, ctx->saved_data["dims"].toIntVector(), lens, modes);
-      Tensor sgrad = cpu_empty({gm.numel()}, gm.scalar_type());  // dŜ/dg, again from the gates kept
-      layer_surrogate(gm, ctx->saved_data["m"].toTensor(), lens, modes, sgrad);
-      const double dsv = d_s.contiguous().data_ptr<double>()[0];
-      AT_DISPATCH_FLOATING_TYPES(sgrad.scalar_type(), "ttm_matrix_size_grad", [&] {
-        const auto mult = static_cast<scalar_t>(dsv);
-        const scalar_t* __restrict__ src = sgrad.data_ptr<scalar_t>();
-        for (int64_t b = 0, off = 0; b < n_g; ++b) {
-          const int64_t r = raw[b].size(-1);
-          Tensor& gb = g[K + b];
-          if (!gb.defined()) {
-            gb = cpu_empty({r}, sgrad.scalar_type());
-            scalar_t* __restrict__ dst = gb.data_ptr<scalar_t>();
-            for (int64_t j = 0; j < r; ++j) dst[j] = src[off + j] * mult;
-          } else {  // from W, then plus the product (rounded first, as autograd's add)
-            scalar_t* __restrict__ dst = gb.data_ptr<scalar_t>();
-            for (int64_t j = 0; j < r; ++j) {
-              const scalar_t p = src[off + j] * mult;
-              dst[j] = dst[j] + p;
-            }
-          }
-          off += r;
-        }
-      });
-    }
     for (int64_t i = 0; i < K + n_g; ++i) {
       if (ctx->needs_input_grad(i)) out[i] = g[i];
     }
@@ -179,11 +119,10 @@ struct TTMMatrix : public torch::autograd::Function<TTMMatrix> {
 
 std::vector<Tensor> ttm_matrix(const std::vector<Tensor>& cores,
                                const std::vector<Tensor>& gates,
-                               const std::vector<Tensor>& alive, double tau, bool want_size) {
+                               const std::vector<Tensor>& alive, double tau) {
   TORCH_CHECK(gates.size() == alive.size(), "ttm_matrix: ", gates.size(), " gates and ",
               alive.size(), " alive vectors");
-  return TTMMatrix::apply(at::TensorList(cores), at::TensorList(gates), &alive, tau,
-                          want_size);
+  return TTMMatrix::apply(at::TensorList(cores), at::TensorList(gates), &alive, tau);
 }
 
 Tensor clip_grad_norm(const std::vector<Tensor>& grads, double max_norm) {
