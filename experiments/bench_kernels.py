@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(args.tokens, n, device=args.device, dtype=dtype,
                             requires_grad=True)
             dy = torch.randn(args.tokens, m, device=args.device, dtype=dtype)
-            with torch.autocast(args.device.split(":")[0], dtype=dtype, enabled=cuda):
+            # no cast cache (as the trainer's step): casts cached while warming up would
+            # be read inside the CUDA graph's capture
+            with torch.autocast(args.device.split(":")[0], dtype=dtype, enabled=cuda,
+                                cache_enabled=False):
                 med = bl.median_fwd_bwd_ms(variants, x, dy, graph, args.rounds, args.reps, cuda)
             elt = torch.empty((), dtype=dtype).element_size()
             tt_work = tt_linear_traffic(args.tokens, n, m, args.rank,

@@ -247,12 +247,14 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
              f"{r['params_ratio']:.1f}×"] for r in d["ratios"]]
     kernels = ("with the fused Triton kernels (`COMERA_KERNELS=1`)" if key.endswith("kernels")
                else "at batch 1 (peak memory against dense + AdamW)" if key.endswith("batch1")
+               else "at batch 128, the rows the H100 run did not reach" if "b128" in key
                else "per path choice (`--paths`)" if with_paths
                else "on the PyTorch paths (the default)")
     paths = (" CoMERA paths: `auto` is the planner's choice per layer (the device's "
              "profile where it has one), `reconstructed` / `factorised` / `fused` every TT "
              "op on that family where it has it." if with_paths else "")
-    return (f"### Training step, {kernels}\n\n`{d['command']}`. The paper's "
+    return (f"### Training step, {kernels}\n\n{d.get('device', '?')}: `{d['command']}`. "
+            "The paper's "
             "six-encoder transformer, CoMERA's early stage against the dense "
             "model, bf16 autocast; speed-up is dense ÷ CoMERA step time (below 1: "
             "CoMERA is the slower); peak memory is `torch.cuda.max_memory_allocated`"
@@ -281,8 +283,8 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                      "batch products and their backward), each far below the GPU's roofline "
                      "(the \"% roofline\" columns where measured): launch-bound eagerly, "
                      "kernel-bound in a graph.\n")
-    for key in ("bench_train_step_cuda", "bench_train_step_cuda_batch1",
-                "bench_train_step_cuda_kernels"):
+    for key in ("bench_train_step_cuda", "bench_train_step_cuda_b128_h200",
+                "bench_train_step_cuda_batch1", "bench_train_step_cuda_kernels"):
         if files.get(key):
             parts.append(_step_table(key, files[key]))
     d = files.get("bench_kernels_cuda")
@@ -373,11 +375,12 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def profile_rows(d: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+def profile_rows(d: dict[str, Any], graph_only: bool = False
+                 ) -> tuple[list[str], list[list[Any]]]:
     """A device profile's measurements as a table: per case the op, its shape (inputs ×
     outputs; rows × dim for a table), largest rank, rows, graph or not, every path's ms,
     the dense layer's, the fastest path and dense ÷ fastest (above 1: the TT op is the
-    faster)."""
+    faster). ``graph_only``: the cases replayed in a CUDA graph alone."""
     def prod(xs: list[int]) -> int:
         out = 1
         for x in xs:
@@ -386,6 +389,8 @@ def profile_rows(d: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 
     rows = []
     for m in d["measurements"]:
+        if graph_only and not m["graph"]:
+            continue
         paths = {p: v for p, v in m["ms"].items() if not p.startswith("nn.")}
         ref = next((v for p, v in m["ms"].items() if p.startswith("nn.")), None)
         best = min(paths, key=paths.get)
@@ -402,8 +407,10 @@ def profiles(files: list[tuple[str, dict[str, Any]]]) -> str:
     """The section of the committed device profiles (comera_engine/tensor/profiles)."""
     parts = ["## Paths measured on each GPU (the planner's profiles)\n\n`python "
              "experiments/tune_gpu.py` (`bash experiments/gpu_check.sh tune`) → "
-             "`comera_engine/tensor/profiles/<gpu>.json`, the profile the planner picks "
-             "each layer's path from. Forward + backward of each TT op of the paper's "
+             "`comera_engine/tensor/profiles/<gpu>.json` (the run's log beside the other "
+             "GPU results, `experiments/results/gpu/tune_<gpu>.log`), the profile the "
+             "planner picks each layer's path from; machine: the GPU each table names. "
+             "Forward + backward of each TT op of the paper's "
              "model and the paper-size configs, every path, beside the dense layer it "
              "replaces, medians of rounds.\n"]
     for name, d in files:
@@ -418,7 +425,9 @@ def profiles(files: list[tuple[str, dict[str, Any]]]) -> str:
                      f"rate, {100 * fit['bw_eff']:.0f} % of the bandwidth, "
                      f"{1e6 * fit['op_overhead']:.1f} µs a kernel eagerly, "
                      f"{1e6 * fit['graph_op_overhead']:.1f} µs in a CUDA graph.\n\n"
-                     + table(*profile_rows(d)) + "\n")
+                     + "The cases replayed in a CUDA graph, as the trainer runs a GPU step "
+                     "(the file holds the eager ones too):\n\n"
+                     + table(*profile_rows(d, graph_only=True)) + "\n")
     return "\n".join(parts)
 
 

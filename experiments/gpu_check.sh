@@ -6,7 +6,8 @@
 #   bash experiments/gpu_check.sh tests             # GPU tests, the trainer on the GPU
 #
 # Steps, in the order given, each with its own time limit (so a slow step cannot eat the
-# others' time; the limits add up to 120 s for tune, 200 s for tests, 270 s for bench):
+# others' time; the limits add up to 75 s for tune, 200 s for tests, 315 s for bench; on an H100 the
+# tuner needs about 45 s, a step-benchmark row about 14 s):
 #   tune   the device profile: every path of every TT op of the paper model (batch 32 and
 #          128) and the paper-size configs timed in bf16, eager and graphed, the Triton
 #          kernels' launch configurations swept, the cost model calibrated
@@ -55,7 +56,7 @@ step() {  # step SECONDS LOG COMMAND...: run with a time limit, log to $RES/LOG
 tune() {
     # the tuner stops its cases at 70 % of --budget and its kernel sweep at --budget, and
     # writes the profile after every case: a timeout still leaves a valid file
-    step 120 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 100
+    step 75 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 55
     export COMERA_PROFILE_DIR="$RES/profiles"
 }
 
@@ -91,18 +92,18 @@ bench() {
     # a training step of the paper's transformer, CoMERA vs dense: batch 32 (the paper's)
     # and 128, graphed with every path choice, eager with the planner's; the JSON is
     # written after every run, so a timeout keeps what was measured
-    step 150 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
+    step 195 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
         --batches 32 128 --paths auto reconstructed factorised fused --eager-paths auto \
         --graphs both --steps 10 --min-seconds 0.5 --out "$RES/bench_train_step_cuda.json"
     # batch 1: peak memory against dense + AdamW
-    step 25 bench_train_step_batch1.log $PY experiments/bench_train_step.py \
+    step 45 bench_train_step_batch1.log $PY experiments/bench_train_step.py \
         --presets paper --batches 1 --graphs on --steps 10 --min-seconds 0.3 \
         --out "$RES/bench_train_step_cuda_batch1.json"
     # every TT-linear path and the TTM lookup's against the dense layers, % of roofline
-    step 35 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
-    step 25 bench_kernels_ttm.log $PY experiments/bench_kernels_ttm.py --out "$RES" --rounds 5
+    step 30 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
+    step 20 bench_kernels_ttm.log $PY experiments/bench_kernels_ttm.py --out "$RES" --rounds 5
     # one TT layer on the planner's path against nn.Linear, as the trainer runs it
-    step 35 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
+    step 25 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
         --dtype bf16 --graph --tokens 4096 16384 --rounds 5 --out "$RES"
 }
 

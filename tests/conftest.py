@@ -118,12 +118,14 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> Callable[[object, str], list
 
 @pytest.fixture
 def fresh_planner(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """The planner with no profile, no path family and nothing cached (and nothing left
-    cached after the test); the test's monkeypatch, to set its own."""
-    from comera_engine.tensor import planner
+    """The planner with no profile (the committed ones hidden too), no path family and
+    nothing cached (and nothing left cached after the test); the test's monkeypatch, to
+    set its own."""
+    from comera_engine.tensor import planner, profile
 
     for var in ("COMERA_DEVICE_PROFILE", "COMERA_PROFILE_DIR", "COMERA_PATHS"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(profile, "PACKAGE_DIR", profile.PACKAGE_DIR / "absent")
     planner.clear_caches()
     yield monkeypatch
     planner.clear_caches()

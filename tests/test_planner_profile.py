@@ -189,3 +189,22 @@ def test_a_profile_round_trips_and_installs_its_kernel_configs(tmp_path, fresh_p
             "chain"]
     finally:
         configs.reset()
+
+
+def test_the_committed_profiles_load_and_each_plans_its_gpu(fresh_planner) -> None:
+    """Every profile committed with the package reads back, names a GPU the roofline
+    knows, holds measured cases, and is the one the planner uses for that GPU."""
+    from comera_engine.tensor import profile as profile_mod
+
+    fresh_planner.undo()  # the packaged profiles, as a user's install has them
+    planner.clear_caches()
+    files = sorted(profile_mod.PACKAGE_DIR.glob("*.json"))
+    assert files, "no profile is committed in comera_engine/tensor/profiles"
+    for path in files:
+        prof = DeviceProfile.read(path)
+        assert profile_mod.slug(prof.name) + ".json" == path.name
+        assert prof.measurements and spec_for_name(prof.name) is not None
+        assert profile_mod.find_profile(prof.name).name == prof.name
+        fresh_planner.setattr(planner, "_cuda_name", lambda dev, n=prof.name: n)
+        assert planner.device_model("cuda")[1].name == prof.name
+    planner.clear_caches()

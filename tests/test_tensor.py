@@ -672,20 +672,20 @@ def test_planner_cost_model_per_device_kind(monkeypatch) -> None:
     from comera_engine.tensor import planner
 
     assert explain(64, [4, 4], [4, 4], [1, 3, 3, 3, 1])["device_model"] == "cpu"
-    assert planner.DeviceModel.for_device("cpu") is planner.DEVICE_MODELS["cpu"]
+    assert planner.device_model("cpu")[0] is planner.DEVICE_MODELS["cpu"]
     planner._cuda_major.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
-    assert planner.DeviceModel.for_device("cuda").name == "cuda-sm9"
+    assert planner.device_model("cuda")[0].name == "cuda-sm9"
     planner._cuda_major.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (12, 0))
-    assert planner.DeviceModel.for_device("cuda").name == "cuda"
+    assert planner.device_model("cuda")[0].name == "cuda"
     planner._cuda_major.cache_clear()
 
     def no_cuda(dev=None):  # noqa: ANN001, ANN202
         raise RuntimeError("no CUDA")
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", no_cuda)
-    assert planner.DeviceModel.for_device("cuda:0").name == "cuda"
+    assert planner.device_model("cuda:0")[0].name == "cuda"
     planner._cuda_major.cache_clear()
     rates = {m.mac_rate for m in planner.DEVICE_MODELS.values()}
     assert len(rates) > 2  # not one hard-coded GPU rate

@@ -577,7 +577,7 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
     for graph_safe in (False, True):
         torch.manual_seed(0)
         model = build_model(ModelConfig(name="tt_mlp", preset="tiny", dropout=0.0), bundle)
-        state = CoMERA(model, config=cfg)
+        state = CoMERA(model, config=cfg, total_steps=40)  # with the pace's prunes
         opt = state.make_optimizer()
         step = TrainStep(
             TaskModel(model, "classification"),
@@ -596,11 +596,15 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
             out = step({"x": x[i * 32 : (i + 1) * 32], "labels": y[i * 32 : (i + 1) * 32]})
             counts = out["gate_counts"].tolist() if graph_safe else None
             done = state.step(opt, loss=float(out["loss/task"]), counts=counts, truncate=False)
-            events += [e.text for e in done if e.kind == "rank_change"]
+            events += [f"{e.kind}: {e.text}" for e in done if e.kind in ("rank_change", "pace")]
             losses.append(float(out["loss/total"]))
+            # the objective's S_c is the gates' count after every step, pace prunes too
+            assert state.objective.size_cores == sum(
+                m.tt.num_params(True) for m in state._layers.values()), i
         runs.append((losses, events, state.effective_ranks()))
     (l1, e1, r1), (l2, e2, r2) = runs
-    assert e1 == e2 and len(e1) > 0 and r1 == r2  # same rank-change events, same ranks
+    assert e1 == e2 and r1 == r2  # same rank-change and pace events, same ranks
+    assert any(e.startswith("pace") for e in e1), e1
     assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-6)
 
 

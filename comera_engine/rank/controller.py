@@ -407,7 +407,9 @@ class CoMERA:
         if rank_events or paced:
             self._dirty = True
             if self.objective is not None:  # its S: counted again at each rank change
-                self.objective.recount(self.current_size(counts) - self._extra)
+                # (after a pace prune the counts predate it: count from the gates)
+                self.objective.recount(self.current_size(None if paced else counts)
+                                       - self._extra)
         if truncate and optimizer is not None and self._dirty:
             done = self.truncate(optimizer, emit=False)
             if done is not None:
@@ -670,9 +672,9 @@ class CoMERA:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values (JSON and ``torch.load(weights_only=True)`` alike): the stage,
-        ``z_f``, the plateau, the pace plan, whether the ranks are fixed, the steps done
-        and every TT layer's allocated ranks (so :meth:`load_state_dict` can shape a
-        fresh model before its weights are loaded)."""
+        ``z_f``, the plateau, the pace plan, whether the ranks are fixed, the steps done,
+        the objective's ``S_c`` and every TT layer's allocated ranks (so
+        :meth:`load_state_dict` can shape a fresh model before its weights are loaded)."""
         obj = self.objective
         return {
             "stage": obj.stage if obj is not None else None,
@@ -684,6 +686,10 @@ class CoMERA:
             "removed": dict(self.removed),
             "ranks": {n: list(m.tt.bond_ranks) for n, m in self._layers.items()},
             "S0": obj.S0 if obj is not None else None,
+            # the objective's S_c as the run last counted it (on a GPU the gates die on
+            # the device and S_c is counted at the next rank event, not each step): a
+            # resume takes it as it was, so the continuation is the uninterrupted run's
+            "size_cores": obj.size_cores if obj is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -711,7 +717,7 @@ class CoMERA:
         if "step" in state:
             self.steps_done = int(state["step"])
         if self.objective is not None:
-            self.objective.recount()
+            self.objective.recount(state.get("size_cores"))  # older states: count now
         if "removed" in state:
             self.removed = {k: int(v) for k, v in state["removed"].items()}
 

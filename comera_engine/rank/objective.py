@@ -127,6 +127,11 @@ class CoMERAObjective:
 
     # ------------------------------------------------------------------ state
 
+    @property
+    def size_cores(self) -> float:
+        """``S_c`` as last counted (:meth:`recount`)."""
+        return self._cores
+
     def recount(self, cores: float | None = None) -> None:
         """The cores' effective size ``S_c`` (``Σ`` of :func:`tt_size` at the effective
         ranks; given as ``cores`` when the caller counted it), after ranks changed."""

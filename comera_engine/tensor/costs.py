@@ -148,14 +148,6 @@ class DeviceModel:
     def with_(self, **changes: object) -> DeviceModel:
         return replace(self, **changes)  # type: ignore[arg-type]
 
-    @staticmethod
-    def for_device(device: object) -> DeviceModel:
-        """The model the planner uses for ``device``
-        (:func:`comera_engine.tensor.planner.device_model`)."""
-        from .planner import device_model
-
-        return device_model(device)[0]  # type: ignore[arg-type]
-
 
 DEVICE_MODELS: dict[str, DeviceModel] = {
     # a 2-16 core x86 server CPU, fp32 (MKL/oneDNN)

@@ -101,7 +101,9 @@ def case_steps(case: Case, device: torch.device, tau: float = 1e-2
     case. Paths that cannot run here (``fused`` without the kernels) are left out."""
     g = torch.Generator(device="cpu").manual_seed(0)
     inner = list(case.ranks[1:-1])
-    amp = (torch.autocast(device.type, dtype=_DTYPES[case.dtype])
+    # no cast cache, as in the trainer's step: a cast cached outside a CUDA graph's
+    # capture would be read inside it
+    amp = (torch.autocast(device.type, dtype=_DTYPES[case.dtype], cache_enabled=False)
            if case.dtype != "float32" else nullcontext())
     T = case.tokens
 
