@@ -21,14 +21,14 @@ The package: ``schema.py`` (the dataclasses, the names and bounds), ``read.py`` 
 method's business: :mod:`comera_engine.rank.schedule`.
 """
 
-from comera_engine.config.read import (
+from .read import (
     apply_override,
     check_bounds,
     config_from_dict,
     load_config,
     parse_value,
 )
-from comera_engine.config.schema import (
+from .schema import (
     DEFAULT_TT_LAYERS,
     LINEAR_LAYOUTS,
     MAX_CONFIG_BYTES,
@@ -53,7 +53,7 @@ from comera_engine.config.schema import (
     ModelConfig,
     TrainConfig,
 )
-from comera_engine.config.validate import (
+from .validate import (
     check_choice,
     check_entry_point,
     check_run_name,
@@ -64,7 +64,7 @@ from comera_engine.config.validate import (
     validate_methods,
     validate_user_model,
 )
-from comera_engine.config.write import to_toml, toml_value
+from .write import to_toml, toml_value
 
 __all__ = [
     "DEFAULT_TT_LAYERS", "LINEAR_LAYOUTS", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_LIST",

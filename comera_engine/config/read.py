@@ -11,7 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from comera_engine.config.schema import (
+from ..errors import ConfigError
+from .schema import (
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
     MAX_LIST,
@@ -19,8 +20,7 @@ from comera_engine.config.schema import (
     SECTIONS,
     Config,
 )
-from comera_engine.config.validate import check_run_name, check_task, refuse_unknown, validate
-from comera_engine.errors import ConfigError
+from .validate import check_run_name, check_task, refuse_unknown, validate
 
 try:
     import tomllib

@@ -10,7 +10,8 @@ import difflib
 import math
 from typing import Any
 
-from comera_engine.config.schema import (
+from ..errors import ConfigError
+from .schema import (
     LINEAR_LAYOUTS,
     MAX_NAME,
     METHODS,
@@ -28,7 +29,6 @@ from comera_engine.config.schema import (
     Config,
     ModelConfig,
 )
-from comera_engine.errors import ConfigError
 
 
 def validate(cfg: Config) -> None:

@@ -8,7 +8,7 @@ import json
 import math
 from typing import Any
 
-from comera_engine.config.schema import Config
+from .schema import Config
 
 
 def to_toml(cfg: Config) -> str:
