@@ -42,11 +42,17 @@ def _variants(n: int, m: int, rank: int, device: str) -> tuple[dict, TTLinear]:
     ins, outs = PAPER.get(f"{n}x{m}", (None, None))
     tt = TTLinear(n, m, rank=rank, in_factors=ins, out_factors=outs).to(device)
     dense = torch.nn.Linear(n, m).to(device)
-    cores, gates, alive = tt.tt.parts()
     d = len(tt.in_factors)
 
     def path(p: str):  # noqa: ANN202
-        return lambda x: tt_linear(x, cores, d, p, tt.bias, gates, tt.tt.tau, alive)
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            # the gates' views made inside the step, as a layer does: made once outside,
+            # on the default stream, their gradient's accumulator would belong to that
+            # stream and a CUDA graph's capture of the backward would fail
+            cores, gates, alive = tt.tt.parts()
+            return tt_linear(x, cores, d, p, tt.bias, gates, tt.tt.tau, alive)
+
+        return forward
 
     return {"fused": path("fused"), "halves": path("halves"), "dense": path("dense"),
             "nn.Linear": dense}, tt

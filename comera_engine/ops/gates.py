@@ -181,9 +181,7 @@ class GatedFunction:
     def backward(cls, ctx, dy: Tensor):  # type: ignore[override]  # noqa: ANN001, ANN206
         if ctx.amp is None:
             return cls._backward(ctx, dy)
-        # no cast cache (as the trainer's step): the autograd thread's cache, cleared when
-        # this context ends, must not outlive a CUDA graph's capture it was filled in
-        with torch.autocast(ctx.amp[0], dtype=ctx.amp[1], cache_enabled=False):
+        with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
             return cls._backward(ctx, dy)
 
     @classmethod
