@@ -855,3 +855,63 @@ def test_repair_finds_broken_pages_and_leaves_a_sound_store_alone(tmp_path: Path
     with pytest.raises(ValueError, match="not a CoMERA run store"):
         repair(other)
     assert other.exists()
+
+
+# ------------------------------------------------------------------ issue 48
+# No duplicate rows after an early crash, a closed terminal is a stop, every number
+# bounded before a run exists, and quiet pipes (docs/RELIABILITY.md).
+
+
+def _folder_rows(run_dir: Path) -> list[tuple[int, str, float | None]]:
+    """Every metric row of ``metrics.jsonl`` as ``(step, name, value)`` (NaN as None, as
+    the store keeps it), in the file's order."""
+    import math
+
+    from comera_engine.metrics import read_jsonl
+
+    return [(r["step"], k, None if isinstance(v, float) and math.isnan(v) else float(v))
+            for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("type") == "metrics"
+            for k, v in r["values"].items()]
+
+
+def _store_rows(st: RunStore, rid: str) -> list[tuple[int, str, float | None]]:
+    rows = st.read(lambda c: c.execute("SELECT step, name, value FROM metrics WHERE run_id = ?"
+                                       " ORDER BY step, name", (rid,)).fetchall())
+    return [(s, n, v) for s, n, v in rows]
+
+
+def test_kill9_at_any_moment_then_resume_keeps_each_step_once(store: RunStore) -> None:
+    """Item 1: a launched run is killed (-9) before its first checkpoint, then at random
+    moments after, and resumed each time; stopped at last, its ``metrics.jsonl`` and the
+    store hold the same rows, row for row: steps 1..N once each, the same values."""
+    import random
+
+    from comera_engine.launch import checkpoint_steps, launch, resume, stop
+    from tests.test_launch import START_TIMEOUT, _status, wait_for
+
+    st, seed = store, random.randrange(10**6)
+    rng = random.Random(seed)
+    rid = launch(CONFIG, ["train.steps=100000", "train.eval_every=0", "train.ckpt_every=300"],
+                 store=st)
+    run_dir = st.run_dir(rid)
+    last = 0
+    for attempt, (low, high) in enumerate([(5, 40), (320, 520), (0, 0)], start=1):
+        low, high = (low, high) if high else (last + 5, last + 200)
+        at = rng.randrange(low, high)
+        wait_for(lambda a=attempt, s=at: (run := st.get_run(rid))["attempt"] == a
+                 and run["status"] == "running" and (run["last_step"] or 0) >= s,
+                 START_TIMEOUT, f"attempt {attempt} at step {at} (seed {seed})")
+        os.kill(st.get_run(rid)["pid"], signal.SIGKILL)
+        wait_for(lambda: _status(st, rid) == "crashed", 30, "crashed")
+        if attempt == 1:  # killed before its first checkpoint: the restart has none
+            assert checkpoint_steps(run_dir) == [], f"seed {seed}"
+        last = st.get_run(rid)["last_step"] or 0
+        assert resume(rid, store=st) == rid
+    wait_for(lambda: (st.get_run(rid)["last_step"] or 0) > last + 20, START_TIMEOUT,
+             "steps of the last attempt")
+    assert stop(rid, timeout=60, store=st) == "stopped"
+    folder, stored = _folder_rows(run_dir), _store_rows(st, rid)
+    steps = [s for s, n, _ in folder if n == "loss/task"]
+    assert steps == list(range(1, len(steps) + 1)), f"seed {seed}: {len(steps)} rows"
+    assert sorted(folder) == sorted(stored) and len(folder) == len(set(folder)), f"seed {seed}"
+    assert st.get_run(rid)["last_step"] == steps[-1]
