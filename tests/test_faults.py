@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -915,3 +916,84 @@ def test_kill9_at_any_moment_then_resume_keeps_each_step_once(store: RunStore) -
     assert steps == list(range(1, len(steps) + 1)), f"seed {seed}: {len(steps)} rows"
     assert sorted(folder) == sorted(stored) and len(folder) == len(set(folder)), f"seed {seed}"
     assert st.get_run(rid)["last_step"] == steps[-1]
+
+
+def _numeric_fields() -> list[tuple[str, bool]]:
+    """Every bounded number of a config: ``(section.key, is a list)``, the dataclass
+    fields of ``[model]``, ``[comera]``, ``[train]`` and the ``[data]`` keys."""
+    import typing
+
+    from comera_engine.config import BOUNDS, DATA_BOUNDS, SECTIONS
+
+    fields = []
+    for full in BOUNDS:
+        section, key = full.split(".")
+        hint = typing.get_type_hints(SECTIONS[section])[key]
+        fields.append((full, "list" in str(hint)))
+    return fields + [(f"data.{key}", False) for key in DATA_BOUNDS]
+
+
+NUMERIC_FIELDS = _numeric_fields()
+HUGE = ["100000000000000000000000", "-100000000000000000000000", "nan", "inf"]
+
+
+@pytest.mark.parametrize("full,is_list", NUMERIC_FIELDS, ids=[f for f, _ in NUMERIC_FIELDS])
+def test_every_number_is_bounded_before_a_run_exists(
+        full: str, is_list: bool, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Item 3: 10^23, -10^23, nan and inf for every numeric field, through ``comera
+    launch``, ``comera train`` and the form's ``resolve_config``: exit 2, one line naming
+    the field and its range, no run row, no run folder."""
+    import tomllib
+
+    from comera_engine.config import BOUNDS, DATA_BOUNDS
+    from comera_engine.errors import ConfigError
+    from comera_engine.launch import resolve_config
+
+    bound = BOUNDS.get(full) or DATA_BOUNDS[full.split(".", 1)[1]]
+    st = _seeded_store(tmp_path)
+    before = _snapshot(st)
+    raw = tomllib.loads(CONFIG.read_text())
+    for value in HUGE:
+        setting = f"{full}=[{value}]" if is_list else f"{full}={value}"
+        for argv in (["launch", str(CONFIG), "--set", setting, "--store", str(st.path)],
+                     ["train", str(CONFIG), "--set", setting, "--store", str(st.path),
+                      "--run-dir", str(tmp_path / "run"), "--no-progress"]):
+            assert main(argv) == 2, argv
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"comera: error: {full}: "), lines
+            assert f"(allowed: {bound.text()})" in lines[0], lines[0]
+        with pytest.raises(ConfigError, match=f"^{full}: .*allowed: "):  # the form's check
+            resolve_config(raw, [setting])
+    assert _snapshot(st) == before and not (tmp_path / "run").exists()
+
+
+def test_a_stored_error_is_one_line_and_the_traceback_stays_in_the_log(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Item 3: a trainer that dies with a Python traceback is recorded ``failed`` with
+    the one line its traceback ended with (the frames stay in ``train.log``), and
+    ``comera runs`` shows that line; any multi-line error reaching the store is one line."""
+    from comera_engine.launch.scheduler import Slot
+    from comera_engine.launch.supervisor import LocalExecutor
+
+    st = RunStore(tmp_path / "home" / "comera.db")
+    rid = st.create_run("tb", {"name": "tb"}, "running")
+    st.run_dir(rid).mkdir(parents=True, exist_ok=True)
+    executor = LocalExecutor(st, rid)
+    with open(executor.log_path, "ab") as log:
+        executor.offset = log.tell()
+        proc = subprocess.Popen([sys.executable, "-c", "import torch\n"
+                                 "torch.manual_seed(10**23)"], stdout=log,
+                                stderr=subprocess.STDOUT)
+    slot = Slot(rid, 1, handle=proc, exit_code=proc.wait())
+    outcome = executor.outcome(slot, st.get_run(rid))
+    st.lifecycle(rid).end(outcome.status, outcome.error)
+    run = st.get_run(rid)
+    assert run["status"] == "failed" and "\n" not in run["error"], run["error"]
+    assert re.match(r"^\w+Error: .*Overflow", run["error"]), run["error"]
+    assert run["error"].endswith("(traceback in train.log)")
+    assert "Traceback (most recent call last)" in executor.log_path.read_text()
+    assert main(["runs", "--store", str(st.path)]) == 0
+    assert run["error"][:40] in capsys.readouterr().out
+    other = st.create_run("multi", {"name": "multi"}, "running")
+    st.lifecycle(other).end("failed", "first line\n  second line\n\nthird")
+    assert st.get_run(other)["error"] == "first line | second line | third"

@@ -6,12 +6,14 @@ each table's values coerced to its dataclass's field types, unknown keys refused
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
 from comera_engine.config.schema import (
+    BOUNDS,
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
     MAX_LIST,
@@ -19,7 +21,14 @@ from comera_engine.config.schema import (
     SECTIONS,
     Config,
 )
-from comera_engine.config.validate import check_run_name, check_task, refuse_unknown, validate
+from comera_engine.config.validate import (
+    check_data_numbers,
+    check_number,
+    check_run_name,
+    check_task,
+    refuse_unknown,
+    validate,
+)
 from comera_engine.errors import ConfigError
 
 try:
@@ -124,6 +133,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     if "name" not in data:
         raise ConfigError("data.name", "missing; name a dataset (e.g. digits, snli, code_mlm, "
                                        "files)")
+    check_data_numbers(data)
     sections = {}
     for section, cls in SECTIONS.items():
         values = raw.get(section, {})
@@ -156,6 +166,8 @@ def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
         if key not in names:
             refuse_unknown(full, [f"{section}.{n}" for n in names] + _all_field_names())
         kwargs[key] = _coerce(full, value, hints[key])
+        if full in BOUNDS:  # the value as written: a huge integer is not turned into inf
+            check_number(full, value, BOUNDS[full])
     return cls(**kwargs)
 
 
@@ -163,7 +175,8 @@ def _coerce(full: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
     ok, out = _match(value, tp)
     if not ok:
-        raise ConfigError(full, f"must be {_describe(tp)}, got {value!r}")
+        allowed = f" (allowed: {BOUNDS[full].text()})" if full in BOUNDS else ""
+        raise ConfigError(full, f"must be {_describe(tp)}, got {value!r}{allowed}")
     return out
 
 
@@ -192,7 +205,10 @@ def _match(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False, None
-        return True, float(value)
+        try:
+            return True, float(value)
+        except OverflowError:  # an integer past any float: the bounds refuse it
+            return True, math.inf if value > 0 else -math.inf
     if tp is str:
         return isinstance(value, str), value
     return True, value
