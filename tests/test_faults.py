@@ -330,46 +330,72 @@ def _newest_checkpoint(run_dir: Path) -> int | None:
     return steps[-1] if steps else None
 
 
-def test_closing_the_terminal_stops_a_foreground_run_like_ctrl_c(tmp_path: Path) -> None:
-    """Item 6: SIGHUP to a foreground ``comera train`` writing to a terminal that then
-    goes away: status ``stopped``, a checkpoint at its last step, exit 0, and every step
-    of ``metrics.jsonl`` in the store (steps 1..N)."""
+def _own_terminal() -> None:
+    """In the child, before exec: a new session whose controlling terminal is the pty
+    on its stdin (as a shell in a terminal window has), so closing the window hangs it
+    up and the kernel sends SIGHUP."""
+    import fcntl
+    import termios
+
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_closing_the_terminal_stops_a_foreground_run_like_ctrl_c(store: RunStore) -> None:
+    """Item 6 (issue 33), made real by issue 48: a foreground ``comera train`` in a pty
+    that is its controlling terminal; the terminal is closed (no signal sent by hand:
+    the hangup's SIGHUP comes from the kernel). Exit 0, ``stopped`` with no error, a
+    checkpoint at its last step, every step of ``metrics.jsonl`` in the store (steps
+    1..N), nothing written to the dead terminal raised; ``comera resume`` then goes on
+    from that checkpoint."""
+    import select
     import threading
 
+    from comera_engine.launch import resume, stop
     from tests.test_launch import LONG, START_TIMEOUT, _steps, wait_for
 
     master, slave = os.openpty()
-    run_dir, home = tmp_path / "run", tmp_path / "home"
+    run_dir, home = store.path.parent / "fg", store.path.parent
     cmd = [sys.executable, "-m", "comera_engine.cli", "train", str(CONFIG), "--run-dir",
            str(run_dir), "--store", str(home), *[a for s in LONG for a in ("--set", s)]]
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            preexec_fn=_own_terminal, env={**os.environ, "PYTHONPATH": str(ROOT)})
     os.close(slave)
+    closing = threading.Event()
 
-    def drain() -> None:  # the terminal's reader, until it is closed
-        try:
-            while os.read(master, 4096):
-                pass
-        except OSError:
-            pass
+    def drain() -> None:  # the terminal window, reading what the run prints
+        while not closing.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    os.read(master, 65536)
+                except OSError:
+                    return
 
-    threading.Thread(target=drain, daemon=True).start()
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(_jsonl_steps(run_dir))
                  >= 30, START_TIMEOUT, "30 steps")
-        os.close(master)  # the terminal window closes ...
-        proc.send_signal(signal.SIGHUP)  # ... and its session gets SIGHUP
+        closing.set()
+        reader.join()
+        os.close(master)  # the terminal window closes: the kernel hangs the pty up
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    st = RunStore(home, create=False)
-    (run,) = st.list_runs()
-    assert run["status"] == "stopped" and run["error"] is None
+            proc.wait()
+    (run,) = store.list_runs()
+    assert run["status"] == "stopped" and run["error"] is None, run["error"]
     steps = _jsonl_steps(run_dir)
     assert steps == list(range(1, len(steps) + 1))
-    assert _steps(st, run["id"]) == steps
+    assert _steps(store, run["id"]) == steps
     assert _newest_checkpoint(run_dir) == steps[-1] == run["last_step"]
+    assert resume(run["id"], store=store) == run["id"]  # as a user would, from its folder
+    wait_for(lambda: (store.get_run(run["id"])["last_step"] or 0) > steps[-1] + 5,
+             START_TIMEOUT, "steps after the resume")
+    assert stop(run["id"], timeout=60, store=store) == "stopped"
+    again = _jsonl_steps(run_dir)
+    assert again == list(range(1, len(again) + 1)) == _steps(store, run["id"])
 
 
 def test_a_frozen_trainer_shows_stalled_and_stop_wakes_it_for_its_checkpoint(

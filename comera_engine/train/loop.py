@@ -750,12 +750,13 @@ def _install_signal_handlers(stop_flag: threading.Event):  # noqa: ANN202
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {}
+    terminal = ProgressBar.terminal_fds()  # noted now: after a hangup they are no tty
 
     def on_signal(signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and stop_flag.is_set():
             raise KeyboardInterrupt
         if signum == signal.SIGHUP:
-            ProgressBar.detach_terminal()
+            ProgressBar.detach_terminal(terminal)
         stop_flag.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
