@@ -918,12 +918,12 @@ def test_kill9_at_any_moment_then_resume_keeps_each_step_once(store: RunStore) -
 
     st, seed = store, random.randrange(10**6)
     rng = random.Random(seed)
-    rid = launch(CONFIG, ["train.steps=100000", "train.eval_every=0", "train.ckpt_every=300"],
+    rid = launch(CONFIG, ["train.steps=100000", "train.eval_every=0", "train.ckpt_every=200"],
                  store=st)
     run_dir = st.run_dir(rid)
     last = 0
-    for attempt, (low, high) in enumerate([(5, 40), (320, 520), (0, 0)], start=1):
-        low, high = (low, high) if high else (last + 5, last + 200)
+    for attempt, (low, high) in enumerate([(3, 20), (205, 290), (0, 0)], start=1):
+        low, high = (low, high) if high else (last + 3, last + 90)
         at = rng.randrange(low, high)
         wait_for(lambda a=attempt, s=at: (run := st.get_run(rid))["attempt"] == a
                  and run["status"] == "running" and (run["last_step"] or 0) >= s,
@@ -934,7 +934,7 @@ def test_kill9_at_any_moment_then_resume_keeps_each_step_once(store: RunStore) -
             assert checkpoint_steps(run_dir) == [], f"seed {seed}"
         last = st.get_run(rid)["last_step"] or 0
         assert resume(rid, store=st) == rid
-    wait_for(lambda: (st.get_run(rid)["last_step"] or 0) > last + 20, START_TIMEOUT,
+    wait_for(lambda: (st.get_run(rid)["last_step"] or 0) > last + 5, START_TIMEOUT,
              "steps of the last attempt")
     assert stop(rid, timeout=60, store=st) == "stopped"
     folder, stored = _folder_rows(run_dir), _store_rows(st, rid)
