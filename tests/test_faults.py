@@ -681,9 +681,9 @@ def _mount(*args: str) -> bool:
 
 def test_a_read_only_home_is_read_and_named(tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
-    """Item 7: on a read-only home (a tmpfs remounted read-only) ``runs``, ``logs`` and
-    ``export`` work (the store opened read-only); ``launch`` and ``resume`` give one line
-    naming the folder and the fix."""
+    """Item 7: on a read-only home (a tmpfs remounted read-only) ``runs``, ``sweeps``
+    (issue 48), ``logs`` and ``export`` work (the store opened read-only); ``launch``
+    and ``resume`` give one line naming the folder and the fix."""
     home = tmp_path / "home"
     home.mkdir()
     if not _mount("-t", "tmpfs", "-o", "size=64m", "tmpfs", str(home)):
@@ -691,11 +691,15 @@ def test_a_read_only_home_is_read_and_named(tmp_path: Path,
     try:
         st, rid = _trained_run(tmp_path, home)
         st.set_status(rid, "stopped", only_from=("finished",))
+        sid = st.create_sweep("sw", {"name": "sw"}, {"train.seed": [1, 2]}, 1)
         st.close()
         capsys.readouterr()
         assert _mount("-o", "remount,ro", str(home))
         assert main(["runs", "--store", str(home)]) == 0
         assert rid in capsys.readouterr().out
+        for argv in (["sweeps"], ["sweeps", sid]):  # issue 48: it only reads
+            assert main([*argv, "--store", str(home)]) == 0, capsys.readouterr().err
+            assert "sw" in capsys.readouterr().out
         assert main(["logs", rid, "--store", str(home)]) == 0
         out = tmp_path / "model.safetensors"
         assert main(["export", rid, "--store", str(home), "--out", str(out)]) == 0
@@ -1023,3 +1027,61 @@ def test_a_stored_error_is_one_line_and_the_traceback_stays_in_the_log(
     other = st.create_run("multi", {"name": "multi"}, "running")
     st.lifecycle(other).end("failed", "first line\n  second line\n\nthird")
     assert st.get_run(other)["error"] == "first line | second line | third"
+
+
+def test_a_closed_pipe_ends_every_listing_quietly(tmp_path: Path) -> None:
+    """Item 4: ``comera runs | head -1`` (and ``head -c 10`` of the JSON) exits 0 with no
+    traceback; so does every printing command whose reader has already gone (the
+    pipe's read end closed before it writes: ``runs``, ``runs --json``, ``sweeps``,
+    ``logs``, ``--help``)."""
+    st = RunStore(tmp_path / "home" / "comera.db")
+    rids = [st.create_run(f"run-{i}", {"name": f"run-{i}"}, "stopped") for i in range(400)]
+    st.run_dir(rids[0]).mkdir(parents=True, exist_ok=True)
+    st.log_path(rids[0]).write_text("a log line\n" * 20_000)
+    st.create_sweep("sw", {"name": "sw"}, {"train.seed": [1, 2]}, 1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    comera = f"{sys.executable} -m comera_engine.cli"
+    for pipeline in (f"{comera} runs --store {st.path} | head -1",
+                     f"{comera} runs --json --store {st.path} | head -c 10"):
+        out = subprocess.run(["bash", "-c", f"set -o pipefail; {pipeline}"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stderr == "", (pipeline, out.stderr[-2000:])
+        assert out.stdout.startswith(("ID ", "[")), out.stdout
+    for argv in (["runs"], ["runs", "--json"], ["sweeps"], ["logs", rids[0]], ["--help"]):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the command writes a byte
+        try:
+            proc = subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv,
+                                   *(["--store", str(st.path)] if argv != ["--help"] else [])],
+                                  stdout=write, stderr=subprocess.PIPE, env=env, timeout=120)
+        finally:
+            os.close(write)
+        assert proc.returncode == 0 and proc.stderr == b"", (argv, proc.stderr[-2000:])
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Item 4: a config path that is a folder, a FIFO, a device, a symlink loop or a
+    symlink to nothing: ``launch`` and ``train`` exit 2 with one line saying which (not
+    "file not found"), without blocking on the FIFO or writing anything."""
+    folder, fifo, loop, dangling = (tmp_path / n for n in ("dir.toml", "fifo.toml",
+                                                            "loop.toml", "dangling.toml"))
+    folder.mkdir()
+    os.mkfifo(fifo)
+    loop.symlink_to(tmp_path / "loop2.toml")
+    (tmp_path / "loop2.toml").symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone.toml")
+    cases = [(folder, "is a folder, not a config file"),
+             (fifo, "is a FIFO (named pipe), not a regular file"),
+             (Path(os.devnull), "is a device, not a regular file"),
+             (loop, "is a symlink loop"),
+             (dangling, f"is a symlink to {tmp_path / 'gone.toml'}, which does not exist")]
+    for path, says in cases:
+        for argv in (["launch", str(path), "--store", str(tmp_path / "home")],
+                     ["train", str(path), "--run-dir", str(tmp_path / "run"),
+                      "--store", str(tmp_path / "home"), "--no-progress"]):
+            _refused(argv, capsys, "config")
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert says in err and str(path) in err, err
+    assert not (tmp_path / "home").exists() and not (tmp_path / "run").exists()
