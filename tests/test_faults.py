@@ -1027,6 +1027,8 @@ def test_a_stored_error_is_one_line_and_the_traceback_stays_in_the_log(
     other = st.create_run("multi", {"name": "multi"}, "running")
     st.lifecycle(other).end("failed", "first line\n  second line\n\nthird")
     assert st.get_run(other)["error"] == "first line | second line | third"
+    st.update_run(other, error="rebuilt\nby repair")  # the other way an error is written
+    assert st.get_run(other)["error"] == "rebuilt | by repair"
 
 
 def test_a_closed_pipe_ends_every_listing_quietly(tmp_path: Path) -> None:

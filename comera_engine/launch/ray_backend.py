@@ -81,7 +81,7 @@ from comera_engine.launch.ray_task import (  # what runs on the workers
 from comera_engine.launch.runs import CONFIG_FILENAME, DEFAULT_STOP_TIMEOUT, open_store
 from comera_engine.launch.scheduler import Outcome, Scheduler, Slot
 from comera_engine.store import RunStore, StoreError
-from comera_engine.store.layout import log_tail_line, traceback_error
+from comera_engine.store.layout import log_error
 from comera_engine.store.metrics import ArtifactRow, EventRow, MetricRow, RankRow
 from comera_engine.store.runs import check_phase
 
@@ -243,10 +243,9 @@ def _signame(code: int) -> str:
 
 
 def _log_error(log: str) -> str:
-    """A failed trainer's error as one line: the exception its traceback ended with (the
-    traceback stays in the log), else its last non-blank log lines."""
-    found = traceback_error(log)
-    return f"{found} (traceback in the log)" if found else log_tail_line(log)
+    """A failed trainer's error as one line (:func:`~comera_engine.store.layout.log_error`;
+    the traceback stays in the log)."""
+    return log_error(log)
 
 
 def cell_outcome(

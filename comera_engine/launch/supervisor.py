@@ -37,7 +37,7 @@ from comera_engine.launch.scheduler import Outcome, Scheduler, Slot
 from comera_engine.launch.signals import send_stop_signal, signal_group
 from comera_engine.store import RunStore, StoreError
 from comera_engine.store.errors import is_damaged
-from comera_engine.store.layout import log_tail_line, traceback_error
+from comera_engine.store.layout import log_error, log_tail_line, traceback_error
 
 #: Seconds between the supervisor's looks at the store (the trainer's exit is seen at once).
 POLL_S = 0.3
@@ -191,9 +191,7 @@ class LocalExecutor:
             error = f"crashed: the trainer was killed by {how} without a final status"
         elif rc > 0:  # an error it reported on the way out (traceback or one-line error)
             status = "failed"
-            found = traceback_error(text)
-            error = (f"{found} (traceback in {self.log_path.name})" if found
-                     else log_tail_line(tail) or f"the trainer exited with {how}")
+            error = log_error(text, self.log_path.name) or f"the trainer exited with {how}"
         else:
             error = f"crashed: the trainer exited ({how}) without a final status"
         if error and status == "crashed" and tail:

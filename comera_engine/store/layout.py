@@ -197,6 +197,17 @@ def one_line_error(text: str) -> str:
     return " | ".join(ln.strip() for ln in str(text).splitlines() if ln.strip())
 
 
+def log_error(text: str, log_name: str = "the log") -> str:
+    """What a trainer's log ``text`` says went wrong, as one line: the exception its
+    last traceback ended with (``... (traceback in LOG_NAME)``), else its last one-line
+    error (``comera: error: ...``), else its last non-blank lines."""
+    found = traceback_error(text)
+    if found:
+        return f"{found} (traceback in {log_name})"
+    said = [ln.strip() for ln in text.splitlines() if ln.startswith("comera: error: ")]
+    return said[-1] if said else log_tail_line(text)
+
+
 def log_tail_line(text: str, lines: int = 3) -> str:
     """The last ``lines`` non-blank lines of a log's ``text`` as one line."""
     kept = [ln for ln in text.splitlines() if ln.strip()][-lines:]

@@ -317,6 +317,8 @@ class RunRows(Database):
         for key in ("config", "cell"):
             if isinstance(fields.get(key), Mapping):
                 fields[key] = json.dumps(dict(fields[key]), default=str)
+        if fields.get("error") is not None:  # one line, as set_status_in keeps it
+            fields["error"] = one_line_error(fields["error"])
         fields["updated_at"] = time.time()
         cols = ", ".join(f"{k} = ?" for k in fields)
         self.write(
