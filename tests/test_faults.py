@@ -922,12 +922,15 @@ def test_kill9_at_any_moment_then_resume_keeps_each_step_once(store: RunStore) -
 
     st, seed = store, random.randrange(10**6)
     rng = random.Random(seed)
-    rid = launch(CONFIG, ["train.steps=100000", "train.eval_every=0", "train.ckpt_every=200"],
-                 store=st)
+    # checkpoints every 250 steps and no stage change (whose checkpoint would come at
+    # the config's step 100): the first kill, at a step the store shows (up to half a
+    # second behind the trainer), lands before the first checkpoint
+    rid = launch(CONFIG, ["train.steps=100000", "train.eval_every=0", "train.ckpt_every=250",
+                          "comera.switch=100000"], store=st)
     run_dir = st.run_dir(rid)
     last = 0
-    for attempt, (low, high) in enumerate([(3, 20), (205, 290), (0, 0)], start=1):
-        low, high = (low, high) if high else (last + 3, last + 90)
+    for attempt, (low, high) in enumerate([(1, 10), (255, 330), (0, 0)], start=1):
+        low, high = (low, high) if high else (last + 3, last + 100)
         at = rng.randrange(low, high)
         wait_for(lambda a=attempt, s=at: (run := st.get_run(rid))["attempt"] == a
                  and run["status"] == "running" and (run["last_step"] or 0) >= s,
