@@ -627,7 +627,10 @@ class _Run:
 
     def _say(self, text: str) -> None:
         if self.show_progress:
-            print(text, file=sys.stderr, flush=True)
+            try:
+                print(text, file=sys.stderr, flush=True)
+            except OSError:  # a terminal that went away (EIO) before its SIGHUP came:
+                pass  # the text is in the run's events; the hangup stops the run cleanly
 
     def _log_setup(self, resumed: bool) -> None:
         plan = self.target_plan
