@@ -135,8 +135,14 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from comera_engine.launch.cli import quiet_on_closed_pipe
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    return quiet_on_closed_pipe(lambda: _run(parser.parse_args(argv)))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command: its exit code, bad input as one line and code 2."""
     try:
         if args.command == "launch":  # what cannot run is refused before queueing
             from comera_engine.config import load_config

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -329,46 +330,72 @@ def _newest_checkpoint(run_dir: Path) -> int | None:
     return steps[-1] if steps else None
 
 
-def test_closing_the_terminal_stops_a_foreground_run_like_ctrl_c(tmp_path: Path) -> None:
-    """Item 6: SIGHUP to a foreground ``comera train`` writing to a terminal that then
-    goes away: status ``stopped``, a checkpoint at its last step, exit 0, and every step
-    of ``metrics.jsonl`` in the store (steps 1..N)."""
+def _own_terminal() -> None:
+    """In the child, before exec: a new session whose controlling terminal is the pty
+    on its stdin (as a shell in a terminal window has), so closing the window hangs it
+    up and the kernel sends SIGHUP."""
+    import fcntl
+    import termios
+
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_closing_the_terminal_stops_a_foreground_run_like_ctrl_c(store: RunStore) -> None:
+    """Item 6 (issue 33), made real by issue 48: a foreground ``comera train`` in a pty
+    that is its controlling terminal; the terminal is closed (no signal sent by hand:
+    the hangup's SIGHUP comes from the kernel). Exit 0, ``stopped`` with no error, a
+    checkpoint at its last step, every step of ``metrics.jsonl`` in the store (steps
+    1..N), nothing written to the dead terminal raised; ``comera resume`` then goes on
+    from that checkpoint."""
+    import select
     import threading
 
+    from comera_engine.launch import resume, stop
     from tests.test_launch import LONG, START_TIMEOUT, _steps, wait_for
 
     master, slave = os.openpty()
-    run_dir, home = tmp_path / "run", tmp_path / "home"
+    run_dir, home = store.path.parent / "fg", store.path.parent
     cmd = [sys.executable, "-m", "comera_engine.cli", "train", str(CONFIG), "--run-dir",
            str(run_dir), "--store", str(home), *[a for s in LONG for a in ("--set", s)]]
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            preexec_fn=_own_terminal, env={**os.environ, "PYTHONPATH": str(ROOT)})
     os.close(slave)
+    closing = threading.Event()
 
-    def drain() -> None:  # the terminal's reader, until it is closed
-        try:
-            while os.read(master, 4096):
-                pass
-        except OSError:
-            pass
+    def drain() -> None:  # the terminal window, reading what the run prints
+        while not closing.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    os.read(master, 65536)
+                except OSError:
+                    return
 
-    threading.Thread(target=drain, daemon=True).start()
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(_jsonl_steps(run_dir))
                  >= 30, START_TIMEOUT, "30 steps")
-        os.close(master)  # the terminal window closes ...
-        proc.send_signal(signal.SIGHUP)  # ... and its session gets SIGHUP
+        closing.set()
+        reader.join()
+        os.close(master)  # the terminal window closes: the kernel hangs the pty up
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    st = RunStore(home, create=False)
-    (run,) = st.list_runs()
-    assert run["status"] == "stopped" and run["error"] is None
+            proc.wait()
+    (run,) = store.list_runs()
+    assert run["status"] == "stopped" and run["error"] is None, run["error"]
     steps = _jsonl_steps(run_dir)
     assert steps == list(range(1, len(steps) + 1))
-    assert _steps(st, run["id"]) == steps
+    assert _steps(store, run["id"]) == steps
     assert _newest_checkpoint(run_dir) == steps[-1] == run["last_step"]
+    assert resume(run["id"], store=store) == run["id"]  # as a user would, from its folder
+    wait_for(lambda: (store.get_run(run["id"])["last_step"] or 0) > steps[-1] + 5,
+             START_TIMEOUT, "steps after the resume")
+    assert stop(run["id"], timeout=60, store=store) == "stopped"
+    again = _jsonl_steps(run_dir)
+    assert again == list(range(1, len(again) + 1)) == _steps(store, run["id"])
 
 
 def test_a_frozen_trainer_shows_stalled_and_stop_wakes_it_for_its_checkpoint(
@@ -654,9 +681,9 @@ def _mount(*args: str) -> bool:
 
 def test_a_read_only_home_is_read_and_named(tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
-    """Item 7: on a read-only home (a tmpfs remounted read-only) ``runs``, ``logs`` and
-    ``export`` work (the store opened read-only); ``launch`` and ``resume`` give one line
-    naming the folder and the fix."""
+    """Item 7: on a read-only home (a tmpfs remounted read-only) ``runs``, ``sweeps``
+    (issue 48), ``logs`` and ``export`` work (the store opened read-only); ``launch``
+    and ``resume`` give one line naming the folder and the fix."""
     home = tmp_path / "home"
     home.mkdir()
     if not _mount("-t", "tmpfs", "-o", "size=64m", "tmpfs", str(home)):
@@ -664,11 +691,15 @@ def test_a_read_only_home_is_read_and_named(tmp_path: Path,
     try:
         st, rid = _trained_run(tmp_path, home)
         st.set_status(rid, "stopped", only_from=("finished",))
+        sid = st.create_sweep("sw", {"name": "sw"}, {"train.seed": [1, 2]}, 1)
         st.close()
         capsys.readouterr()
         assert _mount("-o", "remount,ro", str(home))
         assert main(["runs", "--store", str(home)]) == 0
         assert rid in capsys.readouterr().out
+        for argv in (["sweeps"], ["sweeps", sid]):  # issue 48: it only reads
+            assert main([*argv, "--store", str(home)]) == 0, capsys.readouterr().err
+            assert "sw" in capsys.readouterr().out
         assert main(["logs", rid, "--store", str(home)]) == 0
         out = tmp_path / "model.safetensors"
         assert main(["export", rid, "--store", str(home), "--out", str(out)]) == 0
@@ -855,3 +886,207 @@ def test_repair_finds_broken_pages_and_leaves_a_sound_store_alone(tmp_path: Path
     with pytest.raises(ValueError, match="not a CoMERA run store"):
         repair(other)
     assert other.exists()
+
+
+# ------------------------------------------------------------------ issue 48
+# No duplicate rows after an early crash, a closed terminal is a stop, every number
+# bounded before a run exists, and quiet pipes (docs/RELIABILITY.md).
+
+
+def _folder_rows(run_dir: Path) -> list[tuple[int, str, float | None]]:
+    """Every metric row of ``metrics.jsonl`` as ``(step, name, value)`` (NaN as None, as
+    the store keeps it), in the file's order."""
+    import math
+
+    from comera_engine.metrics import read_jsonl
+
+    return [(r["step"], k, None if isinstance(v, float) and math.isnan(v) else float(v))
+            for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("type") == "metrics"
+            for k, v in r["values"].items()]
+
+
+def _store_rows(st: RunStore, rid: str) -> list[tuple[int, str, float | None]]:
+    rows = st.read(lambda c: c.execute("SELECT step, name, value FROM metrics WHERE run_id = ?"
+                                       " ORDER BY step, name", (rid,)).fetchall())
+    return [(s, n, v) for s, n, v in rows]
+
+
+def test_kill9_at_any_moment_then_resume_keeps_each_step_once(store: RunStore) -> None:
+    """Item 1: a launched run is killed (-9) before its first checkpoint, then at random
+    moments after, and resumed each time; stopped at last, its ``metrics.jsonl`` and the
+    store hold the same rows, row for row: steps 1..N once each, the same values."""
+    import random
+
+    from comera_engine.launch import checkpoint_steps, launch, resume, stop
+    from tests.test_launch import START_TIMEOUT, _status, wait_for
+
+    st, seed = store, random.randrange(10**6)
+    rng = random.Random(seed)
+    # checkpoints every 250 steps and no stage change (whose checkpoint would come at
+    # the config's step 100): the first kill, at a step the store shows (up to half a
+    # second behind the trainer), lands before the first checkpoint
+    rid = launch(CONFIG, ["train.steps=100000", "train.eval_every=0", "train.ckpt_every=250",
+                          "comera.switch=100000"], store=st)
+    run_dir = st.run_dir(rid)
+    last = 0
+    for attempt, (low, high) in enumerate([(1, 10), (255, 330), (0, 0)], start=1):
+        low, high = (low, high) if high else (last + 3, last + 100)
+        at = rng.randrange(low, high)
+        wait_for(lambda a=attempt, s=at: (run := st.get_run(rid))["attempt"] == a
+                 and run["status"] == "running" and (run["last_step"] or 0) >= s,
+                 START_TIMEOUT, f"attempt {attempt} at step {at} (seed {seed})")
+        os.kill(st.get_run(rid)["pid"], signal.SIGKILL)
+        wait_for(lambda: _status(st, rid) == "crashed", 30, "crashed")
+        if attempt == 1:  # killed before its first checkpoint: the restart has none
+            assert checkpoint_steps(run_dir) == [], f"seed {seed}"
+        last = st.get_run(rid)["last_step"] or 0
+        assert resume(rid, store=st) == rid
+    wait_for(lambda: (st.get_run(rid)["last_step"] or 0) > last + 5, START_TIMEOUT,
+             "steps of the last attempt")
+    assert stop(rid, timeout=60, store=st) == "stopped"
+    folder, stored = _folder_rows(run_dir), _store_rows(st, rid)
+    steps = [s for s, n, _ in folder if n == "loss/task"]
+    assert steps == list(range(1, len(steps) + 1)), f"seed {seed}: {len(steps)} rows"
+    assert sorted(folder) == sorted(stored) and len(folder) == len(set(folder)), f"seed {seed}"
+    assert st.get_run(rid)["last_step"] == steps[-1]
+
+
+def _numeric_fields() -> list[tuple[str, bool]]:
+    """Every bounded number of a config: ``(section.key, is a list)``, the dataclass
+    fields of ``[model]``, ``[comera]``, ``[train]`` and the ``[data]`` keys."""
+    import typing
+
+    from comera_engine.config import BOUNDS, DATA_BOUNDS, SECTIONS
+
+    fields = []
+    for full in BOUNDS:
+        section, key = full.split(".")
+        hint = typing.get_type_hints(SECTIONS[section])[key]
+        fields.append((full, "list" in str(hint)))
+    return fields + [(f"data.{key}", False) for key in DATA_BOUNDS]
+
+
+NUMERIC_FIELDS = _numeric_fields()
+HUGE = ["100000000000000000000000", "-100000000000000000000000", "nan", "inf"]
+
+
+@pytest.mark.parametrize("full,is_list", NUMERIC_FIELDS, ids=[f for f, _ in NUMERIC_FIELDS])
+def test_every_number_is_bounded_before_a_run_exists(
+        full: str, is_list: bool, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Item 3: 10^23, -10^23, nan and inf for every numeric field, through ``comera
+    launch``, ``comera train`` and the form's ``resolve_config``: exit 2, one line naming
+    the field and its range, no run row, no run folder."""
+    import tomllib
+
+    from comera_engine.config import BOUNDS, DATA_BOUNDS
+    from comera_engine.errors import ConfigError
+    from comera_engine.launch import resolve_config
+
+    bound = BOUNDS.get(full) or DATA_BOUNDS[full.split(".", 1)[1]]
+    st = _seeded_store(tmp_path)
+    before = _snapshot(st)
+    raw = tomllib.loads(CONFIG.read_text())
+    for value in HUGE:
+        setting = f"{full}=[{value}]" if is_list else f"{full}={value}"
+        for argv in (["launch", str(CONFIG), "--set", setting, "--store", str(st.path)],
+                     ["train", str(CONFIG), "--set", setting, "--store", str(st.path),
+                      "--run-dir", str(tmp_path / "run"), "--no-progress"]):
+            assert main(argv) == 2, argv
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"comera: error: {full}: "), lines
+            assert f"(allowed: {bound.text()})" in lines[0], lines[0]
+        with pytest.raises(ConfigError, match=f"^{full}: .*allowed: "):  # the form's check
+            resolve_config(raw, [setting])
+    assert _snapshot(st) == before and not (tmp_path / "run").exists()
+
+
+def test_a_stored_error_is_one_line_and_the_traceback_stays_in_the_log(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Item 3: a trainer that dies with a Python traceback is recorded ``failed`` with
+    the one line its traceback ended with (the frames stay in ``train.log``), and
+    ``comera runs`` shows that line; any multi-line error reaching the store is one line."""
+    from comera_engine.launch.scheduler import Slot
+    from comera_engine.launch.supervisor import LocalExecutor
+
+    st = RunStore(tmp_path / "home" / "comera.db")
+    rid = st.create_run("tb", {"name": "tb"}, "running")
+    st.run_dir(rid).mkdir(parents=True, exist_ok=True)
+    executor = LocalExecutor(st, rid)
+    with open(executor.log_path, "ab") as log:
+        executor.offset = log.tell()
+        proc = subprocess.Popen([sys.executable, "-c", "import torch\n"
+                                 "torch.manual_seed(10**23)"], stdout=log,
+                                stderr=subprocess.STDOUT)
+    slot = Slot(rid, 1, handle=proc, exit_code=proc.wait())
+    outcome = executor.outcome(slot, st.get_run(rid))
+    st.lifecycle(rid).end(outcome.status, outcome.error)
+    run = st.get_run(rid)
+    assert run["status"] == "failed" and "\n" not in run["error"], run["error"]
+    assert re.match(r"^\w+Error: .*Overflow", run["error"]), run["error"]
+    assert run["error"].endswith("(traceback in train.log)")
+    assert "Traceback (most recent call last)" in executor.log_path.read_text()
+    assert main(["runs", "--store", str(st.path)]) == 0
+    assert run["error"][:40] in capsys.readouterr().out
+    other = st.create_run("multi", {"name": "multi"}, "running")
+    st.lifecycle(other).end("failed", "first line\n  second line\n\nthird")
+    assert st.get_run(other)["error"] == "first line | second line | third"
+    st.update_run(other, error="rebuilt\nby repair")  # the other way an error is written
+    assert st.get_run(other)["error"] == "rebuilt | by repair"
+
+
+def test_a_closed_pipe_ends_every_listing_quietly(tmp_path: Path) -> None:
+    """Item 4: ``comera runs | head -1`` (and ``head -c 10`` of the JSON) exits 0 with no
+    traceback; so does every printing command whose reader has already gone (the
+    pipe's read end closed before it writes: ``runs``, ``runs --json``, ``sweeps``,
+    ``logs``, ``--help``)."""
+    st = RunStore(tmp_path / "home" / "comera.db")
+    rids = [st.create_run(f"run-{i}", {"name": f"run-{i}"}, "stopped") for i in range(400)]
+    st.run_dir(rids[0]).mkdir(parents=True, exist_ok=True)
+    st.log_path(rids[0]).write_text("a log line\n" * 20_000)
+    st.create_sweep("sw", {"name": "sw"}, {"train.seed": [1, 2]}, 1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    comera = f"{sys.executable} -m comera_engine.cli"
+    for pipeline in (f"{comera} runs --store {st.path} | head -1",
+                     f"{comera} runs --json --store {st.path} | head -c 10"):
+        out = subprocess.run(["bash", "-c", f"set -o pipefail; {pipeline}"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stderr == "", (pipeline, out.stderr[-2000:])
+        assert out.stdout.startswith(("ID ", "[")), out.stdout
+    for argv in (["runs"], ["runs", "--json"], ["sweeps"], ["logs", rids[0]], ["--help"]):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the command writes a byte
+        try:
+            proc = subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv,
+                                   *(["--store", str(st.path)] if argv != ["--help"] else [])],
+                                  stdout=write, stderr=subprocess.PIPE, env=env, timeout=120)
+        finally:
+            os.close(write)
+        assert proc.returncode == 0 and proc.stderr == b"", (argv, proc.stderr[-2000:])
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Item 4: a config path that is a folder, a FIFO, a device, a symlink loop or a
+    symlink to nothing: ``launch`` and ``train`` exit 2 with one line saying which (not
+    "file not found"), without blocking on the FIFO or writing anything."""
+    folder, fifo, loop, dangling = (tmp_path / n for n in ("dir.toml", "fifo.toml",
+                                                            "loop.toml", "dangling.toml"))
+    folder.mkdir()
+    os.mkfifo(fifo)
+    loop.symlink_to(tmp_path / "loop2.toml")
+    (tmp_path / "loop2.toml").symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone.toml")
+    cases = [(folder, "is a folder, not a config file"),
+             (fifo, "is a FIFO (named pipe), not a regular file"),
+             (Path(os.devnull), "is a device, not a regular file"),
+             (loop, "is a symlink loop"),
+             (dangling, f"is a symlink to {tmp_path / 'gone.toml'}, which does not exist")]
+    for path, says in cases:
+        for argv in (["launch", str(path), "--store", str(tmp_path / "home")],
+                     ["train", str(path), "--run-dir", str(tmp_path / "run"),
+                      "--store", str(tmp_path / "home"), "--no-progress"]):
+            _refused(argv, capsys, "config")
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert says in err and str(path) in err, err
+    assert not (tmp_path / "home").exists() and not (tmp_path / "run").exists()

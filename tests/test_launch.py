@@ -380,9 +380,12 @@ def test_queue_limit_concurrent_runs_torchrun_failures_and_cli(store, capsys):
     # so is a split fraction outside (0, 1)
     with pytest.raises(ConfigError, match="^data.split_fraction: must be a fraction"):
         launch(CONFIG, [*SHORT, "data.split_fraction=2"], store=st, name="refused")
-    # a run whose data cannot be built (a value only the builder checks) fails with the
-    # trainer's one-line error
-    bad = launch(CONFIG, [*SHORT, "data.seed=-1"], store=st, name="bad")
+    # so is a number out of its bound (issue 48)
+    with pytest.raises(ConfigError, match=r"^data.seed: must be an integer >= 0, got -1 "):
+        launch(CONFIG, [*SHORT, "data.seed=-1"], store=st, name="refused")
+    # a run whose data cannot be built (a value only the builder checks: its type) fails
+    # with the trainer's one-line error
+    bad = launch(CONFIG, [*SHORT, 'data.seed="x"'], store=st, name="bad")
     wait_for(lambda: st.get_run(bad)["status"] in FINAL_STATUSES, START_TIMEOUT, "bad to end")
     run = st.get_run(bad)
     assert run["status"] == "failed" and "data.seed" in run["error"]

@@ -15,7 +15,7 @@ unknown keys (with a "did you mean" suggestion), wrong types and out-of-range va
 raise :class:`~comera_engine.errors.ConfigError` whose message names the field, e.g.
 ``train.batch_sise: unknown key (did you mean train.batch_size?)``.
 
-The package: ``schema.py`` (the dataclasses, the names and bounds), ``read.py`` (TOML,
+The package: ``schema.py`` (the dataclasses, the names, every number's bound), ``read.py`` (TOML,
 ``--set``, coercion to the fields' types), ``validate.py`` (ranges and consistency),
 ``write.py`` (back to TOML). What the schedules (``comera.schedule``) set is the
 method's business: :mod:`comera_engine.rank.schedule`.
@@ -29,6 +29,9 @@ from .read import (
     parse_value,
 )
 from .schema import (
+    ANY_NUMBER,
+    BOUNDS,
+    DATA_BOUNDS,
     DEFAULT_TT_LAYERS,
     LINEAR_LAYOUTS,
     MAX_CONFIG_BYTES,
@@ -44,10 +47,12 @@ from .schema import (
     QUANTIZE,
     SCHEDULE_NAMES,
     SECTIONS,
+    TENSORIZE_BOUNDS,
     TENSORIZE_KEYS,
     TT_IMPLS,
     TT_LAYER_KINDS,
     USER_TASKS,
+    Bound,
     CoMERAConfig,
     Config,
     ModelConfig,
@@ -55,7 +60,9 @@ from .schema import (
 )
 from .validate import (
     check_choice,
+    check_data_numbers,
     check_entry_point,
+    check_number,
     check_run_name,
     check_task,
     refuse_unknown,
@@ -67,12 +74,13 @@ from .validate import (
 from .write import to_toml, toml_value
 
 __all__ = [
-    "DEFAULT_TT_LAYERS", "LINEAR_LAYOUTS", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_LIST",
-    "MAX_NAME", "MAX_OVERRIDE_CHARS", "METHODS", "MODEL_FIELDS", "MODEL_NAMES", "OPTIMIZERS",
-    "PRESETS", "QUANTIZE", "SCHEDULE_NAMES", "SECTIONS", "TENSORIZE_KEYS", "TT_IMPLS",
-    "TT_LAYER_KINDS", "USER_TASKS", "CoMERAConfig", "Config", "ModelConfig", "TrainConfig",
-    "apply_override", "check_bounds", "check_choice", "check_entry_point", "check_run_name",
-    "check_task", "config_from_dict", "load_config", "parse_value", "refuse_unknown",
-    "to_toml", "toml_value", "validate", "validate_comera", "validate_methods",
-    "validate_user_model",
+    "ANY_NUMBER", "BOUNDS", "DATA_BOUNDS", "DEFAULT_TT_LAYERS", "LINEAR_LAYOUTS",
+    "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_LIST", "MAX_NAME", "MAX_OVERRIDE_CHARS", "METHODS",
+    "MODEL_FIELDS", "MODEL_NAMES", "OPTIMIZERS", "PRESETS", "QUANTIZE", "SCHEDULE_NAMES",
+    "SECTIONS", "TENSORIZE_BOUNDS", "TENSORIZE_KEYS", "TT_IMPLS", "TT_LAYER_KINDS",
+    "USER_TASKS", "Bound", "CoMERAConfig", "Config", "ModelConfig", "TrainConfig",
+    "apply_override", "check_bounds", "check_choice", "check_data_numbers",
+    "check_entry_point", "check_number", "check_run_name", "check_task", "config_from_dict",
+    "load_config", "parse_value", "refuse_unknown", "to_toml", "toml_value", "validate",
+    "validate_comera", "validate_methods", "validate_user_model",
 ]

@@ -6,6 +6,10 @@ each table's values coerced to its dataclass's field types, unknown keys refused
 from __future__ import annotations
 
 import dataclasses
+import errno
+import math
+import os
+import stat
 import types
 import typing
 from pathlib import Path
@@ -13,6 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .schema import (
+    BOUNDS,
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
     MAX_LIST,
@@ -20,7 +25,14 @@ from .schema import (
     SECTIONS,
     Config,
 )
-from .validate import check_run_name, check_task, refuse_unknown, validate
+from .validate import (
+    check_data_numbers,
+    check_number,
+    check_run_name,
+    check_task,
+    refuse_unknown,
+    validate,
+)
 
 try:
     import tomllib
@@ -36,10 +48,9 @@ def load_config(
     Relative data paths are resolved from ``base_dir`` (default: the current folder).
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError("config", f"file not found: {path}")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError("config", f"{path.name} is {path.stat().st_size:,} bytes; a run "
+    size = _config_file_size(path)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{path.name} is {size:,} bytes; a run "
                           f"config is at most {MAX_CONFIG_BYTES // 1024} KB")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -51,11 +62,41 @@ def load_config(
     except RecursionError:
         raise ConfigError("config", f"{path.name} nests values too deeply (at most "
                           f"{MAX_DEPTH} levels)") from None
+    except OSError as exc:  # no permission, an I/O error
+        raise ConfigError("config", f"{path} cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # an integer literal of thousands of digits
+        raise ConfigError("config", f"{path.name} is not valid TOML ({exc})") from None
     for item in overrides or []:
         apply_override(raw, item)
     cfg = config_from_dict(raw)
     cfg.base_dir = str(Path(base_dir).resolve()) if base_dir else str(Path.cwd())
     return cfg
+
+
+def _config_file_size(path: Path) -> int:
+    """The size of the regular file at ``path``; else a ConfigError saying what the path
+    is: missing, a symlink to a missing file, a symlink loop, a folder, a FIFO, a device
+    or a socket (nothing is opened: a FIFO would block the reader)."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise ConfigError("config", f"{path} is a symlink to {os.readlink(path)}, which "
+                                        "does not exist") from None
+        raise ConfigError("config", f"file not found: {path}") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError("config", f"{path} is a symlink loop (it points back at "
+                                        "itself); name the config file itself") from None
+        raise ConfigError("config", f"{path} cannot be read ({exc.strerror or exc})") from None
+    if stat.S_ISREG(info.st_mode):
+        return info.st_size
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError("config", f"{path} is a folder, not a config file; name the "
+                                    ".toml file in it")
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(info.st_mode) else
+            "a socket" if stat.S_ISSOCK(info.st_mode) else "a device")
+    raise ConfigError("config", f"{path} is {kind}, not a regular file; name a .toml file")
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -124,6 +165,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     if "name" not in data:
         raise ConfigError("data.name", "missing; name a dataset (e.g. digits, snli, code_mlm, "
                                        "files)")
+    check_data_numbers(data)
     sections = {}
     for section, cls in SECTIONS.items():
         values = raw.get(section, {})
@@ -156,6 +198,8 @@ def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
         if key not in names:
             refuse_unknown(full, [f"{section}.{n}" for n in names] + _all_field_names())
         kwargs[key] = _coerce(full, value, hints[key])
+        if full in BOUNDS:  # the value as written: a huge integer is not turned into inf
+            check_number(full, value, BOUNDS[full])
     return cls(**kwargs)
 
 
@@ -163,7 +207,8 @@ def _coerce(full: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
     ok, out = _match(value, tp)
     if not ok:
-        raise ConfigError(full, f"must be {_describe(tp)}, got {value!r}")
+        allowed = f" (allowed: {BOUNDS[full].text()})" if full in BOUNDS else ""
+        raise ConfigError(full, f"must be {_describe(tp)}, got {value!r}{allowed}")
     return out
 
 
@@ -192,7 +237,10 @@ def _match(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False, None
-        return True, float(value)
+        try:
+            return True, float(value)
+        except OverflowError:  # an integer past any float: the bounds refuse it
+            return True, math.inf if value > 0 else -math.inf
     if tp is str:
         return isinstance(value, str), value
     return True, value

@@ -7,6 +7,7 @@ schedules' names). Torch-free.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,3 +256,178 @@ TENSORIZE_KEYS = {"include": "a list of module-name globs", "exclude": "a list o
                   "module-name globs", "rank": 'a positive integer or "auto"',
                   "embedding_rank": "a positive integer", "layout": '"tt" or "ttm"',
                   "min_features": "a positive integer"}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric setting may take: ``lo``..``hi`` (an end open where said),
+    whole numbers only where ``integer``; ``what`` says it in words (``"a positive
+    integer"``), ``also`` lists values outside the range that are allowed (``train.steps
+    = 0`` with ``model.init_from``: the validation checks that). Every integer and float
+    of a config has one (:data:`BOUNDS`, :data:`DATA_BOUNDS`), checked when a config is
+    read, before anything is built: the CLI, the launcher and the New experiment form
+    share them, so no typed number reaches the trainer as an overflow."""
+
+    lo: float
+    hi: float
+    what: str
+    integer: bool = False
+    lo_open: bool = False
+    hi_open: bool = False
+    also: tuple[float, ...] = ()
+    #: ``what`` states the whole range (a fraction in [0, 1)): said for any value outside
+    says_range: bool = False
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` (an int or a float; NaN and infinities never) is allowed."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if value in self.also:
+            return True
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+    def text(self) -> str:
+        """The range as a user reads it: ``1..1,000,000,000``, ``(0, 1]``."""
+        if self.integer and not (self.lo_open or self.hi_open):
+            return f"{int(self.lo):,}..{int(self.hi):,}"
+        return (f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
+                f"{')' if self.hi_open else ']'}")
+
+    def problem(self, value: Any) -> str | None:
+        """``None`` when ``value`` is allowed; else what to say after the field's name."""
+        if self.holds(value):
+            return None
+        if value > self.lo and not self.says_range and not (
+                isinstance(value, float) and math.isinf(value)):
+            return f"{show_number(value)} is too large (allowed: {self.text()})"
+        return f"must be {self.what}, got {show_number(value)} (allowed: {self.text()})"
+
+
+def show_number(value: Any) -> str:
+    """A number as a message shows it: a huge integer by its size, not 10,000 digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**21:
+        digits = len(str(abs(value))) if abs(value) < 10**4000 else None
+        sign = "-" if value < 0 else ""
+        return (f"{sign}{float(abs(value)):.3g}" if digits and digits < 300
+                else f"a {'negative ' if value < 0 else ''}number of {digits or 'over 4,000'} "
+                     "digits")
+    return repr(value)
+
+
+_STEPS = 10**9  # steps, cadences and step counts: a billion steps is far past any run
+_SEED = 2**63 - 1  # torch.manual_seed and numpy take a 63-bit seed
+_WIDTH = 10**7  # a layer's width
+_RATE = 1e3  # learning rates, weights of loss terms
+
+
+def _int(lo: int, hi: int, what: str = "", also: tuple[float, ...] = ()) -> Bound:
+    what = what or ("a positive integer" if lo == 1 else f"an integer >= {lo}")
+    return Bound(lo, hi, what, integer=True, also=also)
+
+
+def _num(lo: float, hi: float, what: str = "", lo_open: bool = False,
+         hi_open: bool = False) -> Bound:
+    what = what or ("a positive number" if lo == 0 and lo_open else
+                    "a finite number >= 0" if lo == 0 else f"a finite number >= {lo:g}")
+    return Bound(lo, hi, what, lo_open=lo_open, hi_open=hi_open)
+
+
+def _part(lo: float, hi: float, what: str, lo_open: bool = False,
+          hi_open: bool = False) -> Bound:
+    """A fraction, rate or probability: ``what`` says its whole range."""
+    return Bound(lo, hi, what, lo_open=lo_open, hi_open=hi_open, says_range=True)
+
+
+_FRACTION = _part(0.0, 1.0, "a fraction in [0, 1)", hi_open=True)
+
+#: Every integer and float field of ``[model]``, ``[comera]`` and ``[train]`` (a list's
+#: entries for a list of integers), by its full name.
+BOUNDS: dict[str, Bound] = {
+    "model.rank": _int(1, 100_000),
+    "model.embedding_rank": _int(1, 100_000),
+    "model.d_model": _int(1, 1_000_000),
+    "model.n_layers": _int(1, 10_000),
+    "model.n_heads": _int(1, 100_000),
+    "model.d_ff": _int(1, _WIDTH),
+    "model.dropout": _FRACTION,
+    "model.hidden": _int(1, _WIDTH, "a list of positive widths"),
+    "model.embedding_dim": _int(1, 1_000_000),
+    "model.bottom_mlp": _int(1, _WIDTH, "a list of positive widths"),
+    "model.top_mlp": _int(1, _WIDTH, "a list of positive widths"),
+    "model.tt_min_rows": _int(0, 10**12),
+    "comera.gamma": _num(0.0, _RATE),
+    "comera.gamma_warmup": _int(0, _STEPS),
+    "comera.tau": _FRACTION,
+    "comera.l2_cores": _num(0.0, _RATE),
+    "comera.target_compression": _num(1.0, 1e12, "a finite ratio > 1 (e.g. 50 for 50x "
+                                      "smaller)", lo_open=True),
+    "comera.switch": _int(0, _STEPS, "a step >= 0, 'auto', 'plateau' or 'never'"),
+    "comera.switch_epoch": _int(0, 1_000_000, "a whole number of epochs >= 0"),
+    "comera.plateau_patience": _int(1, _STEPS),
+    "comera.plateau_min_delta": _num(0.0, _RATE),
+    "comera.rho_f": _num(0.0, _RATE),
+    "comera.rho_s": _num(0.0, _RATE),
+    "comera.plateau_min_drop": _part(0.0, 1.0, "a fraction in [0, 1) (0: off)", hi_open=True),
+    "comera.balance_every": _int(1, _STEPS, "a whole number of steps >= 1"),
+    "comera.switch_by": _part(0.0, 1.0, "a fraction of the steps in (0, 1]", lo_open=True),
+    "comera.reach_at": _part(0.0, 1.0, "a fraction of the steps in (0, 1]", lo_open=True),
+    "comera.headroom": _num(1.0, 1e6, "a number >= 1 (the start size over the target "
+                            "size)"),
+    "comera.lr_cores": _num(0.0, _RATE, lo_open=True),
+    "comera.lr_embedding": _num(0.0, _RATE, lo_open=True),
+    "comera.lr_gates": _num(0.0, _RATE, lo_open=True),
+    "comera.lr_dense": _num(0.0, _RATE, lo_open=True),
+    "comera.weight_decay": _num(0.0, _RATE),
+    "train.steps": _int(1, _STEPS, also=(0,)),  # 0: evaluate only, with model.init_from
+    "train.batch_size": _int(1, 100_000_000),
+    "train.eval_every": _int(0, _STEPS),
+    "train.eval_batches": _int(1, _STEPS),
+    "train.ckpt_every": _int(0, _STEPS),
+    "train.keep_checkpoints": _int(1, 1_000_000),
+    "train.grad_clip": _num(0.0, 1e9),
+    "train.seed": _int(0, _SEED),
+    "train.lr": _num(0.0, _RATE, lo_open=True),
+    "train.num_workers": _int(0, 1024),
+    "train.galore_rank": _int(1, 1_000_000),
+    "train.galore_update_proj_gap": _int(1, _STEPS),
+    "train.galore_scale": _num(0.0, _RATE, lo_open=True),
+}
+
+#: ``[data]`` settings by key (whatever the dataset; a builder checks more, e.g. that a
+#: key is its own). A number under any other key is held to :data:`ANY_NUMBER`.
+DATA_BOUNDS: dict[str, Bound] = {
+    "seed": _int(0, 2**62),  # the builders add offsets to it
+    "split_fraction": _part(0.0, 1.0, "a fraction strictly between 0 and 1 (the share of "
+                           "the examples used for training, e.g. 0.8)", lo_open=True,
+                           hi_open=True),
+    "seq_len": _int(1, 1_000_000),
+    "vocab_size": _int(1, 100_000_000),
+    "min_frequency": _int(0, 10**12),
+    "max_examples": _int(1, 10**12),
+    "max_eval_examples": _int(1, 10**12),
+    "max_files": _int(1, 10**9),
+    "max_bytes": _int(1, 2**50),
+    "max_rows": _int(1, 10**12),
+    "num_samples": _int(2, 10**10),
+    "bucket_sizes": _int(1, 10**9, "a positive bucket count (or a list of them)"),
+    "planted_features": _int(0, 10**6, "feature indices >= 0"),
+    "rank": _int(1, 100_000),
+    "mlm_probability": _part(0.0, 1.0, "a probability in (0, 1)", lo_open=True,
+                            hi_open=True),
+    "signal": _num(0.0, 100.0),
+    "dense_signal": _num(0.0, 100.0),
+    "base_rate": _part(0.0, 1.0, "a rate in (0, 1)", lo_open=True, hi_open=True),
+    "missing_rate": _part(0.0, 0.99, "a rate in [0, 0.99]"),
+}
+
+#: Any other number in ``[data]`` (a user dataset's own settings are its factory's).
+ANY_NUMBER = _num(-1e15, 1e15, "a finite number")
+
+#: ``[model.tensorize]``'s numbers (a user model's).
+TENSORIZE_BOUNDS: dict[str, Bound] = {
+    "rank": _int(1, 100_000, 'a positive integer or "auto"'),
+    "embedding_rank": _int(1, 100_000),
+    "min_features": _int(1, 10**9),
+}

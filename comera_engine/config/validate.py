@@ -12,6 +12,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from .schema import (
+    ANY_NUMBER,
+    DATA_BOUNDS,
     LINEAR_LAYOUTS,
     MAX_NAME,
     METHODS,
@@ -21,10 +23,12 @@ from .schema import (
     PRESETS,
     QUANTIZE,
     SCHEDULE_NAMES,
+    TENSORIZE_BOUNDS,
     TENSORIZE_KEYS,
     TT_IMPLS,
     TT_LAYER_KINDS,
     USER_TASKS,
+    Bound,
     CoMERAConfig,
     Config,
     ModelConfig,
@@ -129,6 +133,8 @@ def validate_user_model(m: ModelConfig) -> None:
         if not ok:
             raise ConfigError(f"model.tensorize.{key}", f"must be {TENSORIZE_KEYS[key]}, got "
                                                         f"{value!r}")
+        if key in TENSORIZE_BOUNDS:
+            check_number(f"model.tensorize.{key}", value, TENSORIZE_BOUNDS[key])
 
 
 def _validate_shrink(cfg: Config) -> None:
@@ -279,6 +285,26 @@ def validate_comera(c: CoMERAConfig) -> None:
             continue
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"comera.{key}", f"must be a positive number, got {value}")
+
+
+def check_number(field: str, value: Any, bound: Bound) -> None:
+    """Refuse a number (or a list's numbers) outside ``bound``, naming ``field`` and the
+    range (one line); anything that is not a number is left to the type checks."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        problem = bound.problem(v)
+        if problem is not None:
+            raise ConfigError(field, problem)
+
+
+def check_data_numbers(data: dict[str, Any]) -> None:
+    """Every number of a ``[data]`` table within its key's bound
+    (:data:`~comera_engine.config.schema.DATA_BOUNDS`, else finite and within
+    ±10^15); nested tables (a factory's ``kwargs``) are the user's own."""
+    for key, value in data.items():
+        if not isinstance(value, dict):
+            check_number(f"data.{key}", value, DATA_BOUNDS.get(str(key), ANY_NUMBER))
 
 
 def check_entry_point(value: Any, field: str) -> str:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from comera_engine.launch.liveness import reap
@@ -30,7 +32,7 @@ from comera_engine.store.errors import StoreLocked, is_damaged
 from comera_engine.store.runs import STATUSES
 
 __all__ = ["add_override_option", "add_subparsers", "bounded_float", "bounded_int",
-           "housekeeping_if_free", "main", "one_line"]
+           "housekeeping_if_free", "main", "one_line", "quiet_on_closed_pipe"]
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
@@ -148,6 +150,25 @@ def _said_without_a_table(items: list[Any], as_json: bool, none: str) -> bool:
         print(json.dumps(items, default=str, indent=1) if as_json else none)
         return True
     return False
+
+
+def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
+    """Run ``command`` (a CLI command, returning its exit code) and flush its output; when
+    the reader of stdout has gone (``comera runs | head -1``), end quietly with exit 0,
+    as ``git log | head`` does: the rest of the output goes to /dev/null, no traceback
+    (not even at the interpreter's exit, when it flushes stdout once more)."""
+    try:
+        try:
+            return command()
+        finally:  # argparse's --help and usage errors leave through SystemExit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        finally:
+            os.close(null)
+        return 0
 
 
 def one_line(e: BaseException | str) -> str:
@@ -268,6 +289,8 @@ def housekeeping_if_free(st: RunStore) -> None:
     and the listing goes on from what is recorded (reads need no lock: a trainer frozen in
     a write blocks no listing)."""
     try:
+        if st.readonly:  # a read-only home is listed as it is
+            return
         housekeeping(RunStore(st.path, create=False, busy_timeout=HOUSEKEEPING_WAIT_S))
     except StoreLocked as e:
         print(f"comera: note: {e}; listed without marking dead runs crashed or starting "
@@ -279,8 +302,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return 0
     try:
         st = _existing_store(args.store)
-        if not st.readonly:  # a read-only home is listed as it is
-            housekeeping_if_free(st)
+        housekeeping_if_free(st)
         runs = st.list_runs(status=args.status, name_like=args.name, limit=args.limit)
         for r in runs:
             r["stalled_s"] = st.stalled_for(r)
@@ -500,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_subparsers(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    return quiet_on_closed_pipe(lambda: int(args.func(args)))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from comera_engine.store import HEARTBEAT_TIMEOUT_S, RunStore, read_log_tail
+from comera_engine.store.layout import log_tail_line
 
 __all__ = [
     "dead_reason",
@@ -128,7 +129,7 @@ def reap(store: RunStore, stale_after: float = HEARTBEAT_TIMEOUT_S) -> list[str]
         tail = read_log_tail(store.log_path(run["id"]))
         error = f"crashed: {reason} and it reported no final status"
         if tail:
-            error += f"; last log lines:\n{tail}"
+            error += f"; last log lines: {log_tail_line(tail)}"
         if store.lifecycle(run["id"]).crash(
             error,
             where={"attempt": run["attempt"], "pid": run["pid"]},

@@ -80,11 +80,8 @@ from comera_engine.launch.ray_task import (  # what runs on the workers
 )
 from comera_engine.launch.runs import CONFIG_FILENAME, DEFAULT_STOP_TIMEOUT, open_store
 from comera_engine.launch.scheduler import Outcome, Scheduler, Slot
-from comera_engine.store import (
-    RunStore,
-    StoreError,
-    extract_traceback,
-)
+from comera_engine.store import RunStore, StoreError
+from comera_engine.store.layout import log_error
 from comera_engine.store.metrics import ArtifactRow, EventRow, MetricRow, RankRow
 from comera_engine.store.runs import check_phase
 
@@ -246,11 +243,9 @@ def _signame(code: int) -> str:
 
 
 def _log_error(log: str) -> str:
-    """A failed trainer's error: its traceback, else its last non-blank log lines."""
-    tb = extract_traceback(log)
-    if tb:
-        return tb
-    return "\n".join([ln for ln in log.splitlines() if ln.strip()][-10:])
+    """A failed trainer's error as one line (:func:`~comera_engine.store.layout.log_error`;
+    the traceback stays in the log)."""
+    return log_error(log)
 
 
 def cell_outcome(
@@ -278,7 +273,7 @@ def cell_outcome(
         return "stopped", None
     if exit_code < 0:
         how = _signame(exit_code)
-        return "failed", f"the trainer was killed by {how}; last log lines:\n{_log_error(log)}"
+        return "failed", f"the trainer was killed by {how}; last log lines: {_log_error(log)}"
     if exit_code == 0:
         return "failed", "the trainer exited (code 0) without a final status"
     error = (final or {}).get("error") if reported == "failed" else None

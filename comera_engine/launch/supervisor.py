@@ -35,8 +35,9 @@ from comera_engine.launch.runs import (
 )
 from comera_engine.launch.scheduler import Outcome, Scheduler, Slot
 from comera_engine.launch.signals import send_stop_signal, signal_group
-from comera_engine.store import RunStore, StoreError, extract_traceback
+from comera_engine.store import RunStore, StoreError
 from comera_engine.store.errors import is_damaged
+from comera_engine.store.layout import log_error, log_tail_line, traceback_error
 
 #: Seconds between the supervisor's looks at the store (the trainer's exit is seen at once).
 POLL_S = 0.3
@@ -190,13 +191,11 @@ class LocalExecutor:
             error = f"crashed: the trainer was killed by {how} without a final status"
         elif rc > 0:  # an error it reported on the way out (traceback or one-line error)
             status = "failed"
-            error = extract_traceback(text) or "\n".join(
-                ln for ln in tail.splitlines()[-10:] if ln.strip())
-            error = error or f"the trainer exited with {how}"
+            error = log_error(text, self.log_path.name) or f"the trainer exited with {how}"
         else:
             error = f"crashed: the trainer exited ({how}) without a final status"
         if error and status == "crashed" and tail:
-            error += f"; last log lines:\n{tail}"
+            error += f"; last log lines: {log_tail_line(tail)}"
         kind = "stop" if status == "stopped" else "crash"
         return Outcome(status, error, rc, (kind, event or (error or "").split("\n")[0]))
 
@@ -292,10 +291,12 @@ def main(argv: list[str] | None = None) -> int:
 
         tb = traceback.format_exc()
         print(tb, file=sys.stderr)
+        _log(store.log_path(args.run_id), f"supervisor failed:\n{tb}")
         try:
             if sup.proc is None:
                 store.lifecycle(args.run_id).end(
-                    "failed", f"supervisor failed before starting the trainer:\n{tb}")
+                    "failed", f"supervisor failed before starting the trainer: "
+                    f"{traceback_error(tb)} (traceback in {store.log_path(args.run_id).name})")
         except Exception:
             pass
         return 1

@@ -177,6 +177,43 @@ def extract_traceback(text: str) -> str | None:
     return text[i:].strip() if i >= 0 else None
 
 
+def traceback_error(text: str) -> str | None:
+    """The exception the last Python traceback in ``text`` ended with, as one line
+    (``OverflowError: Python int too large to convert to C long``); ``None`` when
+    ``text`` holds no traceback. The frames stay in the log."""
+    tb = extract_traceback(text)
+    if tb is None:
+        return None
+    lines = tb.splitlines()
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("  File ")]
+    rest = lines[frames[-1] + 1:] if frames else lines[1:]
+    while rest and (not rest[0].strip() or rest[0][0].isspace()):  # code, carets
+        rest = rest[1:]
+    return one_line_error("\n".join(rest)) or "a Python error (traceback in the log)"
+
+
+def one_line_error(text: str) -> str:
+    """An error as the one line a run records: its non-blank lines joined by `` | ``."""
+    return " | ".join(ln.strip() for ln in str(text).splitlines() if ln.strip())
+
+
+def log_error(text: str, log_name: str = "the log") -> str:
+    """What a trainer's log ``text`` says went wrong, as one line: the exception its
+    last traceback ended with (``... (traceback in LOG_NAME)``), else its last one-line
+    error (``comera: error: ...``), else its last non-blank lines."""
+    found = traceback_error(text)
+    if found:
+        return f"{found} (traceback in {log_name})"
+    said = [ln.strip() for ln in text.splitlines() if ln.startswith("comera: error: ")]
+    return said[-1] if said else log_tail_line(text)
+
+
+def log_tail_line(text: str, lines: int = 3) -> str:
+    """The last ``lines`` non-blank lines of a log's ``text`` as one line."""
+    kept = [ln for ln in text.splitlines() if ln.strip()][-lines:]
+    return one_line_error("\n".join(kept))
+
+
 def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Complete checkpoints in ``ckpt_dir`` as ``(step, sidecar path)``, oldest first: a
     ``step_NNNNNN.json`` sidecar with its ``.safetensors`` file beside it."""

@@ -258,7 +258,8 @@ def mend_jsonl(path: Path, step: int, store: RunStore | None, run_id: str | None
 
 
 def rewind_jsonl(path: Path, step: int) -> None:
-    """Drop records of steps after ``step`` (left by an attempt that is being resumed)."""
+    """Drop records of steps after ``step`` (left by an attempt that is being resumed;
+    ``-1``: every record of a step, for a run that starts again from step 0)."""
     if not path.exists():
         return
     kept = [r for r in _records(path) if r.get("step") is None or r["step"] <= step]

@@ -31,7 +31,7 @@ from typing import Any
 
 from comera_engine.store.connection import Database
 from comera_engine.store.errors import NotOwnerError, RunNotFoundError, StoreError
-from comera_engine.store.layout import LOG_FILENAME, run_folder
+from comera_engine.store.layout import LOG_FILENAME, one_line_error, run_folder
 
 #: Every status a run can have.
 STATUSES = (
@@ -174,6 +174,8 @@ def set_status_in(
         return False
     now = time.time()
     sets: dict[str, Any] = {"status": status, "updated_at": now}
+    if error is not None:  # a run's error is one line (a traceback stays in its log)
+        error = one_line_error(error)
     if status in FINAL_STATUSES:
         sets["ended_at"] = now
         sets["error"] = error
@@ -315,6 +317,8 @@ class RunRows(Database):
         for key in ("config", "cell"):
             if isinstance(fields.get(key), Mapping):
                 fields[key] = json.dumps(dict(fields[key]), default=str)
+        if fields.get("error") is not None:  # one line, as set_status_in keeps it
+            fields["error"] = one_line_error(fields["error"])
         fields["updated_at"] = time.time()
         cols = ", ".join(f"{k} = ?" for k in fields)
         self.write(

@@ -627,7 +627,10 @@ class _Run:
 
     def _say(self, text: str) -> None:
         if self.show_progress:
-            print(text, file=sys.stderr, flush=True)
+            try:
+                print(text, file=sys.stderr, flush=True)
+            except OSError:  # a terminal that went away (EIO) before its SIGHUP came:
+                pass  # the text is in the run's events; the hangup stops the run cleanly
 
     def _log_setup(self, resumed: bool) -> None:
         plan = self.target_plan
@@ -750,12 +753,13 @@ def _install_signal_handlers(stop_flag: threading.Event):  # noqa: ANN202
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {}
+    terminal = ProgressBar.terminal_fds()  # noted now: after a hangup they are no tty
 
     def on_signal(signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and stop_flag.is_set():
             raise KeyboardInterrupt
         if signum == signal.SIGHUP:
-            ProgressBar.detach_terminal()
+            ProgressBar.detach_terminal(terminal)
         stop_flag.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

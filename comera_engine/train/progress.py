@@ -54,16 +54,30 @@ class ProgressBar:
             self.tty, self.every = False, float("inf")
 
     @staticmethod
-    def detach_terminal() -> None:
-        """Point stdout and stderr that are a terminal at /dev/null (the terminal was
-        closed: SIGHUP); writes that would fail with EIO then go nowhere."""
+    def terminal_fds() -> list[int]:
+        """The descriptors of stdout and stderr that are a terminal now (a hung-up
+        terminal is no tty any more, so they are noted while it lives)."""
+        fds = []
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None and os.isatty(stream.fileno()):
+                    fds.append(stream.fileno())
+            except (OSError, ValueError):  # closed or not a file
+                pass
+        return fds
+
+    @staticmethod
+    def detach_terminal(fds: list[int] | None = None) -> None:
+        """Point stdout and stderr at /dev/null where they are a terminal, or were one
+        (``fds``, from :meth:`terminal_fds` while it lived): the terminal was closed
+        (SIGHUP), and a write to it would fail with EIO. A file or pipe is kept."""
+        targets = set(fds or []) | set(ProgressBar.terminal_fds())
         null = os.open(os.devnull, os.O_WRONLY)
         try:
-            for stream in (sys.stdout, sys.stderr):
+            for fd in targets:
                 try:
-                    if stream is not None and os.isatty(stream.fileno()):
-                        os.dup2(null, stream.fileno())
-                except (OSError, ValueError):  # closed or not a file
+                    os.dup2(null, fd)
+                except OSError:
                     pass
         finally:
             os.close(null)

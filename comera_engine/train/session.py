@@ -370,15 +370,8 @@ def _run(
     sink: Any = None
     if writer is not None:
         jsonl = run_dir / "metrics.jsonl"
-        if args.resume:  # safe: this process holds the run folder's lock
-            from comera_engine.store.layout import resume_point
-
-            latest, _ = resume_point(run_dir / "checkpoints")
-            step = int(latest.stem.split("_")[1]) if latest else 0
-            from comera_engine.store.repair import mend_jsonl, rewind_jsonl
-
-            rewind_jsonl(jsonl, step)
-            mend_jsonl(jsonl, step, writer.store, writer.run_id)
+        if args.resume or args.run_id:  # safe: this process holds the run folder's lock
+            _rewind(jsonl, run_dir, args.resume, writer)
         sinks: list[Any] = [JSONLSink(jsonl)]
         if writer.store is not None:
             from comera_engine.store import StoreSink
@@ -408,6 +401,29 @@ def _run(
         where = f"; checkpoint {result.checkpoint}" if result.checkpoint else ""
         print(f"{result.status} at step {result.step}{where}", file=sys.stderr)
     return result.status
+
+
+def _rewind(jsonl: Path, run_dir: Path, resume: bool, writer: _Writer) -> None:
+    """Before a run trains again in its folder: ``metrics.jsonl`` keeps what the attempt
+    it continues from logged up to its checkpoint (the newest good one of a
+    ``--resume``), and is mended from the store where it lacks some of those steps.
+    Without a checkpoint (a crash before the first one, or the launcher's restart of a
+    run that never checkpointed: ``--run-id`` without ``--resume``) the run starts from
+    step 0, so every record of a step goes, as the store's rows do when it logs its
+    first step: the folder and the store then hold each step once."""
+    from comera_engine.store.repair import mend_jsonl, rewind_jsonl
+
+    step = None
+    if resume:
+        from comera_engine.store.layout import resume_point
+
+        latest, _ = resume_point(run_dir / "checkpoints")
+        step = int(latest.stem.split("_")[1]) if latest else None
+    if step is None:
+        rewind_jsonl(jsonl, -1)  # records without a step (events, statuses) are kept
+        return
+    rewind_jsonl(jsonl, step)
+    mend_jsonl(jsonl, step, writer.store, writer.run_id)
 
 
 def _thread_budget(store: Any, sink: Any) -> list[Any]:
