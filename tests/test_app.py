@@ -157,7 +157,7 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     assert at.selectbox(key="preset").value == "digits_tt_mlp"
     labels = {w.label for w in [*at.selectbox, *at.number_input, *at.radio, *at.toggle]}
     assert labels >= {
-        "Model preset", "Dataset", "Model size", "Dense baseline", "Target compression (×)",
+        "Start from", "Dataset", "Model size", "Dense baseline", "Target compression (×)",
         "Max rank (linear layers)", "Late-stage switch", "Late stage from step", "Device",
         "Precision", "Steps", "CUDA Graph", "Enforce a target compression",
         "Initial ranks from the target", "TT linear layout",
@@ -814,3 +814,73 @@ def test_rank_heatmap_rows_span_the_run() -> None:
     assert edges == [1, 10, 30]
     assert z == [[4.0, 3.0], [8.0, 8.0], [8.0, 8.0]]  # b forward-filled
     assert ema([1.0, None, 3.0], 0.5)[0] == 1.0 and ema([1.0, None, 3.0], 0.5)[1] is None
+
+
+# ------------------------------------------------------------------ start from a config
+
+
+def test_an_uploaded_config_starts_the_form_and_names_only_what_is_offered(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46 item 1: a TOML uploaded from the browser is kept in the run store's
+    folder (its name reduced to a plain file name) and the form starts from it; one that
+    names code or files the dashboard does not offer is refused before launch."""
+    fake = FakeLaunch()
+    monkeypatch.setattr("comera_engine.launch.launch", fake)
+    text = (ROOT / "experiments/configs/digits_tt_mlp.toml").read_text()
+    text = text.replace('name = "digits-tt-mlp"', 'name = "uploaded-digits"')
+    text = re.sub(r"(?m)^steps = \d+", "steps = 77", text)
+    at = app("new")
+    at.file_uploader(key="upload").set_value(("../../mine x.toml", text.encode(),
+                                             "application/toml")).run()
+    no_exception(at)
+    assert at.selectbox(key="preset").value == "upload:mine_x"
+    assert (home / "configs" / "mine_x.toml").read_text() == text
+    assert at.number_input(key="upload:mine_x:steps").value == 77
+    assert not at.error and not at.button(key="launch").disabled
+    at.button(key="launch").click().run()
+    assert fake.calls == 1
+    launched = store_at(home).list_runs()[0]["config"]
+    assert (launched["name"], launched["train"]["steps"]) == ("uploaded-digits", 77)
+
+    at = app("new")
+    at.file_uploader(key="upload").set_value(("evil.toml", b'name = "x"\n[model]\n'
+                                             b'factory = "os:system"\n[data]\nname = "files"\n'
+                                             b'train = "/etc/hosts"\nlabel = "y"\n',
+                                             "application/toml")).run()
+    no_exception(at)
+    assert at.selectbox(key="preset").value == "upload:evil"
+    errors = " ".join(e.value for e in at.error)
+    assert "model.factory: 'os:system' is not a model this dashboard offers" in errors
+    assert at.button(key="launch").disabled
+    at.file_uploader(key="upload").set_value(("bad.toml", b"name = \n", "text/plain")).run()
+    assert any(e.value.startswith("config: not valid TOML") for e in at.error)
+
+
+def test_edit_as_toml_launches_the_text(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"Edit as TOML" shows the form's config as text; the edited text is what launches,
+    validated by the engine, and it may name only files the dashboard offers."""
+    fake = FakeLaunch()
+    monkeypatch.setattr("comera_engine.launch.launch", fake)
+    at = app("new")
+    code = " ".join(c.value for c in at.code)
+    assert "[comera]" in code and "lr_cores = 0.003" in code and "lr = 0.001" in code
+    at.toggle(key="digits_tt_mlp:as_toml").set_value(True).run()
+    area = at.text_area(key="digits_tt_mlp:toml")
+    assert tomllib.loads(area.value)["train"]["steps"] == 600
+    area.set_value(area.value.replace("steps = 600", "steps = 2.5")).run()
+    assert "train.steps: must be an integer, got 2.5" in " ".join(e.value for e in at.error)
+    assert at.button(key="launch").disabled
+    area = at.text_area(key="digits_tt_mlp:toml")
+    area.set_value(area.value.replace("steps = 2.5", "steps = 90")).run()
+    assert not at.error and not at.button(key="launch").disabled
+    at.button(key="launch").click().run()
+    assert store_at(home).list_runs()[0]["config"]["train"]["steps"] == 90
+
+    at = app("new")
+    at.toggle(key="digits_tt_mlp:as_toml").set_value(True).run()
+    area = at.text_area(key="digits_tt_mlp:toml")
+    area.set_value(area.value.replace('name = "digits"', 'name = "files"\n'
+                                      'train = "/etc/hosts"\nlabel = "y"')).run()
+    assert "data.train: names a file this dashboard does not offer" in " ".join(
+        e.value for e in at.error)
+    assert at.button(key="launch").disabled

@@ -635,14 +635,14 @@ def test_a_user_model_registered_by_comera_app(browser: Any, tmp_path: Path) -> 
         page.goto(f"{srv.url}/new_experiment")
         page.get_by_text("Tensorisation preview", exact=True).wait_for()
         settle(page)
-        pick(page, "Model preset", "tabular_net · your model")
+        pick(page, "Start from", "tabular_net · your model, its function's defaults")
         settle(page)
         rows = wait_until(lambda: table_rows(page, "layer", "ranks at target"), 60,
                           "the user model's layer table")
         assert [r["layer"] for r in rows] == ["body.0", "body.3"], rows  # the head: dense
         assert metric_text(page, "Parameters") and metric_text(page, "Compression (TT layers)")
-        assert page.get_by_role("combobox", name="Model preset").input_value() == (
-            "tabular_net · your model")
+        assert page.get_by_role("combobox", name="Start from").input_value() == (
+            "tabular_net · your model, its function's defaults")
         assert page.get_by_role("combobox", name="Dataset").input_value().startswith(
             "cancer · your file train.csv")
         no_exception(page, "new experiment (user model)")

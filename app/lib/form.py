@@ -7,7 +7,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FormValues", "form_to_config"]
+from comera_engine.config import toml_value
+
+__all__ = ["FormValues", "form_to_config", "raw_toml"]
 
 
 @dataclass
@@ -15,8 +17,9 @@ class FormValues:
     """Every value the New experiment widgets collect.
 
     ``late_switch`` (``comera.switch``): ``"step"`` (late stage from ``switch_step``),
-    ``"plateau"`` (when the loss plateaus, after ``patience`` steps without improvement)
-    or ``"never"``.
+    ``"plateau"`` (when the loss plateaus, after ``patience`` steps without improvement),
+    ``"auto"`` (the engine's default: on a plateau when there is a target) or
+    ``"never"``.
     ``device``: ``"cpu"`` or ``"cuda:N"``. ``embedding_rank`` is ``None`` when the model
     has no TT embedding. ``auto_rank``: the initial ranks are chosen from the target
     (``headroom`` × its size, as ``comera train`` does with a config that leaves
@@ -24,6 +27,12 @@ class FormValues:
     (``model.name = "custom"``) has no ``size``; its ``linear_layout`` is
     ``model.tensorize.layout``, and ``task`` (``"classify"`` | ``"regress"``) is the
     run's ``task``.
+
+    ``rates``: the learning rates and weight decay the form shows, ``{"train.lr": x,
+    "comera.lr_cores": y, ...}`` (``None``: unset, the optimizer's own ``train.lr``).
+    ``kwargs``: a user model's ``model.kwargs`` (``None``: the config's, untouched).
+    ``schedule``: ``comera.schedule`` (``None``: the config's). Values are passed on
+    as typed, never coerced: the engine's validation refuses a wrong type.
     """
 
     data: dict[str, Any]
@@ -50,6 +59,9 @@ class FormValues:
     device: str = "cpu"
     run_name: str = ""
     task: str | None = None  # a user model's task; None: the preset's
+    rates: dict[str, Any] | None = None  # "section.key" -> value or None (unset)
+    kwargs: Any = None  # a user model's model.kwargs; None: the preset's
+    schedule: str | None = None  # comera.schedule; None: the preset's
 
 
 def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any], str | None]:
@@ -66,7 +78,7 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
     t = raw.setdefault("train", {})
     raw["name"] = v.run_name  # a blank name is refused by the validation, never replaced
     raw["data"] = dict(v.data)
-    user = m.get("name") == "custom"
+    user = m.get("name", "custom" if "factory" in m else None) == "custom"
     if v.task is not None:
         raw["task"] = v.task
     m["dense"] = bool(v.dense)
@@ -74,8 +86,11 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
         tens = dict(m.get("tensorize") or {})
         if v.linear_layout is not None:
             tens["layout"] = v.linear_layout
-        tens.pop("rank", None)  # the form's rank (or the plan's) is model.rank
+        if not (v.auto_rank and v.use_target and not v.dense and tens.get("rank") == "auto"):
+            tens.pop("rank", None)  # the form's rank (or the plan's) is model.rank
         m["tensorize"] = tens
+        if v.kwargs is not None:
+            m["kwargs"] = v.kwargs
     else:
         m["preset"] = v.size
         if v.linear_layout is not None:
@@ -100,8 +115,17 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
         c["switch"] = v.late_switch
     if v.dense:  # the baseline has no ranks to learn: plain training, no stages
         c["switch"] = "never"
-    if v.late_switch == "plateau" and v.patience is not None:
-        c["plateau_patience"] = int(v.patience)
+    if v.late_switch in ("plateau", "auto") and v.patience is not None:
+        c["plateau_patience"] = v.patience
+    if v.schedule is not None:
+        c["schedule"] = v.schedule
+    for key, value in (v.rates or {}).items():
+        section, name = key.split(".", 1)
+        table = {"train": t, "comera": c}[section]
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = value
     t.update(
         steps=int(v.steps), batch_size=int(v.batch_size), seed=int(v.seed),
         eval_every=int(v.eval_every), ckpt_every=int(v.ckpt_every), precision=v.precision,
@@ -109,3 +133,17 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
     )
     gpu_ids = None if v.device == "cpu" else v.device.split(":", 1)[1]
     return raw, gpu_ids
+
+
+def raw_toml(raw: dict[str, Any]) -> str:
+    """A config's tables (as the form holds them, not yet validated) as TOML text that
+    ``comera train`` reads back to the same tables: top-level values first, then one
+    ``[section]`` per table (nested tables inline)."""
+    lines = [f"{key} = {toml_value(value)}" for key, value in raw.items()
+             if not isinstance(value, dict)]
+    for section, table in raw.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{section}]"]
+            lines += [f"{key} = {toml_value(value)}" for key, value in table.items()
+                      if value is not None]
+    return "\n".join(lines) + "\n"
