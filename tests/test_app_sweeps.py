@@ -115,8 +115,8 @@ def test_new_experiment_launches_a_sweep_once(home: Path,
     at = app("views/new_experiment.py")
     no_exception(at)
     at.text_input(key="sw-targets").set_value("5, 10x, 5").run()
-    at.number_input(key="sw-seeds").set_value(2).run()
-    at.number_input(key="sw-parallel").set_value(2).run()
+    at.text_input(key="sw-seeds").set_value("2").run()
+    at.text_input(key="sw-parallel").set_value("2").run()
     assert "4 runs: 5×, 10× × 2 seed(s)." in texts(at)
     at.button(key="sw-launch").click().run()
     no_exception(at)
@@ -147,7 +147,7 @@ def test_a_sweep_with_an_unreachable_target_is_refused_whole(home: Path,
     monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])
     at = app("views/new_experiment.py")
     at.text_input(key="sw-targets").set_value("5, 100000").run()
-    at.button(key="sw-launch").click().run()
+    assert at.button(key="sw-launch").disabled  # refused before the click (issue 46 item 5)
     no_exception(at)
     assert any("comera.target_compression" in e.value and "cell 100000× seed 0" in e.value
                for e in at.error), [e.value for e in at.error]
@@ -164,3 +164,26 @@ def test_compare_loads_a_sweeps_cells(home: Path) -> None:
     at.selectbox(key="cmp-sweep").set_value(sid).run()
     no_exception(at)
     assert sorted(at.multiselect(key="cmp-runs").value) == sorted(ids)
+
+
+def test_sweep_fields_are_checked_as_typed_before_the_click(home: Path) -> None:
+    """Issue 46 item 5: a sweep target beyond the floor and seeds that are not a whole
+    number are refused beside the sweep's fields, with the engine's message (the one a
+    click would give, cell named), and Launch sweep is disabled; fixed, it is enabled."""
+    at = app("views/new_experiment.py")
+    at.text_input(key="sw-targets").set_value("5, 500").run()
+    no_exception(at)
+    errors = [e.value for e in at.error]
+    assert any(e.startswith("comera.target_compression: 500x is beyond the smallest TT "
+                            "model") and e.endswith("(cell 500× seed 0)") for e in errors), errors
+    assert at.button(key="sw-launch").disabled
+    at.text_input(key="sw-targets").set_value("5, 10").run()
+    at.text_input(key="sw-seeds").set_value("2.5").run()
+    assert "--seeds: must be a whole number >= 1, got 2.5" in [e.value for e in at.error]
+    assert at.button(key="sw-launch").disabled
+    at.text_input(key="sw-seeds").set_value("1").run()
+    at.text_input(key="sw-parallel").set_value("two").run()
+    assert "--max-parallel: must be a whole number >= 1, got 'two'" in [
+        e.value for e in at.error]
+    at.text_input(key="sw-parallel").set_value("2").run()
+    assert not at.error and not at.button(key="sw-launch").disabled

@@ -464,7 +464,8 @@ def cli(env: dict[str, str], *args: str, timeout: float = 300) -> str:
 
 def test_the_form_refuses_what_the_engine_refuses(browser: Any, server: Server) -> None:
     """Target 1e9 and steps -5 used to be clamped by the widgets (the run trained at the
-    old values); now they reach the engine, whose message shows and Launch stays off."""
+    old values), steps 1e9 and 2.5 rounded, text reverted; now they reach the engine as
+    typed, its message shows and Launch stays off."""
     ctx, page = new_page(browser)
     page.goto(f"{server.url}/new_experiment")
     page.get_by_text("Tensorisation preview", exact=True).wait_for()
@@ -475,7 +476,11 @@ def test_the_form_refuses_what_the_engine_refuses(browser: Any, server: Server) 
     for label, value, message in (
             ("Target compression (×)", "1e9", "comera.target_compression: 1e+09x is beyond "
                                               "the smallest TT model"),
-            ("Steps", "-5", "train.steps: must be a positive integer, got -5")):
+            ("Steps", "-5", "train.steps: must be a positive integer, got -5"),
+            # issue 46 item 5: typed, never coerced (1e9 used to become 1, 2.5 to become 2)
+            ("Steps", "1e9", "train.steps: must be an integer, got 1000000000.0"),
+            ("Steps", "2.5", "train.steps: must be an integer, got 2.5"),
+            ("Steps", "ten", "train.steps: must be an integer, got 'ten'")):
         field = page.get_by_label(label, exact=True)
         field.fill(value)
         field.press("Enter")
@@ -483,6 +488,7 @@ def test_the_form_refuses_what_the_engine_refuses(browser: Any, server: Server) 
                    f"the engine's message for {label} = {value}")
         settle(page)
         assert launch.is_disabled(), f"Launch is enabled with {label} = {value}"
+        assert field.input_value() == value  # as typed
         shot(page, f"20-form-{value}")
         field.fill({"Steps": "600"}.get(label, "60"))
         field.press("Enter")

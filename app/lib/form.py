@@ -31,29 +31,29 @@ class FormValues:
     ``rates``: the learning rates and weight decay the form shows, ``{"train.lr": x,
     "comera.lr_cores": y, ...}`` (``None``: unset, the optimizer's own ``train.lr``).
     ``kwargs``: a user model's ``model.kwargs`` (``None``: the config's, untouched).
-    ``schedule``: ``comera.schedule`` (``None``: the config's). Values are passed on
-    as typed, never coerced: the engine's validation refuses a wrong type.
+    ``schedule``: ``comera.schedule`` (``None``: the config's). Numbers (``Any``) are
+    passed on as typed, never coerced: the engine's validation refuses a wrong type.
     """
 
     data: dict[str, Any]
     size: str = "tiny"
     dense: bool = False
     use_target: bool = True
-    target: float = 20.0
+    target: Any = 20.0
     scope: str = "tensorized"
-    rank: int = 8
-    embedding_rank: int | None = None
+    rank: Any = 8
+    embedding_rank: Any = None
     auto_rank: bool = False
-    headroom: float | None = None
+    headroom: Any = None
     linear_layout: str | None = None  # "tt" | "ttm"; None: the preset's
     late_switch: str = "plateau"
-    switch_step: int | None = None
-    patience: int | None = None
-    steps: int = 1000
-    batch_size: int = 32
-    seed: int = 0
-    eval_every: int = 100
-    ckpt_every: int = 500
+    switch_step: Any = None
+    patience: Any = None
+    steps: Any = 1000
+    batch_size: Any = 32
+    seed: Any = 0
+    eval_every: Any = 100
+    ckpt_every: Any = 500
     precision: str = "auto"
     cuda_graph: bool = True
     device: str = "cpu"
@@ -69,8 +69,9 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
 
     ``preset`` is the chosen preset's config (left unchanged); every form value replaces
     the field it edits, and the rest of the preset is kept. The dense baseline trains
-    without stages and without a target. Nothing is validated or replaced here (a blank
-    run name stays blank): the launcher's validation names any bad field.
+    without stages and without a target. Nothing is validated, coerced or replaced here
+    (``2.5`` steps stay 2.5, a blank run name stays blank): the launcher's validation
+    names any bad field.
     """
     raw = copy.deepcopy(preset)
     m = raw.setdefault("model", {})
@@ -96,21 +97,21 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
         if v.linear_layout is not None:
             m["linear_layout"] = v.linear_layout
     if v.use_target and not v.dense:
-        c["target_compression"] = float(v.target)
+        c["target_compression"] = v.target
     else:
         c.pop("target_compression", None)
     if v.auto_rank and "target_compression" in c:  # the plan picks them (docs/SIZE_AND_TARGET)
         m.pop("rank", None)
         m.pop("embedding_rank", None)
         if v.headroom is not None:
-            c["headroom"] = float(v.headroom)
+            c["headroom"] = v.headroom
     else:
-        m["rank"] = int(v.rank)
+        m["rank"] = v.rank
         if v.embedding_rank is not None:
-            m["embedding_rank"] = int(v.embedding_rank)
+            m["embedding_rank"] = v.embedding_rank
     c["target_scope"] = v.scope
     if v.late_switch == "step":
-        c["switch"] = int(v.switch_step if v.switch_step is not None else 0)
+        c["switch"] = v.switch_step
     else:
         c["switch"] = v.late_switch
     if v.dense:  # the baseline has no ranks to learn: plain training, no stages
@@ -127,8 +128,8 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
         else:
             table[name] = value
     t.update(
-        steps=int(v.steps), batch_size=int(v.batch_size), seed=int(v.seed),
-        eval_every=int(v.eval_every), ckpt_every=int(v.ckpt_every), precision=v.precision,
+        steps=v.steps, batch_size=v.batch_size, seed=v.seed,
+        eval_every=v.eval_every, ckpt_every=v.ckpt_every, precision=v.precision,
         cuda_graph=bool(v.cuda_graph), device="cpu" if v.device == "cpu" else "cuda",
     )
     gpu_ids = None if v.device == "cpu" else v.device.split(":", 1)[1]

@@ -297,13 +297,11 @@ with left:
                            help="Off: no size target (ranks only shrink under the early "
                                 "stage's size penalty).")
     c1, c2 = st.columns([1, 1])
-    target = c1.number_input(
-        "Target compression (×)",
-        value=float(c.get("target_compression") or 20.0), step=5.0, format="%.1f",
-        key=k("target"), disabled=dense or not use_target,
+    target = number_text(
+        c1, "Target compression (×)", c.get("target_compression") or 20.0, k("target"),
+        disabled=dense or not use_target,
         help="How many times smaller than dense the late stage makes the model "
-             "(e.g. 2× – 500×).",
-    )
+             "(e.g. 2× – 500×).")
     scope = c2.radio(
         "Measured on", ("tensorized", "model"),
         index=0 if c.get("target_scope", "tensorized") == "tensorized" else 1,
@@ -325,28 +323,24 @@ with left:
              "to it (what `comera train` does when the config leaves model.rank unset). Off: "
              "start at the ranks below (refused if they already compress more than asked).")
     auto = bool(auto_rank) and bool(use_target) and not dense
-    headroom = c2.number_input(
-        "Start at (× the target size)",
-        value=float(c.get("headroom", 3.0)), step=0.5, format="%.1f", key=k("headroom"),
+    headroom = number_text(
+        c2, "Start at (× the target size)", c.get("headroom", 3.0), k("headroom"),
         disabled=not auto,
         help="comera.headroom: 3 suits the transformers and the MLP; the DLRM presets start "
              "at 1.5 (docs/SIZE_AND_TARGET.md, \"How much headroom\").")
     c1, c2 = st.columns(2)
-    max_rank = c1.number_input(
-        "Max rank (linear layers)",
-        value=int(m.get("rank") or rank_default) if size == m.get("preset", "tiny")
-        else rank_default, step=1, key=k(f"rank:{size}"), disabled=dense or auto,
+    max_rank = number_text(
+        c1, "Max rank (linear layers)",
+        (m.get("rank") or rank_default) if size == m.get("preset", "tiny") else rank_default,
+        k(f"rank:{size}"), disabled=dense or auto,
         help="TT ranks start here (clamped per bond to what the shapes allow) and are "
-             "pruned by the rank gates while training.",
-    )
+             "pruned by the rank gates while training.")
     emb_rank = None
     if has_emb:
-        emb_rank = c2.number_input(
-            "Max rank (embeddings)",
-            value=int(m.get("embedding_rank") or emb_default)
-            if size == m.get("preset", "tiny") else emb_default,
-            step=1, key=k(f"erank:{size}"), disabled=dense or auto,
-        )
+        emb_rank = number_text(
+            c2, "Max rank (embeddings)",
+            (m.get("embedding_rank") or emb_default) if size == m.get("preset", "tiny")
+            else emb_default, k(f"erank:{size}"), disabled=dense or auto)
     layout = None
     if user or (any(kind != "embedding" for kind in tt_kinds)
                 and m.get("tt_impl") != "tltorch"):
@@ -369,18 +363,16 @@ with left:
         help="Early stage: loss + γ·size (stable convergence). Late stage: "
              "drive the size to the target.")
     t = raw.setdefault("train", {})
-    steps_default = int(t.get("steps", 1000))
+    steps_default = t.get("steps", 1000)
     switch_step = patience = None
     if late_switch == "step":
-        switch_step = st.number_input(
-            "Late stage from step",
-            value=int(sw) if isinstance(sw, int) else max(1, steps_default // 2), step=50,
-            key=k("switch_step"), disabled=dense,
-        )
+        switch_step = number_text(
+            st, "Late stage from step", sw if isinstance(sw, int) else max(
+                1, steps_default // 2) if isinstance(steps_default, int) else 1,
+            k("switch_step"), disabled=dense)
     elif late_switch in ("plateau", "auto"):
-        patience = st.number_input(
-            "Plateau patience (steps)",
-            value=int(c.get("plateau_patience", 200)), step=50, key=k("patience"),
+        patience = number_text(
+            st, "Plateau patience (steps)", c.get("plateau_patience", 200), k("patience"),
             disabled=dense,
             help="Steps without a relative loss improvement before the late stage starts.",
         )
@@ -421,10 +413,8 @@ with left:
                              help="auto: bf16 autocast on a GPU, fp32 on a CPU.")
     slots["device"] = st.container()
     c1, c2, c3 = st.columns(3)
-    steps = c1.number_input("Steps", value=steps_default,
-                            step=100, key=k("steps"))
-    batch = c2.number_input("Batch size",
-                            value=int(t.get("batch_size", 32)), step=16, key=k("batch"))
+    steps = number_text(c1, "Steps", steps_default, k("steps"))
+    batch = number_text(c2, "Batch size", t.get("batch_size", 32), k("batch"))
     cuda_graph = c3.toggle("CUDA Graph", value=bool(t.get("cuda_graph", True)),
                            key=k("cuda_graph"),
                            help="Capture the whole training step once per stage and replay "
@@ -434,12 +424,12 @@ with left:
     with st.expander("More settings"):
         run_name = st.text_input("Run name", value=str(raw.get("name", pkey)), key=k("name"),
                                  help="Required: the run's name in every list.")
-        seed = st.number_input("Seed", value=int(t.get("seed", 0)), key=k("seed"))
+        seed = number_text(st, "Seed", t.get("seed", 0), k("seed"))
         c1, c2 = st.columns(2)
-        eval_every = c1.number_input("Evaluate every (steps)",
-                                     value=int(t.get("eval_every", 100)), key=k("eval"))
-        ckpt_every = c2.number_input("Checkpoint every (steps)",
-                                     value=int(t.get("ckpt_every", 500)), key=k("ckpt"))
+        eval_every = number_text(c1, "Evaluate every (steps)", t.get("eval_every", 100),
+                                 k("eval"))
+        ckpt_every = number_text(c2, "Checkpoint every (steps)", t.get("ckpt_every", 500),
+                                 k("ckpt"))
     slots["advanced"] = st.container()
     all_settings = st.expander("All settings · edit as TOML", icon=":material/data_object:")
 
@@ -447,15 +437,13 @@ ui.save_form(SAVED, FORM_KEYS)
 
 # ---------------------------------------------------------------- assemble and validate
 
-raw, gpu_ids = form_to_config(raw, FormValues(
+raw, gpu_ids = form_to_config(raw, FormValues(  # numbers as typed: the engine refuses
     data=data, size=size or "tiny", task=task, dense=bool(dense), use_target=bool(use_target),
-    target=float(target),
-    scope=scope, rank=int(max_rank), embedding_rank=None if emb_rank is None else int(emb_rank),
-    auto_rank=auto, headroom=float(headroom) if auto else None, linear_layout=layout,
-    late_switch=late_switch, switch_step=None if switch_step is None else int(switch_step),
-    patience=None if patience is None else int(patience), steps=int(steps),
-    batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
-    ckpt_every=int(ckpt_every), precision=precision, cuda_graph=bool(cuda_graph),
+    target=target, scope=scope, rank=max_rank, embedding_rank=emb_rank,
+    auto_rank=auto, headroom=headroom if auto else None, linear_layout=layout,
+    late_switch=late_switch, switch_step=switch_step, patience=patience, steps=steps,
+    batch_size=batch, seed=seed, eval_every=eval_every,
+    ckpt_every=ckpt_every, precision=precision, cuda_graph=bool(cuda_graph),
     device=device, run_name=run_name, rates=rates, kwargs=kwargs if user else None,
     schedule=schedule,
 ))
@@ -494,7 +482,7 @@ FIELD_SLOTS = {
     "model.rank": "rank", "model.linear_layout": "rank", "model.embedding_rank": "rank",
     "comera.switch": "late_switch", "comera.plateau_patience": "late_switch",
     "train.device": "device",
-    "train.precision": "device", "train.steps": "steps", "train.batch_size": "advanced",
+    "train.precision": "device", "train.steps": "steps", "train.batch_size": "steps",
     "train.eval_every": "advanced", "train.ckpt_every": "advanced", "name": "advanced",
     "comera.headroom": "rank", "comera.switch_by": "late_switch", "train.seed": "advanced",
     "task": "data", "model.factory": "data", "model.kwargs": "kwargs" if user else "data",
@@ -518,9 +506,11 @@ if settings_box is not None:
         else:
             st.caption("Fix the highlighted fields to see every setting.")
 
-problems, data_notes = data_problems(data, int(batch))
+# the batch as validated (a refused one is named above; the data are still checked)
+problems, data_notes = data_problems(dict(raw.get("data") or {}),
+                                     cfg.train.batch_size if cfg is not None else 1)
 for p in problems:
-    say("advanced" if p.startswith("train.") else "data", "error", p)
+    say("steps" if p.startswith("train.") else "data", "error", p)
 for n in data_notes:
     say("data", "note", n)
 
@@ -548,14 +538,14 @@ if pv is not None:
             say("late_switch", "warning", f"The target is not reached: {stage.why_not}.")
         elif stage.step is not None and late_switch != "step":
             say("late_switch", "note", f"Late stage {stage.how}.")
-    requested = {"linear": int(max_rank), "embedding": int(emb_rank or 0)}
+    requested = {"linear": cfg.model.rank or 0, "embedding": cfg.model.embedding_rank or 0}
     clamped = [layer for layer in pv.layers if max(layer.ranks) < requested[layer.kind]]
     if auto and pv.layers:
         chosen = {kind: max(max(la.ranks) for la in pv.layers if la.kind == kind)
                   for kind in sorted({la.kind for la in pv.layers})}
         say("rank", "note", "Starts at max rank " + ", ".join(
             f"{r} ({kind})" for kind, r in chosen.items()) + f": {pv.compression():.1f}× "
-            f"smaller, about {float(headroom):g}× the target size; the late stage prunes to "
+            f"smaller, about {cfg.comera.headroom:g}× the target size; the late stage prunes to "
             "the target.")
     elif clamped and not dense:
         ex = clamped[0]
@@ -580,8 +570,37 @@ n_errors = sum(1 for v in msgs.values() for level, _ in v if level == "error")
 # ---------------------------------------------------------------- launch
 
 
+@st.cache_data(max_entries=32, show_spinner=False)
+def _sweep_problem(args_json: str) -> str | None:
+    """The engine's refusal of a sweep (``comera_engine.launch.sweep.check_sweep``, with
+    the launch's per-cell check), or ``None``: what a click on Launch sweep would say.
+    A cell differing only by its seed is checked once."""
+    from comera_engine.launch.sweep import check_sweep
+    from comera_engine.preview import check_runnable
+
+    a = json.loads(args_json)
+    seen: set[str] = set()
+
+    def once(cfg: Any) -> None:
+        d = cfg.to_dict()
+        d.pop("name", None)
+        d["train"].pop("seed", None)
+        key = json.dumps(d, sort_keys=True, default=str)
+        if key not in seen:
+            check_runnable(cfg)
+            seen.add(key)
+
+    try:
+        check_sweep(a["raw"], a["grid"], a["seeds"], max_parallel=a["parallel"],
+                    gpus=a["gpus"], check=once)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _sweep_section() -> None:
-    """Launch this form's config as a sweep: several targets × seeds, N at once."""
+    """Launch this form's config as a sweep: several targets × seeds, N at once. Every
+    value is checked as typed, by the engine, before the click."""
     from comera_engine.launch.sweep import default_parallel
 
     with st.expander("Sweep several targets", icon=":material/grid_view:"):
@@ -591,10 +610,10 @@ def _sweep_section() -> None:
         text = st.text_input("Targets (×)", value="5, 10, 30, 100", key="sw-targets",
                              help="Compressions to sweep, separated by commas")
         c1, c2 = st.columns(2)
-        seeds = int(c1.number_input("Seeds per target", 1, 10, 3, key="sw-seeds"))
-        parallel = int(c2.number_input(
-            "Cells at once", 1, 64, default_parallel("cpu" if device == "cpu" else "auto"),
-            key="sw-parallel", help="Default: one per GPU, else one per 4 CPU cores"))
+        seeds = number_text(c1, "Seeds per target", 3, "sw-seeds")
+        parallel = number_text(
+            c2, "Cells at once", default_parallel("cpu" if device == "cpu" else "auto"),
+            "sw-parallel", help="Default: one per GPU, else one per 4 CPU cores")
         problem = None
         try:
             targets = runs.parse_targets(text)
@@ -602,17 +621,22 @@ def _sweep_section() -> None:
             targets, problem = [], str(e)
         if dense:
             problem = "A dense baseline has no target to sweep; switch Dense baseline off."
-        if problem:
-            st.error(problem, icon=":material/error:")
-        else:
-            st.caption(f"{len(targets) * seeds} runs: "
-                       f"{', '.join(f'{t:g}×' for t in targets)} × {seeds} seed(s).")
-        ui.save_form(SAVED, {"sw-targets", "sw-seeds", "sw-parallel"})
         grid = {"comera.target_compression": targets}
         # each cell's ranks are chosen from its own target (a fixed rank fits one target)
         sweep_raw = json.loads(json.dumps(raw))
         for key in ("rank", "embedding_rank"):
             sweep_raw.get("model", {}).pop(key, None)
+        if problem is None and not n_errors:
+            with st.spinner("Checking every cell…"):
+                problem = _sweep_problem(json.dumps(
+                    {"raw": sweep_raw, "grid": grid, "seeds": seeds, "parallel": parallel,
+                     "gpus": gpu_ids}, sort_keys=True))
+        if problem:
+            st.error(problem, icon=":material/error:")
+        elif not n_errors:
+            st.caption(f"{len(targets) * seeds} runs: "
+                       f"{', '.join(f'{t:g}×' for t in targets)} × {seeds} seed(s).")
+        ui.save_form(SAVED, {"sw-targets", "sw-seeds", "sw-parallel"})
         st.caption("The initial ranks of each run are chosen from its target.")
         sweep_token = runs.config_token(nonce, sweep_raw, {"gpus": gpu_ids, "grid": grid,
                                                            "seeds": seeds,
