@@ -111,7 +111,11 @@ def header(run: dict[str, Any], latest: dict[str, float]) -> None:
     elapsed = (end - started) if started else None
     eta = None
     if runs.is_live(run) and started and step > 0 and total:
-        eta = elapsed / step * (total - step) if elapsed else None
+        # the trainer's own figure: the median step of the last 50 times the steps left
+        # (older runs: the time since the start, which counts the start-up)
+        eta = latest.get("perf/eta_s")
+        if eta is None:
+            eta = elapsed / step * (total - step) if elapsed else None
     stage = latest.get("stage")
     stage_txt = "" if stage is None else (" · late stage" if stage >= 0.5 else " · early stage")
     phase = runs.phase_of(run)
@@ -159,7 +163,10 @@ def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float |
                 help=f"Dense / effective parameters of the {comp.label}: the scope the "
                      "run's target is measured on (comera.target_scope); every page shows "
                      "this figure.")
-    c[4].metric(tput[0], fmt.count(tput[1]))
+    c[4].metric(tput[0], fmt.count(tput[1]),
+                help="Training throughput on the trainer's own clock, over its last 50 "
+                     "steps (the wait for each batch counted; evaluations and checkpoints "
+                     "not).")
     c[5].metric(mem[0], mem[1], delta=mem[2], delta_color="off", delta_arrow="off")
 
 
@@ -201,7 +208,7 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
             plots.lines([(name.split("/")[1].replace("_per_s", "/s"),
                           *_series(DB, rid, name))], "Throughput",
                         "tokens/s" if "tokens" in name else "samples/s", stages=stages,
-                        smooth=0.05), key="ch-tput",
+                        smooth=None), key="ch-tput",  # the trainer's smoothed figure
         )
     history = DB.rank_history(rid)
     c1, c2 = st.columns([3, 2])
