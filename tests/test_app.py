@@ -749,6 +749,59 @@ def test_export_page_exports_a_real_checkpoint(trained_home: tuple[Path, str]) -
     assert Path(exports[0]["path"]).resolve().is_relative_to(h.resolve())
 
 
+#: A compression figure with its scope, as every place writes it: "60.6× (TT layers)",
+#: "60.6x (TT layers)"; a tile says its scope in its label.
+FIGURE = re.compile(r"(∞|\d[\d,]*\.\d)\s?[×x]\)?,?\s?\((TT layers|whole model)\)")
+
+
+def test_one_compression_figure_per_scope_everywhere(trained_home: tuple[Path, str],
+                                                      tmp_path: Path, capsys) -> None:
+    """Issue 46 item 3: every compression figure a finished run shows (the Live tile, the
+    trainer's log, `comera export`'s line, the Export page, the model card) is one
+    number per scope, each written with its scope; the bytes ratio is named as such."""
+    from comera_engine.cli import main
+    from comera_engine.launch import logs
+
+    h, rid = trained_home
+    seen: dict[str, dict[str, set[str]]] = {}
+
+    def read(source: str, text: str) -> None:
+        found = FIGURE.findall(text)
+        assert found, f"no compression figure with its scope in the {source}: {text!r}"
+        for value, scope in found:
+            seen.setdefault(scope, {}).setdefault(value, set()).add(source)
+
+    def tiles(at: AppTest) -> str:
+        return " ".join(f"{m.value} ({m.label.split('(', 1)[1]}" for m in at.metric
+                        if m.label.startswith("Compression ("))
+
+    at = app("live")
+    no_exception(at)
+    read("Live tiles", tiles(at))
+    log = logs(rid, store=h / "comera.db")
+    assert "smaller" not in log and "vs dense" not in log  # the old unnamed figures
+    read("trainer log (its last bar)", [line for line in log.splitlines()
+                                        if FIGURE.search(line)][-1])
+    assert main(["export", rid, "--out", str(tmp_path / "m.safetensors")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    line = next(x for x in out if x.startswith("compression "))
+    assert "file bytes vs dense model bytes" in line
+    read("comera export line", line)
+    card = Path(next(x for x in out if x.startswith("model card ")).removeprefix("model card "))
+    read("model card", card.read_text(encoding="utf-8"))
+    at = app("export")
+    at.button(key="exp-go").click().run()
+    no_exception(at)
+    read("Export page", tiles(at))
+    assert any(m.label == "File bytes vs dense model bytes" for m in at.metric)
+    assert set(seen) == {"TT layers", "whole model"}
+    for scope, values in seen.items():
+        assert len(values) == 1, f"{scope}: {values}"  # one number, wherever it is read
+    (sources,) = seen["TT layers"].values()  # the run's scope: in every place
+    assert sources == {"Live tiles", "trainer log (its last bar)", "comera export line",
+                       "model card", "Export page"}
+
+
 @pytest.mark.usefixtures("trained_home")
 def test_live_and_compare_pages_on_a_real_run() -> None:
     at = app("live")

@@ -9,6 +9,7 @@ from typing import Any
 import streamlit as st
 
 from app.lib import fmt, runs, ui
+from comera_engine.export.card import BYTES_RATIO_LABEL
 from comera_engine.metrics import SCOPE_LABELS, compression_scope
 
 FORMAT_HELP = {
@@ -118,7 +119,7 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
         k[2].metric("Tensor bytes", fmt.nbytes(res.tensor_bytes),
                     delta=f"expected {fmt.nbytes(res.expected_bytes)}", delta_color="off",
                     delta_arrow="off")
-        k[3].metric("File vs dense model bytes",
+        k[3].metric(BYTES_RATIO_LABEL.capitalize(),
                     fmt.ratio(dense_b / res.file_bytes) if dense_b and res.file_bytes else "–",
                     help="Bytes of the dense model over this file's bytes (header, ONNX "
                          "graph and, for a whole-model view, every dense layer included): "

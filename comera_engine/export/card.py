@@ -18,7 +18,12 @@ from comera_engine.export.quant import INT8_SCALES
 from comera_engine.metrics import SCOPE_LABELS, compression_scope
 from comera_engine.rank.schedule import method_label
 
-__all__ = ["PROVENANCE", "model_card", "read_card_metadata"]
+__all__ = ["BYTES_RATIO_LABEL", "PROVENANCE", "compression_line", "model_card",
+           "read_card_metadata"]
+
+#: How the bytes ratio of an export is named wherever it is shown (the CLI, the card,
+#: the Export page): another quantity than the compression, which counts parameters.
+BYTES_RATIO_LABEL = "file bytes vs dense model bytes"
 
 #: The metadata a safetensors export keeps in its card rather than in its header.
 PROVENANCE = ("name", "created", "library", "config", "dataset", "metrics", "run", "sizes")
@@ -234,6 +239,28 @@ def _target_line(doc: dict[str, Any]) -> str | None:
     return target_outcome(float(target), float(reached))
 
 
+def _figures(result: Any) -> tuple[str, str, str]:
+    """The export's compression in the run's scope, in the other scope, and its bytes
+    ratio, each with its name: ``("60.6× (TT layers)", "21.6× (whole model)",
+    "file bytes vs dense model bytes 20.0×")``."""
+    doc = result.metadata or {}
+    sizes = result.sizes or doc.get("sizes") or {}
+    scope = compression_scope(doc.get("config"))
+    other = "model" if scope == "tensorized" else "tensorized"
+    mine, theirs = ((sizes.get(s) or {}).get("compression") for s in (scope, other))
+    dense_b = (sizes.get("model") or {}).get("dense_bytes")
+    ratio = _ratio(dense_b / result.file_bytes) if dense_b and result.file_bytes else "?"
+    return (f"{_ratio(mine)} ({SCOPE_LABELS[scope]})", f"{_ratio(theirs)} ({SCOPE_LABELS[other]})",
+            f"{BYTES_RATIO_LABEL} {ratio}")
+
+
+def compression_line(result: Any) -> str:
+    """What ``comera export`` prints of the sizes: the run's one compression with its
+    scope, the other scope's, and the bytes ratio, each named."""
+    mine, theirs, by_bytes = _figures(result)
+    return f"compression {mine}, {theirs}; {by_bytes}"
+
+
 def _stored_words(doc: dict[str, Any]) -> str:
     dtype = (doc.get("storage") or {}).get("dtype", "float32")
     return f"int8 with {INT8_SCALES}" if dtype == "int8" else str(dtype)
@@ -291,16 +318,17 @@ def model_card(result: Any, sha256: str) -> str:
     scope = compression_scope(doc.get("config"))
     other = "model" if scope == "tensorized" else "tensorized"
     mine, theirs = sizes.get(scope) or {}, sizes.get(other) or {}
-    lines += [f"**Compression: {_ratio(mine.get('compression'))} ({SCOPE_LABELS[scope]})**, "
+    shown, other_shown, by_bytes = _figures(result)
+    lines += [f"**Compression: {shown}**, "
               f"dense / effective parameters of the {SCOPE_LABELS[scope]} "
               f"({_num(mine.get('dense_params'))} → {_num(mine.get('effective_params'))}): "
               "the scope the run's target is asked in (`comera.target_scope`), the figure "
-              "the studio and `comera runs` show. Other scope: "
-              f"{SCOPE_LABELS[other]} {_ratio(theirs.get('compression'))}; whole model at the "
-              f"allocated ranks {_ratio(m.get('compression_allocated'))}.", ""]
+              f"the studio and `comera runs` show. Other scope: {other_shown} "
+              f"({_num(theirs.get('dense_params'))} → {_num(theirs.get('effective_params'))}"
+              f"). Bytes, another quantity: {by_bytes}.", ""]
     outcome = _target_line(doc)
     if outcome:
-        lines += [f"**Target**: {outcome}.", ""]
+        lines += [f"**Target** ({SCOPE_LABELS[scope]}): {outcome}.", ""]
     stored = (doc.get("storage") or {}).get("dtype", "float32")
     if result.format == "compressed" and stored != "float32":
         lines += [f"The file holds {result.tensor_bytes:,} bytes of tensors: the weights in "

@@ -74,6 +74,7 @@ from comera_engine.metrics import (
     TARGET_TOLERANCE,
     MetricsSink,
     NullSink,
+    run_compression,
     target_error,
 )
 from comera_engine.models import TaskModel, run_task
@@ -399,7 +400,8 @@ class _Run:
             self.sink.log_metrics(self.step, metrics)
             self.last_metrics = metrics
             if bar is not None:
-                bar.update(self.step, _bar_info(metrics, self.comera.stage_name),
+                bar.update(self.step, _bar_info(metrics, self.comera.stage_name,
+                                                self.cfg.to_dict()),
                            rate=self.clock.samples_per_s, unit="samples/s",
                            eta=metrics.get("perf/eta_s"))
 
@@ -664,8 +666,8 @@ class _Run:
             what += f", method {self.cfg.comera.method}"
         self._info(
             f"{self.cfg.model.name}/{self.cfg.model.preset} ({what}), "
-            f"{int(size.get('params/effective', 0)):,} effective params, "
-            f"{size.get('compression/model', 1.0):.1f}x vs dense; device {self.device}, "
+            f"{int(size.get('params/effective', 0)):,} effective params, compression "
+            f"{run_compression(self.cfg.to_dict(), size).text('x')}; device {self.device}, "
             f"{'bf16' if self.autocast_dtype else 'fp32'}, world {self.dist.world_size}"
             + (", resumed" if resumed else "")
         )
@@ -798,11 +800,16 @@ def _ckpt_reason(stop: bool, last: bool, switched: bool) -> str:
     return "stage" if switched else "periodic"
 
 
-def _bar_info(metrics: dict[str, float], stage: str) -> dict[str, str | float]:
+def _bar_info(metrics: dict[str, float], stage: str, config: dict[str, Any]
+              ) -> dict[str, str | float]:
+    """The bar's figures: the loss, the eval accuracy (percent) and the run's one
+    compression in its scope (:func:`~comera_engine.metrics.run_compression`, as every
+    page shows it)."""
     info: dict[str, str | float] = {"loss": metrics["loss/task"]}
     if "eval/acc" in metrics:
-        info["eval acc"] = metrics["eval/acc"]
-    if "compression/model" in metrics:
-        info["smaller"] = f"{metrics['compression/model']:.1f}x"
+        info["eval acc"] = f"{metrics['eval/acc'] * 100:.1f} %"
+    comp = run_compression(config, metrics)
+    if comp.value is not None:
+        info["compression"] = comp.text("x")
     info["stage"] = stage
     return info
