@@ -82,11 +82,30 @@ def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None
     for target in (5.0, 20.0):
         row = groups[groups["target"] == target].iloc[0]
         accs = [a for (t, _), a in ACCS.items() if t == target]
-        assert row["eval/acc mean"] == pytest.approx(statistics.fmean(accs))
-        assert row["± std"] == pytest.approx(statistics.stdev(accs))
+        mean, std = statistics.fmean(accs), statistics.stdev(accs)  # in percent
+        assert row["eval/acc (mean ± std over seeds)"] == f"{mean * 100:.1f}% ± {std * 100:.1f}"
         assert row["finished"] == "2/2" and bool(row["Pareto"])  # neither beats the other
     assert set(cells["status"]) == {"finished"}
     assert at.button(key="sw-stop").disabled and at.button(key="sw-resume").disabled
+
+
+def test_one_seed_has_no_spread_and_a_pending_cell_is_blank(home: Path) -> None:
+    """Issue 46 item 3: a grid point with one finished seed shows its mean and no "± std
+    0.0000"; a cell not run yet shows blank figures, never "None"; accuracy is in percent
+    (as the Live tile states it)."""
+    st = RunStore(home / "comera.db")
+    sid, _ = seed_sweep(st, unfinished=True)
+    at = app("views/sweeps.py", sweep=sid)
+    no_exception(at)
+    groups, cells = at.dataframe[0].value, at.dataframe[1].value
+    one = groups[groups["target"] == 20.0].iloc[0]
+    assert one["eval/acc (mean ± std over seeds)"] == "91.0%" and one["compression"] == "20.4×"
+    assert one["finished"] == "1/2"
+    pending = cells[cells["status"] == "queued"].iloc[0]
+    assert (pending["eval/acc"], pending["compression"]) == ("", "")
+    done = cells[cells["status"] == "finished"]
+    assert set(done["eval/acc"]) == {"95.0%", "93.0%", "91.0%"}
+    assert "None" not in groups.to_string() + cells.to_string()
 
 
 def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,

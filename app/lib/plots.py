@@ -8,7 +8,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from comera_engine.metrics import SCOPE_LABELS
+from comera_engine.metrics import PERCENT_METRICS, SCOPE_LABELS
 
 COLORS = [
     "#4F46E5",  # indigo
@@ -132,7 +132,7 @@ def lines(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title:
 
 def is_fraction(metric: str) -> bool:
     """A metric logged as a fraction that the pages state in % (accuracies)."""
-    return metric in ("acc/train", "eval/acc")
+    return metric in PERCENT_METRICS
 
 
 def legend_below(fig: go.Figure) -> go.Figure:
@@ -396,6 +396,10 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
     scopes = sorted({SCOPE_LABELS.get(c.get("scope"), "TT layers") for c in cells})
     x_title = f"compression reached ({' / '.join(scopes) or 'TT layers'}; {x_title})"
     fig = base_layout(fig, title, 420, x_title, metric)
+    if is_fraction(metric):  # accuracy: one unit (percent) everywhere
+        fig.update_yaxes(tickformat=".0%")
+        fig.update_traces(hovertemplate="%{text}<br>%{x:.3g}×<br>" + metric
+                          + " %{y:.1%}<extra></extra>")
     legend_below(fig)
     fig.update_layout(hovermode="closest")
     return fig

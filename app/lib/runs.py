@@ -42,6 +42,7 @@ __all__ = [
     "config_token",
     "final_metrics",
     "flatten",
+    "percent",
     "guarded_launch",
     "guarded_sweep",
     "is_live",
@@ -350,6 +351,12 @@ def checkpoints(store: RunStore, run_id: str) -> list[dict[str, Any]]:
     return rows
 
 
+def percent(fraction: Any) -> float | None:
+    """An accuracy logged as a fraction, in percent (the unit every page states it in)."""
+    return 100.0 * float(fraction) if isinstance(fraction, (int, float)) and not isinstance(
+        fraction, bool) else None
+
+
 def summary_rows(store: RunStore, runs: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One table row per run: status, progress and final metrics."""
     rows = []
@@ -365,7 +372,7 @@ def summary_rows(store: RunStore, runs: list[Mapping[str, Any]]) -> list[dict[st
                 "steps": steps,
                 "dense": is_dense(r),
                 "method": method_label(r.get("config")),
-                "eval acc": m.get("eval/acc"),
+                "eval acc": percent(m.get("eval/acc")),
                 "task loss": m.get("loss/task"),
                 "compression": compression(r, m).value,
                 "scope": compression(r, m).label,

@@ -107,7 +107,7 @@ for r in sel:
         "method": method_label(r.get("config")),
         "dense": runs.is_dense(r),
         "steps": r.get("last_step"),
-        "eval acc": m.get("eval/acc"),
+        "eval acc": runs.percent(m.get("eval/acc")),
         "eval loss": m.get("eval/loss"),
         "task loss": m.get("loss/task"),
         "compression": comp.value,
@@ -149,7 +149,7 @@ st.subheader("Final metrics", anchor=False)
 st.dataframe(
     rows, hide_index=True, width="stretch",
     column_config={
-        "eval acc": st.column_config.NumberColumn(format="%.4f"),
+        "eval acc": st.column_config.NumberColumn(format="%.1f%%"),
         "eval loss": st.column_config.NumberColumn(format="%.4f"),
         "task loss": st.column_config.NumberColumn(format="%.4f"),
         "compression": st.column_config.NumberColumn(

@@ -81,7 +81,7 @@ event = st.dataframe(
         "progress": st.column_config.ProgressColumn(
             "progress", format="percent", min_value=0.0, max_value=1.0
         ),
-        "eval acc": st.column_config.NumberColumn(format="%.3f"),
+        "eval acc": st.column_config.NumberColumn(format="%.1f%%"),
         "compression": st.column_config.NumberColumn(
             "compression", format="%.1f×", help="Dense / effective parameters, measured on "
             "the scope named beside it (the one the run's target is asked in)."

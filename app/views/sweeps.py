@@ -7,7 +7,7 @@ import streamlit as st
 
 from app.lib import fmt, plots, ui
 from comera_engine.launch.sweep import resume_sweep, stop_sweep, sweep_report
-from comera_engine.metrics import SCOPE_LABELS
+from comera_engine.metrics import SCOPE_LABELS, format_metric
 
 REFRESH_S = 2.0
 
@@ -63,6 +63,11 @@ def _scope(rep: dict) -> str:
     return " / ".join(sorted({SCOPE_LABELS[c["scope"]] for c in rep["cells"]})) or "–"
 
 
+def _text(value: object, shown: object) -> object:
+    """A table cell: ``shown`` (the figure as text), blank while ``value`` is pending."""
+    return "" if value is None else shown
+
+
 def view() -> None:
     rep = sweep_report(store, SID)
     sweep = rep["sweep"]
@@ -90,40 +95,41 @@ def view() -> None:
     st.plotly_chart(plots.sweep_pareto(rep, f"{metric} vs compression reached"),
                     width="stretch", key="sw-pareto")
     st.subheader("Per grid point", anchor=False)
+    # figures as text: accuracies in percent, a pending value blank, no spread for one
+    # seed (comera_engine.metrics.format_metric)
     st.dataframe(
         [{"grid point": g["label"], "target": g["target"],
-          f"{metric} mean": g["score"], "± std": g["score_std"],
-          "compression": g["compression"], "± std ": g["compression_std"],
-          "scope": _scope(rep), "model size": fmt.nbytes(g.get("bytes")),
+          f"{metric} (mean ± std over seeds)": format_metric(metric, g["score"],
+                                                             g["score_std"]),
+          "compression": "" if g["compression"] is None else fmt.ratio(g["compression"]) + (
+              "" if g["compression_std"] is None else f" ± {g['compression_std']:.1f}"),
+          "scope": _scope(rep), "model size": _text(g.get("bytes"), fmt.nbytes(g.get("bytes"))),
           "finished": f"{g['finished']}/{g['cells']}", "Pareto": g["pareto"],
-          "step time": g["step_time_s"], "peak memory": fmt.mib(g["peak_mem_mb"])}
+          "step time": _text(g["step_time_s"], f"{g['step_time_s'] or 0:.4f} s"),
+          "peak memory": _text(g["peak_mem_mb"], fmt.mib(g["peak_mem_mb"]))}
          for g in rep["groups"]],
         hide_index=True, width="stretch",
         column_config={
-            f"{metric} mean": st.column_config.NumberColumn(format="%.4f"),
-            "± std": st.column_config.NumberColumn(format="%.4f"),
-            "compression": st.column_config.NumberColumn(format="%.1f×"),
-            "± std ": st.column_config.NumberColumn(format="%.1f"),
             "target": st.column_config.NumberColumn(format="%g×"),
-            "step time": st.column_config.NumberColumn(
-                format="%.4f s", help="Each finished cell's median training step, averaged "
+            "step time": st.column_config.TextColumn(
+                help="Each finished cell's median training step, averaged "
                 "over the seeds; cells that ran side by side share the machine, and each "
                 "step time carries that load."),
         })
     st.subheader("Cells", anchor=False)
     st.dataframe(
         [{"run": f"/live_run?run={c['run']}", "cell": c["label"], "status": c["status"],
-          "step": c["step"], metric: c["score"], "compression": c["compression"],
+          "step": _text(c["step"], f"{c['step'] or 0:,}"),
+          metric: format_metric(metric, c["score"]),
+          "compression": "" if c["compression"] is None else fmt.ratio(c["compression"]),
           "scope": SCOPE_LABELS[c["scope"]],
-          "params": c["params"], "model size": fmt.nbytes(c.get("bytes"))}
+          "params": _text(c["params"], fmt.count(c["params"])),
+          "model size": _text(c.get("bytes"), fmt.nbytes(c.get("bytes")))}
          for c in rep["cells"]],
         hide_index=True, width="stretch",
         column_config={
             "run": st.column_config.LinkColumn("run", display_text=r"run=(.*)$",
                                                help="Open the cell's Live run page"),
-            metric: st.column_config.NumberColumn(format="%.4f"),
-            "compression": st.column_config.NumberColumn(format="%.1f×"),
-            "params": st.column_config.NumberColumn(format="compact"),
         })
     if LIVE_AT_START != live:
         st.rerun()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.export.quant import INT8_SCALES
-from comera_engine.metrics import SCOPE_LABELS, compression_scope
+from comera_engine.metrics import SCOPE_LABELS, compression_scope, format_metric
 from comera_engine.rank.schedule import method_label
 
 __all__ = ["BYTES_RATIO_LABEL", "PROVENANCE", "compression_line", "model_card",
@@ -376,7 +376,8 @@ def model_card(result: Any, sha256: str) -> str:
         keys = sorted(metrics, key=lambda k: (not k.startswith("eval/"), k))
         shown = [k for k in keys if k.startswith(("eval/", "acc/", "loss/"))] or keys
         lines += ["| metric | value |", "|---|---:|"]
-        lines += [f"| {k} | {_metric(metrics[k])} |" for k in shown[:24]]
+        lines += [f"| {k} | {format_metric(k, metrics[k]) or _metric(metrics[k])} |"
+                  for k in shown[:24]]
     else:
         lines += ["No metrics were recorded with this export."]
     lines.append("")

@@ -372,7 +372,8 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     if not vals:
         return None, None
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+    # one value has no spread: None, never a std of 0 (one seed says nothing of it)
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
 
 
 def pareto_front(points: Sequence[Mapping[str, Any]], x: str, y: str,
