@@ -258,13 +258,27 @@ def final_metrics(store: RunStore, run_id: str) -> dict[str, float]:
     return {k: v for k, (_, v) in store.latest_metrics(run_id).items()}
 
 
+#: Bytes per trained parameter in memory: fp32 weight and gradient, AdamW's two moments.
+TRAIN_BYTES_PER_PARAM = 16
+
+
 def peak_memory_mb(store: RunStore, run_id: str) -> tuple[float | None, str]:
-    """Peak training memory in MiB and what it measures (torch CUDA peak, else RSS)."""
-    for name, what in (("mem/cuda_max_allocated_mb", "torch peak"), ("mem/rss_mb", "RSS")):
+    """Peak training memory in MiB and what it counts: on a GPU, torch's peak allocated
+    (weights, gradients, optimizer state, saved activations); on a CPU, the model and
+    its optimizer state (the peak allocated parameters x 16 bytes), the memory the method
+    changes (the process RSS is mostly the interpreter and libraries, the same for every
+    run)."""
+    def peak(name: str) -> float | None:
         s = store.series(run_id, name, max_points=500)
         vals = [v for v in s["value"] if isinstance(v, float) and math.isfinite(v)]
-        if vals:
-            return max(vals), what
+        return max(vals) if vals else None
+
+    gpu = peak("mem/cuda_max_allocated_mb")
+    if gpu is not None:
+        return gpu, "GPU: torch peak allocated"
+    params = peak("params/allocated")
+    if params is not None:
+        return params * TRAIN_BYTES_PER_PARAM / 2**20, "model + optimizer state"
     return None, ""
 
 

@@ -93,9 +93,12 @@ st.subheader("Accuracy for the size", anchor=False)
 points = []
 rows = []
 scopes: set[str] = set()
+mem_what: set[str] = set()
 for r in sel:
     m = runs.final_metrics(store, r["id"])
     peak, what = runs.peak_memory_mb(store, r["id"])
+    if what:
+        mem_what.add(what)
     acc = m.get("eval/acc", m.get("acc/train"))
     comp = runs.compression(r, m)
     scopes.add(comp.label)
@@ -115,7 +118,8 @@ for r in sel:
         "target": runs.target_of(r),
         "params": m.get("params/effective"),
         "model size": fmt.nbytes(m.get("bytes/effective")),
-        f"peak memory ({what or 'n/a'})": fmt.mib(peak),
+        "peak training memory": fmt.mib(peak) if peak is not None else "",
+        "memory counts": what,
         "samples/s": store.median_metric(r["id"], "perf/samples_per_s"),
     })
 if not any(p["dense"] for p in points):
@@ -139,7 +143,9 @@ with c2:
         width="stretch", key="cmp-pareto-bytes",
     )
 st.plotly_chart(
-    plots.pareto(points, "mem", "acc", "peak training memory (MiB, log)", "accuracy",
+    plots.pareto(points, "mem", "acc",
+                 f"peak training memory: {' / '.join(sorted(mem_what)) or 'n/a'} (MiB, log)",
+                 "accuracy",
                  "Accuracy vs training memory", higher_x_better=False
                  ).update_yaxes(tickformat=".0%"),
     width="stretch", key="cmp-pareto-mem",

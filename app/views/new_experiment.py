@@ -752,11 +752,13 @@ with right:
               delta=f"dense {fmt.count(pv.dense_macs)}", delta_color="off", delta_arrow="off",
               help="Forward multiply-accumulates of the linear and embedding layers per "
                    f"{unit}, on the path the planner picks at batch {pv.tokens_per_batch}.")
-    k4.metric("Train memory", fmt.nbytes(pv.memory["tt"]["total"]),
+    k4.metric("Training memory (estimate)", fmt.nbytes(pv.memory["tt"]["total"]),
               delta=f"dense {fmt.nbytes(pv.memory['dense']['total'])}", delta_color="off",
               delta_arrow="off",
               help="Estimated training memory: weights, gradients, AdamW moments and saved "
-                   "activations (a rough estimate, no framework overhead).")
+                   "activations (a rough estimate). Not the process: Python, PyTorch and "
+                   "the data add a few hundred MiB of RSS (the Live page's memory chart), "
+                   "the same for every method.")
     if not pv.dense_model and pv.layers:
         dense = pv.dense_tt if pv.scope == "tensorized" else pv.dense_total
         st.plotly_chart(plots.size_bar(dense, pv.start_size, pv.floor_size, pv.target,
