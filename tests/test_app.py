@@ -756,6 +756,9 @@ def test_export_page_exports_a_real_checkpoint(trained_home: tuple[Path, str]) -
     no_exception(at)
     downloads = at.get("download_button")
     assert len(downloads) >= 2  # the model and its card
+    # the card loads the file by the name it is downloaded as (issue 46)
+    assert any(f'comera_engine.load("digits-tt-mlp-{rid}-step40.safetensors")' in m.value
+               for m in at.markdown)
     exports = RunStore(h / "comera.db").artifacts(rid, kind="export_compressed")
     assert exports and exports[0]["exists"]
     assert Path(exports[0]["path"]).resolve().is_relative_to(h.resolve())

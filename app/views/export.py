@@ -131,6 +131,9 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
                            mime="application/octet-stream", on_click="ignore")
         if res.card and Path(res.card).is_file() and _inside_store(res.card):
             card = Path(res.card).read_text(encoding="utf-8", errors="replace")
+            # the card's code loads the file by the name it is downloaded as
+            card = card.replace(f'"{Path(res.path).name}"',
+                                f'"{download_name(run, res.path)}"')
             d2.download_button("Download model card", data=card,
                                file_name=download_name(run, res.path) + ".md",
                                icon=":material/description:", key="dl-card",

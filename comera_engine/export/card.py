@@ -87,6 +87,47 @@ def _encode_code(tokenizer: str, data_name: str | None) -> list[str]:
             "```", ""]
 
 
+def _rows_source(doc: dict[str, Any]) -> tuple[str, str]:
+    """(the file whose rows a ``files`` model's card reads, which rows give the run's
+    figure): the eval file, else the training file's seeded split."""
+    data = (doc.get("config") or {}).get("data") or {}
+    if data.get("eval"):
+        name = Path(str(data["eval"])).name
+        return name, (f"`{name}` is the run's eval split: its rows give the run's eval "
+                      "figures (the card's metrics below).")
+    name = Path(str(data.get("train") or "train.csv")).name
+    return name, (f"The run's eval figures are on a seeded split of `{name}` "
+                  f"(`data.split_fraction` {data.get('split_fraction', 0.8)}, `data.seed` "
+                  f"{data.get('seed', 0)}), not on all its rows.")
+
+
+def _files_encode_code() -> list[str]:
+    """The encoding of rows for an ONNX ``files`` model, from the graph's own metadata
+    (numpy only; the tests run this code)."""
+    return ["```python", "import json", "import numpy as np", "import onnx", "",
+            "meta = {p.key: p.value for p in onnx.load(ONNX_FILE).metadata_props}",
+            'pipe = json.loads(meta["comera"])["input_pipeline"]', "", "",
+            "def cell(v):", '    """A categorical value as text ("3" and 3 alike)."""',
+            "    if isinstance(v, float) and v.is_integer():", "        v = int(v)",
+            '    return "" if v is None else str(v).strip()', "", "",
+            "def number(v):", "    try:", "        return float(v)",
+            "    except (TypeError, ValueError):",
+            "        return np.nan  # missing or empty: the model fills it", "", "",
+            "def encode(rows):",
+            '    """Rows of the file (dicts, as csv.DictReader gives them) -> the inputs."""',
+            "    inputs = {}",
+            '    if pipe["features"]:',
+            '        inputs["x"] = np.array([[number(r.get(f)) for f in pipe["features"]]',
+            "                                for r in rows], dtype=np.float32)",
+            '    if pipe["categories"]:',
+            '        ids = [{cell(v): i + 1 for i, v in enumerate(values)}',
+            '               for values in pipe["categories"].values()]',
+            '        inputs["categorical"] = np.array(',
+            '            [[m.get(cell(r.get(c)), 0) for c, m in zip(pipe["categories"], ids)]',
+            "             for r in rows], dtype=np.int64)",
+            "    return inputs", "```", ""]
+
+
 def _inputs(result: Any, doc: dict[str, Any]) -> list[str]:
     """What the model takes: the raw inputs of its pipeline, and how to prepare them."""
     pipe = doc.get("input_pipeline")
@@ -114,6 +155,21 @@ def _inputs(result: Any, doc: dict[str, Any]) -> list[str]:
                   "# label, I1..I13, C1..C26",
                   "dense = [float(v) if v else 0.0 for v in fields[1:14]]",
                   "sparse = [int(v, 16) if v else -1 for v in fields[14:40]]", "```", ""]
+    elif pipe["kind"] == "files":
+        source, split = _rows_source(doc)
+        lines += ["The model fills a missing number with the training split's mean and "
+                  "standardises with its mean and standard deviation itself; "
+                  "`model.predict_rows(rows)` and `model.encode_rows(rows)` also map each "
+                  "categorical value to its id (all stored in the file). Give it your "
+                  "file's rows as a CSV reader gives them (the label column may stay "
+                  f"in). {split}", "", "```python", "import csv", "",
+                  f'with open("{source}", newline="") as f:',
+                  "    rows = list(csv.DictReader(f))  # list of dicts of str", "```", ""]
+        if onnx:
+            lines += ["Encode them for the graph (what `model.encode_rows(rows)` does in "
+                      "PyTorch):", ""]
+            lines += [x.replace("ONNX_FILE", f'"{result.path.name}"')
+                      for x in _files_encode_code()]
     elif result.tokenizer is not None:
         ds = ((doc.get("model") or {}).get("data_spec") or {}).get("name")
         lines += [f"Encode text with the tokenizer shipped beside the model "
@@ -144,6 +200,11 @@ def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
         outs = ", ".join(onnx.get("outputs", ["out"]))
         if kind == "tokens" and result.tokenizer is not None:
             lines += [f"({outs},) = session.run(None, encode(...))  # encode: above"]
+        elif kind == "files":
+            lines += [f"({outs},) = session.run(None, encode(rows))  # rows, encode: above"]
+            if pipe.get("task") != "regress" and pipe.get("label_names"):
+                lines += [f"labels = [{pipe['label_names']!r}[i] for i in "
+                          f"{outs.split(',')[0]}.argmax(-1)]"]
         else:
             lines += ["inputs = {"]
             for n in onnx.get("inputs", []):
@@ -173,6 +234,11 @@ def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
         lines += ["logits = model(torch.as_tensor(x, dtype=torch.float32))  # raw pixels"]
     elif kind == "criteo":
         lines += ["logit = model(torch.tensor([dense]), torch.tensor([sparse]))  # raw row"]
+    elif kind == "files":
+        lines += ["labels = model.predict_rows(rows)  # rows: above; label names "
+                  "(a regression: numbers)" if pipe.get("task") != "regress" else
+                  "y = model.predict_rows(rows)  # rows: above",
+                  "logits = model(*model.encode_rows(rows))  # the outputs themselves"]
     elif fam in ("transformer_cls", "transformer_mlm"):
         lines += ["logits = model(input_ids, token_type_ids, attention_mask)  # int64 [B, L]"]
     elif fam == "dlrm":
