@@ -276,7 +276,14 @@ def run_status_header(page: Any) -> str:
 
 
 def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
+    from urllib.parse import urlparse
+
     ctx, page = new_page(browser)
+    # every request the page makes during the whole tour (issue 46: no asset from the
+    # network; the tab icon used to come from a font CDN)
+    elsewhere: list[str] = []
+    page.on("request", lambda r: elsewhere.append(r.url) if urlparse(r.url).scheme not in (
+        "data", "blob") and urlparse(r.url).hostname != "127.0.0.1" else None)
 
     page.goto(server.url)
     page.get_by_text("No runs yet").wait_for()
@@ -350,6 +357,7 @@ def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
     settle(page)
     no_exception(page, "overview (runs)")
     shot(page, "11-overview-runs")
+    assert not elsewhere, f"requests that left 127.0.0.1: {sorted(set(elsewhere))[:5]}"
     ctx.close()
 
 
