@@ -762,6 +762,17 @@ def test_export_page_exports_a_real_checkpoint(trained_home: tuple[Path, str]) -
     exports = RunStore(h / "comera.db").artifacts(rid, kind="export_compressed")
     assert exports and exports[0]["exists"]
     assert Path(exports[0]["path"]).resolve().is_relative_to(h.resolve())
+    # int8 from the page, as `comera export --dtype int8` (issue 46): a file of its own
+    at.radio(key="exp-dtype").set_value("int8").run()
+    at.button(key="exp-go").click().run()
+    no_exception(at)
+    exports = RunStore(h / "comera.db").artifacts(rid, kind="export_compressed")
+    int8 = [Path(a["path"]) for a in exports if Path(a["path"]).name == "model.int8.safetensors"]
+    assert int8 and int8[0].is_file() and Path(exports[0]["path"]).is_file()
+    from comera_engine.export import read_metadata
+
+    assert read_metadata(int8[0])["storage"]["dtype"] == "int8"
+    assert any(f"digits-tt-mlp-{rid}-step40.int8.safetensors" in m.value for m in at.markdown)
 
 
 #: A compression figure with its scope, as every place writes it: "60.6× (TT layers)",
@@ -987,3 +998,57 @@ def test_edit_as_toml_launches_the_text(home: Path, monkeypatch: pytest.MonkeyPa
     assert "data.train: names a file this dashboard does not offer" in " ".join(
         e.value for e in at.error)
     assert at.button(key="launch").disabled
+
+
+def test_metric_history_downloads(home: Path) -> None:
+    """Issue 46 item 6: a run's (and a sweep's) whole metric history as CSV and JSON,
+    one row per step, the store's values; the Live page offers both."""
+    import csv
+    import io
+
+    from app.lib import runs as runs_lib
+
+    st = store_at(home)
+    rid = seed_run(st, "hist", steps=100, upto=100)
+    rows = runs_lib.metric_history(st, [rid])
+    assert [r["step"] for r in rows] == list(range(1, 101, 5))
+    table = list(csv.DictReader(io.StringIO(runs_lib.history_csv(rows))))
+    assert table[0]["run"] == rid and table[0]["step"] == "1"
+    loss = st.series(rid, "loss/task")
+    assert [float(r["loss/task"]) for r in table] == pytest.approx(list(loss["value"]))
+    assert table[1]["eval/acc"] == ""  # not evaluated at step 6: blank, not 0
+    doc = json.loads(runs_lib.history_json(rows))
+    assert doc[rid]["metrics"]["eval/acc"] == [[1, pytest.approx(0.93 / 100)]]
+    labelled = runs_lib.metric_history(st, [rid], {rid: "5× seed 0"})
+    assert labelled[0]["cell"] == "5× seed 0"
+    at = app("live")
+    no_exception(at)
+    assert {"Metrics (CSV)", "Metrics (JSON)"} <= {b.label for b in at.get("download_button")}
+
+
+def test_compare_draws_one_front_per_data_set(home: Path) -> None:
+    """Issue 46 item 6: runs on two data sets get two fronts (never one across them),
+    the table names each run's data set, and the Overview has data set and duration."""
+    st = store_at(home)
+    seed_run(st, "tt-20x", target=20.0, acc=0.93, comp=24.0)
+    seed_run(st, "tt-50x", target=50.0, acc=0.90, comp=50.0)
+    cfg = {**config("cancer"), "task": "classify",
+           "data": {"name": "files", "train": "/somewhere/train.csv", "label": "y"}}
+    for name, acc, comp in (("cancer-5x", 0.97, 5.0), ("cancer-10x", 0.95, 10.0)):
+        rid = st.create_run(name, cfg, "running")
+        st.write_batch(rid, metrics=[(10, "eval/acc", acc, time.time()),
+                                     (10, "compression/tensorized", comp, time.time())])
+        st.set_status(rid, "finished")
+    at = app("compare")
+    no_exception(at)
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    (front,) = [s for s in specs if "Accuracy vs compression" in str(s["layout"]["title"])]
+    names = {t.get("name") for t in front["data"]}
+    assert {"Pareto front · digits", "Pareto front · files: train.csv (classify)"} <= names
+    assert "Pareto front" not in names  # no front across the two
+    assert "2 data sets" in texts(at) and "/somewhere" not in texts(at)
+    assert set(at.dataframe[0].value["data set"]) == {"digits", "files: train.csv (classify)"}
+    at = app()
+    table = at.dataframe[0].value
+    assert {"data set", "duration"} <= set(table.columns)
+    assert set(table["data set"]) == {"digits", "files: train.csv"}

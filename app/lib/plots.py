@@ -229,17 +229,10 @@ def rank_bars(latest: Mapping[str, Sequence[int]], allocated: Mapping[str, Seque
     return fig
 
 
-def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title: str,
-           y_title: str, title: str, log_x: bool = True, higher_x_better: bool = True,
-           x_include: Sequence[float] = ()) -> go.Figure:
-    """Scatter of runs with the Pareto front (best ``y`` for a given ``x``) and the dense
-    baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key}``."""
-    pts = [p for p in points
-           if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
-           and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
-    if not pts:
-        return empty_figure("No finished runs with these metrics yet", 360, title)
-    fig = go.Figure()
+def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, y_key: str,
+                  x_title: str, y_title: str, higher_x_better: bool, suffix: str,
+                  index: int) -> None:
+    """One group's points, front and dense baselines (``suffix`` names the group)."""
     tt = [p for p in pts if not p.get("dense")]
     dense = [p for p in pts if p.get("dense")]
     # front: walk from the best x down, keep points that improve y
@@ -249,33 +242,57 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
         if p[y_key] > best:
             front.append(p)
             best = p[y_key]
+    colour = COLORS[(2 * index) % len(COLORS)]
+    star = COLORS[(2 * index + 1) % len(COLORS)]
     if len(front) > 1:
         front = sorted(front, key=lambda p: p[x_key])
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in front], y=[p[y_key] for p in front], mode="lines",
-            name="Pareto front", line={"color": "#CBD5E1", "width": 2, "dash": "dash"},
+            name="Pareto front" + suffix,
+            line={"color": "#CBD5E1" if not suffix else colour, "width": 2, "dash": "dash"},
             hoverinfo="skip",
         ))
     if tt:
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in tt], y=[p[y_key] for p in tt], mode="markers+text",
-            name="CoMERA (TT)", text=[p["label"] for p in tt], textposition="top center",
-            textfont={"size": 10}, marker={"size": 12, "color": COLORS[0],
-                                           "line": {"width": 1, "color": "white"}},
+            name="CoMERA (TT)" + suffix, text=[p["label"] for p in tt],
+            textposition="top center", textfont={"size": 10},
+            marker={"size": 12, "color": colour, "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
             + ": %{y:.3g}<extra></extra>",
         ))
     if dense:
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in dense], y=[p[y_key] for p in dense], mode="markers+text",
-            name="dense baseline", text=[p["label"] for p in dense], textposition="bottom center",
-            textfont={"size": 10}, marker={"size": 18, "symbol": "star", "color": COLORS[1],
-                                           "line": {"width": 1, "color": "white"}},
+            name="dense baseline" + suffix, text=[p["label"] for p in dense],
+            textposition="bottom center", textfont={"size": 10},
+            marker={"size": 18, "symbol": "star", "color": star,
+                    "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
             + ": %{y:.3g}<extra></extra>",
         ))
         for p in dense:
-            fig.add_hline(y=p[y_key], line={"color": COLORS[1], "dash": "dot", "width": 1})
+            fig.add_hline(y=p[y_key], line={"color": star, "dash": "dot", "width": 1})
+
+
+def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title: str,
+           y_title: str, title: str, log_x: bool = True, higher_x_better: bool = True,
+           x_include: Sequence[float] = ()) -> go.Figure:
+    """Scatter of runs with the Pareto front (best ``y`` for a given ``x``) and the dense
+    baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key[, "group"]}``:
+    each group (data set and task) gets its own front, never one across groups."""
+    pts = [p for p in points
+           if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
+           and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
+    if not pts:
+        return empty_figure("No finished runs with these metrics yet", 360, title)
+    fig = go.Figure()
+    # one front per group (a data set and task): runs on different data never share one
+    groups = sorted({str(p.get("group") or "") for p in pts})
+    for gi, group in enumerate(groups):
+        mine = [p for p in pts if str(p.get("group") or "") == group]
+        _pareto_group(fig, mine, x_key, y_key, x_title, y_title, higher_x_better,
+                      f" · {group}" if len(groups) > 1 else "", gi)
     xs = [p[x_key] for p in pts if p[x_key] > 0] + [x for x in x_include if x > 0]
     if log_x and xs and max(xs) / min(xs) < 3:
         log_x = False  # a narrow spread reads better on a linear axis

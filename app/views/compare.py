@@ -94,6 +94,7 @@ points = []
 rows = []
 scopes: set[str] = set()
 mem_what: set[str] = set()
+groups: set[str] = set()
 for r in sel:
     m = runs.final_metrics(store, r["id"])
     peak, what = runs.peak_memory_mb(store, r["id"])
@@ -102,12 +103,16 @@ for r in sel:
     acc = m.get("eval/acc", m.get("acc/train"))
     comp = runs.compression(r, m)
     scopes.add(comp.label)
-    points.append({"label": label(r), "dense": runs.is_dense(r), "acc": acc,
+    task = (r.get("config") or {}).get("task")  # a data set and its task: one front
+    group = f"{runs.dataset_of(r)} ({task})" if isinstance(task, str) else runs.dataset_of(r)
+    groups.add(group)
+    points.append({"label": label(r), "dense": runs.is_dense(r), "acc": acc, "group": group,
                    "comp": comp.value, "mem": peak, "bytes": m.get("bytes/effective")})
     rows.append({
         "run": label(r),
         "status": r["status"],
         "method": method_label(r.get("config")),
+        "data set": group,
         "dense": runs.is_dense(r),
         "steps": r.get("last_step"),
         "eval acc": runs.percent(m.get("eval/acc")),
@@ -126,6 +131,10 @@ if not any(p["dense"] for p in points):
     st.caption(":material/info: No dense baseline among the chosen runs: launch the same preset "
                "with **Dense baseline** on (New experiment) to mark it here. The dense model "
                "is 1× by definition.")
+if len(groups) > 1:
+    st.caption(f":material/info: These runs trained on {len(groups)} data sets "
+               f"({', '.join(sorted(groups))}): each has its own front, in its own colour; "
+               "no front is drawn across them.")
 c1, c2 = st.columns(2)
 with c1:
     fig = plots.pareto(points, "comp", "acc",

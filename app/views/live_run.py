@@ -370,5 +370,15 @@ def _view() -> None:
 st.html("<style>[data-stale='true'] { opacity: 1 !important; transition: none !important; }"
         "</style>")
 st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
+d1, d2, _ = st.columns([1, 1, 4])  # the metric history, read when the button is pressed
+d1.download_button("Metrics (CSV)", key="dl-csv", icon=":material/download:",
+                   data=lambda: runs.history_csv(runs.metric_history(store, [RID])),
+                   file_name=f"{RID}-metrics.csv", mime="text/csv", on_click="ignore",
+                   help="Every metric the run logged, one row per step.")
+d2.download_button("Metrics (JSON)", key="dl-json", icon=":material/download:",
+                   data=lambda: runs.history_json(runs.metric_history(store, [RID])),
+                   file_name=f"{RID}-metrics.json", mime="application/json",
+                   on_click="ignore", help="Every metric the run logged: [step, value] "
+                   "pairs per metric.")
 if LIVE_AT_START:
     st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while the run lives.")

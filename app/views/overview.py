@@ -59,6 +59,8 @@ table = [
         "name": row["name"],
         "status": row["status"],
         "method": row["method"],
+        "data set": row["data set"],
+        "duration": fmt.duration(row["duration"]) if row["duration"] is not None else "",
         "progress": min(1.0, row["step"] / row["steps"]) if row["steps"] else None,
         "eval acc": row["eval acc"],
         "compression": row["compression"],

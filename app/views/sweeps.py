@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app.lib import fmt, plots, ui
+from app.lib import fmt, plots, runs, ui
 from comera_engine.launch.sweep import resume_sweep, stop_sweep, sweep_report
 from comera_engine.metrics import SCOPE_LABELS, format_metric
 
@@ -136,5 +136,21 @@ def view() -> None:
 
 
 st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
+
+
+def _history() -> list[dict]:
+    cells = sweep_report(store, SID)["cells"]
+    return runs.metric_history(store, [c["run"] for c in cells],
+                               {c["run"]: c["label"] for c in cells})
+
+
+d1, d2, _ = st.columns([1, 1, 4])  # every cell's metric history, read on the click
+d1.download_button("Metrics of every cell (CSV)", key="sw-dl-csv", icon=":material/download:",
+                   data=lambda: runs.history_csv(_history()), file_name=f"{SID}-metrics.csv",
+                   mime="text/csv", on_click="ignore")
+d2.download_button("Metrics of every cell (JSON)", key="sw-dl-json",
+                   icon=":material/download:", data=lambda: runs.history_json(_history()),
+                   file_name=f"{SID}-metrics.json", mime="application/json",
+                   on_click="ignore")
 if LIVE_AT_START:
     st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while the sweep runs.")
