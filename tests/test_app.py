@@ -1052,3 +1052,40 @@ def test_compare_draws_one_front_per_data_set(home: Path) -> None:
     table = at.dataframe[0].value
     assert {"data set", "duration"} <= set(table.columns)
     assert set(table["data set"]) == {"digits", "files: train.csv"}
+
+
+def test_rename_notes_tags_archive_and_restore(home: Path) -> None:
+    """Issue 46 item 6: on Live run a run is renamed, given notes and tags (kept in the
+    store), archived (gone from the Overview's list unless shown, nothing deleted) and
+    restored; a bad name is refused with the engine's message."""
+    st = store_at(home)
+    rid = seed_run(st, "first")
+    other = seed_run(st, "second")
+    at = app("live")
+    at.selectbox(key="live-run").set_value(rid).run()
+    no_exception(at)
+    at.text_input(key=f"about-name-{rid}").set_value("renamed").run()
+    at.text_area(key=f"about-notes-{rid}").set_value("lr 3e-3 was better").run()
+    at.text_input(key=f"about-tags-{rid}").set_value("lr, digits, lr").run()
+    at.button(key="about-save").click().run()
+    no_exception(at)
+    run = st.get_run(rid)
+    assert (run["name"], run["notes"], run["tags"]) == ("renamed", "lr 3e-3 was better",
+                                                        ["lr", "digits"])
+    at.text_input(key=f"about-name-{rid}").set_value("  ").run()
+    at.button(key="about-save").click().run()
+    assert any("name: must be a non-empty string" in e.value for e in at.error)
+    assert st.get_run(rid)["name"] == "renamed"
+    at.button(key="about-archive").click().run()
+    assert st.get_run(rid)["archived_at"] is not None
+    home_page = app()
+    table = home_page.dataframe[0].value
+    assert list(table["run id"]) == [other]  # archived: not listed
+    home_page.toggle(key="overview-archived").set_value(True).run()
+    table = home_page.dataframe[0].value
+    assert set(table["run id"]) == {rid, other}
+    assert "lr, digits" in set(table["tags"])
+    at = app("live")
+    at.selectbox(key="live-run").set_value(rid).run()
+    at.button(key="about-restore").click().run()
+    assert st.get_run(rid)["archived_at"] is None and st.counts(rid)["metrics"] > 0

@@ -370,6 +370,44 @@ def _view() -> None:
 st.html("<style>[data-stale='true'] { opacity: 1 !important; transition: none !important; }"
         "</style>")
 st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
+def _about(run: dict[str, Any]) -> None:
+    """Name, notes and tags of the run, and archive / restore (nothing is deleted)."""
+    from comera_engine.config import check_run_name
+    from comera_engine.errors import ConfigError
+
+    archived = bool(run.get("archived_at"))
+    with st.expander("Name, notes and tags" + (" · archived" if archived else ""),
+                     icon=":material/edit_note:"):
+        name = st.text_input("Name", value=run["name"], key=f"about-name-{RID}")
+        notes = st.text_area("Notes", value=run.get("notes") or "", key=f"about-notes-{RID}",
+                             help="What you tried and what you saw: kept with the run.")
+        tags = st.text_input("Tags", value=", ".join(run.get("tags") or []),
+                             key=f"about-tags-{RID}", help="Words, separated by commas.")
+        c1, c2, _ = st.columns([1, 1, 3])
+        if c1.button("Save", key="about-save", icon=":material/save:"):
+            try:
+                store.update_run(RID, name=check_run_name(name))
+                store.set_notes(RID, notes)
+                store.set_tags(RID, tags.split(","))
+            except (ConfigError, ValueError) as e:
+                st.error(str(e), icon=":material/error:")
+            else:
+                st.toast("Saved", icon=":material/check:")
+                st.rerun()
+        if archived:
+            if c2.button("Restore", key="about-restore", icon=":material/unarchive:",
+                         help="Back in the run lists."):
+                store.archive_run(RID, False)
+                st.rerun()
+        elif c2.button("Archive", key="about-archive", icon=":material/archive:",
+                       disabled=runs.is_live(run),
+                       help="Hidden from the Overview's list (shown with \"Show archived\") "
+                            "until restored here; nothing is deleted."):
+            store.archive_run(RID)
+            st.rerun()
+
+
+_about(store.get_run(RID) or chosen)
 d1, d2, _ = st.columns([1, 1, 4])  # the metric history, read when the button is pressed
 d1.download_button("Metrics (CSV)", key="dl-csv", icon=":material/download:",
                    data=lambda: runs.history_csv(runs.metric_history(store, [RID])),

@@ -51,13 +51,27 @@ if live:
                 ui.go_live(r["id"])
 
 st.subheader("All runs", anchor=False)
+archived = [r for r in all_runs if r.get("archived_at")]
+show_archived = st.toggle(f"Show archived ({len(archived)})", key="overview-archived",
+                          disabled=not archived,
+                          help="Runs archived on Live run (Name, notes and tags); restore "
+                               "them there.")
+listed = all_runs if show_archived else [r for r in all_runs if not r.get("archived_at")]
+tags = sorted({t for r in listed for t in r.get("tags") or []})
+wanted = st.multiselect("Tags", tags, key="overview-tags", disabled=not tags,
+                        placeholder="Any tag") if tags else []
+if wanted:
+    listed = [r for r in listed if set(wanted) & set(r.get("tags") or [])]
 st.caption("Select a row to open the run on **Live run**.")
-rows = runs.summary_rows(store, all_runs)
+by_id = {r["id"]: r for r in listed}
+rows = runs.summary_rows(store, listed)
 table = [
     {
         "run id": row["run"],
         "name": row["name"],
-        "status": row["status"],
+        "status": row["status"] + (" · archived" if by_id[row["run"]].get("archived_at")
+                                   else ""),
+        "tags": ", ".join(by_id[row["run"]].get("tags") or []),
         "method": row["method"],
         "data set": row["data set"],
         "duration": fmt.duration(row["duration"]) if row["duration"] is not None else "",
