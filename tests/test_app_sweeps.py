@@ -4,6 +4,7 @@ submission, and loading a sweep's cells on Compare."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -76,7 +77,15 @@ def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None
     at = app("views/sweeps.py", sweep=sid)
     no_exception(at)
     assert at.selectbox(key="sw-pick").value == sid
-    assert len(at.get("plotly_chart")) == 1
+    assert len(at.get("plotly_chart")) == 2
+    # parallel coordinates (issue 46 item 6): the swept key, the seed, the compression
+    # and the score (percent), a line per cell
+    (par,) = json.loads(at.get("plotly_chart")[1].proto.spec)["data"]
+    assert par["type"] == "parcoords"
+    dims = {d["label"]: d["values"] for d in par["dimensions"]}
+    assert list(dims) == ["comera.target_compression", "seed", "compression (×)",
+                          "eval/acc (%)"]
+    assert sorted(dims["eval/acc (%)"]) == pytest.approx(sorted(100 * a for a in ACCS.values()))
     groups, cells = at.dataframe[0].value, at.dataframe[1].value
     assert len(groups) == 2 and len(cells) == 4
     for target in (5.0, 20.0):

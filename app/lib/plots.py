@@ -424,3 +424,37 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
 
 def is_finite(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
+    """Parallel coordinates of a sweep's cells: one axis per swept key (text values as
+    their order), the seed, the compression reached and the score; a line per finished
+    cell, coloured by its score."""
+    metric = rep.get("metric") or "score"
+    cells = [c for c in rep.get("cells") or [] if is_finite(c.get("score"))]
+    if not cells:
+        return empty_figure("No finished cells yet", 360, title)
+    keys = sorted({k for c in cells for k in (c.get("grid") or {})})
+    dims = []
+    for key in keys:
+        values = [(c.get("grid") or {}).get(key) for c in cells]
+        if all(is_finite(v) for v in values):
+            dims.append({"label": key, "values": [float(v) for v in values]})
+        else:  # words: one tick per value
+            words = sorted({str(v) for v in values})
+            dims.append({"label": key, "values": [words.index(str(v)) for v in values],
+                         "tickvals": list(range(len(words))), "ticktext": words})
+    dims.append({"label": "seed", "values": [c.get("seed") or 0 for c in cells]})
+    if all(is_finite(c.get("compression")) for c in cells):
+        dims.append({"label": "compression (×)", "values": [c["compression"] for c in cells]})
+    scale = 100.0 if is_fraction(metric) else 1.0  # accuracy in percent
+    label = f"{metric} (%)" if scale == 100.0 else metric
+    scores = [c["score"] * scale for c in cells]
+    dims.append({"label": label, "values": scores})
+    fig = go.Figure(go.Parcoords(
+        line={"color": scores, "colorscale": "Viridis", "showscale": True,
+              "colorbar": {"title": {"text": label}}},
+        dimensions=dims))
+    fig = base_layout(fig, title, 380)
+    fig.update_layout(margin={"l": 60, "r": 60, "t": 70, "b": 30})
+    return fig

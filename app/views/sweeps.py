@@ -94,6 +94,8 @@ def view() -> None:
     metric = rep["metric"] or "score"
     st.plotly_chart(plots.sweep_pareto(rep, f"{metric} vs compression reached"),
                     width="stretch", key="sw-pareto")
+    st.plotly_chart(plots.sweep_parcoords(rep, "Every cell across the swept keys"),
+                    width="stretch", key="sw-parcoords")
     st.subheader("Per grid point", anchor=False)
     # figures as text: accuracies in percent, a pending value blank, no spread for one
     # seed (comera_engine.metrics.format_metric)
