@@ -215,3 +215,27 @@ def test_sweep_fields_are_checked_as_typed_before_the_click(home: Path) -> None:
         e.value for e in at.error]
     at.text_input(key="sw-parallel").set_value("2").run()
     assert not at.error and not at.button(key="sw-launch").disabled
+
+
+def test_a_sweep_over_any_grid_key_from_the_form(home: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46 item 6: the form sweeps any `--grid` key (read and checked by the engine
+    in every cell), with or without targets."""
+    monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])
+    at = app("views/new_experiment.py")
+    at.text_input(key="sw-targets").set_value("").run()
+    at.text_area(key="sw-grid").set_value("comera.lr_cores=1e-3,3e-3\ntrain.batch_size=two").run()
+    assert any(e.value.startswith("train.batch_size: must be an integer, got 'two' (cell")
+               for e in at.error), [e.value for e in at.error]
+    assert at.button(key="sw-launch").disabled
+    at.text_area(key="sw-grid").set_value("comera.lr_cores=1e-3,3e-3").run()
+    at.text_input(key="sw-seeds").set_value("1").run()
+    assert "2 runs: comera.lr_cores 0.001, 0.003 × 1 seed(s)." in texts(at)
+    at.button(key="sw-launch").click().run()
+    no_exception(at)
+    st = RunStore(home / "comera.db")
+    (sweep,) = st.list_sweeps()
+    cells = st.sweep_runs(sweep["id"])
+    assert sorted(c["config"]["comera"]["lr_cores"] for c in cells) == [1e-3, 3e-3]
+    # the form's own target and ranks stay (only a target sweep picks ranks per cell)
+    assert {c["config"]["comera"]["target_compression"] for c in cells} == {60.0}

@@ -601,30 +601,48 @@ def _sweep_problem(args_json: str) -> str | None:
 def _sweep_section() -> None:
     """Launch this form's config as a sweep: several targets × seeds, N at once. Every
     value is checked as typed, by the engine, before the click."""
-    from comera_engine.launch.sweep import default_parallel
+    import math
+
+    from comera_engine.launch.sweep import default_parallel, parse_grid
 
     with st.expander("Sweep several targets", icon=":material/grid_view:"):
-        st.caption("Runs this configuration once per target and seed, as ordinary runs, a "
-                   "few at a time; the Sweeps page shows them together with the Pareto "
+        st.caption("Runs this configuration once per grid point and seed, as ordinary runs, "
+                   "a few at a time; the Sweeps page shows them together with the Pareto "
                    "front of accuracy against compression.")
         text = st.text_input("Targets (×)", value="5, 10, 30, 100", key="sw-targets",
-                             help="Compressions to sweep, separated by commas")
+                             help="Compressions to sweep, separated by commas (blank: the "
+                                  "form's target, when other keys are swept)")
+        other = st.text_area(
+            "Other keys (as `comera sweep --grid`)", value="", key="sw-grid", height=80,
+            placeholder="comera.lr_cores=1e-3,3e-3", help="One section.key=v1,v2,... per "
+            "line: any config key, each value read as TOML and checked by the engine in "
+            "every cell.")
         c1, c2 = st.columns(2)
         seeds = number_text(c1, "Seeds per target", 3, "sw-seeds")
         parallel = number_text(
             c2, "Cells at once", default_parallel("cpu" if device == "cpu" else "auto"),
             "sw-parallel", help="Default: one per GPU, else one per 4 CPU cores")
         problem = None
+        lines = [x for x in str(other).splitlines() if x.strip()]
         try:
-            targets = runs.parse_targets(text)
-        except ValueError as e:
-            targets, problem = [], str(e)
-        if dense:
+            extra = parse_grid(lines)  # the engine's reading of --grid
+        except ConfigError as e:
+            extra, problem = {}, str(e)
+        targets: list[float] = []
+        if str(text).strip() or not extra:
+            try:
+                targets = runs.parse_targets(text)
+            except ValueError as e:
+                problem = problem or str(e)
+        if dense and targets:
             problem = "A dense baseline has no target to sweep; switch Dense baseline off."
-        grid = {"comera.target_compression": targets}
+        grid = {**({"comera.target_compression": targets} if targets else {}), **extra}
+        if "comera.target_compression" in extra and targets:
+            problem = ("comera.target_compression is in both Targets and Other keys; give "
+                       "it once")
         # each cell's ranks are chosen from its own target (a fixed rank fits one target)
         sweep_raw = json.loads(json.dumps(raw))
-        for key in ("rank", "embedding_rank"):
+        for key in ("rank", "embedding_rank") if targets else ():
             sweep_raw.get("model", {}).pop(key, None)
         if problem is None and not n_errors:
             with st.spinner("Checking every cell…"):
@@ -634,10 +652,14 @@ def _sweep_section() -> None:
         if problem:
             st.error(problem, icon=":material/error:")
         elif not n_errors:
-            st.caption(f"{len(targets) * seeds} runs: "
-                       f"{', '.join(f'{t:g}×' for t in targets)} × {seeds} seed(s).")
-        ui.save_form(SAVED, {"sw-targets", "sw-seeds", "sw-parallel"})
-        st.caption("The initial ranks of each run are chosen from its target.")
+            points = math.prod(len(v) for v in grid.values())
+            what = " × ".join([", ".join(f"{t:g}×" for t in targets)] if targets else [])
+            what = " × ".join([w for w in [what, *(f"{k} {', '.join(map(str, v))}"
+                                                   for k, v in extra.items())] if w])
+            st.caption(f"{points * seeds} runs: {what} × {seeds} seed(s).")
+        ui.save_form(SAVED, {"sw-targets", "sw-grid", "sw-seeds", "sw-parallel"})
+        if targets:
+            st.caption("The initial ranks of each run are chosen from its target.")
         sweep_token = runs.config_token(nonce, sweep_raw, {"gpus": gpu_ids, "grid": grid,
                                                            "seeds": seeds,
                                                            "parallel": parallel})
