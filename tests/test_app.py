@@ -1089,3 +1089,18 @@ def test_rename_notes_tags_archive_and_restore(home: Path) -> None:
     at.selectbox(key="live-run").set_value(rid).run()
     at.button(key="about-restore").click().run()
     assert st.get_run(rid)["archived_at"] is None and st.counts(rid)["metrics"] > 0
+
+
+def test_live_page_plots_the_trainers_system_readings(home: Path) -> None:
+    st = store_at(home)
+    rid = seed_run(st, "sys", status="running", steps=100, upto=50)
+    t = time.time()
+    st.write_batch(rid, metrics=[m for s in (10, 20, 30) for m in (
+        (s, "sys/cpu_percent", 95.0 + s, t), (s, "sys/ram_used_mb", 4096.0, t),
+        (s, "sys/ram_total_mb", 16384.0, t), (s, "sys/rss_mb", 400.0, t))])
+    at = app("live")
+    no_exception(at)
+    fig = live_charts(at)["ch-sys"]
+    traces = {tr["name"]: tr for tr in fig["data"] if tr.get("name")}
+    assert list(traces["system RAM used %"]["y"]) == [25.0] * 3
+    assert list(traces["process CPU % (of one core)"]["y"]) == [105.0, 115.0, 125.0]

@@ -52,6 +52,11 @@ def test_throughput_and_eta_on_a_run_of_known_step_time(tmp_path, monkeypatch) -
     sink = Stopwatch()
     train(cfg, tmp_path, sink, progress=False)
     at, m = sink.at, sink.metrics
+    # the machine, read by the trainer (issue 46 item 6): CPU %, system RAM, RSS
+    sys_keys = {"sys/cpu_percent", "sys/ram_used_mb", "sys/ram_total_mb", "sys/rss_mb"}
+    assert sys_keys <= set(m[steps])
+    assert 0 < m[steps]["sys/ram_used_mb"] < m[steps]["sys/ram_total_mb"]
+    assert m[steps]["sys/cpu_percent"] >= 0 and m[steps]["sys/rss_mb"] > 50
 
     def outside(first: int, last: int) -> float:
         """Training seconds of steps first+1..last by the outside clock, less the
@@ -91,3 +96,15 @@ def test_step_clock_window_and_median() -> None:
     assert clock.train_s == pytest.approx(10.4)
     with pytest.raises(ValueError):
         StepClock(window=0)
+
+
+def test_system_meter_reads_at_most_once_a_second() -> None:
+    import torch
+
+    from comera_engine.train.sysinfo import SystemMeter
+
+    meter = SystemMeter(torch.device("cpu"), every=3600.0)
+    first = meter.read()
+    sum(i * i for i in range(200_000))  # some CPU work in between
+    assert meter.read() == first  # within the interval: the last reading
+    assert first["sys/ram_total_mb"] > first["sys/ram_used_mb"] > 0

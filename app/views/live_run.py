@@ -237,6 +237,16 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     if c2 is not None:  # a CPU run has no GPU to sample: no empty panel
         with c2:
             utilisation(run)
+    if "sys/cpu_percent" in latest:  # what the trainer read of the machine
+        steps, used = _series(DB, rid, "sys/ram_used_mb")
+        _, total = _series(DB, rid, "sys/ram_total_mb")
+        series = [("process CPU % (of one core)", *_series(DB, rid, "sys/cpu_percent")),
+                  ("system RAM used %", steps,
+                   [100.0 * u / t if t else None for u, t in zip(used, total)])]
+        if "sys/gpu_util_percent" in latest:
+            series.append(("GPU utilisation %", *_series(DB, rid, "sys/gpu_util_percent")))
+        live_chart(plots.lines(series, "System (read by the trainer, once a second)", "%",
+                               stages=stages, from_zero=True), key="ch-sys")
 
 
 def utilisation(run: dict[str, Any]) -> None:

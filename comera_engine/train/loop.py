@@ -36,7 +36,9 @@ checkpoints left out), ``perf/samples_per_s`` and ``perf/tokens_per_s`` (text) o
 steps, ``perf/train_s`` (training seconds so far), ``perf/eta_s`` (the median step of
 the last 50 times the steps left; :class:`~comera_engine.train.clock.StepClock`),
 ``mem/*`` (CUDA peak allocated /
-reserved and NVML device used / total on GPU, RSS on CPU), ``epoch``; every
+reserved and NVML device used / total on GPU, RSS on CPU), ``sys/*`` (the process's
+CPU %, system RAM used / total, process RSS, GPU utilisation from NVML; read at most
+once a second: :class:`~comera_engine.train.sysinfo.SystemMeter`), ``epoch``; every
 ``eval_every`` steps also ``eval/loss``, ``eval/acc`` (and ``eval/auc`` for clicks,
 ``eval/ppl`` for MLM) and, with a target, ``compression/target``, ``compression/error``
 (``reached/target - 1``, signed) and ``compression/target_met``, and for CoMERA
@@ -101,7 +103,7 @@ from comera_engine.train.distributed import (
 )
 from comera_engine.train.progress import ProgressBar
 from comera_engine.train.step import GraphedStep, TrainStep, settled
-from comera_engine.train.sysinfo import MemoryMeter
+from comera_engine.train.sysinfo import MemoryMeter, SystemMeter
 
 
 @dataclass
@@ -231,6 +233,7 @@ class _Run:
         self.optimizer: torch.optim.Optimizer | None = None
         self.stepper: GraphedStep | TrainStep | None = None
         self.memory = MemoryMeter(device)
+        self.system = SystemMeter(device)
         self.last_metrics: dict[str, float] = {}
         self.last_ckpt: str | None = None
         self._size_cache: dict[str, float] | None = None
@@ -536,6 +539,7 @@ class _Run:
             self._size_cache = self.comera.size_metrics()
         m.update(self._size_cache)
         m.update(self.memory.read())
+        m.update(self.system.read())
         return m
 
     def _log_ranks(self, force: bool = False, counts: list[float] | None = None) -> None:
