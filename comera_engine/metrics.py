@@ -344,5 +344,10 @@ def target_status(target: float, reached: float | None, status: str, step: int |
     where = "" if step is None else f" at step {step:,}" + (f" of {steps:,}" if steps else "")
     if not halted:
         return f"target {target:g}x · now {ratio}{where} (still training)"
-    return (f"target {target:g}x · {ratio}{where} when it {status}"
-            + (": resume it to go on toward the target" if status != "diverged" else ""))
+    if status == "diverged":
+        return f"target {target:g}x · {ratio}{where} when it {status}"
+    if target_error(target, reached) >= -TARGET_TOLERANCE:  # already there: not "toward"
+        return (f"target {target:g}x · {ratio}{where} when it {status}: the target is "
+                "reached; resume it to finish its steps at this size")
+    return (f"target {target:g}x · {ratio}{where} when it {status}: resume it to go on "
+            "toward the target")
