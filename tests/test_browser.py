@@ -719,3 +719,38 @@ def test_a_user_model_registered_by_comera_app(browser: Any, tmp_path: Path) -> 
         ctx.close()
     finally:
         srv.close()
+
+
+def _luminance(css: str) -> float:
+    """Relative luminance (0 dark .. 1 light) of a CSS ``rgb(...)``/``rgba(...)``."""
+    r, g, b = (float(v) for v in re.findall(r"[\d.]+", css)[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255.0
+
+
+def test_the_os_dark_theme_is_followed_and_legible(browser: Any, server: Server) -> None:
+    """Issue 46 item 6: with the OS in dark mode the dashboard is dark (the config forces
+    no light base), and the Live page's in-place charts draw their text in the theme's
+    light text colour on a transparent background (screenshot: 40-dark-live)."""
+    st = server.store()
+    rid = st.create_run("dark", {"name": "dark", "model": {"name": "tt_mlp"},
+                                 "train": {"steps": 50}}, "running")
+    t = time.time()
+    st.write_batch(rid, metrics=[m for s in range(1, 51) for m in (
+        (s, "loss/task", 2.0 / s, t), (s, "acc/train", s / 60, t))])
+    st.set_status(rid, "finished")
+    ctx = browser.new_context(viewport=VIEWPORT, color_scheme="dark")
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(f"{server.url}/live_run?run={rid}")
+    wait_until(lambda: live_chart_traces(page).get("ch-loss", 0) > 0, 60, "the loss chart")
+    settle(page)
+    app_bg = page.locator('[data-testid="stApp"]').evaluate(
+        "e => getComputedStyle(e).backgroundColor")
+    assert _luminance(app_bg) < 0.3, app_bg
+    frame = page.locator('[class*="st-key-ch-loss"] iframe').element_handle().content_frame()
+    tick = frame.evaluate("() => getComputedStyle(document.querySelector("
+                          "'.live-chart .xtick text')).fill")
+    assert _luminance(tick) > 0.6, tick  # light text on the dark page
+    no_exception(page, "live (dark)")
+    shot(page, "40-dark-live")
+    ctx.close()
