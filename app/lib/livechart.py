@@ -47,7 +47,7 @@ window.addEventListener("message", function (event) {
     layout.font = Object.assign({}, layout.font, {color: theme.textColor});
     layout.paper_bgcolor = "rgba(0,0,0,0)";
     layout.plot_bgcolor = "rgba(0,0,0,0)";
-    for (const axis of Object.keys(layout).filter(k => /^[xy]axis\d*$/.test(k))) {
+    for (const axis of Object.keys(layout).filter(k => /^[xy]axis[0-9]*$/.test(k))) {
       layout[axis] = Object.assign({}, layout[axis], {gridcolor: grid, zerolinecolor: grid});
     }
     if (!layout.xaxis) layout.xaxis = {gridcolor: grid, zerolinecolor: grid};
