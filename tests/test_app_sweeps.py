@@ -239,3 +239,15 @@ def test_a_sweep_over_any_grid_key_from_the_form(home: Path,
     assert sorted(c["config"]["comera"]["lr_cores"] for c in cells) == [1e-3, 3e-3]
     # the form's own target and ranks stay (only a target sweep picks ranks per cell)
     assert {c["config"]["comera"]["target_compression"] for c in cells} == {60.0}
+
+
+def test_overview_groups_runs_by_sweep(home: Path) -> None:
+    st = RunStore(home / "comera.db")
+    solo = st.create_run("solo", {"name": "solo"}, "finished")
+    sid, ids = seed_sweep(st)
+    at = app("views/overview.py")
+    no_exception(at)
+    at.toggle(key="overview-group").set_value(True).run()
+    table = at.dataframe[0].value
+    assert list(table["run id"])[-1] == solo and set(list(table["run id"])[:4]) == set(ids)
+    assert list(table["sweep"]) == ["digits"] * 4 + [""]

@@ -62,6 +62,14 @@ wanted = st.multiselect("Tags", tags, key="overview-tags", disabled=not tags,
                         placeholder="Any tag") if tags else []
 if wanted:
     listed = [r for r in listed if set(wanted) & set(r.get("tags") or [])]
+sweep_names = {s["id"]: s["name"] for s in store.list_sweeps()}
+grouped = st.toggle("Group by sweep", key="overview-group",
+                    disabled=not any(r.get("sweep_id") for r in listed),
+                    help="A sweep's cells together (under its name), then the single runs.")
+if grouped:  # by sweep (newest sweep first), then runs outside any sweep; stable order
+    order = {sid: i for i, sid in enumerate(sweep_names)}
+    listed = sorted(listed, key=lambda r: (r.get("sweep_id") is None,
+                                           order.get(r.get("sweep_id"), len(order))))
 st.caption("Select a row to open the run on **Live run**.")
 by_id = {r["id"]: r for r in listed}
 rows = runs.summary_rows(store, listed)
@@ -69,6 +77,8 @@ table = [
     {
         "run id": row["run"],
         "name": row["name"],
+        **({"sweep": sweep_names.get(by_id[row["run"]].get("sweep_id") or "", "")}
+           if grouped else {}),
         "status": row["status"] + (" · archived" if by_id[row["run"]].get("archived_at")
                                    else ""),
         "tags": ", ".join(by_id[row["run"]].get("tags") or []),
