@@ -20,7 +20,7 @@ from app.lib import ui  # noqa: E402
 
 st.set_page_config(
     page_title="CoMERA Studio",
-    page_icon=":material/view_in_ar:",
+    page_icon="🧊",  # an emoji is drawn in the page (a :material/: icon is fetched)
     layout="wide",
     initial_sidebar_state="expanded",
 )

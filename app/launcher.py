@@ -86,7 +86,7 @@ def run_app(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
         os.chdir(cwd)  # relative data paths in the presets are relative to the repository
     sys.stdout.write(f"CoMERA Studio on http://{host}:{port}  (run store: "
                      f"{env['COMERA_HOME']})\n")
-    for kind in ("models", "data"):
+    for kind in ("models", "data", "configs"):
         names = sorted((registry or {}).get(kind) or {})
         if names:
             sys.stdout.write(f"  your {kind}: {', '.join(names)}\n")

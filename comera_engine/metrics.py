@@ -231,6 +231,28 @@ def target_outcome(target: float, reached: float, reason: str = "", short: bool 
     return f"target {target:g}x · reached {reached:.1f}x ({err * 100:+.0f} %)"
 
 
+# ---------------------------------------------------------------------- metric figures
+
+#: Metrics logged as fractions that every place states in percent (one unit for
+#: accuracy: the Live tile, the tables, the sweep report, the model card).
+PERCENT_METRICS = ("acc/train", "eval/acc")
+
+
+def format_metric(name: str, value: Any, std: Any = None) -> str:
+    """A metric's value as every table writes it: accuracies in percent (``98.2%``),
+    others to four significant digits; ``std`` (a spread over seeds) after ``±`` when
+    there is one (none for one seed); ``""`` for a value not there yet (a pending cell
+    is blank, never "None")."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(
+            value):
+        return ""
+    has_std = isinstance(std, (int, float)) and not isinstance(std, bool) and math.isfinite(
+        std)
+    if name in PERCENT_METRICS:
+        return f"{value * 100:.1f}%" + (f" ± {std * 100:.1f}" if has_std else "")
+    return f"{value:.4g}" + (f" ± {std:.2g}" if has_std else "")
+
+
 # ---------------------------------------------------------------------- the compression figure
 
 #: What a compression is measured on (``comera.target_scope``), as every page names it.
@@ -322,5 +344,10 @@ def target_status(target: float, reached: float | None, status: str, step: int |
     where = "" if step is None else f" at step {step:,}" + (f" of {steps:,}" if steps else "")
     if not halted:
         return f"target {target:g}x · now {ratio}{where} (still training)"
-    return (f"target {target:g}x · {ratio}{where} when it {status}"
-            + (": resume it to go on toward the target" if status != "diverged" else ""))
+    if status == "diverged":
+        return f"target {target:g}x · {ratio}{where} when it {status}"
+    if target_error(target, reached) >= -TARGET_TOLERANCE:  # already there: not "toward"
+        return (f"target {target:g}x · {ratio}{where} when it {status}: the target is "
+                "reached; resume it to finish its steps at this size")
+    return (f"target {target:g}x · {ratio}{where} when it {status}: resume it to go on "
+            "toward the target")

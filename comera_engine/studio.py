@@ -9,7 +9,15 @@ JSON:
 
 ``{"models": {NAME: {"factory": "module:function", "module": ..., "summary": ...}},
 "data": {NAME: {"train": ABS, "eval": ABS | None, "label": COL | None, "task": TASK,
-"columns": [...], "rows": N}}, "paths": [folders the model modules import from]}``
+"columns": [...], "rows": N}}, "configs": {NAME: {"factory": "module:function",
+"source": FILE, "config": {TOML tables, data paths absolute}}}, "paths": [folders the
+model modules import from]}``
+
+A config is a ``*.toml`` beside a ``--models`` module (in the module's own folder) whose
+``model.factory`` is one of the module's factories: the settings its author trains the
+model with (``experiments/own/breast_cancer.toml`` beside ``experiments/own/model.py``).
+Its relative data paths are resolved from the folder ``comera app`` starts in, as
+``comera train`` resolves them from the folder it starts in.
 
 It reaches the Streamlit process as the script arguments ``--registry JSON`` (so it is
 neither inherited by trainers nor recorded in their launch environment), and the New
@@ -30,14 +38,28 @@ from typing import Any
 
 from comera_engine.errors import ConfigError
 
-__all__ = ["REGISTRY_ARG", "build_registry", "parse_data_spec", "read_registry",
-           "registry_args"]
+__all__ = ["DATA_PATH_KEYS", "REGISTRY_ARG", "build_registry", "data_paths",
+           "parse_data_spec", "read_registry", "registry_args"]
 
 REGISTRY_ARG = "--registry"
 DATA_KEYS = ("eval", "label", "task")
 TASKS = ("classify", "regress")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 _DATA_FORM = "NAME=PATH[,eval=PATH][,label=COLUMN][,task=classify|regress]"
+#: ``[data]`` keys whose values are files or folders on the server (every dataset's).
+DATA_PATH_KEYS = ("train", "eval", "path", "eval_path", "tokenizer_path", "root")
+
+
+def data_paths(data: Mapping[str, Any], base: str | os.PathLike[str]) -> dict[str, str]:
+    """``{key: absolute path}`` of the file and folder values of a ``[data]`` table
+    (:data:`DATA_PATH_KEYS`), relative ones resolved from ``base``."""
+    out: dict[str, str] = {}
+    for key in DATA_PATH_KEYS:
+        value = data.get(key)
+        if isinstance(value, str) and value:
+            path = Path(value).expanduser()
+            out[key] = str((path if path.is_absolute() else Path(base) / path).resolve())
+    return out
 
 
 def parse_data_spec(text: str) -> tuple[str, dict[str, str]]:
@@ -113,6 +135,47 @@ def _models(modules: Sequence[str], cwd: str) -> tuple[dict[str, Any], list[str]
     return models, paths
 
 
+def _configs(models: Mapping[str, Any], cwd: str) -> dict[str, Any]:
+    """The configs beside the registered models' modules (module docstring): those that
+    parse and name one of the registered factories; others are left alone."""
+    from comera_engine.config import MAX_CONFIG_BYTES
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    factories = {m["factory"] for m in models.values()}
+    folders = []
+    for m in models.values():
+        path = getattr(sys.modules.get(m["module"]), "__file__", None)
+        if path and Path(path).parent not in folders:
+            folders.append(Path(path).parent)
+    configs: dict[str, Any] = {}
+    for folder in folders:
+        for path in sorted(folder.glob("*.toml")):
+            try:
+                if path.stat().st_size > MAX_CONFIG_BYTES:
+                    continue
+                raw = tomllib.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+                continue
+            model, data = raw.get("model"), raw.get("data")
+            if not isinstance(model, dict) or model.get("factory") not in factories \
+                    or not isinstance(data, dict):
+                continue
+            raw["data"] = {**data, **data_paths(data, cwd)}
+            name = str(raw.get("name") or path.stem)
+            while name in configs:
+                name += "+"
+            try:
+                source = str(path.resolve().relative_to(cwd))
+            except ValueError:
+                source = str(path.resolve())
+            configs[name] = {"factory": model["factory"], "source": source, "config": raw}
+    return configs
+
+
 def _data(specs: Sequence[str], cwd: str) -> dict[str, Any]:
     from comera_engine.data.files import file_columns, shape
 
@@ -158,12 +221,13 @@ def build_registry(models: Sequence[str] = (), data: Sequence[str] = (),
     where = str(Path(cwd or os.getcwd()).resolve())
     found, paths = _models(list(models), where) if models else ({}, [])
     return {"models": found, "data": _data(list(data), where) if data else {},
-            "paths": paths}
+            "configs": _configs(found, where), "paths": paths}
 
 
 def registry_args(registry: Mapping[str, Any] | None) -> list[str]:
     """The Streamlit script arguments that hand ``registry`` to the dashboard."""
-    if not registry or not (registry.get("models") or registry.get("data")):
+    if not registry or not (registry.get("models") or registry.get("data")
+                            or registry.get("configs")):
         return []
     return [REGISTRY_ARG, json.dumps(dict(registry), sort_keys=True)]
 
@@ -172,7 +236,7 @@ def read_registry(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The registry the dashboard was started with (its script arguments, default
     ``sys.argv``); empty when none or unreadable."""
     argv = list(sys.argv if argv is None else argv)
-    empty: dict[str, Any] = {"models": {}, "data": {}, "paths": []}
+    empty: dict[str, Any] = {"models": {}, "data": {}, "configs": {}, "paths": []}
     if REGISTRY_ARG not in argv[:-1]:
         return empty
     try:
@@ -182,4 +246,5 @@ def read_registry(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not isinstance(raw, dict):
         return empty
     return {"models": dict(raw.get("models") or {}), "data": dict(raw.get("data") or {}),
+            "configs": dict(raw.get("configs") or {}),
             "paths": list(raw.get("paths") or [])}

@@ -4,6 +4,7 @@ submission, and loading a sweep's cells on Compare."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -76,17 +77,44 @@ def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None
     at = app("views/sweeps.py", sweep=sid)
     no_exception(at)
     assert at.selectbox(key="sw-pick").value == sid
-    assert len(at.get("plotly_chart")) == 1
+    assert len(at.get("plotly_chart")) == 2
+    # parallel coordinates (issue 46 item 6): the swept key, the seed, the compression
+    # and the score (percent), a line per cell
+    (par,) = json.loads(at.get("plotly_chart")[1].proto.spec)["data"]
+    assert par["type"] == "parcoords"
+    dims = {d["label"]: d["values"] for d in par["dimensions"]}
+    assert list(dims) == ["comera.target_compression", "seed", "compression (×)",
+                          "eval/acc (%)"]
+    assert sorted(dims["eval/acc (%)"]) == pytest.approx(sorted(100 * a for a in ACCS.values()))
     groups, cells = at.dataframe[0].value, at.dataframe[1].value
     assert len(groups) == 2 and len(cells) == 4
     for target in (5.0, 20.0):
         row = groups[groups["target"] == target].iloc[0]
         accs = [a for (t, _), a in ACCS.items() if t == target]
-        assert row["eval/acc mean"] == pytest.approx(statistics.fmean(accs))
-        assert row["± std"] == pytest.approx(statistics.stdev(accs))
+        mean, std = statistics.fmean(accs), statistics.stdev(accs)  # in percent
+        assert row["eval/acc (mean ± std over seeds)"] == f"{mean * 100:.1f}% ± {std * 100:.1f}"
         assert row["finished"] == "2/2" and bool(row["Pareto"])  # neither beats the other
     assert set(cells["status"]) == {"finished"}
     assert at.button(key="sw-stop").disabled and at.button(key="sw-resume").disabled
+
+
+def test_one_seed_has_no_spread_and_a_pending_cell_is_blank(home: Path) -> None:
+    """Issue 46 item 3: a grid point with one finished seed shows its mean and no "± std
+    0.0000"; a cell not run yet shows blank figures, never "None"; accuracy is in percent
+    (as the Live tile states it)."""
+    st = RunStore(home / "comera.db")
+    sid, _ = seed_sweep(st, unfinished=True)
+    at = app("views/sweeps.py", sweep=sid)
+    no_exception(at)
+    groups, cells = at.dataframe[0].value, at.dataframe[1].value
+    one = groups[groups["target"] == 20.0].iloc[0]
+    assert one["eval/acc (mean ± std over seeds)"] == "91.0%" and one["compression"] == "20.4×"
+    assert one["finished"] == "1/2"
+    pending = cells[cells["status"] == "queued"].iloc[0]
+    assert (pending["eval/acc"], pending["compression"]) == ("", "")
+    done = cells[cells["status"] == "finished"]
+    assert set(done["eval/acc"]) == {"95.0%", "93.0%", "91.0%"}
+    assert "None" not in groups.to_string() + cells.to_string()
 
 
 def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,
@@ -115,8 +143,8 @@ def test_new_experiment_launches_a_sweep_once(home: Path,
     at = app("views/new_experiment.py")
     no_exception(at)
     at.text_input(key="sw-targets").set_value("5, 10x, 5").run()
-    at.number_input(key="sw-seeds").set_value(2).run()
-    at.number_input(key="sw-parallel").set_value(2).run()
+    at.text_input(key="sw-seeds").set_value("2").run()
+    at.text_input(key="sw-parallel").set_value("2").run()
     assert "4 runs: 5×, 10× × 2 seed(s)." in texts(at)
     at.button(key="sw-launch").click().run()
     no_exception(at)
@@ -147,7 +175,7 @@ def test_a_sweep_with_an_unreachable_target_is_refused_whole(home: Path,
     monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])
     at = app("views/new_experiment.py")
     at.text_input(key="sw-targets").set_value("5, 100000").run()
-    at.button(key="sw-launch").click().run()
+    assert at.button(key="sw-launch").disabled  # refused before the click (issue 46 item 5)
     no_exception(at)
     assert any("comera.target_compression" in e.value and "cell 100000× seed 0" in e.value
                for e in at.error), [e.value for e in at.error]
@@ -164,3 +192,62 @@ def test_compare_loads_a_sweeps_cells(home: Path) -> None:
     at.selectbox(key="cmp-sweep").set_value(sid).run()
     no_exception(at)
     assert sorted(at.multiselect(key="cmp-runs").value) == sorted(ids)
+
+
+def test_sweep_fields_are_checked_as_typed_before_the_click(home: Path) -> None:
+    """Issue 46 item 5: a sweep target beyond the floor and seeds that are not a whole
+    number are refused beside the sweep's fields, with the engine's message (the one a
+    click would give, cell named), and Launch sweep is disabled; fixed, it is enabled."""
+    at = app("views/new_experiment.py")
+    at.text_input(key="sw-targets").set_value("5, 500").run()
+    no_exception(at)
+    errors = [e.value for e in at.error]
+    assert any(e.startswith("comera.target_compression: 500x is beyond the smallest TT "
+                            "model") and e.endswith("(cell 500× seed 0)") for e in errors), errors
+    assert at.button(key="sw-launch").disabled
+    at.text_input(key="sw-targets").set_value("5, 10").run()
+    at.text_input(key="sw-seeds").set_value("2.5").run()
+    assert "--seeds: must be a whole number >= 1, got 2.5" in [e.value for e in at.error]
+    assert at.button(key="sw-launch").disabled
+    at.text_input(key="sw-seeds").set_value("1").run()
+    at.text_input(key="sw-parallel").set_value("two").run()
+    assert "--max-parallel: must be a whole number >= 1, got 'two'" in [
+        e.value for e in at.error]
+    at.text_input(key="sw-parallel").set_value("2").run()
+    assert not at.error and not at.button(key="sw-launch").disabled
+
+
+def test_a_sweep_over_any_grid_key_from_the_form(home: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46 item 6: the form sweeps any `--grid` key (read and checked by the engine
+    in every cell), with or without targets."""
+    monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])
+    at = app("views/new_experiment.py")
+    at.text_input(key="sw-targets").set_value("").run()
+    at.text_area(key="sw-grid").set_value("comera.lr_cores=1e-3,3e-3\ntrain.batch_size=two").run()
+    assert any(e.value.startswith("train.batch_size: must be an integer, got 'two' (cell")
+               for e in at.error), [e.value for e in at.error]
+    assert at.button(key="sw-launch").disabled
+    at.text_area(key="sw-grid").set_value("comera.lr_cores=1e-3,3e-3").run()
+    at.text_input(key="sw-seeds").set_value("1").run()
+    assert "2 runs: comera.lr_cores 0.001, 0.003 × 1 seed(s)." in texts(at)
+    at.button(key="sw-launch").click().run()
+    no_exception(at)
+    st = RunStore(home / "comera.db")
+    (sweep,) = st.list_sweeps()
+    cells = st.sweep_runs(sweep["id"])
+    assert sorted(c["config"]["comera"]["lr_cores"] for c in cells) == [1e-3, 3e-3]
+    # the form's own target and ranks stay (only a target sweep picks ranks per cell)
+    assert {c["config"]["comera"]["target_compression"] for c in cells} == {60.0}
+
+
+def test_overview_groups_runs_by_sweep(home: Path) -> None:
+    st = RunStore(home / "comera.db")
+    solo = st.create_run("solo", {"name": "solo"}, "finished")
+    sid, ids = seed_sweep(st)
+    at = app("views/overview.py")
+    no_exception(at)
+    at.toggle(key="overview-group").set_value(True).run()
+    table = at.dataframe[0].value
+    assert list(table["run id"])[-1] == solo and set(list(table["run id"])[:4]) == set(ids)
+    assert list(table["sweep"]) == ["digits"] * 4 + [""]

@@ -460,13 +460,13 @@ def test_migrations_upgrade_an_older_store_in_place(tmp_path, monkeypatch):
     st.close()
 
     def to_next(c: sqlite3.Connection) -> None:
-        c.execute("ALTER TABLE runs ADD COLUMN tags TEXT")
+        c.execute("ALTER TABLE runs ADD COLUMN colour TEXT")
 
     nxt = schema.SCHEMA_VERSION + 1
     monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (nxt, to_next)])
     monkeypatch.setattr(schema, "SCHEMA_VERSION", nxt)
     st2 = RunStore(path)
-    assert st2.get_run(rid)["name"] == "kept" and "tags" in st2.get_run(rid)
+    assert st2.get_run(rid)["name"] == "kept" and "colour" in st2.get_run(rid)
     versions = st2.read(lambda c: [r[0] for r in c.execute("SELECT version FROM schema_version")])
     assert versions == list(range(1, nxt + 1))
 

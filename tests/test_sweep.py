@@ -245,6 +245,8 @@ def test_sweep_commands(tmp_path):
     assert [s["id"] for s in listed] == [sid] and listed[0]["counts"] == {"finished": 2}
     text = cli("sweeps", sid[len("sweep-"):], home=home).stdout
     assert "GRID POINT" in text and "5×" in text and "10×" in text
+    # accuracy in percent; one seed per grid point: no spread after the header
+    assert "%" in text and "± " not in text.split("(MEAN ± STD)")[1]
     runs_ = json.loads(cli("runs", "--json", home=home).stdout)
     assert {r["sweep_id"] for r in runs_} == {sid}  # cells are ordinary runs
     stopped = cli("stop", sid, home=home)

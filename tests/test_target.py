@@ -342,3 +342,15 @@ def test_objective_logs_preview_and_card_count_the_same_size(which: str) -> None
     if which == "paper":
         assert not math.isclose(expect, 65.5, rel_tol=0.01)  # the cores-only count is gone
         assert expect == pytest.approx(63.0, abs=0.05)
+
+
+def test_a_halted_run_at_its_target_is_not_sent_toward_it() -> None:
+    """Issue 46: a stopped run that already met its target is told so, not to resume
+    "toward" it; one short of it is."""
+    from comera_engine.metrics import target_status
+
+    met = target_status(60.0, 59.0, "stopped", 300, 600)
+    assert met.endswith("the target is reached; resume it to finish its steps at this size")
+    short = target_status(60.0, 30.0, "stopped", 300, 600)
+    assert short.endswith("resume it to go on toward the target")
+    assert "resume" not in target_status(60.0, 59.0, "diverged", 300, 600)

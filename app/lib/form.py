@@ -7,7 +7,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FormValues", "form_to_config"]
+from comera_engine.config import toml_value
+
+__all__ = ["FormValues", "form_to_config", "raw_toml"]
 
 
 @dataclass
@@ -15,8 +17,9 @@ class FormValues:
     """Every value the New experiment widgets collect.
 
     ``late_switch`` (``comera.switch``): ``"step"`` (late stage from ``switch_step``),
-    ``"plateau"`` (when the loss plateaus, after ``patience`` steps without improvement)
-    or ``"never"``.
+    ``"plateau"`` (when the loss plateaus, after ``patience`` steps without improvement),
+    ``"auto"`` (the engine's default: on a plateau when there is a target) or
+    ``"never"``.
     ``device``: ``"cpu"`` or ``"cuda:N"``. ``embedding_rank`` is ``None`` when the model
     has no TT embedding. ``auto_rank``: the initial ranks are chosen from the target
     (``headroom`` × its size, as ``comera train`` does with a config that leaves
@@ -24,32 +27,41 @@ class FormValues:
     (``model.name = "custom"``) has no ``size``; its ``linear_layout`` is
     ``model.tensorize.layout``, and ``task`` (``"classify"`` | ``"regress"``) is the
     run's ``task``.
+
+    ``rates``: the learning rates and weight decay the form shows, ``{"train.lr": x,
+    "comera.lr_cores": y, ...}`` (``None``: unset, the optimizer's own ``train.lr``).
+    ``kwargs``: a user model's ``model.kwargs`` (``None``: the config's, untouched).
+    ``schedule``: ``comera.schedule`` (``None``: the config's). Numbers (``Any``) are
+    passed on as typed, never coerced: the engine's validation refuses a wrong type.
     """
 
     data: dict[str, Any]
     size: str = "tiny"
     dense: bool = False
     use_target: bool = True
-    target: float = 20.0
+    target: Any = 20.0
     scope: str = "tensorized"
-    rank: int = 8
-    embedding_rank: int | None = None
+    rank: Any = 8
+    embedding_rank: Any = None
     auto_rank: bool = False
-    headroom: float | None = None
+    headroom: Any = None
     linear_layout: str | None = None  # "tt" | "ttm"; None: the preset's
     late_switch: str = "plateau"
-    switch_step: int | None = None
-    patience: int | None = None
-    steps: int = 1000
-    batch_size: int = 32
-    seed: int = 0
-    eval_every: int = 100
-    ckpt_every: int = 500
+    switch_step: Any = None
+    patience: Any = None
+    steps: Any = 1000
+    batch_size: Any = 32
+    seed: Any = 0
+    eval_every: Any = 100
+    ckpt_every: Any = 500
     precision: str = "auto"
     cuda_graph: bool = True
     device: str = "cpu"
     run_name: str = ""
     task: str | None = None  # a user model's task; None: the preset's
+    rates: dict[str, Any] | None = None  # "section.key" -> value or None (unset)
+    kwargs: Any = None  # a user model's model.kwargs; None: the preset's
+    schedule: str | None = None  # comera.schedule; None: the preset's
 
 
 def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any], str | None]:
@@ -57,8 +69,9 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
 
     ``preset`` is the chosen preset's config (left unchanged); every form value replaces
     the field it edits, and the rest of the preset is kept. The dense baseline trains
-    without stages and without a target. Nothing is validated or replaced here (a blank
-    run name stays blank): the launcher's validation names any bad field.
+    without stages and without a target. Nothing is validated, coerced or replaced here
+    (``2.5`` steps stay 2.5, a blank run name stays blank): the launcher's validation
+    names any bad field.
     """
     raw = copy.deepcopy(preset)
     m = raw.setdefault("model", {})
@@ -66,7 +79,7 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
     t = raw.setdefault("train", {})
     raw["name"] = v.run_name  # a blank name is refused by the validation, never replaced
     raw["data"] = dict(v.data)
-    user = m.get("name") == "custom"
+    user = m.get("name", "custom" if "factory" in m else None) == "custom"
     if v.task is not None:
         raw["task"] = v.task
     m["dense"] = bool(v.dense)
@@ -74,38 +87,64 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
         tens = dict(m.get("tensorize") or {})
         if v.linear_layout is not None:
             tens["layout"] = v.linear_layout
-        tens.pop("rank", None)  # the form's rank (or the plan's) is model.rank
+        if not (v.auto_rank and v.use_target and not v.dense and tens.get("rank") == "auto"):
+            tens.pop("rank", None)  # the form's rank (or the plan's) is model.rank
         m["tensorize"] = tens
+        if v.kwargs is not None:
+            m["kwargs"] = v.kwargs
     else:
         m["preset"] = v.size
         if v.linear_layout is not None:
             m["linear_layout"] = v.linear_layout
     if v.use_target and not v.dense:
-        c["target_compression"] = float(v.target)
+        c["target_compression"] = v.target
     else:
         c.pop("target_compression", None)
     if v.auto_rank and "target_compression" in c:  # the plan picks them (docs/SIZE_AND_TARGET)
         m.pop("rank", None)
         m.pop("embedding_rank", None)
         if v.headroom is not None:
-            c["headroom"] = float(v.headroom)
+            c["headroom"] = v.headroom
     else:
-        m["rank"] = int(v.rank)
+        m["rank"] = v.rank
         if v.embedding_rank is not None:
-            m["embedding_rank"] = int(v.embedding_rank)
+            m["embedding_rank"] = v.embedding_rank
     c["target_scope"] = v.scope
     if v.late_switch == "step":
-        c["switch"] = int(v.switch_step if v.switch_step is not None else 0)
+        c["switch"] = v.switch_step
     else:
         c["switch"] = v.late_switch
     if v.dense:  # the baseline has no ranks to learn: plain training, no stages
         c["switch"] = "never"
-    if v.late_switch == "plateau" and v.patience is not None:
-        c["plateau_patience"] = int(v.patience)
+    if v.late_switch in ("plateau", "auto") and v.patience is not None:
+        c["plateau_patience"] = v.patience
+    if v.schedule is not None:
+        c["schedule"] = v.schedule
+    for key, value in (v.rates or {}).items():
+        section, name = key.split(".", 1)
+        table = {"train": t, "comera": c}[section]
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = value
     t.update(
-        steps=int(v.steps), batch_size=int(v.batch_size), seed=int(v.seed),
-        eval_every=int(v.eval_every), ckpt_every=int(v.ckpt_every), precision=v.precision,
+        steps=v.steps, batch_size=v.batch_size, seed=v.seed,
+        eval_every=v.eval_every, ckpt_every=v.ckpt_every, precision=v.precision,
         cuda_graph=bool(v.cuda_graph), device="cpu" if v.device == "cpu" else "cuda",
     )
     gpu_ids = None if v.device == "cpu" else v.device.split(":", 1)[1]
     return raw, gpu_ids
+
+
+def raw_toml(raw: dict[str, Any]) -> str:
+    """A config's tables (as the form holds them, not yet validated) as TOML text that
+    ``comera train`` reads back to the same tables: top-level values first, then one
+    ``[section]`` per table (nested tables inline)."""
+    lines = [f"{key} = {toml_value(value)}" for key, value in raw.items()
+             if not isinstance(value, dict)]
+    for section, table in raw.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{section}]"]
+            lines += [f"{key} = {toml_value(value)}" for key, value in table.items()
+                      if value is not None]
+    return "\n".join(lines) + "\n"

@@ -41,6 +41,18 @@ window.addEventListener("message", function (event) {
   const height = msg.args.height;
   chart.style.height = height + "px";
   const layout = Object.assign({}, spec.layout, {height: height, autosize: true});
+  const theme = msg.theme;  // the page's theme (light, dark, or the OS's): its colours
+  if (theme && theme.textColor) {
+    const grid = theme.base === "dark" ? "rgba(250,250,250,0.12)" : "rgba(49,51,63,0.12)";
+    layout.font = Object.assign({}, layout.font, {color: theme.textColor});
+    layout.paper_bgcolor = "rgba(0,0,0,0)";
+    layout.plot_bgcolor = "rgba(0,0,0,0)";
+    for (const axis of Object.keys(layout).filter(k => /^[xy]axis[0-9]*$/.test(k))) {
+      layout[axis] = Object.assign({}, layout[axis], {gridcolor: grid, zerolinecolor: grid});
+    }
+    if (!layout.xaxis) layout.xaxis = {gridcolor: grid, zerolinecolor: grid};
+    if (!layout.yaxis) layout.yaxis = {gridcolor: grid, zerolinecolor: grid};
+  }
   Plotly.react(chart, spec.data, layout, {displaylogo: false, responsive: true});
   send("streamlit:setFrameHeight", {height: height});
 });

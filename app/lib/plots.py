@@ -8,7 +8,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from comera_engine.metrics import SCOPE_LABELS
+from comera_engine.metrics import PERCENT_METRICS, SCOPE_LABELS
 
 COLORS = [
     "#4F46E5",  # indigo
@@ -132,7 +132,7 @@ def lines(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title:
 
 def is_fraction(metric: str) -> bool:
     """A metric logged as a fraction that the pages state in % (accuracies)."""
-    return metric in ("acc/train", "eval/acc")
+    return metric in PERCENT_METRICS
 
 
 def legend_below(fig: go.Figure) -> go.Figure:
@@ -229,17 +229,10 @@ def rank_bars(latest: Mapping[str, Sequence[int]], allocated: Mapping[str, Seque
     return fig
 
 
-def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title: str,
-           y_title: str, title: str, log_x: bool = True, higher_x_better: bool = True,
-           x_include: Sequence[float] = ()) -> go.Figure:
-    """Scatter of runs with the Pareto front (best ``y`` for a given ``x``) and the dense
-    baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key}``."""
-    pts = [p for p in points
-           if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
-           and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
-    if not pts:
-        return empty_figure("No finished runs with these metrics yet", 360, title)
-    fig = go.Figure()
+def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, y_key: str,
+                  x_title: str, y_title: str, higher_x_better: bool, suffix: str,
+                  index: int) -> None:
+    """One group's points, front and dense baselines (``suffix`` names the group)."""
     tt = [p for p in pts if not p.get("dense")]
     dense = [p for p in pts if p.get("dense")]
     # front: walk from the best x down, keep points that improve y
@@ -249,33 +242,57 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
         if p[y_key] > best:
             front.append(p)
             best = p[y_key]
+    colour = COLORS[(2 * index) % len(COLORS)]
+    star = COLORS[(2 * index + 1) % len(COLORS)]
     if len(front) > 1:
         front = sorted(front, key=lambda p: p[x_key])
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in front], y=[p[y_key] for p in front], mode="lines",
-            name="Pareto front", line={"color": "#CBD5E1", "width": 2, "dash": "dash"},
+            name="Pareto front" + suffix,
+            line={"color": "#CBD5E1" if not suffix else colour, "width": 2, "dash": "dash"},
             hoverinfo="skip",
         ))
     if tt:
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in tt], y=[p[y_key] for p in tt], mode="markers+text",
-            name="CoMERA (TT)", text=[p["label"] for p in tt], textposition="top center",
-            textfont={"size": 10}, marker={"size": 12, "color": COLORS[0],
-                                           "line": {"width": 1, "color": "white"}},
+            name="CoMERA (TT)" + suffix, text=[p["label"] for p in tt],
+            textposition="top center", textfont={"size": 10},
+            marker={"size": 12, "color": colour, "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
             + ": %{y:.3g}<extra></extra>",
         ))
     if dense:
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in dense], y=[p[y_key] for p in dense], mode="markers+text",
-            name="dense baseline", text=[p["label"] for p in dense], textposition="bottom center",
-            textfont={"size": 10}, marker={"size": 18, "symbol": "star", "color": COLORS[1],
-                                           "line": {"width": 1, "color": "white"}},
+            name="dense baseline" + suffix, text=[p["label"] for p in dense],
+            textposition="bottom center", textfont={"size": 10},
+            marker={"size": 18, "symbol": "star", "color": star,
+                    "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
             + ": %{y:.3g}<extra></extra>",
         ))
         for p in dense:
-            fig.add_hline(y=p[y_key], line={"color": COLORS[1], "dash": "dot", "width": 1})
+            fig.add_hline(y=p[y_key], line={"color": star, "dash": "dot", "width": 1})
+
+
+def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title: str,
+           y_title: str, title: str, log_x: bool = True, higher_x_better: bool = True,
+           x_include: Sequence[float] = ()) -> go.Figure:
+    """Scatter of runs with the Pareto front (best ``y`` for a given ``x``) and the dense
+    baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key[, "group"]}``:
+    each group (data set and task) gets its own front, never one across groups."""
+    pts = [p for p in points
+           if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
+           and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
+    if not pts:
+        return empty_figure("No finished runs with these metrics yet", 360, title)
+    fig = go.Figure()
+    # one front per group (a data set and task): runs on different data never share one
+    groups = sorted({str(p.get("group") or "") for p in pts})
+    for gi, group in enumerate(groups):
+        mine = [p for p in pts if str(p.get("group") or "") == group]
+        _pareto_group(fig, mine, x_key, y_key, x_title, y_title, higher_x_better,
+                      f" · {group}" if len(groups) > 1 else "", gi)
     xs = [p[x_key] for p in pts if p[x_key] > 0] + [x for x in x_include if x > 0]
     if log_x and xs and max(xs) / min(xs) < 3:
         log_x = False  # a narrow spread reads better on a linear axis
@@ -396,6 +413,10 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
     scopes = sorted({SCOPE_LABELS.get(c.get("scope"), "TT layers") for c in cells})
     x_title = f"compression reached ({' / '.join(scopes) or 'TT layers'}; {x_title})"
     fig = base_layout(fig, title, 420, x_title, metric)
+    if is_fraction(metric):  # accuracy: one unit (percent) everywhere
+        fig.update_yaxes(tickformat=".0%")
+        fig.update_traces(hovertemplate="%{text}<br>%{x:.3g}×<br>" + metric
+                          + " %{y:.1%}<extra></extra>")
     legend_below(fig)
     fig.update_layout(hovermode="closest")
     return fig
@@ -403,3 +424,37 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
 
 def is_finite(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
+    """Parallel coordinates of a sweep's cells: one axis per swept key (text values as
+    their order), the seed, the compression reached and the score; a line per finished
+    cell, coloured by its score."""
+    metric = rep.get("metric") or "score"
+    cells = [c for c in rep.get("cells") or [] if is_finite(c.get("score"))]
+    if not cells:
+        return empty_figure("No finished cells yet", 360, title)
+    keys = sorted({k for c in cells for k in (c.get("grid") or {})})
+    dims = []
+    for key in keys:
+        values = [(c.get("grid") or {}).get(key) for c in cells]
+        if all(is_finite(v) for v in values):
+            dims.append({"label": key, "values": [float(v) for v in values]})
+        else:  # words: one tick per value
+            words = sorted({str(v) for v in values})
+            dims.append({"label": key, "values": [words.index(str(v)) for v in values],
+                         "tickvals": list(range(len(words))), "ticktext": words})
+    dims.append({"label": "seed", "values": [c.get("seed") or 0 for c in cells]})
+    if all(is_finite(c.get("compression")) for c in cells):
+        dims.append({"label": "compression (×)", "values": [c["compression"] for c in cells]})
+    scale = 100.0 if is_fraction(metric) else 1.0  # accuracy in percent
+    label = f"{metric} (%)" if scale == 100.0 else metric
+    scores = [c["score"] * scale for c in cells]
+    dims.append({"label": label, "values": scores})
+    fig = go.Figure(go.Parcoords(
+        line={"color": scores, "colorscale": "Viridis", "showscale": True,
+              "colorbar": {"title": {"text": label}}},
+        dimensions=dims))
+    fig = base_layout(fig, title, 380)
+    fig.update_layout(margin={"l": 60, "r": 60, "t": 70, "b": 30})
+    return fig

@@ -34,6 +34,12 @@ MODEL_LABELS: dict[str, str] = {
 }
 #: Key prefix of the presets of registered user models (a preset file's stem has no ':').
 USER_PREFIX = "user:"
+#: Key prefix of the configs found beside a registered model's module (studio.py).
+CONFIG_PREFIX = "cfg:"
+#: Key prefix of the configs uploaded from the browser into the run store's folder.
+UPLOAD_PREFIX = "upload:"
+#: The run store's folder for uploaded configs (``$COMERA_HOME/configs``).
+UPLOAD_DIR = "configs"
 #: Where a user model's preset starts: a short CPU run toward a 5x target.
 USER_COMERA = {"target_compression": 5.0}
 USER_TRAIN = {"steps": 300, "batch_size": 32, "eval_every": 50, "ckpt_every": 100,
@@ -52,7 +58,10 @@ class Preset:
 
     @property
     def model(self) -> str:
-        return str(self.raw.get("model", {}).get("name", "?"))
+        m = self.raw.get("model", {})
+        if "name" not in m and "factory" in m:  # model.factory alone: a user model
+            return "custom"
+        return str(m.get("name", "?"))
 
     def config(self) -> dict[str, Any]:
         """A fresh, mutable copy of the preset's config."""
@@ -127,7 +136,11 @@ def load_presets() -> dict[str, Preset]:
 def preset_label(p: Preset) -> str:
     """What the preset selectbox shows."""
     if p.key.startswith(USER_PREFIX):
-        return f"{p.title} · your model"
+        return f"{p.title} · your model, its function's defaults"
+    if p.key.startswith(CONFIG_PREFIX):
+        return f"{p.title} · your config {p.source}"
+    if p.key.startswith(UPLOAD_PREFIX):
+        return f"{p.title} · uploaded {p.source}"
     tag = " · default" if p.key == DEFAULT_PRESET else ""
     return f"{p.title}{tag}"
 
@@ -163,3 +176,127 @@ def user_presets(registry: Mapping[str, Any]) -> dict[str, Preset]:
         out[USER_PREFIX + name] = Preset(USER_PREFIX + name, name, m.get("summary") or "", raw,
                                          m["factory"])
     return out
+
+
+def registered_configs(registry: Mapping[str, Any]) -> dict[str, Preset]:
+    """A preset per config found beside a registered model's module (``cfg:NAME``): the
+    settings its author trains it with, data paths resolved on the server."""
+    out: dict[str, Preset] = {}
+    for name, c in sorted((registry.get("configs") or {}).items()):
+        raw = copy.deepcopy(c["config"])
+        out[CONFIG_PREFIX + name] = Preset(CONFIG_PREFIX + name, str(raw.get("name", name)),
+                                           f"for {c['factory']}", raw, c["source"])
+    return out
+
+
+def upload_dir(store_folder: Path) -> Path:
+    """Where uploaded configs are kept: a folder of the run store's, never elsewhere."""
+    return Path(store_folder) / UPLOAD_DIR
+
+
+def uploaded_configs(store_folder: Path) -> dict[str, Preset]:
+    """A preset per config uploaded into the run store's folder (``upload:STEM``); files
+    that no longer parse are skipped."""
+    out: dict[str, Preset] = {}
+    folder = upload_dir(store_folder)
+    if not folder.is_dir():
+        return out
+    for path in sorted(folder.glob("*.toml")):
+        try:
+            text = path.read_text(encoding="utf-8")
+            raw = tomllib.loads(text)
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+            continue
+        if not isinstance(raw.get("model"), dict) or not isinstance(raw.get("data"), dict):
+            continue
+        out[UPLOAD_PREFIX + path.stem] = Preset(
+            UPLOAD_PREFIX + path.stem, str(raw.get("name", path.stem)), _header(text), raw,
+            path.name)
+    return out
+
+
+def save_upload(store_folder: Path, filename: str, content: bytes) -> str:
+    """Keep an uploaded config in the run store's folder: returns its preset key.
+
+    The file name is reduced to letters, digits, ``_`` and ``-`` (no folders); the text
+    must be UTF-8 TOML of at most :data:`~comera_engine.config.MAX_CONFIG_BYTES` with
+    ``[model]`` and ``[data]`` tables. What it may name (files, factories) is checked
+    when it is launched (:func:`browser_config_problem`).
+
+    Raises:
+        ValueError: one line saying what is wrong with the file.
+    """
+    from comera_engine.config import MAX_CONFIG_BYTES
+
+    if len(content) > MAX_CONFIG_BYTES:
+        raise ValueError(f"config: {len(content):,} bytes; a run config is at most "
+                         f"{MAX_CONFIG_BYTES // 1024} KB")
+    try:
+        raw = tomllib.loads(content.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config: not UTF-8 text (byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise ValueError("config: nests values too deeply") from None
+    for table in ("model", "data"):
+        if not isinstance(raw.get(table), dict):
+            raise ValueError(f"{table}: missing; a run config has [model] and [data] tables")
+    stem = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_-") else "_"
+                   for ch in Path(filename).stem)[:60].strip("_") or "config"
+    folder = upload_dir(store_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.toml").write_bytes(content)
+    return UPLOAD_PREFIX + stem
+
+
+def browser_config_problem(raw: Mapping[str, Any], start: Mapping[str, Any],
+                           registry: Mapping[str, Any], store_folder: Path,
+                           base: Path) -> tuple[str, str] | None:
+    """``(field, problem)`` when a config the browser wrote (uploaded, or edited as
+    TOML) names what the server does not offer, else ``None``.
+
+    Allowed: the code (``model.factory``, ``task.factory``, ``data.factory``) of the
+    config it started from and of the registered models; files (the ``[data]`` paths,
+    ``model.init_from``) of the config it started from, of the registered data files and
+    of the shipped presets, or inside the run store's folder. Relative paths resolve from
+    ``base`` (the folder runs start in), as the run would resolve them.
+    """
+    from comera_engine.studio import data_paths
+
+    store = Path(store_folder).resolve()
+    code = {m["factory"] for m in (registry.get("models") or {}).values()}
+    files: set[str] = set()
+    tables = [start, *(p.raw for p in load_presets().values())]
+    tables += [c["config"] for c in (registry.get("configs") or {}).values()]
+    for table in tables:
+        files.update(data_paths(table.get("data") or {}, base).values())
+    for spec in (start.get("model") or {}, start.get("task"), start.get("data") or {}):
+        if isinstance(spec, Mapping) and spec.get("factory"):
+            code.add(spec["factory"])
+    for d in (registry.get("data") or {}).values():
+        files.update(str(Path(p).resolve()) for p in (d.get("train"), d.get("eval")) if p)
+    for where, spec in (("model.factory", raw.get("model")), ("task.factory", raw.get("task")),
+                        ("data.factory", raw.get("data"))):
+        value = spec.get("factory") if isinstance(spec, Mapping) else None
+        if value is not None and value not in code:
+            return where, (f"{value!r} is not a model this dashboard offers; register its "
+                           "module with `comera app --models MODULE`")
+
+    def allowed(path: str) -> bool:
+        p = Path(path)
+        return str(p) in files or p == store or store in p.parents
+
+    named = data_paths(raw.get("data") or {}, base) if isinstance(raw.get("data"),
+                                                                   Mapping) else {}
+    init = (raw.get("model") or {}).get("init_from") if isinstance(raw.get("model"),
+                                                                    Mapping) else None
+    if isinstance(init, str) and init:
+        named["model.init_from"] = data_paths({"path": init}, base)["path"]
+    for key, path in named.items():
+        if not allowed(path):
+            where = key if key.startswith("model.") else f"data.{key}"
+            return where, ("names a file this dashboard does not offer; use a registered "
+                           "data file (`comera app --data NAME=PATH`), a shipped config's, "
+                           "or one inside the run store's folder")
+    return None

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,13 @@ __all__ = [
     "config_diff",
     "config_token",
     "final_metrics",
+    "dataset_of",
+    "duration_s",
     "flatten",
+    "history_csv",
+    "history_json",
+    "metric_history",
+    "percent",
     "guarded_launch",
     "guarded_sweep",
     "is_live",
@@ -257,13 +263,27 @@ def final_metrics(store: RunStore, run_id: str) -> dict[str, float]:
     return {k: v for k, (_, v) in store.latest_metrics(run_id).items()}
 
 
+#: Bytes per trained parameter in memory: fp32 weight and gradient, AdamW's two moments.
+TRAIN_BYTES_PER_PARAM = 16
+
+
 def peak_memory_mb(store: RunStore, run_id: str) -> tuple[float | None, str]:
-    """Peak training memory in MiB and what it measures (torch CUDA peak, else RSS)."""
-    for name, what in (("mem/cuda_max_allocated_mb", "torch peak"), ("mem/rss_mb", "RSS")):
+    """Peak training memory in MiB and what it counts: on a GPU, torch's peak allocated
+    (weights, gradients, optimizer state, saved activations); on a CPU, the model and
+    its optimizer state (the peak allocated parameters x 16 bytes), the memory the method
+    changes (the process RSS is mostly the interpreter and libraries, the same for every
+    run)."""
+    def peak(name: str) -> float | None:
         s = store.series(run_id, name, max_points=500)
         vals = [v for v in s["value"] if isinstance(v, float) and math.isfinite(v)]
-        if vals:
-            return max(vals), what
+        return max(vals) if vals else None
+
+    gpu = peak("mem/cuda_max_allocated_mb")
+    if gpu is not None:
+        return gpu, "GPU: torch peak allocated"
+    params = peak("params/allocated")
+    if params is not None:
+        return params * TRAIN_BYTES_PER_PARAM / 2**20, "model + optimizer state"
     return None, ""
 
 
@@ -350,6 +370,80 @@ def checkpoints(store: RunStore, run_id: str) -> list[dict[str, Any]]:
     return rows
 
 
+def percent(fraction: Any) -> float | None:
+    """An accuracy logged as a fraction, in percent (the unit every page states it in)."""
+    return 100.0 * float(fraction) if isinstance(fraction, (int, float)) and not isinstance(
+        fraction, bool) else None
+
+
+def dataset_of(run: Mapping[str, Any]) -> str:
+    """The data set a run trained on, as the tables name it: ``digits``, ``files:
+    train.csv`` (a user's file by its name, never its folder)."""
+    data = (run.get("config") or {}).get("data") or {}
+    name = str(data.get("name") or "?")
+    if name == "files" and data.get("train"):
+        return f"files: {Path(str(data['train'])).name}"
+    if name == "factory" and data.get("factory"):
+        return f"factory: {data['factory']}"
+    return name
+
+
+def duration_s(run: Mapping[str, Any]) -> float | None:
+    """Seconds from the run's start to its end (to now while it runs)."""
+    import time
+
+    start = run.get("started_at")
+    if not isinstance(start, (int, float)):
+        return None
+    end = run.get("ended_at")
+    return max(0.0, (end if isinstance(end, (int, float)) else time.time()) - start)
+
+
+def metric_history(store: RunStore, run_ids: Sequence[str],
+                   labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Every metric the runs logged, one row per run and step: ``{"run", ["cell",]
+    "step", <metric>: value, ...}`` (a metric not logged at a step is absent)."""
+    rows: list[dict[str, Any]] = []
+    for rid in run_ids:
+        by_step: dict[int, dict[str, Any]] = {}
+        for r in store.metrics_since(rid):
+            row = by_step.setdefault(int(r["step"]), {"run": rid, **(
+                {"cell": labels[rid]} if labels and rid in labels else {}),
+                "step": int(r["step"])})
+            v = r["value"]
+            row[r["name"]] = None if isinstance(v, float) and math.isnan(v) else v
+        rows += [by_step[s] for s in sorted(by_step)]
+    return rows
+
+
+def history_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """:func:`metric_history` rows as CSV: the id columns, then every metric (sorted);
+    an empty cell where a metric was not logged at that step."""
+    import csv
+    import io
+
+    ids = [k for k in ("run", "cell", "step") if any(k in r for r in rows)]
+    names = sorted({k for r in rows for k in r} - set(ids))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=ids + names, restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def history_json(rows: Sequence[Mapping[str, Any]]) -> str:
+    """:func:`metric_history` rows as JSON: ``{run: {"cell"?, "metrics": {name:
+    [[step, value], ...]}}}``."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        run = out.setdefault(r["run"], {**({"cell": r["cell"]} if "cell" in r else {}),
+                                        "metrics": {}})
+        for k, v in r.items():
+            if k not in ("run", "cell", "step"):
+                run["metrics"].setdefault(k, []).append([r["step"], v])
+    return json.dumps(out, indent=1)
+
+
 def summary_rows(store: RunStore, runs: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One table row per run: status, progress and final metrics."""
     rows = []
@@ -365,7 +459,9 @@ def summary_rows(store: RunStore, runs: list[Mapping[str, Any]]) -> list[dict[st
                 "steps": steps,
                 "dense": is_dense(r),
                 "method": method_label(r.get("config")),
-                "eval acc": m.get("eval/acc"),
+                "data set": dataset_of(r),
+                "duration": duration_s(r),
+                "eval acc": percent(m.get("eval/acc")),
                 "task loss": m.get("loss/task"),
                 "compression": compression(r, m).value,
                 "scope": compression(r, m).label,

@@ -93,13 +93,20 @@ st.subheader("Accuracy for the size", anchor=False)
 points = []
 rows = []
 scopes: set[str] = set()
+mem_what: set[str] = set()
+groups: set[str] = set()
 for r in sel:
     m = runs.final_metrics(store, r["id"])
     peak, what = runs.peak_memory_mb(store, r["id"])
+    if what:
+        mem_what.add(what)
     acc = m.get("eval/acc", m.get("acc/train"))
     comp = runs.compression(r, m)
     scopes.add(comp.label)
-    points.append({"label": label(r), "dense": runs.is_dense(r), "acc": acc,
+    task = (r.get("config") or {}).get("task")  # a data set and its task: one front
+    group = f"{runs.dataset_of(r)} ({task})" if isinstance(task, str) else runs.dataset_of(r)
+    groups.add(group)
+    points.append({"label": label(r), "dense": runs.is_dense(r), "acc": acc, "group": group,
                    "comp": comp.value, "mem": peak, "bytes": m.get("bytes/effective")})
     rows.append({
         "run": label(r),
@@ -107,21 +114,27 @@ for r in sel:
         "method": method_label(r.get("config")),
         "dense": runs.is_dense(r),
         "steps": r.get("last_step"),
-        "eval acc": m.get("eval/acc"),
+        "eval acc": runs.percent(m.get("eval/acc")),
         "eval loss": m.get("eval/loss"),
         "task loss": m.get("loss/task"),
         "compression": comp.value,
         "scope": comp.label,
         "target": runs.target_of(r),
+        "data set": group,
         "params": m.get("params/effective"),
         "model size": fmt.nbytes(m.get("bytes/effective")),
-        f"peak memory ({what or 'n/a'})": fmt.mib(peak),
+        "peak training memory": fmt.mib(peak) if peak is not None else "",
+        "memory counts": what,
         "samples/s": store.median_metric(r["id"], "perf/samples_per_s"),
     })
 if not any(p["dense"] for p in points):
     st.caption(":material/info: No dense baseline among the chosen runs: launch the same preset "
                "with **Dense baseline** on (New experiment) to mark it here. The dense model "
                "is 1× by definition.")
+if len(groups) > 1:
+    st.caption(f":material/info: These runs trained on {len(groups)} data sets "
+               f"({', '.join(sorted(groups))}): each has its own front, in its own colour; "
+               "no front is drawn across them.")
 c1, c2 = st.columns(2)
 with c1:
     fig = plots.pareto(points, "comp", "acc",
@@ -139,7 +152,9 @@ with c2:
         width="stretch", key="cmp-pareto-bytes",
     )
 st.plotly_chart(
-    plots.pareto(points, "mem", "acc", "peak training memory (MiB, log)", "accuracy",
+    plots.pareto(points, "mem", "acc",
+                 f"peak training memory: {' / '.join(sorted(mem_what)) or 'n/a'} (MiB, log)",
+                 "accuracy",
                  "Accuracy vs training memory", higher_x_better=False
                  ).update_yaxes(tickformat=".0%"),
     width="stretch", key="cmp-pareto-mem",
@@ -149,7 +164,7 @@ st.subheader("Final metrics", anchor=False)
 st.dataframe(
     rows, hide_index=True, width="stretch",
     column_config={
-        "eval acc": st.column_config.NumberColumn(format="%.4f"),
+        "eval acc": st.column_config.NumberColumn(format="%.1f%%"),
         "eval loss": st.column_config.NumberColumn(format="%.4f"),
         "task loss": st.column_config.NumberColumn(format="%.4f"),
         "compression": st.column_config.NumberColumn(

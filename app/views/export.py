@@ -9,6 +9,7 @@ from typing import Any
 import streamlit as st
 
 from app.lib import fmt, runs, ui
+from comera_engine.export.card import BYTES_RATIO_LABEL
 from comera_engine.metrics import SCOPE_LABELS, compression_scope
 
 FORMAT_HELP = {
@@ -48,6 +49,7 @@ ckpts = ckpts_of[rid]
 
 try:
     from comera_engine.export import FORMATS, export_run
+    from comera_engine.export.quant import STORE_DTYPES
 except ImportError as e:  # pragma: no cover - the export package is part of the engine
     st.error(f"The export module is not available: {e}")
     st.stop()
@@ -60,8 +62,17 @@ fmt_name = c2.radio("Format", list(FORMATS), horizontal=True, key="exp-format",
                     format_func=lambda f: {"compressed": "Compressed TT", "dense": "Dense",
                                            "onnx": "ONNX"}.get(f, f))
 st.caption(FORMAT_HELP.get(fmt_name, ""))
+store_dtype = "float32"
+if fmt_name != "dense":  # a dense export is the plain float32 state dict
+    store_dtype = st.radio(
+        "Weights stored as", list(STORE_DTYPES), horizontal=True, key="exp-dtype",
+        format_func=lambda d: {"float32": "float32", "bf16": "bf16 (half the bytes)",
+                               "int8": "int8 (a quarter, per-row scales)"}.get(d, d),
+        help="`comera export --dtype`: the file stores the weights in this type and the "
+             "loaded model computes in float32 (int8: q · scale). The card says what it "
+             "costs in accuracy's terms: how far the outputs move from float32.")
 checkpoint = ckpts[ck]
-key = f"{rid}:{checkpoint['path']}:{fmt_name}"
+key = f"{rid}:{checkpoint['path']}:{fmt_name}:{store_dtype}"
 results: dict[str, Any] = st.session_state.setdefault("exports", {})
 
 
@@ -87,8 +98,13 @@ if st.button("Prepare export", type="primary", icon=":material/build:", key="exp
     with st.status(f"Exporting {fmt_name}…", expanded=True) as status:
         status.write(f"Loading checkpoint {checkpoint['label']} of `{rid}`")
         try:
+            out = None  # the default file; another stored type gets its own, beside it
+            if store_dtype != "float32" and checkpoint["step"] is not None:
+                out = (store.run_dir(rid) / "exports" / f"step_{checkpoint['step']:06d}" /
+                       f"model.{store_dtype}{'.onnx' if fmt_name == 'onnx' else '.safetensors'}")
             res = export_run(rid, checkpoint=checkpoint["step"] if checkpoint["step"] is not None
-                             else checkpoint["path"], format=fmt_name, store=store)
+                             else checkpoint["path"], format=fmt_name, store=store,
+                             dtype=store_dtype, out=out)
         except (ValueError, OSError, RuntimeError) as e:
             status.update(label="Export failed", state="error")
             st.error(str(e))
@@ -118,7 +134,7 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
         k[2].metric("Tensor bytes", fmt.nbytes(res.tensor_bytes),
                     delta=f"expected {fmt.nbytes(res.expected_bytes)}", delta_color="off",
                     delta_arrow="off")
-        k[3].metric("File vs dense model bytes",
+        k[3].metric(BYTES_RATIO_LABEL.capitalize(),
                     fmt.ratio(dense_b / res.file_bytes) if dense_b and res.file_bytes else "–",
                     help="Bytes of the dense model over this file's bytes (header, ONNX "
                          "graph and, for a whole-model view, every dense layer included): "
@@ -130,6 +146,9 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
                            mime="application/octet-stream", on_click="ignore")
         if res.card and Path(res.card).is_file() and _inside_store(res.card):
             card = Path(res.card).read_text(encoding="utf-8", errors="replace")
+            # the card's code loads the file by the name it is downloaded as
+            card = card.replace(f'"{Path(res.path).name}"',
+                                f'"{download_name(run, res.path)}"')
             d2.download_button("Download model card", data=card,
                                file_name=download_name(run, res.path) + ".md",
                                icon=":material/description:", key="dl-card",

@@ -111,7 +111,11 @@ def header(run: dict[str, Any], latest: dict[str, float]) -> None:
     elapsed = (end - started) if started else None
     eta = None
     if runs.is_live(run) and started and step > 0 and total:
-        eta = elapsed / step * (total - step) if elapsed else None
+        # the trainer's own figure: the median step of the last 50 times the steps left
+        # (older runs: the time since the start, which counts the start-up)
+        eta = latest.get("perf/eta_s")
+        if eta is None:
+            eta = elapsed / step * (total - step) if elapsed else None
     stage = latest.get("stage")
     stage_txt = "" if stage is None else (" · late stage" if stage >= 0.5 else " · early stage")
     phase = runs.phase_of(run)
@@ -159,7 +163,10 @@ def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float |
                 help=f"Dense / effective parameters of the {comp.label}: the scope the "
                      "run's target is measured on (comera.target_scope); every page shows "
                      "this figure.")
-    c[4].metric(tput[0], fmt.count(tput[1]))
+    c[4].metric(tput[0], fmt.count(tput[1]),
+                help="Training throughput on the trainer's own clock, over its last 50 "
+                     "steps (the wait for each batch counted; evaluations and checkpoints "
+                     "not).")
     c[5].metric(mem[0], mem[1], delta=mem[2], delta_color="off", delta_arrow="off")
 
 
@@ -201,7 +208,7 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
             plots.lines([(name.split("/")[1].replace("_per_s", "/s"),
                           *_series(DB, rid, name))], "Throughput",
                         "tokens/s" if "tokens" in name else "samples/s", stages=stages,
-                        smooth=0.05), key="ch-tput",
+                        smooth=None), key="ch-tput",  # the trainer's smoothed figure
         )
     history = DB.rank_history(rid)
     c1, c2 = st.columns([3, 2])
@@ -230,6 +237,16 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     if c2 is not None:  # a CPU run has no GPU to sample: no empty panel
         with c2:
             utilisation(run)
+    if "sys/cpu_percent" in latest:  # what the trainer read of the machine
+        steps, used = _series(DB, rid, "sys/ram_used_mb")
+        _, total = _series(DB, rid, "sys/ram_total_mb")
+        series = [("process CPU % (of one core)", *_series(DB, rid, "sys/cpu_percent")),
+                  ("system RAM used %", steps,
+                   [100.0 * u / t if t else None for u, t in zip(used, total)])]
+        if "sys/gpu_util_percent" in latest:
+            series.append(("GPU utilisation %", *_series(DB, rid, "sys/gpu_util_percent")))
+        live_chart(plots.lines(series, "System (read by the trainer, once a second)", "%",
+                               stages=stages, from_zero=True), key="ch-sys")
 
 
 def utilisation(run: dict[str, Any]) -> None:
@@ -363,5 +380,53 @@ def _view() -> None:
 st.html("<style>[data-stale='true'] { opacity: 1 !important; transition: none !important; }"
         "</style>")
 st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
+def _about(run: dict[str, Any]) -> None:
+    """Name, notes and tags of the run, and archive / restore (nothing is deleted)."""
+    from comera_engine.config import check_run_name
+    from comera_engine.errors import ConfigError
+
+    archived = bool(run.get("archived_at"))
+    with st.expander("Name, notes and tags" + (" · archived" if archived else ""),
+                     icon=":material/edit_note:"):
+        name = st.text_input("Name", value=run["name"], key=f"about-name-{RID}")
+        notes = st.text_area("Notes", value=run.get("notes") or "", key=f"about-notes-{RID}",
+                             help="What you tried and what you saw: kept with the run.")
+        tags = st.text_input("Tags", value=", ".join(run.get("tags") or []),
+                             key=f"about-tags-{RID}", help="Words, separated by commas.")
+        c1, c2, _ = st.columns([1, 1, 3])
+        if c1.button("Save", key="about-save", icon=":material/save:"):
+            try:
+                store.update_run(RID, name=check_run_name(name))
+                store.set_notes(RID, notes)
+                store.set_tags(RID, tags.split(","))
+            except (ConfigError, ValueError) as e:
+                st.error(str(e), icon=":material/error:")
+            else:
+                st.toast("Saved", icon=":material/check:")
+                st.rerun()
+        if archived:
+            if c2.button("Restore", key="about-restore", icon=":material/unarchive:",
+                         help="Back in the run lists."):
+                store.archive_run(RID, False)
+                st.rerun()
+        elif c2.button("Archive", key="about-archive", icon=":material/archive:",
+                       disabled=runs.is_live(run),
+                       help="Hidden from the Overview's list (shown with \"Show archived\") "
+                            "until restored here; nothing is deleted."):
+            store.archive_run(RID)
+            st.rerun()
+
+
+_about(store.get_run(RID) or chosen)
+d1, d2, _ = st.columns([1, 1, 4])  # the metric history, read when the button is pressed
+d1.download_button("Metrics (CSV)", key="dl-csv", icon=":material/download:",
+                   data=lambda: runs.history_csv(runs.metric_history(store, [RID])),
+                   file_name=f"{RID}-metrics.csv", mime="text/csv", on_click="ignore",
+                   help="Every metric the run logged, one row per step.")
+d2.download_button("Metrics (JSON)", key="dl-json", icon=":material/download:",
+                   data=lambda: runs.history_json(runs.metric_history(store, [RID])),
+                   file_name=f"{RID}-metrics.json", mime="application/json",
+                   on_click="ignore", help="Every metric the run logged: [step, value] "
+                   "pairs per metric.")
 if LIVE_AT_START:
     st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while the run lives.")

@@ -1,28 +1,39 @@
-"""New experiment: pick a preset (or a user model ``comera app --models`` registered),
-tune it, preview the tensorisation, launch."""
+"""New experiment: start from a config (a shipped preset, a model ``comera app --models``
+registered or a config beside it, or a TOML uploaded into the run store's folder), tune
+the settings that matter, see the rest (or edit it as TOML), preview the tensorisation,
+launch. Every value reaches the engine as typed; the engine's validation refuses."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
 import streamlit as st
+import tomllib
 
 from app.lib import fmt, plots, runs, ui
 from app.lib.defaults import DEFAULT_PRESET
 from app.lib.devices import list_gpus
-from app.lib.form import FormValues, form_to_config
+from app.lib.form import FormValues, form_to_config, raw_toml
 from app.lib.presets import (
+    CONFIG_PREFIX,
     MODEL_LABELS,
+    UPLOAD_PREFIX,
     USER_PREFIX,
     Preset,
+    browser_config_problem,
     load_presets,
     preset_label,
+    registered_configs,
+    save_upload,
+    uploaded_configs,
     user_data,
     user_presets,
 )
+from comera_engine.config import SCHEDULE_NAMES, parse_value, to_toml, toml_value
 from comera_engine.errors import ConfigError
 from comera_engine.metrics import SCOPE_LABELS
 from comera_engine.preview import (
@@ -40,6 +51,8 @@ SIZES = ("tiny", "small", "paper")
 TASKS = {"classify": "classify (cross-entropy; accuracy)", "regress": "regress (MSE; RMSE, R²)"}
 #: The late-stage switch (comera.switch): when the late stage starts, if ever.
 LATE_STAGE_SWITCHES = {
+    "auto": "Early stage, then late stage when the loss plateaus (with a target; the "
+            "engine's default)",
     "step": "Early stage, then late stage from a step",
     "plateau": "Early stage, then late stage when the loss plateaus",
     "never": "Early stage only (no late stage)",
@@ -48,6 +61,20 @@ LAYOUTS = {
     "tt": "tt (the paper's)",
     "ttm": "ttm (TT matrix)",
 }
+SCHEDULES = {
+    "paced": "paced (the additions and the pace: reaches the target in time)",
+    "comera": "comera (the objective with the additions, no pace)",
+    "paper": "paper (the method's objective alone)",
+}
+#: The learning rates the form shows: (field, label, shown when unset).
+RATES = (
+    ("train.lr", "Learning rate (train.lr)", "1e-3"),
+    ("comera.lr_cores", "TT cores", "train.lr"),
+    ("comera.lr_dense", "Dense layers", "train.lr"),
+    ("comera.lr_gates", "Rank gates", "the schedule's"),
+    ("comera.lr_embedding", "TT embeddings", "TT cores'"),
+    ("comera.weight_decay", "Weight decay", "the optimizer's"),
+)
 PRECISIONS = {
     "auto": "auto",
     "fp32": "fp32",
@@ -99,6 +126,39 @@ def _user_data_options() -> list[tuple[str, dict]]:
             for name, table in user_data(REGISTRY).items()]
 
 
+def _own_data_label(data: dict) -> str:
+    """The label of a config's own ``[data]`` table: its file names, never their folders."""
+    files = [Path(str(data[key])).name for key in ("train", "eval", "path") if data.get(key)]
+    label = f", label {data['label']}" if data.get("label") else ""
+    return (f"the config's data · {' + '.join(files) or data.get('name', '?')}{label}")
+
+
+def _upload() -> None:
+    """The uploader's callback: keep the file in the run store's folder and start from it
+    (runs before the page, so the picker can be set)."""
+    f = st.session_state.get("upload")
+    if f is None:
+        return
+    try:
+        key = save_upload(STORE_FOLDER, f.name, f.getvalue())
+    except ValueError as e:
+        st.session_state["upload_error"] = str(e)
+        return
+    st.session_state.pop("upload_error", None)
+    st.session_state["preset"] = key
+
+
+def number_text(where: Any, label: str, value: Any, key: str, help: str | None = None,
+                placeholder: str | None = None, disabled: bool = False) -> Any:
+    """A number typed as text and handed on as typed (TOML's reading: ``64`` an integer,
+    ``2.5`` and ``1e9`` numbers, anything else a string), never rounded or clamped: the
+    engine's validation refuses what does not fit. Blank: ``None`` (unset)."""
+    text = where.text_input(label, value="" if value is None else toml_value(value),
+                            key=key, help=help, placeholder=placeholder, disabled=disabled)
+    text = str(text).strip()
+    return None if not text else parse_value(text)
+
+
 def _data_label(data: dict) -> str:
     name = data.get("name", "?")
     if data.get("hub"):
@@ -127,7 +187,9 @@ FORM_KEYS: set[str] = {"preset", "device"}
 SAVED = ui.restore_form()
 
 REGISTRY = read_registry()  # what `comera app --models/--data` registered, never the browser
-presets = {**_presets(), **user_presets(REGISTRY)}
+STORE_FOLDER = runs.store_path().parent  # uploaded configs are kept in its configs/
+presets = {**registered_configs(REGISTRY), **user_presets(REGISTRY),
+           **uploaded_configs(STORE_FOLDER), **_presets()}
 gpus = _gpus()
 msgs: dict[str, list[tuple[str, str]]] = {}
 
@@ -141,20 +203,33 @@ slots: dict[str, Any] = {}
 
 with left:
     keys = list(presets)
-    first = next((key for key in keys if key.startswith(USER_PREFIX)), DEFAULT_PRESET)
+    first = next((key for key in keys if key.startswith((CONFIG_PREFIX, USER_PREFIX))),
+                 DEFAULT_PRESET)
+    if st.session_state.get("preset") not in keys:
+        st.session_state.pop("preset", None)
     pkey = st.selectbox(
-        "Model preset",
+        "Start from",
         keys,
-        index=keys.index(first) if first in keys else 0,  # your model, when one is registered
+        index=keys.index(first) if first in keys else 0,  # your config or model, if any
         format_func=lambda k: preset_label(presets[k]),
         key="preset",
-        help="Templates from experiments/configs/, and the models `comera app --models` "
-             "registered. Every field below starts from the preset.",
+        help="A config to start from: yours (beside a module `comera app --models` "
+             "registered, or uploaded below), a registered model with its function's "
+             "defaults, or a template from experiments/configs/. Every field below starts "
+             "from it; what the form does not show is kept as it is (All settings).",
     )
+    with st.popover("Upload a config (TOML)", icon=":material/upload_file:"):
+        st.file_uploader("A run config, as `comera train` reads it", type=["toml"],
+                         key="upload", on_change=_upload,
+                         help="Kept in the run store's folder (configs/) and offered under "
+                              "Start from. Its files and model code must be ones this "
+                              "dashboard offers.")
+        if st.session_state.get("upload_error"):
+            st.error(st.session_state["upload_error"], icon=":material/error:")
     preset = presets[pkey]
     raw: dict[str, Any] = preset.config()
     model_name = preset.model
-    user = model_name == "custom"  # a registered user model (comera app --models)
+    user = model_name == "custom"  # a user model (model.factory)
     st.caption(
         f"{MODEL_LABELS.get(model_name, model_name)} · "
         f"{preset.description or 'no description'} ({preset.source})"
@@ -166,14 +241,19 @@ with left:
         return key
 
     options = _user_data_options() if user else _dataset_options(presets, preset)
+    own = 0  # a user config's own data comes first (its files, as it names them)
+    if user and not pkey.startswith(USER_PREFIX) and raw.get("data"):
+        options.insert(0, (_own_data_label(raw["data"]), dict(raw["data"])))
+        own = 1
     ds = st.selectbox("Dataset", range(len(options)), format_func=lambda i: options[i][0],
                       key=k("data"),
-                      help="The data files `comera app --data` registered." if user else
+                      help="The config's own data, or a data file `comera app --data` "
+                           "registered." if user else
                       "Datasets this model's task can train on.")
     data = dict(options[ds][1]) if options else dict(raw.get("data", {}))
     task = None
-    if user and options:  # the label column and the task, picked from the registered file
-        reg_name = list(user_data(REGISTRY))[ds]  # the options' order
+    if user and options and ds >= own:  # the label column and the task of a registered file
+        reg_name = list(user_data(REGISTRY))[ds - own]  # the options' order
         reg = REGISTRY["data"][reg_name]
         columns = list(reg.get("columns") or [])
         c1, c2 = st.columns(2)
@@ -186,6 +266,15 @@ with left:
                         index=list(TASKS).index(reg.get("task", "classify")),
                         key=k(f"task:{reg_name}"))
     slots["data"] = st.container()
+    if user:
+        kw0 = (raw.get("model") or {}).get("kwargs") or {}
+        kwargs = number_text(
+            st, "Model kwargs (a TOML table)", kw0, k("kwargs"),
+            help="model.kwargs: what the factory is called with besides the data's facts "
+                 "(in_features, num_classes, ...), e.g. { hidden = [64, 64], dropout = 0.1 }.")
+        kwargs = None if kwargs == kw0 or (kwargs is None and not kw0) else (
+            {} if kwargs is None else kwargs)
+        slots["kwargs"] = st.container()
     if user and not options:
         say("data", "error", "No data file is registered: start the dashboard with "
                              "`comera app --models MODULE --data NAME=PATH,label=COLUMN`.")
@@ -208,13 +297,11 @@ with left:
                            help="Off: no size target (ranks only shrink under the early "
                                 "stage's size penalty).")
     c1, c2 = st.columns([1, 1])
-    target = c1.number_input(
-        "Target compression (×)",
-        value=float(c.get("target_compression") or 20.0), step=5.0, format="%.1f",
-        key=k("target"), disabled=dense or not use_target,
+    target = number_text(
+        c1, "Target compression (×)", c.get("target_compression") or 20.0, k("target"),
+        disabled=dense or not use_target,
         help="How many times smaller than dense the late stage makes the model "
-             "(e.g. 2× – 500×).",
-    )
+             "(e.g. 2× – 500×).")
     scope = c2.radio(
         "Measured on", ("tensorized", "model"),
         index=0 if c.get("target_scope", "tensorized") == "tensorized" else 1,
@@ -236,28 +323,24 @@ with left:
              "to it (what `comera train` does when the config leaves model.rank unset). Off: "
              "start at the ranks below (refused if they already compress more than asked).")
     auto = bool(auto_rank) and bool(use_target) and not dense
-    headroom = c2.number_input(
-        "Start at (× the target size)",
-        value=float(c.get("headroom", 3.0)), step=0.5, format="%.1f", key=k("headroom"),
+    headroom = number_text(
+        c2, "Start at (× the target size)", c.get("headroom", 3.0), k("headroom"),
         disabled=not auto,
         help="comera.headroom: 3 suits the transformers and the MLP; the DLRM presets start "
              "at 1.5 (docs/SIZE_AND_TARGET.md, \"How much headroom\").")
     c1, c2 = st.columns(2)
-    max_rank = c1.number_input(
-        "Max rank (linear layers)",
-        value=int(m.get("rank") or rank_default) if size == m.get("preset", "tiny")
-        else rank_default, step=1, key=k(f"rank:{size}"), disabled=dense or auto,
+    max_rank = number_text(
+        c1, "Max rank (linear layers)",
+        (m.get("rank") or rank_default) if size == m.get("preset", "tiny") else rank_default,
+        k(f"rank:{size}"), disabled=dense or auto,
         help="TT ranks start here (clamped per bond to what the shapes allow) and are "
-             "pruned by the rank gates while training.",
-    )
+             "pruned by the rank gates while training.")
     emb_rank = None
     if has_emb:
-        emb_rank = c2.number_input(
-            "Max rank (embeddings)",
-            value=int(m.get("embedding_rank") or emb_default)
-            if size == m.get("preset", "tiny") else emb_default,
-            step=1, key=k(f"erank:{size}"), disabled=dense or auto,
-        )
+        emb_rank = number_text(
+            c2, "Max rank (embeddings)",
+            (m.get("embedding_rank") or emb_default) if size == m.get("preset", "tiny")
+            else emb_default, k(f"erank:{size}"), disabled=dense or auto)
     layout = None
     if user or (any(kind != "embedding" for kind in tt_kinds)
                 and m.get("tt_impl") != "tltorch"):
@@ -270,8 +353,9 @@ with left:
                  "(computes like a dense layer, more accurate at high compression).")
     slots["rank"] = st.container()
 
-    sw = c.get("switch", "plateau")
-    late_switch0 = "step" if isinstance(sw, int) else ("never" if sw == "never" else "plateau")
+    sw = c.get("switch", "auto")
+    late_switch0 = "step" if isinstance(sw, int) else (
+        sw if sw in LATE_STAGE_SWITCHES else "auto")
     late_switch = st.selectbox(
         "Late-stage switch", list(LATE_STAGE_SWITCHES),
         index=list(LATE_STAGE_SWITCHES).index(late_switch0),
@@ -279,22 +363,43 @@ with left:
         help="Early stage: loss + γ·size (stable convergence). Late stage: "
              "drive the size to the target.")
     t = raw.setdefault("train", {})
-    steps_default = int(t.get("steps", 1000))
+    steps_default = t.get("steps", 1000)
     switch_step = patience = None
     if late_switch == "step":
-        switch_step = st.number_input(
-            "Late stage from step",
-            value=int(sw) if isinstance(sw, int) else max(1, steps_default // 2), step=50,
-            key=k("switch_step"), disabled=dense,
-        )
-    elif late_switch == "plateau":
-        patience = st.number_input(
-            "Plateau patience (steps)",
-            value=int(c.get("plateau_patience", 200)), step=50, key=k("patience"),
+        switch_step = number_text(
+            st, "Late stage from step", sw if isinstance(sw, int) else max(
+                1, steps_default // 2) if isinstance(steps_default, int) else 1,
+            k("switch_step"), disabled=dense)
+    elif late_switch in ("plateau", "auto"):
+        patience = number_text(
+            st, "Plateau patience (steps)", c.get("plateau_patience", 200), k("patience"),
             disabled=dense,
             help="Steps without a relative loss improvement before the late stage starts.",
         )
     slots["late_switch"] = st.container()
+    schedule = st.selectbox(
+        "Schedule", list(SCHEDULE_NAMES),
+        index=list(SCHEDULE_NAMES).index(c.get("schedule", "paced"))
+        if c.get("schedule", "paced") in SCHEDULE_NAMES else 0,
+        format_func=lambda name: SCHEDULES.get(name, name), key=k("schedule"), disabled=dense,
+        help="comera.schedule: which method runs (docs/METHODS.md, \"Schedules\").")
+    slots["schedule"] = st.container()
+
+    st.markdown("**Learning rates**")
+    rates: dict[str, Any] = {}
+    shown = [r for r in RATES if r[0] != "comera.lr_embedding" or has_emb
+             or c.get("lr_embedding") is not None]
+    for i, (field, label, unset) in enumerate(shown):
+        if i % 3 == 0:
+            cols = st.columns(3)
+        section, name = field.split(".")
+        table = t if section == "train" else c
+        value0 = table.get(name, 1e-3 if field == "train.lr" else None)
+        rates[field] = number_text(
+            cols[i % 3], label, value0, k(field), placeholder=unset,
+            help=f"{field}; blank: unset ({unset})." if field != "train.lr" else
+            "train.lr: the optimizer's rate, every group's unless set below.")
+    slots["rates"] = st.container()
 
     c1, c2 = st.columns(2)
     devices = ["cpu"] + [f"cuda:{g.index}" for g in gpus]
@@ -307,10 +412,10 @@ with left:
                              key=k("precision"),
                              help="auto: bf16 autocast on a GPU, fp32 on a CPU.")
     slots["device"] = st.container()
-    c1, c2 = st.columns(2)
-    steps = c1.number_input("Steps", value=steps_default,
-                            step=100, key=k("steps"))
-    cuda_graph = c2.toggle("CUDA Graph", value=bool(t.get("cuda_graph", True)),
+    c1, c2, c3 = st.columns(3)
+    steps = number_text(c1, "Steps", steps_default, k("steps"))
+    batch = number_text(c2, "Batch size", t.get("batch_size", 32), k("batch"))
+    cuda_graph = c3.toggle("CUDA Graph", value=bool(t.get("cuda_graph", True)),
                            key=k("cuda_graph"),
                            help="Capture the whole training step once per stage and replay "
                                 "it (GPU only).")
@@ -319,33 +424,57 @@ with left:
     with st.expander("More settings"):
         run_name = st.text_input("Run name", value=str(raw.get("name", pkey)), key=k("name"),
                                  help="Required: the run's name in every list.")
+        seed = number_text(st, "Seed", t.get("seed", 0), k("seed"))
         c1, c2 = st.columns(2)
-        batch = c1.number_input("Batch size",
-                                value=int(t.get("batch_size", 32)), step=16, key=k("batch"))
-        seed = c2.number_input("Seed",
-                               value=int(t.get("seed", 0)), key=k("seed"))
-        c1, c2 = st.columns(2)
-        eval_every = c1.number_input("Evaluate every (steps)",
-                                     value=int(t.get("eval_every", 100)), key=k("eval"))
-        ckpt_every = c2.number_input("Checkpoint every (steps)",
-                                     value=int(t.get("ckpt_every", 500)), key=k("ckpt"))
+        eval_every = number_text(c1, "Evaluate every (steps)", t.get("eval_every", 100),
+                                 k("eval"))
+        ckpt_every = number_text(c2, "Checkpoint every (steps)", t.get("ckpt_every", 500),
+                                 k("ckpt"))
     slots["advanced"] = st.container()
+    all_settings = st.expander("All settings · edit as TOML", icon=":material/data_object:")
 
 ui.save_form(SAVED, FORM_KEYS)
 
 # ---------------------------------------------------------------- assemble and validate
 
-raw, gpu_ids = form_to_config(raw, FormValues(
+raw, gpu_ids = form_to_config(raw, FormValues(  # numbers as typed: the engine refuses
     data=data, size=size or "tiny", task=task, dense=bool(dense), use_target=bool(use_target),
-    target=float(target),
-    scope=scope, rank=int(max_rank), embedding_rank=None if emb_rank is None else int(emb_rank),
-    auto_rank=auto, headroom=float(headroom) if auto else None, linear_layout=layout,
-    late_switch=late_switch, switch_step=None if switch_step is None else int(switch_step),
-    patience=None if patience is None else int(patience), steps=int(steps),
-    batch_size=int(batch), seed=int(seed), eval_every=int(eval_every),
-    ckpt_every=int(ckpt_every), precision=precision, cuda_graph=bool(cuda_graph),
-    device=device, run_name=run_name,
+    target=target, scope=scope, rank=max_rank, embedding_rank=emb_rank,
+    auto_rank=auto, headroom=headroom if auto else None, linear_layout=layout,
+    late_switch=late_switch, switch_step=switch_step, patience=patience, steps=steps,
+    batch_size=batch, seed=seed, eval_every=eval_every,
+    ckpt_every=ckpt_every, precision=precision, cuda_graph=bool(cuda_graph),
+    device=device, run_name=run_name, rates=rates, kwargs=kwargs if user else None,
+    schedule=schedule,
 ))
+
+# ---------------------------------------------------------------- the rest, or all as TOML
+
+trusted = {} if pkey.startswith(UPLOAD_PREFIX) else preset.raw  # what the server offered
+with all_settings:
+    as_toml = st.toggle("Edit as TOML", key=k("as_toml"),
+                        help="Edit the whole config as `comera train` reads it; while on, "
+                             "this text is what launches and the fields above are not read.")
+    toml_key = k("toml")
+    if not as_toml:
+        st.session_state.pop(toml_key, None)
+        settings_box = st.container()
+    else:
+        if toml_key not in st.session_state:
+            st.session_state[toml_key] = raw_toml(raw)
+        text = st.text_area("Config (TOML)", key=toml_key, height=420)
+        slots["toml"] = st.container()
+        settings_box = None
+        try:
+            edited = tomllib.loads(str(text))
+        except (tomllib.TOMLDecodeError, RecursionError) as e:
+            say("toml", "error", f"config: not valid TOML ({e})")
+        else:
+            raw = edited
+if as_toml or pkey.startswith(UPLOAD_PREFIX):  # the browser wrote it: only what is offered
+    if (bad := browser_config_problem(raw, trusted, REGISTRY, STORE_FOLDER,
+                                      Path.cwd())) is not None:
+        say("toml" if as_toml else "data", "error", f"{bad[0]}: {bad[1]}")
 
 FIELD_SLOTS = {
     "data": "data", "model.preset": "data", "model.name": "data",
@@ -353,10 +482,12 @@ FIELD_SLOTS = {
     "model.rank": "rank", "model.linear_layout": "rank", "model.embedding_rank": "rank",
     "comera.switch": "late_switch", "comera.plateau_patience": "late_switch",
     "train.device": "device",
-    "train.precision": "device", "train.steps": "steps", "train.batch_size": "advanced",
+    "train.precision": "device", "train.steps": "steps", "train.batch_size": "steps",
     "train.eval_every": "advanced", "train.ckpt_every": "advanced", "name": "advanced",
     "comera.headroom": "rank", "comera.switch_by": "late_switch", "train.seed": "advanced",
-    "task": "data", "model.factory": "data", "model.kwargs": "data", "model.tensorize": "rank",
+    "task": "data", "model.factory": "data", "model.kwargs": "kwargs" if user else "data",
+    "model.tensorize": "rank", "comera.schedule": "schedule",
+    **{field: "rates" for field, _, _ in RATES},
 }
 
 cfg = None
@@ -366,11 +497,20 @@ try:
     cfg = resolve_config(raw)
 except ConfigError as e:
     field = e.field.split(".")[0] if e.field.startswith("data") else e.field
-    say(FIELD_SLOTS.get(field, "advanced"), "error", str(e))
+    say("toml" if as_toml else FIELD_SLOTS.get(field, "advanced"), "error", str(e))
+if settings_box is not None:
+    with settings_box:
+        if cfg is not None:
+            st.caption("What launches, every setting (the engine's defaults included):")
+            st.code(to_toml(cfg), language="toml")
+        else:
+            st.caption("Fix the highlighted fields to see every setting.")
 
-problems, data_notes = data_problems(data, int(batch))
+# the batch as validated (a refused one is named above; the data are still checked)
+problems, data_notes = data_problems(dict(raw.get("data") or {}),
+                                     cfg.train.batch_size if cfg is not None else 1)
 for p in problems:
-    say("advanced" if p.startswith("train.") else "data", "error", p)
+    say("steps" if p.startswith("train.") else "data", "error", p)
 for n in data_notes:
     say("data", "note", n)
 
@@ -398,14 +538,14 @@ if pv is not None:
             say("late_switch", "warning", f"The target is not reached: {stage.why_not}.")
         elif stage.step is not None and late_switch != "step":
             say("late_switch", "note", f"Late stage {stage.how}.")
-    requested = {"linear": int(max_rank), "embedding": int(emb_rank or 0)}
+    requested = {"linear": cfg.model.rank or 0, "embedding": cfg.model.embedding_rank or 0}
     clamped = [layer for layer in pv.layers if max(layer.ranks) < requested[layer.kind]]
     if auto and pv.layers:
         chosen = {kind: max(max(la.ranks) for la in pv.layers if la.kind == kind)
                   for kind in sorted({la.kind for la in pv.layers})}
         say("rank", "note", "Starts at max rank " + ", ".join(
             f"{r} ({kind})" for kind, r in chosen.items()) + f": {pv.compression():.1f}× "
-            f"smaller, about {float(headroom):g}× the target size; the late stage prunes to "
+            f"smaller, about {cfg.comera.headroom:g}× the target size; the late stage prunes to "
             "the target.")
     elif clamped and not dense:
         ex = clamped[0]
@@ -430,40 +570,96 @@ n_errors = sum(1 for v in msgs.values() for level, _ in v if level == "error")
 # ---------------------------------------------------------------- launch
 
 
+@st.cache_data(max_entries=32, show_spinner=False)
+def _sweep_problem(args_json: str) -> str | None:
+    """The engine's refusal of a sweep (``comera_engine.launch.sweep.check_sweep``, with
+    the launch's per-cell check), or ``None``: what a click on Launch sweep would say.
+    A cell differing only by its seed is checked once."""
+    from comera_engine.launch.sweep import check_sweep
+    from comera_engine.preview import check_runnable
+
+    a = json.loads(args_json)
+    seen: set[str] = set()
+
+    def once(cfg: Any) -> None:
+        d = cfg.to_dict()
+        d.pop("name", None)
+        d["train"].pop("seed", None)
+        key = json.dumps(d, sort_keys=True, default=str)
+        if key not in seen:
+            check_runnable(cfg)
+            seen.add(key)
+
+    try:
+        check_sweep(a["raw"], a["grid"], a["seeds"], max_parallel=a["parallel"],
+                    gpus=a["gpus"], check=once)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _sweep_section() -> None:
-    """Launch this form's config as a sweep: several targets × seeds, N at once."""
-    from comera_engine.launch.sweep import default_parallel
+    """Launch this form's config as a sweep: several targets × seeds, N at once. Every
+    value is checked as typed, by the engine, before the click."""
+    import math
+
+    from comera_engine.launch.sweep import default_parallel, parse_grid
 
     with st.expander("Sweep several targets", icon=":material/grid_view:"):
-        st.caption("Runs this configuration once per target and seed, as ordinary runs, a "
-                   "few at a time; the Sweeps page shows them together with the Pareto "
+        st.caption("Runs this configuration once per grid point and seed, as ordinary runs, "
+                   "a few at a time; the Sweeps page shows them together with the Pareto "
                    "front of accuracy against compression.")
         text = st.text_input("Targets (×)", value="5, 10, 30, 100", key="sw-targets",
-                             help="Compressions to sweep, separated by commas")
+                             help="Compressions to sweep, separated by commas (blank: the "
+                                  "form's target, when other keys are swept)")
+        other = st.text_area(
+            "Other keys (as `comera sweep --grid`)", value="", key="sw-grid", height=80,
+            placeholder="comera.lr_cores=1e-3,3e-3", help="One section.key=v1,v2,... per "
+            "line: any config key, each value read as TOML and checked by the engine in "
+            "every cell.")
         c1, c2 = st.columns(2)
-        seeds = int(c1.number_input("Seeds per target", 1, 10, 3, key="sw-seeds"))
-        parallel = int(c2.number_input(
-            "Cells at once", 1, 64, default_parallel("cpu" if device == "cpu" else "auto"),
-            key="sw-parallel", help="Default: one per GPU, else one per 4 CPU cores"))
+        seeds = number_text(c1, "Seeds per target", 3, "sw-seeds")
+        parallel = number_text(
+            c2, "Cells at once", default_parallel("cpu" if device == "cpu" else "auto"),
+            "sw-parallel", help="Default: one per GPU, else one per 4 CPU cores")
         problem = None
+        lines = [x for x in str(other).splitlines() if x.strip()]
         try:
-            targets = runs.parse_targets(text)
-        except ValueError as e:
-            targets, problem = [], str(e)
-        if dense:
+            extra = parse_grid(lines)  # the engine's reading of --grid
+        except ConfigError as e:
+            extra, problem = {}, str(e)
+        targets: list[float] = []
+        if str(text).strip() or not extra:
+            try:
+                targets = runs.parse_targets(text)
+            except ValueError as e:
+                problem = problem or str(e)
+        if dense and targets:
             problem = "A dense baseline has no target to sweep; switch Dense baseline off."
-        if problem:
-            st.error(problem, icon=":material/error:")
-        else:
-            st.caption(f"{len(targets) * seeds} runs: "
-                       f"{', '.join(f'{t:g}×' for t in targets)} × {seeds} seed(s).")
-        ui.save_form(SAVED, {"sw-targets", "sw-seeds", "sw-parallel"})
-        grid = {"comera.target_compression": targets}
+        grid = {**({"comera.target_compression": targets} if targets else {}), **extra}
+        if "comera.target_compression" in extra and targets:
+            problem = ("comera.target_compression is in both Targets and Other keys; give "
+                       "it once")
         # each cell's ranks are chosen from its own target (a fixed rank fits one target)
         sweep_raw = json.loads(json.dumps(raw))
-        for key in ("rank", "embedding_rank"):
+        for key in ("rank", "embedding_rank") if targets else ():
             sweep_raw.get("model", {}).pop(key, None)
-        st.caption("The initial ranks of each run are chosen from its target.")
+        if problem is None and not n_errors:
+            with st.spinner("Checking every cell…"):
+                problem = _sweep_problem(json.dumps(
+                    {"raw": sweep_raw, "grid": grid, "seeds": seeds, "parallel": parallel,
+                     "gpus": gpu_ids}, sort_keys=True))
+        if problem:
+            st.error(problem, icon=":material/error:")
+        elif not n_errors:
+            points = math.prod(len(v) for v in grid.values())
+            what = " × ".join([", ".join(f"{t:g}×" for t in targets)] if targets else [])
+            what = " × ".join([w for w in [what, *(f"{k} {', '.join(map(str, v))}"
+                                                   for k, v in extra.items())] if w])
+            st.caption(f"{points * seeds} runs: {what} × {seeds} seed(s).")
+        ui.save_form(SAVED, {"sw-targets", "sw-grid", "sw-seeds", "sw-parallel"})
+        if targets:
+            st.caption("The initial ranks of each run are chosen from its target.")
         sweep_token = runs.config_token(nonce, sweep_raw, {"gpus": gpu_ids, "grid": grid,
                                                            "seeds": seeds,
                                                            "parallel": parallel})
@@ -578,11 +774,13 @@ with right:
               delta=f"dense {fmt.count(pv.dense_macs)}", delta_color="off", delta_arrow="off",
               help="Forward multiply-accumulates of the linear and embedding layers per "
                    f"{unit}, on the path the planner picks at batch {pv.tokens_per_batch}.")
-    k4.metric("Train memory", fmt.nbytes(pv.memory["tt"]["total"]),
+    k4.metric("Training memory (estimate)", fmt.nbytes(pv.memory["tt"]["total"]),
               delta=f"dense {fmt.nbytes(pv.memory['dense']['total'])}", delta_color="off",
               delta_arrow="off",
               help="Estimated training memory: weights, gradients, AdamW moments and saved "
-                   "activations (a rough estimate, no framework overhead).")
+                   "activations (a rough estimate). Not the process: Python, PyTorch and "
+                   "the data add a few hundred MiB of RSS (the Live page's memory chart), "
+                   "the same for every method.")
     if not pv.dense_model and pv.layers:
         dense = pv.dense_tt if pv.scope == "tensorized" else pv.dense_total
         st.plotly_chart(plots.size_bar(dense, pv.start_size, pv.floor_size, pv.target,

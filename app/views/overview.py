@@ -51,19 +51,45 @@ if live:
                 ui.go_live(r["id"])
 
 st.subheader("All runs", anchor=False)
+archived = [r for r in all_runs if r.get("archived_at")]
+show_archived = st.toggle(f"Show archived ({len(archived)})", key="overview-archived",
+                          disabled=not archived,
+                          help="Runs archived on Live run (Name, notes and tags); restore "
+                               "them there.")
+listed = all_runs if show_archived else [r for r in all_runs if not r.get("archived_at")]
+tags = sorted({t for r in listed for t in r.get("tags") or []})
+wanted = st.multiselect("Tags", tags, key="overview-tags", disabled=not tags,
+                        placeholder="Any tag") if tags else []
+if wanted:
+    listed = [r for r in listed if set(wanted) & set(r.get("tags") or [])]
+sweep_names = {s["id"]: s["name"] for s in store.list_sweeps()}
+grouped = st.toggle("Group by sweep", key="overview-group",
+                    disabled=not any(r.get("sweep_id") for r in listed),
+                    help="A sweep's cells together (under its name), then the single runs.")
+if grouped:  # by sweep (newest sweep first), then runs outside any sweep; stable order
+    order = {sid: i for i, sid in enumerate(sweep_names)}
+    listed = sorted(listed, key=lambda r: (r.get("sweep_id") is None,
+                                           order.get(r.get("sweep_id"), len(order))))
 st.caption("Select a row to open the run on **Live run**.")
-rows = runs.summary_rows(store, all_runs)
+by_id = {r["id"]: r for r in listed}
+rows = runs.summary_rows(store, listed)
 table = [
     {
         "run id": row["run"],
         "name": row["name"],
-        "status": row["status"],
+        **({"sweep": sweep_names.get(by_id[row["run"]].get("sweep_id") or "", "")}
+           if grouped else {}),
+        "status": row["status"] + (" · archived" if by_id[row["run"]].get("archived_at")
+                                   else ""),
         "method": row["method"],
         "progress": min(1.0, row["step"] / row["steps"]) if row["steps"] else None,
         "eval acc": row["eval acc"],
         "compression": row["compression"],
         "scope": row["scope"],
         "target": row["target"],
+        "data set": row["data set"],
+        "duration": fmt.duration(row["duration"]) if row["duration"] is not None else "",
+        "tags": ", ".join(by_id[row["run"]].get("tags") or []),
         "params": row["params"],
         "dense": row["dense"],
         "created": fmt.when(row["created"]),
@@ -81,7 +107,7 @@ event = st.dataframe(
         "progress": st.column_config.ProgressColumn(
             "progress", format="percent", min_value=0.0, max_value=1.0
         ),
-        "eval acc": st.column_config.NumberColumn(format="%.3f"),
+        "eval acc": st.column_config.NumberColumn(format="%.1f%%"),
         "compression": st.column_config.NumberColumn(
             "compression", format="%.1f×", help="Dense / effective parameters, measured on "
             "the scope named beside it (the one the run's target is asked in)."

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app.lib import fmt, plots, ui
+from app.lib import fmt, plots, runs, ui
 from comera_engine.launch.sweep import resume_sweep, stop_sweep, sweep_report
-from comera_engine.metrics import SCOPE_LABELS
+from comera_engine.metrics import SCOPE_LABELS, format_metric
 
 REFRESH_S = 2.0
 
@@ -63,6 +63,11 @@ def _scope(rep: dict) -> str:
     return " / ".join(sorted({SCOPE_LABELS[c["scope"]] for c in rep["cells"]})) or "–"
 
 
+def _text(value: object, shown: object) -> object:
+    """A table cell: ``shown`` (the figure as text), blank while ``value`` is pending."""
+    return "" if value is None else shown
+
+
 def view() -> None:
     rep = sweep_report(store, SID)
     sweep = rep["sweep"]
@@ -89,46 +94,65 @@ def view() -> None:
     metric = rep["metric"] or "score"
     st.plotly_chart(plots.sweep_pareto(rep, f"{metric} vs compression reached"),
                     width="stretch", key="sw-pareto")
+    st.plotly_chart(plots.sweep_parcoords(rep, "Every cell across the swept keys"),
+                    width="stretch", key="sw-parcoords")
     st.subheader("Per grid point", anchor=False)
+    # figures as text: accuracies in percent, a pending value blank, no spread for one
+    # seed (comera_engine.metrics.format_metric)
     st.dataframe(
         [{"grid point": g["label"], "target": g["target"],
-          f"{metric} mean": g["score"], "± std": g["score_std"],
-          "compression": g["compression"], "± std ": g["compression_std"],
-          "scope": _scope(rep), "model size": fmt.nbytes(g.get("bytes")),
+          f"{metric} (mean ± std over seeds)": format_metric(metric, g["score"],
+                                                             g["score_std"]),
+          "compression": "" if g["compression"] is None else fmt.ratio(g["compression"]) + (
+              "" if g["compression_std"] is None else f" ± {g['compression_std']:.1f}"),
+          "scope": _scope(rep), "model size": _text(g.get("bytes"), fmt.nbytes(g.get("bytes"))),
           "finished": f"{g['finished']}/{g['cells']}", "Pareto": g["pareto"],
-          "step time": g["step_time_s"], "peak memory": fmt.mib(g["peak_mem_mb"])}
+          "step time": _text(g["step_time_s"], f"{g['step_time_s'] or 0:.4f} s"),
+          "peak memory": _text(g["peak_mem_mb"], fmt.mib(g["peak_mem_mb"]))}
          for g in rep["groups"]],
         hide_index=True, width="stretch",
         column_config={
-            f"{metric} mean": st.column_config.NumberColumn(format="%.4f"),
-            "± std": st.column_config.NumberColumn(format="%.4f"),
-            "compression": st.column_config.NumberColumn(format="%.1f×"),
-            "± std ": st.column_config.NumberColumn(format="%.1f"),
             "target": st.column_config.NumberColumn(format="%g×"),
-            "step time": st.column_config.NumberColumn(
-                format="%.4f s", help="Each finished cell's median training step, averaged "
+            "step time": st.column_config.TextColumn(
+                help="Each finished cell's median training step, averaged "
                 "over the seeds; cells that ran side by side share the machine, and each "
                 "step time carries that load."),
         })
     st.subheader("Cells", anchor=False)
     st.dataframe(
         [{"run": f"/live_run?run={c['run']}", "cell": c["label"], "status": c["status"],
-          "step": c["step"], metric: c["score"], "compression": c["compression"],
+          "step": _text(c["step"], f"{c['step'] or 0:,}"),
+          metric: format_metric(metric, c["score"]),
+          "compression": "" if c["compression"] is None else fmt.ratio(c["compression"]),
           "scope": SCOPE_LABELS[c["scope"]],
-          "params": c["params"], "model size": fmt.nbytes(c.get("bytes"))}
+          "params": _text(c["params"], fmt.count(c["params"])),
+          "model size": _text(c.get("bytes"), fmt.nbytes(c.get("bytes")))}
          for c in rep["cells"]],
         hide_index=True, width="stretch",
         column_config={
             "run": st.column_config.LinkColumn("run", display_text=r"run=(.*)$",
                                                help="Open the cell's Live run page"),
-            metric: st.column_config.NumberColumn(format="%.4f"),
-            "compression": st.column_config.NumberColumn(format="%.1f×"),
-            "params": st.column_config.NumberColumn(format="compact"),
         })
     if LIVE_AT_START != live:
         st.rerun()
 
 
 st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
+
+
+def _history() -> list[dict]:
+    cells = sweep_report(store, SID)["cells"]
+    return runs.metric_history(store, [c["run"] for c in cells],
+                               {c["run"]: c["label"] for c in cells})
+
+
+d1, d2, _ = st.columns([1, 1, 4])  # every cell's metric history, read on the click
+d1.download_button("Metrics of every cell (CSV)", key="sw-dl-csv", icon=":material/download:",
+                   data=lambda: runs.history_csv(_history()), file_name=f"{SID}-metrics.csv",
+                   mime="text/csv", on_click="ignore")
+d2.download_button("Metrics of every cell (JSON)", key="sw-dl-json",
+                   icon=":material/download:", data=lambda: runs.history_json(_history()),
+                   file_name=f"{SID}-metrics.json", mime="application/json",
+                   on_click="ignore")
 if LIVE_AT_START:
     st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while the sweep runs.")

@@ -280,6 +280,8 @@ def build_files(cfg: Mapping[str, Any], base_dir: Any = None) -> Any:
             out["x"] = torch.from_numpy(((x - mean) / std).astype(np.float32))
         extra["standardise"] = {"mean": mean.tolist(), "std": std.tolist()}
         meta["feature_names"] = list(table.features)
+        # the preparation, for an export that takes raw rows (export/pipeline.py)
+        meta["mean"], meta["std"] = mean.tolist(), std.tolist()
     if table.categorical:
         vocab = {c: {v: i + 1 for i, v in enumerate(sorted(
             {v for v in train[c] if v is not None}, key=lambda v: (str(type(v)), v)))}
@@ -288,6 +290,8 @@ def build_files(cfg: Mapping[str, Any], base_dir: Any = None) -> Any:
             ids = [[vocab[c].get(v, 0) for v in cols[c]] for c in table.categorical]
             out["categorical"] = torch.tensor(list(zip(*ids)), dtype=torch.long)
         meta["cardinalities"] = table.cardinalities(train)
+        # each column's values in id order (id 1 first; 0: unseen or missing)
+        meta["categories"] = {c: sorted(vocab[c], key=vocab[c].get) for c in table.categorical}
     tokenizer = None
     notes: dict[str, Any] = {}
     if table.text:

@@ -15,10 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.export.quant import INT8_SCALES
-from comera_engine.metrics import SCOPE_LABELS, compression_scope
+from comera_engine.metrics import SCOPE_LABELS, compression_scope, format_metric
 from comera_engine.rank.schedule import method_label
 
-__all__ = ["PROVENANCE", "model_card", "read_card_metadata"]
+__all__ = ["BYTES_RATIO_LABEL", "PROVENANCE", "compression_line", "model_card",
+           "read_card_metadata"]
+
+#: How the bytes ratio of an export is named wherever it is shown (the CLI, the card,
+#: the Export page): another quantity than the compression, which counts parameters.
+BYTES_RATIO_LABEL = "file bytes vs dense model bytes"
 
 #: The metadata a safetensors export keeps in its card rather than in its header.
 PROVENANCE = ("name", "created", "library", "config", "dataset", "metrics", "run", "sizes")
@@ -82,6 +87,47 @@ def _encode_code(tokenizer: str, data_name: str | None) -> list[str]:
             "```", ""]
 
 
+def _rows_source(doc: dict[str, Any]) -> tuple[str, str]:
+    """(the file whose rows a ``files`` model's card reads, which rows give the run's
+    figure): the eval file, else the training file's seeded split."""
+    data = (doc.get("config") or {}).get("data") or {}
+    if data.get("eval"):
+        name = Path(str(data["eval"])).name
+        return name, (f"`{name}` is the run's eval split: its rows give the run's eval "
+                      "figures (the card's metrics below).")
+    name = Path(str(data.get("train") or "train.csv")).name
+    return name, (f"The run's eval figures are on a seeded split of `{name}` "
+                  f"(`data.split_fraction` {data.get('split_fraction', 0.8)}, `data.seed` "
+                  f"{data.get('seed', 0)}), not on all its rows.")
+
+
+def _files_encode_code() -> list[str]:
+    """The encoding of rows for an ONNX ``files`` model, from the graph's own metadata
+    (numpy only; the tests run this code)."""
+    return ["```python", "import json", "import numpy as np", "import onnx", "",
+            "meta = {p.key: p.value for p in onnx.load(ONNX_FILE).metadata_props}",
+            'pipe = json.loads(meta["comera"])["input_pipeline"]', "", "",
+            "def cell(v):", '    """A categorical value as text ("3" and 3 alike)."""',
+            "    if isinstance(v, float) and v.is_integer():", "        v = int(v)",
+            '    return "" if v is None else str(v).strip()', "", "",
+            "def number(v):", "    try:", "        return float(v)",
+            "    except (TypeError, ValueError):",
+            "        return np.nan  # missing or empty: the model fills it", "", "",
+            "def encode(rows):",
+            '    """Rows of the file (dicts, as csv.DictReader gives them) -> the inputs."""',
+            "    inputs = {}",
+            '    if pipe["features"]:',
+            '        inputs["x"] = np.array([[number(r.get(f)) for f in pipe["features"]]',
+            "                                for r in rows], dtype=np.float32)",
+            '    if pipe["categories"]:',
+            '        ids = [{cell(v): i + 1 for i, v in enumerate(values)}',
+            '               for values in pipe["categories"].values()]',
+            '        inputs["categorical"] = np.array(',
+            '            [[m.get(cell(r.get(c)), 0) for c, m in zip(pipe["categories"], ids)]',
+            "             for r in rows], dtype=np.int64)",
+            "    return inputs", "```", ""]
+
+
 def _inputs(result: Any, doc: dict[str, Any]) -> list[str]:
     """What the model takes: the raw inputs of its pipeline, and how to prepare them."""
     pipe = doc.get("input_pipeline")
@@ -109,6 +155,21 @@ def _inputs(result: Any, doc: dict[str, Any]) -> list[str]:
                   "# label, I1..I13, C1..C26",
                   "dense = [float(v) if v else 0.0 for v in fields[1:14]]",
                   "sparse = [int(v, 16) if v else -1 for v in fields[14:40]]", "```", ""]
+    elif pipe["kind"] == "files":
+        source, split = _rows_source(doc)
+        lines += ["The model fills a missing number with the training split's mean and "
+                  "standardises with its mean and standard deviation itself; "
+                  "`model.predict_rows(rows)` and `model.encode_rows(rows)` also map each "
+                  "categorical value to its id (all stored in the file). Give it your "
+                  "file's rows as a CSV reader gives them (the label column may stay "
+                  f"in). {split}", "", "```python", "import csv", "",
+                  f'with open("{source}", newline="") as f:',
+                  "    rows = list(csv.DictReader(f))  # list of dicts of str", "```", ""]
+        if onnx:
+            lines += ["Encode them for the graph (what `model.encode_rows(rows)` does in "
+                      "PyTorch):", ""]
+            lines += [x.replace("ONNX_FILE", f'"{result.path.name}"')
+                      for x in _files_encode_code()]
     elif result.tokenizer is not None:
         ds = ((doc.get("model") or {}).get("data_spec") or {}).get("name")
         lines += [f"Encode text with the tokenizer shipped beside the model "
@@ -139,6 +200,11 @@ def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
         outs = ", ".join(onnx.get("outputs", ["out"]))
         if kind == "tokens" and result.tokenizer is not None:
             lines += [f"({outs},) = session.run(None, encode(...))  # encode: above"]
+        elif kind == "files":
+            lines += [f"({outs},) = session.run(None, encode(rows))  # rows, encode: above"]
+            if pipe.get("task") != "regress" and pipe.get("label_names"):
+                lines += [f"labels = [{pipe['label_names']!r}[i] for i in "
+                          f"{outs.split(',')[0]}.argmax(-1)]"]
         else:
             lines += ["inputs = {"]
             for n in onnx.get("inputs", []):
@@ -168,6 +234,11 @@ def _usage(result: Any, doc: dict[str, Any]) -> list[str]:
         lines += ["logits = model(torch.as_tensor(x, dtype=torch.float32))  # raw pixels"]
     elif kind == "criteo":
         lines += ["logit = model(torch.tensor([dense]), torch.tensor([sparse]))  # raw row"]
+    elif kind == "files":
+        lines += ["labels = model.predict_rows(rows)  # rows: above; label names "
+                  "(a regression: numbers)" if pipe.get("task") != "regress" else
+                  "y = model.predict_rows(rows)  # rows: above",
+                  "logits = model(*model.encode_rows(rows))  # the outputs themselves"]
     elif fam in ("transformer_cls", "transformer_mlm"):
         lines += ["logits = model(input_ids, token_type_ids, attention_mask)  # int64 [B, L]"]
     elif fam == "dlrm":
@@ -234,6 +305,28 @@ def _target_line(doc: dict[str, Any]) -> str | None:
     return target_outcome(float(target), float(reached))
 
 
+def _figures(result: Any) -> tuple[str, str, str]:
+    """The export's compression in the run's scope, in the other scope, and its bytes
+    ratio, each with its name: ``("60.6× (TT layers)", "21.6× (whole model)",
+    "file bytes vs dense model bytes 20.0×")``."""
+    doc = result.metadata or {}
+    sizes = result.sizes or doc.get("sizes") or {}
+    scope = compression_scope(doc.get("config"))
+    other = "model" if scope == "tensorized" else "tensorized"
+    mine, theirs = ((sizes.get(s) or {}).get("compression") for s in (scope, other))
+    dense_b = (sizes.get("model") or {}).get("dense_bytes")
+    ratio = _ratio(dense_b / result.file_bytes) if dense_b and result.file_bytes else "?"
+    return (f"{_ratio(mine)} ({SCOPE_LABELS[scope]})", f"{_ratio(theirs)} ({SCOPE_LABELS[other]})",
+            f"{BYTES_RATIO_LABEL} {ratio}")
+
+
+def compression_line(result: Any) -> str:
+    """What ``comera export`` prints of the sizes: the run's one compression with its
+    scope, the other scope's, and the bytes ratio, each named."""
+    mine, theirs, by_bytes = _figures(result)
+    return f"compression {mine}, {theirs}; {by_bytes}"
+
+
 def _stored_words(doc: dict[str, Any]) -> str:
     dtype = (doc.get("storage") or {}).get("dtype", "float32")
     return f"int8 with {INT8_SCALES}" if dtype == "int8" else str(dtype)
@@ -291,16 +384,17 @@ def model_card(result: Any, sha256: str) -> str:
     scope = compression_scope(doc.get("config"))
     other = "model" if scope == "tensorized" else "tensorized"
     mine, theirs = sizes.get(scope) or {}, sizes.get(other) or {}
-    lines += [f"**Compression: {_ratio(mine.get('compression'))} ({SCOPE_LABELS[scope]})**, "
+    shown, other_shown, by_bytes = _figures(result)
+    lines += [f"**Compression: {shown}**, "
               f"dense / effective parameters of the {SCOPE_LABELS[scope]} "
               f"({_num(mine.get('dense_params'))} → {_num(mine.get('effective_params'))}): "
               "the scope the run's target is asked in (`comera.target_scope`), the figure "
-              "the studio and `comera runs` show. Other scope: "
-              f"{SCOPE_LABELS[other]} {_ratio(theirs.get('compression'))}; whole model at the "
-              f"allocated ranks {_ratio(m.get('compression_allocated'))}.", ""]
+              f"the studio and `comera runs` show. Other scope: {other_shown} "
+              f"({_num(theirs.get('dense_params'))} → {_num(theirs.get('effective_params'))}"
+              f"). Bytes, another quantity: {by_bytes}.", ""]
     outcome = _target_line(doc)
     if outcome:
-        lines += [f"**Target**: {outcome}.", ""]
+        lines += [f"**Target** ({SCOPE_LABELS[scope]}): {outcome}.", ""]
     stored = (doc.get("storage") or {}).get("dtype", "float32")
     if result.format == "compressed" and stored != "float32":
         lines += [f"The file holds {result.tensor_bytes:,} bytes of tensors: the weights in "
@@ -348,7 +442,8 @@ def model_card(result: Any, sha256: str) -> str:
         keys = sorted(metrics, key=lambda k: (not k.startswith("eval/"), k))
         shown = [k for k in keys if k.startswith(("eval/", "acc/", "loss/"))] or keys
         lines += ["| metric | value |", "|---|---:|"]
-        lines += [f"| {k} | {_metric(metrics[k])} |" for k in shown[:24]]
+        lines += [f"| {k} | {format_metric(k, metrics[k]) or _metric(metrics[k])} |"
+                  for k in shown[:24]]
     else:
         lines += ["No metrics were recorded with this export."]
     lines.append("")

@@ -19,6 +19,14 @@ Kinds (:func:`pipeline_for` picks one from the run's data spec):
     digits read as an integer (``int(token, 16)``; an empty field: −1); the model maps it
     to table row ``1 + value mod (buckets − 1)`` (0 for −1), as
     :func:`comera_engine.data.clicks.hash_category` does.
+``files`` (your CSV / JSON lines / Parquet files, numeric and categorical columns)
+    ``x``: float [B, F], the raw numeric columns in ``features`` order (missing: NaN);
+    the model fills a missing value with the training split's mean and standardises
+    with its mean and std. ``categorical``: int64 [B, C], each categorical column's
+    value as its id in ``categories`` (its position there + 1; 0 for a value not seen
+    in training or missing). ``encode_rows(rows)`` builds both from rows as a CSV reader
+    gives them (dicts of strings), and ``predict_rows(rows)`` answers with the label
+    names (classify) or numbers (regress).
 ``tokens`` (text data sets)
     Token ids from the tokenizer shipped beside the export (``<file>.tokenizer.json``),
     which pads and truncates to the model's sequence length itself: nothing is done in
@@ -42,7 +50,7 @@ from comera_engine.errors import ConfigError
 __all__ = ["KINDS", "RawInputs", "bake_tokenizer", "pipeline_for", "raw_example",
            "validate_pipeline", "wrap"]
 
-KINDS = ("pixels", "criteo", "tokens")
+KINDS = ("pixels", "criteo", "files", "tokens")
 #: Data sets whose examples are Criteo rows (``comera_engine.data.clicks``).
 CRITEO_DATA = ("clicks", "clicks_synthetic")
 TEXT_TASKS = ("nli", "text", "mlm")
@@ -73,6 +81,20 @@ def pipeline_for(data_spec: Mapping[str, Any] | None, family: str | None = None
                 "raw": "dense: float [B, 13], the raw integer counts I1..I13 (missing: 0); "
                        "sparse: int64 [B, 26], each categorical field C1..C26 read as "
                        "int(token, 16) (missing: -1)"}
+    if name == "files" and not data_spec.get("seq_len") and (
+            isinstance(meta.get("mean"), list) or isinstance(meta.get("categories"), dict)):
+        features = [str(f) for f in meta.get("feature_names") or []]
+        categories = {str(c): list(v) for c, v in (meta.get("categories") or {}).items()}
+        return {"kind": "files",
+                "inputs": (["x"] if features else []) + (["categorical"] if categories else []),
+                "features": features, "mean": [float(v) for v in meta.get("mean") or []],
+                "std": [float(v) for v in meta.get("std") or []], "categories": categories,
+                "label_names": [str(v) for v in meta.get("label_names") or []],
+                "task": task,
+                "raw": "rows of your file as a CSV reader gives them: model.predict_rows(rows) "
+                       "(label names), or model(*model.encode_rows(rows)); x: float [B, F], "
+                       "the raw numeric columns (missing: NaN); categorical: int64 [B, C], "
+                       "each value's id in categories (0: unseen or missing)"}
     if task in TEXT_TASKS and data_spec.get("seq_len"):
         return {"kind": "tokens", "inputs": ["input_ids", "token_type_ids", "attention_mask"],
                 "seq_len": int(data_spec["seq_len"]), "pad_id": int(meta.get("pad_id", 0)),
@@ -115,7 +137,28 @@ def validate_pipeline(doc: Any, where: str = "metadata.input_pipeline",
         n = doc.get("num_dense")
         if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= _MAX_FEATURES:
             raise ConfigError(f"{where}.num_dense", f"must be a positive integer, got {n!r}")
+    elif kind == "files":
+        features = doc.get("features")
+        if not isinstance(features, list) or len(features) > _MAX_FEATURES or not all(
+                isinstance(f, str) for f in features):
+            raise ConfigError(f"{where}.features", "must be a list of column names")
+        if features:
+            mean = _floats(doc, "mean", where)
+            std = _floats(doc, "std", where, positive=True)
+            if not len(mean) == len(std) == len(features):
+                raise ConfigError(f"{where}.std", f"{len(features)} features, {len(mean)} "
+                                                  f"means, {len(std)} stds")
+        cats = doc.get("categories")
+        if not isinstance(cats, Mapping) or len(cats) > _MAX_FEATURES or not all(
+                isinstance(v, list) and len(v) <= 1_000_000 for v in cats.values()):
+            raise ConfigError(f"{where}.categories", "must map column names to value lists")
+        if not isinstance(doc.get("label_names"), list):
+            raise ConfigError(f"{where}.label_names", "must be a list")
     meta = (data_spec or {}).get("meta") or {}
+    if kind == "files" and data_spec is not None and doc["features"] and len(
+            doc["features"]) != meta.get("input_dim"):
+        raise ConfigError(f"{where}.features", f"has {len(doc['features'])} entries, the "
+                                               f"network takes {meta.get('input_dim')}")
     width = {"pixels": ("mean", "input_dim"), "criteo": ("bucket_sizes", "bucket_sizes")}
     if kind in width and data_spec is not None:
         mine, theirs = width[kind]
@@ -144,6 +187,15 @@ class RawInputs(nn.Module):
                                  persistent=False)
             self.register_buffer("inv_std", 1.0 / std, persistent=False)
             self.scale = float(pipeline["scale"])
+        elif self.kind == "files":
+            n = len(pipeline["features"])
+            self.register_buffer("mean", torch.tensor(pipeline["mean"] or [0.0] * n,
+                                                      dtype=torch.float32), persistent=False)
+            self.register_buffer("inv_std", 1.0 / torch.tensor(
+                pipeline["std"] or [1.0] * n, dtype=torch.float32), persistent=False)
+            # a value's id: looked up as text, as a CSV reader gives it
+            self._ids = [{_cell(v): i + 1 for i, v in enumerate(values)}
+                         for values in pipeline["categories"].values()]
         elif self.kind == "criteo":
             sizes = torch.tensor(pipeline["bucket_sizes"], dtype=torch.long)
             self.register_buffer("modulus", (sizes - 1).clamp_min(1), persistent=False)
@@ -159,10 +211,62 @@ class RawInputs(nn.Module):
             sparse = sparse.long()
             rows = (1 + torch.remainder(sparse, self.modulus)) * (sparse >= 0).long()
             return torch.log1p(torch.clamp(dense.float(), min=0.0)), rows * self.hashed
+        if self.kind == "files":
+            out = list(raw)
+            if self.pipeline["features"]:
+                x = out[0].float()
+                x = torch.where(torch.isnan(x), self.mean.expand_as(x), x)
+                out[0] = (x - self.mean) * self.inv_std
+            return tuple(out)
         return raw
+
+    def encode_rows(self, rows: Any) -> tuple[torch.Tensor, ...]:
+        """A ``files`` model's raw inputs from rows of its file (dicts, as
+        ``csv.DictReader`` or ``json.loads`` give them): the numeric columns as floats
+        (an empty or missing value: NaN, filled by the model), each categorical value as
+        its id (0: not seen in training, or missing)."""
+        if self.kind != "files":
+            raise TypeError(f"encode_rows is for models of your own files, not {self.kind}")
+        rows = list(rows)
+        out: list[torch.Tensor] = []
+        if self.pipeline["features"]:
+            out.append(torch.tensor([[_number(r.get(f)) for f in self.pipeline["features"]]
+                                     for r in rows], dtype=torch.float32))
+        if self._ids:
+            cols = list(self.pipeline["categories"])
+            out.append(torch.tensor([[ids.get(_cell(r.get(c)), 0) for c, ids in
+                                      zip(cols, self._ids)] for r in rows], dtype=torch.long))
+        return tuple(out)
+
+    @torch.no_grad()
+    def predict_rows(self, rows: Any) -> list[Any]:
+        """The model's answer per row (see :meth:`encode_rows`): a classifier's label
+        names (the training file's values, as text), a regression's numbers."""
+        out = self(*self.encode_rows(rows))
+        names = self.pipeline.get("label_names") or []
+        if self.pipeline.get("task") == "regress" or not names:
+            return out.reshape(len(out), -1)[:, 0].tolist()
+        return [names[i] for i in out.argmax(-1).tolist()]
 
     def forward(self, *raw: torch.Tensor) -> torch.Tensor:
         return self.network(*self.prepare(*raw))
+
+
+def _cell(value: Any) -> str:
+    """A categorical value as text (``3`` and ``"3"`` alike; a whole float as its int)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return "" if value is None else str(value).strip()
+
+
+def _number(value: Any) -> float:
+    """A numeric cell: a number, or text that reads as one; NaN when missing or empty."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def bake_tokenizer(path: Any, seq_len: int, pad_id: int = 0) -> None:
@@ -198,6 +302,14 @@ def raw_example(pipeline: Mapping[str, Any], args: tuple[torch.Tensor, ...], see
         z = torch.randn(args[0].shape, generator=g)
         x = ((mean + std * z) / float(pipeline["scale"])).round()
         return (x.clamp(0, round(1 / float(pipeline["scale"]))),)
+    if pipeline["kind"] == "files":  # numbers like the training split's, a few missing
+        out = list(args)
+        if pipeline["features"]:
+            mean, std = torch.tensor(pipeline["mean"]), torch.tensor(pipeline["std"])
+            x = mean + std * torch.randn(args[0].shape, generator=g)
+            x[torch.rand(x.shape, generator=g) < 0.1] = math.nan
+            out[0] = x
+        return tuple(out)
     if pipeline["kind"] == "criteo":
         dense, sparse = args
         counts = torch.randint(0, 1000, dense.shape, generator=g).float()

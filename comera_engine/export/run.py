@@ -280,15 +280,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps(res.to_dict()))
         return 0
-    m = res.sizes.get("model", {})
     print(f"wrote {res.path} ({res.format}, {res.file_bytes:,} bytes)")
     print(f"model card {res.card}")
     if res.tokenizer:
         print(f"tokenizer {res.tokenizer}")
-    comp = m.get("compression")
-    comp_txt = f"{comp:.1f}x" if isinstance(comp, float) else str(comp)
-    print(f"dense {m.get('dense_bytes', 0):,} bytes -> compressed "
-          f"{m.get('effective_bytes', 0):,} bytes ({comp_txt})")
+    from comera_engine.export.card import compression_line
+
+    print(compression_line(res))
     if res.store_dtype != "float32":
         print(f"weights stored as {res.store_dtype}: {res.tensor_bytes:,} bytes of tensors")
     if res.onnx_max_abs_diff is not None:

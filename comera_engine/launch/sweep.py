@@ -27,6 +27,7 @@ from comera_engine.store import FINAL_STATUSES, RESUMABLE_STATUSES, RunStore
 
 __all__ = [
     "cell_label",
+    "check_sweep",
     "create_sweep",
     "default_parallel",
     "expand_cells",
@@ -138,31 +139,28 @@ def default_parallel(device: str = "auto") -> int:
     return max(1, (os.cpu_count() or 1) // 4)
 
 
-def create_sweep(
+def check_sweep(
     config: Mapping[str, Any] | str | os.PathLike[str],
     grid: Mapping[str, Sequence[Any]],
-    seeds: int = 1,
+    seeds: Any = 1,
     overrides: Sequence[str] = (),
-    store: RunStore | str | os.PathLike[str] | None = None,
     *,
     name: str | None = None,
-    max_parallel: int | None = None,
+    max_parallel: Any = None,
     backend: str = "local",
-    address: str | None = None,
     gpus: str | None = None,
     check: Any = None,
-) -> str:
-    """Queue a sweep and start its first cells; returns the sweep id.
+) -> tuple[Any, list[dict[str, Any]], list[Any]]:
+    """Everything :func:`create_sweep` checks before it writes anything (the arguments
+    as typed, every cell's config, ``check`` on each): returns ``(base config, cells,
+    cell configs)``. The dashboard's sweep form calls it on every change, so a value is
+    refused beside its field with the message a click would give.
 
-    ``grid``: ``{"section.key": [values]}`` (see :func:`parse_grid`); ``seeds``: runs per
-    grid point (``train.seed`` = the config's seed + 0, 1, ...); ``overrides``: ``--set``
-    items applied to every cell before the grid; ``max_parallel``: cells at once (default
-    :func:`default_parallel`); ``gpus``: the GPUs cells share, one per cell in turn;
-    ``check``: a callable run on every cell's config before anything is written (the CLI
-    passes its device/data/memory check). Every cell is validated first: a bad grid value
-    raises :class:`ConfigError` naming the cell, and nothing is written."""
+    Raises:
+        ConfigError: the first problem, naming the field (and the cell).
+    """
     from comera_engine.config import MAX_NAME
-    from comera_engine.launch.runs import _check_gpus, open_store, queue_run, resolve_config
+    from comera_engine.launch.runs import _check_gpus, resolve_config
     from comera_engine.store import SWEEP_BACKENDS
 
     if backend not in SWEEP_BACKENDS:
@@ -170,7 +168,8 @@ def create_sweep(
                           f"got {backend!r}")
     if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
         raise ConfigError("--seeds", f"must be a whole number >= 1, got {seeds!r}")
-    if max_parallel is not None and (not isinstance(max_parallel, int) or max_parallel < 1):
+    if max_parallel is not None and (not isinstance(max_parallel, int) or isinstance(
+            max_parallel, bool) or max_parallel < 1):
         raise ConfigError("--max-parallel", f"must be a whole number >= 1, got {max_parallel!r}")
     if not grid:
         raise ConfigError("--grid", "give at least one section.key=v1,v2,... to sweep over")
@@ -194,7 +193,7 @@ def create_sweep(
             c["seed"] = int(c["overrides"].pop("train.seed"))
     if len(cells) > MAX_CELLS:
         raise ConfigError("--grid", f"{len(cells)} cells; a sweep has at most {MAX_CELLS}")
-    gpu_list = (_check_gpus(gpus, 1) or "").split(",") if gpus else []
+    _check_gpus(gpus, 1)
     configs = []
     for cell in cells:  # every cell valid before anything is written
         label = cell_label(cell)
@@ -206,6 +205,39 @@ def create_sweep(
             raise ConfigError(e.field, f"{e.problem} (cell {label})") from None
         cfg.name = f"{name or base.name} · {label}"[:MAX_NAME]
         configs.append(cfg)
+    return base, cells, configs
+
+
+def create_sweep(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    grid: Mapping[str, Sequence[Any]],
+    seeds: int = 1,
+    overrides: Sequence[str] = (),
+    store: RunStore | str | os.PathLike[str] | None = None,
+    *,
+    name: str | None = None,
+    max_parallel: int | None = None,
+    backend: str = "local",
+    address: str | None = None,
+    gpus: str | None = None,
+    check: Any = None,
+) -> str:
+    """Queue a sweep and start its first cells; returns the sweep id.
+
+    ``grid``: ``{"section.key": [values]}`` (see :func:`parse_grid`); ``seeds``: runs per
+    grid point (``train.seed`` = the config's seed + 0, 1, ...); ``overrides``: ``--set``
+    items applied to every cell before the grid; ``max_parallel``: cells at once (default
+    :func:`default_parallel`); ``gpus``: the GPUs cells share, one per cell in turn;
+    ``check``: a callable run on every cell's config before anything is written (the CLI
+    passes its device/data/memory check). Every cell is validated first
+    (:func:`check_sweep`): a bad grid value raises :class:`ConfigError` naming the cell,
+    and nothing is written."""
+    from comera_engine.launch.runs import _check_gpus, open_store, queue_run
+
+    base, cells, configs = check_sweep(config, grid, seeds, overrides, name=name,
+                                       max_parallel=max_parallel, backend=backend,
+                                       gpus=gpus, check=check)
+    gpu_list = (_check_gpus(gpus, 1) or "").split(",") if gpus else []
     parallel = max_parallel or (len(gpu_list) if gpu_list else default_parallel(
         base.train.device))
     st = open_store(store)
@@ -340,7 +372,8 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     if not vals:
         return None, None
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+    # one value has no spread: None, never a std of 0 (one seed says nothing of it)
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
 
 
 def pareto_front(points: Sequence[Mapping[str, Any]], x: str, y: str,

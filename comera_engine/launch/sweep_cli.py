@@ -29,6 +29,7 @@ from comera_engine.launch.cli import (
     print_table,
 )
 from comera_engine.launch.sweep import create_sweep, parse_grid, sweep_report, wait_sweeps
+from comera_engine.metrics import format_metric
 from comera_engine.store import RunStore
 
 __all__ = ["add_subparsers", "print_report"]
@@ -111,15 +112,15 @@ def print_report(st: RunStore, sid: str, as_json: bool = False) -> int:
     rows = [("RUN", "CELL", "STATUS", "STEP", metric.upper(), "COMPRESSION", "TARGET")]
     for c in rep["cells"]:
         rows.append((c["run"], c["label"], c["status"], _fmt(c["step"], "d"),
-                     _fmt(c["score"], ".4f"), _fmt(c["compression"], ".1f"),
+                     format_metric(metric, c["score"]) or "-", _fmt(c["compression"], ".1f"),
                      _fmt(c["target"], "g")))
     print_table(rows)
     print()
     rows = [("GRID POINT", f"{metric.upper()} (MEAN ± STD)", "COMPRESSION", "DONE", "PARETO")]
     for g in rep["groups"]:
-        score = "-" if g["score"] is None else f"{g['score']:.4f} ± {g['score_std']:.4f}"
-        comp = "-" if g["compression"] is None else \
-            f"{g['compression']:.1f} ± {g['compression_std']:.1f}"
+        score = format_metric(metric, g["score"], g["score_std"]) or "-"
+        comp = "-" if g["compression"] is None else f"{g['compression']:.1f}" + (
+            "" if g["compression_std"] is None else f" ± {g['compression_std']:.1f}")
         rows.append((g["label"], score, comp, f"{g['finished']}/{g['cells']}",
                      "*" if g["pareto"] else ""))
     print_table(rows)

@@ -92,8 +92,13 @@ _RUN_COLUMNS = frozenset(
         "phase_progress",
         "sweep_id",
         "cell",
+        "notes",
+        "tags",
+        "archived_at",
     }
 )
+#: Bounds on what a user says of a run.
+MAX_NOTES, MAX_TAGS, MAX_TAG = 20_000, 32, 40
 #: What a run can be doing (``runs.phase``), in the order a run goes through them.
 PHASES = ("preparing data", "training tokenizer", "building", "training", "evaluating",
           "checkpointing", "exporting", "done")
@@ -219,6 +224,11 @@ def _run_dict(row: sqlite3.Row) -> dict[str, Any]:
     except (TypeError, ValueError):
         pass
     d["resume_pending"] = bool(d.get("resume_pending"))
+    try:
+        tags = json.loads(d.get("tags") or "[]")
+    except (TypeError, ValueError):
+        tags = []
+    d["tags"] = [str(t) for t in tags] if isinstance(tags, list) else []
     if d.get("cell"):
         try:
             d["cell"] = json.loads(d["cell"])
@@ -324,6 +334,35 @@ class RunRows(Database):
         self.write(
             lambda c: c.execute(f"UPDATE runs SET {cols} WHERE id = ?", (*fields.values(), run_id))
         )
+
+    def set_notes(self, run_id: str, notes: str) -> None:
+        """A run's notes (free text, at most :data:`MAX_NOTES` characters)."""
+        if not isinstance(notes, str) or len(notes) > MAX_NOTES:
+            raise ValueError(f"notes: at most {MAX_NOTES:,} characters of text")
+        self.update_run(run_id, notes=notes)
+
+    def set_tags(self, run_id: str, tags: Iterable[str]) -> list[str]:
+        """A run's tags: words without commas, each at most :data:`MAX_TAG` characters,
+        at most :data:`MAX_TAGS`, kept once in the order given; returns them."""
+        out: list[str] = []
+        for tag in tags:
+            tag = str(tag).strip()
+            if not tag:
+                continue
+            if len(tag) > MAX_TAG or "," in tag or any(ord(ch) < 32 for ch in tag):
+                raise ValueError(f"tags: {tag[:MAX_TAG]!r} must be at most {MAX_TAG} "
+                                 "characters, without commas or control characters")
+            if tag not in out:
+                out.append(tag)
+        if len(out) > MAX_TAGS:
+            raise ValueError(f"tags: at most {MAX_TAGS}, got {len(out)}")
+        self.update_run(run_id, tags=json.dumps(out))
+        return out
+
+    def archive_run(self, run_id: str, archived: bool = True) -> None:
+        """Hide a run from the run lists (``archived=False``: restore it). Nothing is
+        deleted: its record, metrics and folder stay."""
+        self.update_run(run_id, archived_at=time.time() if archived else None)
 
     def set_status(
         self,

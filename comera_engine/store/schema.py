@@ -15,7 +15,7 @@ from pathlib import Path
 
 from comera_engine.store.errors import StoreError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 APPLICATION_ID = 0x434D5241  # "CMRA" in the SQLite header (offset 68)
 MARKER = "comera-run-store"
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -144,10 +144,25 @@ def _migrate_to_2(c: sqlite3.Connection) -> None:
     )
 
 
+def _migrate_to_3(c: sqlite3.Connection) -> None:
+    """What a user says of a run: ``runs.notes`` (free text), ``runs.tags`` (a JSON list
+    of words) and ``runs.archived_at`` (set: hidden from the run lists until restored;
+    nothing is deleted)."""
+    _execute_script(
+        c,
+        """
+        ALTER TABLE runs ADD COLUMN notes TEXT;
+        ALTER TABLE runs ADD COLUMN tags TEXT;
+        ALTER TABLE runs ADD COLUMN archived_at REAL;
+        """,
+    )
+
+
 #: ``(version, migration)`` in order; migration ``v`` takes a store at ``v - 1`` to ``v``.
 MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
     (1, _migrate_to_1),
     (2, _migrate_to_2),
+    (3, _migrate_to_3),
 ]
 
 

@@ -29,9 +29,16 @@ initial ranks chosen from it when ``model.rank`` is not fixed.
 Metrics per step (through the one :class:`~comera_engine.metrics.MetricsSink`):
 ``loss/task``, ``loss/total``, ``acc/train``, ``grad_norm``, ``comera/*`` (objective
 terms), ``stage`` (0 early, 1 late; absent for plain training), ``lr/<group>``,
-``params/*``, ``bytes/*``, ``compression/*``, ``perf/step_time_s``,
-``perf/samples_per_s``, ``perf/tokens_per_s`` (text), ``mem/*`` (CUDA peak allocated /
-reserved and NVML device used / total on GPU, RSS on CPU), ``epoch``; every
+``params/*``, ``bytes/*``, ``compression/*``, ``perf/step_time_s`` (the step itself:
+its batch to the device, the step, the controller), ``perf/step_wall_s`` (the step on
+the trainer's clock: also the wait for its batch and the logging; evaluations and
+checkpoints left out), ``perf/samples_per_s`` and ``perf/tokens_per_s`` (text) over the last 50
+steps, ``perf/train_s`` (training seconds so far), ``perf/eta_s`` (the median step of
+the last 50 times the steps left; :class:`~comera_engine.train.clock.StepClock`),
+``mem/*`` (CUDA peak allocated /
+reserved and NVML device used / total on GPU, RSS on CPU), ``sys/*`` (the process's
+CPU %, system RAM used / total, process RSS, GPU utilisation from NVML; read at most
+once a second: :class:`~comera_engine.train.sysinfo.SystemMeter`), ``epoch``; every
 ``eval_every`` steps also ``eval/loss``, ``eval/acc`` (and ``eval/auc`` for clicks,
 ``eval/ppl`` for MLM) and, with a target, ``compression/target``, ``compression/error``
 (``reached/target - 1``, signed) and ``compression/target_met``, and for CoMERA
@@ -69,6 +76,7 @@ from comera_engine.metrics import (
     TARGET_TOLERANCE,
     MetricsSink,
     NullSink,
+    run_compression,
     target_error,
 )
 from comera_engine.models import TaskModel, run_task
@@ -84,6 +92,7 @@ from comera_engine.train.batches import (
     iterate_batches,
     mix_seed,
 )
+from comera_engine.train.clock import StepClock
 from comera_engine.train.distributed import (
     DistInfo,
     all_reduce_values,
@@ -94,7 +103,7 @@ from comera_engine.train.distributed import (
 )
 from comera_engine.train.progress import ProgressBar
 from comera_engine.train.step import GraphedStep, TrainStep, settled
-from comera_engine.train.sysinfo import MemoryMeter
+from comera_engine.train.sysinfo import MemoryMeter, SystemMeter
 
 
 @dataclass
@@ -224,6 +233,7 @@ class _Run:
         self.optimizer: torch.optim.Optimizer | None = None
         self.stepper: GraphedStep | TrainStep | None = None
         self.memory = MemoryMeter(device)
+        self.system = SystemMeter(device)
         self.last_metrics: dict[str, float] = {}
         self.last_ckpt: str | None = None
         self._size_cache: dict[str, float] | None = None
@@ -332,6 +342,9 @@ class _Run:
             t.num_workers,
             pin_memory=self.device.type == "cuda",
         )
+        self.clock = StepClock()
+        mark = time.perf_counter()  # the clock runs from here, less evals and checkpoints
+        excluded = 0.0
         for index, batch in batches:
             t0 = time.perf_counter()
             torch.manual_seed(mix_seed(t.seed, index, self.dist.rank, 0x5EED))
@@ -363,8 +376,10 @@ class _Run:
             # rebuilds the DDP wrapper and the captured graph around the new shapes
             events = self.comera.step(self.optimizer, loss=raw["loss/task"], counts=counts,
                                       truncate=False)
-            step_time = time.perf_counter() - t0
-            metrics = self._step_metrics(raw, step_time, batch, stage)
+            now = time.perf_counter()
+            step_time = now - t0  # the step itself: batch to device, step, controller
+            wall, mark, excluded = now - mark - excluded, now, 0.0
+            metrics = self._step_metrics(raw, step_time, wall, batch, stage)
             switched, fixed, paced = self._log_events(events, counts)
             pruned = paced or any(e.kind == "rank_change" for e in events)
             # slice at the prune: the next step runs on the truncated cores and optimizer
@@ -377,22 +392,29 @@ class _Run:
             is_last = self.step == t.steps
             evaluating = (t.eval_every and self.step % t.eval_every == 0) or is_last
             if evaluating:
+                t_eval = time.perf_counter()
                 metrics.update(self.evaluate())
                 metrics.update(self._target_metrics(metrics))
                 if self.comera.enabled:  # who pruned: the objective's gates or the pace
                     metrics.update({f"ranks/removed_by_{k}": float(v)
                                     for k, v in self.comera.removed.items()})
                 self._log_ranks(force=True, counts=None if paced else counts)
+                excluded += time.perf_counter() - t_eval
             self.sink.log_metrics(self.step, metrics)
             self.last_metrics = metrics
             if bar is not None:
-                bar.update(self.step, _bar_info(metrics, self.comera.stage_name))
+                bar.update(self.step, _bar_info(metrics, self.comera.stage_name,
+                                                self.cfg.to_dict()),
+                           rate=self.clock.samples_per_s, unit="samples/s",
+                           eta=metrics.get("perf/eta_s"))
 
             stop = self._should_stop()
             if stop:
                 status = "stopped"
             if switched or stop or is_last or (t.ckpt_every and self.step % t.ckpt_every == 0):
+                t_save = time.perf_counter()
                 self.save(_ckpt_reason(stop, is_last, bool(switched)))
+                excluded += time.perf_counter() - t_save
             if stop:
                 break
         if t.steps == 0:  # evaluate only (a model initialised from model.init_from)
@@ -485,10 +507,13 @@ class _Run:
         return switched, fixed, paced
 
     def _step_metrics(
-        self, raw: dict[str, float], step_time: float, batch: dict[str, torch.Tensor],
-        stage: str,
+        self, raw: dict[str, float], step_time: float, wall: float,
+        batch: dict[str, torch.Tensor], stage: str,
     ) -> dict[str, float]:
         samples = self.plan.global_batch
+        tokens = (batch["input_ids"].numel() * self.dist.world_size
+                  if "input_ids" in batch else 0)
+        self.clock.add(wall, samples, tokens)
         m: dict[str, float] = {
             "loss/task": raw["loss/task"],
             "loss/total": raw["loss/total"],
@@ -496,11 +521,13 @@ class _Run:
             "grad_norm": raw["grad_norm"],
             "epoch": self.step / self.plan.steps_per_epoch,
             "perf/step_time_s": step_time,
-            "perf/samples_per_s": samples / max(step_time, 1e-12),
+            "perf/step_wall_s": wall,
+            "perf/samples_per_s": self.clock.samples_per_s or 0.0,
+            "perf/train_s": self.clock.train_s,
+            "perf/eta_s": self.clock.eta(self.cfg.train.steps - self.step) or 0.0,
         }
-        if "input_ids" in batch:
-            tokens = batch["input_ids"].numel() * self.dist.world_size
-            m["perf/tokens_per_s"] = tokens / max(step_time, 1e-12)
+        if tokens:
+            m["perf/tokens_per_s"] = self.clock.tokens_per_s or 0.0
         m.update({k: v for k, v in raw.items() if k.startswith("comera/") and k != "comera/stage"})
         if self.comera.enabled:
             m["stage"] = float(stage == "late")
@@ -512,6 +539,7 @@ class _Run:
             self._size_cache = self.comera.size_metrics()
         m.update(self._size_cache)
         m.update(self.memory.read())
+        m.update(self.system.read())
         return m
 
     def _log_ranks(self, force: bool = False, counts: list[float] | None = None) -> None:
@@ -645,8 +673,8 @@ class _Run:
             what += f", method {self.cfg.comera.method}"
         self._info(
             f"{self.cfg.model.name}/{self.cfg.model.preset} ({what}), "
-            f"{int(size.get('params/effective', 0)):,} effective params, "
-            f"{size.get('compression/model', 1.0):.1f}x vs dense; device {self.device}, "
+            f"{int(size.get('params/effective', 0)):,} effective params, compression "
+            f"{run_compression(self.cfg.to_dict(), size).text('x')}; device {self.device}, "
             f"{'bf16' if self.autocast_dtype else 'fp32'}, world {self.dist.world_size}"
             + (", resumed" if resumed else "")
         )
@@ -780,11 +808,16 @@ def _ckpt_reason(stop: bool, last: bool, switched: bool) -> str:
     return "stage" if switched else "periodic"
 
 
-def _bar_info(metrics: dict[str, float], stage: str) -> dict[str, str | float]:
+def _bar_info(metrics: dict[str, float], stage: str, config: dict[str, Any]
+              ) -> dict[str, str | float]:
+    """The bar's figures: the loss, the eval accuracy (percent) and the run's one
+    compression in its scope (:func:`~comera_engine.metrics.run_compression`, as every
+    page shows it)."""
     info: dict[str, str | float] = {"loss": metrics["loss/task"]}
     if "eval/acc" in metrics:
-        info["eval acc"] = metrics["eval/acc"]
-    if "compression/model" in metrics:
-        info["smaller"] = f"{metrics['compression/model']:.1f}x"
+        info["eval acc"] = f"{metrics['eval/acc'] * 100:.1f} %"
+    comp = run_compression(config, metrics)
+    if comp.value is not None:
+        info["compression"] = comp.text("x")
     info["stage"] = stage
     return info

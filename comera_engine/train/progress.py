@@ -26,16 +26,23 @@ class ProgressBar:
         self._t0 = time.monotonic()
         self._last = 0.0
 
-    def update(self, step: int, info: dict[str, str | float]) -> None:
+    def update(self, step: int, info: dict[str, str | float], *, rate: float | None = None,
+               unit: str = "it/s", eta: float | None = None) -> None:
+        """Draw ``step``; ``rate`` (in ``unit``) and ``eta`` (seconds) as the trainer's
+        clock reads them, else steps per second and the time left since the bar began."""
         now = time.monotonic()
         if self.tty and now - self._last < 0.1 and step < self.total:
             return
         if not self.tty and now - self._last < self.every and step < self.total:
             return
         self._last = now
-        done = step - self.start
-        rate = done / max(now - self._t0, 1e-9)
-        eta = (self.total - step) / rate if rate > 0 else float("inf")
+        if rate is None:
+            done = step - self.start
+            rate = done / max(now - self._t0, 1e-9)
+            unit = "it/s"
+            eta = (self.total - step) / rate if rate > 0 else float("inf")
+        elif eta is None:
+            eta = float("inf")
         frac = step / max(self.total, 1)
         width = 24
         filled = int(frac * width)
@@ -43,7 +50,8 @@ class ProgressBar:
         extras = " ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items()
         )
-        line = f"[{bar}] {step}/{self.total} {extras} {rate:.1f} it/s eta {_fmt_time(eta)}"
+        shown = f"{rate:.{1 if rate < 100 else 0}f} {unit}"
+        line = f"[{bar}] {step}/{self.total} {extras} {shown} eta {_fmt_time(eta)}"
         try:
             if self.tty:
                 self.stream.write("\r" + line[:200].ljust(100))

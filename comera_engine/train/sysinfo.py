@@ -5,9 +5,15 @@ used / total memory from NVML (``pynvml``), with the NVML device found by its UU
 indices ignore ``CUDA_VISIBLE_DEVICES``, which the launcher sets). Without NVML, or when
 the UUID does not match, the CUDA runtime's ``mem_get_info`` gives used / total instead.
 CPU: the process resident set. All values are MiB.
+
+:class:`SystemMeter`: the machine while the run trains (``sys/*``), read at most once a
+second: the process's CPU use (percent of one core, so up to 100 × its threads), the
+system's used and total RAM, the process RSS, and on a GPU its utilisation (NVML).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -55,6 +61,50 @@ class MemoryMeter:
             out["mem/gpu_total_mb"] = total / _MIB
             return out
         return {"mem/rss_mb": self._process.memory_info().rss / _MIB}
+
+
+class SystemMeter:
+    """``meter.read() -> {"sys/...": value}``: new readings at most every ``every``
+    seconds (a step of a tiny model takes a millisecond), the last ones in between."""
+
+    def __init__(self, device: torch.device, every: float = 1.0) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._process = psutil.Process()
+        self._process.cpu_percent(None)  # the first call starts the interval
+        self._every = every
+        self._last = -float("inf")
+        self._values: dict[str, float] = {}
+        self._gpu = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._gpu = (pynvml, _nvml_handle(pynvml, device))
+            except Exception:  # noqa: BLE001 - no NVML: no utilisation figure
+                self._gpu = None
+
+    def read(self) -> dict[str, float]:
+        now = time.monotonic()
+        if now - self._last < self._every:
+            return dict(self._values)
+        self._last = now
+        try:
+            vm = self._psutil.virtual_memory()
+            values = {"sys/cpu_percent": float(self._process.cpu_percent(None)),
+                      "sys/ram_used_mb": (vm.total - vm.available) / _MIB,
+                      "sys/ram_total_mb": vm.total / _MIB,
+                      "sys/rss_mb": self._process.memory_info().rss / _MIB}
+            if self._gpu is not None:
+                pynvml, handle = self._gpu
+                values["sys/gpu_util_percent"] = float(
+                    pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception:  # noqa: BLE001 - a metric must never end the run
+            return dict(self._values)
+        self._values = values
+        return dict(values)
 
 
 def _nvml_handle(pynvml: object, device: torch.device) -> object:
