@@ -372,10 +372,21 @@ def test_a_cpu_run_keeps_freed_memory(tmp_path, monkeypatch) -> None:
     assert result.status == "finished" and calls == [1]
 
 
-def test_divergence_stops_with_status_diverged(tmp_path) -> None:
+def test_divergence_stops_with_status_diverged(tmp_path, monkeypatch) -> None:
+    # the loss turns infinite from the 21st call on (a config can no longer ask for a
+    # learning rate large enough to overflow: comera.lr_* are bounded)
+    import torch.nn.functional as F
+
+    real, calls = F.cross_entropy, [0]
+
+    def blows_up(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        loss = real(*args, **kwargs)
+        return loss * float("inf") if calls[0] > 20 else loss
+
+    monkeypatch.setattr(F, "cross_entropy", blows_up)
     raw = digits_cfg(
         model={"dense": True},
-        comera={"lr_dense": 1e30},
         train={"steps": 50, "batch_size": 32, "ckpt_every": 1, "grad_clip": 0.0,
                "keep_checkpoints": 100},
     )  # fmt: skip
