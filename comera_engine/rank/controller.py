@@ -407,9 +407,10 @@ class CoMERA:
         if rank_events or paced:
             self._dirty = True
             if self.objective is not None:  # its S: counted again at each rank change
-                # (after a pace prune the counts predate it: count from the gates)
-                self.objective.recount(self.current_size(None if paced else counts)
-                                       - self._extra)
+                # from the bond snapshot, which follows a pace prune (_sync_counts);
+                # the counts passed in predate it
+                snapshot = self._counts if counts is not None else None
+                self.objective.recount(self.current_size(snapshot) - self._extra)
         if truncate and optimizer is not None and self._dirty:
             done = self.truncate(optimizer, emit=False)
             if done is not None:
