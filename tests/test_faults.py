@@ -820,14 +820,15 @@ def test_names_checksums_and_the_run_lock(tmp_path: Path, monkeypatch: pytest.Mo
     assert chosen.name == "step_000002.json" and "checksum mismatch" in note
     code = ("import os, sys, time; from comera_engine.launch.owner import RunLock; "
             f"RunLock({str(tmp_path)!r}).acquire(); pid = os.fork()\n"
-            "if pid == 0: print('forked', flush=True); time.sleep(60); os._exit(0)\n"
+            "if pid == 0: print('forked', file=sys.stderr, flush=True); time.sleep(60); "
+            "os._exit(0)\n"
             "print(pid, flush=True); time.sleep(60)")
+    # the child says so on stderr once its at-fork hooks ran, the parent gives its pid on
+    # stdout: two pipes, so the lines cannot interleave (unbuffered, as under xdist)
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-    # the child's line comes after its at-fork hooks ran (either line may come first)
-    lines = {holder.stdout.readline().strip(), holder.stdout.readline().strip()}
-    lines.discard(b"forked")
-    child = int(lines.pop())
+                              stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(holder.stdout.readline())
+    assert holder.stderr.readline().strip() == b"forked"
     try:
         assert lock_holder(tmp_path)["pid"] == holder.pid
         holder.kill()
