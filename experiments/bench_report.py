@@ -219,7 +219,7 @@ def step_sentence(data: dict[str, Any]) -> str:
     batch (the planner's paths, no compile): the step times eagerly and in a CUDA graph,
     and the peak memory. README quotes it (tests/test_bench_report.py)."""
     auto = [r for r in data["ratios"] if r.get("paths", "auto") == "auto"
-            and not r.get("compile")]
+            and not r.get("compile") and not r.get("grouped")]
     out = []
     for batch in sorted({r["batch"] for r in auto}):
         rows = sorted((r for r in auto if r["batch"] == batch), key=lambda r: r["graph"])
@@ -240,7 +240,8 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
     graphed_mem = d.get("peak_from") == "before warm-up"
     with_paths = any("paths" in r for r in d["ratios"])
     rows = [[r["preset"], r["batch"], "yes" if r["graph"] else "no",
-             *([r["paths"] + (", compiled" if r.get("compile") else "")] if with_paths else []),
+             *([r["paths"] + (", compiled" if r.get("compile") else "")
+                + (", grouped step" if r.get("grouped") else "")] if with_paths else []),
              f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
              f"{r['dense_mem_mb']:.0f} / {r['comera_mem_mb']:.0f}"
              if graphed_mem or not r["graph"] else "not measured",

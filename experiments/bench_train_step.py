@@ -90,7 +90,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("compile"):
         task_model = torch.compile(task_model)
     state = CoMERA(model)
-    optimizer = state.make_optimizer(capturable=spec["graph"])
+    grouped = bool(spec.get("grouped"))
+    optimizer = _grouped_optimizer(state) if grouped else state.make_optimizer(
+        capturable=spec["graph"])
+    refresh = state.refresh_fn() if spec["graph"] else None  # on the device, in the graph
+    if grouped and refresh is not None:
+        refresh = _grouped_refresh(model)
     step = TrainStep(
         task_model,
         optimizer,
@@ -98,7 +103,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         model.parameters(),
         grad_clip=1.0,
         autocast_dtype=torch.bfloat16 if cuda else None,
-        refresh=state.refresh_fn() if spec["graph"] else None,  # on the device, in the graph
+        refresh=refresh,
     )
     runner = GraphedStep(step, log=lambda text: None) if spec["graph"] else step
     b = spec["batch"]
@@ -159,6 +164,26 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _grouped_optimizer(state: Any) -> Any:
+    """``--grouped-step``'s optimizer: torch's ``fused`` AdamW over the controller's groups
+    (one kernel a group and dtype; its step counts live on the device, so a CUDA graph
+    captures it) instead of the ``foreach`` one (``experiments/bench_launches.py``)."""
+    import torch
+
+    return torch.optim.AdamW(state.param_groups(), lr=1e-3, fused=True)
+
+
+def _grouped_refresh(model: Any) -> Any:
+    """``--grouped-step``'s gate refresh: every bond of every layer at once
+    (:func:`comera_engine.tensor.size.refresh_entries`, the same result as the
+    controller's per-bond one, counts in the same order)."""
+    from comera_engine.layers import tt_layers
+    from comera_engine.tensor.size import refresh_entries
+
+    trains = [m.tt for _, m in tt_layers(model)]
+    return lambda: refresh_entries(trains)
+
+
 def _recompiles() -> int | None:
     """How many times Dynamo recompiled in this process (None where it cannot say)."""
     try:
@@ -204,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                         default="both" if cuda else "off", help="CUDA graph (GPU only)")
     parser.add_argument("--compile", action="store_true",
                         help="also both models under torch.compile, eagerly")
+    parser.add_argument("--grouped-step", action="store_true",
+                        help="also CoMERA on the first path choice with the refresh of all "
+                             "bonds at once and torch's fused AdamW, per CUDA-graph setting")
     parser.add_argument("--steps", type=int, default=20 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--min-seconds", type=float, default=3.0,
@@ -238,13 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for preset in args.presets:
         for batch in args.batches:
-            for graph, compiled, variant, paths in _grid(graphs, args.paths, args.eager_paths,
-                                                         args.compile):
+            for graph, compiled, variant, paths, grouped in _grid(
+                    graphs, args.paths, args.eager_paths, args.compile, args.grouped_step):
                 spec = {
                     "preset": preset, "batch": batch, "variant": variant, "graph": graph,
                     "device": device, "steps": args.steps, "min_seconds": args.min_seconds,
                     "warmup": max(args.warmup, 4 if graph else 1 if compiled else 0),
                     "threads": args.threads, "paths": paths, "compile": compiled,
+                    "grouped": grouped,
                 }
                 row = run_child(spec, args.timeout)
                 rows.append(row)
@@ -257,17 +286,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grid(graphs: list[bool], paths: list[str], eager_paths: list[str] | None,
-          compile_too: bool) -> list[tuple[bool, bool, str, str]]:
-    """``(graph, compiled, variant, paths)`` of every configuration: per CUDA-graph
-    setting the dense model, then CoMERA per path choice (``eager_paths`` without a
-    graph, where given); compiled ones eagerly."""
+          compile_too: bool, grouped: bool = False) -> list[tuple[bool, bool, str, str, bool]]:
+    """``(graph, compiled, variant, paths, grouped)`` of every configuration: per
+    CUDA-graph setting the dense model, then CoMERA per path choice (``eager_paths``
+    without a graph, where given), then (``grouped``, graphed only) CoMERA on the first of
+    them with the grouped step ops; compiled ones eagerly."""
     out = []
     for graph in graphs:
-        out.append((graph, False, "dense", "auto"))
-        out += [(graph, False, "comera", p)
-                for p in (paths if graph or eager_paths is None else eager_paths)]
+        out.append((graph, False, "dense", "auto", False))
+        chosen = paths if graph or eager_paths is None else eager_paths
+        out += [(graph, False, "comera", p, False) for p in chosen]
+        if grouped and graph:  # (eagerly the refresh is the host's: only the optimizer)
+            out.append((graph, False, "comera", chosen[0], True))
     if compile_too:
-        out += [(False, True, "dense", "auto"), (False, True, "comera", "auto")]
+        out += [(False, True, "dense", "auto", False), (False, True, "comera", "auto", False)]
     return out
 
 
@@ -312,6 +344,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "graph": tt["graph"],
                 "paths": tt.get("paths", "auto"),
                 "compile": bool(tt.get("compile")),
+                "grouped": bool(tt.get("grouped")),
                 "dense_ms": dense["step_ms_median"],
                 "comera_ms": tt["step_ms_median"],
                 "speedup": dense["step_ms_median"] / tt["step_ms_median"],
@@ -337,7 +370,8 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["ratios"]:
-        paths = r.get("paths", "auto") + (", compiled" if r.get("compile") else "")
+        paths = (r.get("paths", "auto") + (", compiled" if r.get("compile") else "")
+                 + (", grouped step" if r.get("grouped") else ""))
         lines.append(
             f"| {r['preset']} | {r['batch']} | {'yes' if r['graph'] else 'no'} | {paths} | "
             f"{r['dense_ms']:.1f} | {r['comera_ms']:.1f} | {r['speedup']:.2f}x | "
@@ -367,7 +401,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _row_text(r: dict[str, Any]) -> str:
-    paths = f" {r.get('paths', 'auto')}" + (" compiled" if r.get("compile") else "")
+    paths = (f" {r.get('paths', 'auto')}" + (" compiled" if r.get("compile") else "")
+             + (" grouped" if r.get("grouped") else ""))
     head = (f"{r['preset']:>5} b={r['batch']:<4} {r['variant']:>6} graph={r['graph']!s:<5}"
             f"{paths if r['variant'] == 'comera' else ''}")
     if "error" in r:

@@ -36,7 +36,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .tt import TensorTrain
 
-__all__ = ["SizeForm", "core_sizes", "gate_entries", "size_form", "surrogate", "tt_size"]
+__all__ = ["SizeForm", "core_sizes", "gate_entries", "refresh_entries", "size_form", "surrogate",
+           "tt_size"]
 
 N = TypeVar("N", int, float, Tensor)
 
@@ -140,3 +141,62 @@ def surrogate(trains: Sequence[TensorTrain]) -> Tensor:
         kept = torch.where(g.abs() > form.tau, g, 0.0) * alive
     R = torch.addmv(form.e0, form.M, kept.abs())  # (1, ‖g_1‖₁, …, ‖g_B‖₁)
     return torch.dot(R, torch.mv(form.Q, R))
+
+
+@lru_cache(maxsize=64)
+def _bond_index(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
+                device: torch.device) -> tuple[Tensor, Tensor, list[int]]:
+    """Per gate entry of trains of this ``structure``: its bond (``(E,)``, 0-based over
+    all trains' bonds) and its position ``0..E-1``; and each train's entry count."""
+    bonds = [b for b, r in enumerate(r for ranks, _, _ in structure for r in ranks)
+             for _ in range(r)]
+    sizes = [sum(ranks) for ranks, _, _ in structure]
+    return (torch.tensor(bonds, dtype=torch.long, device=device),
+            torch.arange(sum(sizes), device=device), sizes)
+
+
+@torch.no_grad()
+def refresh_entries(trains: Sequence[TensorTrain], floor: bool = True) -> Tensor:
+    """The gate refresh of :meth:`TensorTrain.refresh_` for all ``trains`` at once, as
+    device work without host reads (a CUDA graph can capture it): per bond, entries
+    with ``|g| <= tau`` die for good and are zeroed, except that (with ``floor``) a bond
+    about to lose its last alive entry keeps its strongest one (the first of the largest
+    ``|g|``), held at ``±1.5·tau``. Returns the alive count of every bond, trains in
+    order, ``(B,)`` int64.
+
+    The same arithmetic as the per-bond loop of
+    :func:`comera_engine.rank.optim.refresh_gates_on_device`, with segment reductions over
+    all entries (``E`` gate entries, ``B`` bonds: the bonds' alive / survivor counts by
+    the :class:`SizeForm`'s ``M``, the strongest entry by ``scatter_reduce``): about 30
+    ops for any number of layers instead of about 20 a bond, and each gate and ``alive``
+    written back in one ``_foreach_copy_``."""
+    trains = [t for t in trains if t.bond_ranks]
+    if not trains:
+        return torch.zeros(0, dtype=torch.long)
+    g, alive, form = gate_entries(trains)
+    g = g.detach()
+    bond, pos, sizes = _bond_index(tuple(t.structure() for t in trains), g.device)
+    nb = form.M.shape[0] - 1
+    M = form.M[1:]  # (B, E): bond b's entries (counts exact in fp32 to 2^24)
+    if M.dtype not in (torch.float32, torch.float64):
+        M = M.float()
+    mag = g.abs()
+    surv = alive & (mag > form.tau)
+    n_alive = torch.mv(M, alive.to(M.dtype))
+    rescue = (n_alive > 0) & (torch.mv(M, surv.to(M.dtype)) == 0)
+    if not floor:
+        rescue = torch.zeros_like(rescue)
+    # the strongest alive entry of each bond: the first position of its largest |g|
+    key = torch.where(alive, mag, -1.0)
+    top = key.new_full((nb,), -2.0).scatter_reduce(0, bond, key, "amax")
+    first = torch.where(key == top[bond], pos, pos.shape[0])
+    first = torch.full((nb,), pos.shape[0], dtype=pos.dtype, device=g.device).scatter_reduce(
+        0, bond, first, "amin")
+    keep = (pos == first[bond]) & rescue[bond]
+    held = torch.where(g < 0, -1.5 * form.tau, 1.5 * form.tau).to(g.dtype)
+    now_alive = alive & (surv | keep)
+    new_g = torch.where(now_alive, torch.where(keep, held, g), 0.0)
+    torch._foreach_copy_([t._parameters["gate"].detach() for t in trains],
+                         list(new_g.split(sizes)))
+    torch._foreach_copy_([t._buffers["alive"] for t in trains], list(now_alive.split(sizes)))
+    return torch.mv(M, now_alive.to(M.dtype)).round().long()
