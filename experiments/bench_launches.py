@@ -23,7 +23,7 @@ Cases: each path of a TT linear (``tt`` layout: ``dense`` = reconstructed, ``hal
 ``sweep``, ``fused`` where the kernels run; ``ttm`` layout: ``dense``, ``sweep``), the TTM
 embedding lookup (``dense``, ``gather``, ``fused`` where the kernels run) and the tied
 decoder (``table``, ``tt``), each forward + backward at the paper's shapes
-(``--tokens`` rows), gate views made inside the call as a layer does; ``nn.Linear`` /
+(``--tokens`` rows), the gates passed as the layers pass them; ``nn.Linear`` /
 ``nn.Embedding`` for reference. Then one whole training step of the paper transformer
 (``--step-batch`` sequences of 128 tokens: forward, the CoMERA objective, backward,
 clipping, AdamW as a graphed GPU step builds it, the gate refresh), split into its phases
@@ -56,7 +56,8 @@ _FREE = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_emp
                    "resize_", "lift_fresh", "detach", "detach_", "alias", "set_",
                    "resolve_conj", "resolve_neg", "_conj", "conj", "scalar_tensor",
                    "_to_copy_noop", "is_same_size", "record_stream", "sym_size", "sym_stride",
-                   "sym_numel", "sym_storage_offset", "size", "stride", "dim", "numel"})
+                   "sym_numel", "sym_storage_offset", "size", "stride", "dim", "numel",
+                   "_unsafe_view"})
 _SYNCS = frozenset({"item", "_local_scalar_dense", "is_nonzero"})
 
 
@@ -147,8 +148,8 @@ def layer_cases(device: torch.device, tokens: int, rank: int, with_fused: bool
         params = list(tt.parameters())
         for path in ("dense", "halves", "sweep", *(("fused",) if with_fused else ())):
             def fwd(x: torch.Tensor, p: str = path, tt: TTLinear = tt) -> torch.Tensor:
-                cores, gates, alive = tt.tt.parts()  # made inside the step, as a layer does
-                return tt_linear(x, cores, tt.tt.d, p, tt.bias, gates, tt.tt.tau, alive)
+                cores, gate, alive = tt.tt.flat_parts()  # as the layer passes them
+                return tt_linear(x, cores, tt.tt.d, p, tt.bias, gate, tt.tt.tau, alive)
 
             cases.append(("tt_linear", shape, path, _fwd_bwd(fwd, x, dy, params)))
         ttm = TTLinear(n, m, rank=rank, in_factors=ins, out_factors=outs,

@@ -183,8 +183,8 @@ class TTLinearSweep(GatedFunction, torch.autograd.Function):
 
 
 def tt_linear_sweep(x: Tensor, cores: Sequence[Tensor], d: int,
-                    bias: Tensor | None = None, gates: Sequence[Tensor] = (),
-                    tau: float = 0.0, alive: Sequence[Tensor] = ()) -> Tensor:
+                    bias: Tensor | None = None, gates: Sequence[Tensor] | Tensor = (),
+                    tau: float = 0.0, alive: Sequence[Tensor] | Tensor = ()) -> Tensor:
     """Core-by-core path (:class:`TTLinearSweep`). ``x``: ``(B, N)``; returns ``(B, M)``
     (``+ bias``). ``gates`` (with ``tau`` and optional ``alive``, as in :func:`tt_linear`)
     are absorbed inside the Function."""
