@@ -17,8 +17,10 @@ device profile's fastest path per layer, the Triton kernels off), ``kernels`` (t
 planner with the kernels allowed, ``COMERA_KERNELS=1``), ``reconstructed``,
 ``factorised`` or ``fused`` (every TT op restricted to that family where it has it,
 ``COMERA_PATHS``); the dense model once, with the same precision (bf16 autocast on a
-GPU) and CUDA-graph setting. ``--compile`` adds both models eagerly under
-``torch.compile`` (the first step's time, the compile, is its own column). Each row
+GPU) and CUDA-graph setting. ``--compile [MODE ...]`` adds both models eagerly with the
+step's forward and objective under ``torch.compile`` in each mode (``default``,
+``reduce-overhead``: Inductor's own CUDA graphs; ``TrainStep(compile=...)``): the first
+step's time, the compile, is its own column, and Dynamo's recompiles are counted. Each row
 records the paths the planner chose. Prints a table and writes
 ``experiments/results/bench_train_step.json`` after every row (a run cut short keeps
 what it measured; ``docs/BENCHMARKS.md`` is generated from committed results by
@@ -87,8 +89,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     model = build_transformer(spec["preset"], dense=spec["variant"] == "dense")
     task_model = TaskModel(model, "nli").to(device)
-    if spec.get("compile"):
-        task_model = torch.compile(task_model)
     state = CoMERA(model)
     grouped = bool(spec.get("grouped"))
     optimizer = _grouped_optimizer(state) if grouped else state.make_optimizer(
@@ -104,6 +104,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         grad_clip=1.0,
         autocast_dtype=torch.bfloat16 if cuda else None,
         refresh=refresh,
+        compile=_compile_mode(spec.get("compile")),
     )
     runner = GraphedStep(step, log=lambda text: None) if spec["graph"] else step
     b = spec["batch"]
@@ -184,6 +185,14 @@ def _grouped_refresh(model: Any) -> Any:
     return lambda: refresh_entries(trains)
 
 
+def _compile_mode(value: Any) -> str | None:
+    """A row's ``compile``: a mode, ``True`` (rows written before modes: ``default``) or
+    nothing."""
+    if not value:
+        return None
+    return value if isinstance(value, str) else "default"
+
+
 def _recompiles() -> int | None:
     """How many times Dynamo recompiled in this process (None where it cannot say)."""
     try:
@@ -227,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: --paths)")
     parser.add_argument("--graphs", choices=("on", "off", "both"),
                         default="both" if cuda else "off", help="CUDA graph (GPU only)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also both models under torch.compile, eagerly")
+    parser.add_argument("--compile", nargs="*", default=None, metavar="MODE",
+                        choices=["default", "reduce-overhead", "max-autotune"],
+                        help="also both models with the step's forward under torch.compile, "
+                             "eagerly, in each MODE (none given: default)")
     parser.add_argument("--grouped-step", action="store_true",
                         help="also CoMERA on the first path choice with the refresh of all "
                              "bonds at once and torch's fused AdamW, per CUDA-graph setting")
@@ -266,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for preset in args.presets:
         for batch in args.batches:
+            modes = None if args.compile is None else (args.compile or ["default"])
             for graph, compiled, variant, paths, grouped in _grid(
-                    graphs, args.paths, args.eager_paths, args.compile, args.grouped_step):
+                    graphs, args.paths, args.eager_paths, modes, args.grouped_step):
                 spec = {
                     "preset": preset, "batch": batch, "variant": variant, "graph": graph,
                     "device": device, "steps": args.steps, "min_seconds": args.min_seconds,
@@ -286,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grid(graphs: list[bool], paths: list[str], eager_paths: list[str] | None,
-          compile_too: bool, grouped: bool = False) -> list[tuple[bool, bool, str, str, bool]]:
+          compile_modes: list[str] | bool | None, grouped: bool = False
+          ) -> list[tuple[bool, Any, str, str, bool]]:
     """``(graph, compiled, variant, paths, grouped)`` of every configuration: per
     CUDA-graph setting the dense model, then CoMERA per path choice (``eager_paths``
     without a graph, where given), then (``grouped``, graphed only) CoMERA on the first of
@@ -298,8 +311,10 @@ def _grid(graphs: list[bool], paths: list[str], eager_paths: list[str] | None,
         out += [(graph, False, "comera", p, False) for p in chosen]
         if grouped and graph:  # (eagerly the refresh is the host's: only the optimizer)
             out.append((graph, False, "comera", chosen[0], True))
-    if compile_too:
-        out += [(False, True, "dense", "auto", False), (False, True, "comera", "auto", False)]
+    if compile_modes is True:  # the old flag: the default mode
+        compile_modes = ["default"]
+    for mode in compile_modes or ():
+        out += [(False, mode, "dense", "auto", False), (False, mode, "comera", "auto", False)]
     return out
 
 
@@ -330,7 +345,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ok = [r for r in rows if "error" not in r]
 
     def key(r: dict[str, Any]) -> tuple:
-        return (r["preset"], r["batch"], r["graph"], bool(r.get("compile")))
+        return (r["preset"], r["batch"], r["graph"], r.get("compile") or False)
 
     dense_of = {key(r): r for r in ok if r["variant"] == "dense"}
     for tt in ok:
@@ -343,7 +358,9 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "batch": tt["batch"],
                 "graph": tt["graph"],
                 "paths": tt.get("paths", "auto"),
-                "compile": bool(tt.get("compile")),
+                "compile": _compile_mode(tt.get("compile")) or False,
+                "first_step_ms": tt.get("first_step_ms"),
+                "recompiles": tt.get("recompiles"),
                 "grouped": bool(tt.get("grouped")),
                 "dense_ms": dense["step_ms_median"],
                 "comera_ms": tt["step_ms_median"],
@@ -370,7 +387,9 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["ratios"]:
-        paths = (r.get("paths", "auto") + (", compiled" if r.get("compile") else "")
+        paths = (r.get("paths", "auto") + (f", compiled ({_compile_mode(r['compile'])}, "
+                                            f"first step {r.get('first_step_ms') or 0:.0f} ms)"
+                                            if r.get("compile") else "")
                  + (", grouped step" if r.get("grouped") else ""))
         lines.append(
             f"| {r['preset']} | {r['batch']} | {'yes' if r['graph'] else 'no'} | {paths} | "
@@ -401,7 +420,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _row_text(r: dict[str, Any]) -> str:
-    paths = (f" {r.get('paths', 'auto')}" + (" compiled" if r.get("compile") else "")
+    paths = (f" {r.get('paths', 'auto')}"
+             + (f" compiled {_compile_mode(r['compile'])}" if r.get("compile") else "")
              + (" grouped" if r.get("grouped") else ""))
     head = (f"{r['preset']:>5} b={r['batch']:<4} {r['variant']:>6} graph={r['graph']!s:<5}"
             f"{paths if r['variant'] == 'comera' else ''}")

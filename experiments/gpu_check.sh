@@ -18,8 +18,9 @@
 #          Triton kernels compiled against float64, the trainer on the GPU with and
 #          without CUDA graphs
 #   bench  the step benchmark (paper transformer, batch 32 and 128, CoMERA on each path
-#          choice and with the grouped step ops, CUDA graph on and off, dense alike; batch
-#          1 for peak memory), the kernels launched per layer path and per step, the
+#          choice and with the grouped step ops, CUDA graph on and off, dense alike; the
+#          step under torch.compile on the tiny transformer; batch 1 for peak memory),
+#          the kernels launched per layer path and per step, the
 #          TT-linear and TTM-lookup paths with their % of the roofline, one TT layer vs
 #          nn.Linear in bf16 in a CUDA graph
 #
@@ -93,11 +94,18 @@ bench() {
     # a training step of the paper's transformer, CoMERA vs dense: batch 32 (the paper's)
     # and 128, graphed with every path choice, eager with the planner's; the JSON is
     # written after every run, so a timeout keeps what was measured
-    # (factorised is what auto picks on an H100; --grouped-step: auto, graphed, with the
-    # refresh of all bonds at once and torch's fused AdamW)
-    step 195 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
-        --batches 32 128 --paths auto reconstructed fused --eager-paths auto --grouped-step \
+    # (factorised is what auto picks on an H100, fused its slowest there, 1.5x auto at
+    # batch 32; --grouped-step: auto, graphed, with the refresh of all bonds at once and
+    # torch's fused AdamW)
+    step 170 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
+        --batches 32 128 --paths auto reconstructed --eager-paths auto --grouped-step \
         --graphs both --steps 10 --min-seconds 0.5 --out "$RES/bench_train_step_cuda.json"
+    # the step's forward and objective under torch.compile (Inductor) against eager, the
+    # compile's time and Dynamo's recompiles counted (the tiny transformer: the paper's
+    # compiles for minutes; run that apart, the same command with --presets paper)
+    step 25 bench_train_step_compile.log $PY experiments/bench_train_step.py --presets tiny \
+        --batches 32 --graphs off --compile default --steps 10 --min-seconds 0.3 \
+        --out "$RES/bench_train_step_cuda_compile.json"
     # batch 1: peak memory against dense + AdamW
     step 40 bench_train_step_batch1.log $PY experiments/bench_train_step.py \
         --presets paper --batches 1 --graphs on --steps 10 --min-seconds 0.3 \

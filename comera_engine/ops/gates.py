@@ -190,12 +190,15 @@ class GatedFunction:
         dev = x.device.type  # backward runs under the forward's autocast state (bf16)
         ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
 
-    @classmethod
-    def backward(cls, ctx, dy: Tensor):  # type: ignore[override]  # noqa: ANN001, ANN206
+    @staticmethod
+    def _run_backward(backward, ctx, dy: Tensor):  # noqa: ANN001, ANN205
+        """``backward(ctx, dy)`` (a subclass's ``_backward``) under the forward's autocast
+        state. Each subclass's ``backward`` is a staticmethod calling this (a classmethod
+        ``backward`` is not traced by ``torch.compile``: it breaks the graph there)."""
         if ctx.amp is None:
-            return cls._backward(ctx, dy)
+            return backward(ctx, dy)
         with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
-            return cls._backward(ctx, dy)
+            return backward(ctx, dy)
 
     @classmethod
     def _finish(cls, ctx, dx: Tensor | None, dbias: Tensor | None,  # noqa: ANN001

@@ -114,6 +114,10 @@ class TTLinearHalves(GatedFunction, torch.autograd.Function):
         return y
 
     @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # noqa: ANN001
+        return GatedFunction._run_backward(TTLinearHalves._backward, ctx, dy)
+
+    @staticmethod
     def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
         d, rd = ctx.d, ctx.rd
         s = saved(ctx)
@@ -222,6 +226,10 @@ class TTLinearReconstructed(GatedFunction, torch.autograd.Function):
         save(ctx, x=x, L=L, R=R, W=W, eff=eff, P=P[:-1], Q=Q[1:],
              raw=tensors[: 2 * d] if ctx.gated else None)
         return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # noqa: ANN001
+        return GatedFunction._run_backward(TTLinearReconstructed._backward, ctx, dy)
 
     @staticmethod
     def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001

@@ -82,7 +82,7 @@ class SizeForm:
 
 
 @lru_cache(maxsize=64)
-def size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
+def _size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
               device: torch.device, dtype: torch.dtype) -> SizeForm:
     """The :class:`SizeForm` of trains whose ``structure`` is, per train, ``(internal
     ranks, mode sizes, tau)`` (:meth:`TensorTrain.structure`), on ``device`` in ``dtype``.
@@ -112,6 +112,13 @@ def size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], .
     e0[0] = 1.0
     return SizeForm(M.to(device), e0.to(device), Q.to(device),
                     tau if isinstance(tau, float) else tau.to(device))
+
+
+#: :func:`_size_form`, a cached constant, left out of ``torch.compile``'s graphs (Dynamo
+#: would trace through the cache and build ``M`` and ``Q`` again in every step)
+size_form = torch.compiler.disable(_size_form)
+size_form.cache_clear = _size_form.cache_clear  # type: ignore[attr-defined]
+size_form.cache_info = _size_form.cache_info  # type: ignore[attr-defined]
 
 
 def gate_entries(trains: Sequence[TensorTrain]) -> tuple[Tensor, Tensor, SizeForm]:
