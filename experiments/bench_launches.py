@@ -239,7 +239,7 @@ def step_cases(device: torch.device, batch: int, preset: str
         def clip(params=params) -> None:  # noqa: ANN001
             clip_grad_norm_(params, [p.grad for p in params if p.grad is not None], 1.0)
 
-        fused = torch.optim.AdamW(state.param_groups(), lr=1e-3, fused=True)
+        fused = torch.optim.AdamW(state.param_groups(), lr=1e-3, fused=True, capturable=cuda)
         trains = [m.tt for _, m in tt_layers(model)]
         cases += [("step comera", shape, "fwd+obj+bwd", fwd_bwd),
                   ("step comera", shape, "clip", clip),

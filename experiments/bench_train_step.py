@@ -91,7 +91,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     task_model = TaskModel(model, "nli").to(device)
     state = CoMERA(model)
     grouped = bool(spec.get("grouped"))
-    optimizer = _grouped_optimizer(state) if grouped else state.make_optimizer(
+    optimizer = _grouped_optimizer(state, spec["graph"]) if grouped else state.make_optimizer(
         capturable=spec["graph"])
     refresh = state.refresh_fn() if spec["graph"] else None  # on the device, in the graph
     if grouped and refresh is not None:
@@ -165,13 +165,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _grouped_optimizer(state: Any) -> Any:
+def _grouped_optimizer(state: Any, graph: bool) -> Any:
     """``--grouped-step``'s optimizer: torch's ``fused`` AdamW over the controller's groups
-    (one kernel a group and dtype; its step counts live on the device, so a CUDA graph
-    captures it) instead of the ``foreach`` one (``experiments/bench_launches.py``)."""
+    (one kernel a group and dtype, its step counts on the device; ``capturable`` for a
+    CUDA graph, which torch's capture check asks for) instead of the ``foreach`` one
+    (``experiments/bench_launches.py``)."""
     import torch
 
-    return torch.optim.AdamW(state.param_groups(), lr=1e-3, fused=True)
+    return torch.optim.AdamW(state.param_groups(), lr=1e-3, fused=True, capturable=graph)
 
 
 def _grouped_refresh(model: Any) -> Any:
@@ -420,11 +421,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _row_text(r: dict[str, Any]) -> str:
-    paths = (f" {r.get('paths', 'auto')}"
-             + (f" compiled {_compile_mode(r['compile'])}" if r.get("compile") else "")
-             + (" grouped" if r.get("grouped") else ""))
+    paths = (f" {r.get('paths', 'auto')}" if r["variant"] == "comera" else "") + (
+        f" compiled {_compile_mode(r['compile'])} (first step "
+        f"{r.get('first_step_ms') or 0:.0f} ms, {r.get('recompiles')} recompiles)"
+        if r.get("compile") else "") + (" grouped" if r.get("grouped") else "")
     head = (f"{r['preset']:>5} b={r['batch']:<4} {r['variant']:>6} graph={r['graph']!s:<5}"
-            f"{paths if r['variant'] == 'comera' else ''}")
+            f"{paths}")
     if "error" in r:
         return f"{head} ERROR {r['error']}"
     extra = f" ({r['graph_reason']})" if r.get("graph_reason") else ""

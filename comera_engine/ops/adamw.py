@@ -30,9 +30,9 @@ class AdamW(torch.optim.AdamW):
 
     On CUDA torch's ``fused`` update is one kernel per group and dtype (plus one adding
     the step counts), against about a dozen ``foreach`` kernels per group for the
-    default; its step counts live on the device, so a CUDA graph captures it
-    (``capturable`` is then implied). ``fused`` or ``foreach`` given by the caller is
-    kept."""
+    default; its step counts live on the device (a CUDA graph captures it where
+    ``capturable`` is passed too, as torch's capture check asks). ``fused`` or
+    ``foreach`` given by the caller is kept."""
 
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
         params = [dict(x, params=list(x["params"])) if isinstance(x, dict) else x
