@@ -19,7 +19,8 @@ planner with the kernels allowed, ``COMERA_KERNELS=1``), ``reconstructed``,
 ``COMERA_PATHS``); the dense model once, with the same precision (bf16 autocast on a
 GPU) and CUDA-graph setting. ``--compile [MODE ...]`` adds both models eagerly with the
 step's forward and objective under ``torch.compile`` in each mode (``default``,
-``reduce-overhead``: Inductor's own CUDA graphs; ``TrainStep(compile=...)``): the first
+``reduce-overhead``: Inductor's own CUDA graphs; ``TrainStep(compile=...)``; the dense
+model too with ``--compile-dense``, else its eager row is the reference): the first
 step's time, the compile, is its own column, and Dynamo's recompiles are counted. Each row
 records the paths the planner chose. Prints a table and writes
 ``experiments/results/bench_train_step.json`` after every row (a run cut short keeps
@@ -241,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["default", "reduce-overhead", "max-autotune"],
                         help="also both models with the step's forward under torch.compile, "
                              "eagerly, in each MODE (none given: default)")
+    parser.add_argument("--compile-dense", action="store_true",
+                        help="with --compile: the dense model compiled too (else its "
+                             "eager row is the reference)")
     parser.add_argument("--grouped-step", action="store_true",
                         help="also CoMERA on the first path choice with the refresh of all "
                              "bonds at once and torch's fused AdamW, per CUDA-graph setting")
@@ -280,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             modes = None if args.compile is None else (args.compile or ["default"])
             for graph, compiled, variant, paths, grouped in _grid(
-                    graphs, args.paths, args.eager_paths, modes, args.grouped_step):
+                    graphs, args.paths, args.eager_paths, modes, args.grouped_step,
+                    args.compile_dense):
                 spec = {
                     "preset": preset, "batch": batch, "variant": variant, "graph": graph,
                     "device": device, "steps": args.steps, "min_seconds": args.min_seconds,
@@ -299,12 +304,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grid(graphs: list[bool], paths: list[str], eager_paths: list[str] | None,
-          compile_modes: list[str] | bool | None, grouped: bool = False
-          ) -> list[tuple[bool, Any, str, str, bool]]:
+          compile_modes: list[str] | bool | None, grouped: bool = False,
+          compile_dense: bool = False) -> list[tuple[bool, Any, str, str, bool]]:
     """``(graph, compiled, variant, paths, grouped)`` of every configuration: per
     CUDA-graph setting the dense model, then CoMERA per path choice (``eager_paths``
     without a graph, where given), then (``grouped``, graphed only) CoMERA on the first of
-    them with the grouped step ops; compiled ones eagerly."""
+    them with the grouped step ops; compiled ones eagerly (CoMERA, and the dense model
+    with ``compile_dense``)."""
     out = []
     for graph in graphs:
         out.append((graph, False, "dense", "auto", False))
@@ -314,8 +320,9 @@ def _grid(graphs: list[bool], paths: list[str], eager_paths: list[str] | None,
             out.append((graph, False, "comera", chosen[0], True))
     if compile_modes is True:  # the old flag: the default mode
         compile_modes = ["default"]
-    for mode in compile_modes or ():
-        out += [(False, mode, "dense", "auto", False), (False, mode, "comera", "auto", False)]
+    for mode in compile_modes or ():  # CoMERA (the dense model with compile_dense)
+        out += [*([(False, mode, "dense", "auto", False)] if compile_dense else []),
+                (False, mode, "comera", "auto", False)]
     return out
 
 
@@ -349,8 +356,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return (r["preset"], r["batch"], r["graph"], r.get("compile") or False)
 
     dense_of = {key(r): r for r in ok if r["variant"] == "dense"}
-    for tt in ok:
-        dense = dense_of.get(key(tt))
+    for tt in ok:  # a compiled CoMERA row without a compiled dense one: the eager dense
+        dense = dense_of.get(key(tt)) or dense_of.get((*key(tt)[:3], False))
         if tt["variant"] != "comera" or dense is None:
             continue
         out.append(

@@ -97,13 +97,13 @@ bench() {
     # (factorised is what auto picks on an H100, fused its slowest there, 1.5x auto at
     # batch 32; --grouped-step: auto, graphed, with the refresh of all bonds at once and
     # torch's fused AdamW)
-    step 170 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
+    step 160 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
         --batches 32 128 --paths auto reconstructed --eager-paths auto --grouped-step \
         --graphs both --steps 10 --min-seconds 0.5 --out "$RES/bench_train_step_cuda.json"
-    # the step's forward and objective under torch.compile (Inductor) against eager, the
-    # compile's time and Dynamo's recompiles counted (the tiny transformer: the paper's
-    # compiles for minutes; run that apart, the same command with --presets paper)
-    step 25 bench_train_step_compile.log $PY experiments/bench_train_step.py --presets tiny \
+    # CoMERA's step with its forward and objective under torch.compile (Inductor) against
+    # eager, the compile's time and Dynamo's recompiles counted (the tiny transformer: the
+    # paper's compiles for minutes; run that apart, the same command with --presets paper)
+    step 35 bench_train_step_compile.log $PY experiments/bench_train_step.py --presets tiny \
         --batches 32 --graphs off --compile default --steps 10 --min-seconds 0.3 \
         --out "$RES/bench_train_step_cuda_compile.json"
     # batch 1: peak memory against dense + AdamW
