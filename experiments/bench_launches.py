@@ -288,11 +288,18 @@ def main(argv: list[str] | None = None) -> int:
            "rows": []}
     name = f"bench_launches_{device.type}"
     dtype = torch.bfloat16 if device.type == "cuda" else None
-    groups = [] if args.step_only else [lambda: layer_cases(
-        device, args.tokens, args.rank, runs_on_device(device.type))]
+    # the step first (the most telling rows, if a time limit cuts the run short), planned
+    # as a run plans it: the Triton kernels off unless the run asks; then the layers,
+    # every path forced (fused where COMERA_KERNELS=1 lets the kernels run)
+    groups: list[tuple[Callable[[], list], bool, str | None]] = []
     if not args.quick:
-        groups.append(lambda: step_cases(device, args.step_batch, args.preset))
-    for make, amp in zip(groups, (not args.step_only, False)):
+        groups.append((lambda: step_cases(device, args.step_batch, args.preset), False, "0"))
+    if not args.step_only:
+        groups.append((lambda: layer_cases(device, args.tokens, args.rank,
+                                           runs_on_device(device.type)), True, None))
+    asked = os.environ.get("COMERA_KERNELS")
+    for make, amp, kernels in groups:
+        os.environ["COMERA_KERNELS"] = kernels if kernels is not None else (asked or "0")
         for layer, shape, path, fn in make():
             # the layers in the step's precision (the step sets its own autocast)
             with torch.autocast(device.type, dtype=dtype or torch.float32,
@@ -303,8 +310,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{got['syncs']:4.0f}" + (f"  kernels {got['kernels']:7.0f}"
                                             if "kernels" in got else ""), flush=True)
             bl.write_json(name, out, args.out)  # a run cut short keeps what it counted
-        # the step plans as a run does: the Triton kernels only where asked for by the run
-        os.environ["COMERA_KERNELS"] = "0"
     rows = out["rows"]
     cols = [("layer", "layer", ""), ("shape", "shape", ""), ("path", "path", ""),
             ("ops", "ops", ".0f"), ("syncs", "syncs", ".0f")]

@@ -115,8 +115,10 @@ def _size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], 
 
 
 #: :func:`_size_form`, a cached constant, left out of ``torch.compile``'s graphs (Dynamo
-#: would trace through the cache and build ``M`` and ``Q`` again in every step)
-size_form = torch.compiler.disable(_size_form)
+#: would trace through the cache and build ``M`` and ``Q`` again in every step); Dynamo
+#: imported on the first call, not with this module (``torch.compiler.disable`` would
+#: import it here: seconds at the start of every command)
+size_form = torch._disable_dynamo(_size_form)
 size_form.cache_clear = _size_form.cache_clear  # type: ignore[attr-defined]
 size_form.cache_info = _size_form.cache_info  # type: ignore[attr-defined]
 
