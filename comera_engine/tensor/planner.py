@@ -78,13 +78,16 @@ __all__ = ["DEVICE_MODELS", "PATHS", "Choice", "DeviceModel", "PathCost", "choic
 PATHS = OPS["tt_linear"]
 
 
-def tt_linear_dense(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
-    """Reconstruct ``W = L·R`` then one GEMM. ``x``: ``(B, N)``; returns ``(B, M)``."""
-    W = merge_left(cores[:d])[-1] @ merge_right(cores[d:])[0]
-    return x @ W
+def tt_linear_dense(x: Tensor, cores: Sequence[Tensor], d: int,
+                    bias: Tensor | None = None, gates: Sequence[Tensor] | Tensor = (),
+                    tau: float = 0.0, alive: Sequence[Tensor] | Tensor = ()) -> Tensor:
+    """The reconstructed path: ``W = L·R`` from the (gated) cores, then one GEMM
+    (:func:`comera_engine.ops.tt_linear_halves.tt_linear_reconstructed`, one Function).
+    ``x``: ``(B, N)``; returns ``(B, M)`` (``+ bias``)."""
+    return tt_linear_reconstructed(x, cores, d, bias, gates, tau, alive)
 
 
-_IMPL = {"halves": tt_linear_halves, "sweep": tt_linear_sweep, "dense": tt_linear_reconstructed}
+_IMPL = {"halves": tt_linear_halves, "sweep": tt_linear_sweep}
 
 
 # ---------------------------------------------------------------------------- graph or not
@@ -504,8 +507,9 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
             gates = list(gates.split(sizes))
             alive = list(alive.split(sizes)) if isinstance(alive, Tensor) else alive
         y = _fused_halves(x2, cores, d, bias, gates, tau, alive)
-    else:
-        impl = _IMPL["halves" if path == "fused" else path]
+    else:  # (the reconstructed path by its module name: what a test counts)
+        impl = tt_linear_dense if path == "dense" else _IMPL["halves" if path == "fused"
+                                                            else path]
         y = impl(x2, cores, d, bias, () if gates is None else gates, tau,
                  () if alive is None else alive)
     return y if x.dim() == 2 else y.reshape(*lead, -1)
