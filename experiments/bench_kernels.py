@@ -46,11 +46,12 @@ def _variants(n: int, m: int, rank: int, device: str) -> tuple[dict, TTLinear]:
 
     def path(p: str):  # noqa: ANN202
         def forward(x: torch.Tensor) -> torch.Tensor:
-            # the gates' views made inside the step, as a layer does: made once outside,
-            # on the default stream, their gradient's accumulator would belong to that
-            # stream and a CUDA graph's capture of the backward would fail
-            cores, gates, alive = tt.tt.parts()
-            return tt_linear(x, cores, d, p, tt.bias, gates, tt.tt.tau, alive)
+            # the gates as the layer passes them: the one gate vector (the fused path
+            # splits it into per-bond views inside the step: views made once outside, on
+            # the default stream, would leave their gradient's accumulator on that stream
+            # and a CUDA graph's capture of the backward would fail)
+            cores, gate, alive = tt.tt.flat_parts()
+            return tt_linear(x, cores, d, p, tt.bias, gate, tt.tt.tau, alive)
 
         return forward
 

@@ -200,6 +200,29 @@ def memory(data: dict[str, Any]) -> str:
                           "optim MiB", "saved act MiB", "held MiB", "RSS +train MiB"], rows))
 
 
+def launches(data: dict[str, Any]) -> str:
+    """Kernel launches per TT layer path and per training step (the CPU proxy, and the
+    CUDA kernels where the file is a GPU's)."""
+    cuda = data["device"] == "cuda"
+    rows = [[r["layer"], r["shape"], r["path"], f"{r['ops']:.0f}", f"{r['syncs']:.0f}",
+             *([f"{r['kernels']:.0f}"] if cuda else [])] for r in data["rows"]]
+    what = ("Per call (forward + backward for a layer, at "
+            f"{data['tokens']} rows and rank {data['rank']}; the paper transformer's whole "
+            f"step and its phases at batch {data['step_batch']}): `ops`, the ATen ops below "
+            "autograd that do work (views, allocations and flags not counted; each about "
+            "one GPU kernel; a `_foreach_`/`_fused_` op once), with the C++ CPU backend "
+            "off; `syncs`, host reads. The optimizer row is torch's `foreach` AdamW (what "
+            "a GPU step runs; the CPU one reads its step counts on the host, hence the "
+            "syncs); `optimizer fused` and `refresh_entries` (every bond at once) are the "
+            "alternatives to the step's own optimizer and per-bond refresh.")
+    if cuda:
+        what += " `kernels`: the CUDA kernels, memcpys and memsets the profiler records."
+    return section("Kernel launches per TT layer and per step", data["command"],
+                   f"bench_launches_{data['device']}.json", data, what,
+                   table(["layer", "shape", "path", "ops", "syncs",
+                          *(["kernels"] if cuda else [])], rows))
+
+
 def gpu_machine(files: dict[str, dict[str, Any]]) -> str:
     """One line for the GPU files' machines (the device tool's machines, one per call)."""
     seen = sorted({(m.get("gpu") or m.get("device") or "?", m.get("torch") or "?")
@@ -219,7 +242,7 @@ def step_sentence(data: dict[str, Any]) -> str:
     batch (the planner's paths, no compile): the step times eagerly and in a CUDA graph,
     and the peak memory. README quotes it (tests/test_bench_report.py)."""
     auto = [r for r in data["ratios"] if r.get("paths", "auto") == "auto"
-            and not r.get("compile")]
+            and not r.get("compile") and not r.get("grouped")]
     out = []
     for batch in sorted({r["batch"] for r in auto}):
         rows = sorted((r for r in auto if r["batch"] == batch), key=lambda r: r["graph"])
@@ -240,7 +263,8 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
     graphed_mem = d.get("peak_from") == "before warm-up"
     with_paths = any("paths" in r for r in d["ratios"])
     rows = [[r["preset"], r["batch"], "yes" if r["graph"] else "no",
-             *([r["paths"] + (", compiled" if r.get("compile") else "")] if with_paths else []),
+             *([r["paths"] + (", compiled" if r.get("compile") else "")
+                + (", grouped step" if r.get("grouped") else "")] if with_paths else []),
              f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
              f"{r['dense_mem_mb']:.0f} / {r['comera_mem_mb']:.0f}"
              if graphed_mem or not r["graph"] else "not measured",
@@ -287,6 +311,9 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                 "bench_train_step_cuda_batch1", "bench_train_step_cuda_kernels"):
         if files.get(key):
             parts.append(_step_table(key, files[key]))
+    if files.get("bench_launches_cuda"):
+        parts.append("#" + launches(files["bench_launches_cuda"]).replace(
+            "experiments/results/bench_launches", "experiments/results/gpu/bench_launches"))
     d = files.get("bench_kernels_cuda")
     if d and "dense" in d["rows"][0]["ms"]:  # every path, with its % of the roofline
         names = ["fused", "halves", "dense", "nn.Linear"]
@@ -468,6 +495,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("hf_trainer.json", hf_trainer),
     ("schedule_ablation.json", schedules),
     ("reproduce/memory/bench_memory_peers.json", memory),
+    ("bench_launches_cpu.json", launches),
 ]
 
 

@@ -17,8 +17,11 @@ device profile's fastest path per layer, the Triton kernels off), ``kernels`` (t
 planner with the kernels allowed, ``COMERA_KERNELS=1``), ``reconstructed``,
 ``factorised`` or ``fused`` (every TT op restricted to that family where it has it,
 ``COMERA_PATHS``); the dense model once, with the same precision (bf16 autocast on a
-GPU) and CUDA-graph setting. ``--compile`` adds both models eagerly under
-``torch.compile`` (the first step's time, the compile, is its own column). Each row
+GPU) and CUDA-graph setting. ``--compile [MODE ...]`` adds both models eagerly with the
+step's forward and objective under ``torch.compile`` in each mode (``default``,
+``reduce-overhead``: Inductor's own CUDA graphs; ``TrainStep(compile=...)``; the dense
+model too with ``--compile-dense``, else its eager row is the reference): the first
+step's time, the compile, is its own column, and Dynamo's recompiles are counted. Each row
 records the paths the planner chose. Prints a table and writes
 ``experiments/results/bench_train_step.json`` after every row (a run cut short keeps
 what it measured; ``docs/BENCHMARKS.md`` is generated from committed results by
@@ -87,10 +90,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     model = build_transformer(spec["preset"], dense=spec["variant"] == "dense")
     task_model = TaskModel(model, "nli").to(device)
-    if spec.get("compile"):
-        task_model = torch.compile(task_model)
     state = CoMERA(model)
-    optimizer = state.make_optimizer(capturable=spec["graph"])
+    grouped = bool(spec.get("grouped"))
+    optimizer = _grouped_optimizer(state, spec["graph"]) if grouped else state.make_optimizer(
+        capturable=spec["graph"])
+    refresh = state.refresh_fn() if spec["graph"] else None  # on the device, in the graph
+    if grouped and refresh is not None:
+        refresh = _grouped_refresh(model)
     step = TrainStep(
         task_model,
         optimizer,
@@ -98,7 +104,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         model.parameters(),
         grad_clip=1.0,
         autocast_dtype=torch.bfloat16 if cuda else None,
-        refresh=state.refresh_fn() if spec["graph"] else None,  # on the device, in the graph
+        refresh=refresh,
+        compile=_compile_mode(spec.get("compile")),
     )
     runner = GraphedStep(step, log=lambda text: None) if spec["graph"] else step
     b = spec["batch"]
@@ -159,6 +166,35 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _grouped_optimizer(state: Any, graph: bool) -> Any:
+    """``--grouped-step``'s optimizer: torch's ``fused`` AdamW over the controller's groups
+    (one kernel a group and dtype, its step counts on the device; ``capturable`` for a
+    CUDA graph, which torch's capture check asks for) instead of the ``foreach`` one
+    (``experiments/bench_launches.py``)."""
+    import torch
+
+    return torch.optim.AdamW(state.param_groups(), lr=1e-3, fused=True, capturable=graph)
+
+
+def _grouped_refresh(model: Any) -> Any:
+    """``--grouped-step``'s gate refresh: every bond of every layer at once
+    (:func:`comera_engine.tensor.size.refresh_entries`, the same result as the
+    controller's per-bond one, counts in the same order)."""
+    from comera_engine.layers import tt_layers
+    from comera_engine.tensor.size import refresh_entries
+
+    trains = [m.tt for _, m in tt_layers(model)]
+    return lambda: refresh_entries(trains)
+
+
+def _compile_mode(value: Any) -> str | None:
+    """A row's ``compile``: a mode, ``True`` (rows written before modes: ``default``) or
+    nothing."""
+    if not value:
+        return None
+    return value if isinstance(value, str) else "default"
+
+
 def _recompiles() -> int | None:
     """How many times Dynamo recompiled in this process (None where it cannot say)."""
     try:
@@ -202,8 +238,16 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: --paths)")
     parser.add_argument("--graphs", choices=("on", "off", "both"),
                         default="both" if cuda else "off", help="CUDA graph (GPU only)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also both models under torch.compile, eagerly")
+    parser.add_argument("--compile", nargs="*", default=None, metavar="MODE",
+                        choices=["default", "reduce-overhead", "max-autotune"],
+                        help="also both models with the step's forward under torch.compile, "
+                             "eagerly, in each MODE (none given: default)")
+    parser.add_argument("--compile-dense", action="store_true",
+                        help="with --compile: the dense model compiled too (else its "
+                             "eager row is the reference)")
+    parser.add_argument("--grouped-step", action="store_true",
+                        help="also CoMERA on the first path choice with the refresh of all "
+                             "bonds at once and torch's fused AdamW, per CUDA-graph setting")
     parser.add_argument("--steps", type=int, default=20 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--min-seconds", type=float, default=3.0,
@@ -238,13 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for preset in args.presets:
         for batch in args.batches:
-            for graph, compiled, variant, paths in _grid(graphs, args.paths, args.eager_paths,
-                                                         args.compile):
+            modes = None if args.compile is None else (args.compile or ["default"])
+            for graph, compiled, variant, paths, grouped in _grid(
+                    graphs, args.paths, args.eager_paths, modes, args.grouped_step,
+                    args.compile_dense):
                 spec = {
                     "preset": preset, "batch": batch, "variant": variant, "graph": graph,
                     "device": device, "steps": args.steps, "min_seconds": args.min_seconds,
                     "warmup": max(args.warmup, 4 if graph else 1 if compiled else 0),
                     "threads": args.threads, "paths": paths, "compile": compiled,
+                    "grouped": grouped,
                 }
                 row = run_child(spec, args.timeout)
                 rows.append(row)
@@ -257,17 +304,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grid(graphs: list[bool], paths: list[str], eager_paths: list[str] | None,
-          compile_too: bool) -> list[tuple[bool, bool, str, str]]:
-    """``(graph, compiled, variant, paths)`` of every configuration: per CUDA-graph
-    setting the dense model, then CoMERA per path choice (``eager_paths`` without a
-    graph, where given); compiled ones eagerly."""
+          compile_modes: list[str] | bool | None, grouped: bool = False,
+          compile_dense: bool = False) -> list[tuple[bool, Any, str, str, bool]]:
+    """``(graph, compiled, variant, paths, grouped)`` of every configuration: per
+    CUDA-graph setting the dense model, then CoMERA per path choice (``eager_paths``
+    without a graph, where given), then (``grouped``, graphed only) CoMERA on the first of
+    them with the grouped step ops; compiled ones eagerly (CoMERA, and the dense model
+    with ``compile_dense``)."""
     out = []
     for graph in graphs:
-        out.append((graph, False, "dense", "auto"))
-        out += [(graph, False, "comera", p)
-                for p in (paths if graph or eager_paths is None else eager_paths)]
-    if compile_too:
-        out += [(False, True, "dense", "auto"), (False, True, "comera", "auto")]
+        out.append((graph, False, "dense", "auto", False))
+        chosen = paths if graph or eager_paths is None else eager_paths
+        out += [(graph, False, "comera", p, False) for p in chosen]
+        if grouped and graph:  # (eagerly the refresh is the host's: only the optimizer)
+            out.append((graph, False, "comera", chosen[0], True))
+    if compile_modes is True:  # the old flag: the default mode
+        compile_modes = ["default"]
+    for mode in compile_modes or ():  # CoMERA (the dense model with compile_dense)
+        out += [*([(False, mode, "dense", "auto", False)] if compile_dense else []),
+                (False, mode, "comera", "auto", False)]
     return out
 
 
@@ -298,11 +353,11 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ok = [r for r in rows if "error" not in r]
 
     def key(r: dict[str, Any]) -> tuple:
-        return (r["preset"], r["batch"], r["graph"], bool(r.get("compile")))
+        return (r["preset"], r["batch"], r["graph"], r.get("compile") or False)
 
     dense_of = {key(r): r for r in ok if r["variant"] == "dense"}
-    for tt in ok:
-        dense = dense_of.get(key(tt))
+    for tt in ok:  # a compiled CoMERA row without a compiled dense one: the eager dense
+        dense = dense_of.get(key(tt)) or dense_of.get((*key(tt)[:3], False))
         if tt["variant"] != "comera" or dense is None:
             continue
         out.append(
@@ -311,7 +366,10 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "batch": tt["batch"],
                 "graph": tt["graph"],
                 "paths": tt.get("paths", "auto"),
-                "compile": bool(tt.get("compile")),
+                "compile": _compile_mode(tt.get("compile")) or False,
+                "first_step_ms": tt.get("first_step_ms"),
+                "recompiles": tt.get("recompiles"),
+                "grouped": bool(tt.get("grouped")),
                 "dense_ms": dense["step_ms_median"],
                 "comera_ms": tt["step_ms_median"],
                 "speedup": dense["step_ms_median"] / tt["step_ms_median"],
@@ -337,7 +395,10 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["ratios"]:
-        paths = r.get("paths", "auto") + (", compiled" if r.get("compile") else "")
+        paths = (r.get("paths", "auto") + (f", compiled ({_compile_mode(r['compile'])}, "
+                                            f"first step {r.get('first_step_ms') or 0:.0f} ms)"
+                                            if r.get("compile") else "")
+                 + (", grouped step" if r.get("grouped") else ""))
         lines.append(
             f"| {r['preset']} | {r['batch']} | {'yes' if r['graph'] else 'no'} | {paths} | "
             f"{r['dense_ms']:.1f} | {r['comera_ms']:.1f} | {r['speedup']:.2f}x | "
@@ -367,9 +428,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _row_text(r: dict[str, Any]) -> str:
-    paths = f" {r.get('paths', 'auto')}" + (" compiled" if r.get("compile") else "")
+    paths = (f" {r.get('paths', 'auto')}" if r["variant"] == "comera" else "") + (
+        f" compiled {_compile_mode(r['compile'])} (first step "
+        f"{r.get('first_step_ms') or 0:.0f} ms, {r.get('recompiles')} recompiles)"
+        if r.get("compile") else "") + (" grouped" if r.get("grouped") else "")
     head = (f"{r['preset']:>5} b={r['batch']:<4} {r['variant']:>6} graph={r['graph']!s:<5}"
-            f"{paths if r['variant'] == 'comera' else ''}")
+            f"{paths}")
     if "error" in r:
         return f"{head} ERROR {r['error']}"
     extra = f" ({r['graph_reason']})" if r.get("graph_reason") else ""

@@ -18,7 +18,9 @@
 #          Triton kernels compiled against float64, the trainer on the GPU with and
 #          without CUDA graphs
 #   bench  the step benchmark (paper transformer, batch 32 and 128, CoMERA on each path
-#          choice, CUDA graph on and off, dense alike; batch 1 for peak memory), the
+#          choice and with the grouped step ops, CUDA graph on and off, dense alike; the
+#          step under torch.compile on the tiny transformer; batch 1 for peak memory),
+#          the kernels launched per layer path and per step, the
 #          TT-linear and TTM-lookup paths with their % of the roofline, one TT layer vs
 #          nn.Linear in bf16 in a CUDA graph
 #
@@ -92,18 +94,31 @@ bench() {
     # a training step of the paper's transformer, CoMERA vs dense: batch 32 (the paper's)
     # and 128, graphed with every path choice, eager with the planner's; the JSON is
     # written after every run, so a timeout keeps what was measured
-    step 195 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
-        --batches 32 128 --paths auto reconstructed factorised fused --eager-paths auto \
+    # (factorised is what auto picks on an H100, fused its slowest there, 1.5x auto at
+    # batch 32; --grouped-step: auto, graphed, with the refresh of all bonds at once and
+    # torch's fused AdamW)
+    step 160 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
+        --batches 32 128 --paths auto reconstructed --eager-paths auto --grouped-step \
         --graphs both --steps 10 --min-seconds 0.5 --out "$RES/bench_train_step_cuda.json"
+    # CoMERA's step with its forward and objective under torch.compile (Inductor) against
+    # eager, the compile's time and Dynamo's recompiles counted (the tiny transformer: the
+    # paper's compiles for minutes; run that apart, the same command with --presets paper)
+    step 35 bench_train_step_compile.log $PY experiments/bench_train_step.py --presets tiny \
+        --batches 32 --graphs off --compile default --steps 10 --min-seconds 0.3 \
+        --out "$RES/bench_train_step_cuda_compile.json"
     # batch 1: peak memory against dense + AdamW
-    step 45 bench_train_step_batch1.log $PY experiments/bench_train_step.py \
+    step 40 bench_train_step_batch1.log $PY experiments/bench_train_step.py \
         --presets paper --batches 1 --graphs on --steps 10 --min-seconds 0.3 \
         --out "$RES/bench_train_step_cuda_batch1.json"
+    # kernels launched per TT layer path and per training step (and by phase), against
+    # the CPU proxy committed in experiments/results/bench_launches_cpu.json
+    COMERA_KERNELS=1 step 25 bench_launches.log $PY experiments/bench_launches.py \
+        --reps 1 --out "$RES"
     # every TT-linear path and the TTM lookup's against the dense layers, % of roofline
-    step 30 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
-    step 20 bench_kernels_ttm.log $PY experiments/bench_kernels_ttm.py --out "$RES" --rounds 5
+    step 20 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
+    step 15 bench_kernels_ttm.log $PY experiments/bench_kernels_ttm.py --out "$RES" --rounds 5
     # one TT layer on the planner's path against nn.Linear, as the trainer runs it
-    step 25 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
+    step 20 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
         --dtype bf16 --graph --tokens 4096 16384 --rounds 5 --out "$RES"
 }
 

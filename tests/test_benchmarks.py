@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -243,3 +244,22 @@ def test_own_loop_example_trains_to_the_target_against_dense(tmp_path) -> None:
     assert abs(comera["compression"] / mlp["target"] - 1) <= 0.05 and comera["test_acc"] > 0.5
     assert "mlp: asked 20× (TT layers)" in out.stdout
     assert "the optimizer's" in out.stderr  # CoMERA says which rates it set (the gates')
+
+
+def test_bench_launches_counts_the_ops_a_hand_count_gives() -> None:
+    """The CPU proxy of experiments/bench_launches.py: ``nn.Linear`` forward + backward is
+    ``addmm`` then ``mm`` (dX), ``mm`` (dW) and ``sum`` (db), three GEMMs without a bias;
+    views are not counted, a host read is a sync, not an op."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_launches as bl
+
+    dev = torch.device("cpu")
+    for bias, ops in ((True, 4), (False, 3)):
+        lin = torch.nn.Linear(16, 8, bias=bias)
+        x = torch.randn(4, 16, requires_grad=True)
+        got = bl.count(bl._fwd_bwd(lin, x, torch.randn(4, 8), list(lin.parameters())), dev)
+        assert got["ops"] == ops and got["syncs"] == 0, got
+        assert got["top"]["mm"] == (2 if bias else 3)
+    t = torch.randn(3)
+    got = bl.count(lambda: float(t.view(3, 1).t().sum()), dev, reps=3)
+    assert got == {"ops": 1, "syncs": 1, "top": {"sum": 1}}

@@ -141,8 +141,8 @@ class TTLinear(nn.Module):
         if bias is not None and M != self.out_features:
             bias = F.pad(bias, (0, M - self.out_features))
         tt = self.tt
-        cores, gates, alive = tt.parts()
-        y = tt_linear(x, cores, tt.d, self.path, bias=bias, gates=gates, tau=tt.tau,
+        cores, gate, alive = tt.flat_parts()  # one gate vector: its gradient in one piece
+        y = tt_linear(x, cores, tt.d, self.path, bias=bias, gates=gate, tau=tt.tau,
                       alive=alive)
         if M != self.out_features:
             y = y[..., : self.out_features]

@@ -110,29 +110,39 @@ class GatedFunction:
     def _split(ctx, tensors: Sequence[Tensor], d: int  # noqa: ANN001
                ) -> tuple[list[Tensor], list[Tensor], list[Tensor], float]:
         """The Function's trailing arguments as (cores, gates, alive, tau): the 2d cores,
-        then, when gated, the 2d-1 gates, the 2d-1 ``alive`` vectors and ``tau``
-        (else empty lists and 0). Sets ``ctx.gated``."""
+        then, when gated, either the 2d-1 gates, the 2d-1 ``alive`` vectors and ``tau``,
+        or (``ctx.flat``) all bonds' gates as one vector, their ``alive`` as one and
+        ``tau`` (:func:`gate_args`); else empty lists and 0. The gates and alive vectors
+        are returned per bond (views of the flat ones). Sets ``ctx.gated``, ``ctx.flat``."""
         n_g = 2 * d - 1
-        ctx.gated = len(tensors) > 2 * d
+        extra = len(tensors) - 2 * d
+        ctx.gated = extra > 0
+        ctx.flat = extra == 3  # one gate vector (for d = 1 both forms are the same)
+        raw = list(tensors[: 2 * d])
         if not ctx.gated:
-            return list(tensors[: 2 * d]), [], [], 0.0
-        return (list(tensors[: 2 * d]), list(tensors[2 * d : 2 * d + n_g]),
-                list(tensors[2 * d + n_g : -1]), float(tensors[-1]))
+            return raw, [], [], 0.0
+        if ctx.flat:
+            sizes = [int(c.shape[-1]) for c in raw[:-1]]
+            return (raw, list(tensors[2 * d].split(sizes)), list(tensors[2 * d + 1].split(sizes)),
+                    float(tensors[-1]))
+        return (raw, list(tensors[2 * d : 2 * d + n_g]), list(tensors[2 * d + n_g : -1]),
+                float(tensors[-1]))
 
     @staticmethod
     def _absorb(ctx, tensors: Sequence[Tensor], d: int) -> list[Tensor]:  # noqa: ANN001
-        """``tensors``: the 2d cores, optionally followed by the 2d-1 gates, the 2d-1
-        bool ``alive`` vectors and the threshold ``tau`` (a float). Returns the gated
-        cores and keeps what :meth:`_gate_grads` needs on ``ctx`` (the raw cores are
-        saved last). The masks ``alive_k & (|g_k| > tau)`` are computed here, in one pass
-        over all bonds: no mask tensors are built outside the step."""
+        """``tensors``: the 2d cores, optionally followed by the gates, the bool ``alive``
+        flags and the threshold ``tau`` (a float), per bond or flat (:meth:`_split`).
+        Returns the gated cores and keeps what :meth:`_gate_grads` needs on ``ctx`` (the
+        raw cores are saved last). The masks ``alive_k & (|g_k| > tau)`` are computed
+        here, in one pass over all bonds: no mask tensors are built outside the step."""
         raw, gates, alive, tau = GatedFunction._split(ctx, tensors, d)
         if not ctx.gated:
             return raw
+        flat_g = tensors[2 * d] if ctx.flat else torch.cat(gates)
         # g where |g| > tau, else 0 (hardshrink: one op), then the dead entries zeroed
-        gm = torch.nn.functional.hardshrink(torch.cat(gates), tau)
+        gm = torch.nn.functional.hardshrink(flat_g, tau)
         if alive:
-            gm = torch.where(torch.cat(alive), gm, 0.0)
+            gm = torch.where(tensors[2 * d + 1] if ctx.flat else torch.cat(alive), gm, 0.0)
         ctx.m = gm != 0  # the mask: alive and |g| > tau (> 0, so never a kept zero)
         ctx.sizes = [int(v.shape[0]) for v in gates]
         # per gate, its vector shaped to broadcast over its core: (r,) on the right bond,
@@ -166,6 +176,9 @@ class GatedFunction:
                 d_cores[j] = dE * v
             if want_g:
                 sums.append((dE * raw[j]).sum((0, 1) if right else (1, 2)))
+        if ctx.flat:  # one gradient for the one gate vector: no split, no cat after
+            d_gate = torch.where(ctx.m, torch.cat(sums), 0.0) if need[K] else None
+            return [*d_cores, d_gate, None, None]
         d_gates: list[Tensor | None] = [None] * n_g
         if want_g:
             flat = torch.where(ctx.m, torch.cat(sums), 0.0).split(ctx.sizes)
@@ -177,12 +190,15 @@ class GatedFunction:
         dev = x.device.type  # backward runs under the forward's autocast state (bf16)
         ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
 
-    @classmethod
-    def backward(cls, ctx, dy: Tensor):  # type: ignore[override]  # noqa: ANN001, ANN206
+    @staticmethod
+    def _run_backward(backward, ctx, dy: Tensor):  # noqa: ANN001, ANN205
+        """``backward(ctx, dy)`` (a subclass's ``_backward``) under the forward's autocast
+        state. Each subclass's ``backward`` is a staticmethod calling this (a classmethod
+        ``backward`` is not traced by ``torch.compile``: it breaks the graph there)."""
         if ctx.amp is None:
-            return cls._backward(ctx, dy)
+            return backward(ctx, dy)
         with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
-            return cls._backward(ctx, dy)
+            return backward(ctx, dy)
 
     @classmethod
     def _finish(cls, ctx, dx: Tensor | None, dbias: Tensor | None,  # noqa: ANN001
@@ -206,13 +222,30 @@ class GatedFunction:
         if not ctx.gated:
             return (dx, None, dbias, *cores)
         k0 = 3 + len(g_cores)
+        if ctx.flat:
+            got = bool(g_gates) and all(g is not None for g in g_gates)
+            gate = torch.cat(list(g_gates)) if need[k0] and got else None
+            return (dx, None, dbias, *cores, gate, None, None)
         gates = [g if need[k0 + b] else None for b, g in enumerate(g_gates)]
         return (dx, None, dbias, *cores, *gates, *([None] * len(gates)), None)
 
 
-def gate_args(gates: Sequence[Tensor], tau: float, alive: Sequence[Tensor]) -> tuple:
+def gate_args(gates: Sequence[Tensor] | Tensor, tau: float,
+              alive: Sequence[Tensor] | Tensor) -> tuple:
     """The trailing Function arguments for gates: ``(*gates, *alive, tau)``, alive
-    defaulting to all True; nothing without gates."""
+    defaulting to all True; nothing without gates. ``gates`` may also be all bonds'
+    gates as one vector (a train's ``gate``, ``alive`` its flags as one bool vector or
+    empty): then ``(gate, alive, tau)``, and the Function's gradient for it is one
+    vector too (no split views, no concatenation after)."""
+    if isinstance(gates, Tensor):
+        if not isinstance(alive, Tensor):
+            if alive:
+                raise ValueError("alive: one bool vector with the flat gate vector")
+            alive = torch.ones(gates.shape, dtype=torch.bool, device=gates.device)
+        if alive.shape != gates.shape:
+            raise ValueError(f"alive: shape {tuple(alive.shape)}, the gates' "
+                             f"{tuple(gates.shape)}")
+        return (gates, alive, float(tau))
     if not gates:
         return ()
     if not alive:

@@ -19,8 +19,9 @@ from .. import backends
 from .gates import GatedFunction, apply_gates, gate_args, gate_masks, save, saved
 from .merges import merge_left, merge_left_grads, merge_right, merge_right_grads
 
-__all__ = ["TTLinearHalves", "batch_backward", "batch_forward", "padded_width",
-           "tt_linear_halves", "tt_linear_halves_reference"]
+__all__ = ["TTLinearHalves", "TTLinearReconstructed", "batch_backward", "batch_forward",
+           "padded_width", "tt_linear_halves", "tt_linear_halves_reference",
+           "tt_linear_reconstructed"]
 
 _RANK_ALIGN = 8
 _MIN_WIDTH = 16  # MKL runs (B×N)·(N×8) and its transposes several times slower than ×16
@@ -113,6 +114,10 @@ class TTLinearHalves(GatedFunction, torch.autograd.Function):
         return y
 
     @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # noqa: ANN001
+        return GatedFunction._run_backward(TTLinearHalves._backward, ctx, dy)
+
+    @staticmethod
     def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
         d, rd = ctx.d, ctx.rd
         s = saved(ctx)
@@ -187,12 +192,69 @@ def batch_backward(dy: Tensor, x: Tensor, XL: Tensor, Lp: Tensor, Rp: Tensor,
 
 
 def tt_linear_halves(x: Tensor, cores: Sequence[Tensor], d: int,
-                     bias: Tensor | None = None, gates: Sequence[Tensor] = (),
-                     tau: float = 0.0, alive: Sequence[Tensor] = ()) -> Tensor:
+                     bias: Tensor | None = None, gates: Sequence[Tensor] | Tensor = (),
+                     tau: float = 0.0, alive: Sequence[Tensor] | Tensor = ()) -> Tensor:
     """Two-half path. ``x``: ``(B, N)``; returns ``(B, M)`` (``+ bias``, fused into the
     batch GEMMs). ``gates`` (with ``tau`` and optional ``alive``, as in
-    :func:`comera_engine.tensor.tt_linear`) are absorbed inside the Function."""
+    :func:`comera_engine.tensor.tt_linear`) are absorbed inside the Function: per bond,
+    or all bonds' as one vector (a train's ``gate`` and ``alive``: its gradient is then
+    one vector, with no split views and no concatenation after)."""
     return TTLinearHalves.apply(x, d, bias, *cores, *gate_args(gates, tau, alive))
+
+
+class TTLinearReconstructed(GatedFunction, torch.autograd.Function):
+    """The reconstructed path: ``W = L·R`` from the (gated) cores, then
+    ``Y = X·W + b``, as one Function (gates absorbed inside, :class:`.gates.GatedFunction`).
+
+    Forward: the gate mask and scaling, the merge chains, ``W = L·R`` and one ``addmm``.
+    Backward: ``dX = dY·Wᵀ``, ``dW = Xᵀ·dY``, ``db = Σ_b dY``, ``dL = dW·Rᵀ``,
+    ``dR = Lᵀ·dW`` and back through the merge chains into each core and gate. The same
+    products autograd records for the module-level path, without its per-gate mask and
+    cast ops (experiments/bench_launches.py counts them). Saves ``X``, ``L``, ``R``,
+    ``W``, the prefixes, the suffixes and the (gated and raw) cores."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
+                *tensors: Tensor) -> Tensor:
+        eff = TTLinearReconstructed._absorb(ctx, tensors, d)
+        P, Q = merge_left(eff[:d]), merge_right(eff[d:])
+        L, R = P[-1], Q[0]
+        W = L @ R
+        y = torch.addmm(bias.to(W.dtype), x, W) if bias is not None else x @ W
+        ctx.d, ctx.has_bias = d, bias is not None
+        TTLinearReconstructed._keep_autocast(ctx, x)
+        save(ctx, x=x, L=L, R=R, W=W, eff=eff, P=P[:-1], Q=Q[1:],
+             raw=tensors[: 2 * d] if ctx.gated else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # noqa: ANN001
+        return GatedFunction._run_backward(TTLinearReconstructed._backward, ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
+        d = ctx.d
+        s = saved(ctx)
+        need = ctx.needs_input_grad
+        dx = dy @ s["W"].t() if need[0] else None
+        dbias = dy.sum(0) if ctx.has_bias and need[2] else None
+        grads: list[Tensor | None] = [None] * (2 * d)
+        if any(need[3:]):
+            dW = s["x"].t() @ dy
+            eff = s["eff"]
+            grads = [*merge_left_grads(eff[:d], s["P"], dW @ s["R"].t()),
+                     *merge_right_grads(eff[d:], s["Q"], s["L"].t() @ dW)]
+        return TTLinearReconstructed._finish(ctx, dx, dbias, grads, s["raw"])
+
+
+def tt_linear_reconstructed(x: Tensor, cores: Sequence[Tensor], d: int,
+                            bias: Tensor | None = None, gates: Sequence[Tensor] | Tensor = (),
+                            tau: float = 0.0, alive: Sequence[Tensor] | Tensor = ()
+                            ) -> Tensor:
+    """The reconstructed path (:class:`TTLinearReconstructed`): ``W`` from the gated
+    cores, one GEMM. ``x``: ``(B, N)``; returns ``(B, M)`` (``+ bias``). ``gates`` as in
+    :func:`tt_linear_halves` (per bond, or all bonds as one vector)."""
+    return TTLinearReconstructed.apply(x, d, bias, *cores, *gate_args(gates, tau, alive))
 
 
 def tt_linear_halves_reference(x: Tensor, cores: Sequence[Tensor], d: int,

@@ -138,6 +138,10 @@ class TTLinearSweep(GatedFunction, torch.autograd.Function):
         return TTLinearSweep._finish_backend(ctx, g[0], g[1], g[2 : 2 + 2 * d], g[2 + 2 * d :])
 
     @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # noqa: ANN001
+        return GatedFunction._run_backward(TTLinearSweep._backward, ctx, dy)
+
+    @staticmethod
     def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
         if ctx.backend is not None:
             return TTLinearSweep._backend_backward(ctx, dy)
@@ -183,8 +187,8 @@ class TTLinearSweep(GatedFunction, torch.autograd.Function):
 
 
 def tt_linear_sweep(x: Tensor, cores: Sequence[Tensor], d: int,
-                    bias: Tensor | None = None, gates: Sequence[Tensor] = (),
-                    tau: float = 0.0, alive: Sequence[Tensor] = ()) -> Tensor:
+                    bias: Tensor | None = None, gates: Sequence[Tensor] | Tensor = (),
+                    tau: float = 0.0, alive: Sequence[Tensor] | Tensor = ()) -> Tensor:
     """Core-by-core path (:class:`TTLinearSweep`). ``x``: ``(B, N)``; returns ``(B, M)``
     (``+ bias``). ``gates`` (with ``tau`` and optional ``alive``, as in :func:`tt_linear`)
     are absorbed inside the Function."""

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ..ops.gates import apply_gates, gate_masks
 from ..ops.merges import layout, merge_left, merge_right
-from ..ops.tt_linear_halves import tt_linear_halves
+from ..ops.tt_linear_halves import tt_linear_halves, tt_linear_reconstructed
 from ..ops.tt_linear_sweep import tt_linear_sweep
 from ..ops.ttm_decode import decode_path
 from ..ops.ttm_linear import ttm_linear_sweep
@@ -78,13 +78,16 @@ __all__ = ["DEVICE_MODELS", "PATHS", "Choice", "DeviceModel", "PathCost", "choic
 PATHS = OPS["tt_linear"]
 
 
-def tt_linear_dense(x: Tensor, cores: Sequence[Tensor], d: int) -> Tensor:
-    """Reconstruct ``W = L·R`` then one GEMM. ``x``: ``(B, N)``; returns ``(B, M)``."""
-    W = merge_left(cores[:d])[-1] @ merge_right(cores[d:])[0]
-    return x @ W
+def tt_linear_dense(x: Tensor, cores: Sequence[Tensor], d: int,
+                    bias: Tensor | None = None, gates: Sequence[Tensor] | Tensor = (),
+                    tau: float = 0.0, alive: Sequence[Tensor] | Tensor = ()) -> Tensor:
+    """The reconstructed path: ``W = L·R`` from the (gated) cores, then one GEMM
+    (:func:`comera_engine.ops.tt_linear_halves.tt_linear_reconstructed`, one Function).
+    ``x``: ``(B, N)``; returns ``(B, M)`` (``+ bias``)."""
+    return tt_linear_reconstructed(x, cores, d, bias, gates, tau, alive)
 
 
-_IMPL = {"halves": tt_linear_halves, "sweep": tt_linear_sweep, "dense": tt_linear_dense}
+_IMPL = {"halves": tt_linear_halves, "sweep": tt_linear_sweep}
 
 
 # ---------------------------------------------------------------------------- graph or not
@@ -459,18 +462,20 @@ def explain_decode(tokens: int, vocab_factors: Sequence[int], dim_factors: Seque
 
 # ---------------------------------------------------------------------------- running it
 def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = None,
-              bias: Tensor | None = None, gates: Sequence[Tensor] | None = None,
-              tau: float = 0.0, alive: Sequence[Tensor] | None = None) -> Tensor:
+              bias: Tensor | None = None, gates: Sequence[Tensor] | Tensor | None = None,
+              tau: float = 0.0, alive: Sequence[Tensor] | Tensor | None = None) -> Tensor:
     """``Y = X·W (+ bias)`` for the TT weight given by ``cores``.
 
     ``x``: ``(..., N)``; ``bias``: ``(M,)`` (the padded output width) or None; returns
     ``(..., M)``. ``path=None`` lets the planner choose (:func:`choose`); ``"fused"``
     runs the Triton chain where the kernels take ``x`` and the halves path otherwise
-    (the same math). ``gates``: the ``2d-1`` rank gates; entry ``i`` of bond ``k`` is
-    active where ``alive[k][i]`` (bool vectors, default all True) and
-    ``|g_k[i]| > tau``, and inactive entries act as removed ranks (:func:`gate_masks`,
-    :func:`apply_gates`). Pass the raw gates rather than pre-gated cores: the halves and
-    sweep Functions absorb them inside, masks included, with no autograd node per gate.
+    (the same math). ``gates``: the ``2d-1`` rank gates, or all of them as one vector (a
+    train's ``gate``, with ``alive`` its flags as one vector: what a layer passes, so the
+    gradient reaches the parameter without split views); entry ``i`` of bond ``k`` is
+    active where ``alive[k][i]`` (bool, default all True) and ``|g_k[i]| > tau``, and
+    inactive entries act as removed ranks (:func:`gate_masks`, :func:`apply_gates`).
+    Pass the raw gates rather than pre-gated cores: every path's Function absorbs them
+    inside, masks included, with no autograd node per gate.
     """
     if len(cores) != 2 * d:
         raise ValueError(f"cores: expected 2d = {2 * d} cores, got {len(cores)}")
@@ -490,19 +495,23 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
                          compute_dtype(x), in_graph(x), training, x.requires_grad)
     if path not in PATHS:
         raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}")
-    if gates is not None and len(gates) != 2 * d - 1:
+    flat = isinstance(gates, Tensor)
+    if flat and gates.shape[0] != sum(ranks[1:-1]):
+        raise ValueError(f"gates: one vector of {sum(ranks[1:-1])} entries (all bonds), got "
+                         f"{tuple(gates.shape)}")
+    if gates is not None and not flat and len(gates) != 2 * d - 1:
         raise ValueError(f"gates: expected 2d-1 = {2 * d - 1} gate vectors, got {len(gates)}")
     if path == "fused" and _fused_runs(x2, ranks[d]):
+        if flat:  # the chain merges autograd-tracked cores: per-bond views
+            sizes = list(ranks[1:-1])
+            gates = list(gates.split(sizes))
+            alive = list(alive.split(sizes)) if isinstance(alive, Tensor) else alive
         y = _fused_halves(x2, cores, d, bias, gates, tau, alive)
-    elif path in ("halves", "sweep", "fused"):
-        impl = _IMPL["halves" if path == "fused" else path]
-        y = impl(x2, cores, d, bias, gates or (), tau, alive or ())
-    else:
-        if gates is not None:
-            cores = apply_gates(cores, gates, gate_masks(gates, tau, alive))
-        y = tt_linear_dense(x2, cores, d)
-        if bias is not None:
-            y = y + bias.to(y.dtype)  # keeps autocast's dtype, as nn.Linear does
+    else:  # (the reconstructed path by its module name: what a test counts)
+        impl = tt_linear_dense if path == "dense" else _IMPL["halves" if path == "fused"
+                                                            else path]
+        y = impl(x2, cores, d, bias, () if gates is None else gates, tau,
+                 () if alive is None else alive)
     return y if x.dim() == 2 else y.reshape(*lead, -1)
 
 

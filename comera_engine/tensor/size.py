@@ -36,7 +36,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .tt import TensorTrain
 
-__all__ = ["SizeForm", "core_sizes", "gate_entries", "size_form", "surrogate", "tt_size"]
+__all__ = ["SizeForm", "core_sizes", "gate_entries", "refresh_entries", "size_form", "surrogate",
+           "tt_size"]
 
 N = TypeVar("N", int, float, Tensor)
 
@@ -81,7 +82,7 @@ class SizeForm:
 
 
 @lru_cache(maxsize=64)
-def size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
+def _size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
               device: torch.device, dtype: torch.dtype) -> SizeForm:
     """The :class:`SizeForm` of trains whose ``structure`` is, per train, ``(internal
     ranks, mode sizes, tau)`` (:meth:`TensorTrain.structure`), on ``device`` in ``dtype``.
@@ -113,6 +114,15 @@ def size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], .
                     tau if isinstance(tau, float) else tau.to(device))
 
 
+#: :func:`_size_form`, a cached constant, left out of ``torch.compile``'s graphs (Dynamo
+#: would trace through the cache and build ``M`` and ``Q`` again in every step); Dynamo
+#: imported on the first call, not with this module (``torch.compiler.disable`` would
+#: import it here: seconds at the start of every command)
+size_form = torch._disable_dynamo(_size_form)
+size_form.cache_clear = _size_form.cache_clear  # type: ignore[attr-defined]
+size_form.cache_info = _size_form.cache_info  # type: ignore[attr-defined]
+
+
 def gate_entries(trains: Sequence[TensorTrain]) -> tuple[Tensor, Tensor, SizeForm]:
     """Every gate entry of ``trains`` in one vector, its ``alive`` flags, and their
     :class:`SizeForm` (read straight from the modules' registries: a module attribute
@@ -140,3 +150,62 @@ def surrogate(trains: Sequence[TensorTrain]) -> Tensor:
         kept = torch.where(g.abs() > form.tau, g, 0.0) * alive
     R = torch.addmv(form.e0, form.M, kept.abs())  # (1, ‖g_1‖₁, …, ‖g_B‖₁)
     return torch.dot(R, torch.mv(form.Q, R))
+
+
+@lru_cache(maxsize=64)
+def _bond_index(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
+                device: torch.device) -> tuple[Tensor, Tensor, list[int]]:
+    """Per gate entry of trains of this ``structure``: its bond (``(E,)``, 0-based over
+    all trains' bonds) and its position ``0..E-1``; and each train's entry count."""
+    bonds = [b for b, r in enumerate(r for ranks, _, _ in structure for r in ranks)
+             for _ in range(r)]
+    sizes = [sum(ranks) for ranks, _, _ in structure]
+    return (torch.tensor(bonds, dtype=torch.long, device=device),
+            torch.arange(sum(sizes), device=device), sizes)
+
+
+@torch.no_grad()
+def refresh_entries(trains: Sequence[TensorTrain], floor: bool = True) -> Tensor:
+    """The gate refresh of :meth:`TensorTrain.refresh_` for all ``trains`` at once, as
+    device work without host reads (a CUDA graph can capture it): per bond, entries
+    with ``|g| <= tau`` die for good and are zeroed, except that (with ``floor``) a bond
+    about to lose its last alive entry keeps its strongest one (the first of the largest
+    ``|g|``), held at ``±1.5·tau``. Returns the alive count of every bond, trains in
+    order, ``(B,)`` int64.
+
+    The same arithmetic as the per-bond loop of
+    :func:`comera_engine.rank.optim.refresh_gates_on_device`, with segment reductions over
+    all entries (``E`` gate entries, ``B`` bonds: the bonds' alive / survivor counts by
+    the :class:`SizeForm`'s ``M``, the strongest entry by ``scatter_reduce``): about 30
+    ops for any number of layers instead of about 20 a bond, and each gate and ``alive``
+    written back in one ``_foreach_copy_``."""
+    trains = [t for t in trains if t.bond_ranks]
+    if not trains:
+        return torch.zeros(0, dtype=torch.long)
+    g, alive, form = gate_entries(trains)
+    g = g.detach()
+    bond, pos, sizes = _bond_index(tuple(t.structure() for t in trains), g.device)
+    nb = form.M.shape[0] - 1
+    M = form.M[1:]  # (B, E): bond b's entries (counts exact in fp32 to 2^24)
+    if M.dtype not in (torch.float32, torch.float64):
+        M = M.float()
+    mag = g.abs()
+    surv = alive & (mag > form.tau)
+    n_alive = torch.mv(M, alive.to(M.dtype))
+    rescue = (n_alive > 0) & (torch.mv(M, surv.to(M.dtype)) == 0)
+    if not floor:
+        rescue = torch.zeros_like(rescue)
+    # the strongest alive entry of each bond: the first position of its largest |g|
+    key = torch.where(alive, mag, -1.0)
+    top = key.new_full((nb,), -2.0).scatter_reduce(0, bond, key, "amax")
+    first = torch.where(key == top[bond], pos, pos.shape[0])
+    first = torch.full((nb,), pos.shape[0], dtype=pos.dtype, device=g.device).scatter_reduce(
+        0, bond, first, "amin")
+    keep = (pos == first[bond]) & rescue[bond]
+    held = torch.where(g < 0, -1.5 * form.tau, 1.5 * form.tau).to(g.dtype)
+    now_alive = alive & (surv | keep)
+    new_g = torch.where(now_alive, torch.where(keep, held, g), 0.0)
+    torch._foreach_copy_([t._parameters["gate"].detach() for t in trains],
+                         list(new_g.split(sizes)))
+    torch._foreach_copy_([t._buffers["alive"] for t in trains], list(now_alive.split(sizes)))
+    return torch.mv(M, now_alive.to(M.dtype)).round().long()

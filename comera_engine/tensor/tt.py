@@ -253,6 +253,12 @@ class TensorTrain(nn.Module):
         (the gates views of :attr:`gate`, differentiable into it)."""
         return (list(self.cores._parameters.values()), self.gates, self.bond_alive())
 
+    def flat_parts(self) -> tuple[list[Tensor], Tensor, Tensor]:
+        """The cores, all bonds' gates as one vector (:attr:`gate` itself) and their
+        ``alive`` flags as one: what the TT-linear Functions take to leave the gate's
+        gradient as one vector (no split views, no concatenation in backward)."""
+        return list(self.cores._parameters.values()), self.gate, self.alive
+
     def active(self) -> Tensor:
         """The active gate entries, all bonds: ``alive & (|gate| > tau)`` (bool)."""
         with torch.no_grad():

@@ -121,6 +121,9 @@ def case_steps(case: Case, device: torch.device, tau: float = 1e-2
         cores = [_leaf(c.data) for c in cls(case.rows, case.cols, inner, init_var=1.0 / N,
                                             device=device).cores]
         gates, alive = _gates(cores)
+        # the TT linear's gates as its layer passes them: one vector, its alive flags one
+        gate = torch.cat([v.detach() for v in gates]).requires_grad_()
+        alive_flat = torch.cat(alive)
         x = torch.randn(T, N, generator=g).to(device).requires_grad_(case.need_dx)
         bias = torch.zeros(M, device=device, requires_grad=True)
         dy = torch.randn(T, M, generator=g).to(device)
@@ -129,7 +132,7 @@ def case_steps(case: Case, device: torch.device, tau: float = 1e-2
                 continue
             if case.op == "tt_linear":
                 steps[p] = fwd_bwd(lambda p=p: tt_linear(x, cores, len(case.rows), p, bias,
-                                                         gates, tau, alive), dy)
+                                                         gate, tau, alive_flat), dy)
             else:
                 steps[p] = fwd_bwd(lambda p=p: ttm_linear(x, cores, p, bias, gates, alive,
                                                           tau), dy)

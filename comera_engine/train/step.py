@@ -55,6 +55,11 @@ class TrainStep:
     ``refresh``: the gate refresh that makes pruning permanent, as device work returning
     the alive count of every bond (``result["gate_counts"]``); ``None`` leaves the
     refresh to the caller (the reference refresh reads gates on the host).
+
+    ``compile``: ``torch.compile`` mode (``"default"``, ``"reduce-overhead"``, …) for
+    the forward and the objective (Inductor compiles their backward with them; the
+    clipping and the optimizer run as they are), or None (eager). Compiled on the first
+    step; a new objective (stage change) or new shapes compile again.
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class TrainStep:
         grad_clip: float,
         autocast_dtype: torch.dtype | None,
         refresh: Callable[[], torch.Tensor] | None = None,
+        compile: str | None = None,  # noqa: A002 - torch.compile's word
     ) -> None:
         self.task_model = task_model
         self.optimizer = optimizer
@@ -74,9 +80,12 @@ class TrainStep:
         self.grad_clip = grad_clip
         self.autocast_dtype = autocast_dtype
         self.refresh = refresh
+        self.forward = (self._forward if compile is None
+                        else torch.compile(self._forward, mode=compile, dynamic=False))
 
-    def __call__(self, batch: Batch) -> dict[str, torch.Tensor | float]:
-        self.optimizer.zero_grad(set_to_none=True)
+    def _forward(self, batch: Batch) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
+        """The task model's output, its loss (float32), the total loss and the objective's
+        terms."""
         device_type = next(iter(batch.values())).device.type
         autocast = (
             torch.autocast(device_type, dtype=self.autocast_dtype, cache_enabled=False)
@@ -90,6 +99,11 @@ class TrainStep:
             total, info = self.objective(task_loss)
         else:
             total, info = task_loss, {}
+        return out, task_loss, total, info
+
+    def __call__(self, batch: Batch) -> dict[str, torch.Tensor | float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        out, task_loss, total, info = self.forward(batch)
         total.backward()
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.grad_clip > 0:
