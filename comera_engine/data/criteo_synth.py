@@ -62,7 +62,7 @@ from comera_engine.errors import ConfigError
 
 __all__ = ["CHUNK", "CRITEO_KAGGLE_CARDINALITIES", "CriteoWorld", "binary_auc",
            "build_clicks_criteo", "criteo_cardinalities", "generate_criteo", "hash_normal",
-           "hash_uniform", "power_law_ranks"]
+           "hash_uniform", "hot_ids", "noisy_sigmoid", "power_law_ranks", "training_hot_ids"]
 
 #: Rows per field of Criteo Kaggle (Display Advertising Challenge) after the DLRM
 #: preprocessing, as listed by DLRM (``day_fea_count``) and TT-Rec.
@@ -306,6 +306,26 @@ def generate_criteo(world: CriteoWorld, n: int, seed: int, stream: int = 0) -> C
     data = ClickData(torch.from_numpy(dense), torch.from_numpy(rows["sparse"]),
                      torch.from_numpy(labels))
     return CriteoSplit(data, p, rows["dense_raw"])
+
+
+def hot_ids(sparse: np.ndarray, top: int | None = None) -> dict[str, np.ndarray]:
+    """Per field ``f<j>``: its ids in ``sparse`` [n, 26] by falling frequency (ties by
+    id), the first ``top`` (int64)."""
+    out = {}
+    for j in range(sparse.shape[1]):
+        ids, counts = np.unique(sparse[:, j], return_counts=True)
+        order = np.lexsort((ids, -counts))
+        out[f"f{j}"] = ids[order][:top].astype(np.int64)
+    return out
+
+
+def training_hot_ids(cfg: Mapping[str, Any], top: int | None = None) -> dict[str, np.ndarray]:
+    """:func:`hot_ids` of the training split the ``[data]`` table ``cfg`` generates (the
+    ids only: no click is computed)."""
+    defaults = dataset_info("clicks_criteo").defaults
+    world = _world_from(cfg, defaults)
+    n = get_int(cfg, "num_samples", defaults["num_samples"], minimum=2)
+    return hot_ids(world.draw(n, world.world_seed, stream=0)["sparse"], top)
 
 
 # --------------------------------------------------------------------------- builder
