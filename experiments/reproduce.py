@@ -501,10 +501,12 @@ def probe_cell(spec: dict[str, Any]) -> dict[str, Any]:
     """One cell's peak training memory and step time, alone in this process, one thread:
     the model built as its run builds it, :data:`PROBE_STEPS` AdamW steps (the row tables
     update themselves in the backward) on batches drawn from the task's world at the
-    run's batch size. ``peak_train_mb``: the peak RSS over the RSS before the model was
-    built (model + optimizer state + activations + the allocator's slack); ``step_s``:
+    run's batch size. ``peak_train_mb``: the peak RSS (:class:`PeakRSS`) over the RSS
+    before the model was built (model + optimizer state + activations + the allocator's
+    slack); ``step_s``:
     the median of the last half of the steps; ``table_bytes``: the model's parameters as
     stored."""
+    import gc
     import statistics
 
     import numpy as np
@@ -525,52 +527,70 @@ def probe_cell(spec: dict[str, Any]) -> dict[str, Any]:
     data = argparse.Namespace(task="ctr", num_classes=2, vocab_size=None, seq_len=None,
                               meta=facts["meta"], name="clicks_criteo")
     batch = cfg.train.batch_size
-    reset_peak_rss()
+    batches = [world.draw(batch, seed=step, stream=7) for step in range(PROBE_STEPS)]
+
+    def train(model: torch.nn.Module, steps: list[dict[str, np.ndarray]]) -> list[float]:
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        times = []
+        for rows in steps:
+            dense = torch.from_numpy(np.log1p(rows["dense_raw"]).astype(np.float32))
+            labels = torch.rand(batch).lt(0.25).float()
+            t0 = time.perf_counter()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                model(dense, torch.from_numpy(rows["sparse"])), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    # warm-up on the same model with every table 2 rows: the libraries and thread pools a
+    # first training step loads (about 150 MB) are not the model's
+    tiny = argparse.Namespace(**{**vars(data), "meta": {**data.meta, "bucket_sizes": [2] * 26,
+                                                          "cardinalities": [2] * 26}})
+    train(build_run_model(cfg, tiny), [{k: v % 2 if k == "sparse" else v for k, v in b.items()}
+                                       for b in batches[:2]])
+    gc.collect()
     rss0 = psutil.Process().memory_info().rss
-    model = build_run_model(cfg, data)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    times = []
-    for step in range(PROBE_STEPS):
-        rows = world.draw(batch, seed=step, stream=7)
-        dense = torch.from_numpy(np.log1p(rows["dense_raw"]).astype(np.float32))
-        sparse = torch.from_numpy(rows["sparse"])
-        labels = torch.rand(batch).lt(0.25).float()
-        t0 = time.perf_counter()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse),
-                                                                   labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    peak = peak_rss()
+    with PeakRSS() as watch:
+        model = build_run_model(cfg, data)
+        times = train(model, batches)
+    peak = watch.peak
+    table_bytes = int(sum(stored_nbytes(p) for p in model.parameters()))
     return {"peak_train_mb": (peak - rss0) / 2**20, "peak_rss_mb": peak / 2**20,
             "step_s": statistics.median(times[PROBE_STEPS // 2:]),
-            "table_bytes": int(sum(stored_nbytes(p) for p in model.parameters())),
+            "table_bytes": table_bytes,
             "batch_size": batch}
 
 
-def reset_peak_rss() -> None:
-    """Reset the process's peak RSS (Linux: ``5`` to ``/proc/self/clear_refs``), so that
-    :func:`peak_rss` counts from here; elsewhere nothing (the peak then counts from the
-    start)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
+class PeakRSS:
+    """The process's peak RSS while in the ``with`` block, sampled every millisecond by a
+    thread (``/proc``'s own peak cannot be reset everywhere, and imports peak before the
+    model is built): ``peak`` in bytes after the block."""
 
+    def __init__(self) -> None:
+        import threading
 
-def peak_rss() -> int:
-    """The process's peak RSS in bytes (``VmHWM``; ``ru_maxrss`` where /proc is not)."""
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource
+        import psutil
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self._proc, self._stop = psutil.Process(), threading.Event()
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._stop.wait(0.001)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 def queue_peers(task: Task, peers: list[str], scale: str, base: list[str],
@@ -676,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-probe", action="store_true", help="the embedding task: skip the "
                     "per-cell memory / step-time probes")
+    ap.add_argument("--probes-only", action="store_true", help="the embedding task: run "
+                    "only its memory / step-time probes (to probes/<task>.json under --out, "
+                    "which a later run without probes takes up)")
     ap.add_argument("--probe-cell", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rereport", action="store_true",
                     help="train nothing: read the sweeps recorded in the JSON files under "
@@ -729,6 +752,16 @@ def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: 
             print(f"skip {name}: {why}", file=sys.stderr)
             continue
         use, task_targets = task_grid(task, args, targets)
+        suffix = "_quick" if args.quick else ("" if args.scale == "cpu" else f"_{args.scale}")
+        probes = args.out / "probes" / f"{name}{suffix}.json"
+        if args.probes_only:
+            if task.peer_config:
+                base = cell_overrides(task, args.scale, args.quick)
+                probes.parent.mkdir(parents=True, exist_ok=True)
+                probes.write_text(json.dumps({"machine": machine(), "probe": probe_all(
+                    task, use, args.scale, base, task_targets)}, indent=1), encoding="utf-8")
+                print(f"{name}: probes -> {probes}", file=sys.stderr)
+            continue
         print(f"{name}: {', '.join(use)} × {len(task_targets)} targets × {seeds} seeds",
               file=sys.stderr)
         try:
@@ -737,10 +770,11 @@ def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: 
         except ConfigError as e:
             print(f"skip {name}: {e}", file=sys.stderr)
             continue
-        suffix = "_quick" if args.quick else ("" if args.scale == "cpu" else f"_{args.scale}")
         path = args.out / f"{name}{suffix}.json"
         if args.methods and path.exists():  # a subset of the methods: added to the others
             result = add_methods(json.loads(path.read_text()), result, args.methods)
+        if task.peer_config and "probe" not in result and probes.exists():  # --probes-only's
+            result["probe"] = json.loads(probes.read_text())["probe"]
         path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
         print(f"{name}: {result['wall_s'] / 60:.1f} min -> {path}", file=sys.stderr)
     return 0
