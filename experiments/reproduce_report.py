@@ -605,6 +605,9 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
         if not suffix and "_" in stem and stem.rsplit("_", 1)[1] in ("quick", "paper"):
             continue
         results[stem] = json.loads(p.read_text())
+        probes = results_dir / "probes" / p.name  # reproduce.py --probes-only
+        if results[stem].get("peer_config") and "probe" not in results[stem] and probes.exists():
+            results[stem]["probe"] = json.loads(probes.read_text())["probe"]
     figs = out.parent / "figures"
     src = results_dir.relative_to(ROOT) if results_dir.is_relative_to(ROOT) else results_dir
     lines = ["# Results: CoMERA side by side with the peers", "",
