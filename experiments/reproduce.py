@@ -322,8 +322,11 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
     t0 = time.time()
     peers = [m for m in methods if METHODS[m].peer]
     methods = [m for m in methods if not METHODS[m].peer]
+    not_trained: dict[str, str] = {}
     if peers:
-        sweeps.update(queue_peers(task, peers, scale, base, targets, seeds, store, parallel))
+        queued, not_trained = queue_peers(task, peers, scale, base, targets, seeds, store,
+                                          parallel)
+        sweeps.update(queued)
     order = [m for m in methods if not (METHODS[m].needs_dense or METHODS[m].after)]
     last = [m for m in methods if METHODS[m].after]
     later = [m for m in methods if METHODS[m].needs_dense]
@@ -388,6 +391,7 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
     if task.peer_config:
         out["peer_config"] = task.peer_config[scale]
         out["data"] = data_facts_of(store, results)
+        out["not_trained"] = not_trained
         if probe:
             out["probe"] = probe_all(task, [*methods, *peers], scale, base, targets)
     return out
@@ -595,24 +599,37 @@ class PeakRSS:
 
 def queue_peers(task: Task, peers: list[str], scale: str, base: list[str],
                 targets: list[float], seeds: int, store: Any, parallel: int
-                ) -> dict[str, list[str]]:
+                ) -> tuple[dict[str, list[str]], dict[str, str]]:
     """The embedding peers' sweeps: one per target (``comera.target_compression`` is the
     target the report groups by; the table sizes follow ``model.kwargs.target``), one for
-    the dense reference."""
+    the dense reference; and the methods not trained, with why: a method whose cells
+    running side by side would need more than half the memory available (the dense
+    tables: 6.5 GB a cell at full size)."""
+    import psutil
+
     from comera_engine.launch.sweep import create_sweep
 
     config = CONFIGS / task.peer_config[scale]
     counts = peer_counts(config, base, store) if "mixed_dim" in peers else None
     out: dict[str, list[str]] = {}
+    skipped: dict[str, str] = {}
     for name in peers:
         m = METHODS[name]
         cells = [(t, {"comera.target_compression": [t]}) for t in targets] if m.per_target \
             else [(None, {"model.dense": [True]})]
+        need = max(predicted_train_bytes(config, [*base, *m.overrides(t, None)])
+                   for t, _ in cells) * min(parallel, seeds)
+        free = psutil.virtual_memory().available
+        if need > free / 2:
+            skipped[name] = (f"not trained: {min(parallel, seeds)} cells side by side need "
+                             f"about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available")
+            print(f"{task.name}/{name}: {skipped[name]}", file=sys.stderr)
+            continue
         out[name] = [create_sweep(config, grid, seeds, [*base, *m.overrides(t, counts)], store,
                                   name=f"reproduce {task.name} {name}", max_parallel=parallel)
                      for t, grid in cells]
         print(f"{task.name}/{name}: sweeps {', '.join(out[name])}", file=sys.stderr)
-    return out
+    return out, skipped
 
 
 def merge_reports(reports: list[dict[str, Any]], per_target: bool = True) -> dict[str, Any]:

@@ -506,6 +506,9 @@ def embedding_section(res: dict[str, Any], figs: Path, name: str, suffix: str) -
                           f"({g['finished']}/{g['cells']}) | {ll} | "
                           f"{'—' if b is None else f'{b / 2**20:,.2f} MiB'} | {step} | "
                           f"{_mem_text(pr)} | {pstep} |")
+    for m, why in (res.get("not_trained") or {}).items():
+        lines.append(f"| {TITLES.get(m, m)} | | {why} | | | | {_mem_text(_probe(res, m, None))} "
+                     "| |")
     lines += ["", "AUC and log-loss: mean ± std over the seeds (finished / cells). Weights "
               "as stored: the whole model's (tables, MLPs; int8 codes and scales; the "
               "mixed-dimension id map), as the run recorded them. ms/step (run): each "
