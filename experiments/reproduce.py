@@ -669,18 +669,25 @@ def add_methods(old: dict[str, Any], new: dict[str, Any], methods: list[str]
     return out
 
 
-def rereport(folder: Path, store_path: str | None) -> int:
-    """Rewrite every result JSON under ``folder`` from its sweeps in the store."""
+def rereport(folder: Path, store_path: str | None, tasks: list[str] | None = None) -> int:
+    """Rewrite every result JSON under ``folder`` (those of ``tasks``) from its sweeps in
+    the store (e.g. after ``comera resume`` of failed cells)."""
     from comera_engine.launch import open_store
     from comera_engine.launch.sweep import sweep_report
 
     store = open_store(store_path)
     for path in sorted(folder.glob("*.json")):
         result = json.loads(path.read_text())
+        if tasks and result.get("task") not in tasks:
+            continue
         for name, old in result["methods"].items():
             reps = [sweep_report(store, s) for s in old["sweeps"]]
             result["methods"][name] = merge_reports(reps, METHODS[name].per_target)
             result["methods"][name]["sweeps"] = old["sweeps"]
+            if result.get("peer_config"):
+                add_cell_metrics(store, result["methods"][name])
+        if result.get("peer_config"):
+            result["data"] = data_facts_of(store, result["methods"]) or result.get("data")
         path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
         print(f"rewrote {path}", file=sys.stderr)
     return 0
@@ -726,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(probe_cell(json.loads(args.probe_cell))))
         return 0
     if args.rereport:
-        return rereport(args.out, args.store)
+        return rereport(args.out, args.store, args.tasks)
 
     from comera_engine.launch import open_store, set_max_concurrent
 

@@ -88,7 +88,8 @@ def peer_dlrm(cardinalities: Sequence[int], peer: str = "hash", target: float | 
               counts: str | None = None, num_dense: int = 13) -> DLRM:
     """DLRM whose tables of at least ``min_rows`` rows (default: the preset's
     ``tt_min_rows``) are ``peer`` tables (:func:`~comera_engine.layers.embedding_peers.
-    build_peer`) of ``1/target`` of their dense bytes each (``None``: the dense size);
+    build_peer`) of ``1/target`` of their dense bytes each (at least one row; ``None``:
+    the dense size);
     smaller tables stay ``nn.Embedding``, as in the TT model. A user model
     (``model.name = "custom"``, ``model.factory = "comera_engine.models.dlrm:peer_dlrm"``,
     ``model.dense = true``).
@@ -110,7 +111,8 @@ def peer_dlrm(cardinalities: Sequence[int], peer: str = "hash", target: float | 
         if n < max(rows, 2):
             tables.append(nn.Embedding(n, d))
             continue
-        budget = None if target is None else int(n * d * 4 / float(target))
+        # at least one row of floats: a 305-row table at 1000x would hold 19 bytes
+        budget = None if target is None else max(d * 4, int(n * d * 4 / float(target)))
         ids = hot[f"f{j}"] if hot is not None and f"f{j}" in hot else None
         tables.append(build_peer(peer, n, d, budget, counts=ids, lr=lr_table))
     factory = LayerFactory((), size.rank, size.embedding_rank, dense=True)
