@@ -520,6 +520,7 @@ def probe_cell(spec: dict[str, Any]) -> dict[str, Any]:
     from comera_engine.data.criteo_synth import CriteoWorld, criteo_cardinalities, shape
     from comera_engine.launch import resolve_config
     from comera_engine.layers import stored_nbytes
+    from comera_engine.runplan import plan_initial_ranks
     from comera_engine.train.methods import build_run_model
 
     torch.set_num_threads(1)
@@ -556,9 +557,10 @@ def probe_cell(spec: dict[str, Any]) -> dict[str, Any]:
     train(build_run_model(cfg, tiny), [{k: v % 2 if k == "sparse" else v for k, v in b.items()}
                                        for b in batches[:2]])
     gc.collect()
+    cfg, plan = plan_initial_ranks(cfg, data)  # the target's ranks, as the trainer's
     rss0 = psutil.Process().memory_info().rss
     with PeakRSS() as watch:
-        model = build_run_model(cfg, data)
+        model = build_run_model(cfg, data, plan)
         times = train(model, batches)
     peak = watch.peak
     table_bytes = int(sum(stored_nbytes(p) for p in model.parameters()))
@@ -721,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-probe", action="store_true", help="the embedding task: skip the "
                     "per-cell memory / step-time probes")
     ap.add_argument("--probes-only", action="store_true", help="the embedding task: run "
-                    "only its memory / step-time probes (to probes/<task>.json under --out, "
-                    "which a later run without probes takes up)")
+                    "only its memory / step-time probes (into probes/<task>.json under --out, "
+                    "replacing the methods probed; a later run without probes takes it up)")
     ap.add_argument("--probe-cell", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rereport", action="store_true",
                     help="train nothing: read the sweeps recorded in the JSON files under "
@@ -782,8 +784,10 @@ def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: 
             if task.peer_config:
                 base = cell_overrides(task, args.scale, args.quick)
                 probes.parent.mkdir(parents=True, exist_ok=True)
-                probes.write_text(json.dumps({"machine": machine(), "probe": probe_all(
-                    task, use, args.scale, base, task_targets)}, indent=1), encoding="utf-8")
+                old = json.loads(probes.read_text())["probe"] if probes.exists() else {}
+                new = probe_all(task, use, args.scale, base, task_targets)
+                probes.write_text(json.dumps({"machine": machine(), "probe": {**old, **new}},
+                                             indent=1), encoding="utf-8")
                 print(f"{name}: probes -> {probes}", file=sys.stderr)
             continue
         print(f"{name}: {', '.join(use)} × {len(task_targets)} targets × {seeds} seeds",
