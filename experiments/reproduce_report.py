@@ -609,8 +609,9 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
             continue
         results[stem] = json.loads(p.read_text())
         probes = results_dir / "probes" / p.name  # reproduce.py --probes-only
-        if results[stem].get("peer_config") and "probe" not in results[stem] and probes.exists():
-            results[stem]["probe"] = json.loads(probes.read_text())["probe"]
+        if results[stem].get("peer_config") and probes.exists() and (
+                "probe" not in results[stem] or probes.stat().st_mtime > p.stat().st_mtime):
+            results[stem]["probe"] = json.loads(probes.read_text())["probe"]  # the later
     figs = out.parent / "figures"
     src = results_dir.relative_to(ROOT) if results_dir.is_relative_to(ROOT) else results_dir
     lines = ["# Results: CoMERA side by side with the peers", "",
