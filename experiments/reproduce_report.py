@@ -385,10 +385,45 @@ def _label(m: str, g: dict[str, Any]) -> str:
     return TITLES[m] + (f" {g['target']:g}×" if g.get("target") else "")
 
 
-def _lead(a: dict[str, Any], b: dict[str, Any]) -> str:
-    """``+x.xxx AUC (seed std a / b)``."""
-    return (f"+{(a['score'] - b['score']):.4f} AUC (std {a.get('score_std') or 0:.4f} / "
-            f"{b.get('score_std') or 0:.4f})")
+def _seed_scores(res: dict[str, Any], m: str, g: dict[str, Any]) -> dict[Any, float]:
+    """``{seed: score}`` of the finished cells of method ``m`` in group ``g``."""
+    return {c["seed"]: c["score"] for c in res["methods"].get(m, {}).get("cells", [])
+            if c["status"] == "finished" and _ok(c.get("score"))
+            and c.get("target") == g.get("target")}
+
+
+def paired(res: dict[str, Any], a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]
+           ) -> tuple[float, float, int] | None:
+    """Mean and std of the per-seed differences ``a - b`` over the seeds both finished
+    (the seeds share data, initial MLP weights and batch order across methods, so their
+    spread cancels)."""
+    sa, sb = _seed_scores(res, *a), _seed_scores(res, *b)
+    d = [sa[k] - sb[k] for k in sa if k in sb]
+    if len(d) < 2:
+        return None
+    mean = sum(d) / len(d)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1)), len(d)
+
+
+def _lead(res: dict[str, Any], a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]
+          ) -> str:
+    """``+x.xxxx AUC (std a / b; paired +x.xxxx ± s over n seeds)``."""
+    ga, gb = a[1], b[1]
+    text = (f"+{(ga['score'] - gb['score']):.4f} AUC (std {ga.get('score_std') or 0:.4f} / "
+            f"{gb.get('score_std') or 0:.4f}")
+    p = paired(res, a, b)
+    return text + (f"; paired {p[0]:+.4f} ± {p[1]:.4f} over {p[2]} seeds)" if p else ")")
+
+
+def _tie(res: dict[str, Any], a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]
+         ) -> bool:
+    """Whether ``a``'s lead over ``b`` is within the noise: the paired differences' std
+    where there are paired seeds, else the larger seed std."""
+    p = paired(res, a, b)
+    if p is not None:
+        return abs(p[0]) <= p[1]
+    return a[1]["score"] - b[1]["score"] <= max(a[1].get("score_std") or 0,
+                                                 b[1].get("score_std") or 0)
 
 
 def budget_winners(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -444,11 +479,10 @@ def embedding_claims(results: dict[str, dict[str, Any]]) -> list[str]:
             (m, g), rest = fit[0], fit[1:]
             best_other = next(((m2, g2) for m2, g2 in rest if (m in TT_METHODS)
                                != (m2 in TT_METHODS)), None)
-            tie = best_other is not None and g["score"] - best_other[1]["score"] <= max(
-                g.get("score_std") or 0, best_other[1].get("score_std") or 0)
-            met = ("yes" if m in TT_METHODS else "**no**") + (" (within the seeds' std: a tie)"
+            tie = best_other is not None and _tie(res, (m, g), best_other)
+            met = ("yes" if m in TT_METHODS else "**no**") + (" (within the noise: a tie)"
                                                                if tie else "")
-            vs = (f"; vs {_label(*best_other)}: {_lead(g, best_other[1])}"
+            vs = (f"; vs {_label(*best_other)}: {_lead(res, (m, g), best_other)}"
                   if best_other else "")
             out.append(f"| TT the best AUC at ≤ {row['budget'] / 2**20:,.2f} MiB of weights "
                        f"({row['target']:g}× tables), {res['task']} | {_label(m, g)} "
@@ -458,10 +492,12 @@ def embedding_claims(results: dict[str, dict[str, Any]]) -> list[str]:
             (m, g) = fit[0]
             other = next(((m2, g2) for m2, g2 in fit[1:] if (m in TT_METHODS)
                           != (m2 in TT_METHODS)), None)
-            vs = f"; vs {_label(*other)}: {_lead(g, other[1])}" if other else ""
+            vs = f"; vs {_label(*other)}: {_lead(res, (m, g), other)}" if other else ""
+            tie = other is not None and _tie(res, (m, g), other)
             out.append(f"| TT the best AUC under a {MEMORY_CAP_MB / 1024:g} GiB training-memory "
                        f"cap, {res['task']} | {_label(m, g)} {g['score']:.4f}{vs} | "
-                       + ("yes" if m in TT_METHODS else "**no**") + " |")
+                       + ("yes" if m in TT_METHODS else "**no**")
+                       + (" (within the noise: a tie)" if tie else "") + " |")
     return out
 
 
@@ -521,25 +557,30 @@ def embedding_section(res: dict[str, Any], figs: Path, name: str, suffix: str) -
     if embedding_figure(res, png):
         lines += [f"![{res['title']}](figures/{png.name})", ""]
     lines += ["Best method at each byte budget (the budget: the hashing trick's model at "
-              "the target, which fills it exactly, + 1 %):", "",
+              "the target, which fills it exactly, + 1 %; a cell of a higher target fits a "
+              "lower target's budget). The margin: the means' difference with each "
+              "method's seed std, and the mean ± std of the per-seed differences (the "
+              "seeds share data, initial MLP weights and batch order across methods); a "
+              "lead within that std is a tie:", "",
               "| budget | best | AUC | runner-up | margin | over the budget |",
               "|---|---|---|---|---|---|"]
     for row in budget_winners(res):
         if row["fit"]:
-            lines.append(_winner_row(f"≤ {row['budget'] / 2**20:,.2f} MiB "
+            lines.append(_winner_row(res, f"≤ {row['budget'] / 2**20:,.2f} MiB "
                                      f"({row['target']:g}×)", row["fit"], ", ".join(row["over"])))
     fit, over = cap_winner(res)
     if fit:
-        lines.append(_winner_row(f"training memory ≤ {MEMORY_CAP_MB / 1024:g} GiB", fit,
+        lines.append(_winner_row(res, f"training memory ≤ {MEMORY_CAP_MB / 1024:g} GiB", fit,
                                  "; ".join(over)))
     return lines
 
 
-def _winner_row(budget: str, fit: list[tuple[str, dict[str, Any]]], over: str) -> str:
+def _winner_row(res: dict[str, Any], budget: str, fit: list[tuple[str, dict[str, Any]]],
+                over: str) -> str:
     """``| budget | best | AUC | runner-up | margin | over |`` of cells best first."""
     (m, g), second = fit[0], (fit[1] if len(fit) > 1 else None)
-    runner = (f"{_label(*second)} {fmt_score(second[1], False)} | {_lead(g, second[1])}"
-              if second else "— | —")
+    runner = (f"{_label(*second)} {fmt_score(second[1], False)} | "
+              f"{_lead(res, (m, g), second)}" if second else "— | —")
     return f"| {budget} | {_label(m, g)} | {fmt_score(g, False)} | {runner} | {over or '—'} |"
 
 
