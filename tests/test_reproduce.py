@@ -172,8 +172,12 @@ def test_slow_tasks_run_a_smaller_grid_at_cpu_size_unless_told() -> None:
                                      "targets": None, **kw})
         return reproduce.task_grid(reproduce.TASKS[task], args, list(reproduce.TARGETS))
 
-    every = list(reproduce.METHODS)
+    every = [m for m in reproduce.METHODS if m not in reproduce.EMBEDDING_PEERS]
     skip = ("tltorch", *reproduce.SHRINK, *reproduce.SCHEDULES)
+    # the embedding task: TT and the embedding peers only, at its own targets, --quick too
+    emb = ["comera", "fixed", *reproduce.EMBEDDING_PEERS]
+    assert grid("criteo") == (emb, [100.0, 300.0, 1000.0])
+    assert grid("criteo", quick=True)[0] == emb
     assert grid("snli_small") == ([m for m in every if m not in skip], [10.0, 30.0])
     assert grid("adult")[0] == [m for m in every
                                 if m not in (*reproduce.SHRINK, *reproduce.SCHEDULES)]
@@ -275,12 +279,16 @@ def test_the_embedding_task_runs_end_to_end_at_a_tiny_scale(tmp_path: Path) -> N
 def test_the_embedding_probe_measures_what_the_tables_hold() -> None:
     """A probe's peak training memory covers the dense tables and their two Adam moments
     (3 × 4 bytes a float), and its table bytes are the model's stored parameters."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import reproduce
-
     sets = ["data.scale=100", 'model.kwargs={peer="dense"}', "train.batch_size=64"]
-    row = reproduce.probe_cell({"config": str(reproduce.CONFIGS / "dlrm_criteo_peers.toml"),
-                                "sets": sets})
+    spec = {"config": str(ROOT / "experiments" / "configs" / "dlrm_criteo_peers.toml"),
+            "sets": sets}
+    # in its own process, as reproduce.py runs it (memory this one freed would be reused)
+    out = subprocess.run([sys.executable, "experiments/reproduce.py", "--probe-cell",
+                          json.dumps(spec)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                           "COMERA_NATIVE": "0"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
     from comera_engine.data.criteo_synth import criteo_cardinalities
 
     tables = sum(n for n in criteo_cardinalities(100.0) if n >= 200) * 16 * 4
