@@ -25,6 +25,20 @@ Methods (same task, data, steps and evaluation; docs/METHODS.md):
   comera_int8 CoMERA's model as its int8 export stores it (a scale per core, per row), no
              training: its bytes are about the TT bytes / 4
 
+The compressed-embedding peers (task ``criteo`` only: DLRM on Criteo-shaped clicks at
+full table size; comera_engine.layers.embedding_peers, the user model
+comera_engine.models.dlrm:peer_dlrm of experiments/configs/dlrm_criteo_peers.toml), each
+table at 1/target of its dense bytes, trained by row-sparse Adam in the backward:
+  hash       the hashing trick (id mod m)
+  qr         quotient-remainder compositional embeddings (Shi et al. 2020)
+  mixed_dim  mixed dimensions by popularity (Ginart et al.): the training split's most
+             frequent ids at full width, the rest narrow, hashed and projected
+  int8_table row-wise int8 tables (QAT through an fp32 master; hashed to fit the budget)
+  dense_sparse  the dense tables with sparse-gradient Adam (the reference; no target)
+Beside the runs, each (method, target) of the task is measured alone in a fresh process
+for its peak training memory (model + optimizer state + activations: the RSS it adds
+over the process before the model is built) and step time (``--no-probe``: not).
+
 Results go to experiments/results/reproduce/<task>.json; the store (``--store``, default
 $COMERA_HOME or ./runs) keeps every run. A task whose data is missing is skipped with
 the reason.
@@ -70,6 +84,10 @@ class Task:
     cpu_skip: tuple[str, ...] = ()
     # writes data the task's runs read and returns the --set overrides naming it
     prepare: Callable[[], tuple[str, ...]] | None = None
+    # the compressed-embedding peers run here (from this config, per scale)
+    peer_config: dict[str, str] = field(default_factory=dict)
+    # methods left out at every scale, --quick too (unless --methods names them)
+    never: tuple[str, ...] = ()
 
 
 #: The pruning and int8 peers: at CPU size on digits, MovieLens and SNLI-tiny only (the
@@ -128,6 +146,18 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          overrides={"cpu": ("train.steps=400", "train.eval_every=200", "train.ckpt_every=400")},
          quick=("train.steps=100", "train.eval_every=100"), cpu_targets=(10.0, 30.0),
          cpu_skip=(*SHRINK, *SCHEDULES)),
+    # TT where it is meant to be used: tables of millions of rows (33.8 M in all), against
+    # the compressed embeddings recommender engineers use; the dense DLRM (AdamW over
+    # 2.2 GB of tables) and the methods that start from it are left out: the dense
+    # reference is dense_sparse (row-sparse Adam)
+    Task("criteo", "Criteo-shaped clicks at full table size (33.8 M rows), DLRM: TT "
+         "against the compressed-embedding peers",
+         {"cpu": "dlrm_criteo.toml"}, peer_config={"cpu": "dlrm_criteo_peers.toml"},
+         quick=("data.scale=1000", "data.num_samples=4000", "data.num_eval=2000",
+                "train.steps=30", "train.eval_every=30", "train.ckpt_every=30",
+                "train.batch_size=128"),
+         cpu_targets=(100.0, 300.0, 1000.0),
+         never=("dense", "tt_svd", "tt_svd_ft", "tltorch", *SHRINK, *SCHEDULES)),
     # the shipped code-MLM configs never start the late stage (switch = "never"): a
     # target sweep needs it, so the stage switch is the default here
     Task("code_mlm", "code MLM on the standard library",
@@ -149,6 +179,19 @@ class Method:
     needs_dense: bool = False  # starts from the trained dense run of the same seed
     linear_only: bool = False
     after: str | None = None  # starts from that method's run of the same seed and target
+    peer: str | None = None  # an embedding peer (layers.embedding_peers): the task's
+    # peer_config with model.kwargs.peer = this
+
+
+def _peer_kwargs(peer: str, target: float | None, counts: str | None = None) -> list[str]:
+    """``model.kwargs`` of :func:`comera_engine.models.dlrm.peer_dlrm` (an inline table:
+    --set replaces it whole)."""
+    items = [f'peer = "{peer}"', 'preset = "tiny"', "lr_table = 0.01"]
+    if target is not None:
+        items.append(f"target = {float(target)}")
+    if counts:
+        items.append(f"counts = {json.dumps(counts)}")
+    return ["model.kwargs={" + ", ".join(items) + "}"]
 
 
 def _target(t: float | None) -> list[str]:
@@ -192,7 +235,16 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            lambda t, d: ['model.quantize="int8"', "train.steps=0",
                          f"model.init_from={json.dumps(str(d))}", *_target(t)],
            after="comera"),
+    Method("hash", "hashing trick", lambda t, d: _peer_kwargs("hash", t, d), peer="hash"),
+    Method("qr", "quotient-remainder", lambda t, d: _peer_kwargs("qr", t, d), peer="qr"),
+    Method("mixed_dim", "mixed dimension", lambda t, d: _peer_kwargs("mixed", t, d),
+           peer="mixed"),
+    Method("int8_table", "int8 tables", lambda t, d: _peer_kwargs("int8", t, d), peer="int8"),
+    Method("dense_sparse", "dense, sparse Adam",
+           lambda t, d: _peer_kwargs("dense", None), per_target=False, peer="dense"),
 )}
+#: The embedding peers (only where a task has a ``peer_config``).
+EMBEDDING_PEERS = tuple(m.name for m in METHODS.values() if m.peer)
 #: The fine-tune after TT-SVD gets this fraction of the task's steps.
 FINE_TUNE_FRACTION = 0.25
 
@@ -255,7 +307,7 @@ def cell_overrides(task: Task, scale: str, quick: bool) -> list[str]:
 
 
 def run_task(task: Task, methods: list[str], scale: str, targets: list[float], seeds: int,
-             quick: bool, store: Any, parallel: int) -> dict[str, Any]:
+             quick: bool, store: Any, parallel: int, probe: bool = True) -> dict[str, Any]:
     """Queue every method's sweep for ``task`` (TT-SVD after its dense runs), wait for all
     of them, and return the task's results (:func:`sweep_report` per method)."""
     from comera_engine.launch.sweep import create_sweep, sweep_report, wait_sweeps
@@ -268,6 +320,13 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
                           "task: " + "; ".join(refused.values()))
     sweeps: dict[str, list[str]] = {}
     t0 = time.time()
+    peers = [m for m in methods if METHODS[m].peer]
+    methods = [m for m in methods if not METHODS[m].peer]
+    not_trained: dict[str, str] = {}
+    if peers:
+        queued, not_trained = queue_peers(task, peers, scale, base, targets, seeds, store,
+                                          parallel)
+        sweeps.update(queued)
     order = [m for m in methods if not (METHODS[m].needs_dense or METHODS[m].after)]
     last = [m for m in methods if METHODS[m].after]
     later = [m for m in methods if METHODS[m].needs_dense]
@@ -322,11 +381,257 @@ def run_task(task: Task, methods: list[str], scale: str, targets: list[float], s
         reps = [sweep_report(store, s) for s in ids]
         results[name] = merge_reports(reps, METHODS[name].per_target)
         results[name]["sweeps"] = ids
-    return {"task": task.name, "title": task.title, "scale": scale, "quick": quick,
-            "config": task.config[scale], "overrides": base, "targets": list(targets),
-            "refused": refused,
-            "seeds": seeds, "wall_s": time.time() - t0, "machine": machine(),
-            "methods": results}
+        if task.peer_config:
+            add_cell_metrics(store, results[name])
+    out = {"task": task.name, "title": task.title, "scale": scale, "quick": quick,
+           "config": task.config[scale], "overrides": base, "targets": list(targets),
+           "refused": refused,
+           "seeds": seeds, "wall_s": time.time() - t0, "machine": machine(),
+           "methods": results}
+    if task.peer_config:
+        out["peer_config"] = task.peer_config[scale]
+        out["data"] = data_facts_of(store, results)
+        out["not_trained"] = not_trained
+        if probe:
+            out["probe"] = probe_all(task, [*methods, *peers], scale, base, targets)
+    return out
+
+
+#: The per-run metrics the embedding task adds to each cell and group (mean ± std).
+CELL_METRICS = {"log_loss": "eval/loss", "rss_mb": "mem/rss_mb"}
+
+
+def add_cell_metrics(store: Any, result: dict[str, Any]) -> None:
+    """Each cell's :data:`CELL_METRICS` from its run's last values, and each group's mean
+    and std over its finished cells (in place)."""
+    from comera_engine.launch.sweep import _mean_std
+
+    for c in result["cells"]:
+        latest = {k: v for k, (_, v) in store.latest_metrics(c["run"]).items()}
+        for key, metric in CELL_METRICS.items():
+            c[key] = latest.get(metric)
+    for g in result["groups"]:
+        done = [c for c in result["cells"] if c["status"] == "finished"
+                and (c["target"] == g["target"] or not result["groups"][1:])]
+        for key in CELL_METRICS:
+            g[key], g[f"{key}_std"] = _mean_std([c.get(key) for c in done])
+
+
+def data_facts_of(store: Any, results: dict[str, Any]) -> dict[str, Any]:
+    """The data set's identity facts (Bayes AUC and log-loss, sizes) from a finished run."""
+    for res in results.values():
+        for c in res["cells"]:
+            path = Path(store.run_dir(c["run"])) / "dataset.json"
+            if c["status"] == "finished" and path.exists():
+                ident = json.loads(path.read_text())
+                return {k: ident.get(k) for k in ("params", "extra", "num_examples")}
+    return {}
+
+
+def peer_counts(config: Path, base: list[str], store: Any) -> str:
+    """The training split's ids by falling frequency per field (the mixed-dimension
+    tables' hot ids), written once per data setting beside the store; its path."""
+    import hashlib
+
+    import numpy as np
+
+    from comera_engine.data.criteo_synth import training_hot_ids
+    from comera_engine.launch import resolve_config
+
+    data = dict(resolve_config(config, base).data)
+    key = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    path = Path(store.root) / f"criteo_hot_ids-{key[:16]}.npz"
+    if not path.exists():
+        np.savez(path, **training_hot_ids(data))
+    return str(path)
+
+
+#: Training steps a memory/step-time probe takes (the median of the last half is its step).
+PROBE_STEPS = 20
+
+
+def probe_all(task: Task, methods: list[str], scale: str, base: list[str],
+              targets: list[float]) -> dict[str, Any]:
+    """Every (method, target) of the embedding task measured alone, one fresh process
+    each (:func:`probe_cell`), one after the other: ``{method: {target: row}}`` (target
+    ``"none"`` for the dense reference). A cell whose tables and Adam state would not fit
+    in half the memory available is not started: its row says what it would need."""
+    import subprocess
+
+    import psutil
+
+    out: dict[str, Any] = {}
+    for name in methods:
+        m = METHODS[name]
+        config = CONFIGS / (task.peer_config[scale] if m.peer else task.config[scale])
+        out[name] = {}
+        for t in (targets if m.per_target else [None]):
+            sets = [*base, *m.overrides(t, None)] if m.peer else [*base, *m.overrides(t, None),
+                                                                   *_target(t)]
+            need = predicted_train_bytes(config, sets)
+            free = psutil.virtual_memory().available
+            key = "none" if t is None else f"{t:g}"
+            if need > free / 2:
+                out[name][key] = {"skipped": f"needs about {need / 2**30:.1f} GiB (tables, "
+                                  f"Adam state); {free / 2**30:.1f} GiB available",
+                                  "predicted_bytes": need}
+                continue
+            cmd = [sys.executable, str(Path(__file__)), "--probe-cell", json.dumps(
+                {"config": str(config), "sets": sets})]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            row = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
+                   else {"error": done.stderr.strip().splitlines()[-1:]})
+            out[name][key] = {**row, "predicted_bytes": need}
+            print(f"  probe {name} {key}: {row}", file=sys.stderr)
+    return out
+
+
+def predicted_train_bytes(config: Path, sets: list[str]) -> int:
+    """Tables and their Adam moments of a cell, 3 × 4 bytes a float of the model's
+    stored parameters (an upper bound for the compressed ones, whose int8 masters and
+    TT cores are a few MB): what decides whether a probe can start."""
+    from comera_engine.data.criteo_synth import criteo_cardinalities
+    from comera_engine.launch import resolve_config
+
+    cfg = resolve_config(config, sets)
+    rows = sum(criteo_cardinalities(float(cfg.data.get("scale", 1.0))))
+    kwargs = cfg.model.kwargs or {}
+    target = float(kwargs.get("target") or cfg.comera.target_compression or 1.0) \
+        if cfg.model.name == "custom" else float(cfg.comera.target_compression or 1.0)
+    return int(3 * rows * 16 * 4 / target)
+
+
+def probe_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    """One cell's peak training memory and step time, alone in this process, one thread:
+    the model built as its run builds it, :data:`PROBE_STEPS` AdamW steps (the row tables
+    update themselves in the backward) on batches drawn from the task's world at the
+    run's batch size. ``peak_train_mb``: the peak RSS (:class:`PeakRSS`) over the RSS
+    before the model was built (model + optimizer state + activations + the allocator's
+    slack); ``step_s``:
+    the median of the last half of the steps; ``table_bytes``: the model's parameters as
+    stored."""
+    import gc
+    import statistics
+
+    import numpy as np
+    import psutil
+    import torch
+
+    from comera_engine.data.criteo_synth import CriteoWorld, criteo_cardinalities, shape
+    from comera_engine.launch import resolve_config
+    from comera_engine.layers import stored_nbytes
+    from comera_engine.runplan import plan_initial_ranks
+    from comera_engine.train.methods import build_run_model
+
+    torch.set_num_threads(1)
+    cfg = resolve_config(spec["config"], spec["sets"])
+    data_cfg = dict(cfg.data)
+    scale = float(data_cfg.get("scale", 1.0))
+    world = CriteoWorld.create(criteo_cardinalities(scale), int(data_cfg.get("seed", 0)))
+    facts = shape(data_cfg)
+    data = argparse.Namespace(task="ctr", num_classes=2, vocab_size=None, seq_len=None,
+                              meta=facts["meta"], name="clicks_criteo")
+    batch = cfg.train.batch_size
+    batches = [world.draw(batch, seed=step, stream=7) for step in range(PROBE_STEPS)]
+
+    def train(model: torch.nn.Module, steps: list[dict[str, np.ndarray]]) -> list[float]:
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        times = []
+        for rows in steps:
+            dense = torch.from_numpy(np.log1p(rows["dense_raw"]).astype(np.float32))
+            labels = torch.rand(batch).lt(0.25).float()
+            t0 = time.perf_counter()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                model(dense, torch.from_numpy(rows["sparse"])), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    # warm-up on the same model with every table 2 rows: the libraries and thread pools a
+    # first training step loads (about 150 MB) are not the model's
+    tiny = argparse.Namespace(**{**vars(data), "meta": {**data.meta, "bucket_sizes": [2] * 26,
+                                                          "cardinalities": [2] * 26}})
+    train(build_run_model(cfg, tiny), [{k: v % 2 if k == "sparse" else v for k, v in b.items()}
+                                       for b in batches[:2]])
+    gc.collect()
+    cfg, plan = plan_initial_ranks(cfg, data)  # the target's ranks, as the trainer's
+    rss0 = psutil.Process().memory_info().rss
+    with PeakRSS() as watch:
+        model = build_run_model(cfg, data, plan)
+        times = train(model, batches)
+    peak = watch.peak
+    table_bytes = int(sum(stored_nbytes(p) for p in model.parameters()))
+    return {"peak_train_mb": (peak - rss0) / 2**20, "peak_rss_mb": peak / 2**20,
+            "step_s": statistics.median(times[PROBE_STEPS // 2:]),
+            "table_bytes": table_bytes,
+            "batch_size": batch}
+
+
+class PeakRSS:
+    """The process's peak RSS while in the ``with`` block, sampled every millisecond by a
+    thread (``/proc``'s own peak cannot be reset everywhere, and imports peak before the
+    model is built): ``peak`` in bytes after the block."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import psutil
+
+        self._proc, self._stop = psutil.Process(), threading.Event()
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._stop.wait(0.001)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def queue_peers(task: Task, peers: list[str], scale: str, base: list[str],
+                targets: list[float], seeds: int, store: Any, parallel: int
+                ) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The embedding peers' sweeps: one per target (``comera.target_compression`` is the
+    target the report groups by; the table sizes follow ``model.kwargs.target``), one for
+    the dense reference; and the methods not trained, with why: a method whose cells
+    running side by side would need more than half the memory available (the dense
+    tables: 6.5 GB a cell at full size)."""
+    import psutil
+
+    from comera_engine.launch.sweep import create_sweep
+
+    config = CONFIGS / task.peer_config[scale]
+    counts = peer_counts(config, base, store) if "mixed_dim" in peers else None
+    out: dict[str, list[str]] = {}
+    skipped: dict[str, str] = {}
+    for name in peers:
+        m = METHODS[name]
+        cells = [(t, {"comera.target_compression": [t]}) for t in targets] if m.per_target \
+            else [(None, {"model.dense": [True]})]
+        need = max(predicted_train_bytes(config, [*base, *m.overrides(t, None)])
+                   for t, _ in cells) * min(parallel, seeds)
+        free = psutil.virtual_memory().available
+        if need > free / 2:
+            skipped[name] = (f"not trained: {min(parallel, seeds)} cells side by side need "
+                             f"about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available")
+            print(f"{task.name}/{name}: {skipped[name]}", file=sys.stderr)
+            continue
+        out[name] = [create_sweep(config, grid, seeds, [*base, *m.overrides(t, counts)], store,
+                                  name=f"reproduce {task.name} {name}", max_parallel=parallel)
+                     for t, grid in cells]
+        print(f"{task.name}/{name}: sweeps {', '.join(out[name])}", file=sys.stderr)
+    return out, skipped
 
 
 def merge_reports(reports: list[dict[str, Any]], per_target: bool = True) -> dict[str, Any]:
@@ -366,18 +671,25 @@ def add_methods(old: dict[str, Any], new: dict[str, Any], methods: list[str]
     return out
 
 
-def rereport(folder: Path, store_path: str | None) -> int:
-    """Rewrite every result JSON under ``folder`` from its sweeps in the store."""
+def rereport(folder: Path, store_path: str | None, tasks: list[str] | None = None) -> int:
+    """Rewrite every result JSON under ``folder`` (those of ``tasks``) from its sweeps in
+    the store (e.g. after ``comera resume`` of failed cells)."""
     from comera_engine.launch import open_store
     from comera_engine.launch.sweep import sweep_report
 
     store = open_store(store_path)
     for path in sorted(folder.glob("*.json")):
         result = json.loads(path.read_text())
+        if tasks and result.get("task") not in tasks:
+            continue
         for name, old in result["methods"].items():
             reps = [sweep_report(store, s) for s in old["sweeps"]]
             result["methods"][name] = merge_reports(reps, METHODS[name].per_target)
             result["methods"][name]["sweeps"] = old["sweeps"]
+            if result.get("peer_config"):
+                add_cell_metrics(store, result["methods"][name])
+        if result.get("peer_config"):
+            result["data"] = data_facts_of(store, result["methods"]) or result.get("data")
         path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
         print(f"rewrote {path}", file=sys.stderr)
     return 0
@@ -408,13 +720,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="cells at once in all (default: one per GPU, else one per core)")
     ap.add_argument("--store", default=None, help="run store (default: $COMERA_HOME or ./runs)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--no-probe", action="store_true", help="the embedding task: skip the "
+                    "per-cell memory / step-time probes")
+    ap.add_argument("--probes-only", action="store_true", help="the embedding task: run "
+                    "only its memory / step-time probes (into probes/<task>.json under --out, "
+                    "replacing the methods probed; a later run without probes takes it up)")
+    ap.add_argument("--probe-cell", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rereport", action="store_true",
                     help="train nothing: read the sweeps recorded in the JSON files under "
                     "--out back from the store and rewrite them (e.g. after a change to "
                     "how cells are scored)")
     args = ap.parse_args(argv)
+    if args.probe_cell:  # one probe, in its own process (probe_all)
+        print(json.dumps(probe_cell(json.loads(args.probe_cell))))
+        return 0
     if args.rereport:
-        return rereport(args.out, args.store)
+        return rereport(args.out, args.store, args.tasks)
 
     from comera_engine.launch import open_store, set_max_concurrent
 
@@ -440,10 +761,11 @@ def task_grid(task: Task, args: argparse.Namespace, targets: list[float]
     schedules (the ``comera`` method with one more setting)."""
     cpu = args.scale == "cpu" and not args.quick
     methods = args.methods or [m for m in METHODS if not (cpu and m in task.cpu_skip)
-                               and not (args.quick and m in SCHEDULES)]
+                               and not (args.quick and m in SCHEDULES) and m not in task.never]
     if not args.targets and cpu and task.cpu_targets:
         targets = list(task.cpu_targets)
-    return [m for m in methods if task.linear or not METHODS[m].linear_only], targets
+    return [m for m in methods if (task.linear or not METHODS[m].linear_only)
+            and (task.peer_config or not METHODS[m].peer)], targets
 
 
 def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: int,
@@ -456,18 +778,31 @@ def _run_all(args: argparse.Namespace, store: Any, targets: list[float], seeds: 
             print(f"skip {name}: {why}", file=sys.stderr)
             continue
         use, task_targets = task_grid(task, args, targets)
+        suffix = "_quick" if args.quick else ("" if args.scale == "cpu" else f"_{args.scale}")
+        probes = args.out / "probes" / f"{name}{suffix}.json"
+        if args.probes_only:
+            if task.peer_config:
+                base = cell_overrides(task, args.scale, args.quick)
+                probes.parent.mkdir(parents=True, exist_ok=True)
+                old = json.loads(probes.read_text())["probe"] if probes.exists() else {}
+                new = probe_all(task, use, args.scale, base, task_targets)
+                probes.write_text(json.dumps({"machine": machine(), "probe": {**old, **new}},
+                                             indent=1), encoding="utf-8")
+                print(f"{name}: probes -> {probes}", file=sys.stderr)
+            continue
         print(f"{name}: {', '.join(use)} × {len(task_targets)} targets × {seeds} seeds",
               file=sys.stderr)
         try:
             result = run_task(task, use, args.scale, task_targets, seeds, args.quick, store,
-                              parallel)
+                              parallel, probe=not args.no_probe)
         except ConfigError as e:
             print(f"skip {name}: {e}", file=sys.stderr)
             continue
-        suffix = "_quick" if args.quick else ("" if args.scale == "cpu" else f"_{args.scale}")
         path = args.out / f"{name}{suffix}.json"
         if args.methods and path.exists():  # a subset of the methods: added to the others
             result = add_methods(json.loads(path.read_text()), result, args.methods)
+        if task.peer_config and "probe" not in result and probes.exists():  # --probes-only's
+            result["probe"] = json.loads(probes.read_text())["probe"]
         path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
         print(f"{name}: {result['wall_s'] / 60:.1f} min -> {path}", file=sys.stderr)
     return 0

@@ -28,7 +28,14 @@ TITLES = {"dense": "dense", "comera": "CoMERA (paced)", "sched_comera": "CoMERA,
           "sched_paper": "CoMERA, paper's schedule", "fixed": "fixed-rank TT",
           "tt_svd": "TT-SVD (no fine-tune)", "tt_svd_ft": "TT-SVD + fine-tune",
           "tltorch": "tltorch TT", "prune": "pruning + fine-tune", "int8": "int8 (dense)",
-          "prune_int8": "pruning + int8", "comera_int8": "CoMERA + int8"}
+          "prune_int8": "pruning + int8", "comera_int8": "CoMERA + int8",
+          "hash": "hashing trick", "qr": "quotient-remainder", "mixed_dim": "mixed dimension",
+          "int8_table": "int8 tables", "dense_sparse": "dense (sparse Adam)"}
+#: The embedding task's methods (experiments/reproduce.py, task criteo), TT first.
+EMBEDDING_ORDER = ("comera", "fixed", "hash", "qr", "mixed_dim", "int8_table", "dense_sparse")
+TT_METHODS = ("comera", "fixed")
+#: The training-memory cap of the embedding task's claims row.
+MEMORY_CAP_MB = 4096.0
 #: Where a claim is checked: (task, target, points within dense).
 CLAIMS = (("digits", 10.0, 1.0), ("snli_small", 10.0, 1.0), ("digits", 30.0, 2.0),
           ("snli_small", 30.0, 2.0), ("snli_heldout", 10.0, 2.0))
@@ -279,7 +286,7 @@ def claims(results: dict[str, dict[str, Any]]) -> list[str]:
                "(a peer ahead by less than the larger seed std counts as a tie) | "
                + ("; ".join(beaten) if beaten else "no exception") + " | "
                + ("**no**" if beaten else "yes") + " |")
-    return out
+    return [*out, *embedding_claims(results)]
 
 
 def figure(res: dict[str, Any], path: Path) -> bool:
@@ -355,6 +362,270 @@ def memory_table(path: Path) -> list[str]:
             "the paper's 256 MB → 3.2 MB).", "", *lines]
 
 
+def _probe(res: dict[str, Any], method: str, target: float | None) -> dict[str, Any]:
+    """The memory / step-time probe of one (method, target) of the embedding task."""
+    key = "none" if target is None else f"{target:g}"
+    return (res.get("probe") or {}).get(method, {}).get(key) or {}
+
+
+def _emb_groups(res: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(m, g) for m in EMBEDDING_ORDER for g in res["methods"].get(m, {}).get("groups", [])
+            if _ok(g.get("score"))]
+
+
+def _mem_text(pr: dict[str, Any]) -> str:
+    if _ok(pr.get("peak_train_mb")):
+        return f"{pr['peak_train_mb']:,.0f} MiB"
+    if pr.get("skipped"):
+        return f"not run: {pr['skipped']}"
+    return "—"
+
+
+def _label(m: str, g: dict[str, Any]) -> str:
+    return TITLES[m] + (f" {g['target']:g}×" if g.get("target") else "")
+
+
+def _seed_scores(res: dict[str, Any], m: str, g: dict[str, Any]) -> dict[Any, float]:
+    """``{seed: score}`` of the finished cells of method ``m`` in group ``g``."""
+    return {c["seed"]: c["score"] for c in res["methods"].get(m, {}).get("cells", [])
+            if c["status"] == "finished" and _ok(c.get("score"))
+            and c.get("target") == g.get("target")}
+
+
+def paired(res: dict[str, Any], a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]
+           ) -> tuple[float, float, int] | None:
+    """Mean and std of the per-seed differences ``a - b`` over the seeds both finished
+    (the seeds share data, initial MLP weights and batch order across methods, so their
+    spread cancels)."""
+    sa, sb = _seed_scores(res, *a), _seed_scores(res, *b)
+    d = [sa[k] - sb[k] for k in sa if k in sb]
+    if len(d) < 2:
+        return None
+    mean = sum(d) / len(d)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1)), len(d)
+
+
+def _lead(res: dict[str, Any], a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]
+          ) -> str:
+    """``+x.xxxx AUC (std a / b; paired +x.xxxx ± s over n seeds)``."""
+    ga, gb = a[1], b[1]
+    text = (f"+{(ga['score'] - gb['score']):.4f} AUC (std {ga.get('score_std') or 0:.4f} / "
+            f"{gb.get('score_std') or 0:.4f}")
+    p = paired(res, a, b)
+    return text + (f"; paired {p[0]:+.4f} ± {p[1]:.4f} over {p[2]} seeds)" if p else ")")
+
+
+def _tie(res: dict[str, Any], a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]
+         ) -> bool:
+    """Whether ``a``'s lead over ``b`` is within the noise: the paired differences' std
+    where there are paired seeds, else the larger seed std."""
+    p = paired(res, a, b)
+    if p is not None:
+        return abs(p[0]) <= p[1]
+    return a[1]["score"] - b[1]["score"] <= max(a[1].get("score_std") or 0,
+                                                 b[1].get("score_std") or 0)
+
+
+def budget_winners(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per target, the byte budget (the hashing trick's model at that target: it fills
+    its tables' budget exactly; 1 % slack) and the cells that fit it, best AUC first."""
+    out = []
+    cells = _emb_groups(res)
+    for t in res["targets"]:
+        ref = group(res, "hash", t) or group(res, "fixed", t)
+        if not ref or nbytes(ref) is None:
+            continue
+        budget = nbytes(ref) * 1.01
+        fit = sorted(((m, g) for m, g in cells if nbytes(g) is not None
+                      and nbytes(g) <= budget), key=lambda mg: -mg[1]["score"])
+        over = [_label(m, g) for m, g in cells if g.get("target") == t
+                and nbytes(g) is not None and nbytes(g) > budget]
+        out.append({"target": t, "budget": budget, "fit": fit, "over": over})
+    return out
+
+
+def cap_winner(res: dict[str, Any], cap_mb: float = MEMORY_CAP_MB
+               ) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """The cells whose measured peak training memory is within ``cap_mb`` (best AUC
+    first) and the methods / targets that need more (measured, or predicted where the
+    probe was not run)."""
+    fit, over = [], []
+    for m, g in _emb_groups(res):
+        pr = _probe(res, m, g.get("target"))
+        mem = pr.get("peak_train_mb")
+        if _ok(mem) and mem <= cap_mb:
+            fit.append((m, g))
+        elif _ok(mem) or pr.get("skipped"):
+            over.append(f"{_label(m, g)} ({_mem_text(pr)})")
+    for m in EMBEDDING_ORDER:  # probed but never trained (the dense tables, too big)
+        for key, pr in (res.get("probe") or {}).get(m, {}).items():
+            if pr.get("skipped") and not res["methods"].get(m, {}).get("groups"):
+                over.append(f"{TITLES[m]} {key}: {_mem_text(pr)}")
+    return sorted(fit, key=lambda mg: -mg[1]["score"]), over
+
+
+def embedding_claims(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Claims rows of the embedding task: is TT (CoMERA or fixed ranks) the best AUC at
+    each byte budget and under the training-memory cap, by how much, with the seeds'
+    spread."""
+    out = []
+    for res in results.values():
+        if not res.get("peer_config"):
+            continue
+        for row in budget_winners(res):
+            fit = row["fit"]
+            if not fit:
+                continue
+            (m, g), rest = fit[0], fit[1:]
+            best_other = next(((m2, g2) for m2, g2 in rest if (m in TT_METHODS)
+                               != (m2 in TT_METHODS)), None)
+            tie = best_other is not None and _tie(res, (m, g), best_other)
+            met = ("yes" if m in TT_METHODS else "**no**") + (" (within the noise: a tie)"
+                                                               if tie else "")
+            vs = (f"; vs {_label(*best_other)}: {_lead(res, (m, g), best_other)}"
+                  if best_other else "")
+            out.append(f"| TT the best AUC at ≤ {row['budget'] / 2**20:,.2f} MiB of weights "
+                       f"({row['target']:g}× tables), {res['task']} | {_label(m, g)} "
+                       f"{g['score']:.4f}{vs} | {met} |")
+        fit, _ = cap_winner(res)
+        if fit:
+            (m, g) = fit[0]
+            other = next(((m2, g2) for m2, g2 in fit[1:] if (m in TT_METHODS)
+                          != (m2 in TT_METHODS)), None)
+            vs = f"; vs {_label(*other)}: {_lead(res, (m, g), other)}" if other else ""
+            tie = other is not None and _tie(res, (m, g), other)
+            out.append(f"| TT the best AUC under a {MEMORY_CAP_MB / 1024:g} GiB training-memory "
+                       f"cap, {res['task']} | {_label(m, g)} {g['score']:.4f}{vs} | "
+                       + ("yes" if m in TT_METHODS else "**no**")
+                       + (" (within the noise: a tie)" if tie else "") + " |")
+    return out
+
+
+def embedding_section(res: dict[str, Any], figs: Path, name: str, suffix: str) -> list[str]:
+    """The embedding task: per method and target AUC, log-loss, bytes, step time and
+    measured training memory; the best method at each byte budget and under the memory
+    cap; the figure."""
+    facts = (res.get("data") or {})
+    extra, params = facts.get("extra") or {}, facts.get("params") or {}
+    n = facts.get("num_examples") or {}
+    lines = []
+    if extra:
+        lines += [f"Data: {n.get('train', 0):,} training and {n.get('eval', 0):,} eval "
+                  f"examples (the eval split drawn with its own seed, "
+                  f"{params.get('eval_seed')}), {sum(params.get('cardinalities') or []):,} "
+                  f"table rows, ids power law (exponent {params.get('zipf_exponent')}). "
+                  f"The generator's **Bayes AUC {extra.get('bayes_auc_eval', 0):.4f}**, "
+                  f"Bayes log-loss {extra.get('bayes_log_loss_eval', 0):.4f} on the eval "
+                  "split (the true click probabilities': no model does better in "
+                  "expectation).", ""]
+    lines += ["| method | target | AUC | log-loss | weights as stored | ms/step (run) | "
+              "peak training memory (probe) | ms/step (probe) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for m in EMBEDDING_ORDER:
+        groups = res["methods"].get(m, {}).get("groups", [])
+        probed = (res.get("probe") or {}).get(m, {})
+        if not groups and probed:  # measured, never trained
+            for key, pr in probed.items():
+                lines.append(f"| {TITLES[m]} | {key} | not trained | | "
+                             f"{(pr.get('predicted_bytes') or 0) / 3 / 2**20:,.0f} MiB "
+                             f"(tables) | | {_mem_text(pr)} | |")
+        for g in groups:
+            pr = _probe(res, m, g.get("target"))
+            ll = (f"{g['log_loss']:.4f} ± {g.get('log_loss_std') or 0:.4f}"
+                  if _ok(g.get("log_loss")) else "—")
+            step = f"{g['step_time_s'] * 1e3:.0f}" if _ok(g.get("step_time_s")) else "—"
+            pstep = f"{pr['step_s'] * 1e3:.1f}" if _ok(pr.get("step_s")) else "—"
+            b = nbytes(g)
+            lines.append(f"| {TITLES[m]} | {g['target']:g}× | " if g.get("target") else
+                         f"| {TITLES[m]} | — | ")
+            lines[-1] += (f"{fmt_score(g, False) if _ok(g.get('score')) else '—'} "
+                          f"({g['finished']}/{g['cells']}) | {ll} | "
+                          f"{'—' if b is None else f'{b / 2**20:,.2f} MiB'} | {step} | "
+                          f"{_mem_text(pr)} | {pstep} |")
+    for m, why in (res.get("not_trained") or {}).items():
+        lines.append(f"| {TITLES.get(m, m)} | | {why} | | | | {_mem_text(_probe(res, m, None))} "
+                     "| |")
+    lines += ["", "AUC and log-loss: mean ± std over the seeds (finished / cells). Weights "
+              "as stored: the whole model's (tables, MLPs; int8 codes and scales; the "
+              "mixed-dimension id map), as the run recorded them. ms/step (run): each "
+              "run's median step while other cells trained beside it. The probe: each "
+              "(method, target) alone in a fresh process, one thread, "
+              "20 AdamW steps at the run's batch size: peak training memory is the peak "
+              "RSS over the RSS before the model was built (model, optimizer state, "
+              "activations), ms/step the median of its last 10 steps.", ""]
+    png = figs / f"reproduce_{name}{suffix}.png"
+    if embedding_figure(res, png):
+        lines += [f"![{res['title']}](figures/{png.name})", ""]
+    lines += ["Best method at each byte budget (the budget: the hashing trick's model at "
+              "the target, which fills it exactly, + 1 %; a cell of a higher target fits a "
+              "lower target's budget). The margin: the means' difference with each "
+              "method's seed std, and the mean ± std of the per-seed differences (the "
+              "seeds share data, initial MLP weights and batch order across methods); a "
+              "lead within that std is a tie:", "",
+              "| budget | best | AUC | runner-up | margin | over the budget |",
+              "|---|---|---|---|---|---|"]
+    for row in budget_winners(res):
+        if row["fit"]:
+            lines.append(_winner_row(res, f"≤ {row['budget'] / 2**20:,.2f} MiB "
+                                     f"({row['target']:g}×)", row["fit"], ", ".join(row["over"])))
+    fit, over = cap_winner(res)
+    if fit:
+        lines.append(_winner_row(res, f"training memory ≤ {MEMORY_CAP_MB / 1024:g} GiB", fit,
+                                 "; ".join(over)))
+    return lines
+
+
+def _winner_row(res: dict[str, Any], budget: str, fit: list[tuple[str, dict[str, Any]]],
+                over: str) -> str:
+    """``| budget | best | AUC | runner-up | margin | over |`` of cells best first."""
+    (m, g), second = fit[0], (fit[1] if len(fit) > 1 else None)
+    runner = (f"{_label(*second)} {fmt_score(second[1], False)} | "
+              f"{_lead(res, (m, g), second)}" if second else "— | —")
+    return f"| {budget} | {_label(m, g)} | {fmt_score(g, False)} | {runner} | {over or '—'} |"
+
+
+def embedding_figure(res: dict[str, Any], path: Path) -> bool:
+    """AUC and log-loss against the weights as stored, and the probe's training memory
+    and step time against them: one line per method."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), dpi=110)
+    panels = (("score", "eval AUC"), ("log_loss", "eval log-loss"),
+              ("peak_train_mb", "peak training memory (MiB, probe)"),
+              ("step_s", "step time (s, probe)"))
+    for ax, (key, label) in zip(axes.flat, panels):
+        for m in EMBEDDING_ORDER:
+            gs = [g for g in res["methods"].get(m, {}).get("groups", [])
+                  if nbytes(g) is not None]
+            pts = []
+            for g in sorted(gs, key=nbytes):
+                v = g.get(key) if key in ("score", "log_loss") else _probe(
+                    res, m, g.get("target")).get(key)
+                if _ok(v):
+                    pts.append((nbytes(g) / 2**20, v, g.get(f"{key}_std") or 0))
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
+                            yerr=[p[2] for p in pts], marker="o", capsize=3, label=TITLES[m])
+        if key == "peak_train_mb":
+            ax.axhline(MEMORY_CAP_MB, color="black", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("model weights as stored (MiB, log)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(res["title"], fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def machine_line(res: dict[str, Any]) -> str:
     """``<CPU>, <n> cores, torch <version>[, <GPU>]`` of one task's results file."""
     m = res.get("machine", {})
@@ -378,6 +649,10 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
         if not suffix and "_" in stem and stem.rsplit("_", 1)[1] in ("quick", "paper"):
             continue
         results[stem] = json.loads(p.read_text())
+        probes = results_dir / "probes" / p.name  # reproduce.py --probes-only
+        if results[stem].get("peer_config") and probes.exists() and (
+                "probe" not in results[stem] or probes.stat().st_mtime > p.stat().st_mtime):
+            results[stem]["probe"] = json.loads(probes.read_text())["probe"]  # the later
     figs = out.parent / "figures"
     src = results_dir.relative_to(ROOT) if results_dir.is_relative_to(ROOT) else results_dir
     lines = ["# Results: CoMERA side by side with the peers", "",
@@ -409,6 +684,9 @@ def build(results_dir: Path, out: Path, suffix: str = "") -> str:
                   + (f" with `{' '.join(res['overrides'])}`" if res["overrides"] else "")
                   + f"; {res['wall_s'] / 60:.1f} min for the whole task on "
                   f"{machine_line(res)}{added_line(res)}.", ""]
+        if res.get("peer_config"):  # the embedding task: its own tables and figure
+            lines += [*embedding_section(res, figs, name, suffix), ""]
+            continue
         lines += task_table(res)
         png = figs / f"reproduce_{name}{suffix}.png"
         if figure(res, png):

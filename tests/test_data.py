@@ -78,7 +78,7 @@ print("ok")
 
 def test_registry_lists_all_names():
     assert available_datasets() == sorted(
-        ["clicks", "clicks_synthetic", "code_mlm", "digits", "mnli", "nli", "snli",
+        ["clicks", "clicks_synthetic", "clicks_criteo", "code_mlm", "digits", "mnli", "nli", "snli",
          "movielens", "adult", "reviews", "files", "factory"]
     )
 
@@ -823,14 +823,15 @@ def test_registry_is_torch_free_and_lists_a_dataset_for_every_model() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["digits", "clicks,clicks_synthetic,movielens,adult"]
+    assert out.stdout.split() == ["digits", "clicks,clicks_synthetic,clicks_criteo,movielens,adult"]
     from comera_engine.config import TT_LAYER_KINDS
     from comera_engine.data.registry import dataset_names
 
     assert all(dataset_names(model) for model in TT_LAYER_KINDS)
 
 
-@pytest.mark.parametrize("name", ["digits", "snli", "code_mlm", "clicks", "clicks_synthetic"])
+@pytest.mark.parametrize("name", ["digits", "snli", "code_mlm", "clicks", "clicks_synthetic",
+                                  "clicks_criteo"])
 def test_registry_defaults_are_the_keys_each_builder_accepts(name: str) -> None:
     """A builder refuses a key that is not among its registered defaults, and names
     every registered key as a choice: the registry is the one list of keys."""

@@ -172,8 +172,12 @@ def test_slow_tasks_run_a_smaller_grid_at_cpu_size_unless_told() -> None:
                                      "targets": None, **kw})
         return reproduce.task_grid(reproduce.TASKS[task], args, list(reproduce.TARGETS))
 
-    every = list(reproduce.METHODS)
+    every = [m for m in reproduce.METHODS if m not in reproduce.EMBEDDING_PEERS]
     skip = ("tltorch", *reproduce.SHRINK, *reproduce.SCHEDULES)
+    # the embedding task: TT and the embedding peers only, at its own targets, --quick too
+    emb = ["comera", "fixed", *reproduce.EMBEDDING_PEERS]
+    assert grid("criteo") == (emb, [100.0, 300.0, 1000.0])
+    assert grid("criteo", quick=True)[0] == emb
     assert grid("snli_small") == ([m for m in every if m not in skip], [10.0, 30.0])
     assert grid("adult")[0] == [m for m in every
                                 if m not in (*reproduce.SHRINK, *reproduce.SCHEDULES)]
@@ -230,3 +234,64 @@ def test_methods_run_again_replace_theirs_and_say_where_they_ran() -> None:
     assert out["added"] == [{"methods": ["comera"], "machine": {"cpu_model": "B"},
                              "wall_s": 10.0}]
     assert "added" not in old and old["methods"]["comera"] == {"groups": [2]}
+
+
+def test_the_embedding_task_runs_end_to_end_at_a_tiny_scale(tmp_path: Path) -> None:
+    """``--tasks criteo`` at the quick scale (tables / 1000): fixed-rank TT and the hashing
+    trick as sweeps in the store, the JSON's AUC and log-loss those of the runs, each
+    cell's weights within the target's budget, the data's Bayes AUC recorded, and the
+    report's budget table naming a winner."""
+    env = {**os.environ, "COMERA_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT),
+           "COMERA_NATIVE": "0"}
+    out = subprocess.run(
+        [sys.executable, "experiments/reproduce.py", "--quick", "--tasks", "criteo",
+         "--methods", "fixed", "hash", "--targets", "10", "--no-probe", "--max-parallel", "2",
+         "--out", str(tmp_path / "out")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "criteo_quick.json").read_text())
+    st = RunStore(tmp_path / "home")
+    assert set(result["methods"]) == {"fixed", "hash"}
+    assert result["data"]["extra"]["bayes_auc_eval"] > 0.6
+    for res in result["methods"].values():
+        (g,) = res["groups"]
+        assert g["target"] == 10.0 and g["finished"] == 1
+        (cell,) = res["cells"]
+        folder = st.run_dir(cell["run"])
+        assert cell["score"] == pytest.approx(last_eval(folder, "eval/auc"))
+        assert cell["log_loss"] == pytest.approx(last_eval(folder, "eval/loss"))
+    # the hashing trick's model as peer_dlrm builds it (its stored parameters); fixed
+    # ranks at 10x of the same tables: no more bytes (within the rank rounding)
+    from comera_engine.data.criteo_synth import criteo_cardinalities
+    from comera_engine.models.dlrm import peer_dlrm
+
+    model = peer_dlrm(criteo_cardinalities(1000.0), peer="hash", target=10.0)
+    hashed = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert result["methods"]["hash"]["groups"][0]["bytes"] == hashed
+    assert result["methods"]["fixed"]["groups"][0]["bytes"] <= 1.1 * hashed
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce_report
+
+    text = "\n".join(reproduce_report.embedding_section(result, tmp_path, "criteo", ""))
+    assert "Bayes AUC" in text and "| ≤ " in text
+
+
+def test_the_embedding_probe_measures_what_the_tables_hold() -> None:
+    """A probe's peak training memory covers the dense tables and their two Adam moments
+    (3 × 4 bytes a float), and its table bytes are the model's stored parameters."""
+    sets = ["data.scale=100", 'model.kwargs={peer="dense"}', "train.batch_size=64"]
+    spec = {"config": str(ROOT / "experiments" / "configs" / "dlrm_criteo_peers.toml"),
+            "sets": sets}
+    # in its own process, as reproduce.py runs it (memory this one freed would be reused)
+    out = subprocess.run([sys.executable, "experiments/reproduce.py", "--probe-cell",
+                          json.dumps(spec)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                           "COMERA_NATIVE": "0"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    from comera_engine.data.criteo_synth import criteo_cardinalities
+
+    tables = sum(n for n in criteo_cardinalities(100.0) if n >= 200) * 16 * 4
+    assert row["table_bytes"] >= tables
+    assert row["peak_train_mb"] * 2**20 >= 3 * tables * 0.95
+    assert row["step_s"] > 0

@@ -13,6 +13,8 @@ Registered names (``available_datasets()``):
 * ``code_mlm``: masked-LM blocks of the Python standard library, ``task="mlm"``.
 * ``clicks``: Criteo TSV (``path``, ``bucket_sizes``), ``task="ctr"``.
 * ``clicks_synthetic``: generated clicks with a planted interaction, ``task="ctr"``.
+* ``clicks_criteo``: Criteo-shaped clicks at full table size (Criteo Kaggle's 26
+  cardinalities / ``scale``), power-law ids, a full-rank click model, ``task="ctr"``.
 * ``movielens``, ``adult``: MovieLens 100K (rating >= 4) and Adult (income > 50K) as
   click tasks for DLRM, ``task="ctr"``; ``reviews``: Women's Clothing E-Commerce reviews
   (recommended, or the 1-5 rating), ``task="text"``. All three read the parquet files
