@@ -26,13 +26,18 @@ STAGE_COLOR = "#94A3B8"
 
 def base_layout(fig: go.Figure, title: str | None = None, height: int = 300,
                 x_title: str | None = None, y_title: str | None = None) -> go.Figure:
+    """The look every chart shares. The title sits at the top of the figure and the
+    legend in rows between it and the plot, each pushing the plot down as far as it
+    needs (``automargin``): a long legend never runs over the title."""
     fig.update_layout(
         template="plotly_white",
-        title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15}} if title else None,
+        title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15},
+               "automargin": True, "yref": "container", "y": 1.0, "yanchor": "top",
+               "pad": {"t": 10, "b": 6}} if title else None,
         height=height,
         margin={"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
         colorway=COLORS,
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0,
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0.0,
                 "font": {"size": 11}},
         hovermode="x unified",
         font={"size": 12},
@@ -229,10 +234,29 @@ def rank_bars(latest: Mapping[str, Sequence[int]], allocated: Mapping[str, Seque
     return fig
 
 
+def label_positions(xs: Sequence[float], all_xs: Sequence[float], log: bool,
+                    side: str = "top") -> list[str]:
+    """Where each point's label goes (``textposition``) so that it stays in the figure:
+    centred over the point, but to its left in the right fifth of the x range
+    ``all_xs`` spans (on a log axis: in log10) and to its right in the left fifth."""
+    def at(v: float) -> float:
+        return math.log10(v) if log and v > 0 else v
+
+    span = [at(v) for v in all_xs if not log or v > 0]
+    lo, hi = (min(span), max(span)) if span else (0.0, 0.0)
+    out = []
+    for x in xs:
+        frac = (at(x) - lo) / (hi - lo) if hi > lo else 0.5
+        out.append(f"{side} left" if frac > 0.8 else f"{side} right" if frac < 0.2
+                   else f"{side} center")
+    return out
+
+
 def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, y_key: str,
                   x_title: str, y_title: str, higher_x_better: bool, suffix: str,
-                  index: int) -> None:
-    """One group's points, front and dense baselines (``suffix`` names the group)."""
+                  index: int, all_xs: Sequence[float] = (), log_x: bool = True) -> None:
+    """One group's points, front and dense baselines (``suffix`` names the group);
+    ``all_xs``, ``log_x``: every point's x and the axis type, to place the labels."""
     tt = [p for p in pts if not p.get("dense")]
     dense = [p for p in pts if p.get("dense")]
     # front: walk from the best x down, keep points that improve y
@@ -256,7 +280,8 @@ def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, 
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in tt], y=[p[y_key] for p in tt], mode="markers+text",
             name="CoMERA (TT)" + suffix, text=[p["label"] for p in tt],
-            textposition="top center", textfont={"size": 10},
+            textposition=label_positions([p[x_key] for p in tt], all_xs, log_x),
+            textfont={"size": 10}, cliponaxis=False,
             marker={"size": 12, "color": colour, "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
             + ": %{y:.3g}<extra></extra>",
@@ -265,7 +290,8 @@ def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, 
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in dense], y=[p[y_key] for p in dense], mode="markers+text",
             name="dense baseline" + suffix, text=[p["label"] for p in dense],
-            textposition="bottom center", textfont={"size": 10},
+            textposition=label_positions([p[x_key] for p in dense], all_xs, log_x, "bottom"),
+            textfont={"size": 10}, cliponaxis=False,
             marker={"size": 18, "symbol": "star", "color": star,
                     "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
@@ -287,15 +313,16 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
     if not pts:
         return empty_figure("No finished runs with these metrics yet", 360, title)
     fig = go.Figure()
+    xs = [p[x_key] for p in pts if p[x_key] > 0] + [x for x in x_include if x > 0]
+    if log_x and xs and max(xs) / min(xs) < 3:
+        log_x = False  # a narrow spread reads better on a linear axis
     # one front per group (a data set and task): runs on different data never share one
     groups = sorted({str(p.get("group") or "") for p in pts})
     for gi, group in enumerate(groups):
         mine = [p for p in pts if str(p.get("group") or "") == group]
         _pareto_group(fig, mine, x_key, y_key, x_title, y_title, higher_x_better,
-                      f" · {group}" if len(groups) > 1 else "", gi)
-    xs = [p[x_key] for p in pts if p[x_key] > 0] + [x for x in x_include if x > 0]
-    if log_x and xs and max(xs) / min(xs) < 3:
-        log_x = False  # a narrow spread reads better on a linear axis
+                      f" · {group}" if len(groups) > 1 else "", gi,
+                      [p[x_key] for p in pts], log_x)
     if not log_x and xs:
         lo, hi = min(xs), max(xs)
         pad = max((hi - lo) * 0.2, abs(hi) * 0.01, 1e-9)
@@ -353,6 +380,7 @@ def size_bar(dense: float, start: float, floor: float, target: float | None,
         fig.add_scatter(x=[x], y=["size"], mode="markers+text", name=name,
                         marker={"size": 14, "color": colors[name], "symbol": "diamond"},
                         text=[f"{name} {x:.3g}×"], textposition="top center",
+                        cliponaxis=False,
                         hovertemplate=f"{name}: {x:.3g}× ({size:,.0f} params)<extra></extra>")
     fig.update_xaxes(type="log", title_text=f"compression ({scope}), log scale")
     fig.update_yaxes(visible=False)
@@ -392,7 +420,10 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
     fig.add_trace(go.Scatter(
         x=[g["compression"] for g in groups], y=[g["score"] for g in groups],
         mode="markers+text", name="grid point (mean ± std)",
-        text=[g["label"] for g in groups], textposition="top center", textfont={"size": 10},
+        text=[g["label"] for g in groups], textfont={"size": 10}, cliponaxis=False,
+        textposition=label_positions([g["compression"] for g in groups],
+                                     [g["compression"] for g in groups],
+                                     log=min(g["compression"] for g in groups) > 0),
         error_y={"type": "data", "array": [g.get("score_std") or 0.0 for g in groups],
                  "thickness": 1.2, "width": 4},
         error_x={"type": "data", "array": [g.get("compression_std") or 0.0 for g in groups],
