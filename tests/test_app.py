@@ -1058,7 +1058,8 @@ def test_point_labels_stay_in_the_figure_and_legends_under_titles() -> None:
     """Issue 46: Compare's point labels were cut at the plot's edges and legends ran
     over titles. A label in the right fifth of the x range (log10 on a log axis) goes
     left of its point, in the left fifth right of it, else centred; labels are not
-    clipped by the axes; the legend sits below the title, which pushes the plot down."""
+    clipped by the axes; the title stands alone at the top, the legend at the bottom;
+    percent ticks never repeat one label."""
     from app.lib import plots
 
     # log10: 0, 1, 1.5, 2 over [0, 2] -> fractions 0, 0.5, 0.75, 1
@@ -1071,9 +1072,12 @@ def test_point_labels_stay_in_the_figure_and_legends_under_titles() -> None:
     fig = plots.pareto(points, "comp", "acc", "compression", "accuracy", "Accuracy")
     (dots,) = [t for t in fig.data if t.name == "CoMERA (TT)"]
     assert dots.cliponaxis is False and list(dots.textposition)[0] == "top right"
+    # percent ticks with the decimals a span needs (94.4-95.3 %: neighbours differ)
+    assert [plots.percent_ticks(v) for v in ([0.5, 0.99], [0.944, 0.953], [0.95, 0.952])] \
+        == [".0%", ".1%", ".2%"]
     lines = plots.lines([("a", [0, 1], [1.0, 2.0])], "A title", "y")
     assert lines.layout.title.automargin is True and lines.layout.title.yref == "container"
-    assert lines.layout.legend.yanchor == "bottom" and lines.layout.legend.y > 1.0
+    assert (lines.layout.legend.yref, lines.layout.legend.y) == ("container", 0.0)
 
 
 def test_rename_notes_tags_archive_and_restore(home: Path) -> None:

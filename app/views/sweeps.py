@@ -146,7 +146,7 @@ def _history() -> list[dict]:
                                {c["run"]: c["label"] for c in cells})
 
 
-d1, d2, _ = st.columns([1, 1, 4])  # every cell's metric history, read on the click
+d1, d2, _ = st.columns([1, 1, 1])  # every cell's metric history, read on the click
 d1.download_button("Metrics of every cell (CSV)", key="sw-dl-csv", icon=":material/download:",
                    data=lambda: runs.history_csv(_history()), file_name=f"{SID}-metrics.csv",
                    mime="text/csv", on_click="ignore")
