@@ -515,8 +515,8 @@ def test_the_form_refuses_and_a_run_is_kept_in_the_dark(browser: Any, server: Se
     the store, as a trainer's sink writes it), with the OS in dark mode (issue 46 item 6):
     the dashboard is dark (the config forces no light base) and the Live page's charts
     draw their text in the theme's light colour (screenshot 40-dark-live); the run is
-    renamed, given notes and tags, archived (gone from the Overview's list, back with
-    "Show archived") and restored, nothing deleted."""
+    renamed, given notes and tags, archived (gone from the Overview's list and Compare's,
+    back with "Show archived") and restored, nothing deleted."""
     ctx, page = new_page(browser)
     page.goto(f"{server.url}/new_experiment")
     page.get_by_text("Tensorisation preview", exact=True).wait_for()
@@ -600,6 +600,8 @@ def test_the_form_refuses_and_a_run_is_kept_in_the_dark(browser: Any, server: Se
     no_exception(page, "overview (archived)")
     shot(page, "42-dark-overview")
     page.goto(f"{server.url}/compare")  # Streamlit's own charts in the dark too
+    page.get_by_text("Every run is archived").wait_for()  # hidden there too, unless shown
+    page.get_by_text("Show archived (1)").click()
     page.locator(".js-plotly-plot .xtick text").first.wait_for()
     settle(page)
     for part in (".gtitle", ".xtick text", ".ytick text"):

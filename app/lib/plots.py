@@ -8,6 +8,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from app.lib.fmt import metric_label
 from comera_engine.metrics import PERCENT_METRICS, SCOPE_LABELS
 
 COLORS = [
@@ -250,28 +251,64 @@ def rank_bars(latest: Mapping[str, Sequence[int]], allocated: Mapping[str, Seque
 
 
 def label_positions(xs: Sequence[float], all_xs: Sequence[float], log: bool,
-                    side: str = "top") -> list[str]:
-    """Where each point's label goes (``textposition``) so that it stays in the figure:
-    centred over the point, but to its left in the right fifth of the x range
-    ``all_xs`` spans (on a log axis: in log10) and to its right in the left fifth."""
+                    side: str = "top", ys: Sequence[float] | None = None,
+                    near: float = 0.1) -> list[str]:
+    """Where each point's label goes (``textposition``) so that it stays in the figure and
+    clear of its neighbours' labels.
+
+    Horizontally: centred over the point, but to its left in the right fifth of the x
+    range ``all_xs`` spans (on a log axis: in log10) and to its right in the left fifth.
+    Vertically: ``side`` for a point alone; points whose x lie within ``near`` of that
+    range of each other (single linkage, so a chain of close points is one cluster) are
+    staggered: in a cluster of ``k`` points ordered by ``ys`` from the highest (by input
+    order when ``ys`` is None), the first label goes on top, the last at the bottom and
+    the ones between beside their points, alternately right and left (``middle
+    right``/``middle left``; only the inward side at an end of the range)."""
     def at(v: float) -> float:
         return math.log10(v) if log and v > 0 else v
 
     span = [at(v) for v in all_xs if not log or v > 0]
     lo, hi = (min(span), max(span)) if span else (0.0, 0.0)
-    out = []
-    for x in xs:
-        frac = (at(x) - lo) / (hi - lo) if hi > lo else 0.5
-        out.append(f"{side} left" if frac > 0.8 else f"{side} right" if frac < 0.2
-                   else f"{side} center")
+    fracs = [(at(x) - lo) / (hi - lo) if hi > lo else 0.5 for x in xs]
+    out = [f"{side} left" if f > 0.8 else f"{side} right" if f < 0.2 else f"{side} center"
+           for f in fracs]
+    for cluster in _clusters(fracs, near):
+        if len(cluster) < 2:
+            continue
+        if ys is not None:
+            cluster = sorted(cluster, key=lambda i: -ys[i])
+        for k, i in enumerate(cluster):
+            horizontal = out[i].split(" ", 1)[1]
+            if k == 0:
+                out[i] = f"top {horizontal}"
+            elif k == len(cluster) - 1:
+                out[i] = f"bottom {horizontal}"
+            else:
+                inward = "left" if fracs[i] > 0.8 else "right" if fracs[i] < 0.2 else None
+                out[i] = f"middle {inward or ('right' if k % 2 else 'left')}"
     return out
+
+
+def _clusters(fracs: Sequence[float], near: float) -> list[list[int]]:
+    """Indices of ``fracs`` grouped so that neighbours (in sorted order) closer than
+    ``near`` share a group, in input order within each group."""
+    order = sorted(range(len(fracs)), key=lambda i: fracs[i])
+    groups: list[list[int]] = []
+    for j, i in enumerate(order):
+        if j and fracs[i] - fracs[order[j - 1]] < near:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
 
 
 def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, y_key: str,
                   x_title: str, y_title: str, higher_x_better: bool, suffix: str,
-                  index: int, all_xs: Sequence[float] = (), log_x: bool = True) -> None:
+                  index: int, all_xs: Sequence[float] = (), log_x: bool = True,
+                  y_hover: str = ".3g") -> None:
     """One group's points, front and dense baselines (``suffix`` names the group);
-    ``all_xs``, ``log_x``: every point's x and the axis type, to place the labels."""
+    ``all_xs``, ``log_x``: every point's x and the axis type, to place the labels;
+    ``y_hover``: the d3 format of y in the hover text."""
     tt = [p for p in pts if not p.get("dense")]
     dense = [p for p in pts if p.get("dense")]
     # front: walk from the best x down, keep points that improve y
@@ -295,22 +332,24 @@ def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, 
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in tt], y=[p[y_key] for p in tt], mode="markers+text",
             name="CoMERA (TT)" + suffix, text=[p["label"] for p in tt],
-            textposition=label_positions([p[x_key] for p in tt], all_xs, log_x),
+            textposition=label_positions([p[x_key] for p in tt], all_xs, log_x,
+                                         ys=[p[y_key] for p in tt]),
             textfont={"size": 10}, cliponaxis=False,
             marker={"size": 12, "color": colour, "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
-            + ": %{y:.3g}<extra></extra>",
+            + ": %{y:" + y_hover + "}<extra></extra>",
         ))
     if dense:
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in dense], y=[p[y_key] for p in dense], mode="markers+text",
             name="dense baseline" + suffix, text=[p["label"] for p in dense],
-            textposition=label_positions([p[x_key] for p in dense], all_xs, log_x, "bottom"),
+            textposition=label_positions([p[x_key] for p in dense], all_xs, log_x, "bottom",
+                                         ys=[p[y_key] for p in dense]),
             textfont={"size": 10}, cliponaxis=False,
             marker={"size": 18, "symbol": "star", "color": star,
                     "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
-            + ": %{y:.3g}<extra></extra>",
+            + ": %{y:" + y_hover + "}<extra></extra>",
         ))
         for p in dense:
             fig.add_hline(y=p[y_key], line={"color": star, "dash": "dot", "width": 1})
@@ -318,10 +357,12 @@ def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, 
 
 def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title: str,
            y_title: str, title: str, log_x: bool = True, higher_x_better: bool = True,
-           x_include: Sequence[float] = ()) -> go.Figure:
+           x_include: Sequence[float] = (), y_percent: bool = False) -> go.Figure:
     """Scatter of runs with the Pareto front (best ``y`` for a given ``x``) and the dense
     baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key[, "group"]}``:
-    each group (data set and task) gets its own front, never one across groups."""
+    each group (data set and task) gets its own front, never one across groups.
+    ``y_percent``: ``y`` is a fraction (an accuracy) shown in percent on the axis and in
+    the hover text."""
     pts = [p for p in points
            if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
            and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
@@ -337,7 +378,8 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
         mine = [p for p in pts if str(p.get("group") or "") == group]
         _pareto_group(fig, mine, x_key, y_key, x_title, y_title, higher_x_better,
                       f" · {group}" if len(groups) > 1 else "", gi,
-                      [p[x_key] for p in pts], log_x)
+                      [p[x_key] for p in pts] + list(x_include), log_x,
+                      ".1%" if y_percent else ".3g")
     if not log_x and xs:
         lo, hi = min(xs), max(xs)
         pad = max((hi - lo) * 0.2, abs(hi) * 0.01, 1e-9)
@@ -353,6 +395,8 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
         lo, hi = min(ys), max(ys)
         pad = max(0.02, (hi - lo) * 0.15)
         fig.update_yaxes(range=[max(0.0, lo - pad), min(1.0, hi + pad) + 0.01])
+    if y_percent:
+        fig.update_yaxes(tickformat=percent_ticks(ys))
     fig = base_layout(fig, title, 400, x_title.replace(", log", "") if not log_x else x_title,
                       y_title)
     legend_below(fig)
@@ -432,17 +476,18 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
             name="Pareto front", line={"color": "#94A3B8", "width": 2, "dash": "dash"},
             hoverinfo="skip",
         ))
+    # a spread only where seeds give one (one seed: a mean and no bar, never "± 0")
+    spread = any(is_finite(g.get(k)) for g in groups for k in ("score_std", "compression_std"))
     fig.add_trace(go.Scatter(
         x=[g["compression"] for g in groups], y=[g["score"] for g in groups],
-        mode="markers+text", name="grid point (mean ± std)",
+        mode="markers+text", name="grid point (mean ± std)" if spread else "grid point",
         text=[g["label"] for g in groups], textfont={"size": 10}, cliponaxis=False,
         textposition=label_positions([g["compression"] for g in groups],
                                      [g["compression"] for g in groups],
-                                     log=min(g["compression"] for g in groups) > 0),
-        error_y={"type": "data", "array": [g.get("score_std") or 0.0 for g in groups],
-                 "thickness": 1.2, "width": 4},
-        error_x={"type": "data", "array": [g.get("compression_std") or 0.0 for g in groups],
-                 "thickness": 1.2, "width": 4},
+                                     log=min(g["compression"] for g in groups) > 0,
+                                     ys=[g["score"] for g in groups]),
+        error_y=_error_bars([g.get("score_std") for g in groups]),
+        error_x=_error_bars([g.get("compression_std") for g in groups]),
         marker={"size": 13, "color": [COLORS[1] if g.get("pareto") else COLORS[0]
                                       for g in groups], "line": {"width": 1, "color": "white"}},
         hovertemplate="%{text}<br>%{x:.3g}×<br>" + metric + " %{y:.4f}<extra></extra>",
@@ -458,7 +503,7 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
         x_title = "×"
     scopes = sorted({SCOPE_LABELS.get(c.get("scope"), "TT layers") for c in cells})
     x_title = f"compression reached ({' / '.join(scopes) or 'TT layers'}; {x_title})"
-    fig = base_layout(fig, title, 420, x_title, metric)
+    fig = base_layout(fig, title, 420, x_title, metric_label(metric))
     if is_fraction(metric):  # accuracy: one unit (percent) everywhere
         fig.update_yaxes(tickformat=percent_ticks(
             [g["score"] for g in groups] + [c["score"] for c in cells]))
@@ -471,6 +516,15 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
 
 def is_finite(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _error_bars(stds: Sequence[Any]) -> dict[str, Any]:
+    """Plotly error bars of these spreads; none drawn (not a bar of 0) where there is no
+    spread (``None``: one seed)."""
+    if not any(is_finite(v) for v in stds):
+        return {"visible": False}
+    return {"type": "data", "array": [v if is_finite(v) else float("nan") for v in stds],
+            "thickness": 1.2, "width": 4}
 
 
 def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:

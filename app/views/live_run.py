@@ -272,7 +272,7 @@ def events(run: dict[str, Any]) -> None:
     with c1:
         st.markdown("**Event log** (rank changes, stages, checkpoints, errors)")
         if rows:
-            st.dataframe(rows, hide_index=True, width="stretch", height=280,
+            ui.table(rows, height=280,
                          column_config={
                              "time": st.column_config.TextColumn(width=70),
                              "step": st.column_config.TextColumn(width=50),
