@@ -20,7 +20,13 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from comera_engine.store import RunStore  # noqa: E402
-from tests.app_checks import HOME, ROOT, TIMEOUT, no_exception  # noqa: E402
+from tests.app_checks import (  # noqa: E402
+    HOME,
+    ROOT,
+    TIMEOUT,
+    blank_when_missing,
+    no_exception,
+)
 
 PAGES = {
     "new": "views/new_experiment.py",
@@ -424,7 +430,8 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     assert not at.button(key="stop").disabled
     assert at.button(key="resume").disabled
     charts = live_charts(at)
-    assert len(charts) == 7 and "ch-util" not in charts  # a CPU run: no GPU panel
+    assert len(charts) == 7 and "ch-gpu" not in charts  # a CPU run: no GPU chart, one line
+    assert "none to plot, this run trains on the CPU" in texts(at)
     spec = {k: fig["layout"] for k, fig in charts.items()}
     assert spec["ch-acc"]["yaxis"]["tickformat"] == ".0%"  # % like the accuracy tile
     assert spec["ch-acc"]["yaxis"]["title"]["text"] == "accuracy"
@@ -435,6 +442,7 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     assert "running" in body and "Refreshing every 1 s" in body
     events = at.dataframe[0].value
     assert {"stage", "checkpoint", "rank change"} <= set(events["kind"])
+    assert blank_when_missing(at) == 0  # every event has its step
     # the trainer log: its last 30 lines, the newest included (the browser test checks
     # that the panel shows its last line)
     log = st.log_path(rid)
@@ -596,7 +604,7 @@ def test_resume_button_resumes_a_stopped_run(home: Path,
     assert "Refreshing every 1 s" in texts(at)
 
 
-def test_live_page_on_a_gpu_run(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_page_on_a_gpu_run(home: Path) -> None:
     st = store_at(home)
     rid = st.create_run("gpu-run", config("gpu-run"), "running", device="cuda", gpus="1")
     t = time.time()
@@ -606,20 +614,19 @@ def test_live_page_on_a_gpu_run(home: Path, monkeypatch: pytest.MonkeyPatch) -> 
             ("mem/gpu_total_mb", 81559.0), ("mem/cuda_max_allocated_mb", 2100.0),
             ("mem/cuda_max_reserved_mb", 2600.0), ("perf/tokens_per_s", 1.2e5))
     ])
+    st.write_batch(rid, metrics=[(s, "sys/gpu_util_percent", 80.0 + s, t) for s in (10, 20)])
     st.heartbeat(rid)
-    seen: list[int] = []
-
-    def fake_status(index: int) -> dict[str, float]:
-        seen.append(index)
-        return {"util_pct": 87.0, "mem_used_mb": 9050.0, "mem_total_mb": 81559.0}
-
-    monkeypatch.setattr("app.lib.devices.gpu_status", fake_status)
     at = app("live")
     no_exception(at)
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["GPU memory"] == "8.84 GiB" and "Tokens / s" in metrics
-    assert seen == [1]  # NVML index of the run's GPU (CUDA_VISIBLE_DEVICES=1)
-    assert "GPU 1" in texts(at) and "CPU run" not in texts(at)
+    # the GPU panel: what the trainer read (utilisation from NVML, memory of the device)
+    gpu = {tr["name"]: tr for tr in live_charts(at)["ch-gpu"]["data"] if tr.get("name")}
+    assert list(gpu["GPU utilisation %"]["y"]) == [90.0, 100.0]
+    used = list(gpu["GPU memory used % (of the device)"]["y"])
+    assert used[0] == pytest.approx(100 * 9001.0 / 81559.0)
+    assert used[-1] == pytest.approx(100 * 9049.0 / 81559.0)
+    assert "GPU 1" in texts(at) and "trains on the CPU" not in texts(at)
 
 
 def test_new_experiment_lists_gpus_and_launches_on_one(home: Path,
@@ -1048,10 +1055,76 @@ def test_compare_draws_one_front_per_data_set(home: Path) -> None:
     assert "Pareto front" not in names  # no front across the two
     assert "2 data sets" in texts(at) and "/somewhere" not in texts(at)
     assert set(at.dataframe[0].value["data set"]) == {"digits", "files: train.csv (classify)"}
+    # the cancer runs logged no loss, size or throughput: blank cells, never "None"/"nan",
+    # in columns that stay numeric (they sort as numbers)
+    final = at.dataframe[0].value
+    assert blank_when_missing(at) > 0 and final["eval loss"].isna().sum() == 2
+    assert all(final[c].dtype.kind == "f" for c in ("eval acc", "eval loss", "samples/s"))
+    cancer = final[final["data set"] == "files: train.csv (classify)"]
+    assert set(cancer["model size"]) == {""} and set(cancer["peak training memory"]) == {""}
+    # accuracy in percent on every front: axis and hover (issue 46 item 3)
+    drawn = [s for s in specs if "Accuracy vs" in str(s["layout"]["title"]) and s["data"]]
+    assert len(drawn) == 2  # compression and bytes (no training memory was logged)
+    for spec in drawn:
+        assert spec["layout"]["yaxis"]["tickformat"].endswith("%")
+        assert all("%{y:.1%}" in t["hovertemplate"] for t in spec["data"]
+                   if t.get("mode") == "markers+text")
     at = app()
     table = at.dataframe[0].value
     assert {"data set", "duration"} <= set(table.columns)
     assert set(table["data set"]) == {"digits", "files: train.csv"}
+    assert blank_when_missing(at) > 0  # the cancer runs' params
+
+
+def test_point_labels_stay_in_the_figure_and_legends_under_titles() -> None:
+    """Issue 46: Compare's point labels were cut at the plot's edges and legends ran
+    over titles. A label in the right fifth of the x range (log10 on a log axis) goes
+    left of its point, in the left fifth right of it, else centred; labels are not
+    clipped by the axes; the title stands alone at the top, the legend at the bottom;
+    percent ticks never repeat one label."""
+    from app.lib import plots
+
+    # log10: 0, 1, 1.5, 2 over [0, 2] -> fractions 0, 0.5, 0.75, 1
+    xs = [1.0, 10.0, 31.6, 100.0]
+    assert plots.label_positions(xs, xs, log=True) == [
+        "top right", "top center", "top center", "top left"]
+    assert plots.label_positions([5.0], [5.0], log=False, side="bottom") == ["bottom center"]
+    # neighbours closer than a tenth of the range (in log10) are staggered: over [0, 2],
+    # 10 and 11 sit at 0.5 and 0.52; the higher point's label on top, the lower's below
+    assert plots.label_positions([1.0, 10.0, 11.0, 100.0], [1.0, 100.0], log=True,
+                                 ys=[0.9, 0.80, 0.85, 0.9]) == [
+        "top right", "bottom center", "top center", "top left"]
+    # without ys, in the order given
+    assert plots.label_positions([10.0, 11.0], [1.0, 100.0], log=True) == [
+        "top center", "bottom center"]
+    # a chain (each within 0.1 of the next: 0.5, 0.52, 0.54, 0.56 by 10^(2f)) is one
+    # cluster: top, beside (right, left), bottom, by y from the highest
+    chain = [10 ** (2 * f) for f in (0.5, 0.52, 0.54, 0.56)]
+    assert plots.label_positions(chain, [1.0, 100.0], log=True, ys=[0.7, 0.9, 0.6, 0.8]) == [
+        "middle left", "top center", "bottom center", "middle right"]
+    # at the right end of the range the labels between turn inward (left); on a linear
+    # axis the range is the x range itself: 98, 99, 100 within 0.1 of [0, 100]
+    assert plots.label_positions([98.0, 99.0, 100.0], [0.0, 100.0], log=False,
+                                 ys=[0.5, 0.6, 0.4]) == [
+        "middle left", "top left", "bottom left"]
+    # in a figure: two runs at 24x and 25x (seeds of one target) get top and bottom
+    close = [{"label": "a", "dense": False, "acc": 0.93, "comp": 24.0},
+             {"label": "b", "dense": False, "acc": 0.92, "comp": 25.0},
+             {"label": "c", "dense": False, "acc": 0.80, "comp": 100.0}]
+    (dots,) = [t for t in plots.pareto(close, "comp", "acc", "x", "y", "t", x_include=[1.0]).data
+               if t.name == "CoMERA (TT)"]
+    assert list(dots.textposition) == ["top center", "bottom center", "top left"]
+    points = [{"label": f"run {x:g}", "dense": False, "acc": 0.9 + x / 1000, "comp": x}
+              for x in xs]
+    fig = plots.pareto(points, "comp", "acc", "compression", "accuracy", "Accuracy")
+    (dots,) = [t for t in fig.data if t.name == "CoMERA (TT)"]
+    assert dots.cliponaxis is False and list(dots.textposition)[0] == "top right"
+    # percent ticks with the decimals a span needs (94.4-95.3 %: neighbours differ)
+    assert [plots.percent_ticks(v) for v in ([0.5, 0.99], [0.944, 0.953], [0.95, 0.952])] \
+        == [".0%", ".1%", ".2%"]
+    lines = plots.lines([("a", [0, 1], [1.0, 2.0])], "A title", "y")
+    assert lines.layout.title.automargin is True and lines.layout.title.yref == "container"
+    assert (lines.layout.legend.yref, lines.layout.legend.y) == ("container", 0.0)
 
 
 def test_rename_notes_tags_archive_and_restore(home: Path) -> None:
@@ -1085,6 +1158,26 @@ def test_rename_notes_tags_archive_and_restore(home: Path) -> None:
     table = home_page.dataframe[0].value
     assert set(table["run id"]) == {rid, other}
     assert "lr, digits" in set(table["tags"])
+    # Compare neither offers nor picks an archived run unless asked to
+    cmp = app("compare")
+    no_exception(cmp)
+    offered = cmp.multiselect(key="cmp-runs").options  # "name · id · status"
+    assert [o.split(" · ")[1] for o in offered] == [other]
+    assert cmp.multiselect(key="cmp-runs").value == [other]
+    assert list(cmp.dataframe[0].value["run"]) == [f"second ({other[-4:]})"]
+    cmp.toggle(key="cmp-archived").set_value(True).run()
+    offered = cmp.multiselect(key="cmp-runs").options
+    assert {o.split(" · ")[1] for o in offered} == {rid, other}
+    cmp.multiselect(key="cmp-runs").select(rid).run()
+    no_exception(cmp)
+    assert len(cmp.dataframe[0].value) == 2
+    # every run archived: Compare says where they are; shown, they are picked again
+    st.archive_run(other)
+    cmp = app("compare")
+    assert cmp.multiselect(key="cmp-runs").value == [] and "Every run is archived" in texts(cmp)
+    cmp.toggle(key="cmp-archived").set_value(True).run()
+    assert sorted(cmp.multiselect(key="cmp-runs").value) == sorted([rid, other])
+    st.archive_run(other, archived=False)
     at = app("live")
     at.selectbox(key="live-run").set_value(rid).run()
     at.button(key="about-restore").click().run()

@@ -15,7 +15,13 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from comera_engine.store import RunStore  # noqa: E402
-from tests.app_checks import HOME, ROOT, TIMEOUT, no_exception  # noqa: E402
+from tests.app_checks import (  # noqa: E402
+    HOME,
+    ROOT,
+    TIMEOUT,
+    blank_when_missing,
+    no_exception,
+)
 
 
 def app(page: str, **query: str) -> AppTest:
@@ -103,7 +109,7 @@ def test_one_seed_has_no_spread_and_a_pending_cell_is_blank(home: Path) -> None:
     0.0000"; a cell not run yet shows blank figures, never "None"; accuracy is in percent
     (as the Live tile states it)."""
     st = RunStore(home / "comera.db")
-    sid, _ = seed_sweep(st, unfinished=True)
+    sid, ids = seed_sweep(st, unfinished=True)
     at = app("views/sweeps.py", sweep=sid)
     no_exception(at)
     groups, cells = at.dataframe[0].value, at.dataframe[1].value
@@ -115,6 +121,30 @@ def test_one_seed_has_no_spread_and_a_pending_cell_is_blank(home: Path) -> None:
     done = cells[cells["status"] == "finished"]
     assert set(done["eval/acc"]) == {"95.0%", "93.0%", "91.0%"}
     assert "None" not in groups.to_string() + cells.to_string()
+    blank_when_missing(at)
+    # error bars where seeds give a spread (5x: two), none at 20x (one), not a bar of 0
+    marks = grid_points(at)
+    assert marks["name"] == "grid point (mean ± std)"
+    front = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
+    assert front["yaxis"]["title"]["text"] == "Eval accuracy"  # in words, in percent
+    assert front["yaxis"]["tickformat"].endswith("%") and "%{y:.1%}" in marks["hovertemplate"]
+    assert marks["error_y"]["array"] == [pytest.approx(statistics.stdev(
+        [ACCS[5.0, 0], ACCS[5.0, 1]])), None]
+    # with one finished seed everywhere: no spread in the header, the legend or the bars
+    st.set_status(ids[1], "stopped")
+    at = app("views/sweeps.py", sweep=sid)
+    no_exception(at)
+    assert "eval/acc" in at.dataframe[0].value.columns
+    assert not any("±" in str(c) for c in at.dataframe[0].value.columns)
+    marks = grid_points(at)
+    assert marks["name"] == "grid point" and marks["error_y"] == {"visible": False}
+
+
+def grid_points(at: AppTest) -> dict:
+    """The Sweeps page's grid-point trace (mean per grid point) in its front chart."""
+    (marks,) = [t for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"]
+                if str(t.get("name")).startswith("grid point")]
+    return marks
 
 
 def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,
@@ -252,3 +282,7 @@ def test_overview_groups_runs_by_sweep(home: Path) -> None:
     table = at.dataframe[0].value
     assert list(table["run id"])[-1] == solo and set(list(table["run id"])[:4]) == set(ids)
     assert list(table["sweep"]) == ["digits"] * 4 + [""]
+    # the solo run logged nothing: its accuracy, compression and size cells are blank
+    solo_row = table[table["run id"] == solo].iloc[0]
+    assert solo_row[["eval acc", "compression", "params"]].isna().all()
+    assert blank_when_missing(at) >= 3

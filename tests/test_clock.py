@@ -108,3 +108,60 @@ def test_system_meter_reads_at_most_once_a_second() -> None:
     sum(i * i for i in range(200_000))  # some CPU work in between
     assert meter.read() == first  # within the interval: the last reading
     assert first["sys/ram_total_mb"] > first["sys/ram_used_mb"] > 0
+
+
+class FakeNvml:
+    """What the meters call of ``pynvml``, for one device whose handle is ``"gpu-a"``:
+    87 % busy, 9 GiB of 80 GiB used; ``broken`` makes every call raise as a lost
+    driver does."""
+
+    def __init__(self, broken: bool = False) -> None:
+        self.broken = broken
+        self.handles: list[object] = []
+
+    def _check(self, handle: object) -> None:
+        self.handles.append(handle)
+        if self.broken:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+    def nvmlDeviceGetUtilizationRates(self, handle: object) -> Any:  # noqa: N802
+        from types import SimpleNamespace
+
+        self._check(handle)
+        return SimpleNamespace(gpu=87, memory=31)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: object) -> Any:  # noqa: N802
+        from types import SimpleNamespace
+
+        self._check(handle)
+        return SimpleNamespace(used=9 * 2**30, total=80 * 2**30, free=71 * 2**30)
+
+
+def test_the_meters_read_gpu_utilisation_and_memory_through_nvml(monkeypatch) -> None:
+    """Issue 46 item 6: with NVML on a CUDA device the trainer samples the device's
+    utilisation (sys/*) and used / total memory (mem/*, NVML's figures, not the CUDA
+    runtime's); NVML failing leaves the other readings (and the runtime's memory); a CPU
+    device opens no NVML."""
+    import torch
+
+    from comera_engine.train.sysinfo import MemoryMeter, SystemMeter, open_nvml
+
+    assert open_nvml(torch.device("cpu")) is None
+    nv = FakeNvml()
+    sys_read = SystemMeter(torch.device("cuda"), every=0.0, nvml=(nv, "gpu-a")).read()
+    assert sys_read["sys/gpu_util_percent"] == 87.0
+    assert sys_read["sys/ram_total_mb"] > 0  # the machine's readings beside it
+    gib = 1024.0  # MiB
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 2 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (60 * 2**30, 64 * 2**30))
+    mem = MemoryMeter(torch.device("cuda"), nvml=(nv, "gpu-a")).read()
+    assert mem == {"mem/cuda_max_allocated_mb": 2 * gib, "mem/cuda_max_reserved_mb": 3 * gib,
+                   "mem/gpu_used_mb": 9 * gib, "mem/gpu_total_mb": 80 * gib}
+    assert set(nv.handles) == {"gpu-a"}
+
+    lost = FakeNvml(broken=True)
+    sys_read = SystemMeter(torch.device("cuda"), every=0.0, nvml=(lost, "gpu-a")).read()
+    assert "sys/gpu_util_percent" not in sys_read and "sys/cpu_percent" in sys_read
+    mem = MemoryMeter(torch.device("cuda"), nvml=(lost, "gpu-a")).read()
+    assert (mem["mem/gpu_used_mb"], mem["mem/gpu_total_mb"]) == (4 * gib, 64 * gib)

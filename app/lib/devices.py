@@ -45,20 +45,3 @@ def list_gpus() -> list[GPU]:
         return out
     return out
 
-
-def gpu_status(index: int) -> dict[str, float] | None:
-    """``{"util_pct", "mem_used_mb", "mem_total_mb"}`` of GPU ``index`` now, or ``None``."""
-    nv = _nvml()
-    if nv is None:
-        return None
-    try:
-        h = nv.nvmlDeviceGetHandleByIndex(int(index))
-        util = nv.nvmlDeviceGetUtilizationRates(h)
-        mem = nv.nvmlDeviceGetMemoryInfo(h)
-        return {
-            "util_pct": float(util.gpu),
-            "mem_used_mb": mem.used / 2**20,
-            "mem_total_mb": mem.total / 2**20,
-        }
-    except Exception:
-        return None

@@ -8,6 +8,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from app.lib.fmt import metric_label
 from comera_engine.metrics import PERCENT_METRICS, SCOPE_LABELS
 
 COLORS = [
@@ -24,16 +25,27 @@ TARGET_COLOR = "#E11D48"
 STAGE_COLOR = "#94A3B8"
 
 
+#: A horizontal legend at the bottom of the figure (below the x axis title): placed on
+#: the container, it pushes the plot up by its own height.
+LEGEND_BELOW = {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0.0,
+                "xanchor": "left", "x": 0.0, "font": {"size": 11}}
+
+
 def base_layout(fig: go.Figure, title: str | None = None, height: int = 300,
                 x_title: str | None = None, y_title: str | None = None) -> go.Figure:
+    """The look every chart shares. The title sits alone at the top of the figure; the
+    legend at its bottom, under the x axis, in as many rows as it needs, each pushing the
+    plot in as far as it needs (``automargin``, a legend placed on the container): a long
+    legend never runs over the title or the axis."""
     fig.update_layout(
         template="plotly_white",
-        title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15}} if title else None,
+        title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15},
+               "automargin": True, "yref": "container", "y": 1.0, "yanchor": "top",
+               "pad": {"t": 10, "b": 6}} if title else None,
         height=height,
         margin={"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
         colorway=COLORS,
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0,
-                "font": {"size": 11}},
+        legend=LEGEND_BELOW,
         hovermode="x unified",
         font={"size": 12},
     )
@@ -124,7 +136,8 @@ def lines(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title:
     if x_title == "step" and xs and max(xs) - min(xs) < 10:
         fig.update_xaxes(dtick=1)  # no half steps on a short run
     if percent:
-        fig.update_yaxes(tickformat=".0%", hoverformat=".1%")
+        fig.update_yaxes(tickformat=percent_ticks([v for _, _, y in series for v in y]),
+                         hoverformat=".1%")
     if from_zero:
         fig.update_yaxes(rangemode="tozero")
     return base_layout(fig, title, height, x_title, y_title)
@@ -135,10 +148,19 @@ def is_fraction(metric: str) -> bool:
     return metric in PERCENT_METRICS
 
 
+def percent_ticks(values: Sequence[Any]) -> str:
+    """The tick format of a percent axis over these fractions: as many decimals as the
+    span needs for neighbouring ticks to differ (a sweep within 94-95 % used to read
+    "95% 95% 95% 94%"). Span ``s`` in points: 0 decimals from 5, 1 from 0.5, else 2."""
+    vals = [v for v in values if is_finite(v)]
+    span = 100.0 * (max(vals) - min(vals)) if vals else 100.0
+    return ".0%" if span >= 5 else ".1%" if span >= 0.5 else ".2%"
+
+
 def legend_below(fig: go.Figure) -> go.Figure:
-    """Put the legend under the plot (for charts whose legend would hit the title)."""
-    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.22, "x": 0.5,
-                              "xanchor": "center"}, margin={"b": 10})
+    """The legend under the plot, centred (the scatter charts, whose legends are long)."""
+    fig.update_layout(legend={**LEGEND_BELOW, "x": 0.5, "xanchor": "center"},
+                      margin={"b": 10})
     return fig
 
 
@@ -222,17 +244,71 @@ def rank_bars(latest: Mapping[str, Sequence[int]], allocated: Mapping[str, Seque
         ))
     fig.update_layout(barmode="group", bargap=0.25)
     fig = base_layout(fig, title, 320, None, "effective rank")
-    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.15, "x": 0.5,
-                              "xanchor": "center"})
+    legend_below(fig)
     fig.update_xaxes(tickangle=-30 if len(layers) > 4 else 0, tickfont={"size": 10})
     fig.update_layout(hovermode="closest")
     return fig
 
 
+def label_positions(xs: Sequence[float], all_xs: Sequence[float], log: bool,
+                    side: str = "top", ys: Sequence[float] | None = None,
+                    near: float = 0.1) -> list[str]:
+    """Where each point's label goes (``textposition``) so that it stays in the figure and
+    clear of its neighbours' labels.
+
+    Horizontally: centred over the point, but to its left in the right fifth of the x
+    range ``all_xs`` spans (on a log axis: in log10) and to its right in the left fifth.
+    Vertically: ``side`` for a point alone; points whose x lie within ``near`` of that
+    range of each other (single linkage, so a chain of close points is one cluster) are
+    staggered: in a cluster of ``k`` points ordered by ``ys`` from the highest (by input
+    order when ``ys`` is None), the first label goes on top, the last at the bottom and
+    the ones between beside their points, alternately right and left (``middle
+    right``/``middle left``; only the inward side at an end of the range)."""
+    def at(v: float) -> float:
+        return math.log10(v) if log and v > 0 else v
+
+    span = [at(v) for v in all_xs if not log or v > 0]
+    lo, hi = (min(span), max(span)) if span else (0.0, 0.0)
+    fracs = [(at(x) - lo) / (hi - lo) if hi > lo else 0.5 for x in xs]
+    out = [f"{side} left" if f > 0.8 else f"{side} right" if f < 0.2 else f"{side} center"
+           for f in fracs]
+    for cluster in _clusters(fracs, near):
+        if len(cluster) < 2:
+            continue
+        if ys is not None:
+            cluster = sorted(cluster, key=lambda i: -ys[i])
+        for k, i in enumerate(cluster):
+            horizontal = out[i].split(" ", 1)[1]
+            if k == 0:
+                out[i] = f"top {horizontal}"
+            elif k == len(cluster) - 1:
+                out[i] = f"bottom {horizontal}"
+            else:
+                inward = "left" if fracs[i] > 0.8 else "right" if fracs[i] < 0.2 else None
+                out[i] = f"middle {inward or ('right' if k % 2 else 'left')}"
+    return out
+
+
+def _clusters(fracs: Sequence[float], near: float) -> list[list[int]]:
+    """Indices of ``fracs`` grouped so that neighbours (in sorted order) closer than
+    ``near`` share a group, in input order within each group."""
+    order = sorted(range(len(fracs)), key=lambda i: fracs[i])
+    groups: list[list[int]] = []
+    for j, i in enumerate(order):
+        if j and fracs[i] - fracs[order[j - 1]] < near:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
+
+
 def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, y_key: str,
                   x_title: str, y_title: str, higher_x_better: bool, suffix: str,
-                  index: int) -> None:
-    """One group's points, front and dense baselines (``suffix`` names the group)."""
+                  index: int, all_xs: Sequence[float] = (), log_x: bool = True,
+                  y_hover: str = ".3g") -> None:
+    """One group's points, front and dense baselines (``suffix`` names the group);
+    ``all_xs``, ``log_x``: every point's x and the axis type, to place the labels;
+    ``y_hover``: the d3 format of y in the hover text."""
     tt = [p for p in pts if not p.get("dense")]
     dense = [p for p in pts if p.get("dense")]
     # front: walk from the best x down, keep points that improve y
@@ -256,20 +332,24 @@ def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, 
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in tt], y=[p[y_key] for p in tt], mode="markers+text",
             name="CoMERA (TT)" + suffix, text=[p["label"] for p in tt],
-            textposition="top center", textfont={"size": 10},
+            textposition=label_positions([p[x_key] for p in tt], all_xs, log_x,
+                                         ys=[p[y_key] for p in tt]),
+            textfont={"size": 10}, cliponaxis=False,
             marker={"size": 12, "color": colour, "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
-            + ": %{y:.3g}<extra></extra>",
+            + ": %{y:" + y_hover + "}<extra></extra>",
         ))
     if dense:
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in dense], y=[p[y_key] for p in dense], mode="markers+text",
             name="dense baseline" + suffix, text=[p["label"] for p in dense],
-            textposition="bottom center", textfont={"size": 10},
+            textposition=label_positions([p[x_key] for p in dense], all_xs, log_x, "bottom",
+                                         ys=[p[y_key] for p in dense]),
+            textfont={"size": 10}, cliponaxis=False,
             marker={"size": 18, "symbol": "star", "color": star,
                     "line": {"width": 1, "color": "white"}},
             hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
-            + ": %{y:.3g}<extra></extra>",
+            + ": %{y:" + y_hover + "}<extra></extra>",
         ))
         for p in dense:
             fig.add_hline(y=p[y_key], line={"color": star, "dash": "dot", "width": 1})
@@ -277,25 +357,29 @@ def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, 
 
 def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title: str,
            y_title: str, title: str, log_x: bool = True, higher_x_better: bool = True,
-           x_include: Sequence[float] = ()) -> go.Figure:
+           x_include: Sequence[float] = (), y_percent: bool = False) -> go.Figure:
     """Scatter of runs with the Pareto front (best ``y`` for a given ``x``) and the dense
     baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key[, "group"]}``:
-    each group (data set and task) gets its own front, never one across groups."""
+    each group (data set and task) gets its own front, never one across groups.
+    ``y_percent``: ``y`` is a fraction (an accuracy) shown in percent on the axis and in
+    the hover text."""
     pts = [p for p in points
            if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
            and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
     if not pts:
         return empty_figure("No finished runs with these metrics yet", 360, title)
     fig = go.Figure()
+    xs = [p[x_key] for p in pts if p[x_key] > 0] + [x for x in x_include if x > 0]
+    if log_x and xs and max(xs) / min(xs) < 3:
+        log_x = False  # a narrow spread reads better on a linear axis
     # one front per group (a data set and task): runs on different data never share one
     groups = sorted({str(p.get("group") or "") for p in pts})
     for gi, group in enumerate(groups):
         mine = [p for p in pts if str(p.get("group") or "") == group]
         _pareto_group(fig, mine, x_key, y_key, x_title, y_title, higher_x_better,
-                      f" · {group}" if len(groups) > 1 else "", gi)
-    xs = [p[x_key] for p in pts if p[x_key] > 0] + [x for x in x_include if x > 0]
-    if log_x and xs and max(xs) / min(xs) < 3:
-        log_x = False  # a narrow spread reads better on a linear axis
+                      f" · {group}" if len(groups) > 1 else "", gi,
+                      [p[x_key] for p in pts] + list(x_include), log_x,
+                      ".1%" if y_percent else ".3g")
     if not log_x and xs:
         lo, hi = min(xs), max(xs)
         pad = max((hi - lo) * 0.2, abs(hi) * 0.01, 1e-9)
@@ -311,6 +395,8 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
         lo, hi = min(ys), max(ys)
         pad = max(0.02, (hi - lo) * 0.15)
         fig.update_yaxes(range=[max(0.0, lo - pad), min(1.0, hi + pad) + 0.01])
+    if y_percent:
+        fig.update_yaxes(tickformat=percent_ticks(ys))
     fig = base_layout(fig, title, 400, x_title.replace(", log", "") if not log_x else x_title,
                       y_title)
     legend_below(fig)
@@ -353,6 +439,7 @@ def size_bar(dense: float, start: float, floor: float, target: float | None,
         fig.add_scatter(x=[x], y=["size"], mode="markers+text", name=name,
                         marker={"size": 14, "color": colors[name], "symbol": "diamond"},
                         text=[f"{name} {x:.3g}×"], textposition="top center",
+                        cliponaxis=False,
                         hovertemplate=f"{name}: {x:.3g}× ({size:,.0f} params)<extra></extra>")
     fig.update_xaxes(type="log", title_text=f"compression ({scope}), log scale")
     fig.update_yaxes(visible=False)
@@ -389,14 +476,18 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
             name="Pareto front", line={"color": "#94A3B8", "width": 2, "dash": "dash"},
             hoverinfo="skip",
         ))
+    # a spread only where seeds give one (one seed: a mean and no bar, never "± 0")
+    spread = any(is_finite(g.get(k)) for g in groups for k in ("score_std", "compression_std"))
     fig.add_trace(go.Scatter(
         x=[g["compression"] for g in groups], y=[g["score"] for g in groups],
-        mode="markers+text", name="grid point (mean ± std)",
-        text=[g["label"] for g in groups], textposition="top center", textfont={"size": 10},
-        error_y={"type": "data", "array": [g.get("score_std") or 0.0 for g in groups],
-                 "thickness": 1.2, "width": 4},
-        error_x={"type": "data", "array": [g.get("compression_std") or 0.0 for g in groups],
-                 "thickness": 1.2, "width": 4},
+        mode="markers+text", name="grid point (mean ± std)" if spread else "grid point",
+        text=[g["label"] for g in groups], textfont={"size": 10}, cliponaxis=False,
+        textposition=label_positions([g["compression"] for g in groups],
+                                     [g["compression"] for g in groups],
+                                     log=min(g["compression"] for g in groups) > 0,
+                                     ys=[g["score"] for g in groups]),
+        error_y=_error_bars([g.get("score_std") for g in groups]),
+        error_x=_error_bars([g.get("compression_std") for g in groups]),
         marker={"size": 13, "color": [COLORS[1] if g.get("pareto") else COLORS[0]
                                       for g in groups], "line": {"width": 1, "color": "white"}},
         hovertemplate="%{text}<br>%{x:.3g}×<br>" + metric + " %{y:.4f}<extra></extra>",
@@ -412,9 +503,10 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
         x_title = "×"
     scopes = sorted({SCOPE_LABELS.get(c.get("scope"), "TT layers") for c in cells})
     x_title = f"compression reached ({' / '.join(scopes) or 'TT layers'}; {x_title})"
-    fig = base_layout(fig, title, 420, x_title, metric)
+    fig = base_layout(fig, title, 420, x_title, metric_label(metric))
     if is_fraction(metric):  # accuracy: one unit (percent) everywhere
-        fig.update_yaxes(tickformat=".0%")
+        fig.update_yaxes(tickformat=percent_ticks(
+            [g["score"] for g in groups] + [c["score"] for c in cells]))
         fig.update_traces(hovertemplate="%{text}<br>%{x:.3g}×<br>" + metric
                           + " %{y:.1%}<extra></extra>")
     legend_below(fig)
@@ -424,6 +516,15 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
 
 def is_finite(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _error_bars(stds: Sequence[Any]) -> dict[str, Any]:
+    """Plotly error bars of these spreads; none drawn (not a bar of 0) where there is no
+    spread (``None``: one seed)."""
+    if not any(is_finite(v) for v in stds):
+        return {"visible": False}
+    return {"type": "data", "array": [v if is_finite(v) else float("nan") for v in stds],
+            "thickness": 1.2, "width": 4}
 
 
 def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
@@ -439,18 +540,20 @@ def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
     for key in keys:
         values = [(c.get("grid") or {}).get(key) for c in cells]
         if all(is_finite(v) for v in values):
-            dims.append({"label": key, "values": [float(v) for v in values]})
+            dims.append({"label": key, "values": [float(v) for v in values],
+                         "tickformat": ".3~g"})
         else:  # words: one tick per value
             words = sorted({str(v) for v in values})
             dims.append({"label": key, "values": [words.index(str(v)) for v in values],
                          "tickvals": list(range(len(words))), "ticktext": words})
     dims.append({"label": "seed", "values": [c.get("seed") or 0 for c in cells]})
     if all(is_finite(c.get("compression")) for c in cells):
-        dims.append({"label": "compression (×)", "values": [c["compression"] for c in cells]})
+        dims.append({"label": "compression (×)", "values": [c["compression"] for c in cells],
+                     "tickformat": ".3~g"})
     scale = 100.0 if is_fraction(metric) else 1.0  # accuracy in percent
     label = f"{metric} (%)" if scale == 100.0 else metric
     scores = [c["score"] * scale for c in cells]
-    dims.append({"label": label, "values": scores})
+    dims.append({"label": label, "values": scores, "tickformat": ".3~g"})
     fig = go.Figure(go.Parcoords(
         line={"color": scores, "colorscale": "Viridis", "showscale": True,
               "colorbar": {"title": {"text": label}}},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import streamlit as st
@@ -193,6 +194,29 @@ def runs_or_stop(store: RunStore, what: str, key: str) -> list[dict[str, Any]]:
         empty_state(store, what, key)
         st.stop()
     return all_runs
+
+
+def unarchived(all_runs: list[dict[str, Any]], key: str,
+               on_change: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """The runs a list offers: archived ones only when the "Show archived" toggle (drawn
+    here, under ``key``; off by default, disabled when none is archived; ``on_change``
+    its callback) is on."""
+    archived = [r for r in all_runs if r.get("archived_at")]
+    shown = st.toggle(f"Show archived ({len(archived)})", key=key, disabled=not archived,
+                      on_change=on_change,
+                      help="Runs archived on Live run (Name, notes and tags); restore them "
+                           "there.")
+    return all_runs if shown else [r for r in all_runs if not r.get("archived_at")]
+
+
+def table(data: Any, **kwargs: Any) -> Any:
+    """``st.dataframe`` as every page draws one: full width, no index, and a value a run
+    did not log (``None``, NaN) shown as a blank cell (the grid otherwise writes "None");
+    numeric columns stay numbers, so they sort as numbers. ``kwargs`` go to
+    ``st.dataframe`` (``column_config``, ``on_select``, ...)."""
+    kwargs.setdefault("hide_index", True)
+    kwargs.setdefault("width", "stretch")
+    return st.dataframe(data, placeholder="", **kwargs)
 
 
 def messages(msgs: dict[str, list[tuple[str, str]]], field: str) -> None:

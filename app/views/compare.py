@@ -17,9 +17,20 @@ store = ui.store_page(
 all_runs = ui.runs_or_stop(
     store, "Compare needs runs: launch one (or several with different targets).", "compare")
 
-by_id = {r["id"]: r for r in all_runs}
-done = [r["id"] for r in all_runs if r["status"] in ("finished", "stopped")]
-default = (done or [r["id"] for r in all_runs])[:6]
+
+def _repick() -> None:
+    """Shown or hidden archived runs: an empty pick takes the default again (a pick the
+    user made is kept)."""
+    if not st.session_state.get("cmp-runs"):
+        st.session_state.pop("cmp-runs", None)
+
+
+# archived runs are offered only when asked for (as on the Overview)
+offered = ui.unarchived(all_runs, "cmp-archived", on_change=_repick)
+
+by_id = {r["id"]: r for r in offered}
+done = [r["id"] for r in offered if r["status"] in ("finished", "stopped")]
+default = (done or list(by_id))[:6]
 sweeps = store.list_sweeps()
 
 
@@ -40,11 +51,14 @@ if sweeps:
                  "shows the same front as mean ± std per target).")
 if "cmp-runs" not in st.session_state:
     st.session_state["cmp-runs"] = default
+else:  # runs hidden since they were picked (archived) leave the pick
+    st.session_state["cmp-runs"] = [i for i in st.session_state["cmp-runs"] if i in by_id]
 picked = st.multiselect("Runs", list(by_id), key="cmp-runs",
                         format_func=lambda i: runs.run_label(by_id[i]),
                         help="Finished and stopped runs are picked by default.")
 if not picked:
-    st.info("Pick at least one run above.", icon=":material/checklist:")
+    st.info("Pick at least one run above." if offered else "Every run is archived: turn on "
+            "**Show archived** to compare them.", icon=":material/checklist:")
     st.stop()
 sel = [by_id[i] for i in picked]
 
@@ -122,7 +136,7 @@ for r in sel:
         "target": runs.target_of(r),
         "data set": group,
         "params": m.get("params/effective"),
-        "model size": fmt.nbytes(m.get("bytes/effective")),
+        "model size": fmt.nbytes(m["bytes/effective"]) if "bytes/effective" in m else "",
         "peak training memory": fmt.mib(peak) if peak is not None else "",
         "memory counts": what,
         "samples/s": store.median_metric(r["id"], "perf/samples_per_s"),
@@ -139,30 +153,29 @@ c1, c2 = st.columns(2)
 with c1:
     fig = plots.pareto(points, "comp", "acc",
                        f"compression vs dense ({' / '.join(sorted(scopes))}; ×, log)",
-                       "accuracy", "Accuracy vs compression", x_include=[1.0])
+                       "accuracy", "Accuracy vs compression", x_include=[1.0], y_percent=True)
     fig.add_vline(x=1.0, line={"color": plots.COLORS[1], "dash": "dot", "width": 1},
                   annotation_text="dense 1×", annotation_position="bottom right")
-    st.plotly_chart(fig.update_yaxes(tickformat=".0%"), width="stretch", key="cmp-pareto")
+    st.plotly_chart(fig, width="stretch", key="cmp-pareto")
 with c2:
     # bytes as stored: the currency in which TT, pruned and int8 models compare
     st.plotly_chart(
         plots.pareto(points, "bytes", "acc", "model weights as stored (bytes, log)",
-                     "accuracy", "Accuracy vs model bytes", higher_x_better=False
-                     ).update_yaxes(tickformat=".0%"),
+                     "accuracy", "Accuracy vs model bytes", higher_x_better=False,
+                     y_percent=True),
         width="stretch", key="cmp-pareto-bytes",
     )
 st.plotly_chart(
     plots.pareto(points, "mem", "acc",
                  f"peak training memory: {' / '.join(sorted(mem_what)) or 'n/a'} (MiB, log)",
                  "accuracy",
-                 "Accuracy vs training memory", higher_x_better=False
-                 ).update_yaxes(tickformat=".0%"),
+                 "Accuracy vs training memory", higher_x_better=False, y_percent=True),
     width="stretch", key="cmp-pareto-mem",
 )
 
 st.subheader("Final metrics", anchor=False)
-st.dataframe(
-    rows, hide_index=True, width="stretch",
+ui.table(
+    rows,
     column_config={
         "eval acc": st.column_config.NumberColumn(format="%.1f%%"),
         "eval loss": st.column_config.NumberColumn(format="%.4f"),
@@ -184,6 +197,6 @@ if len(sel) < 2:
 else:
     diff = runs.config_diff({label(r): r.get("config") or {} for r in sel})
     if diff:
-        st.dataframe(diff, hide_index=True, width="stretch")
+        ui.table(diff)
     else:
         st.caption("The configs are identical.")

@@ -12,7 +12,6 @@ from typing import Any
 import streamlit as st
 
 from app.lib import fmt, plots, runs, ui
-from app.lib.devices import gpu_status
 from app.lib.livechart import live_chart
 from comera_engine.metrics import SCOPE_LABELS
 from comera_engine.store import StoreError
@@ -49,19 +48,6 @@ def _last(values: list[float]) -> float | None:
         if v is not None and math.isfinite(v):
             return v
     return None
-
-
-def _nvml_index(run: dict[str, Any]) -> int | None:
-    """The physical GPU index NVML knows the run's (first) GPU by, or ``None`` on CPU."""
-    if run.get("gpus"):  # CUDA_VISIBLE_DEVICES of the run: its first entry
-        try:
-            return int(str(run["gpus"]).split(",")[0])
-        except ValueError:
-            return None
-    dev = str(run.get("device") or "")
-    if dev.startswith("cuda:"):
-        return int(dev.split(":")[1])
-    return 0 if dev == "cuda" else None
 
 
 def _device_text(run: dict[str, Any], latest: dict[str, float]) -> str:
@@ -217,10 +203,9 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
                    key="ch-heat")
     with c2:
         live_chart(plots.rank_bars(DB.latest_ranks(rid)), key="ch-bars")
-    gpu = _nvml_index(run) is not None
-    c1, c2 = st.columns(2) if gpu else (st.container(), None)
+    c1, c2 = st.columns(2)
     with c1:
-        if "mem/gpu_used_mb" in latest or "mem/cuda_max_allocated_mb" in latest:
+        if on_gpu(latest):
             series = [
                 ("device used (NVML)", *_series(DB, rid, "mem/gpu_used_mb")),
                 ("torch peak allocated", *_series(DB, rid, "mem/cuda_max_allocated_mb")),
@@ -234,48 +219,45 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
                               "Memory (CPU run: process RSS)", "MiB", stages=stages,
                               from_zero=True)
         live_chart(fig, key="ch-mem")
-    if c2 is not None:  # a CPU run has no GPU to sample: no empty panel
-        with c2:
-            utilisation(run)
-    if "sys/cpu_percent" in latest:  # what the trainer read of the machine
-        steps, used = _series(DB, rid, "sys/ram_used_mb")
-        _, total = _series(DB, rid, "sys/ram_total_mb")
-        series = [("process CPU % (of one core)", *_series(DB, rid, "sys/cpu_percent")),
-                  ("system RAM used %", steps,
-                   [100.0 * u / t if t else None for u, t in zip(used, total)])]
-        if "sys/gpu_util_percent" in latest:
-            series.append(("GPU utilisation %", *_series(DB, rid, "sys/gpu_util_percent")))
-        live_chart(plots.lines(series, "System (read by the trainer, once a second)", "%",
-                               stages=stages, from_zero=True), key="ch-sys")
+    with c2:
+        if "sys/cpu_percent" in latest:  # what the trainer read of the machine
+            steps, used = _series(DB, rid, "sys/ram_used_mb")
+            _, total = _series(DB, rid, "sys/ram_total_mb")
+            live_chart(plots.lines(
+                [("process CPU % (of one core)", *_series(DB, rid, "sys/cpu_percent")),
+                 ("system RAM used %", steps, _percent(used, total))],
+                "System (read by the trainer, once a second)", "%", stages=stages,
+                from_zero=True), key="ch-sys")
+    gpu_panel(rid, latest, stages)
 
 
-def utilisation(run: dict[str, Any]) -> None:
-    idx = _nvml_index(run)
-    key = f"util:{run['id']}"
-    hist = st.session_state.setdefault(key, {"t": [], "util": [], "mem": []})
-    if idx is not None and runs.is_live(run):
-        s = gpu_status(idx)
-        if s is not None:
-            now = time.time()
-            if not hist["t"] or now - hist["t"][-1] >= 0.5:
-                hist["t"].append(now)
-                hist["util"].append(s["util_pct"])
-                hist["mem"].append(100.0 * s["mem_used_mb"] / max(s["mem_total_mb"], 1.0))
-                for k in hist:
-                    del hist[k][:-300]
-    if hist["t"]:
-        t0 = hist["t"][0]
-        x = [t - t0 for t in hist["t"]]
-        live_chart(
-            plots.lines([("GPU utilisation %", x, hist["util"]), ("memory used %", x,
-                         hist["mem"])], f"GPU {idx} utilisation (NVML, sampled here)", "%",
-                        x_title="seconds since this page opened"), key="ch-util",
-        )
-    else:
-        msg = ("CPU run: no GPU to sample" if idx is None
-               else "GPU utilisation is sampled while the run lives")
-        live_chart(plots.empty_figure(msg, title="GPU utilisation"),
-                        key="ch-util")
+def on_gpu(latest: dict[str, float]) -> bool:
+    """Whether the run trains on a GPU, from what its trainer logged."""
+    return any(k in latest for k in ("mem/gpu_used_mb", "mem/cuda_max_allocated_mb",
+                                     "sys/gpu_util_percent"))
+
+
+def _percent(part: list[float], whole: list[float]) -> list[float | None]:
+    return [100.0 * p / w if p is not None and w else None for p, w in zip(part, whole)]
+
+
+def gpu_panel(rid: str, latest: dict[str, float], stages: list[tuple[int, str]]) -> None:
+    """The GPU's utilisation and used memory (percent of the device) as the trainer read
+    them (``sys/gpu_util_percent`` from NVML once a second, ``mem/gpu_used_mb`` of
+    ``mem/gpu_total_mb`` every step); one line instead of a chart on a CPU run."""
+    if not on_gpu(latest):
+        st.caption(":material/memory: GPU utilisation and memory: none to plot, this run "
+                   "trains on the CPU.")
+        return
+    steps, used = _series(DB, rid, "mem/gpu_used_mb")
+    _, total = _series(DB, rid, "mem/gpu_total_mb")
+    series = [("GPU utilisation %", *_series(DB, rid, "sys/gpu_util_percent")),
+              ("GPU memory used % (of the device)", steps, _percent(used, total))]
+    live_chart(plots.lines(series, "GPU utilisation and memory (read by the trainer)", "%",
+                           stages=stages, from_zero=True), key="ch-gpu")
+    if "sys/gpu_util_percent" not in latest:
+        st.caption("GPU utilisation needs NVML in the trainer's environment "
+                   "(`pip install nvidia-ml-py`); the memory is the CUDA runtime's.")
 
 
 def events(run: dict[str, Any]) -> None:
@@ -290,7 +272,7 @@ def events(run: dict[str, Any]) -> None:
     with c1:
         st.markdown("**Event log** (rank changes, stages, checkpoints, errors)")
         if rows:
-            st.dataframe(rows, hide_index=True, width="stretch", height=280,
+            ui.table(rows, height=280,
                          column_config={
                              "time": st.column_config.TextColumn(width=70),
                              "step": st.column_config.TextColumn(width=50),

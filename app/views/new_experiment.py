@@ -806,8 +806,8 @@ with right:
                 f"TT MACs/{unit}": layer.tt_macs,
                 "path": layer.path,
             })
-        st.dataframe(
-            rows, hide_index=True, width="stretch", height=min(420, 40 + 35 * len(rows)),
+        ui.table(
+            rows, height=min(420, 40 + 35 * len(rows)),
             column_config={
                 "dense": st.column_config.NumberColumn(
                     format="compact", help="Parameters of the dense layer (bias included)."),

@@ -51,12 +51,7 @@ if live:
                 ui.go_live(r["id"])
 
 st.subheader("All runs", anchor=False)
-archived = [r for r in all_runs if r.get("archived_at")]
-show_archived = st.toggle(f"Show archived ({len(archived)})", key="overview-archived",
-                          disabled=not archived,
-                          help="Runs archived on Live run (Name, notes and tags); restore "
-                               "them there.")
-listed = all_runs if show_archived else [r for r in all_runs if not r.get("archived_at")]
+listed = ui.unarchived(all_runs, "overview-archived")
 tags = sorted({t for r in listed for t in r.get("tags") or []})
 wanted = st.multiselect("Tags", tags, key="overview-tags", disabled=not tags,
                         placeholder="Any tag") if tags else []
@@ -92,14 +87,12 @@ table = [
         "tags": ", ".join(by_id[row["run"]].get("tags") or []),
         "params": row["params"],
         "dense": row["dense"],
-        "created": fmt.when(row["created"]),
+        "created": fmt.when(row["created"]) if row["created"] is not None else "",
     }
     for row in rows
 ]
-event = st.dataframe(
+event = ui.table(
     table,
-    hide_index=True,
-    width="stretch",
     on_select="rerun",
     selection_mode="single-row",
     key="overview-runs",

@@ -92,17 +92,18 @@ def view() -> None:
         st.info(note, icon=":material/info:")
 
     metric = rep["metric"] or "score"
-    st.plotly_chart(plots.sweep_pareto(rep, f"{metric} vs compression reached"),
+    st.plotly_chart(plots.sweep_pareto(rep, f"{fmt.metric_label(metric)} vs compression reached"),
                     width="stretch", key="sw-pareto")
     st.plotly_chart(plots.sweep_parcoords(rep, "Every cell across the swept keys"),
                     width="stretch", key="sw-parcoords")
     st.subheader("Per grid point", anchor=False)
     # figures as text: accuracies in percent, a pending value blank, no spread for one
-    # seed (comera_engine.metrics.format_metric)
-    st.dataframe(
+    # seed (comera_engine.metrics.format_metric), nor in the header when no point has one
+    spread = any(g["score_std"] is not None for g in rep["groups"])
+    score = f"{metric} (mean ± std over seeds)" if spread else metric
+    ui.table(
         [{"grid point": g["label"], "target": g["target"],
-          f"{metric} (mean ± std over seeds)": format_metric(metric, g["score"],
-                                                             g["score_std"]),
+          score: format_metric(metric, g["score"], g["score_std"]),
           "compression": "" if g["compression"] is None else fmt.ratio(g["compression"]) + (
               "" if g["compression_std"] is None else f" ± {g['compression_std']:.1f}"),
           "scope": _scope(rep), "model size": _text(g.get("bytes"), fmt.nbytes(g.get("bytes"))),
@@ -110,7 +111,6 @@ def view() -> None:
           "step time": _text(g["step_time_s"], f"{g['step_time_s'] or 0:.4f} s"),
           "peak memory": _text(g["peak_mem_mb"], fmt.mib(g["peak_mem_mb"]))}
          for g in rep["groups"]],
-        hide_index=True, width="stretch",
         column_config={
             "target": st.column_config.NumberColumn(format="%g×"),
             "step time": st.column_config.TextColumn(
@@ -119,7 +119,7 @@ def view() -> None:
                 "step time carries that load."),
         })
     st.subheader("Cells", anchor=False)
-    st.dataframe(
+    ui.table(
         [{"run": f"/live_run?run={c['run']}", "cell": c["label"], "status": c["status"],
           "step": _text(c["step"], f"{c['step'] or 0:,}"),
           metric: format_metric(metric, c["score"]),
@@ -128,7 +128,6 @@ def view() -> None:
           "params": _text(c["params"], fmt.count(c["params"])),
           "model size": _text(c.get("bytes"), fmt.nbytes(c.get("bytes")))}
          for c in rep["cells"]],
-        hide_index=True, width="stretch",
         column_config={
             "run": st.column_config.LinkColumn("run", display_text=r"run=(.*)$",
                                                help="Open the cell's Live run page"),
@@ -146,7 +145,7 @@ def _history() -> list[dict]:
                                {c["run"]: c["label"] for c in cells})
 
 
-d1, d2, _ = st.columns([1, 1, 4])  # every cell's metric history, read on the click
+d1, d2, _ = st.columns([1, 1, 1])  # every cell's metric history, read on the click
 d1.download_button("Metrics of every cell (CSV)", key="sw-dl-csv", icon=":material/download:",
                    data=lambda: runs.history_csv(_history()), file_name=f"{SID}-metrics.csv",
                    mime="text/csv", on_click="ignore")
