@@ -265,7 +265,8 @@ class CoMERA:
         ``train.lr``). On CPU every group's update in one call of the CPU backend
         (:class:`comera_engine.ops.adamw.AdamW`, torch's fused AdamW where the backend is
         not built): a TT model has hundreds of small parameters, and a per-tensor step
-        costs more than the update (``experiments/bench_op_adamw.py``); elsewhere torch's
+        costs more than the update (``experiments/bench_op_adamw.py``); on CUDA the same
+        class, torch's fused update (a few launches for all groups); elsewhere torch's
         default. ``capturable``: state on the device, for a CUDA graph."""
         groups = self.param_groups()
         params = [p for g in groups for p in g["params"]]
@@ -273,6 +274,8 @@ class CoMERA:
                                    for p in params)
         if cpu and not capturable:
             return AdamW(groups, lr=lr)
+        if params and all(p.is_cuda for p in params):  # torch's fused AdamW, one launch
+            return AdamW(groups, lr=lr, capturable=capturable)
         return torch.optim.AdamW(groups, lr=lr, capturable=capturable)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Attachment:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
-from ..tensor.size import gate_entries
+from ..tensor.size import gate_entries, refresh_entries
 
 __all__ = ["GATE_MIN_STEPS", "GATE_TRAVEL", "RankEvent", "RankTracker", "gate_lr",
            "param_groups", "refresh_gates", "refresh_gates_on_device",
@@ -123,22 +123,9 @@ def refresh_gates_on_device(model: nn.Module, floor: bool = True) -> Tensor:
     bond, entries with ``|g| <= tau`` die for good and are zeroed, except that (with
     ``floor``) a bond about to lose its last entry keeps its strongest one, held at
     ``±1.5·tau``. Returns the alive count of every bond (layers in ``tt_layers`` order),
-    as one device tensor."""
-    counts = []
-    for _, layer in tt_layers(model):
-        tt = layer.tt
-        for g, alive in zip(tt.gate.detach().split(tt.bond_ranks),
-                            tt.alive.split(tt.bond_ranks)):
-            survivors = alive & (g.abs() > tt.tau)
-            rescue = alive.any() & ~survivors.any() & floor
-            strongest = torch.argmax(g.abs().masked_fill(~alive, -1.0))
-            keep = (torch.arange(g.shape[0], device=g.device) == strongest) & rescue
-            held = torch.where(g < 0, -1.5 * tt.tau, 1.5 * tt.tau).to(g.dtype)
-            g.copy_(torch.where(keep, held, g))
-            alive &= survivors | keep
-            g.masked_fill_(~alive, 0.0)
-            counts.append(alive.sum())
-    return torch.stack(counts)
+    as one device tensor: :func:`comera_engine.tensor.size.refresh_entries` over the
+    model's trains, every bond at once."""
+    return refresh_entries([layer.tt for _, layer in tt_layers(model)], floor)
 
 
 class RankTracker:

@@ -173,10 +173,10 @@ def refresh_entries(trains: Sequence[TensorTrain], floor: bool = True) -> Tensor
     ``|g|``), held at ``±1.5·tau``. Returns the alive count of every bond, trains in
     order, ``(B,)`` int64.
 
-    The same arithmetic as the per-bond loop of
-    :func:`comera_engine.rank.optim.refresh_gates_on_device`, with segment reductions over
-    all entries (``E`` gate entries, ``B`` bonds: the bonds' alive / survivor counts by
-    the :class:`SizeForm`'s ``M``, the strongest entry by ``scatter_reduce``): about 30
+    The verdicts of each train's host :meth:`TensorTrain.refresh_` (bit for bit), with
+    segment reductions over all entries (``E`` gate entries, ``B`` bonds: the bonds'
+    alive / survivor counts by the :class:`SizeForm`'s ``M``, the strongest entry by
+    ``scatter_reduce``): about 30
     ops for any number of layers instead of about 20 a bond, and each gate and ``alive``
     written back in one ``_foreach_copy_``."""
     trains = [t for t in trains if t.bond_ranks]
