@@ -8,10 +8,6 @@ PY := $(VENV)/bin/python
 #   make TORCH_SPEC="torch==2.13.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-# The suite runs in this many worker processes (pytest-xdist; --dist loadfile keeps a
-# test module, and its module-scoped trained fixtures, in one worker). CI has 2 cores;
-# TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 2
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
@@ -37,8 +33,8 @@ run: $(VENV)/.installed
 # (COMERA_NATIVE=0): the controller, the target contract, resume and DDP on the pure
 # PyTorch path every GPU and backend-less machine runs.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
-	COMERA_NATIVE=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m pytorch_path tests
+	$(PY) -m pytest -q --durations=15 tests
+	COMERA_NATIVE=0 $(PY) -m pytest -q -m pytorch_path tests
 
 bench: $(VENV)/.installed
 	$(PY) experiments/bench_tt_linear.py
