@@ -221,8 +221,17 @@ def test_every_shipped_config_with_a_target_is_feasible_and_paced(path: Path) ->
 SUITE_STEPS = {"reviews_transformer_tiny": 300}
 
 
-@pytest.mark.parametrize("path", [p for p in _targeted_configs() if "paper" not in p.stem],
-                         ids=lambda p: p.stem)
+#: Shipped configs at full size that are not trained here: what they reach is measured
+#: by the run that is their purpose.
+FULL_SIZE = {"dlrm_criteo": "33.8 M table rows, minutes a run: `make reproduce`'s criteo "
+                            "task trains it at each target (experiments/results/reproduce/"
+                            "criteo.json)"}
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=pytest.mark.skip(reason=f"{p.stem}: {FULL_SIZE[p.stem]}"))
+    if p.stem in FULL_SIZE else p
+    for p in _targeted_configs() if "paper" not in p.stem], ids=lambda p: p.stem)
 def test_every_cpu_size_shipped_config_ends_within_5_percent(path: Path) -> None:
     """Each CPU-size shipped config with a target, trained at its own step count (or
     :data:`SUITE_STEPS`), ends within ±5 % of its target (experiments/target_check.py
