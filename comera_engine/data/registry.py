@@ -162,7 +162,8 @@ for _info in (
                 {"num_samples": 20000, "bucket_sizes": 50, "seed": 0, "split_fraction": 0.8,
                  "planted_features": [0, 1, 2], "rank": 4, "signal": 1.5,
                  "dense_signal": 0.3, "base_rate": 0.25, "missing_rate": 0.0}),
-    DatasetInfo("clicks_criteo", "ctr", ("dlrm",),
+    # "custom": the compressed-embedding peers' DLRM (models/dlrm.py:peer_dlrm) trains on it
+    DatasetInfo("clicks_criteo", "ctr", ("dlrm", "custom"),
                 "Criteo-shaped clicks at full table size (33.8 M rows / scale), full-rank "
                 "click model",
                 "comera_engine.data.criteo_synth:build_clicks_criteo",
