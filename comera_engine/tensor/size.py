@@ -25,7 +25,8 @@ plan, the pace, the preview, the report, the objective's ``S``) calls :func:`tt_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, TypeVar
@@ -114,11 +115,24 @@ def _size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], 
                     tau if isinstance(tau, float) else tau.to(device))
 
 
-#: :func:`_size_form`, a cached constant, left out of ``torch.compile``'s graphs (Dynamo
-#: would trace through the cache and build ``M`` and ``Q`` again in every step); Dynamo
-#: imported on the first call, not with this module (``torch.compiler.disable`` would
-#: import it here: seconds at the start of every command)
-size_form = torch._disable_dynamo(_size_form)
+#: :func:`_size_form` left out of ``torch.compile``'s graphs (Dynamo would trace through
+#: the cache and build ``M`` and ``Q`` again in every step); made only once Dynamo is
+#: imported (a compiled step imports it): an eager run never imports it for this
+#: (seconds, and it probes optional packages)
+_size_form_outside_graphs: Callable[..., SizeForm] | None = None
+
+
+def size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
+              device: torch.device, dtype: torch.dtype) -> SizeForm:
+    """:func:`_size_form` (cached), kept out of Dynamo's graphs when Dynamo is in use."""
+    global _size_form_outside_graphs
+    if "torch._dynamo" not in sys.modules:
+        return _size_form(structure, device, dtype)
+    if _size_form_outside_graphs is None:
+        _size_form_outside_graphs = torch._disable_dynamo(_size_form)
+    return _size_form_outside_graphs(structure, device, dtype)
+
+
 size_form.cache_clear = _size_form.cache_clear  # type: ignore[attr-defined]
 size_form.cache_info = _size_form.cache_info  # type: ignore[attr-defined]
 
