@@ -43,6 +43,7 @@ class AdamW(torch.optim.AdamW):
         if free and (device == "cuda" or (device == "cpu" and not kwargs.get("capturable"))):
             kwargs["fused"] = True
         super().__init__(params, **kwargs)
+        self._on_cpu = device == "cpu"  # the backend's update takes CPU tensors only
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -55,8 +56,8 @@ class AdamW(torch.optim.AdamW):
         it does not take these groups, or no backend is built (then nothing is gathered:
         torch's step gathers its own)."""
         backend = cpu_backend()
-        if backend is None:
-            return False
+        if backend is None or not self._on_cpu:
+            return False  # (a CUDA step: torch's fused update, no per-tensor gathering)
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         exp_avgs: list[torch.Tensor] = []
