@@ -304,7 +304,8 @@ def format_ratio(x: float | None, unit: str = "×") -> str:
 
 def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any]) -> Compression:
     """THE compression of a run, everywhere it is shown: its latest value of the metric in
-    its scope (:func:`compression_scope`); a dense baseline is 1× by definition.
+    its scope (:func:`compression_scope`); a dense baseline is 1× by definition (a dense
+    model with compressed embedding peers logs its tables' ratio and shows it).
     ``latest`` maps metric names to values (or ``(step, value)`` pairs, as the store's
     ``latest_metrics`` gives them)."""
     scope = compression_scope(config)
@@ -313,12 +314,16 @@ def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any])
         config, Mapping) else None
     if isinstance(model, Mapping) and model.get("quantize") and model.get("dense"):
         scope = "model"  # int8 weights of a dense or pruned run: judged in bytes, whole model
-    elif isinstance(model, Mapping) and model.get("dense") and method != "prune":
-        return Compression(1.0, scope)
     value = latest.get(compression_metric(scope))
     if isinstance(value, (tuple, list)):
         value = value[1]
-    return Compression(float(value) if isinstance(value, (int, float)) else None, scope)
+    value = float(value) if isinstance(value, (int, float)) else None
+    if (isinstance(model, Mapping) and model.get("dense") and method != "prune"
+            and not model.get("quantize")):
+        # a dense model is its own baseline (1x), unless its tables are compressed
+        # peers (hash, QR, int8, ...: layers.embedding_peers), which log their ratio
+        return Compression(value if value is not None else 1.0, scope)
+    return Compression(value, scope)
 
 
 #: Statuses of a run that trains no further unless it is resumed (comera_engine.store).

@@ -272,3 +272,35 @@ def test_peer_dlrm_builds_peer_tables_above_min_rows() -> None:
     dense, sparse = torch.randn(5, 13), torch.stack(
         [torch.randint(0, n, (5,)) for n in sizes], dim=1)
     assert model(dense, sparse).shape == (5,)
+
+
+@pytest.mark.parametrize("kind", ["hash", "qr", "mixed", "int8", "dense"])
+def test_peer_models_report_their_compression_against_dense_tables(kind: str) -> None:
+    """A peer model's size metrics (what the runs list, Sweeps and Compare show) are
+    measured against the same DLRM with dense fp32 tables, built independently."""
+    from comera_engine.metrics import run_compression
+    from comera_engine.models.dlrm import peer_dlrm
+    from comera_engine.rank.report import size_metrics
+
+    sizes = criteo_cardinalities(SCALE)
+    torch.manual_seed(0)
+    model = peer_dlrm(sizes, peer=kind, target=None if kind == "dense" else 10.0)
+    reference = peer_dlrm(sizes, peer="dense", target=None)
+    dense_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    own_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    big = [(t, n) for t, n in zip(model.tables, sizes) if not isinstance(t, nn.Embedding)]
+    table_bytes = sum(p.numel() * p.element_size() for t, _ in big for p in t.parameters())
+    table_dense = sum(n * 16 * 4 for _, n in big)  # the tiny preset's width 16, fp32
+    assert {t.embedding_dim for t, _ in big} == {16}
+
+    m = size_metrics(model, factorized=False)
+    assert m["bytes/dense"] == dense_bytes
+    assert m["bytes/effective"] == own_bytes
+    assert m["compression/model"] == pytest.approx(dense_bytes / own_bytes)
+    assert m["compression/tensorized"] == pytest.approx(table_dense / table_bytes)
+    config = {"model": {"name": "custom", "dense": True}, "comera": {}}
+    shown = run_compression(config, m).value
+    if kind == "dense":
+        assert shown == pytest.approx(1.0)
+    else:  # each table at most a tenth of its dense bytes, whole rows: within 5 %
+        assert shown == pytest.approx(10.0, rel=0.05)

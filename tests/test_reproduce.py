@@ -269,6 +269,15 @@ def test_the_embedding_task_runs_end_to_end_at_a_tiny_scale(tmp_path: Path) -> N
     hashed = sum(p.numel() * p.element_size() for p in model.parameters())
     assert result["methods"]["hash"]["groups"][0]["bytes"] == hashed
     assert result["methods"]["fixed"]["groups"][0]["bytes"] <= 1.1 * hashed
+    # the studio's one compression figure (runs list, Sweeps, Compare) for both: the
+    # tables' dense bytes over their stored bytes, not a dense model's 1x
+    from comera_engine.metrics import run_compression
+
+    for name, res in result["methods"].items():
+        run = st.get_run(res["cells"][0]["run"])
+        shown = run_compression(run["config"], st.latest_metrics(run["id"])).value
+        assert shown == pytest.approx(10.0, rel=0.05), name
+        assert res["groups"][0]["compression"] == pytest.approx(shown)
     sys.path.insert(0, str(ROOT / "experiments"))
     import reproduce_report
 

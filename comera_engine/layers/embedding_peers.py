@@ -33,9 +33,10 @@ counted as stored bytes, and no dense optimizer touches it) updated by
 :class:`RowSparseAdam` *inside the backward pass*, on the rows the batch looked up only:
 exactly ``torch.optim.SparseAdam``'s update (the moments of rows not looked up are left
 alone), at the table's own learning rate, as TorchRec / FBGEMM fuse the embedding
-optimizer into the backward. A dense ``N × D`` Adam would update every row every step.
-Other parameters (the mixed-dimension projection, the TT cores) are ordinary parameters
-for the model's optimizer.
+optimizer into the backward (so, as there, the trainer's gradient clipping does not
+reach these rows: the trainer has no learning-rate schedule for it to miss). A dense
+``N × D`` Adam would update every row every step. Other parameters (the mixed-dimension
+projection, the TT cores) are ordinary parameters for the model's optimizer.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["PEER_KINDS", "DenseTable", "HashTable", "Int8Table", "MixedDimTable", "QRTable",
-           "RowSparseAdam", "build_peer", "qr_split", "tt_rank_for_budget"]
+           "RowSparseAdam", "build_peer", "peer_tables", "qr_split", "tt_rank_for_budget"]
 
 PEER_KINDS = ("dense", "hash", "qr", "mixed", "int8", "tt")
 _F32 = 4
@@ -125,6 +126,10 @@ class _Peer(nn.Module):
     def stored_bytes(self) -> int:
         """Bytes of the table as stored (tables, scales, projections; no optimizer state)."""
         raise NotImplementedError
+
+    def dense_bytes(self) -> int:
+        """Bytes of the dense fp32 table it stands for: ``4 · N · D``."""
+        return self.num_embeddings * self.embedding_dim * _F32
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, stored={self.stored_bytes():,} B"
@@ -224,7 +229,9 @@ class MixedDimTable(_Peer):
         self.hot_sorted = nn.Parameter(hot[order].contiguous(), requires_grad=False)
         self.hot_row = nn.Parameter(order.contiguous(), requires_grad=False)
         self.cold_rows, self.cold_dim = max(1, int(cold_rows)), int(cold_dim)
-        self.hot = RowSparseAdam(max(1, len(hot)), dim, lr=lr)
+        # no hot ids: an empty block (nothing stored that the budget does not count)
+        self.hot = RowSparseAdam(len(hot), dim, lr=lr,
+                                 init=None if len(hot) else torch.zeros(0, dim))
         self.cold = RowSparseAdam(self.cold_rows, self.cold_dim, init=torch.empty(
             self.cold_rows, self.cold_dim).uniform_(-1 / math.sqrt(self.cold_rows),
                                                     1 / math.sqrt(self.cold_rows)), lr=lr)
@@ -382,3 +389,12 @@ def build_peer(kind: str, num_embeddings: int, dim: int, budget: int | None = No
     left = b - k * (d * _F32 + 16) - cold_dim * d * _F32
     cold_rows = max(1, left // (cold_dim * _F32))
     return MixedDimTable(n, d, hot_ids[:k], cold_rows, cold_dim, lr=lr)
+
+
+def peer_tables(model: nn.Module) -> list[tuple[str, _Peer]]:
+    """``(qualified name, table)`` for every row-table peer in ``model`` (hash, QR, mixed,
+    int8, dense with row-sparse Adam). The fixed-rank TT peer is left out: it holds a
+    :class:`~comera_engine.layers.TTEmbedding`, counted as a TT layer
+    (:func:`~comera_engine.layers.size_report`)."""
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, _Peer) and not isinstance(m, _FixedTT)]

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from .embedding_peers import peer_tables
 from .peers import peer_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
@@ -263,11 +264,18 @@ def dense_size_metrics(model: nn.Module) -> dict[str, float]:
     ``compression/model`` (dense bytes / its bytes: what int8 saves counts) and, in the
     ``tensorized`` scope, the ratio at which CoMERA's model holds as many bytes:
     the scope's dense parameters over what it holds beyond the rest of the dense model
-    (pruned models only: a quantized one is judged in bytes, whole model)."""
+    (pruned models only: a quantized one is judged in bytes, whole model).
+
+    A model whose embedding tables are compressed peers (hash, QR, mixed-dimension, int8:
+    :func:`~comera_engine.layers.embedding_peers.peer_tables`) is measured against the
+    same model with dense fp32 tables, in bytes as stored (:func:`_peer_size_metrics`)."""
     params = list(model.parameters())
     n = float(sum(p.numel() for p in params))
     nbytes = float(sum(stored_nbytes(p) for p in params))
     ref = getattr(model, "comera_reference", None)
+    tables = peer_tables(model)
+    if tables and not ref:
+        return _peer_size_metrics(n, nbytes, [m for _, m in tables])
     if not ref:
         return {"params/effective": n, "params/allocated": n, "params/dense": n,
                 "bytes/effective": nbytes, "bytes/dense": nbytes, "compression/model": 1.0}
@@ -281,3 +289,29 @@ def dense_size_metrics(model: nn.Module) -> dict[str, float]:
         out["compression/tensorized"] = scope / beyond if beyond > 0 else float("inf")
         out["params/tensorized_effective"] = beyond
     return out
+
+
+def _peer_size_metrics(n: float, nbytes: float, tables: list) -> dict[str, float]:
+    """Sizes of a model of ``n`` parameters (``nbytes`` as stored) whose ``tables`` are
+    compressed embedding peers, against the same model with each a dense fp32 ``N × D``
+    table: ``compression/tensorized`` = the tables' dense bytes / their stored bytes (the
+    scope a TT model's tables are measured in), ``compression/model`` the same for the
+    whole model. In bytes: an int8 table holds a quarter of the bytes of as many floats."""
+    own_p = own_b = 0
+    seen: set[int] = set()
+    for t in tables:
+        for p in t.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                own_p += p.numel()
+                own_b += stored_nbytes(p)
+    stored = float(sum(t.stored_bytes() for t in tables))
+    dense_b = float(sum(t.dense_bytes() for t in tables))
+    dense_p = dense_b / 4.0
+    eff_b = nbytes - own_b + stored
+    whole_dense_b = nbytes - own_b + dense_b
+    return {"params/effective": n, "params/allocated": n,
+            "params/dense": n - own_p + dense_p,
+            "bytes/effective": eff_b, "bytes/dense": whole_dense_b,
+            "compression/model": whole_dense_b / max(eff_b, 1.0),
+            "compression/tensorized": dense_b / max(stored, 1.0)}

@@ -25,7 +25,6 @@ plan, the pace, the preview, the report, the objective's ``S``) calls :func:`tt_
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -116,21 +115,18 @@ def _size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], 
 
 
 #: :func:`_size_form` left out of ``torch.compile``'s graphs (Dynamo would trace through
-#: the cache and build ``M`` and ``Q`` again in every step); made only once Dynamo is
-#: imported (a compiled step imports it): an eager run never imports it for this
-#: (seconds, and it probes optional packages)
-_size_form_outside_graphs: Callable[..., SizeForm] | None = None
+#: the cache and build ``M`` and ``Q`` again in every step). The wrapper imports Dynamo
+#: on its first call only, and an eager step never calls it: it neither imports Dynamo
+#: (seconds) nor passes through its frame hook (µs a call: per cent of a small step)
+_size_form_outside_graphs: Callable[..., SizeForm] = torch._disable_dynamo(_size_form)
 
 
 def size_form(structure: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...],
               device: torch.device, dtype: torch.dtype) -> SizeForm:
-    """:func:`_size_form` (cached), kept out of Dynamo's graphs when Dynamo is in use."""
-    global _size_form_outside_graphs
-    if "torch._dynamo" not in sys.modules:
-        return _size_form(structure, device, dtype)
-    if _size_form_outside_graphs is None:
-        _size_form_outside_graphs = torch._disable_dynamo(_size_form)
-    return _size_form_outside_graphs(structure, device, dtype)
+    """:func:`_size_form` (cached), kept out of Dynamo's graphs when Dynamo traces it."""
+    if torch.compiler.is_compiling():
+        return _size_form_outside_graphs(structure, device, dtype)
+    return _size_form(structure, device, dtype)
 
 
 size_form.cache_clear = _size_form.cache_clear  # type: ignore[attr-defined]
