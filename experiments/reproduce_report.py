@@ -49,8 +49,11 @@ def fmt_score(g: dict[str, Any] | None, pct: bool) -> str:
     if not g or not _ok(g.get("score")):
         return "—"
     k = 100.0 if pct else 1.0
-    sd = g.get("score_std") or 0.0
-    return f"{g['score'] * k:.1f} ± {sd * k:.1f}" if pct else f"{g['score']:.3f} ± {sd:.3f}"
+    sd = g.get("score_std")  # None with one seed: no spread to state (never "± 0")
+    mean = f"{g['score'] * k:.1f}" if pct else f"{g['score']:.3f}"
+    if not _ok(sd):
+        return mean
+    return f"{mean} ± {sd * k:.1f}" if pct else f"{mean} ± {sd:.3f}"
 
 
 def fmt_comp(g: dict[str, Any] | None, target: float | None) -> str:
@@ -409,10 +412,14 @@ def _lead(res: dict[str, Any], a: tuple[str, dict[str, Any]], b: tuple[str, dict
           ) -> str:
     """``+x.xxxx AUC (std a / b; paired +x.xxxx ± s over n seeds)``."""
     ga, gb = a[1], b[1]
-    text = (f"+{(ga['score'] - gb['score']):.4f} AUC (std {ga.get('score_std') or 0:.4f} / "
-            f"{gb.get('score_std') or 0:.4f}")
+    lead = f"+{(ga['score'] - gb['score']):.4f} AUC"
+    sd = [g.get("score_std") for g in (ga, gb)]
+    notes = ([f"std {' / '.join('—' if not _ok(v) else f'{v:.4f}' for v in sd)}"]
+             if any(_ok(v) for v in sd) else [])  # one seed: no spread to state
     p = paired(res, a, b)
-    return text + (f"; paired {p[0]:+.4f} ± {p[1]:.4f} over {p[2]} seeds)" if p else ")")
+    if p:
+        notes.append(f"paired {p[0]:+.4f} ± {p[1]:.4f} over {p[2]} seeds")
+    return f"{lead} ({'; '.join(notes)})" if notes else lead
 
 
 def _tie(res: dict[str, Any], a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]
@@ -531,8 +538,8 @@ def embedding_section(res: dict[str, Any], figs: Path, name: str, suffix: str) -
                              f"(tables) | | {_mem_text(pr)} | |")
         for g in groups:
             pr = _probe(res, m, g.get("target"))
-            ll = (f"{g['log_loss']:.4f} ± {g.get('log_loss_std') or 0:.4f}"
-                  if _ok(g.get("log_loss")) else "—")
+            ll = ("—" if not _ok(g.get("log_loss")) else f"{g['log_loss']:.4f}" + (
+                f" ± {g['log_loss_std']:.4f}" if _ok(g.get("log_loss_std")) else ""))
             step = f"{g['step_time_s'] * 1e3:.0f}" if _ok(g.get("step_time_s")) else "—"
             pstep = f"{pr['step_s'] * 1e3:.1f}" if _ok(pr.get("step_s")) else "—"
             b = nbytes(g)
