@@ -205,6 +205,29 @@ def test_train_writes_run_folder(tmp_path, monkeypatch) -> None:
     assert isinstance(saved, Config) and saved.train.steps == 2
 
 
+def test_a_new_run_into_a_used_run_dir_is_refused_and_the_old_run_kept(
+        tmp_path, monkeypatch, capsys) -> None:
+    """``--run-dir`` naming a folder that holds a run, without ``--resume``, used to
+    append a second run's metrics to the first's and write its checkpoints over them:
+    refused in one line (exit 2) naming the flag and the fix; nothing in the folder or
+    the store changes."""
+    from comera_engine.store import RunStore
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COMERA_HOME", str(tmp_path / "home"))
+    cfg_path = write(tmp_path)
+    assert main(["train", str(cfg_path), "--no-progress", "--run-dir", "out"]) == 0
+    run = tmp_path / "out"
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", str(cfg_path), "--no-progress", "--run-dir", "out"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--run-dir" in err[0] and "--resume" in err[0], err
+    after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert after == before
+    assert len(RunStore(tmp_path / "home" / "comera.db").list_runs()) == 1
+
+
 def test_cli_resume_continues_from_the_newest_checkpoint(tmp_path, monkeypatch) -> None:
     from comera_engine.metrics import read_jsonl
 

@@ -55,6 +55,8 @@ def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: 
     early = _EarlyPhase(record)
     early("preparing data")
     run_dir = _run_dir(args, cfg.name, record)
+    if args.run_dir and not args.resume and is_main:
+        _refuse_a_used_folder(run_dir)
     args.folder = run_dir  # named by a one-line error (a full disk)
     saved_tok = run_dir / "tokenizer.json"
     if saved_tok.is_file() and isinstance(cfg.data, dict) and "tokenizer_path" not in cfg.data:
@@ -280,6 +282,16 @@ def _write_data_record(run_dir: Path, bundle: Any, plan: Any) -> None:
                           ("dataset.json", bundle.identity)):
         write_atomic(run_dir / name, json.dumps(payload, indent=1, default=str))
     write_plan(run_dir, plan)
+
+
+def _refuse_a_used_folder(folder: Path) -> None:
+    """A new run named into a folder that holds a run's records would write its metrics
+    after the other run's and its checkpoints over them: refused (ConfigError)."""
+    ckpts = folder / "checkpoints"
+    if (folder / "metrics.jsonl").exists() or (ckpts.is_dir() and any(ckpts.iterdir())):
+        raise ConfigError("--run-dir", f"{folder} holds a run already (its metrics or "
+                          "checkpoints): add --resume to continue that run, or name a new "
+                          "folder")
 
 
 def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None) -> Path:
