@@ -228,6 +228,29 @@ def test_a_new_run_into_a_used_run_dir_is_refused_and_the_old_run_kept(
     assert len(RunStore(tmp_path / "home" / "comera.db").list_runs()) == 1
 
 
+def test_a_store_run_with_checkpoints_is_not_started_from_scratch(
+        tmp_path, monkeypatch, capsys) -> None:
+    """``comera train <store>/<id>/config.toml --run-id <id>`` without ``--resume`` on a
+    run that has checkpoints used to train it again from step 0 in its folder, over its
+    metrics and checkpoints: refused in one line naming ``--resume``; nothing changes."""
+    from comera_engine.store import RunStore
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COMERA_HOME", str(tmp_path / "home"))
+    assert main(["train", str(write(tmp_path)), "--no-progress"]) == 0
+    st = RunStore(tmp_path / "home" / "comera.db")
+    (run,) = st.list_runs()
+    folder = st.run_dir(run["id"])
+    before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", str(folder / "config.toml"), "--run-id", run["id"],
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--run-id" in err[0] and "--resume" in err[0], err
+    after = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert after == before and st.get_run(run["id"])["status"] == "finished"
+
+
 def test_cli_resume_continues_from_the_newest_checkpoint(tmp_path, monkeypatch) -> None:
     from comera_engine.metrics import read_jsonl
 

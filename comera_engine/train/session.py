@@ -55,8 +55,9 @@ def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: 
     early = _EarlyPhase(record)
     early("preparing data")
     run_dir = _run_dir(args, cfg.name, record)
-    if args.run_dir and not args.resume and is_main:
-        _refuse_a_used_folder(run_dir)
+    if not args.resume and is_main:
+        _refuse_a_used_folder(run_dir, "--run-dir" if args.run_dir else
+                              "--run-id" if args.run_id else None)
     args.folder = run_dir  # named by a one-line error (a full disk)
     saved_tok = run_dir / "tokenizer.json"
     if saved_tok.is_file() and isinstance(cfg.data, dict) and "tokenizer_path" not in cfg.data:
@@ -284,14 +285,23 @@ def _write_data_record(run_dir: Path, bundle: Any, plan: Any) -> None:
     write_plan(run_dir, plan)
 
 
-def _refuse_a_used_folder(folder: Path) -> None:
-    """A new run named into a folder that holds a run's records would write its metrics
-    after the other run's and its checkpoints over them: refused (ConfigError)."""
+def _refuse_a_used_folder(folder: Path, flag: str | None) -> None:
+    """A new run started in a folder that holds another run's records would write its
+    metrics after them and its checkpoints over them: refused (ConfigError). ``flag``:
+    how the folder was named: ``--run-dir`` (any metrics or checkpoint there), ``--run-id``
+    (a store run's folder: its checkpoints; the launcher starts a run that has none
+    afresh, over a failed attempt's metrics), ``None`` (a new folder: nothing to check)."""
+    if flag is None:
+        return
     ckpts = folder / "checkpoints"
-    if (folder / "metrics.jsonl").exists() or (ckpts.is_dir() and any(ckpts.iterdir())):
+    has_ckpt = ckpts.is_dir() and any(ckpts.iterdir())
+    if flag == "--run-dir" and (has_ckpt or (folder / "metrics.jsonl").exists()):
         raise ConfigError("--run-dir", f"{folder} holds a run already (its metrics or "
                           "checkpoints): add --resume to continue that run, or name a new "
                           "folder")
+    if flag == "--run-id" and has_ckpt:
+        raise ConfigError("--run-id", f"this run has checkpoints in {ckpts}: add --resume "
+                          "to continue it (a start from scratch would write over them)")
 
 
 def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None) -> Path:
