@@ -294,24 +294,17 @@ def dense_size_metrics(model: nn.Module) -> dict[str, float]:
 def _peer_size_metrics(n: float, nbytes: float, tables: list) -> dict[str, float]:
     """Sizes of a model of ``n`` parameters (``nbytes`` as stored) whose ``tables`` are
     compressed embedding peers, against the same model with each a dense fp32 ``N × D``
-    table: ``compression/tensorized`` = the tables' dense bytes / their stored bytes (the
-    scope a TT model's tables are measured in), ``compression/model`` the same for the
-    whole model. In bytes: an int8 table holds a quarter of the bytes of as many floats."""
-    own_p = own_b = 0
-    seen: set[int] = set()
-    for t in tables:
-        for p in t.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                own_p += p.numel()
-                own_b += stored_nbytes(p)
-    stored = float(sum(t.stored_bytes() for t in tables))
+    table: ``compression/tensorized`` = the tables' dense bytes / the bytes their
+    parameters hold (the scope a TT model's tables are measured in), ``compression/model``
+    the same for the whole model. In bytes: an int8 table holds a quarter of the bytes of
+    as many floats."""
+    own = {id(p): p for t in tables for p in t.parameters()}.values()
+    own_p = float(sum(p.numel() for p in own))
+    own_b = float(sum(stored_nbytes(p) for p in own))
     dense_b = float(sum(t.dense_bytes() for t in tables))
-    dense_p = dense_b / 4.0
-    eff_b = nbytes - own_b + stored
     whole_dense_b = nbytes - own_b + dense_b
     return {"params/effective": n, "params/allocated": n,
-            "params/dense": n - own_p + dense_p,
-            "bytes/effective": eff_b, "bytes/dense": whole_dense_b,
-            "compression/model": whole_dense_b / max(eff_b, 1.0),
-            "compression/tensorized": dense_b / max(stored, 1.0)}
+            "params/dense": n - own_p + dense_b / 4.0,
+            "bytes/effective": nbytes, "bytes/dense": whole_dense_b,
+            "compression/model": whole_dense_b / max(nbytes, 1.0),
+            "compression/tensorized": dense_b / max(own_b, 1.0)}

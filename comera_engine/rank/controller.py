@@ -272,9 +272,7 @@ class CoMERA:
         params = [p for g in groups for p in g["params"]]
         cpu = bool(params) and all(p.device.type == "cpu" and p.is_floating_point()
                                    for p in params)
-        if cpu and not capturable:
-            return AdamW(groups, lr=lr)
-        if params and all(p.is_cuda for p in params):  # torch's fused AdamW, one launch
+        if (cpu and not capturable) or (params and all(p.is_cuda for p in params)):
             return AdamW(groups, lr=lr, capturable=capturable)
         return torch.optim.AdamW(groups, lr=lr, capturable=capturable)
 

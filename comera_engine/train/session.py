@@ -291,10 +291,13 @@ def _refuse_a_used_folder(folder: Path, flag: str | None) -> None:
     how the folder was named: ``--run-dir`` (any metrics or checkpoint there), ``--run-id``
     (a store run's folder: its checkpoints; the launcher starts a run that has none
     afresh, over a failed attempt's metrics), ``None`` (a new folder: nothing to check)."""
+    from comera_engine.store.layout import list_checkpoints
+
     if flag is None:
         return
     ckpts = folder / "checkpoints"
-    has_ckpt = ckpts.is_dir() and any(ckpts.iterdir())
+    # the complete checkpoints, as the supervisor counts them when it picks a fresh start
+    has_ckpt = bool(list_checkpoints(ckpts))
     if flag == "--run-dir" and (has_ckpt or (folder / "metrics.jsonl").exists()):
         raise ConfigError("--run-dir", f"{folder} holds a run already (its metrics or "
                           "checkpoints): add --resume to continue that run, or name a new "
