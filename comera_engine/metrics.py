@@ -1,8 +1,10 @@
-"""The one metrics sink interface the trainer writes through.
+"""The one metrics sink interface the trainer writes through, and the metrics' maths.
 
 The trainer calls a :class:`MetricsSink`; where the records go (a JSONL file in the run
 folder, the SQLite run store, both) is the sink's business. Records are plain JSON-able
-values so every sink can persist them without knowing the trainer.
+values so every sink can persist them without knowing the trainer. The scores a run or a
+data set reports (:func:`roc_auc`, :func:`log_loss`) and the target's outcome are
+computed here, once, for the trainer, the data generators and the dashboard.
 """
 
 from __future__ import annotations
@@ -200,6 +202,50 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 break
     return out
+
+
+# ---------------------------------------------------------------------- scores
+
+
+def _float64(values: Any) -> Any:
+    """``values`` (a NumPy array, a torch tensor on any device, a list) as a flat float64
+    NumPy array."""
+    import numpy as np
+
+    if hasattr(values, "detach"):  # a torch tensor
+        values = values.detach().cpu().double().numpy()
+    return np.asarray(values, dtype=np.float64).ravel()
+
+
+def roc_auc(scores: Any, labels: Any) -> float:
+    """Area under the ROC curve of ``scores`` [n] against binary ``labels`` [n] (> 0.5 is
+    positive); tied scores get half credit; NaN when only one class is present.
+
+    From ranks (Mann-Whitney U): ``(Σ ranks of the positives − P(P+1)/2) / (P·N)``, the
+    ranks 1-based and each tie group at its mean rank.
+    """
+    import numpy as np
+
+    scores = _float64(scores)
+    pos = _float64(labels) > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
+    ranks = np.empty(len(scores))
+    ranks[order] = np.repeat(first + (counts + 1) / 2.0, counts)  # mean rank of each tie
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def log_loss(probability: Any, labels: Any) -> float:
+    """Mean binary cross-entropy ``−mean(y·log p + (1−y)·log(1−p))`` of ``probability``
+    [n] against ``labels`` [n] in {0, 1}, ``p`` clipped to ``[1e-12, 1 − 1e-12]``."""
+    import numpy as np
+
+    p = np.clip(_float64(probability), 1e-12, 1 - 1e-12)
+    y = _float64(labels)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
 
 
 # ---------------------------------------------------------------------- the target's outcome

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -204,12 +206,36 @@ def test_paper_transformer_sizes_match_the_paper() -> None:
 # ---------------------------------------------------------------------- metrics
 
 
-def test_roc_auc_matches_sklearn() -> None:
+def test_roc_auc_and_log_loss_match_sklearn_on_tensors_and_arrays() -> None:
+    """The one AUC and log-loss (comera_engine.metrics): the eval metric of click models
+    (torch tensors) and the generators' Bayes figures (NumPy arrays) against sklearn."""
+    from sklearn.metrics import log_loss as sk_log_loss
     from sklearn.metrics import roc_auc_score
+
+    from comera_engine.metrics import log_loss
 
     gen = torch.Generator().manual_seed(0)
     targets = (torch.rand(500, generator=gen) < 0.3).float()
     scores = torch.rand(500, generator=gen) + 0.3 * targets
     scores[:50] = 0.5  # ties
-    assert roc_auc(scores, targets) == pytest.approx(roc_auc_score(targets, scores), abs=1e-12)
+    want = roc_auc_score(targets, scores)
+    assert roc_auc(scores, targets) == pytest.approx(want, abs=1e-12)
+    assert roc_auc(scores.numpy(), targets.numpy()) == roc_auc(scores, targets)
+    assert roc_auc(scores.double().requires_grad_(), targets) == roc_auc(scores, targets)
     assert roc_auc(scores, torch.ones(500)) != roc_auc(scores, torch.ones(500))  # NaN
+    p = torch.sigmoid(torch.randn(500, generator=gen, dtype=torch.float64))
+    assert log_loss(p, targets) == pytest.approx(sk_log_loss(targets, p), rel=1e-12)
+    assert log_loss([0.0, 1.0], [1.0, 0.0]) == pytest.approx(-math.log(1e-12))  # clipped
+    assert log_loss(p.numpy(), targets.numpy().astype(np.float32)) == log_loss(p, targets)
+
+
+def test_the_click_generators_bias_lands_the_base_rate() -> None:
+    """One bisection (data.clicks.bias_for_rate) sets both generators' base rate: the
+    offset makes the mean click probability the rate asked."""
+    from comera_engine.data.clicks import bias_for_rate
+
+    logits = np.random.default_rng(0).normal(0.0, 2.0, 10_000)
+    mean_p = lambda b: float(np.mean(1.0 / (1.0 + np.exp(-(logits + b)))))  # noqa: E731
+    for rate in (0.03, 0.25, 0.7):
+        assert mean_p(bias_for_rate(mean_p, rate)) == pytest.approx(rate, abs=1e-12)
+    assert mean_p(bias_for_rate(mean_p, 0.25, steps=40)) == pytest.approx(0.25, abs=1e-9)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from comera_engine.data.base import (
 from comera_engine.data.identity import content_sha256, dataset_identity
 from comera_engine.data.registry import dataset_info
 from comera_engine.errors import ConfigError
+from comera_engine.metrics import log_loss
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -285,12 +286,15 @@ def _zipf_buckets(rng: np.random.Generator, n: int, buckets: int, exponent: floa
     return ids[rng.choice(buckets - 1, size=n, p=probs)].astype(np.int64)
 
 
-def _bias_for_rate(logits: np.ndarray, rate: float) -> float:
-    """Offset ``b`` with ``mean(sigmoid(logits + b)) == rate`` (bisection)."""
+def bias_for_rate(mean_probability: Callable[[float], float], rate: float,
+                  steps: int = 60) -> float:
+    """The offset ``b`` in ``[-30, 30]`` with ``mean_probability(b) == rate``, by ``steps``
+    bisections (``mean_probability`` increasing in ``b``: the mean click probability of
+    a sample of logits shifted by ``b``)."""
     low, high = -30.0, 30.0
-    for _ in range(60):
+    for _ in range(steps):
         mid = 0.5 * (low + high)
-        if np.mean(1.0 / (1.0 + np.exp(-(logits + mid)))) < rate:
+        if mean_probability(mid) < rate:
             low = mid
         else:
             high = mid
@@ -363,7 +367,8 @@ def generate_synthetic_clicks(
         for c in planted[a_pos + 1 :]:
             interaction += np.einsum("nr,nr->n", factors[a][sparse[:, a]], factors[c][sparse[:, c]])
     logits = signal * interaction + dense_signal * (z @ weights)
-    logits = logits + _bias_for_rate(logits, base_rate)
+    logits = logits + bias_for_rate(
+        lambda b: float(np.mean(1.0 / (1.0 + np.exp(-(logits + b))))), base_rate)
     probability = 1.0 / (1.0 + np.exp(-logits))
     labels = (rng.random(n) < probability).astype(np.float32)
 
@@ -531,16 +536,10 @@ def build_clicks_synthetic(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> 
             "content_sha256": content_sha256(
                 synth.data.dense, synth.data.sparse, synth.data.labels
             ),
-            "bayes_log_loss_eval": _log_loss(synth.probability[eval_idx], eval_data.labels.numpy()),
+            "bayes_log_loss_eval": log_loss(synth.probability[eval_idx], eval_data.labels.numpy()),
         },
     )
     meta = _click_meta(sizes, train_data.labels)
     meta["planted_features"] = list(synth.planted_features)
     meta["eval_probability"] = torch.from_numpy(synth.probability[eval_idx])
     return _click_bundle("clicks_synthetic", train_data, eval_data, identity, meta)
-
-
-def _log_loss(probability: np.ndarray, labels: np.ndarray) -> float:
-    """Mean binary cross-entropy of ``probability`` [n] against ``labels`` [n]."""
-    p = np.clip(probability, 1e-12, 1 - 1e-12)
-    return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))

@@ -56,11 +56,12 @@ from comera_engine.data.base import (
     get_float,
     get_int,
 )
-from comera_engine.data.clicks import NUM_DENSE, NUM_SPARSE, ClickData
+from comera_engine.data.clicks import NUM_DENSE, NUM_SPARSE, ClickData, bias_for_rate
 from comera_engine.data.registry import dataset_info
 from comera_engine.errors import ConfigError
+from comera_engine.metrics import log_loss, roc_auc
 
-__all__ = ["CHUNK", "CRITEO_KAGGLE_CARDINALITIES", "CriteoWorld", "binary_auc",
+__all__ = ["CHUNK", "CRITEO_KAGGLE_CARDINALITIES", "CriteoWorld",
            "build_clicks_criteo", "criteo_cardinalities", "generate_criteo", "hash_normal",
            "hash_uniform", "hot_ids", "noisy_sigmoid", "power_law_ranks", "training_hot_ids"]
 
@@ -180,7 +181,8 @@ class CriteoWorld:
                     **settings)
         pilot = world.draw(PILOT, seed=world_seed, stream=10**6)
         logits = world.logits(pilot["dense_raw"], pilot["sparse"])
-        return world._replace_bias(_bias_for_rate(logits, world.noise, base_rate))
+        return world._replace_bias(bias_for_rate(
+            lambda b: float(noisy_sigmoid(logits + b, world.noise).mean()), base_rate, steps=40))
 
     def _replace_bias(self, bias: float) -> CriteoWorld:
         return CriteoWorld(**{**self.__dict__, "bias": float(bias)})
@@ -250,39 +252,6 @@ def noisy_sigmoid(logits: np.ndarray, noise: float) -> np.ndarray:
     for xi, wi in zip(x, w):
         out += wi / (1.0 + np.exp(-(logits + noise * math.sqrt(2.0) * xi)))
     return out / math.sqrt(math.pi)
-
-
-def _bias_for_rate(logits: np.ndarray, noise: float, rate: float) -> float:
-    """``b`` with ``mean(p(logits + b)) == rate`` (bisection)."""
-    low, high = -30.0, 30.0
-    for _ in range(40):
-        mid = 0.5 * (low + high)
-        if noisy_sigmoid(logits + mid, noise).mean() < rate:
-            low = mid
-        else:
-            high = mid
-    return 0.5 * (low + high)
-
-
-def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve from ranks (ties half credit); NaN with one class."""
-    scores = np.asarray(scores, dtype=np.float64)
-    pos = np.asarray(labels) > 0.5
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    s = scores[order]
-    ranks = np.empty(len(s))
-    _, first, counts = np.unique(s, return_index=True, return_counts=True)
-    mean_rank = first + (counts + 1) / 2.0  # 1-based mean rank of each tie group
-    ranks[order] = np.repeat(mean_rank, counts)
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def _log_loss(p: np.ndarray, labels: np.ndarray) -> float:
-    p = np.clip(p, 1e-12, 1 - 1e-12)
-    return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log1p(-p)))
 
 
 @dataclass
@@ -381,8 +350,8 @@ def build_clicks_criteo(cfg: Mapping[str, Any], base_dir: BaseDir = None) -> Any
     train = generate_criteo(world, n_train, seed, stream=0)
     ev = generate_criteo(world, n_eval, eval_seed, stream=1)
     labels = ev.data.labels.numpy()
-    bayes = {"bayes_auc_eval": binary_auc(ev.probability, labels),
-             "bayes_log_loss_eval": _log_loss(ev.probability, labels)}
+    bayes = {"bayes_auc_eval": roc_auc(ev.probability, labels),
+             "bayes_log_loss_eval": log_loss(ev.probability, labels)}
     print(f"clicks_criteo: {n_train:,} train / {n_eval:,} eval rows, "
           f"{sum(world.cardinalities):,} table rows; Bayes AUC on eval "
           f"{bayes['bayes_auc_eval']:.4f}, Bayes log-loss {bayes['bayes_log_loss_eval']:.4f}",

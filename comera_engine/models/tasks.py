@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from comera_engine.metrics import roc_auc
+
 TASKS = ("classification", "nli", "text", "mlm", "ctr", "classify", "regress")
 IGNORE_INDEX = -100
 
@@ -219,26 +221,3 @@ def _click(logit: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]
     }
 
 
-def roc_auc(scores: torch.Tensor, targets: torch.Tensor) -> float:
-    """Area under the ROC curve (ties get half credit); NaN if only one class is present.
-
-    Computed from ranks (Mann-Whitney U): ``(sum of positive ranks - P(P+1)/2) / (P N)``.
-    """
-    scores = scores.double().flatten()
-    pos = targets.flatten() > 0.5
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = torch.argsort(scores)
-    sorted_scores = scores[order]
-    ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
-    # average the ranks of tied scores
-    uniq, inverse, counts = torch.unique_consecutive(
-        sorted_scores, return_inverse=True, return_counts=True
-    )
-    ends = torch.cumsum(counts, 0).double()
-    mean_rank = ends - (counts.double() - 1) / 2
-    ranks[order] = mean_rank[inverse]
-    u = ranks[pos].sum() - n_pos * (n_pos + 1) / 2
-    return float(u / (n_pos * n_neg))
