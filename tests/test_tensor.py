@@ -689,3 +689,30 @@ def test_planner_cost_model_per_device_kind(monkeypatch) -> None:
     planner._cuda_major.cache_clear()
     rates = {m.mac_rate for m in planner.DEVICE_MODELS.values()}
     assert len(rates) > 2  # not one hard-coded GPU rate
+
+
+def test_a_train_built_on_the_meta_device_draws_nothing_and_a_real_one_is_as_seeded() -> None:
+    """The run plan, the preview and an export's skeleton build their model on the meta
+    device: its cores are drawn from nothing there (torch's meta randn would import sympy
+    and Dynamo, a second or more of ``comera launch``); on a real device the cores are
+    ``randn · std`` from the seed, as before."""
+    import subprocess
+    import sys
+
+    from comera_engine.tensor.tt import TensorTrain
+
+    code = ("import sys, torch\n"
+            "from comera_engine.tensor.tt import TensorTrain\n"
+            "with torch.device('meta'):\n"
+            "    t = TensorTrain([(4, 8), (8, 4)], rank=3)\n"
+            "assert all(c.is_meta for c in t.cores), [c.device for c in t.cores]\n"
+            "print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    torch.manual_seed(3)
+    t = TensorTrain([(4, 8), (8, 4)], rank=3)
+    torch.manual_seed(3)
+    want = [torch.randn(1, 4, 8, 3) * t.init_std, torch.randn(3, 8, 4, 1) * t.init_std]
+    assert all(torch.equal(c, w) for c, w in zip(t.cores, want))

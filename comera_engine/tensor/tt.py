@@ -207,12 +207,15 @@ class TensorTrain(nn.Module):
         std = (init_var / max(1, math.prod(ranks))) ** (1.0 / (2 * K))
         #: the cores' entry scale at initialisation (gate balancing keeps their slices at it)
         self.init_std = float(std)
+        # a train built on the meta device (to be measured: the run plan, the preview, an
+        # export's skeleton) draws nothing: torch's meta randn imports its symbolic-shape
+        # machinery (sympy and Dynamo, a second or more of a command's start)
+        on_meta = torch.empty(0, device=device).is_meta
+        shapes = [(full[k], *self.mode_shapes[k], full[k + 1]) for k in range(K)]
         self.cores = nn.ParameterList(
-            nn.Parameter(
-                torch.randn(full[k], *self.mode_shapes[k], full[k + 1], dtype=dtype,
-                            device=device) * std
-            )
-            for k in range(K)
+            nn.Parameter(torch.empty(shape, dtype=dtype, device=device) if on_meta
+                         else torch.randn(shape, dtype=dtype, device=device) * std)
+            for shape in shapes
         )
         self.gate = nn.Parameter(torch.ones(sum(ranks), dtype=dtype, device=device))
         self.register_buffer("alive", torch.ones(sum(ranks), dtype=torch.bool, device=device))
