@@ -154,6 +154,33 @@ def test_learn_page_widgets_and_live_numbers(home: Path) -> None:
     assert len(at.get("plotly_chart")) >= 7
 
 
+def test_learn_tt_svd_holds_after_tltorch_switched_tensorlys_backend() -> None:
+    """The Learn page's TT-SVD after a tltorch peer's preview in the same dashboard process
+    (importing tltorch sets tensorly's global backend to PyTorch): the matrix's TT cores,
+    contracted back here in float64, give the reconstruction and the error it reports."""
+    import numpy as np
+    import tensorly as tl
+
+    from app.lib.learn import from_tensor, to_tensor, tt_approx
+
+    m = np.random.default_rng(0).standard_normal((256, 256))
+    want = tt_approx(m, "interleaved", 3)
+    with tl.backend_context("pytorch"):
+        got = tt_approx(m, "interleaved", 3)
+    assert got.core_shapes == want.core_shapes
+    assert np.array_equal(got.reconstruction, want.reconstruction)
+    from comera_engine import tt_svd
+
+    cores = tt_svd(to_tensor(m, "interleaved"), max_rank=3)
+    full = cores[0]
+    for c in cores[1:]:
+        full = np.tensordot(full, c, axes=([-1], [0]))
+    rec = from_tensor(full.reshape(full.shape[1:-1]), "interleaved")
+    assert np.allclose(got.reconstruction, rec, atol=1e-12)
+    assert got.rel_error == pytest.approx(np.linalg.norm(rec - m) / np.linalg.norm(m),
+                                          rel=1e-9)
+
+
 # ------------------------------------------------------------------ new experiment
 
 

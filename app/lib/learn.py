@@ -98,7 +98,9 @@ def tt_approx(m: np.ndarray, layout: str, rank: int) -> TTResult:
     from comera_engine import tt_svd
 
     t = to_tensor(m, layout)
-    with _one_thread():  # tiny SVDs: threads only fight each other
+    # tensorly's backend is global: a tltorch peer's preview in this process switched it
+    # to PyTorch, and these are NumPy arrays
+    with _one_thread(), tl.backend_context("numpy"):  # tiny SVDs: threads only fight
         cores = tt_svd(t, max_rank=int(rank))
         rec_t = tl.tt_to_tensor([np.asarray(c) for c in cores])
     rec = from_tensor(np.asarray(rec_t), layout)
