@@ -31,10 +31,14 @@ run: $(VENV)/.installed
 
 # The whole suite, then the tests marked pytorch_path again with the CPU backend off
 # (COMERA_NATIVE=0): the controller, the target contract, resume and DDP on the pure
-# PyTorch path every GPU and backend-less machine runs.
+# PyTorch path every GPU and backend-less machine runs. TEST_WORKERS pytest-xdist
+# workers (one file at a time each, the longest files first: tests/conftest.py);
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15 tests
-	COMERA_NATIVE=0 $(PY) -m pytest -q -m pytorch_path tests
+	$(PY) -m pytest -q --durations=15 $(XDIST) tests
+	COMERA_NATIVE=0 $(PY) -m pytest -q $(XDIST) -m pytorch_path tests
 
 bench: $(VENV)/.installed
 	$(PY) experiments/bench_tt_linear.py

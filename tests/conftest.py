@@ -17,6 +17,27 @@ import pytest
 # it is set here, before any test module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the suite in two pytest-xdist workers, one test file at a time each
+# (--dist loadfile): on the two cores of CI, each worker and everything it starts (runs,
+# the dashboard) runs one thread, since two workers' OpenMP threads spinning on two cores
+# slowed single tests tenfold. Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+#: The files that take longest, first: the workers take files in collection order
+#: (--no-loadscope-reorder), so the longest start at once and the short ones fill the end.
+LONGEST_FIRST = ("test_browser", "test_pace", "test_reproduce", "test_benchmarks",
+                 "test_sweep", "test_train", "test_reliability", "test_ray_backend",
+                 "test_faults", "test_app", "test_integrations", "test_data_peers",
+                 "test_launch", "test_backend_cpu", "test_own")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Collection order: :data:`LONGEST_FIRST`'s files first, in its order, then the rest
+    as collected (the order of the tests within a file is kept)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
 
 @pytest.fixture(autouse=True)
 def _own_run_store(tmp_path_factory: pytest.TempPathFactory,

@@ -76,7 +76,7 @@ def _fallback_lines(stderr: str) -> list[str]:
 def test_a_run_trains_at_once_while_a_build_runs_and_after_it_is_killed(tmp_path) -> None:
     """Start a build, launch a run while it compiles (its lock held), SIGKILL the build,
     launch another: each run starts on the PyTorch path without waiting for the build,
-    the one after the kill takes its first step within 10 s of starting (5 s idle), each
+    the one after the kill takes its first step within 30 s of starting (5 s idle), each
     says why on one line of stderr with how to build, and the killed build left nothing
     loadable."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -107,9 +107,9 @@ def test_a_run_trains_at_once_while_a_build_runs_and_after_it_is_killed(tmp_path
     with pytest.raises(BackendUnavailable, match="not built"):
         load(folder)
     first, _, err = _train(tmp_path, env, name="after")
-    # 5 s on an idle machine; `make test` runs a second test worker beside this one on
-    # CI's 2 cores: the bound is that nothing waits for a build (a minute or more)
-    assert first < 10.0, f"first step {first:.1f} s after start after a killed build"
+    # 5 s on an idle machine, 10 s and more beside `make test`'s other worker on CI's 2
+    # cores: the bound is that nothing waits for a build (a minute or more)
+    assert first < 30.0, f"first step {first:.1f} s after start after a killed build"
     lines = _fallback_lines(err)
     assert len(lines) == 1 and "not built" in lines[0] and "make install" in lines[0]
 

@@ -717,9 +717,8 @@ def test_stop_resume_shows_progress_and_the_live_page_holds_steady(browser: Any,
     page.goto(f"{server.url}/live_run?run={rid}")
     wait_until(lambda: current_step(page) > 120, 150, "a few evaluations")
     wait_until(lambda: len(live_chart_traces(page)) >= 7, 60, "the charts")
-    time.sleep(3)  # the first data in every chart
-    start = drawn_live_charts(page)
-    assert start >= 6, live_chart_traces(page)
+    start = wait_until(lambda: drawn_live_charts(page) >= 6 and drawn_live_charts(page), 60,
+                       "the first data in six charts")
     stale = page.locator('[data-testid="stElementContainer"][data-stale="true"]')
     counts, dim = [], 0
     for _ in range(100):  # every 100 ms for 10 s
