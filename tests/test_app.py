@@ -1224,3 +1224,24 @@ def test_live_page_plots_the_trainers_system_readings(home: Path) -> None:
     traces = {tr["name"]: tr for tr in fig["data"] if tr.get("name")}
     assert list(traces["system RAM used %"]["y"]) == [25.0] * 3
     assert list(traces["process CPU % (of one core)"]["y"]) == [105.0, 115.0, 125.0]
+
+
+def test_every_chart_carries_the_white_template() -> None:
+    """The charts' one look, set once as Plotly's default (not named in each figure, which
+    had Plotly validate the template again per figure): a live chart's JSON, a Pareto
+    front and an empty figure carry plotly_white's template, as Plotly itself builds it."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    from app.lib import plots
+    from app.lib.livechart import spec_of
+
+    want = json.loads(go.Figure(layout={"template": pio.templates["plotly_white"]})
+                      .to_json())["layout"]["template"]
+    figures = [plots.lines([("loss", [1, 2, 3], [0.9, 0.5, 0.4])], "Loss", "loss",
+                           stages=[(2, "late stage")], hline=(0.5, "target")),
+               plots.pareto([{"comp": 10.0, "acc": 0.9, "label": "a"}], "comp", "acc",
+                            "compression", "accuracy", "Accuracy"),
+               plots.empty_figure("No data yet")]
+    for fig in figures:
+        assert json.loads(spec_of(fig))["layout"]["template"] == want

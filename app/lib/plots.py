@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
+import plotly.io as pio
 
 from app.lib.fmt import metric_label
 from comera_engine.metrics import PERCENT_METRICS, SCOPE_LABELS
@@ -24,6 +25,11 @@ COLORS = [
 TARGET_COLOR = "#E11D48"
 STAGE_COLOR = "#94A3B8"
 
+#: Every chart's template, set once as Plotly's default in the dashboard's process: named
+#: in each figure's layout, Plotly validated the whole template again, about 15 ms a
+#: figure (the Live page rebuilds eight every second). The figures' JSON is the same.
+pio.templates.default = "plotly_white"
+
 
 #: A horizontal legend at the bottom of the figure (below the x axis title): placed on
 #: the container, it pushes the plot up by its own height.
@@ -38,7 +44,6 @@ def base_layout(fig: go.Figure, title: str | None = None, height: int = 300,
     plot in as far as it needs (``automargin``, a legend placed on the container): a long
     legend never runs over the title or the axis."""
     fig.update_layout(
-        template="plotly_white",
         title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15},
                "automargin": True, "yref": "container", "y": 1.0, "yanchor": "top",
                "pad": {"t": 10, "b": 6}} if title else None,
