@@ -21,7 +21,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # (--dist loadfile): on the two cores of CI, each worker and everything it starts (runs,
 # the dashboard) runs one thread, since two workers' OpenMP threads spinning on two cores
 # slowed single tests tenfold. Set before torch is imported.
-if os.environ.get("PYTEST_XDIST_WORKER"):
+IN_A_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if IN_A_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 #: The files that take longest, first: the workers take files in collection order
@@ -116,6 +117,20 @@ def one_thread() -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def train_threads() -> Iterator[int]:
+    """Torch threads for a test that trains in the pytest process: two in one process, one
+    in each of `make test`'s xdist workers (more threads than cores spin); the count is
+    restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    threads = 1 if IN_A_WORKER else 2
+    torch.set_num_threads(threads)
+    yield threads
     torch.set_num_threads(before)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import sys
 import threading
 from pathlib import Path
@@ -238,6 +237,7 @@ FULL_SIZE = {"dlrm_criteo": "33.8 M table rows, minutes a run: `make reproduce`'
     pytest.param(p, marks=pytest.mark.skip(reason=f"{p.stem}: {FULL_SIZE[p.stem]}"))
     if p.stem in FULL_SIZE else p
     for p in _targeted_configs() if "paper" not in p.stem], ids=lambda p: p.stem)
+@pytest.mark.usefixtures("train_threads")
 def test_every_cpu_size_shipped_config_ends_within_5_percent(path: Path) -> None:
     """Each CPU-size shipped config with a target, trained at its own step count (or
     :data:`SUITE_STEPS`), ends within ±5 % of its target (experiments/target_check.py
@@ -248,14 +248,7 @@ def test_every_cpu_size_shipped_config_ends_within_5_percent(path: Path) -> None
         pytest.skip(f"{path.stem}: {data_path} is absent (../shared not mounted)")
     from target_check import run_one
 
-    before = torch.get_num_threads()
-    # two threads in one process; one in each of `make test`'s xdist workers (two on two
-    # cores: more threads than cores spin, tests/conftest.py)
-    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
-    try:
-        row = run_one(path, seed=0, steps=SUITE_STEPS.get(path.stem))
-    finally:
-        torch.set_num_threads(before)
+    row = run_one(path, seed=0, steps=SUITE_STEPS.get(path.stem))
     print(f"{path.stem}: target {row['target']:g}x, reached {row['reached']:.2f}x, "
           f"eval acc {row['eval_acc']:.3f}, {row['seconds']:.0f} s")
     assert row["within"] and "missed" not in row["outcome"]
