@@ -223,6 +223,22 @@ def launches(data: dict[str, Any]) -> str:
                           *(["kernels"] if cuda else [])], rows))
 
 
+def dashboard(data: dict[str, Any]) -> str:
+    """The Live page's charts: as plain specs (the page's way) and as validated figures."""
+    rows = [[r["chart"], f"{r['spec_ms']:.2f}", f"{r['figure_ms']:.2f}", f"{r['ratio']:.1f}×"]
+            for r in data["rows"]]
+    what = (f"The Live page's eight charts over a run of {data['points']} logged points per "
+            "metric (the page's cap), as it builds them every second while a run trains: a "
+            "plain Plotly spec and its JSON (`spec`), against the same spec built as a "
+            "validated `go.Figure` and its JSON (how every chart was built before; the other "
+            "pages still do, once a page load). Milliseconds per chart on the dashboard "
+            "server's CPU, one thread; Chromium's drawing is not counted.")
+    return section("Dashboard: the Live page's charts", "python experiments/bench_dashboard.py",
+                   "bench_dashboard.json", data, what,
+                   table(["chart", "spec + JSON ms", "go.Figure + JSON ms", "go.Figure / spec"],
+                         rows))
+
+
 def gpu_machine(files: dict[str, dict[str, Any]]) -> str:
     """One line for the GPU files' machines (the device tool's machines, one per call)."""
     seen = sorted({(m.get("gpu") or m.get("device") or "?", m.get("torch") or "?")
@@ -496,6 +512,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("schedule_ablation.json", schedules),
     ("reproduce/memory/bench_memory_peers.json", memory),
     ("bench_launches_cpu.json", launches),
+    ("bench_dashboard.json", dashboard),
 ]
 
 

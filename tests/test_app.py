@@ -8,6 +8,7 @@ real (short) run through the launcher for the export page.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -1228,12 +1229,13 @@ def test_live_page_plots_the_trainers_system_readings(home: Path) -> None:
 
 def test_every_chart_carries_the_white_template() -> None:
     """The charts' one look, set once as Plotly's default (not named in each figure, which
-    had Plotly validate the template again per figure): a live chart's JSON, a Pareto
-    front and an empty figure carry plotly_white's template, as Plotly itself builds it."""
+    had Plotly validate the template again per figure): a Pareto front's and an empty
+    figure's JSON carry plotly_white's template, as Plotly itself builds it; the live
+    charts' page carries it once (a live chart's spec is sent every second without it)."""
     import plotly.graph_objects as go
     import plotly.io as pio
 
-    from app.lib import plots
+    from app.lib import livechart, plots
     from app.lib.livechart import spec_of
 
     want = json.loads(go.Figure(layout={"template": pio.templates["plotly_white"]})
@@ -1245,3 +1247,82 @@ def test_every_chart_carries_the_white_template() -> None:
                plots.empty_figure("No data yet")]
     for fig in figures:
         assert json.loads(spec_of(fig))["layout"]["template"] == want
+    line = next(ln for ln in livechart.page().splitlines() if ln.startswith("const TEMPLATE"))
+    assert json.loads(line.removeprefix("const TEMPLATE = ").rstrip(";")) == want
+    assert "template" not in json.loads(spec_of(plots.lines_spec(
+        [("loss", [1, 2, 3], [0.9, 0.5, 0.4])], "Loss")))["layout"]
+
+
+def _specs() -> list[tuple[str, dict]]:
+    """The Live page's chart specs over the cases their code branches on."""
+    from app.lib import plots
+
+    x = list(range(0, 1000, 10))
+    y = [1.0 / (1 + s) for s in x]
+    wide = [10.0 ** (k / 20) for k in range(len(x))]  # four decades: a decades-only axis
+    history = [{"step": s, "layer": name, "ranks": [8 - s // 400, 6]}
+               for s in (0, 300, 600) for name in ("fc1", "fc2")]
+    return [
+        ("smoothed, dashed, stages, target", plots.lines_spec(
+            [("task", x, y), ("total", x, [v + 0.1 for v in y])], "Loss", "loss",
+            stages=[(400, "late stage"), (700, "late stage")], smooth=0.1,
+            dashes=[None, "dash"], hline=(0.3, "target 3×"))),
+        ("percent, gaps", plots.lines_spec(
+            [("train", x, [0.5 + v / 3 for v in y[:-3]] + [None, math.nan, math.inf]),
+             ("eval", x[::10], y[::10])], "Accuracy", "accuracy", percent=True)),
+        ("log 1-2-5, from zero, markers", plots.lines_spec(
+            [("rss", x[:5], [3.0, 4.0, 5.0, 6.0, 7.0])], "Memory", "MiB", log_y=True,
+            from_zero=True, markers=True)),
+        ("log decades, short run", plots.lines_spec(
+            [("a", [1, 2, 3], wide[:3]), ("b", x, wide)], "Wide", log_y=True)),
+        ("no points", plots.lines_spec([("a", [], [])], "Empty", empty="Nothing yet")),
+        ("heatmap", plots.rank_heatmap_spec(history, stages=[(300, "late stage")], until=800)),
+        ("heatmap, none", plots.rank_heatmap_spec([])),
+        ("bars", plots.rank_bars_spec({"fc1": [3, 6], "fc2": [5], **{f"l{k}": [2, 2]
+                                                                    for k in range(4)}})),
+        ("bars, none", plots.rank_bars_spec({})),
+    ]
+
+
+def test_live_chart_specs_are_plotly_figures_as_plotly_writes_them() -> None:
+    """Every spec the Live page draws (plain dicts, built every second without Plotly's
+    validation) is valid Plotly that Plotly's validation leaves as it is: the JSON sent is
+    the JSON a ``go.Figure`` of it writes (less the template, which the chart's page
+    holds); non-finite values are sent as gaps (null)."""
+    import plotly.graph_objects as go
+
+    from app.lib.livechart import spec_of
+
+    for case, spec in _specs():
+        sent = json.loads(spec_of(spec))
+        plotly = json.loads(go.Figure(spec).to_json())  # raises on an invalid property
+        plotly["layout"].pop("template")
+        assert sent == plotly, case
+    (_, gaps), = [c for c in _specs() if c[0] == "percent, gaps"]
+    assert json.loads(spec_of(gaps))["data"][0]["y"][-3:] == [None, None, None]
+
+
+def test_live_chart_markers_are_plotlys_own_lines() -> None:
+    """The target line and the stage markers a spec draws are the shapes and labels
+    Plotly's ``add_hline`` / ``add_vline`` make with the same settings."""
+    import plotly.graph_objects as go
+
+    from app.lib import plots
+
+    series = [("a", [0, 10, 20], [1.0, 2.0, 3.0])]
+    ours = go.Figure(plots.lines_spec(series, "T", stages=[(5, "late stage"), (15, "x")],
+                                      hline=(2.5, "target 4×")))
+    theirs = go.Figure(plots.lines_spec(series, "T"))
+    theirs.add_hline(y=2.5, line={"color": plots.TARGET_COLOR, "dash": "dash", "width": 2},
+                     annotation_text="target 4×", annotation_position="bottom right",
+                     annotation_font={"color": plots.TARGET_COLOR, "size": 11})
+    for step in (5, 15):
+        theirs.add_vline(x=step, line={"color": plots.STAGE_COLOR, "dash": "dot",
+                                       "width": 1.5},
+                         annotation_text="late stage", annotation_position="top left",
+                         annotation_font={"size": 10, "color": "#64748B"})
+    assert ours.layout.shapes == theirs.layout.shapes
+    assert ours.layout.annotations == theirs.layout.annotations
+    heat = go.Figure(plots.rank_heatmap_spec([{"step": 0, "layer": "fc", "ranks": [2]}],
+                                             stages=[(5, "late stage")], until=9))
+    assert heat.layout.shapes == theirs.layout.shapes[1:2]

@@ -24,6 +24,8 @@ COLORS = [
 ]
 TARGET_COLOR = "#E11D48"
 STAGE_COLOR = "#94A3B8"
+#: Plotly's "Viridis", as the colour stops Plotly writes for the name
+VIRIDIS = [list(stop) for stop in go.Heatmap(colorscale="Viridis").colorscale]
 
 #: Every chart's template, set once as Plotly's default in the dashboard's process: named
 #: in each figure's layout, Plotly validated the whole template again, about 15 ms a
@@ -36,24 +38,43 @@ pio.templates.default = "plotly_white"
 LEGEND_BELOW = {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0.0,
                 "xanchor": "left", "x": 0.0, "font": {"size": 11}}
 
+#: A figure as Plotly's JSON would have it, ``{"data": [trace, …], "layout": {…}}``: the
+#: Live page draws these every second without building (and validating) a
+#: ``go.Figure`` each time (about 20 ms a chart); the other pages wrap the same spec in a
+#: ``go.Figure``. Valid Plotly, unchanged by Plotly's validation (tested).
+Spec = dict[str, Any]
 
-def base_layout(fig: go.Figure, title: str | None = None, height: int = 300,
-                x_title: str | None = None, y_title: str | None = None) -> go.Figure:
-    """The look every chart shares. The title sits alone at the top of the figure; the
+
+def look(title: str | None = None, height: int = 300, x_title: str | None = None,
+         y_title: str | None = None) -> dict[str, Any]:
+    """The layout every chart shares. The title sits alone at the top of the figure; the
     legend at its bottom, under the x axis, in as many rows as it needs, each pushing the
     plot in as far as it needs (``automargin``, a legend placed on the container): a long
     legend never runs over the title or the axis."""
-    fig.update_layout(
-        title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15},
-               "automargin": True, "yref": "container", "y": 1.0, "yanchor": "top",
-               "pad": {"t": 10, "b": 6}} if title else None,
-        height=height,
-        margin={"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
-        colorway=COLORS,
-        legend=LEGEND_BELOW,
-        hovermode="x unified",
-        font={"size": 12},
-    )
+    layout: dict[str, Any] = {
+        "height": height, "margin": {"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
+        "colorway": list(COLORS), "legend": dict(LEGEND_BELOW), "hovermode": "x unified",
+        "font": {"size": 12}}
+    if title:
+        layout["title"] = {"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15},
+                           "automargin": True, "yref": "container", "y": 1.0,
+                           "yanchor": "top", "pad": {"t": 10, "b": 6}}
+    if x_title:
+        layout["xaxis"] = {"title": {"text": x_title}}
+    if y_title:
+        layout["yaxis"] = {"title": {"text": y_title}}
+    return layout
+
+
+def _axis(layout: dict[str, Any], name: str, **props: Any) -> None:
+    """Set properties of the layout's axis ``name`` (``"xaxis"``, ``"yaxis"``)."""
+    layout.setdefault(name, {}).update(props)
+
+
+def base_layout(fig: go.Figure, title: str | None = None, height: int = 300,
+                x_title: str | None = None, y_title: str | None = None) -> go.Figure:
+    """:func:`look` applied to ``fig`` (the axis titles to all its x / y axes)."""
+    fig.update_layout(look(title, height))
     if x_title:
         fig.update_xaxes(title_text=x_title)
     if y_title:
@@ -61,20 +82,41 @@ def base_layout(fig: go.Figure, title: str | None = None, height: int = 300,
     return fig
 
 
+def empty_spec(message: str, height: int = 300, title: str | None = None) -> Spec:
+    """No axes, ``message`` in the middle."""
+    layout = look(title, height)
+    layout["annotations"] = [{"text": message, "showarrow": False,
+                              "font": {"size": 13, "color": "#64748B"},
+                              "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5}]
+    layout["xaxis"] = {"visible": False}
+    layout["yaxis"] = {"visible": False}
+    return {"data": [], "layout": layout}
+
+
 def empty_figure(message: str, height: int = 300, title: str | None = None) -> go.Figure:
-    fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, font={"size": 13, "color": "#64748B"},
-                       xref="paper", yref="paper", x=0.5, y=0.5)
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return base_layout(fig, title, height)
+    return go.Figure(empty_spec(message, height, title))
+
+
+def stage_markers(stages: Sequence[tuple[int, str]]) -> tuple[list[dict], list[dict]]:
+    """A dotted vertical line at each stage switch and its label: ``(shapes,
+    annotations)``, as Plotly's ``add_vline(annotation_position="top left")`` makes them."""
+    shapes, notes = [], []
+    for step, _text in stages:
+        shapes.append({"type": "line", "x0": step, "x1": step, "xref": "x", "y0": 0, "y1": 1,
+                       "yref": "y domain",
+                       "line": {"color": STAGE_COLOR, "dash": "dot", "width": 1.5}})
+        notes.append({"text": "late stage", "showarrow": False, "x": step, "xanchor": "right",
+                      "xref": "x", "y": 1, "yanchor": "top", "yref": "y domain",
+                      "font": {"size": 10, "color": "#64748B"}})
+    return shapes, notes
 
 
 def add_stage_markers(fig: go.Figure, stages: Sequence[tuple[int, str]]) -> None:
-    for step, _text in stages:
-        fig.add_vline(x=step, line={"color": STAGE_COLOR, "dash": "dot", "width": 1.5},
-                      annotation_text="late stage", annotation_position="top left",
-                      annotation_font={"size": 10, "color": "#64748B"})
+    shapes, notes = stage_markers(stages)
+    for shape in shapes:
+        fig.add_shape(shape)
+    for note in notes:
+        fig.add_annotation(note)
 
 
 def ema(values: Sequence[float | None], alpha: float) -> list[float | None]:
@@ -92,60 +134,71 @@ def ema(values: Sequence[float | None], alpha: float) -> list[float | None]:
     return out
 
 
-def lines(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title: str,
-          y_title: str | None = None, x_title: str = "step", height: int = 300,
-          stages: Sequence[tuple[int, str]] = (), hline: tuple[float, str] | None = None,
-          log_y: bool = False, markers: bool = False, empty: str = "No data yet",
-          smooth: float | None = None, dashes: Sequence[str | None] = (),
-          percent: bool = False, from_zero: bool = False) -> go.Figure:
+def lines_spec(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title: str,
+               y_title: str | None = None, x_title: str = "step", height: int = 300,
+               stages: Sequence[tuple[int, str]] = (), hline: tuple[float, str] | None = None,
+               log_y: bool = False, markers: bool = False, empty: str = "No data yet",
+               smooth: float | None = None, dashes: Sequence[str | None] = (),
+               percent: bool = False, from_zero: bool = False) -> Spec:
     """Several ``(label, x, y)`` curves on one plot, with optional stage markers and a
     horizontal reference line ``(y, label)``. ``smooth``: draw each curve faintly and an
     exponential moving average (weight ``smooth``) over it. ``dashes``: line dash per
     curve (e.g. ``[None, "dash"]``). ``percent``: fractions drawn on a % axis (as the
     tiles state them); ``from_zero``: the y axis starts at 0 (a flat memory curve stays
-    flat instead of a few MiB filling the plot)."""
-    fig = go.Figure()
-    any_points = False
+    flat instead of a few MiB filling the plot). Missing and non-finite values are gaps."""
+    data: list[dict[str, Any]] = []
     for i, (label, x, y) in enumerate(series):
         if not len(x):
             continue
-        any_points = True
         color = COLORS[i % len(COLORS)]
         ys = [v if v is not None and math.isfinite(v) else None for v in y]
         few = len(x) < 3
         if smooth and len(x) > 20:
-            fig.add_trace(go.Scatter(x=list(x), y=ys, name=label, mode="lines",
-                                     line={"width": 1, "color": color}, opacity=0.25,
-                                     showlegend=False, hoverinfo="skip"))
+            data.append({"type": "scatter", "x": list(x), "y": ys, "name": label,
+                         "mode": "lines", "line": {"width": 1, "color": color},
+                         "opacity": 0.25, "showlegend": False, "hoverinfo": "skip"})
             ys = ema(ys, smooth)
-        dash = dashes[i] if i < len(dashes) else None
-        fig.add_trace(go.Scatter(
-            x=list(x), y=ys, name=label, mode="lines+markers" if markers or few else "lines",
-            line={"width": 2, "color": color, "dash": dash},
-        ))
-    if not any_points:
-        return empty_figure(empty, height, title)
-    if hline is not None:
-        fig.add_hline(y=hline[0], line={"color": TARGET_COLOR, "dash": "dash", "width": 2},
-                      annotation_text=hline[1], annotation_position="bottom right",
-                      annotation_font={"color": TARGET_COLOR, "size": 11})
-    add_stage_markers(fig, stages)
+        line: dict[str, Any] = {"width": 2, "color": color}
+        if i < len(dashes) and dashes[i] is not None:
+            line["dash"] = dashes[i]
+        data.append({"type": "scatter", "x": list(x), "y": ys, "name": label,
+                     "mode": "lines+markers" if markers or few else "lines", "line": line})
+    if not data:
+        return empty_spec(empty, height, title)
+    layout = look(title, height, x_title, y_title)
+    shapes, notes = [], []
+    if hline is not None:  # as add_hline(annotation_position="bottom right") makes it
+        shapes.append({"type": "line", "x0": 0, "x1": 1, "xref": "x domain", "y0": hline[0],
+                       "y1": hline[0], "yref": "y",
+                       "line": {"color": TARGET_COLOR, "dash": "dash", "width": 2}})
+        notes.append({"text": hline[1], "showarrow": False, "x": 1, "xanchor": "right",
+                      "xref": "x domain", "y": hline[0], "yanchor": "top", "yref": "y",
+                      "font": {"color": TARGET_COLOR, "size": 11}})
+    more_shapes, more_notes = stage_markers(stages)
+    if shapes or more_shapes:
+        layout["shapes"] = shapes + more_shapes
+        layout["annotations"] = notes + more_notes
     if log_y:
         pos = [v for _, _, y in series for v in y
                if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
         if pos and math.log10(max(pos) / min(pos)) > 2.5:
-            fig.update_yaxes(type="log", dtick=1)  # decades only
+            _axis(layout, "yaxis", type="log", dtick=1)  # decades only
         else:
-            log_ticks(fig, "y")
+            _axis(layout, "yaxis", **log_axis())
     xs = [v for _, x, _ in series for v in x if isinstance(v, (int, float))]
     if x_title == "step" and xs and max(xs) - min(xs) < 10:
-        fig.update_xaxes(dtick=1)  # no half steps on a short run
+        _axis(layout, "xaxis", dtick=1)  # no half steps on a short run
     if percent:
-        fig.update_yaxes(tickformat=percent_ticks([v for _, _, y in series for v in y]),
-                         hoverformat=".1%")
+        _axis(layout, "yaxis", tickformat=percent_ticks([v for _, _, y in series for v in y]),
+              hoverformat=".1%")
     if from_zero:
-        fig.update_yaxes(rangemode="tozero")
-    return base_layout(fig, title, height, x_title, y_title)
+        _axis(layout, "yaxis", rangemode="tozero")
+    return {"data": data, "layout": layout}
+
+
+def lines(*args: Any, **kwargs: Any) -> go.Figure:
+    """:func:`lines_spec` as a ``go.Figure`` (same arguments)."""
+    return go.Figure(lines_spec(*args, **kwargs))
 
 
 def is_fraction(metric: str) -> bool:
@@ -169,11 +222,16 @@ def legend_below(fig: go.Figure) -> go.Figure:
     return fig
 
 
-def log_ticks(fig: go.Figure, axis: str = "x", suffix: str = "") -> None:
+def log_axis(suffix: str = "") -> dict[str, Any]:
     """A log axis labelled 1-2-5 per decade instead of every minor digit."""
     vals = [m * 10**e for e in range(-4, 10) for m in (1, 2, 5)]
-    upd = {"type": "log", "tickvals": vals, "ticktext": [f"{fmt_tick(v)}{suffix}" for v in vals]}
-    (fig.update_xaxes if axis == "x" else fig.update_yaxes)(**upd)
+    return {"type": "log", "tickvals": vals,
+            "ticktext": [f"{fmt_tick(v)}{suffix}" for v in vals]}
+
+
+def log_ticks(fig: go.Figure, axis: str = "x", suffix: str = "") -> None:
+    """:func:`log_axis` on ``fig``'s ``axis`` (``"x"`` or ``"y"``)."""
+    (fig.update_xaxes if axis == "x" else fig.update_yaxes)(**log_axis(suffix))
 
 
 def fmt_tick(v: float) -> str:
@@ -215,44 +273,44 @@ def rank_rows(
     return rows, edges, z
 
 
-def rank_heatmap(history: Sequence[Mapping[str, Any]], title: str = "Effective ranks over steps",
-                 stages: Sequence[tuple[int, str]] = (), until: int | None = None) -> go.Figure:
+def rank_heatmap_spec(history: Sequence[Mapping[str, Any]],
+                      title: str = "Effective ranks over steps",
+                      stages: Sequence[tuple[int, str]] = (), until: int | None = None) -> Spec:
     """Layer × bond rows, steps across; ``until``: extend the last ranks to this step."""
     if not history:
-        return empty_figure("No rank snapshots yet", 320, title)
+        return empty_spec("No rank snapshots yet", 320, title)
     rows, edges, z = rank_rows(history, until)
     height = int(min(900, max(280, 60 + 16 * len(rows))))
-    fig = go.Figure(go.Heatmap(
-        z=z, x=edges, y=rows, colorscale="Viridis", colorbar={"title": {"text": "rank"}},
-        hovertemplate="%{y}<br>step %{x}: rank %{z}<extra></extra>", zmin=0, ygap=1,
-    ))
-    fig.update_yaxes(autorange="reversed", tickfont={"size": 10})
-    fig.update_xaxes(range=[edges[0], edges[-1]])
-    add_stage_markers(fig, stages)
-    fig = base_layout(fig, title, height, "step")
-    fig.update_layout(hovermode="closest")
-    return fig
+    layout = look(title, height, "step")
+    _axis(layout, "yaxis", autorange="reversed", tickfont={"size": 10})
+    _axis(layout, "xaxis", range=[edges[0], edges[-1]])
+    shapes, notes = stage_markers(stages)
+    if shapes:
+        layout.update(shapes=shapes, annotations=notes)
+    layout["hovermode"] = "closest"
+    return {"data": [{"type": "heatmap", "z": z, "x": edges, "y": rows,
+                      "colorscale": VIRIDIS, "colorbar": {"title": {"text": "rank"}},
+                      "hovertemplate": "%{y}<br>step %{x}: rank %{z}<extra></extra>",
+                      "zmin": 0, "ygap": 1}],
+            "layout": layout}
 
 
-def rank_bars(latest: Mapping[str, Sequence[int]], allocated: Mapping[str, Sequence[int]] | None
-              = None, title: str = "Current ranks per layer") -> go.Figure:
+def rank_bars_spec(latest: Mapping[str, Sequence[int]],
+                   title: str = "Current ranks per layer") -> Spec:
     """Grouped bars: one group per layer, one bar per bond."""
     if not latest:
-        return empty_figure("No ranks yet", 300, title)
+        return empty_spec("No ranks yet", 300, title)
     layers = list(latest)
     nb = max(len(v) for v in latest.values())
-    fig = go.Figure()
-    for b in range(nb):
-        fig.add_trace(go.Bar(
-            x=layers, y=[latest[name][b] if b < len(latest[name]) else None for name in layers],
-            name=f"bond {b + 1}", marker_color=COLORS[b % len(COLORS)],
-        ))
-    fig.update_layout(barmode="group", bargap=0.25)
-    fig = base_layout(fig, title, 320, None, "effective rank")
-    legend_below(fig)
-    fig.update_xaxes(tickangle=-30 if len(layers) > 4 else 0, tickfont={"size": 10})
-    fig.update_layout(hovermode="closest")
-    return fig
+    data = [{"type": "bar", "x": layers,
+             "y": [latest[name][b] if b < len(latest[name]) else None for name in layers],
+             "name": f"bond {b + 1}", "marker": {"color": COLORS[b % len(COLORS)]}}
+            for b in range(nb)]
+    layout = look(title, 320, None, "effective rank")
+    layout.update(barmode="group", bargap=0.25, hovermode="closest",
+                  legend={**LEGEND_BELOW, "x": 0.5, "xanchor": "center"})
+    _axis(layout, "xaxis", tickangle=-30 if len(layers) > 4 else 0, tickfont={"size": 10})
+    return {"data": data, "layout": layout}
 
 
 def label_positions(xs: Sequence[float], all_xs: Sequence[float], log: bool,

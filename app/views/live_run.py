@@ -163,14 +163,14 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     with c1:
         s_task = _series(DB, rid, "loss/task")
         s_total = _series(DB, rid, "loss/total")
-        live_chart(plots.lines([("task loss", *s_task), ("total (objective)", *s_total)],
+        live_chart(plots.lines_spec([("task loss", *s_task), ("total (objective)", *s_total)],
                                "Loss", "loss", stages=stages, smooth=0.1,
                                dashes=[None, "dash"]), key="ch-loss")
     with c2:
         s_tr = _series(DB, rid, "acc/train")
         s_ev = _series(DB, rid, "eval/acc")
         live_chart(
-            plots.lines([("train", *s_tr), ("eval", *s_ev)], "Accuracy", "accuracy",
+            plots.lines_spec([("train", *s_tr), ("eval", *s_ev)], "Accuracy", "accuracy",
                         stages=stages, smooth=0.1, percent=True), key="ch-acc",
         )
     c1, c2 = st.columns(2)
@@ -183,7 +183,7 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
             series.append((f"{SCOPE_LABELS[other]} (other scope)",
                            *_series(DB, rid, f"compression/{other}")))
         live_chart(
-            plots.lines(series, f"Compression vs dense ({comp.label})", "× smaller",
+            plots.lines_spec(series, f"Compression vs dense ({comp.label})", "× smaller",
                         stages=stages, dashes=[None, "dot"],
                         hline=(target, f"target {target:g}× ({comp.label})")
                         if target else None), key="ch-comp",
@@ -191,7 +191,7 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     with c2:
         name = "perf/tokens_per_s" if "perf/tokens_per_s" in latest else "perf/samples_per_s"
         live_chart(
-            plots.lines([(name.split("/")[1].replace("_per_s", "/s"),
+            plots.lines_spec([(name.split("/")[1].replace("_per_s", "/s"),
                           *_series(DB, rid, name))], "Throughput",
                         "tokens/s" if "tokens" in name else "samples/s", stages=stages,
                         smooth=None), key="ch-tput",  # the trainer's smoothed figure
@@ -199,10 +199,10 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     history = DB.rank_history(rid)
     c1, c2 = st.columns([3, 2])
     with c1:
-        live_chart(plots.rank_heatmap(history, stages=stages, until=run.get("last_step")),
+        live_chart(plots.rank_heatmap_spec(history, stages=stages, until=run.get("last_step")),
                    key="ch-heat")
     with c2:
-        live_chart(plots.rank_bars(DB.latest_ranks(rid)), key="ch-bars")
+        live_chart(plots.rank_bars_spec(DB.latest_ranks(rid)), key="ch-bars")
     c1, c2 = st.columns(2)
     with c1:
         if on_gpu(latest):
@@ -212,10 +212,10 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
                 ("torch peak reserved", *_series(DB, rid, "mem/cuda_max_reserved_mb")),
             ]
             total = latest.get("mem/gpu_total_mb")
-            fig = plots.lines(series, "GPU memory", "MiB", stages=stages, from_zero=True,
+            fig = plots.lines_spec(series, "GPU memory", "MiB", stages=stages, from_zero=True,
                               hline=(total, f"device total {fmt.mib(total)}") if total else None)
         else:
-            fig = plots.lines([("process RSS", *_series(DB, rid, "mem/rss_mb"))],
+            fig = plots.lines_spec([("process RSS", *_series(DB, rid, "mem/rss_mb"))],
                               "Memory (CPU run: process RSS)", "MiB", stages=stages,
                               from_zero=True)
         live_chart(fig, key="ch-mem")
@@ -223,7 +223,7 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
         if "sys/cpu_percent" in latest:  # what the trainer read of the machine
             steps, used = _series(DB, rid, "sys/ram_used_mb")
             _, total = _series(DB, rid, "sys/ram_total_mb")
-            live_chart(plots.lines(
+            live_chart(plots.lines_spec(
                 [("process CPU % (of one core)", *_series(DB, rid, "sys/cpu_percent")),
                  ("system RAM used %", steps, _percent(used, total))],
                 "System (read by the trainer, once a second)", "%", stages=stages,
@@ -253,7 +253,7 @@ def gpu_panel(rid: str, latest: dict[str, float], stages: list[tuple[int, str]])
     _, total = _series(DB, rid, "mem/gpu_total_mb")
     series = [("GPU utilisation %", *_series(DB, rid, "sys/gpu_util_percent")),
               ("GPU memory used % (of the device)", steps, _percent(used, total))]
-    live_chart(plots.lines(series, "GPU utilisation and memory (read by the trainer)", "%",
+    live_chart(plots.lines_spec(series, "GPU utilisation and memory (read by the trainer)", "%",
                            stages=stages, from_zero=True), key="ch-gpu")
     if "sys/gpu_util_percent" not in latest:
         st.caption("GPU utilisation needs NVML in the trainer's environment "
