@@ -8,11 +8,38 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def script(path: str | Path) -> Any:
+    """The benchmark script at ``path`` as a module (its ``main(argv)`` is what its
+    ``__main__`` runs: ``raise SystemExit(main())``)."""
+    import importlib.util
+
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def refused(capsys: pytest.CaptureFixture[str], cmd: list[str]) -> str:
+    """Run the script ``cmd[1]``'s ``main`` on the flags ``cmd[2:]`` in this process: it
+    must exit non-zero before doing anything; its error text (stderr, or the exit's
+    message)."""
+    module = script(cmd[1])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        module.main(cmd[2:])
+    code = exit_.value.code
+    assert code not in (0, None), f"{Path(cmd[1]).name} {cmd[2:]}: exit {code!r}"
+    return capsys.readouterr().err + (code if isinstance(code, str) else "")
 
 
 def test_bench_tt_linear_writes_table_and_json(tmp_path) -> None:
@@ -32,7 +59,7 @@ def test_bench_tt_linear_writes_table_and_json(tmp_path) -> None:
     assert data["summary"]["speedup_768_r30_4096"] is None  # that row was not asked for
 
 
-def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
+def test_bench_tt_linear_parts_writes_table_and_json(tmp_path, capsys) -> None:
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear_parts.py"),
            "--rank", "8", "--tokens", "16", "--rounds", "1", "--reps", "1", "--device", "cpu",
            "--out", str(tmp_path)]
@@ -43,15 +70,11 @@ def test_bench_tt_linear_parts_writes_table_and_json(tmp_path) -> None:
         "nn.Linear", "layer", "function, gates given", "function, no gates",
         "function, no gates, no bias"]
     assert all(r["ms"] > 0 for r in data["rows"]) and "| variant" in out.stdout
-    bad = subprocess.run([*cmd[:2], "--reps", "0"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
-    assert bad.returncode != 0 and "--reps" in bad.stderr
-    bad = subprocess.run([*cmd, "--ref", "no-such-revision"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
-    assert bad.returncode != 0 and "--ref" in bad.stderr
+    assert "--reps" in refused(capsys, [*cmd[:2], "--reps", "0"])
+    assert "--ref" in refused(capsys, [*cmd, "--ref", "no-such-revision"])
 
 
-def test_bench_gemm_backends_writes_table_and_json(tmp_path) -> None:
+def test_bench_gemm_backends_writes_table_and_json(tmp_path, capsys) -> None:
     """The halves step's six batch GEMMs both ways, and the way the layer takes: without
     the CPU backend (an empty backend folder) the fixed rule (MKL; dR as (bᵀ·a)ᵀ at the
     padded width 32, dL as aᵀ·b), and nothing written anywhere but the JSON."""
@@ -74,9 +97,7 @@ def test_bench_gemm_backends_writes_table_and_json(tmp_path) -> None:
     assert [r["chosen"] for r in rows] == ["mkl", "mkl", "mkl", "ba", "mkl", "ab"]
     assert "| product" in out.stdout and "not in use" in out.stdout
     assert not (tmp_path / "home").exists() and not (tmp_path / "no-backend").exists()
-    bad = subprocess.run([*cmd[:2], "--rank", "0"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env=env)
-    assert bad.returncode != 0 and "--rank" in bad.stderr
+    assert "--rank" in refused(capsys, [*cmd[:2], "--rank", "0"])
 
 
 @pytest.mark.parametrize("op", ["tt_linear_halves", "tt_linear_sweep", "ttm_lookup",
@@ -93,7 +114,7 @@ def test_bench_op_writes_table_and_json(tmp_path, op: str) -> None:
     assert "| case" in out.stdout
 
 
-def test_bench_tt_linear_parts_fixed_cost_shape_path_and_threads(tmp_path) -> None:
+def test_bench_tt_linear_parts_fixed_cost_shape_path_and_threads(tmp_path, capsys) -> None:
     """``--shape 8x8`` (negligible arithmetic), a forced ``--path`` and ``--threads``
     reach the layer and the JSON; a bad thread count is refused by name."""
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear_parts.py"),
@@ -104,9 +125,7 @@ def test_bench_tt_linear_parts_fixed_cost_shape_path_and_threads(tmp_path) -> No
     data = json.loads((tmp_path / "bench_tt_linear_parts_cpu.json").read_text())
     assert data["threads"] == 1 and data["path"] == "sweep" and data["shape"] == "8x8"
     assert {r["path"] for r in data["rows"] if r["variant"] != "nn.Linear"} == {"sweep"}
-    bad = subprocess.run([*cmd, "--threads", "-1"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
-    assert bad.returncode != 0 and "--threads" in bad.stderr
+    assert "--threads" in refused(capsys, [*cmd, "--threads", "-1"])
 
 
 def test_bench_tt_linear_parts_times_a_git_revision_side_by_side(tmp_path) -> None:
@@ -127,7 +146,7 @@ def test_bench_tt_linear_parts_times_a_git_revision_side_by_side(tmp_path) -> No
     assert same["layer"] == same["layer @ HEAD"]
 
 
-def test_bench_train_step_times_until_min_seconds_and_writes_json(tmp_path) -> None:
+def test_bench_train_step_times_until_min_seconds_and_writes_json(tmp_path, capsys) -> None:
     """Smoke run on the tiny preset: each configuration in its own process, at least
     ``--steps`` timed and more until ``--min-seconds``; the dense model once and CoMERA
     per path choice (``--paths``: the planner's, and every TT op reconstructed), each
@@ -154,12 +173,10 @@ def test_bench_train_step_times_until_min_seconds_and_writes_json(tmp_path) -> N
         ("auto", True), ("reconstructed", True)]
     assert "| tiny | 1 | no | auto |" in out.stdout
     assert "| tiny | 1 | no | reconstructed |" in out.stdout
-    bad = subprocess.run([*cmd, "--steps", "0"], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
-    assert bad.returncode != 0 and "--steps" in bad.stderr
+    assert "--steps" in refused(capsys, [*cmd, "--steps", "0"])
 
 
-def test_bench_step_overheads_writes_table_and_json(tmp_path) -> None:
+def test_bench_step_overheads_writes_table_and_json(tmp_path, capsys) -> None:
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_step_overheads.py"),
            "--preset", "tiny", "--rounds", "1", "--reps", "1", "--out", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -172,9 +189,7 @@ def test_bench_step_overheads_writes_table_and_json(tmp_path) -> None:
     assert ("size surrogate", "comera", "one pass") in got
     assert ("gate refresh", "comera", "refresh_gates") in got
     assert all(r["ms"] > 0 for r in data["rows"]) and "| part" in out.stdout
-    bad = subprocess.run([*cmd, "--reps", "0"], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
-    assert bad.returncode != 0 and "--reps" in bad.stderr
+    assert "--reps" in refused(capsys, [*cmd, "--reps", "0"])
 
 
 def test_bench_tt_linear_key_row_and_backend_check(tmp_path, cpu_backend_dir) -> None:
@@ -204,7 +219,7 @@ def test_bench_tt_linear_key_row_and_backend_check(tmp_path, cpu_backend_dir) ->
         assert "backend check" in out.stdout
 
 
-def test_bench_controller_writes_table_and_json(tmp_path) -> None:
+def test_bench_controller_writes_table_and_json(tmp_path, capsys) -> None:
     """The controller's cost against fixed ranks: every stage's row, at the same ranks, the
     median of two processes, each process's overhead kept."""
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_controller.py"), "--configs",
@@ -222,9 +237,7 @@ def test_bench_controller_writes_table_and_json(tmp_path) -> None:
     for r in rows:  # the row is the median of the processes' overheads
         assert r["overhead"] == pytest.approx(sum(r["overhead_runs"]) / 2)
     assert "| digits_tt_mlp" in out.stdout and "per process" in out.stdout
-    bad = subprocess.run([*cmd[:2], "--configs", "no_such_config"], capture_output=True,
-                         text=True, timeout=120, cwd=ROOT)
-    assert bad.returncode != 0 and "--configs" in bad.stderr
+    assert "--configs" in refused(capsys, [*cmd[:2], "--configs", "no_such_config"])
 
 
 def test_own_loop_example_trains_to_the_target_against_dense(tmp_path) -> None:
@@ -263,3 +276,19 @@ def test_bench_launches_counts_the_ops_a_hand_count_gives() -> None:
     t = torch.randn(3)
     got = bl.count(lambda: float(t.view(3, 1).t().sum()), dev, reps=3)
     assert got == {"ops": 1, "syncs": 1, "top": {"sum": 1}}
+
+
+def test_bench_dashboard_times_the_live_pages_charts_both_ways(tmp_path, capsys) -> None:
+    """The Live page's eight charts, as specs and as validated figures: a row each and one
+    for the whole refresh (their sums), a table and the JSON."""
+    bench = ROOT / "experiments" / "bench_dashboard.py"
+    assert script(bench).main(["--points", "40", "--rounds", "1", "--reps", "1",
+                               "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_dashboard.json").read_text())["rows"]
+    assert [r["chart"] for r in rows] == [
+        "loss", "accuracy", "compression", "throughput", "rank heatmap", "rank bars",
+        "memory", "system", "one refresh (all eight)"]
+    assert rows[-1]["spec_ms"] == pytest.approx(sum(r["spec_ms"] for r in rows[:-1]))
+    assert all(r["spec_ms"] > 0 and r["figure_ms"] > 0 for r in rows)
+    assert "| chart" in capsys.readouterr().out
+    assert "--points" in refused(capsys, [sys.executable, str(bench), "--points", "1"])
