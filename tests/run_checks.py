@@ -1,10 +1,29 @@
 """Shared by tests that train a short real run through the CLI and check what it logged
-(tests/test_export_raw.py, tests/test_shrink_peers.py)."""
+(tests/test_export_raw.py, tests/test_shrink_peers.py), or what a fresh process imports
+(tests/test_tensor.py, tests/test_models.py, tests/test_op_adamw.py)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+#: What building a model or training on the CPU should not import: Dynamo (with sympy,
+#: FSDP and Triton, a second or more of a process's start) and sympy.
+HEAVY = ("sympy", "torch._dynamo")
+
+
+def heavy_imports(code: str, *args: str, env: dict[str, str] | None = None,
+                  cwd: Path | None = None) -> list[str]:
+    """Run ``code`` (with ``args`` as ``sys.argv[1:]``) in a fresh Python; the modules of
+    :data:`HEAVY` it left imported, sorted. The code must run to its end."""
+    tail = f"\nimport sys as _s\nprint('HEAVY', sorted(m for m in {HEAVY!r} if m in _s.modules))"
+    out = subprocess.run([sys.executable, "-c", code + tail, *args], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("HEAVY ")]
+    return json.loads(line.removeprefix("HEAVY ").replace("'", '"'))
 
 
 def train_final_eval(config: str | Path, run_dir: Path, *sets: str) -> dict[str, float]:

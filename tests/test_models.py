@@ -239,3 +239,35 @@ def test_the_click_generators_bias_lands_the_base_rate() -> None:
     for rate in (0.03, 0.25, 0.7):
         assert mean_p(bias_for_rate(mean_p, rate)) == pytest.approx(rate, abs=1e-12)
     assert mean_p(bias_for_rate(mean_p, 0.25, steps=40)) == pytest.approx(0.25, abs=1e-9)
+
+
+def test_a_meta_model_is_drawn_from_nothing_and_a_real_one_as_seeded() -> None:
+    """The run plan and the preview build their model on the meta device, shapes only:
+    there no dense table or layer is initialised (torch's ``normal_`` on a meta tensor
+    imports Dynamo and sympy, a second or more of ``comera launch``; DLRM's pair indices
+    are made on the CPU); on the CPU a table is torch's ``nn.Embedding``, drawn from the
+    seed as torch draws it."""
+    from tests.run_checks import heavy_imports
+
+    assert heavy_imports(
+        "import torch\n"
+        "from types import SimpleNamespace as NS\n"
+        "from comera_engine.config import ModelConfig\n"
+        "from comera_engine.models import build_model\n"
+        "nli = NS(name='f', task='nli', num_classes=3, vocab_size=300, seq_len=16,"
+        " meta={'pad_id': 0})\n"
+        "ctr = NS(name='f', task='ctr', num_classes=2, vocab_size=None, seq_len=None,"
+        " meta={'num_dense': 3, 'bucket_sizes': [500, 40, 300, 7]})\n"
+        "with torch.device('meta'):\n"
+        "    for model, data in (('transformer_cls', nli), ('dlrm', ctr)):\n"
+        "        for dense in (False, True):\n"
+        "            m = build_model(ModelConfig(name=model, preset='tiny', dense=dense),"
+        " data)\n"
+        "            assert all(p.is_meta for p in m.parameters())") == []
+    from comera_engine.models.common import embedding
+
+    torch.manual_seed(5)
+    ours = embedding(300, 16, padding_idx=0)
+    torch.manual_seed(5)
+    torch_s = nn.Embedding(300, 16, padding_idx=0)
+    assert torch.equal(ours.weight, torch_s.weight) and ours.padding_idx == 0

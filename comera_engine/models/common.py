@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from comera_engine.config import DEFAULT_TT_LAYERS, TT_LAYER_KINDS  # noqa: F401 (re-export)
@@ -92,7 +93,18 @@ class LayerFactory:
                 vocab_factors=list(vocab_factors) if vocab_factors else None,
                 dim_factors=list(dim_factors) if dim_factors else None,
             )
-        return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
+        return embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
+
+
+def embedding(num_embeddings: int, embedding_dim: int, padding_idx: int | None = None
+              ) -> nn.Embedding:
+    """``nn.Embedding(num_embeddings, embedding_dim, padding_idx)``, its table left
+    uninitialised on the meta device (a run plan's model: shapes only), where torch's
+    ``normal_`` would import Dynamo (about a second of ``comera launch``)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx,
+                            _weight=torch.empty(num_embeddings, embedding_dim))
+    return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
 
 
 def mlp(

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from comera_engine.models.common import LayerFactory, mlp
+from comera_engine.models.common import LayerFactory, embedding, mlp
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class DLRM(nn.Module):
                 for n in bucket_sizes)
         )
         n_vec = 1 + len(bucket_sizes)
-        rows, cols = torch.triu_indices(n_vec, n_vec, offset=1)
+        # on the CPU whatever the device (a meta model's would import sympy, 0.4 s)
+        rows, cols = torch.triu_indices(n_vec, n_vec, offset=1, device="cpu")
         self.register_buffer("pair_rows", rows, persistent=False)
         self.register_buffer("pair_cols", cols, persistent=False)
         self.top = mlp(factory, "top", [d + rows.numel(), *size.top_mlp, 1])
@@ -109,7 +110,7 @@ def peer_dlrm(cardinalities: Sequence[int], peer: str = "hash", target: float | 
     tables: list[nn.Module] = []
     for j, n in enumerate(int(c) for c in cardinalities):
         if n < max(rows, 2):
-            tables.append(nn.Embedding(n, d))
+            tables.append(embedding(n, d))
             continue
         # at least one row of floats: a 305-row table at 1000x would hold 19 bytes
         budget = None if target is None else max(d * 4, int(n * d * 4 / float(target)))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_engine.errors import ConfigError
-from comera_engine.models.common import LayerFactory
+from comera_engine.models.common import LayerFactory, embedding
 
 BERT_VOCAB = 30522
 
@@ -141,8 +141,8 @@ class Encoder(nn.Module):
             vocab_factors=size.vocab_factors if use_paper_factors else None,
             dim_factors=size.dim_factors,
         )
-        self.position = nn.Embedding(max_len, d)
-        self.token_type = nn.Embedding(2, d)
+        self.position = embedding(max_len, d)
+        self.token_type = embedding(2, d)
         self.ln = nn.LayerNorm(d)
         self.drop = nn.Dropout(size.dropout)
         self.layers = nn.ModuleList(EncoderLayer(size, factory) for _ in range(size.n_layers))
@@ -255,7 +255,10 @@ class TransformerMLM(nn.Module):
 def _init_dense(model: nn.Module) -> None:
     """BERT-style init: dense layers N(0, 0.02); the TT word table is scaled to the same
     entry std (its cores start with entries of variance 1, like ``nn.Embedding``); TT
-    linears keep their ``nn.Linear``-like initialisation."""
+    linears keep their ``nn.Linear``-like initialisation. A model on the meta device (a
+    run plan's: shapes only) has nothing to initialise."""
+    if any(p.is_meta for p in model.parameters()):
+        return
     word = model.encoder.word  # type: ignore[union-attr]
     if not isinstance(word, nn.Embedding):  # TTEmbedding, or a peer's (tltorch) table
         cores = list(word.tt.cores) if hasattr(word, "tt") else word.factors()

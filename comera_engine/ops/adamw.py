@@ -34,6 +34,20 @@ class AdamW(torch.optim.AdamW):
     ``capturable`` is passed too, as torch's capture check asks). ``fused`` or
     ``foreach`` given by the caller is kept."""
 
+    # torch.optim.Optimizer wraps these four in ``torch._disable_dynamo``, whose first call
+    # imports Dynamo (with sympy and FSDP: about a second of every training process's
+    # start) only to mark them as never traced. Nothing compiles this optimizer (a
+    # compiled step compiles the forward and the objective, not the update), so it calls
+    # torch's own functions unwrapped; where torch does not expose one, its wrapper.
+    add_param_group = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__",
+                              torch.optim.Optimizer.add_param_group)
+    zero_grad = getattr(torch.optim.Optimizer.zero_grad, "__wrapped__",
+                        torch.optim.Optimizer.zero_grad)
+    state_dict = getattr(torch.optim.Optimizer.state_dict, "__wrapped__",
+                         torch.optim.Optimizer.state_dict)
+    load_state_dict = getattr(torch.optim.Optimizer.load_state_dict, "__wrapped__",
+                              torch.optim.Optimizer.load_state_dict)
+
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
         params = [dict(x, params=list(x["params"])) if isinstance(x, dict) else x
                   for x in params]
