@@ -424,7 +424,7 @@ def test_a_foreground_run_is_recorded_crashes_when_killed_and_resumes_as_itself(
     env = {**os.environ, "COMERA_HOME": str(tmp_path / "home")}
     folder = tmp_path / "fg"
     args = [sys.executable, "-m", "comera_engine.cli", "train", str(CONFIG), "--no-progress",
-            "--run-dir", str(folder), "--set", "train.steps=3000", "--set",
+            "--run-dir", str(folder), "--set", "train.steps=1200", "--set",
             "train.ckpt_every=200", "--set", "train.eval_every=0"]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -448,7 +448,7 @@ def test_a_foreground_run_is_recorded_crashes_when_killed_and_resumes_as_itself(
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["id"] for r in store.list_runs()] == [run["id"]]  # the same run, not a new one
     assert _status(store, run["id"]) == "finished"
-    assert _steps(store, run["id"]) == list(range(1, 3001))
+    assert _steps(store, run["id"]) == list(range(1, 1201))
     out = tmp_path / "model.safetensors"  # exportable by its id, like a launched run
     exported = subprocess.run([sys.executable, "-m", "comera_engine.cli", "export", run["id"],
                                "--out", str(out)], env=env, capture_output=True, text=True,

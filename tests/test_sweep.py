@@ -171,11 +171,11 @@ def test_four_cells_two_at_a_time_end_finished_with_a_report(tmp_path):
 
 def test_a_killed_cell_crashes_alone_and_the_sweep_goes_on_then_resumes(tmp_path):
     st = RunStore(tmp_path / "store")
-    sid = create_sweep(CONFIG, {"train.steps": [40, 1500]}, seeds=2,
+    sid = create_sweep(CONFIG, {"train.steps": [40, 800]}, seeds=2,
                        overrides=["train.eval_every=0", "train.ckpt_every=100"], store=st,
                        max_parallel=2)
     long_cells = [r["id"] for r in st.sweep_runs(sid) if r["cell"]["overrides"][
-        "train.steps"] == 1500]
+        "train.steps"] == 800]
 
     def victim() -> dict[str, Any] | None:
         for rid in long_cells:
@@ -195,7 +195,7 @@ def test_a_killed_cell_crashes_alone_and_the_sweep_goes_on_then_resumes(tmp_path
     sweep = wait_sweep(st, sid)
     assert sweep["status"] == "finished"
     again = st.get_run(run["id"])
-    assert again["last_step"] == 1500 and again["attempt"] >= 2
+    assert again["last_step"] == 800 and again["attempt"] >= 2
 
 
 def test_stop_sweep_stops_waiting_and_running_cells_and_resume_finishes_them(tmp_path):
