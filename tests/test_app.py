@@ -1288,7 +1288,7 @@ def test_live_chart_specs_are_plotly_figures_as_plotly_writes_them() -> None:
     """Every spec the Live page draws (plain dicts, built every second without Plotly's
     validation) is valid Plotly that Plotly's validation leaves as it is: the JSON sent is
     the JSON a ``go.Figure`` of it writes (less the template, which the chart's page
-    holds); non-finite values are sent as gaps (null)."""
+    holds); non-finite values are sent as gaps (null), NumPy numbers as numbers."""
     import plotly.graph_objects as go
 
     from app.lib.livechart import spec_of
@@ -1300,6 +1300,12 @@ def test_live_chart_specs_are_plotly_figures_as_plotly_writes_them() -> None:
         assert sent == plotly, case
     (_, gaps), = [c for c in _specs() if c[0] == "percent, gaps"]
     assert json.loads(spec_of(gaps))["data"][0]["y"][-3:] == [None, None, None]
+    import numpy as np
+
+    numpy_spec = {"data": [{"type": "scatter", "x": [np.int64(1), np.int64(2)],
+                            "y": [np.float32(0.5), np.nan]}], "layout": {"height": 300}}
+    assert json.loads(spec_of(numpy_spec))["data"][0] == {"type": "scatter", "x": [1, 2],
+                                                          "y": [0.5, None]}
 
 
 def test_live_chart_markers_are_plotlys_own_lines() -> None:

@@ -95,13 +95,13 @@ def _folder() -> Path:
 
 
 def spec_of(fig: plots.Spec | go.Figure) -> str:
-    """The figure as Plotly JSON (what the chart draws); a spec's missing and non-finite
-    numbers as ``null``, as Plotly writes them."""
+    """The figure as Plotly JSON (what the chart draws); a spec's non-finite numbers as
+    ``null`` and NumPy numbers as numbers, as Plotly writes them."""
     if isinstance(fig, go.Figure):
         return fig.to_json(validate=False)
     try:
         return json.dumps(fig, allow_nan=False, separators=(",", ":"))
-    except ValueError:  # a NaN or an infinity somewhere: Plotly's encoder makes it null
+    except (ValueError, TypeError):  # a NaN, an infinity or a NumPy number: Plotly's encoder
         return pio.to_json(fig, validate=False)
 
 
