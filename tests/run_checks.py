@@ -18,12 +18,13 @@ def heavy_imports(code: str, *args: str, env: dict[str, str] | None = None,
                   cwd: Path | None = None) -> list[str]:
     """Run ``code`` (with ``args`` as ``sys.argv[1:]``) in a fresh Python; the modules of
     :data:`HEAVY` it left imported, sorted. The code must run to its end."""
-    tail = f"\nimport sys as _s\nprint('HEAVY', sorted(m for m in {HEAVY!r} if m in _s.modules))"
+    tail = ("\nimport json as _j, sys as _s\n"
+            f"print('HEAVY', _j.dumps(sorted(m for m in {HEAVY!r} if m in _s.modules)))")
     out = subprocess.run([sys.executable, "-c", code + tail, *args], capture_output=True,
                          text=True, timeout=300, env=env, cwd=cwd)
     assert out.returncode == 0, out.stderr[-2000:]
     (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("HEAVY ")]
-    return json.loads(line.removeprefix("HEAVY ").replace("'", '"'))
+    return json.loads(line.removeprefix("HEAVY "))
 
 
 def train_final_eval(config: str | Path, run_dir: Path, *sets: str) -> dict[str, float]:

@@ -514,8 +514,8 @@ def in_background(store: Any, rid: str, since_pid: int | None = None) -> int:
     priority its trainer would take a core from the page it watches (and from the other
     test worker) for all of that time; the page is what is tested, not the trainer's
     speed. A trainer already gone is left alone."""
-    pid = wait_until(lambda: (store.get_run(rid)["pid"] or 0) not in (0, since_pid)
-                     and store.get_run(rid)["pid"], 120, "the run's trainer")
+    pid = wait_until(lambda: (p := store.get_run(rid)["pid"]) not in (None, 0, since_pid)
+                     and p, 120, "the run's trainer")
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.setpriority(os.PRIO_PROCESS, pid, 10)
     return int(pid)

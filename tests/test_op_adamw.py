@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,7 +87,7 @@ def test_adamw_takes_the_backend_step_where_built(cpu_backend: object,
 
 
 def test_a_cpu_run_trains_checkpoints_and_resumes_without_importing_dynamo(
-        cpu_backend_dir: object, tmp_path: object) -> None:
+        cpu_backend_dir: Path, tmp_path: Path) -> None:
     """torch's Optimizer wraps ``add_param_group``, ``zero_grad``, ``state_dict`` and
     ``load_state_dict`` in a Dynamo "disable" whose first call imports Dynamo (about a
     second of every training process's start); this AdamW calls torch's functions
@@ -94,27 +95,25 @@ def test_a_cpu_run_trains_checkpoints_and_resumes_without_importing_dynamo(
     checkpoints) and its ``--resume`` (the optimizer's state loaded back) never import
     ``torch._dynamo``. (That the state round-trips: the test above and every resume
     test.)"""
-    import json
     import os
-    from pathlib import Path
 
+    from comera_engine.metrics import read_jsonl
     from tests.run_checks import heavy_imports
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "COMERA_CPU_BACKEND_DIR": str(cpu_backend_dir), "COMERA_NATIVE": "1",
-           "COMERA_HOME": str(Path(str(tmp_path)) / "home"), "OMP_NUM_THREADS": "1"}
+           "COMERA_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     code = "import sys\nfrom comera_engine.cli import main\nassert main(sys.argv[1:]) == 0"
 
     def train(steps: int, *extra: str) -> list[str]:
         return heavy_imports(
             code, "train", "experiments/configs/digits_tt_mlp.toml", "--no-progress",
-            "--run-dir", str(Path(str(tmp_path)) / "run"), "--set", f"train.steps={steps}",
+            "--run-dir", str(tmp_path / "run"), "--set", f"train.steps={steps}",
             "--set", "train.ckpt_every=20", "--set", "train.eval_every=20", *extra,
             env=env, cwd=root)
 
     assert train(40) == []
     assert train(60, "--resume") == []
-    rows = [json.loads(line) for line in
-            (Path(str(tmp_path)) / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows if r["type"] == "metrics" and "loss/task" in r["values"]]
+    steps = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+             if r["type"] == "metrics" and "loss/task" in r["values"]]
     assert steps == list(range(1, 61))  # resumed from its checkpoint at step 40

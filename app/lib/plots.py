@@ -37,6 +37,8 @@ pio.templates.default = "plotly_white"
 #: the container, it pushes the plot up by its own height.
 LEGEND_BELOW = {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0.0,
                 "xanchor": "left", "x": 0.0, "font": {"size": 11}}
+#: The same, centred under the plot (the charts whose legends are long)
+LEGEND_CENTRED = {**LEGEND_BELOW, "x": 0.5, "xanchor": "center"}
 
 #: A figure as Plotly's JSON would have it, ``{"data": [trace, …], "layout": {…}}``: the
 #: Live page draws these every second without building (and validating) a
@@ -109,14 +111,6 @@ def stage_markers(stages: Sequence[tuple[int, str]]) -> tuple[list[dict], list[d
                       "xref": "x", "y": 1, "yanchor": "top", "yref": "y domain",
                       "font": {"size": 10, "color": "#64748B"}})
     return shapes, notes
-
-
-def add_stage_markers(fig: go.Figure, stages: Sequence[tuple[int, str]]) -> None:
-    shapes, notes = stage_markers(stages)
-    for shape in shapes:
-        fig.add_shape(shape)
-    for note in notes:
-        fig.add_annotation(note)
 
 
 def ema(values: Sequence[float | None], alpha: float) -> list[float | None]:
@@ -217,8 +211,7 @@ def percent_ticks(values: Sequence[Any]) -> str:
 
 def legend_below(fig: go.Figure) -> go.Figure:
     """The legend under the plot, centred (the scatter charts, whose legends are long)."""
-    fig.update_layout(legend={**LEGEND_BELOW, "x": 0.5, "xanchor": "center"},
-                      margin={"b": 10})
+    fig.update_layout(legend=LEGEND_CENTRED, margin={"b": 10})
     return fig
 
 
@@ -308,7 +301,7 @@ def rank_bars_spec(latest: Mapping[str, Sequence[int]],
             for b in range(nb)]
     layout = look(title, 320, None, "effective rank")
     layout.update(barmode="group", bargap=0.25, hovermode="closest",
-                  legend={**LEGEND_BELOW, "x": 0.5, "xanchor": "center"})
+                  legend=dict(LEGEND_CENTRED))
     _axis(layout, "xaxis", tickangle=-30 if len(layers) > 4 else 0, tickfont={"size": 10})
     return {"data": data, "layout": layout}
 

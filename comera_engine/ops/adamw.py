@@ -23,6 +23,12 @@ from ..backends import cpu_backend
 __all__ = ["AdamW"]
 
 
+def _unwrapped(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The function a ``functools.wraps`` decorator wrapped (its ``__wrapped__``); the
+    method itself where torch exposes none."""
+    return getattr(method, "__wrapped__", method)
+
+
 class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (fused on the CPU and on CUDA, the default elsewhere) whose
     step runs on the CPU backend in one call where it can (module doc). ``params`` and
@@ -38,15 +44,11 @@ class AdamW(torch.optim.AdamW):
     # imports Dynamo (with sympy and FSDP: about a second of every training process's
     # start) only to mark them as never traced. Nothing compiles this optimizer (a
     # compiled step compiles the forward and the objective, not the update), so it calls
-    # torch's own functions unwrapped; where torch does not expose one, its wrapper.
-    add_param_group = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__",
-                              torch.optim.Optimizer.add_param_group)
-    zero_grad = getattr(torch.optim.Optimizer.zero_grad, "__wrapped__",
-                        torch.optim.Optimizer.zero_grad)
-    state_dict = getattr(torch.optim.Optimizer.state_dict, "__wrapped__",
-                         torch.optim.Optimizer.state_dict)
-    load_state_dict = getattr(torch.optim.Optimizer.load_state_dict, "__wrapped__",
-                              torch.optim.Optimizer.load_state_dict)
+    # torch's own functions unwrapped (:func:`_unwrapped`).
+    add_param_group = _unwrapped(torch.optim.Optimizer.add_param_group)
+    zero_grad = _unwrapped(torch.optim.Optimizer.zero_grad)
+    state_dict = _unwrapped(torch.optim.Optimizer.state_dict)
+    load_state_dict = _unwrapped(torch.optim.Optimizer.load_state_dict)
 
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
         params = [dict(x, params=list(x["params"])) if isinstance(x, dict) else x
