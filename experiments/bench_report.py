@@ -200,12 +200,29 @@ def memory(data: dict[str, Any]) -> str:
                           "optim MiB", "saved act MiB", "held MiB", "RSS +train MiB"], rows))
 
 
+def _launch_rows(data: dict[str, Any]) -> list[list[str]]:
+    """The launch table's rows; a layer's path at several shapes is one row (the counts
+    hardly depend on the shape: one value where equal, else ``least–most``)."""
+    cuda = data["device"] == "cuda"
+    keys = ["ops", "syncs", *(["kernels"] if cuda else [])]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in data["rows"]:
+        key = (r["layer"], r["path"]) if not r["layer"].startswith("step") else (
+            r["layer"], f"{r['shape']}/{r['path']}")
+        groups.setdefault(key, []).append(r)
+
+    def span(values: list[float]) -> str:
+        lo, hi = min(values), max(values)
+        return f"{lo:.0f}" if lo == hi else f"{lo:.0f}–{hi:.0f}"
+
+    return [[g[0]["layer"], ", ".join(dict.fromkeys(r["shape"] for r in g)), g[0]["path"],
+             *(span([r[k] for r in g]) for k in keys)] for g in groups.values()]
+
+
 def launches(data: dict[str, Any]) -> str:
     """Kernel launches per TT layer path and per training step (the CPU proxy, and the
     CUDA kernels where the file is a GPU's)."""
     cuda = data["device"] == "cuda"
-    rows = [[r["layer"], r["shape"], r["path"], f"{r['ops']:.0f}", f"{r['syncs']:.0f}",
-             *([f"{r['kernels']:.0f}"] if cuda else [])] for r in data["rows"]]
     what = ("Per call (forward + backward for a layer, at "
             f"{data['tokens']} rows and rank {data['rank']}; the paper transformer's whole "
             f"step and its phases at batch {data['step_batch']}): `ops`, the ATen ops below "
@@ -216,11 +233,13 @@ def launches(data: dict[str, Any]) -> str:
             "syncs); `optimizer fused` and `refresh_entries` (every bond at once) are the "
             "alternatives to the step's own optimizer and per-bond refresh.")
     if cuda:
-        what += " `kernels`: the CUDA kernels, memcpys and memsets the profiler records."
+        what = ("Counted as in the CPU table of the same name above, on the GPU with bf16 "
+                "autocast (its casts count); `kernels`: the CUDA kernels, memcpys and "
+                "memsets the profiler records.")
     return section("Kernel launches per TT layer and per step", data["command"],
                    f"bench_launches_{data['device']}.json", data, what,
                    table(["layer", "shape", "path", "ops", "syncs",
-                          *(["kernels"] if cuda else [])], rows))
+                          *(["kernels"] if cuda else [])], _launch_rows(data)))
 
 
 def dashboard(data: dict[str, Any]) -> str:
@@ -279,31 +298,35 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
     graphed_mem = d.get("peak_from") == "before warm-up"
     with_paths = any("paths" in r for r in d["ratios"])
     rows = [[r["preset"], r["batch"], "yes" if r["graph"] else "no",
-             *([r["paths"] + (", compiled" if r.get("compile") else "")
+             *([r["paths"] + (f", compiled (first step {r['first_step_ms'] / 1000:.1f} s, "
+                               f"{r['recompiles']} recompiles)" if r.get("compile") else "")
                 + (", grouped step" if r.get("grouped") else "")] if with_paths else []),
              f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
              f"{r['dense_mem_mb']:.0f} / {r['comera_mem_mb']:.0f}"
              if graphed_mem or not r["graph"] else "not measured",
              f"{r['params_ratio']:.1f}×"] for r in d["ratios"]]
-    kernels = ("with the fused Triton kernels (`COMERA_KERNELS=1`)" if key.endswith("kernels")
-               else "at batch 1 (peak memory against dense + AdamW)" if key.endswith("batch1")
-               else "at batch 128, the rows the H100 run did not reach" if "b128" in key
+    kernels = ("at batch 1 (peak memory against dense + AdamW)" if key.endswith("batch1")
+               else "under `torch.compile` (Inductor), first step and recompiles counted"
+               if key.endswith("compile")
                else "per path choice (`--paths`)" if with_paths
                else "on the PyTorch paths (the default)")
-    paths = (" CoMERA paths: `auto` is the planner's choice per layer (the device's "
-             "profile where it has one), `reconstructed` / `factorised` / `fused` every TT "
-             "op on that family where it has it." if with_paths else "")
-    return (f"### Training step, {kernels}\n\n{d.get('device', '?')}: `{d['command']}`. "
-            "The paper's "
-            "six-encoder transformer, CoMERA's early stage against the dense "
-            "model, bf16 autocast; speed-up is dense ÷ CoMERA step time (below 1: "
-            "CoMERA is the slower); peak memory is `torch.cuda.max_memory_allocated`"
-            + ("" if graphed_mem else " (not measured for graphed rows in this "
-               "file: its peak was reset after the graph's capture)") + "." + paths
+    return (f"### Training step, {kernels}\n\n{d.get('device', '?')}: `{d['command']}`."
+            + ("" if graphed_mem else " Peak memory not measured for graphed rows in this "
+               "file (its peak was reset after the graph's capture).")
             + "\n\n"
             + table(["preset", "batch", "CUDA graph", *(["CoMERA paths"] if with_paths else []),
                      "dense ms", "CoMERA ms", "speed-up", "peak MB dense / CoMERA",
                      "params ratio"], rows) + "\n")
+
+
+#: what every training-step table holds, said once above them
+STEP_TABLES = ("Training-step tables: the paper's six-encoder transformer (or the tiny one), "
+               "CoMERA's early stage against the dense model, bf16 autocast; speed-up is "
+               "dense ÷ CoMERA step time (below 1: CoMERA is the slower); peak memory is "
+               "`torch.cuda.max_memory_allocated` from before the warm-up (a CUDA graph's "
+               "capture counts). CoMERA paths: `auto` is the planner's choice per layer (the "
+               "device's profile where it has one), `reconstructed` / `factorised` / `fused` "
+               "every TT op on that family where it has it.")
 
 
 def _pct(r: dict[str, Any], k: str) -> str:
@@ -323,9 +346,11 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                      "batch products and their backward), each far below the GPU's roofline "
                      "(the \"% roofline\" columns where measured): launch-bound eagerly, "
                      "kernel-bound in a graph.\n")
-    for key in ("bench_train_step_cuda", "bench_train_step_cuda_b128_h200",
-                "bench_train_step_cuda_batch1", "bench_train_step_cuda_kernels"):
-        if files.get(key):
+    steps = [key for key in ("bench_train_step_cuda", "bench_train_step_cuda_batch1",
+                             "bench_train_step_cuda_compile") if files.get(key)]
+    if steps:
+        parts.append(STEP_TABLES + "\n")
+    for key in steps:
             parts.append(_step_table(key, files[key]))
     if files.get("bench_launches_cuda"):
         parts.append("#" + launches(files["bench_launches_cuda"]).replace(

@@ -4,10 +4,11 @@
 #   bash experiments/gpu_check.sh tune bench        # first thing whenever a GPU is at hand
 #   bash experiments/gpu_check.sh tune tests bench  # everything (within 10 minutes)
 #   bash experiments/gpu_check.sh tests             # GPU tests, the trainer on the GPU
+#   bash experiments/gpu_check.sh compile           # the step under torch.compile (~60 s)
 #
 # Steps, in the order given, each with its own time limit (so a slow step cannot eat the
-# others' time; the limits add up to 75 s for tune, 200 s for tests, 315 s for bench; on an H100 the
-# tuner needs about 45 s, a step-benchmark row about 14 s):
+# others' time; the limits add up to 70 s for tune, 180 s for tests, 340 s for bench; on an H100 or
+# H200 the tuner needs about 55 s, a step-benchmark row about 15 s):
 #   tune   the device profile: every path of every TT op of the paper model (batch 32 and
 #          128) and the paper-size configs timed in bf16, eager and graphed, the Triton
 #          kernels' launch configurations swept, the cost model calibrated
@@ -18,11 +19,14 @@
 #          Triton kernels compiled against float64, the trainer on the GPU with and
 #          without CUDA graphs
 #   bench  the step benchmark (paper transformer, batch 32 and 128, CoMERA on each path
-#          choice and with the grouped step ops, CUDA graph on and off, dense alike; the
-#          step under torch.compile on the tiny transformer; batch 1 for peak memory),
+#          choice and with the grouped step ops, CUDA graph on and off, dense alike;
+#          batch 1 for peak memory),
 #          the kernels launched per layer path and per step, the
 #          TT-linear and TTM-lookup paths with their % of the roofline, one TT layer vs
 #          nn.Linear in bf16 in a CUDA graph
+#   compile the step under torch.compile (Inductor) on the tiny transformer against eager,
+#          the compile's time and recompiles counted (not in `all`: its first step compiles
+#          for ~40 s; on an H200 it was slower than eager, results/gpu/*_compile.json)
 #
 # Runs with the machine's own python3 and torch (no venv, no streamlit). Logs and JSON go
 # to experiments/results/gpu (or $RES); with $OUT set (the device tool's folder, which
@@ -58,18 +62,18 @@ step() {  # step SECONDS LOG COMMAND...: run with a time limit, log to $RES/LOG
 tune() {
     # the tuner stops its cases at 70 % of --budget and its kernel sweep at --budget, and
     # writes the profile after every case: a timeout still leaves a valid file
-    step 75 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 55
+    step 70 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 55
     export COMERA_PROFILE_DIR="$RES/profiles"
 }
 
 tests() {
     # the GPU-marked tests (CUDA graph vs eager ratio, export from a CUDA run), the bf16
     # and checkpoint tests, which then run with CUDA present, and DDP (gloo, on the CPU)
-    step 50 gpu_tests.log $PY -m pytest -q -rs -p no:cacheprovider tests/test_train.py \
+    step 55 gpu_tests.log $PY -m pytest -q -rs -p no:cacheprovider tests/test_train.py \
         tests/test_export.py -k "gpu or cuda or graph or bf16 or resume or ddp_truncation"
     # the Triton kernels compiled and run on the GPU, every launch configuration, against
     # the same float64 references (the ahead-of-time compile is a CPU test)
-    TRITON_INTERPRET=0 step 80 gpu_kernels.log $PY -m pytest -q -rs -p no:cacheprovider \
+    TRITON_INTERPRET=0 step 75 gpu_kernels.log $PY -m pytest -q -rs -p no:cacheprovider \
         tests/test_kernels.py tests/test_kernels_ttm.py -k "not compile_ahead"
     # the trainer end to end on the GPU (auto precision = bf16), CUDA graphs on and off,
     # planning with the profile of the tune step where it ran. (NCCL DDP needs two GPUs:
@@ -78,7 +82,7 @@ tests() {
         local graph=true
         [ $variant = eager ] && graph=false
         rm -rf /tmp/gpu_run
-        step 35 "train_$variant.log" $PY -m comera_engine.cli train \
+        step 25 "train_$variant.log" $PY -m comera_engine.cli train \
             experiments/configs/digits_tt_mlp.toml --set train.device='"cuda"' \
             --set train.cuda_graph=$graph --run-dir /tmp/gpu_run --no-progress
         grep '"type": "metrics"' /tmp/gpu_run/metrics.jsonl 2>/dev/null | tail -n 1 \
@@ -97,22 +101,16 @@ bench() {
     # (factorised is what auto picks on an H100, fused its slowest there, 1.5x auto at
     # batch 32; --grouped-step: auto, graphed, with the refresh of all bonds at once and
     # torch's fused AdamW)
-    step 160 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
+    step 185 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
         --batches 32 128 --paths auto reconstructed --eager-paths auto --grouped-step \
         --graphs both --steps 10 --min-seconds 0.5 --out "$RES/bench_train_step_cuda.json"
-    # CoMERA's step with its forward and objective under torch.compile (Inductor) against
-    # eager, the compile's time and Dynamo's recompiles counted (the tiny transformer: the
-    # paper's compiles for minutes; run that apart, the same command with --presets paper)
-    step 35 bench_train_step_compile.log $PY experiments/bench_train_step.py --presets tiny \
-        --batches 32 --graphs off --compile default --steps 10 --min-seconds 0.3 \
-        --out "$RES/bench_train_step_cuda_compile.json"
     # batch 1: peak memory against dense + AdamW
     step 40 bench_train_step_batch1.log $PY experiments/bench_train_step.py \
         --presets paper --batches 1 --graphs on --steps 10 --min-seconds 0.3 \
         --out "$RES/bench_train_step_cuda_batch1.json"
     # kernels launched per TT layer path and per training step (and by phase), against
     # the CPU proxy committed in experiments/results/bench_launches_cpu.json
-    COMERA_KERNELS=1 step 25 bench_launches.log $PY experiments/bench_launches.py \
+    COMERA_KERNELS=1 step 60 bench_launches.log $PY experiments/bench_launches.py \
         --reps 1 --out "$RES"
     # every TT-linear path and the TTM lookup's against the dense layers, % of roofline
     step 20 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
@@ -122,15 +120,25 @@ bench() {
         --dtype bf16 --graph --tokens 4096 16384 --rounds 5 --out "$RES"
 }
 
+compile() {
+    # CoMERA's step with its forward and objective under torch.compile (Inductor) against
+    # eager, the compile's time and Dynamo's recompiles counted (the tiny transformer: the
+    # paper's compiles for minutes; run that apart, the same command with --presets paper)
+    step 90 bench_train_step_compile.log $PY experiments/bench_train_step.py --presets tiny \
+        --batches 32 --graphs off --compile default --steps 10 --min-seconds 0.3 \
+        --out "$RES/bench_train_step_cuda_compile.json"
+}
+
 [ $# -gt 0 ] || set -- tests
 for what in "$@"; do
     case "$what" in
     tune) tune ;;
     tests) tests ;;
     bench) bench ;;
+    compile) compile ;;
     all) tune; tests; bench ;;
     *)
-        echo "usage: $0 [tune] [tests] [bench] | all" >&2
+        echo "usage: $0 [tune] [tests] [bench] [compile] | all" >&2
         exit 2
         ;;
     esac

@@ -92,7 +92,7 @@ def _gpu_check_steps() -> list[tuple[str, int, str]]:
         if m:
             fn = m.group(1)
         m = re.search(r"\bstep (\d+) \S+ (.*)$", line)
-        if m and fn in ("tune", "tests", "bench"):
+        if m and fn in ("tune", "tests", "bench", "compile"):
             out.append((fn, int(m.group(1)), m.group(2)))
     return out
 
