@@ -19,6 +19,9 @@ What is counted, per case, over ``--reps`` calls after one warm-up call (the per
   ones a GPU runs. ``syncs``: host reads (``item``, ``_local_scalar_dense``,
   ``is_nonzero``). On CUDA the proxy is counted too, side by side.
 
+Everything runs under bf16 autocast by default (``--amp bf16``: what a GPU step runs; the
+casts it adds are kernels too), on the CPU proxy as on CUDA; ``--amp off`` counts fp32.
+
 Cases: each path of a TT linear (``tt`` layout: ``dense`` = reconstructed, ``halves``,
 ``sweep``, ``fused`` where the kernels run; ``ttm`` layout: ``dense``, ``sweep``), the TTM
 embedding lookup (``dense``, ``gather``, ``fused`` where the kernels run) and the tied
@@ -193,7 +196,7 @@ def _lookup(emb, ids: torch.Tensor, path: str) -> torch.Tensor:  # noqa: ANN001
 
 
 # ---------------------------------------------------------------------- one whole step
-def step_cases(device: torch.device, batch: int, preset: str
+def step_cases(device: torch.device, batch: int, preset: str, amp: torch.dtype | None
                ) -> list[tuple[str, str, str, Callable[[], None]]]:
     """A training step of the transformer, CoMERA and dense, as the step benchmark builds
     it; CoMERA's also by phase (forward+objective+backward, clip, optimizer, refresh)."""
@@ -221,7 +224,7 @@ def step_cases(device: torch.device, batch: int, preset: str
         opt = _optimizer(state, cuda)
         params = [p for p in model.parameters() if p.requires_grad]
         step = TrainStep(task, opt, state.objective_fn(), params, grad_clip=1.0,
-                         autocast_dtype=torch.bfloat16 if cuda else None,
+                         autocast_dtype=amp,
                          refresh=state.refresh_fn())
         shape = f"{preset} b{batch}"
         cases.append((f"step {variant}", shape, "whole", lambda s=step: s(data)))
@@ -231,7 +234,7 @@ def step_cases(device: torch.device, batch: int, preset: str
 
         def fwd_bwd(task=task, obj=obj, opt=opt) -> None:  # noqa: ANN001
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda,
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None,
                                 cache_enabled=False):
                 loss = task(data)["loss"].float()
             (obj(loss)[0] if obj is not None else loss).backward()
@@ -269,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="paper", help="transformer preset of the step")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="the layers only")
+    ap.add_argument("--amp", choices=["bf16", "off"], default="bf16",
+                    help="autocast of the step and the layers: bf16 (default: what a GPU "
+                         "step runs, on the CPU proxy too: its casts are kernels) or off")
     ap.add_argument("--step-only", action="store_true", help="the training step only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -287,13 +293,15 @@ def main(argv: list[str] | None = None) -> int:
            "command": "python experiments/bench_launches.py " + " ".join(argv or sys.argv[1:]),
            "rows": []}
     name = f"bench_launches_{device.type}"
-    dtype = torch.bfloat16 if device.type == "cuda" else None
+    dtype = torch.bfloat16 if args.amp == "bf16" else None
+    out["amp"] = args.amp
     # the step first (the most telling rows, if a time limit cuts the run short), planned
     # as a run plans it: the Triton kernels off unless the run asks; then the layers,
     # every path forced (fused where COMERA_KERNELS=1 lets the kernels run)
     groups: list[tuple[Callable[[], list], bool, str | None]] = []
     if not args.quick:
-        groups.append((lambda: step_cases(device, args.step_batch, args.preset), False, "0"))
+        groups.append((lambda: step_cases(device, args.step_batch, args.preset, dtype), False,
+                       "0"))
     if not args.step_only:
         groups.append((lambda: layer_cases(device, args.tokens, args.rank,
                                            runs_on_device(device.type)), True, None))

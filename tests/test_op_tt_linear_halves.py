@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from comera_engine.ops.tt_linear_halves import (
     tt_linear_halves,
@@ -46,3 +47,49 @@ def test_one_gate_vector_equals_the_gates_per_bond(op_impl: str, op, ins: list[i
     assert not bool(g2[-1][torch.cat(alive).logical_not()].any())
     with pytest.raises(ValueError, match="alive"):
         op(x, cores, d, b, flat, tau, torch.cat(alive)[1:])
+
+
+class _Casts(TorchDispatchMode):
+    """Counts the dtype casts (``_to_copy``) that reach the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.n += func._schema.name == "aten::_to_copy"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", [tt_linear_halves, tt_linear_sweep, tt_linear_reconstructed])
+def test_bf16_autocast_matches_float64_and_casts_the_cores_once(op_impl: str, op) -> None:
+    """Under bf16 autocast (a GPU step's precision; CPU here) every TT-linear Function's
+    output and gradients (x, bias, cores, gates) stay within bf16 error of the float64
+    reference, the masked gate entries get exactly zero, every gradient keeps its
+    parameter's dtype; and the gated cores are cast to bf16 once a layer, not before
+    each product: a train of six cores casts no more often than one of four."""
+    casts = []
+    for ins, outs in (([4, 6], [6, 4]), ([3, 4, 2], [2, 4, 3])):  # every bond of rank >= 3
+        d = len(ins)
+        x, cores, b, gates, alive, tau = tt_case(ins, outs, 5, 160, True, True, torch.float32)
+        wrt = [x, b, *cores, *gates]
+        gy = torch.randn(160, math.prod(outs), generator=torch.Generator().manual_seed(3))
+        counter = _Casts()
+        with counter:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = op(x, cores, d, b, gates, tau, alive)
+            got = torch.autograd.grad((y.float() * gy).sum(), wrt)
+        casts.append(counter.n)
+        assert y.dtype == torch.bfloat16
+        ref_in = [t.detach().double().requires_grad_() for t in wrt]
+        xr, br, cr, gr = ref_in[0], ref_in[1], ref_in[2 : 2 + 2 * d], ref_in[2 + 2 * d :]
+        yr = tt_linear_halves_reference(xr, cr, d, br, gr, tau, alive)
+        want = torch.autograd.grad((yr * gy.double()).sum(), ref_in)
+        assert float((y.double() - yr).norm() / yr.norm()) < 2e-2
+        for g, w, t in zip(got, want, wrt):
+            assert g.dtype == t.dtype
+            assert float((g.double() - w).norm() / w.norm()) < 3e-2, op.__name__
+        for g, a, v in zip(got[2 + 2 * d :], alive, gates):
+            dead = ~a | (v.detach().abs() <= tau)
+            assert not bool(g[dead].any())
+    assert casts[1] <= casts[0], casts

@@ -9,6 +9,7 @@ tensors for backward under names instead of slice positions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -79,6 +80,41 @@ def _gate_plan(d: int) -> tuple[tuple[int, bool], ...]:
     return tuple((k, True) if k < d else (k + 1, False) for k in range(2 * d - 1))
 
 
+@lru_cache(maxsize=256)
+def _gate_index(shapes: tuple[tuple[int, ...], ...], d: int, device: torch.device
+                ) -> tuple[Tensor, tuple[tuple[int, tuple[int, ...], bool], ...]]:
+    """For cores of these ``shapes`` laid end to end in one vector: each entry's gate
+    entry, counted from 1 over all bonds in order (0 for the core that carries no gate,
+    which reads a constant 1), as an int64 ``(Σ numel,)`` index on ``device``; and per
+    bond (in gate order) where its core starts in the vector, its shape and whether the
+    gate is on its right bond (:func:`_gate_plan`). Built once per structure."""
+    starts = [0]
+    for shp in shapes:
+        starts.append(starts[-1] + math.prod(shp))
+    idx = torch.zeros(starts[-1], dtype=torch.long)
+    bonds = []
+    first = 1
+    for j, right in _gate_plan(d):
+        shp = shapes[j]
+        r = shp[-1] if right else shp[0]
+        n = math.prod(shp)
+        pos = torch.arange(n)
+        idx[starts[j] : starts[j] + n] = first + (pos % r if right else pos // (n // r))
+        bonds.append((starts[j], shp, right))
+        first += r
+    return idx.to(device), tuple(bonds)
+
+
+def _unflatten(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
+    """``flat`` cut into consecutive pieces of these ``shapes`` (views)."""
+    out, at = [], 0
+    for shp in shapes:
+        n = math.prod(shp)
+        out.append(flat[at : at + n].view(shp))
+        at += n
+    return out
+
+
 def gate_masks(gates: Sequence[Tensor], tau: float,
                alive: Sequence[Tensor] | None = None) -> list[Tensor]:
     """Per bond, the active gate entries: ``alive_k & (|g_k| > tau)`` (bool ``(r_k,)``).
@@ -132,9 +168,16 @@ class GatedFunction:
     def _absorb(ctx, tensors: Sequence[Tensor], d: int) -> list[Tensor]:  # noqa: ANN001
         """``tensors``: the 2d cores, optionally followed by the gates, the bool ``alive``
         flags and the threshold ``tau`` (a float), per bond or flat (:meth:`_split`).
-        Returns the gated cores and keeps what :meth:`_gate_grads` needs on ``ctx`` (the
-        raw cores are saved last). The masks ``alive_k & (|g_k| > tau)`` are computed
-        here, in one pass over all bonds: no mask tensors are built outside the step."""
+        Returns the gated cores and keeps what :meth:`_gate_grads` needs on ``ctx``.
+
+        All cores are gated at once, laid end to end in one vector (:func:`_gate_index`):
+        ``E = raw ⊙ gm[idx]`` with ``gm`` the masked gates (``alive_k & (|g_k| > tau)``,
+        computed here in one pass over all bonds) and ``idx`` each core entry's gate entry
+        (a constant 1 for the core that carries none). Under autocast the gated cores
+        are cast to the autocast dtype in the same pass, once, instead of before every
+        product that reads them (forward and backward): a handful of kernels per layer
+        instead of two or three per core. The gated cores returned are views of that
+        vector."""
         raw, gates, alive, tau = GatedFunction._split(ctx, tensors, d)
         if not ctx.gated:
             return raw
@@ -145,45 +188,68 @@ class GatedFunction:
             gm = torch.where(tensors[2 * d + 1] if ctx.flat else torch.cat(alive), gm, 0.0)
         ctx.m = gm != 0  # the mask: alive and |g| > tau (> 0, so never a kept zero)
         ctx.sizes = [int(v.shape[0]) for v in gates]
-        # per gate, its vector shaped to broadcast over its core: (r,) on the right bond,
-        # (r, 1, 1) on the left
-        ctx.gv = [v if right else v.view(-1, 1, 1)
-                  for v, (_, right) in zip(gm.split(ctx.sizes), _gate_plan(d))]
-        eff = list(raw)
-        for v, (j, _) in zip(ctx.gv, _gate_plan(d)):
-            eff[j] = raw[j] * v
-        return eff
+        shapes = tuple(tuple(c.shape) for c in raw)
+        idx, ctx.bond_cores = _gate_index(shapes, d, flat_g.device)
+        flat = torch.cat([c.reshape(-1) for c in raw])
+        gexp = torch.nn.functional.pad(gm, (1, 0), value=1.0).index_select(0, idx)
+        eff = flat * gexp
+        dev = flat.device.type
+        if torch.is_autocast_enabled(dev) and eff.dtype == torch.float32:
+            eff = eff.to(torch.get_autocast_dtype(dev))
+        ctx.gate_flat = (flat, gexp)  # intermediates: kept on ctx, not saved inputs
+        ctx.core_shapes = shapes
+        return _unflatten(eff, shapes)
 
     @staticmethod
-    def _gate_grads(ctx, d_eff: list[Tensor | None], need: Sequence[bool],  # noqa: ANN001
-                    raw: Sequence[Tensor]) -> list[Tensor | None]:
-        """From gradients of the gated cores to the raw cores ``raw`` and the gates. For a
-        gate on the right bond, ``E = G · diag(gm)``: ``dG = dE · diag(gm)`` and
-        ``dg = m ⊙ Σ_{all but last} dE ⊙ G``; on the left bond the same over all but the
-        first axis. Returns grads for (cores, gates, alive, tau) in the order they were
+    def _gate_grads(ctx, d_eff: list[Tensor | None], need: Sequence[bool]  # noqa: ANN001
+                    ) -> list[Tensor | None]:
+        """From gradients of the gated cores to the raw cores and the gates, all cores at
+        once on the vector :meth:`_absorb` laid them in: ``E = raw ⊙ v`` gives
+        ``d raw = dE ⊙ v`` and ``d v = dE ⊙ raw``, and each gate entry's gradient is the
+        sum of ``d v`` over the entries it scales (one sum a bond: over all but the last
+        axis of a core gated on its right bond, all but the first on its left), zero where
+        masked. Returns grads for (cores, gates, alive, tau) in the order they were
         passed."""
         K = len(d_eff)
         n_g = K - 1
-        d_cores: list[Tensor | None] = [dE if need[k] else None for k, dE in enumerate(d_eff)]
-        want_g = any(need[K : K + n_g])
-        sums: list[Tensor] = []
-        for v, (j, right) in zip(ctx.gv, _gate_plan(K // 2)):
-            dE = d_eff[j]
-            if dE is None:  # no gradient reached this core: zero for its gate
-                sums.append(v.new_zeros(v.shape[0]))
-                continue
-            if need[j]:
-                d_cores[j] = dE * v
-            if want_g:
-                sums.append((dE * raw[j]).sum((0, 1) if right else (1, 2)))
-        if ctx.flat:  # one gradient for the one gate vector: no split, no cat after
-            d_gate = torch.where(ctx.m, torch.cat(sums), 0.0) if need[K] else None
-            return [*d_cores, d_gate, None, None]
-        d_gates: list[Tensor | None] = [None] * n_g
-        if want_g:
-            flat = torch.where(ctx.m, torch.cat(sums), 0.0).split(ctx.sizes)
-            d_gates = [g if need[K + k] else None for k, g in enumerate(flat)]
+        flat, gexp = ctx.gate_flat
+        shapes = ctx.core_shapes
+        d_flat = torch.cat([(g if g is not None else flat.new_zeros(s)).reshape(-1)
+                            for g, s in zip(d_eff, shapes)])
+        if d_flat.dtype != flat.dtype:  # the autocast dtype: the gradients in the cores'
+            d_flat = d_flat.to(flat.dtype)
+        d_cores: list[Tensor | None] = [None] * K
+        if any(need[:K]):
+            d_cores = [g if need[k] else None
+                       for k, g in enumerate(_unflatten(d_flat * gexp, shapes))]
+        if not any(need[K : K + n_g]):
+            return [*d_cores, *([None] * (n_g if not ctx.flat else 1)),
+                    *([None] * (n_g if not ctx.flat else 1)), None]
+        dv = d_flat * flat
+        d_gate = flat.new_empty(sum(ctx.sizes))
+        at = 0
+        for (start, shape, right), r in zip(ctx.bond_cores, ctx.sizes):
+            seg = dv[start : start + math.prod(shape)]
+            if right:  # the core's last axis: sum over all rows
+                torch.sum(seg.view(-1, r), 0, out=d_gate[at : at + r])
+            else:  # the first axis
+                torch.sum(seg.view(r, -1), 1, out=d_gate[at : at + r])
+            at += r
+        d_gate = torch.where(ctx.m, d_gate, 0.0)
+        if ctx.flat:  # one gradient for the one gate vector: no split
+            return [*d_cores, d_gate if need[K] else None, None, None]
+        d_gates = [g if need[K + k] else None for k, g in enumerate(d_gate.split(ctx.sizes))]
         return [*d_cores, *d_gates, *([None] * n_g), None]
+
+    @staticmethod
+    def _autocast_input(x: Tensor) -> Tensor:
+        """``x`` in the autocast dtype where autocast is on for its device and it is
+        float32 (as the first product would cast it), so that the Function saves the
+        cast copy for backward: half the bytes, and no second cast there."""
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and x.dtype == torch.float32:
+            return x.to(torch.get_autocast_dtype(dev))
+        return x
 
     @staticmethod
     def _keep_autocast(ctx, x: Tensor) -> None:  # noqa: ANN001
@@ -202,13 +268,11 @@ class GatedFunction:
 
     @classmethod
     def _finish(cls, ctx, dx: Tensor | None, dbias: Tensor | None,  # noqa: ANN001
-                grads: list[Tensor | None], raw: Sequence[Tensor] | None
-                ) -> tuple[Tensor | None, ...]:
-        """The Function's return value from the gradients of the (gated) cores; ``raw``:
-        the raw cores (when gated)."""
+                grads: list[Tensor | None]) -> tuple[Tensor | None, ...]:
+        """The Function's return value from the gradients of the (gated) cores."""
         need_cores = ctx.needs_input_grad[3:]
         if ctx.gated:
-            return (dx, None, dbias, *cls._gate_grads(ctx, grads, need_cores, raw))
+            return (dx, None, dbias, *cls._gate_grads(ctx, grads, need_cores))
         return (dx, None, dbias, *(g if need else None for g, need in zip(grads, need_cores)))
 
     @staticmethod

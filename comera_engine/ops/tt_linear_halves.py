@@ -96,6 +96,7 @@ class TTLinearHalves(GatedFunction, torch.autograd.Function):
             gm, m = out[2:4] if ctx.gated else (None, None)
         else:
             eff = TTLinearHalves._absorb(ctx, tensors, d)
+            x = TTLinearHalves._autocast_input(x)
             P, Q = merge_left(eff[:d]), merge_right(eff[d:])
             rd = P[-1].shape[1]
             Lp, Rp = _pad_middle(P[-1], Q[0], bias) if pad else (P[-1], Q[0])
@@ -109,8 +110,8 @@ class TTLinearHalves(GatedFunction, torch.autograd.Function):
         ctx.d, ctx.rd = d, rd
         ctx.has_bias = bias is not None
         TTLinearHalves._keep_autocast(ctx, x)
-        save(ctx, x=x, XL=XL, Lp=Lp, Rp=Rp, eff=eff, P=P, Q=Q,
-             raw=tensors[: 2 * d] if ctx.gated else None, gm=gm, m=m)
+        save(ctx, x=x, XL=XL, Lp=Lp, Rp=Rp, eff=eff, P=P, Q=Q,  # raw: the C++ backward's
+             raw=tensors[: 2 * d] if ctx.gated and backend is not None else None, gm=gm, m=m)
         return y
 
     @staticmethod
@@ -139,7 +140,7 @@ class TTLinearHalves(GatedFunction, torch.autograd.Function):
         if need_cores:
             grads = [*merge_left_grads(eff[:d], s["P"], dL),
                      *merge_right_grads(eff[d:], s["Q"], dRp[:rd])]
-        return TTLinearHalves._finish(ctx, dx, dbias, grads, s["raw"])
+        return TTLinearHalves._finish(ctx, dx, dbias, grads)
 
     @staticmethod
     def _backend_grads(ctx, dx: Tensor | None, dbias: Tensor | None,  # noqa: ANN001
@@ -217,14 +218,14 @@ class TTLinearReconstructed(GatedFunction, torch.autograd.Function):
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
         eff = TTLinearReconstructed._absorb(ctx, tensors, d)
+        x = TTLinearReconstructed._autocast_input(x)
         P, Q = merge_left(eff[:d]), merge_right(eff[d:])
         L, R = P[-1], Q[0]
         W = L @ R
         y = torch.addmm(bias.to(W.dtype), x, W) if bias is not None else x @ W
         ctx.d, ctx.has_bias = d, bias is not None
         TTLinearReconstructed._keep_autocast(ctx, x)
-        save(ctx, x=x, L=L, R=R, W=W, eff=eff, P=P[:-1], Q=Q[1:],
-             raw=tensors[: 2 * d] if ctx.gated else None)
+        save(ctx, x=x, L=L, R=R, W=W, eff=eff, P=P[:-1], Q=Q[1:])
         return y
 
     @staticmethod
@@ -244,7 +245,7 @@ class TTLinearReconstructed(GatedFunction, torch.autograd.Function):
             eff = s["eff"]
             grads = [*merge_left_grads(eff[:d], s["P"], dW @ s["R"].t()),
                      *merge_right_grads(eff[d:], s["Q"], s["L"].t() @ dW)]
-        return TTLinearReconstructed._finish(ctx, dx, dbias, grads, s["raw"])
+        return TTLinearReconstructed._finish(ctx, dx, dbias, grads)
 
 
 def tt_linear_reconstructed(x: Tensor, cores: Sequence[Tensor], d: int,

@@ -103,8 +103,7 @@ class TTLinearSweep(GatedFunction, torch.autograd.Function):
             y += bias
         ctx.d, ctx.has_bias, ctx.nl = d, bias is not None, len(ml)
         TTLinearSweep._keep_autocast(ctx, x)
-        save(ctx, eff=cores, mats=[*ml, *mr], ins=ins,
-             raw=tensors[: 2 * d] if ctx.gated else None)
+        save(ctx, eff=cores, mats=[*ml, *mr], ins=ins)
         return y
 
     @staticmethod
@@ -183,7 +182,7 @@ class TTLinearSweep(GatedFunction, torch.autograd.Function):
                 Qb = right_mat(Gb)
                 rg = [*rg[:-1], torch.mm(dT2, Qb.t()), torch.mm(left_mat(Ga).t(), dT2)]
             grads = [g.view(c.shape) for g, c in zip([*lg, *rg], cores)]
-        return TTLinearSweep._finish(ctx, dx, dbias, grads, s["raw"])
+        return TTLinearSweep._finish(ctx, dx, dbias, grads)
 
 
 def tt_linear_sweep(x: Tensor, cores: Sequence[Tensor], d: int,
