@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["GatedFunction", "absorb_gates", "apply_gates", "gate_args",
            "gate_masks", "save", "saved"]
@@ -80,39 +82,35 @@ def _gate_plan(d: int) -> tuple[tuple[int, bool], ...]:
     return tuple((k, True) if k < d else (k + 1, False) for k in range(2 * d - 1))
 
 
+@dataclass(frozen=True)
+class _FlatPlan:
+    """Cores of one structure laid end to end in one vector (:func:`_flat_plan`)."""
+
+    idx: Tensor  #: each entry's gate entry, from 1 (0: the ungated core's constant 1)
+    shapes: list[torch.Size]  #: each core's shape
+    #: per bond, in gate order: (where its core starts, its gate count, its core as the
+    #: 2-D matrix whose rows (right bond) or columns (left) the gate entries sum over,
+    #: whether the gate is on the core's right bond)
+    bonds: list[tuple[int, int, tuple[int, int], bool]]
+
+
 @lru_cache(maxsize=256)
-def _gate_index(shapes: tuple[tuple[int, ...], ...], d: int, device: torch.device
-                ) -> tuple[Tensor, tuple[tuple[int, tuple[int, ...], bool], ...]]:
-    """For cores of these ``shapes`` laid end to end in one vector: each entry's gate
-    entry, counted from 1 over all bonds in order (0 for the core that carries no gate,
-    which reads a constant 1), as an int64 ``(Σ numel,)`` index on ``device``; and per
-    bond (in gate order) where its core starts in the vector, its shape and whether the
-    gate is on its right bond (:func:`_gate_plan`). Built once per structure."""
-    starts = [0]
-    for shp in shapes:
-        starts.append(starts[-1] + math.prod(shp))
-    idx = torch.zeros(starts[-1], dtype=torch.long)
+def _flat_plan(shapes: tuple[torch.Size, ...], d: int, device: torch.device) -> _FlatPlan:
+    """The :class:`_FlatPlan` of cores of these ``shapes`` (``2d`` of them, gated as
+    :func:`_gate_plan` says), its index on ``device``. Built once per structure."""
+    numels = [math.prod(shp) for shp in shapes]
+    starts = [sum(numels[:k]) for k in range(len(numels))]
+    idx = torch.zeros(sum(numels), dtype=torch.long)
     bonds = []
     first = 1
     for j, right in _gate_plan(d):
-        shp = shapes[j]
+        shp, n = shapes[j], numels[j]
         r = shp[-1] if right else shp[0]
-        n = math.prod(shp)
         pos = torch.arange(n)
         idx[starts[j] : starts[j] + n] = first + (pos % r if right else pos // (n // r))
-        bonds.append((starts[j], shp, right))
+        bonds.append((starts[j], (n // r, r) if right else (r, n // r), right))
         first += r
-    return idx.to(device), tuple(bonds)
-
-
-def _unflatten(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
-    """``flat`` cut into consecutive pieces of these ``shapes`` (views)."""
-    out, at = [], 0
-    for shp in shapes:
-        n = math.prod(shp)
-        out.append(flat[at : at + n].view(shp))
-        at += n
-    return out
+    return _FlatPlan(idx.to(device), list(shapes), bonds)
 
 
 def gate_masks(gates: Sequence[Tensor], tau: float,
@@ -170,7 +168,7 @@ class GatedFunction:
         flags and the threshold ``tau`` (a float), per bond or flat (:meth:`_split`).
         Returns the gated cores and keeps what :meth:`_gate_grads` needs on ``ctx``.
 
-        All cores are gated at once, laid end to end in one vector (:func:`_gate_index`):
+        All cores are gated at once, laid end to end in one vector (:func:`_flat_plan`):
         ``E = raw ⊙ gm[idx]`` with ``gm`` the masked gates (``alive_k & (|g_k| > tau)``,
         computed here in one pass over all bonds) and ``idx`` each core entry's gate entry
         (a constant 1 for the core that carries none). Under autocast the gated cores
@@ -188,17 +186,15 @@ class GatedFunction:
             gm = torch.where(tensors[2 * d + 1] if ctx.flat else torch.cat(alive), gm, 0.0)
         ctx.m = gm != 0  # the mask: alive and |g| > tau (> 0, so never a kept zero)
         ctx.sizes = [int(v.shape[0]) for v in gates]
-        shapes = tuple(tuple(c.shape) for c in raw)
-        idx, ctx.bond_cores = _gate_index(shapes, d, flat_g.device)
-        flat = torch.cat([c.reshape(-1) for c in raw])
-        gexp = torch.nn.functional.pad(gm, (1, 0), value=1.0).index_select(0, idx)
+        ctx.plan = plan = _flat_plan(tuple(c.shape for c in raw), d, flat_g.device)
+        flat = _flatten_dense_tensors(raw)  # one C++ call: the cat of the cores' views
+        gexp = torch.nn.functional.pad(gm, (1, 0), value=1.0).index_select(0, plan.idx)
         eff = flat * gexp
         dev = flat.device.type
         if torch.is_autocast_enabled(dev) and eff.dtype == torch.float32:
             eff = eff.to(torch.get_autocast_dtype(dev))
         ctx.gate_flat = (flat, gexp)  # intermediates: kept on ctx, not saved inputs
-        ctx.core_shapes = shapes
-        return _unflatten(eff, shapes)
+        return list(_unflatten_dense_tensors(eff, raw))  # views of eff, the cores' shapes
 
     @staticmethod
     def _gate_grads(ctx, d_eff: list[Tensor | None], need: Sequence[bool]  # noqa: ANN001
@@ -213,28 +209,23 @@ class GatedFunction:
         K = len(d_eff)
         n_g = K - 1
         flat, gexp = ctx.gate_flat
-        shapes = ctx.core_shapes
-        d_flat = torch.cat([(g if g is not None else flat.new_zeros(s)).reshape(-1)
-                            for g, s in zip(d_eff, shapes)])
+        plan = ctx.plan
+        parts = [g if g is not None else flat.new_zeros(s) for g, s in zip(d_eff, plan.shapes)]
+        d_flat = _flatten_dense_tensors(parts)
         if d_flat.dtype != flat.dtype:  # the autocast dtype: the gradients in the cores'
             d_flat = d_flat.to(flat.dtype)
         d_cores: list[Tensor | None] = [None] * K
         if any(need[:K]):
-            d_cores = [g if need[k] else None
-                       for k, g in enumerate(_unflatten(d_flat * gexp, shapes))]
+            d_raw = _unflatten_dense_tensors(d_flat * gexp, parts)
+            d_cores = [p if need[k] else None for k, p in enumerate(d_raw)]
         if not any(need[K : K + n_g]):
             return [*d_cores, *([None] * (n_g if not ctx.flat else 1)),
                     *([None] * (n_g if not ctx.flat else 1)), None]
         dv = d_flat * flat
-        d_gate = flat.new_empty(sum(ctx.sizes))
-        at = 0
-        for (start, shape, right), r in zip(ctx.bond_cores, ctx.sizes):
-            seg = dv[start : start + math.prod(shape)]
-            if right:  # the core's last axis: sum over all rows
-                torch.sum(seg.view(-1, r), 0, out=d_gate[at : at + r])
-            else:  # the first axis
-                torch.sum(seg.view(r, -1), 1, out=d_gate[at : at + r])
-            at += r
+        # per bond, the sum over the entries each gate entry scales (its core as a matrix
+        # read in place from dv: rows on the right bond, columns on the left)
+        d_gate = torch.cat([dv.as_strided(mat, (mat[1], 1), start).sum(0 if right else 1)
+                            for start, mat, right in plan.bonds])
         d_gate = torch.where(ctx.m, d_gate, 0.0)
         if ctx.flat:  # one gradient for the one gate vector: no split
             return [*d_cores, d_gate if need[K] else None, None, None]
