@@ -31,7 +31,9 @@ decoder (``table``, ``tt``), each forward + backward at the paper's shapes
 (``--step-batch`` sequences of 128 tokens: forward, the CoMERA objective, backward,
 clipping, AdamW as a graphed GPU step builds it, the gate refresh), split into its phases
 (with two alternatives beside: torch's ``fused`` AdamW, and ``tensor.size.refresh_entries``,
-the refresh of all bonds at once), and the dense baseline's. Prints a table and writes
+the refresh of all bonds at once), and the dense baseline's. The step groups its TT
+linears' halves per shape (``TrainStep(grouped=True)``, a GPU step's default;
+``--ungrouped``: each layer merges its own). Prints a table and writes
 experiments/results/bench_launches_<device>.json.
 """
 
@@ -196,8 +198,8 @@ def _lookup(emb, ids: torch.Tensor, path: str) -> torch.Tensor:  # noqa: ANN001
 
 
 # ---------------------------------------------------------------------- one whole step
-def step_cases(device: torch.device, batch: int, preset: str, amp: torch.dtype | None
-               ) -> list[tuple[str, str, str, Callable[[], None]]]:
+def step_cases(device: torch.device, batch: int, preset: str, amp: torch.dtype | None,
+               grouped: bool = True) -> list[tuple[str, str, str, Callable[[], None]]]:
     """A training step of the transformer, CoMERA and dense, as the step benchmark builds
     it; CoMERA's also by phase (forward+objective+backward, clip, optimizer, refresh)."""
     from bench_train_step import CLASSES, SEQ, VOCAB, build_transformer
@@ -223,21 +225,18 @@ def step_cases(device: torch.device, batch: int, preset: str, amp: torch.dtype |
         state = CoMERA(model)
         opt = _optimizer(state, cuda)
         params = [p for p in model.parameters() if p.requires_grad]
+        # grouped: the TT linears' halves merged per shape, as a GPU step runs (the
+        # default on CUDA; forced here for the CPU proxy too)
         step = TrainStep(task, opt, state.objective_fn(), params, grad_clip=1.0,
-                         autocast_dtype=amp,
-                         refresh=state.refresh_fn())
+                         autocast_dtype=amp, refresh=state.refresh_fn(), grouped=grouped)
         shape = f"{preset} b{batch}"
         cases.append((f"step {variant}", shape, "whole", lambda s=step: s(data)))
         if variant != "comera":
             continue
-        obj = state.objective_fn()
 
-        def fwd_bwd(task=task, obj=obj, opt=opt) -> None:  # noqa: ANN001
+        def fwd_bwd(step=step, opt=opt) -> None:  # noqa: ANN001
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None,
-                                cache_enabled=False):
-                loss = task(data)["loss"].float()
-            (obj(loss)[0] if obj is not None else loss).backward()
+            step.forward(data)[2].backward()  # the step's forward and objective
 
         def clip(params=params) -> None:  # noqa: ANN001
             clip_grad_norm_(params, [p.grad for p in params if p.grad is not None], 1.0)
@@ -272,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="paper", help="transformer preset of the step")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="the layers only")
+    ap.add_argument("--ungrouped", action="store_true",
+                    help="the step with every TT linear merging its own halves (the "
+                         "default groups them per shape, as a GPU step does)")
     ap.add_argument("--amp", choices=["bf16", "off"], default="bf16",
                     help="autocast of the step and the layers: bf16 (default: what a GPU "
                          "step runs, on the CPU proxy too: its casts are kernels) or off")
@@ -295,13 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     name = f"bench_launches_{device.type}"
     dtype = torch.bfloat16 if args.amp == "bf16" else None
     out["amp"] = args.amp
+    out["grouped"] = not args.ungrouped
     # the step first (the most telling rows, if a time limit cuts the run short), planned
     # as a run plans it: the Triton kernels off unless the run asks; then the layers,
     # every path forced (fused where COMERA_KERNELS=1 lets the kernels run)
     groups: list[tuple[Callable[[], list], bool, str | None]] = []
     if not args.quick:
-        groups.append((lambda: step_cases(device, args.step_batch, args.preset, dtype), False,
-                       "0"))
+        groups.append((lambda: step_cases(device, args.step_batch, args.preset, dtype,
+                                          not args.ungrouped), False, "0"))
     if not args.step_only:
         groups.append((lambda: layer_cases(device, args.tokens, args.rank,
                                            runs_on_device(device.type)), True, None))

@@ -641,6 +641,44 @@ def test_compiled_step_trains_like_the_eager_step(monkeypatch: pytest.MonkeyPatc
     for a, b in zip(p1, p2):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
+def test_grouped_step_trains_like_the_per_layer_step() -> None:
+    """``TrainStep(grouped=True)`` (a GPU step's default): the transformer's TT linears of
+    each shape get their halves from one batched pass; three steps give the losses and
+    parameters of the step where every layer merges its own."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_train_step import CLASSES, SEQ, VOCAB, build_transformer
+
+    from comera_engine.models import TaskModel
+    from comera_engine.rank import CoMERA
+    from comera_engine.train.step import TrainStep
+
+    g = torch.Generator().manual_seed(0)
+    data = {"input_ids": torch.randint(1, VOCAB, (4, SEQ), generator=g),
+            "token_type_ids": torch.zeros(4, SEQ, dtype=torch.long),
+            "attention_mask": torch.ones(4, SEQ, dtype=torch.long),
+            "labels": torch.randint(0, CLASSES, (4,), generator=g)}
+    runs = []
+    for grouped in (False, True):
+        torch.manual_seed(0)
+        model = build_transformer("tiny", dense=False)
+        state = CoMERA(model)
+        opt = state.make_optimizer()
+        step = TrainStep(TaskModel(model, "nli"), opt, state.objective_fn(),
+                         model.parameters(), 1.0, None, grouped=grouped)
+        losses = [float(step(data)["loss/total"]) for _ in range(3)]
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    from comera_engine.tensor.grouped import grouped_halves
+
+    with grouped_halves([m.tt for m in step.tt_linears()]) as n:
+        assert n == len(step.tt_linears()) >= 6  # every one in a group of its shape
+    (l1, p1), (l2, p2) = runs
+    assert l2 == pytest.approx(l1, rel=1e-5)
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
 def test_device_gate_refresh_equals_the_reference() -> None:
     from types import SimpleNamespace
 

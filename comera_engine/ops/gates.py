@@ -83,20 +83,21 @@ def _gate_plan(d: int) -> tuple[tuple[int, bool], ...]:
 
 
 @dataclass(frozen=True)
-class _FlatPlan:
-    """Cores of one structure laid end to end in one vector (:func:`_flat_plan`)."""
+class FlatPlan:
+    """Cores of one structure laid end to end in one vector (:func:`flat_plan`)."""
 
     idx: Tensor  #: each entry's gate entry, from 1 (0: the ungated core's constant 1)
     shapes: list[torch.Size]  #: each core's shape
-    #: per bond, in gate order: (where its core starts, its gate count, its core as the
-    #: 2-D matrix whose rows (right bond) or columns (left) the gate entries sum over,
-    #: whether the gate is on the core's right bond)
-    bonds: list[tuple[int, int, tuple[int, int], bool]]
+    starts: list[int]  #: where each core starts in the vector
+    #: per bond, in gate order: (where its core starts, its core as the 2-D matrix
+    #: whose rows (gate on the right bond) or columns (left) its entries sum over,
+    #: whether the gate is on its right bond)
+    bonds: list[tuple[int, tuple[int, int], bool]]
 
 
 @lru_cache(maxsize=256)
-def _flat_plan(shapes: tuple[torch.Size, ...], d: int, device: torch.device) -> _FlatPlan:
-    """The :class:`_FlatPlan` of cores of these ``shapes`` (``2d`` of them, gated as
+def flat_plan(shapes: tuple[torch.Size, ...], d: int, device: torch.device) -> FlatPlan:
+    """The :class:`FlatPlan` of cores of these ``shapes`` (``2d`` of them, gated as
     :func:`_gate_plan` says), its index on ``device``. Built once per structure."""
     numels = [math.prod(shp) for shp in shapes]
     starts = [sum(numels[:k]) for k in range(len(numels))]
@@ -110,7 +111,7 @@ def _flat_plan(shapes: tuple[torch.Size, ...], d: int, device: torch.device) -> 
         idx[starts[j] : starts[j] + n] = first + (pos % r if right else pos // (n // r))
         bonds.append((starts[j], (n // r, r) if right else (r, n // r), right))
         first += r
-    return _FlatPlan(idx.to(device), list(shapes), bonds)
+    return FlatPlan(idx.to(device), list(shapes), starts, bonds)
 
 
 def gate_masks(gates: Sequence[Tensor], tau: float,
@@ -168,7 +169,7 @@ class GatedFunction:
         flags and the threshold ``tau`` (a float), per bond or flat (:meth:`_split`).
         Returns the gated cores and keeps what :meth:`_gate_grads` needs on ``ctx``.
 
-        All cores are gated at once, laid end to end in one vector (:func:`_flat_plan`):
+        All cores are gated at once, laid end to end in one vector (:func:`flat_plan`):
         ``E = raw ⊙ gm[idx]`` with ``gm`` the masked gates (``alive_k & (|g_k| > tau)``,
         computed here in one pass over all bonds) and ``idx`` each core entry's gate entry
         (a constant 1 for the core that carries none). Under autocast the gated cores
@@ -186,7 +187,7 @@ class GatedFunction:
             gm = torch.where(tensors[2 * d + 1] if ctx.flat else torch.cat(alive), gm, 0.0)
         ctx.m = gm != 0  # the mask: alive and |g| > tau (> 0, so never a kept zero)
         ctx.sizes = [int(v.shape[0]) for v in gates]
-        ctx.plan = plan = _flat_plan(tuple(c.shape for c in raw), d, flat_g.device)
+        ctx.plan = plan = flat_plan(tuple(c.shape for c in raw), d, flat_g.device)
         flat = _flatten_dense_tensors(raw)  # one C++ call: the cat of the cores' views
         gexp = torch.nn.functional.pad(gm, (1, 0), value=1.0).index_select(0, plan.idx)
         eff = flat * gexp

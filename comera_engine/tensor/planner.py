@@ -65,6 +65,7 @@ from .costs import (
     case_costs,
     ttm_reconstruct_macs,
 )
+from .grouped import prepared_halves
 from .profile import DeviceProfile, fallback_model, find_profile
 from .roofline import dtype_name, spec_for_name
 
@@ -501,7 +502,12 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
                          f"{tuple(gates.shape)}")
     if gates is not None and not flat and len(gates) != 2 * d - 1:
         raise ValueError(f"gates: expected 2d-1 = {2 * d - 1} gate vectors, got {len(gates)}")
-    if path == "fused" and _fused_runs(x2, ranks[d]):
+    halves = prepared_halves(cores[0]) if path in ("halves", "dense") else None
+    if halves is not None:  # made with the other trains of its shape (tensor.grouped)
+        L, R = halves
+        a, b = (x2, L @ R) if path == "dense" else (x2 @ L, R)
+        y = torch.addmm(bias, a, b) if bias is not None else a @ b
+    elif path == "fused" and _fused_runs(x2, ranks[d]):
         if flat:  # the chain merges autograd-tracked cores: per-bond views
             sizes = list(ranks[1:-1])
             gates = list(gates.split(sizes))

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from ..backends import cpu_backend
+from ..layers import tt_layers
+from ..tensor.grouped import grouped_halves
 from ..tensor.planner import graph_planning
 
 Batch = dict[str, torch.Tensor]
@@ -56,6 +58,13 @@ class TrainStep:
     the alive count of every bond (``result["gate_counts"]``); ``None`` leaves the
     refresh to the caller (the reference refresh reads gates on the host).
 
+    ``grouped``: the forward inside :func:`comera_engine.tensor.grouped.grouped_halves`
+    over the model's TT linears (layout ``tt``, path unforced, ``halves`` or
+    reconstructed): the halves of every shape shared by several layers merged in one
+    batched pass, so the step's kernels for the merges do not grow with the layers.
+    None (the default): on where the batch is on a GPU and the step is not compiled
+    (on a CPU the C++ backend runs each layer's merges in one call already).
+
     ``compile``: ``torch.compile`` mode (``"default"``, ``"reduce-overhead"``, …) for
     the forward and the objective (Inductor compiles their backward with them; the
     clipping and the optimizer run as they are), or None (eager). Compiled on the first
@@ -72,6 +81,7 @@ class TrainStep:
         autocast_dtype: torch.dtype | None,
         refresh: Callable[[], torch.Tensor] | None = None,
         compile: str | None = None,  # noqa: A002 - torch.compile's word
+        grouped: bool | None = None,
     ) -> None:
         self.task_model = task_model
         self.optimizer = optimizer
@@ -80,6 +90,8 @@ class TrainStep:
         self.grad_clip = grad_clip
         self.autocast_dtype = autocast_dtype
         self.refresh = refresh
+        self.grouped = grouped if grouped is not None or compile is None else False
+        self._tt_linears: list[nn.Module] | None = None
         self.forward = (self._forward if compile is None
                         else torch.compile(self._forward, mode=compile, dynamic=False))
 
@@ -92,7 +104,9 @@ class TrainStep:
             if self.autocast_dtype is not None
             else contextlib.nullcontext()
         )
-        with autocast:
+        grouped = (self.grouped if self.grouped is not None else device_type == "cuda")
+        with autocast, (grouped_halves([m.tt for m in self.tt_linears()]) if grouped
+                        else contextlib.nullcontext()):
             out = self.task_model(batch)
         task_loss = out["loss"].float()
         if self.objective is not None:
@@ -100,6 +114,15 @@ class TrainStep:
         else:
             total, info = task_loss, {}
         return out, task_loss, total, info
+
+    def tt_linears(self) -> list[nn.Module]:
+        """The task model's TT linears that :attr:`grouped` takes (found once: a
+        truncation replaces their cores, not the layers)."""
+        if self._tt_linears is None:
+            self._tt_linears = [m for _, m in tt_layers(self.task_model)
+                                if getattr(m, "layout", None) == "tt"
+                                and getattr(m, "path", None) in (None, "halves", "dense")]
+        return self._tt_linears
 
     def __call__(self, batch: Batch) -> dict[str, torch.Tensor | float]:
         self.optimizer.zero_grad(set_to_none=True)
