@@ -106,6 +106,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         autocast_dtype=torch.bfloat16 if cuda else None,
         refresh=refresh,
         compile=_compile_mode(spec.get("compile")),
+        grouped=False if spec.get("ungrouped") else None,
     )
     runner = GraphedStep(step, log=lambda text: None) if spec["graph"] else step
     b = spec["batch"]
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grouped-step", action="store_true",
                         help="also CoMERA on the first path choice with the refresh of all "
                              "bonds at once and torch's fused AdamW, per CUDA-graph setting")
+    parser.add_argument("--ungrouped", action="store_true",
+                        help="every TT linear merges its own halves (TrainStep(grouped="
+                             "False)); by default a GPU step merges them per shape at once")
     parser.add_argument("--steps", type=int, default=20 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--min-seconds", type=float, default=3.0,
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                     "device": device, "steps": args.steps, "min_seconds": args.min_seconds,
                     "warmup": max(args.warmup, 4 if graph else 1 if compiled else 0),
                     "threads": args.threads, "paths": paths, "compile": compiled,
-                    "grouped": grouped,
+                    "grouped": grouped, "ungrouped": args.ungrouped,
                 }
                 row = run_child(spec, args.timeout)
                 rows.append(row)
@@ -370,6 +374,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "first_step_ms": tt.get("first_step_ms"),
                 "recompiles": tt.get("recompiles"),
                 "grouped": bool(tt.get("grouped")),
+                "ungrouped": bool(tt.get("ungrouped")),
                 "dense_ms": dense["step_ms_median"],
                 "comera_ms": tt["step_ms_median"],
                 "speedup": dense["step_ms_median"] / tt["step_ms_median"],

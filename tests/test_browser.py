@@ -623,9 +623,14 @@ def test_the_form_refuses_and_a_run_is_kept_in_the_dark(browser: Any, server: Se
         assert _luminance(fill) > 0.6, (part, fill)
     shot(page, "43-dark-compare")
     page.goto(f"{server.url}/live_run?run={rid}")
+    page.get_by_text("Name, notes and tags · archived").wait_for()
+    settle(page)  # a click while the page's first run draws can be lost to its rerun
     page.get_by_text("Name, notes and tags · archived").click()
-    page.get_by_role("button", name="Restore").click()
-    wait_until(lambda: server.store().get_run(rid)["archived_at"] is None, 30, "the restore")
+    restore = page.get_by_role("button", name="Restore")
+    restore.wait_for()
+    settle(page)
+    restore.click()
+    wait_until(lambda: server.store().get_run(rid)["archived_at"] is None, 60, "the restore")
     assert server.store().counts(rid)["metrics"] == 100  # nothing was deleted
     no_exception(page, "live (restored)")
     ctx.close()
