@@ -270,8 +270,11 @@ def gpu_machine(files: dict[str, dict[str, Any]]) -> str:
 
 
 def _times(ratio: float) -> str:
-    """A speed ratio (dense ÷ CoMERA time) in words: ``2.1× faster`` or ``3.9× slower``."""
-    return f"{ratio:.1f}× faster" if ratio >= 1 else f"{1 / ratio:.1f}× slower"
+    """A speed ratio (dense ÷ CoMERA time) in words: ``2.1× faster``, ``3.9× slower``, or
+    ``as fast`` within 2 %."""
+    if abs(ratio - 1) < 0.02:
+        return "as fast"
+    return f"{ratio:.2f}× faster" if ratio >= 1 else f"{1 / ratio:.1f}× slower"
 
 
 def step_sentence(data: dict[str, Any]) -> str:
@@ -279,7 +282,7 @@ def step_sentence(data: dict[str, Any]) -> str:
     batch (the planner's paths, no compile): the step times eagerly and in a CUDA graph,
     and the peak memory. README quotes it (tests/test_bench_report.py)."""
     auto = [r for r in data["ratios"] if r.get("paths", "auto") == "auto"
-            and not r.get("compile") and not r.get("grouped")]
+            and not r.get("compile") and not r.get("grouped") and not r.get("ungrouped")]
     out = []
     for batch in sorted({r["batch"] for r in auto}):
         rows = sorted((r for r in auto if r["batch"] == batch), key=lambda r: r["graph"])
@@ -302,7 +305,9 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
     rows = [[r["preset"], r["batch"], "yes" if r["graph"] else "no",
              *([r["paths"] + (f", compiled (first step {r['first_step_ms'] / 1000:.1f} s, "
                                f"{r['recompiles']} recompiles)" if r.get("compile") else "")
-                + (", grouped step" if r.get("grouped") else "")] if with_paths else []),
+                + (", grouped step" if r.get("grouped") else "")
+                + (", each layer its own halves (`--ungrouped`)" if r.get("ungrouped") else "")]
+               if with_paths else []),
              f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
              f"{r['dense_mem_mb']:.0f} / {r['comera_mem_mb']:.0f}"
              if graphed_mem or not r["graph"] else "not measured",
@@ -310,9 +315,12 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
     kernels = ("at batch 1 (peak memory against dense + AdamW)" if key.endswith("batch1")
                else "under `torch.compile` (Inductor), first step and recompiles counted"
                if key.endswith("compile")
-               else "per path choice (`--paths`)" if with_paths
+               else "per path choice (`--paths`)"
+               if len({r.get("paths", "auto") for r in d["ratios"]}) > 1
+               else "in a CUDA graph, the planner's paths" if all(r["graph"] for r in d["ratios"])
                else "on the PyTorch paths (the default)")
-    return (f"### Training step, {kernels}\n\n{d.get('device', '?')}: `{d['command']}`."
+    return (f"### Training step, {kernels}\n\n{d.get('device', '?')}, {d.get('time', '?')}: "
+            + "; ".join(f"`{c}`" for c in d.get("commands", [d["command"]])) + "."
             + ("" if graphed_mem else " Peak memory not measured for graphed rows in this "
                "file (its peak was reset after the graph's capture).")
             + "\n\n"
@@ -344,10 +352,14 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
     if "bench_train_step_cuda" in files:
         parts.append("What these files say: " + step_sentence(files["bench_train_step_cuda"])
                      + " A TT layer does 6–60× fewer multiply-adds than the dense one it "
-                     "replaces, but runs as tens of small kernels (gates, core merges, the "
-                     "batch products and their backward), each far below the GPU's roofline "
-                     "(the \"% roofline\" columns where measured): launch-bound eagerly, "
-                     "kernel-bound in a graph.\n")
+                     "replaces, but on its own runs as tens of small kernels (gates, core "
+                     "merges, the batch products and their backward), each far below the "
+                     "GPU's roofline (the \"% roofline\" columns where measured): "
+                     "launch-bound eagerly, kernel-bound in a graph. A training step merges "
+                     "the halves of all TT linears of one shape in one batched pass "
+                     "(`TrainStep(grouped=...)`, on by default on a GPU), so each layer "
+                     "launches little more than `nn.Linear` does; the `--ungrouped` row "
+                     "is the same step with every layer merging its own.\n")
     steps = [key for key in ("bench_train_step_cuda", "bench_train_step_cuda_batch1",
                              "bench_train_step_cuda_compile") if files.get(key)]
     if steps:
