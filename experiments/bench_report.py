@@ -420,7 +420,8 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                      f"ids, forward + backward, {r0['dtype'].removeprefix('torch.')}.\n\n"
                      + table(["CUDA graph", "fused ms", "gather ms", "nn.Embedding ms",
                               "vs gather", "vs nn.Embedding"], rows) + "\n")
-    for key in ("bench_tt_linear_cuda", "bench_tt_linear_cuda_bf16_graph"):
+    for key in ("bench_tt_linear_cuda", "bench_tt_linear_cuda_bf16_graph",
+                "bench_tt_linear_cuda_bf16_graph_group24"):
         d = files.get(key)
         if not d:
             continue
@@ -433,10 +434,15 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                 for r in d["rows"]]
         how = (f"{r0.get('dtype', 'float32')}, "
                + ("replayed from a CUDA graph" if r0.get("graph") else "eager"))
+        group = r0.get("group", 1)
         parts.append("### One TT layer against `nn.Linear`" + (f" ({how})" if roof else "")
+                     + (f", in a group of {group} of its shape" if group > 1 else "")
                      + "\n\n`" + d.get("command", "python experiments/bench_tt_linear.py "
                                           "--device cuda --quick --rounds 5")
-                     + f"`. Forward + backward, {how}, on the planner's path; speed-up and "
+                     + f"`. Forward + backward, {how}, on the planner's path"
+                     + (f" ({group} layers of the shape on one input, the TT ones' halves "
+                        "merged in one batched pass as a training step does; times per "
+                        "layer)" if group > 1 else "") + "; speed-up and "
                      "memory ratio are nn.Linear ÷ TT (below 1: the TT layer is the "
                      "slower)" + ("; % roofline: the TT layer's" if roof else "") + ".\n\n"
                      + table(["shape", "tokens", "rank", "path", "nn.Linear ms", "TT ms",

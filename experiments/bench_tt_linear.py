@@ -12,6 +12,10 @@ experiments/results/bench_tt_linear_<device>.json.
     python experiments/bench_tt_linear.py --shapes 768x768 --ranks 30 --tokens 4096  # key row
     python experiments/bench_tt_linear.py --device cuda --quick --dtype bf16 --graph
         # as the trainer runs on a GPU: bf16 autocast, each step replayed from a CUDA graph
+    python experiments/bench_tt_linear.py --device cuda --quick --dtype bf16 --graph --group 24
+        # 24 layers of a shape on one input, their halves merged in one batched pass
+        # (tensor.grouped, as a training step does on a GPU) against 24 nn.Linear;
+        # times per layer
 
 The TT layer runs the path the planner picks for it (the device's profile, where it has
 one); ``% roofline`` is the least time its work can take on the GPU's datasheet peaks (its
@@ -31,6 +35,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -39,6 +44,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (  # noqa: E402
+    PairTiming,
     backend_ways,
     graph_or_eager,
     keep_freed_memory_as_training_does,
@@ -52,6 +58,7 @@ from benchlib import (  # noqa: E402
 
 from comera_engine import TTLinear  # noqa: E402
 from comera_engine.backends import cpu_backend  # noqa: E402
+from comera_engine.tensor.grouped import grouped_halves  # noqa: E402
 from comera_engine.tensor.roofline import tt_linear_traffic  # noqa: E402
 
 SHAPES = [
@@ -84,6 +91,19 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor
             ) -> Callable[[], torch.Tensor]:
     """:func:`hidden_step` of ``module(x)`` over the module's parameters."""
     return hidden_step(lambda: module(x), x, dy, list(module.parameters()))
+
+
+def group_step(modules: list[nn.Module], x: torch.Tensor, dy: torch.Tensor,
+               grouped: bool) -> Callable[[], torch.Tensor]:
+    """:func:`hidden_step` of ``len(modules)`` layers on one input (as a block's query,
+    key and value projections), their outputs stacked; TT layers inside
+    :func:`grouped_halves` where ``grouped``."""
+    def forward() -> torch.Tensor:
+        with grouped_halves([m.tt for m in modules]) if grouped else nullcontext():
+            return torch.stack([m(x) for m in modules])
+
+    return hidden_step(forward, x, dy.expand(len(modules), *dy.shape),
+                       [p for m in modules for p in m.parameters()])
 
 
 def backend(on: bool, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -131,7 +151,7 @@ def as_trained(step: Callable[[], torch.Tensor], device: torch.device,
 
 def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int = 9,
         shapes: list[str] | None = None, dtype: torch.dtype = torch.float32,
-        graph: bool = False) -> list[dict]:
+        graph: bool = False, group: int = 1) -> list[dict]:
     rows = []
     for name, fin, fout, inf, outf in SHAPES:
         if shapes and name not in shapes:
@@ -149,9 +169,21 @@ def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int =
                 path = info["path"]
                 c = info["paths"][path]
 
-                t = time_pair(as_trained(fwd_bwd(dense, x, dy), device, dtype, graph),
-                              as_trained(fwd_bwd(tt, x, dy), device, dtype, graph), device,
-                              rounds=rounds)
+                if group > 1:  # group layers of the shape; times per layer
+                    denses = [nn.Linear(fin, fout, device=device) for _ in range(group)]
+                    tts = [tt, *(TTLinear(fin, fout, rank=r, in_factors=inf,
+                                          out_factors=outf, device=device)
+                                 for _ in range(group - 1))]
+                    t = time_pair(as_trained(group_step(denses, x, dy, False), device, dtype,
+                                             graph),
+                                  as_trained(group_step(tts, x, dy, True), device, dtype,
+                                             graph), device, rounds=rounds)
+                    t = PairTiming(t.a_median / group, t.b_median / group, t.a_best / group,
+                                   t.b_best / group)
+                else:
+                    t = time_pair(as_trained(fwd_bwd(dense, x, dy), device, dtype, graph),
+                                  as_trained(fwd_bwd(tt, x, dy), device, dtype, graph),
+                                  device, rounds=rounds)
                 m_tt = training_bytes(partial(tt, x), list(tt.parameters()), device)
                 work = tt_linear_traffic(B, fin, fout, tt.tt.ranks[len(inf)],
                                          tt.num_params(False),
@@ -159,7 +191,7 @@ def run(device: torch.device, ranks: list[int], tokens: list[int], rounds: int =
                 rows.append({
                     "shape": name, "tokens": B, "rank": r, "path": path,
                     "source": info["source"], "dtype": str(dtype).removeprefix("torch."),
-                    "graph": graph, "roofline": roofline_cells(
+                    "graph": graph, "group": group, "roofline": roofline_cells(
                         {"tt": t.b_median * 1e3}, {"tt": work}, device, dtype)["tt"],
                     "mac_ratio": info["dense_linear_macs_fwd_bwd"] / (c["macs_fwd"]
                                                                       + c["macs_bwd"]),
@@ -188,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bf16: under autocast, as the trainer runs on a GPU")
     ap.add_argument("--graph", action="store_true",
                     help="each step replayed from a CUDA graph (GPU only)")
+    ap.add_argument("--group", type=int, default=1,
+                    help="N layers of each shape on one input, the TT ones' halves merged "
+                         "in one batched pass (as a GPU training step does); per layer")
     ap.add_argument("--backend", choices=["on", "off"], default="on",
                     help="the CPU backend for the table: on where built (default), or off "
                     "(the pure PyTorch ops)")
@@ -200,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--graph: CUDA graphs need --device cuda")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ranks = args.ranks or ([8, 30] if args.quick else [4, 8, 16, 30, 64])
-    rows = run(device, ranks, args.tokens, args.rounds, args.shapes, dtype, args.graph)
+    if args.group < 1:
+        ap.error("--group: must be a positive integer")
+    rows = run(device, ranks, args.tokens, args.rounds, args.shapes, dtype, args.graph,
+               args.group)
     for r in rows:
         pct = r["roofline"]["pct_roofline"]
         r["pct"] = "–" if pct is None else f"{pct:.0f} %"
@@ -237,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
               f"the backend's speed-up {chk['backend_speedup']:.2f}x; ways: "
               + ", ".join(f"{k} {v}" for k, v in chk["ways"].items()))
     name = f"bench_tt_linear_{device.type}" + ("" if args.dtype == "fp32" else f"_{args.dtype}")
-    out = write_json(name + ("_graph" if args.graph else ""),
+    out = write_json(name + ("_graph" if args.graph else "")
+                     + (f"_group{args.group}" if args.group > 1 else ""),
                      {"machine": machine(), "command": " ".join(["python", *sys.argv]),
                       "rows": rows, "summary": summary}, args.out)
     print(f"wrote {out}")

@@ -7,7 +7,7 @@
 #   bash experiments/gpu_check.sh compile           # the step under torch.compile (~60 s)
 #
 # Steps, in the order given, each with its own time limit (so a slow step cannot eat the
-# others' time; the limits add up to 70 s for tune, 180 s for tests, 340 s for bench; on an H100 or
+# others' time; the limits add up to 60 s for tune, 180 s for tests, 350 s for bench; on an H100 or
 # H200 the tuner needs about 55 s, a step-benchmark row about 15 s):
 #   tune   the device profile: every path of every TT op of the paper model (batch 32 and
 #          128) and the paper-size configs timed in bf16, eager and graphed, the Triton
@@ -18,12 +18,13 @@
 #   tests  the GPU-marked tests (CUDA graph vs eager, export from a CUDA run, bf16), the
 #          Triton kernels compiled against float64, the trainer on the GPU with and
 #          without CUDA graphs
-#   bench  the step benchmark (paper transformer, batch 32 and 128, CoMERA on each path
-#          choice and with the grouped step ops, CUDA graph on and off, dense alike;
+#   bench  the step benchmark (paper transformer, batch 32 and 128, CoMERA on the
+#          planner's paths and with the grouped step ops, CUDA graph on and off, dense
+#          alike; graphed at batch 32 with the TT linears' halves merged per layer;
 #          batch 1 for peak memory),
 #          the kernels launched per layer path and per step, the
 #          TT-linear and TTM-lookup paths with their % of the roofline, one TT layer vs
-#          nn.Linear in bf16 in a CUDA graph
+#          nn.Linear in bf16 in a CUDA graph, alone and in a group of 24 of its shape
 #   compile the step under torch.compile (Inductor) on the tiny transformer against eager,
 #          the compile's time and recompiles counted (not in `all`: its first step compiles
 #          for ~40 s; on an H200 it was slower than eager, results/gpu/*_compile.json)
@@ -62,7 +63,7 @@ step() {  # step SECONDS LOG COMMAND...: run with a time limit, log to $RES/LOG
 tune() {
     # the tuner stops its cases at 70 % of --budget and its kernel sweep at --budget, and
     # writes the profile after every case: a timeout still leaves a valid file
-    step 70 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 55
+    step 60 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 55
     export COMERA_PROFILE_DIR="$RES/profiles"
 }
 
@@ -96,14 +97,19 @@ tests() {
 
 bench() {
     # a training step of the paper's transformer, CoMERA vs dense: batch 32 (the paper's)
-    # and 128, graphed with every path choice, eager with the planner's; the JSON is
-    # written after every run, so a timeout keeps what was measured
-    # (factorised is what auto picks on an H100, fused its slowest there, 1.5x auto at
-    # batch 32; --grouped-step: auto, graphed, with the refresh of all bonds at once and
-    # torch's fused AdamW)
-    step 185 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
-        --batches 32 128 --paths auto reconstructed --eager-paths auto --grouped-step \
+    # and 128, on the planner's paths, graphed and eager; the JSON is written after every
+    # run, so a timeout keeps what was measured (the other path choices: --paths
+    # reconstructed factorised fused, timed per layer by the tune step's profile;
+    # --grouped-step: graphed, with the refresh of all bonds at once and torch's fused
+    # AdamW)
+    step 140 bench_train_step.log $PY experiments/bench_train_step.py --presets paper \
+        --batches 32 128 --paths auto --eager-paths auto --grouped-step \
         --graphs both --steps 10 --min-seconds 0.5 --out "$RES/bench_train_step_cuda.json"
+    # the same step, graphed, with every TT linear merging its own halves (TrainStep's
+    # grouping off): what the grouping buys
+    step 35 bench_train_step_ungrouped.log $PY experiments/bench_train_step.py --presets paper \
+        --batches 32 --graphs on --ungrouped --steps 10 --min-seconds 0.3 \
+        --out "$RES/bench_train_step_cuda_ungrouped.json"
     # batch 1: peak memory against dense + AdamW
     step 40 bench_train_step_batch1.log $PY experiments/bench_train_step.py \
         --presets paper --batches 1 --graphs on --steps 10 --min-seconds 0.3 \
@@ -118,6 +124,10 @@ bench() {
     # one TT layer on the planner's path against nn.Linear, as the trainer runs it
     step 20 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
         --dtype bf16 --graph --tokens 4096 16384 --rounds 5 --out "$RES"
+    # ... and 24 layers of each shape on one input, grouped as a training step runs them
+    # (times per layer)
+    step 20 bench_tt_linear_group.log $PY experiments/bench_tt_linear.py --device cuda \
+        --quick --dtype bf16 --graph --group 24 --tokens 4096 --rounds 5 --out "$RES"
 }
 
 compile() {

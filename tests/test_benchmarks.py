@@ -59,6 +59,20 @@ def test_bench_tt_linear_writes_table_and_json(tmp_path) -> None:
     assert data["summary"]["speedup_768_r30_4096"] is None  # that row was not asked for
 
 
+def test_bench_tt_linear_group_times_per_layer(tmp_path, capsys) -> None:
+    """``--group N``: N layers of a shape on one input, the TT ones grouped
+    (tensor.grouped); a row per case, marked with its group, timed per layer; a group
+    below 1 is refused."""
+    path = ROOT / "experiments" / "bench_tt_linear.py"
+    assert script(path).main(["--device", "cpu", "--shapes", "768x768", "--ranks", "4",
+                              "--tokens", "16", "--rounds", "1", "--group", "3",
+                              "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_tt_linear_cpu_group3.json").read_text())["rows"]
+    assert [(r["shape"], r["rank"], r["group"]) for r in rows] == [("768x768", 4, 3)]
+    assert rows[0]["dense_ms"] > 0 and rows[0]["tt_ms"] > 0
+    assert "--group" in refused(capsys, ["python", str(path), "--group", "0"])
+
+
 def test_bench_tt_linear_parts_writes_table_and_json(tmp_path, capsys) -> None:
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_tt_linear_parts.py"),
            "--rank", "8", "--tokens", "16", "--rounds", "1", "--reps", "1", "--device", "cpu",
