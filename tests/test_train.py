@@ -669,6 +669,7 @@ def test_grouped_step_trains_like_the_per_layer_step() -> None:
                          model.parameters(), 1.0, None, grouped=grouped)
         losses = [float(step(data)["loss/total"]) for _ in range(3)]
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+        assert step.grouped_layers == (len(step.tt_linears()) if grouped else 0)
     from comera_engine.tensor.grouped import grouped_halves
 
     with grouped_halves([m.tt for m in step.tt_linears()]) as n:

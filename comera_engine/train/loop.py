@@ -639,6 +639,11 @@ class _Run:
         shows, logged again only when it changed (after a truncation the ranks are new)."""
         made = [(c, ch) for c, ch in choices_made(clear=True) if c.training]
         text = describe_choices(made) if made else None
+        step = getattr(self.stepper, "step", self.stepper)
+        grouped = getattr(step, "grouped_layers", 0)
+        if text is not None and grouped:
+            text += (f" Halves of {grouped} TT linears merged per shape, one batched pass "
+                     "each (tensor.grouped).")
         if text is not None and text != getattr(self, "_paths_text", None):
             self._paths_text = text
             self.sink.log_event("paths", text, self.step)

@@ -92,6 +92,7 @@ class TrainStep:
         self.refresh = refresh
         self.grouped = grouped if grouped is not None or compile is None else False
         self._tt_linears: list[nn.Module] | None = None
+        self.grouped_layers = 0
         self.forward = (self._forward if compile is None
                         else torch.compile(self._forward, mode=compile, dynamic=False))
 
@@ -106,8 +107,9 @@ class TrainStep:
         )
         grouped = (self.grouped if self.grouped is not None else device_type == "cuda")
         with autocast, (grouped_halves([m.tt for m in self.tt_linears()]) if grouped
-                        else contextlib.nullcontext()):
+                        else contextlib.nullcontext(0)) as n:
             out = self.task_model(batch)
+        self.grouped_layers = n  # how many TT linears took grouped halves (last forward)
         task_loss = out["loss"].float()
         if self.objective is not None:
             total, info = self.objective(task_loss)
