@@ -112,3 +112,37 @@ def test_layers_inside_the_block_give_what_they_give_outside(path: str) -> None:
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert prepared_halves(layers[0].tt.cores[0]) is None  # forgotten after the block
+
+
+def test_comera_grouped_in_a_users_loop() -> None:
+    """``with comera.grouped():`` around a user's forward: the network's three TT linears
+    of one shape are grouped (the differently shaped head is not), and the loss and every
+    gradient equal the same forward without the block (float64)."""
+    from comera_engine import CoMERA
+
+    torch.manual_seed(0)
+    body = _layers(3)
+    model = torch.nn.Sequential(body[0], torch.nn.Tanh(), torch.nn.Linear(60, 48, dtype=DT),
+                                body[1], torch.nn.Tanh(), torch.nn.Linear(60, 48, dtype=DT),
+                                body[2], torch.nn.Tanh(),
+                                TTLinear(60, 10, rank=4, dtype=DT))
+    comera = CoMERA(model)
+    x = torch.randn(16, 48, dtype=DT)
+    y = torch.randint(0, 10, (16,))
+    runs = []
+    for grouped in (False, True):
+        model.zero_grad(set_to_none=True)
+        if grouped:
+            with comera.grouped() as n:
+                loss = comera.loss(torch.nn.functional.cross_entropy(model(x), y))
+            assert n == 3
+        else:
+            loss = comera.loss(torch.nn.functional.cross_entropy(model(x), y))
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in model.parameters()
+                                     if p.grad is not None]))
+    (l1, g1), (l2, g2) = runs
+    torch.testing.assert_close(l2, l1, rtol=1e-12, atol=1e-12)
+    assert len(g1) == len(g2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)

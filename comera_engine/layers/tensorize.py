@@ -17,8 +17,8 @@ from .peers import peer_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
-__all__ = ["TT_LAYERS", "factorized_layers", "size_report", "tensorize_layers", "truncate",
-           "tt_layers"]
+__all__ = ["TT_LAYERS", "factorized_layers", "groupable_linears", "size_report",
+           "tensorize_layers", "truncate", "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
 
@@ -26,6 +26,14 @@ TT_LAYERS = (TTLinear, TTEmbedding)
 def tt_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, layer)`` for every TT layer in ``model``."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, TT_LAYERS)]
+
+
+def groupable_linears(model: nn.Module) -> list[TTLinear]:
+    """The TT linears of ``model`` whose halves a forward can take from a grouped pass
+    (:func:`comera_engine.tensor.grouped.grouped_halves`): layout ``tt``, path not forced
+    to one that merges no halves (``sweep``, ``fused``)."""
+    return [m for _, m in tt_layers(model) if isinstance(m, TTLinear) and m.layout == "tt"
+            and m.path in (None, "halves", "dense")]
 
 
 def factorized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +58,10 @@ from torch import Tensor, nn
 
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
-from ..layers import factorized_layers, tt_layers
+from ..layers import factorized_layers, groupable_linears, tt_layers
 from ..metrics import TARGET_TOLERANCE
 from ..ops.adamw import AdamW
+from ..tensor.grouped import grouped_halves
 from . import report as _report
 from .balance import balance_gates
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
@@ -291,6 +293,16 @@ class CoMERA:
 
         self._attached = Attachment(self, optimizer.register_step_post_hook(hook))
         return self._attached
+
+    def grouped(self) -> AbstractContextManager[int]:
+        """A block for a training step's forward (on a GPU): the model's TT linears of
+        one shape take their gated halves from one batched pass made on entering it
+        (:func:`comera_engine.tensor.grouped.grouped_halves`), so their merges cost a few
+        kernels for all of them instead of tens each; values and gradients as without
+        it. ``with comera.grouped(): loss = comera.loss(criterion(model(x), y))``, then
+        ``loss.backward()`` (inside or after the block). The trainer's step does this on a
+        GPU by itself (``TrainStep(grouped=...)``). Yields how many layers it grouped."""
+        return grouped_halves([m.tt for m in groupable_linears(self.model)])
 
     # ------------------------------------------------------------------ the loss
 

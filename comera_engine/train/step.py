@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..backends import cpu_backend
-from ..layers import tt_layers
+from ..layers import groupable_linears
 from ..tensor.grouped import grouped_halves
 from ..tensor.planner import graph_planning
 
@@ -121,9 +121,7 @@ class TrainStep:
         """The task model's TT linears that :attr:`grouped` takes (found once: a
         truncation replaces their cores, not the layers)."""
         if self._tt_linears is None:
-            self._tt_linears = [m for _, m in tt_layers(self.task_model)
-                                if getattr(m, "layout", None) == "tt"
-                                and getattr(m, "path", None) in (None, "halves", "dense")]
+            self._tt_linears = list(groupable_linears(self.task_model))
         return self._tt_linears
 
     def __call__(self, batch: Batch) -> dict[str, torch.Tensor | float]:
