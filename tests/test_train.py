@@ -998,6 +998,43 @@ def test_cuda_graph_matches_eager_and_is_faster(tmp_path) -> None:
     assert ratio > 1.0
 
 
+@pytest.mark.gpu
+def test_grouped_step_in_a_cuda_graph_trains_like_the_per_layer_eager_step() -> None:
+    """On a GPU the step groups the TT linears' halves by default; replayed from a CUDA
+    graph it gives the losses of the eager step where every layer merges its own."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the grouped step in a CUDA graph needs a GPU")
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_train_step import CLASSES, SEQ, VOCAB, build_transformer
+
+    from comera_engine.models import TaskModel
+    from comera_engine.rank import CoMERA
+    from comera_engine.train.step import GraphedStep, TrainStep
+
+    g = torch.Generator().manual_seed(0)
+    data = {"input_ids": torch.randint(1, VOCAB, (8, SEQ), generator=g),
+            "token_type_ids": torch.zeros(8, SEQ, dtype=torch.long),
+            "attention_mask": torch.ones(8, SEQ, dtype=torch.long),
+            "labels": torch.randint(0, CLASSES, (8,), generator=g)}
+    data = {k: v.cuda() for k, v in data.items()}
+    runs = []
+    for grouped in (None, False):
+        torch.manual_seed(0)
+        model = build_transformer("tiny", dense=False).cuda()
+        state = CoMERA(model)
+        opt = state.make_optimizer(capturable=grouped is None)
+        step = TrainStep(TaskModel(model, "nli"), opt, state.objective_fn(),
+                         model.parameters(), 1.0, None, grouped=grouped)
+        runner = GraphedStep(step, log=lambda text: None) if grouped is None else step
+        runs.append([float(runner(data)["loss/total"]) for _ in range(8)])
+        if grouped is None:
+            assert step.grouped_layers == len(step.tt_linears()) >= 6
+            assert runner.active, "the step was not captured"
+    assert runs[0] == pytest.approx(runs[1], rel=1e-3)
+
+
 def test_stage_switch_by_epoch(tmp_path) -> None:
     from comera_engine.train.batches import BatchPlan
 
