@@ -227,7 +227,10 @@ def launches(data: dict[str, Any]) -> str:
             f"{data['tokens']} rows and rank {data['rank']}; the paper transformer's whole "
             f"step and its phases at batch {data['step_batch']}"
             + ("; under bf16 autocast, as a GPU step runs, its casts counted"
-               if data.get("amp") == "bf16" else "") + "): `ops`, the ATen ops below "
+               if data.get("amp") == "bf16" else "")
+            + ("; the step's TT linears take their halves from one batched pass per "
+               "shape, as on a GPU (`--ungrouped`: each its own)" if data.get("grouped")
+               else "") + "): `ops`, the ATen ops below "
             "autograd that do work (views, allocations and flags not counted; each about "
             "one GPU kernel; a `_foreach_`/`_fused_` op once), with the C++ CPU backend "
             "off; `syncs`, host reads. The optimizer row is torch's `foreach` AdamW (what "
