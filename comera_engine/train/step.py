@@ -105,11 +105,13 @@ class TrainStep:
             if self.autocast_dtype is not None
             else contextlib.nullcontext()
         )
-        grouped = (self.grouped if self.grouped is not None else device_type == "cuda")
-        with autocast, (grouped_halves([m.tt for m in self.tt_linears()]) if grouped
-                        else contextlib.nullcontext(0)) as n:
-            out = self.task_model(batch)
-        self.grouped_layers = n  # how many TT linears took grouped halves (last forward)
+        if self.grouped if self.grouped is not None else device_type == "cuda":
+            with autocast, grouped_halves([m.tt for m in self.tt_linears()]) as n:
+                out = self.task_model(batch)
+            self.grouped_layers = n  # how many TT linears took grouped halves
+        else:  # (the plain block: what torch.compile traces, grouped off there)
+            with autocast:
+                out = self.task_model(batch)
         task_loss = out["loss"].float()
         if self.objective is not None:
             total, info = self.objective(task_loss)
