@@ -305,6 +305,7 @@ def step_sentence(data: dict[str, Any]) -> str:
 def _step_table(key: str, d: dict[str, Any]) -> str:
     graphed_mem = d.get("peak_from") == "before warm-up"
     with_paths = any("paths" in r for r in d["ratios"])
+    state = all(r.get("comera_state_mb") is not None for r in d["ratios"])
     rows = [[r["preset"], r["batch"], "yes" if r["graph"] else "no",
              *([r["paths"] + (f", compiled (first step {r['first_step_ms'] / 1000:.1f} s, "
                                f"{r['recompiles']} recompiles)" if r.get("compile") else "")
@@ -314,7 +315,9 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
              f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
              f"{r['dense_mem_mb']:.0f} / {r['comera_mem_mb']:.0f}"
              if graphed_mem or not r["graph"] else "not measured",
-             f"{r['params_ratio']:.1f}×"] for r in d["ratios"]]
+             f"{r['params_ratio']:.1f}×",
+             *([f"{r['dense_state_mb']:.0f} / {r['comera_state_mb']:.0f}"] if state else [])]
+            for r in d["ratios"]]
     kernels = ("at batch 1 (peak memory against dense + AdamW)" if key.endswith("batch1")
                else "under `torch.compile` (Inductor), first step and recompiles counted"
                if key.endswith("compile")
@@ -329,7 +332,9 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
             + "\n\n"
             + table(["preset", "batch", "CUDA graph", *(["CoMERA paths"] if with_paths else []),
                      "dense ms", "CoMERA ms", "speed-up", "peak MB dense / CoMERA",
-                     "params ratio"], rows) + "\n")
+                     "params ratio",
+                     *(["of it, parameters + gradients + optimizer state MB"] if state
+                       else [])], rows) + "\n")
 
 
 #: what every training-step table holds, said once above them

@@ -151,6 +151,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     size = state.size_metrics()
     made = choices_made()
+    # what the training state holds (parameters, their gradients, the optimizer's
+    # moments): the rest of the peak is activations, workspaces and the graph's pool
+    state_bytes = sum(t.numel() * t.element_size() for p in model.parameters()
+                      for t in (p, p.grad) if t is not None)
+    state_bytes += sum(v.numel() * v.element_size() for st in optimizer.state.values()
+                       for v in st.values() if isinstance(v, torch.Tensor))
     return {
         **spec,
         "step_ms_median": 1e3 * statistics.median(times),
@@ -158,6 +164,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "first_step_ms": first_ms if spec["warmup"] else None,
         "steps_timed": len(times),
         "peak_mem_mb": peak / 2**20,
+        "state_mem_mb": state_bytes / 2**20,
         "params": size["params/effective"],
         "loss": loss,
         "graph_reason": getattr(runner, "reason", None),
@@ -379,6 +386,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "comera_ms": tt["step_ms_median"],
                 "speedup": dense["step_ms_median"] / tt["step_ms_median"],
                 "dense_mem_mb": dense["peak_mem_mb"],
+                "dense_state_mb": dense.get("state_mem_mb"),
+                "comera_state_mb": tt.get("state_mem_mb"),
                 "comera_mem_mb": tt["peak_mem_mb"],
                 "mem_ratio": dense["peak_mem_mb"] / max(tt["peak_mem_mb"], 1e-9),
                 "params_ratio": dense["params"] / tt["params"],
