@@ -71,7 +71,8 @@ tests() {
     # the GPU-marked tests (CUDA graph vs eager ratio, export from a CUDA run), the bf16
     # and checkpoint tests, which then run with CUDA present, and DDP (gloo, on the CPU)
     step 55 gpu_tests.log $PY -m pytest -q -rs -p no:cacheprovider tests/test_train.py \
-        tests/test_export.py -k "gpu or cuda or graph or bf16 or resume or ddp_truncation"
+        tests/test_export.py tests/test_op_tt_halves_group.py \
+        -k "gpu or cuda or graph or bf16 or resume or ddp_truncation"
     # the Triton kernels compiled and run on the GPU, every launch configuration, against
     # the same float64 references (the ahead-of-time compile is a CPU test)
     TRITON_INTERPRET=0 step 75 gpu_kernels.log $PY -m pytest -q -rs -p no:cacheprovider \

@@ -146,3 +146,28 @@ def test_comera_grouped_in_a_users_loop() -> None:
     assert len(g1) == len(g2)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_group_on_cuda_matches_the_cpu_group_under_bf16() -> None:
+    """On a GPU (gpu_check's tests step), in bf16 autocast: the grouped halves and their
+    gradients agree with the same group on the CPU in float64 within bf16 error."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the grouped halves on a GPU need one")
+    layers = _layers(4, torch.float32)
+    d, tau = layers[0].tt.d, layers[0].tt.tau
+    cpu = [([c.detach().double().requires_grad_() for c in t.cores], t.gate.detach().double()
+            .requires_grad_(), t.alive) for t in (layer.tt for layer in layers)]
+    gpu = [([c.detach().cuda().requires_grad_() for c in t.cores], t.gate.detach().cuda()
+            .requires_grad_(), t.alive.cuda()) for t in (layer.tt for layer in layers)]
+    want = tt_halves_group(cpu, d, tau)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = tt_halves_group(gpu, d, tau)
+    g_want = torch.autograd.grad(_loss(want), [p for c, g, _ in cpu for p in (*c, g)])
+    g_got = torch.autograd.grad(_loss([(L.float().cpu(), R.float().cpu()) for L, R in got]),
+                                [p for c, g, _ in gpu for p in (*c, g)])
+    for (L, R), (Lw, Rw) in zip(got, want):
+        assert float((L.detach().double().cpu() - Lw.detach()).norm() / Lw.norm()) < 2e-2
+        assert float((R.detach().double().cpu() - Rw.detach()).norm() / Rw.norm()) < 2e-2
+    for a, b in zip(g_got, g_want):
+        assert float((a.double().cpu() - b).norm() / b.norm()) < 3e-2
