@@ -309,7 +309,8 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
     rows = [[r["preset"], r["batch"], "yes" if r["graph"] else "no",
              *([r["paths"] + (f", compiled (first step {r['first_step_ms'] / 1000:.1f} s, "
                                f"{r['recompiles']} recompiles)" if r.get("compile") else "")
-                + (", grouped step" if r.get("grouped") else "")
+                + (", all bonds refreshed at once, fused AdamW (`--grouped-step`)"
+                   if r.get("grouped") else "")
                 + (", each layer its own halves (`--ungrouped`)" if r.get("ungrouped") else "")]
                if with_paths else []),
              f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
