@@ -202,7 +202,7 @@ def step_cases(device: torch.device, batch: int, preset: str, amp: torch.dtype |
                grouped: bool = True) -> list[tuple[str, str, str, Callable[[], None]]]:
     """A training step of the transformer, CoMERA and dense, as the step benchmark builds
     it; CoMERA's also by phase (forward+objective+backward, clip, optimizer, refresh)."""
-    from bench_train_step import CLASSES, SEQ, VOCAB, build_transformer
+    from bench_train_step import build_transformer, nli_batch
 
     from comera_engine.layers import tt_layers
     from comera_engine.models import TaskModel
@@ -211,12 +211,7 @@ def step_cases(device: torch.device, batch: int, preset: str, amp: torch.dtype |
     from comera_engine.train.step import TrainStep, clip_grad_norm_
 
     cuda = device.type == "cuda"
-    gen = torch.Generator().manual_seed(0)
-    data = {"input_ids": torch.randint(1, VOCAB, (batch, SEQ), generator=gen),
-            "token_type_ids": torch.zeros(batch, SEQ, dtype=torch.long),
-            "attention_mask": torch.ones(batch, SEQ, dtype=torch.long),
-            "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}
-    data = {k: v.to(device) for k, v in data.items()}
+    data = nli_batch(batch, device)
     cases = []
     for variant in ("comera", "dense"):
         torch.manual_seed(0)

@@ -69,6 +69,20 @@ def build_transformer(preset: str, dense: bool) -> Any:
     return build_model(ModelConfig(name="transformer_cls", preset=preset, dense=dense), Data())
 
 
+def nli_batch(batch: int, device: Any = "cpu") -> dict[str, Any]:
+    """A fixed batch of ``batch`` random sequences (``SEQ`` tokens, seed 0) for the
+    transformer's NLI task, on ``device`` (torch imported here, as in :func:`measure`:
+    the parent process never imports it)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    data = {"input_ids": torch.randint(1, VOCAB, (batch, SEQ), generator=gen),
+            "token_type_ids": torch.zeros(batch, SEQ, dtype=torch.long),
+            "attention_mask": torch.ones(batch, SEQ, dtype=torch.long),
+            "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}
+    return {k: v.to(device) for k, v in data.items()}
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Time at least ``spec["steps"]`` training steps of one configuration, and more
     (up to 200) until ``spec["min_seconds"]`` have been timed: a fast step on a shared
@@ -109,15 +123,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         grouped=False if spec.get("ungrouped") else None,
     )
     runner = GraphedStep(step, log=lambda text: None) if spec["graph"] else step
-    b = spec["batch"]
-    gen = torch.Generator().manual_seed(0)
-    batch = {
-        "input_ids": torch.randint(1, VOCAB, (b, SEQ), generator=gen),
-        "token_type_ids": torch.zeros(b, SEQ, dtype=torch.long),
-        "attention_mask": torch.ones(b, SEQ, dtype=torch.long),
-        "labels": torch.randint(0, CLASSES, (b,), generator=gen),
-    }
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = nli_batch(spec["batch"], device)
 
     def sync() -> None:
         if cuda:

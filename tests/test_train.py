@@ -648,17 +648,13 @@ def test_grouped_step_trains_like_the_per_layer_step() -> None:
     import sys
 
     sys.path.insert(0, str(ROOT / "experiments"))
-    from bench_train_step import CLASSES, SEQ, VOCAB, build_transformer
+    from bench_train_step import build_transformer, nli_batch
 
     from comera_engine.models import TaskModel
     from comera_engine.rank import CoMERA
     from comera_engine.train.step import TrainStep
 
-    g = torch.Generator().manual_seed(0)
-    data = {"input_ids": torch.randint(1, VOCAB, (4, SEQ), generator=g),
-            "token_type_ids": torch.zeros(4, SEQ, dtype=torch.long),
-            "attention_mask": torch.ones(4, SEQ, dtype=torch.long),
-            "labels": torch.randint(0, CLASSES, (4,), generator=g)}
+    data = nli_batch(4)
     runs = []
     for grouped in (False, True):
         torch.manual_seed(0)
@@ -1007,18 +1003,13 @@ def test_grouped_step_in_a_cuda_graph_trains_like_the_per_layer_eager_step() -> 
     import sys
 
     sys.path.insert(0, str(ROOT / "experiments"))
-    from bench_train_step import CLASSES, SEQ, VOCAB, build_transformer
+    from bench_train_step import build_transformer, nli_batch
 
     from comera_engine.models import TaskModel
     from comera_engine.rank import CoMERA
     from comera_engine.train.step import GraphedStep, TrainStep
 
-    g = torch.Generator().manual_seed(0)
-    data = {"input_ids": torch.randint(1, VOCAB, (8, SEQ), generator=g),
-            "token_type_ids": torch.zeros(8, SEQ, dtype=torch.long),
-            "attention_mask": torch.ones(8, SEQ, dtype=torch.long),
-            "labels": torch.randint(0, CLASSES, (8,), generator=g)}
-    data = {k: v.cuda() for k, v in data.items()}
+    data = nli_batch(8, "cuda")
     runs = []
     for grouped in (None, False):
         torch.manual_seed(0)
