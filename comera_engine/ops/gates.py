@@ -114,6 +114,43 @@ def flat_plan(shapes: tuple[torch.Size, ...], d: int, device: torch.device) -> F
     return FlatPlan(idx.to(device), list(shapes), starts, bonds)
 
 
+def to_autocast(t: Tensor) -> Tensor:
+    """``t`` in the autocast dtype where autocast is on for its device and ``t`` is
+    float32 (as the first product that reads it would cast it), else ``t`` itself."""
+    dev = t.device.type
+    if torch.is_autocast_enabled(dev) and t.dtype == torch.float32:
+        return t.to(torch.get_autocast_dtype(dev))
+    return t
+
+
+def masked_gates(gate: Tensor, alive: Tensor | None, tau: float) -> Tensor:
+    """``g`` where active (alive and ``|g| > tau``), else 0: ``hardshrink`` (one op; its
+    zeros are exactly the inactive entries, so ``!= 0`` is the mask) and the dead
+    entries zeroed. Any shape; ``alive`` bool like ``gate``, or None for all alive."""
+    gm = torch.nn.functional.hardshrink(gate, tau)
+    return gm if alive is None else torch.where(alive, gm, 0.0)
+
+
+def gate_flat(flat: Tensor, gm: Tensor, plan: FlatPlan) -> tuple[Tensor, Tensor]:
+    """Cores laid end to end, ``flat`` ``(..., P)``, gated by the masked gates ``gm``
+    ``(..., E)`` of the same leading shape: ``(gexp, E)`` with ``gexp = gm[idx]`` each
+    entry's gate (1 on the ungated core) and ``E = flat ⊙ gexp`` in the autocast dtype
+    (:func:`to_autocast`): one pass for every core."""
+    gexp = torch.nn.functional.pad(gm, (1, 0), value=1.0).index_select(-1, plan.idx)
+    return gexp, to_autocast(flat * gexp)
+
+
+def gate_sums(dv: Tensor, plan: FlatPlan) -> Tensor:
+    """Each gate entry's gradient before masking: ``dv = dE ⊙ raw`` ``(..., P)`` summed
+    over the entries it scales (per bond, its core read in place as a matrix: over the
+    rows for a gate on the right bond, the columns on the left); ``(..., E)``."""
+    lead, P = dv.shape[:-1], dv.shape[-1]
+    n = math.prod(lead)
+    sums = [dv.as_strided((n, *mat), (P, mat[1], 1), start).sum(1 if right else 2)
+            for start, mat, right in plan.bonds]
+    return torch.cat(sums, dim=1).view(*lead, -1)
+
+
 def gate_masks(gates: Sequence[Tensor], tau: float,
                alive: Sequence[Tensor] | None = None) -> list[Tensor]:
     """Per bond, the active gate entries: ``alive_k & (|g_k| > tau)`` (bool ``(r_k,)``).
@@ -181,19 +218,13 @@ class GatedFunction:
         if not ctx.gated:
             return raw
         flat_g = tensors[2 * d] if ctx.flat else torch.cat(gates)
-        # g where |g| > tau, else 0 (hardshrink: one op), then the dead entries zeroed
-        gm = torch.nn.functional.hardshrink(flat_g, tau)
-        if alive:
-            gm = torch.where(tensors[2 * d + 1] if ctx.flat else torch.cat(alive), gm, 0.0)
+        gm = masked_gates(flat_g, (tensors[2 * d + 1] if ctx.flat else torch.cat(alive))
+                          if alive else None, tau)
         ctx.m = gm != 0  # the mask: alive and |g| > tau (> 0, so never a kept zero)
         ctx.sizes = [int(v.shape[0]) for v in gates]
         ctx.plan = plan = flat_plan(tuple(c.shape for c in raw), d, flat_g.device)
         flat = _flatten_dense_tensors(raw)  # one C++ call: the cat of the cores' views
-        gexp = torch.nn.functional.pad(gm, (1, 0), value=1.0).index_select(0, plan.idx)
-        eff = flat * gexp
-        dev = flat.device.type
-        if torch.is_autocast_enabled(dev) and eff.dtype == torch.float32:
-            eff = eff.to(torch.get_autocast_dtype(dev))
+        gexp, eff = gate_flat(flat, gm, plan)
         ctx.gate_flat = (flat, gexp)  # intermediates: kept on ctx, not saved inputs
         return list(_unflatten_dense_tensors(eff, raw))  # views of eff, the cores' shapes
 
@@ -220,28 +251,13 @@ class GatedFunction:
             d_raw = _unflatten_dense_tensors(d_flat * gexp, parts)
             d_cores = [p if need[k] else None for k, p in enumerate(d_raw)]
         if not any(need[K : K + n_g]):
-            return [*d_cores, *([None] * (n_g if not ctx.flat else 1)),
-                    *([None] * (n_g if not ctx.flat else 1)), None]
-        dv = d_flat * flat
-        # per bond, the sum over the entries each gate entry scales (its core as a matrix
-        # read in place from dv: rows on the right bond, columns on the left)
-        d_gate = torch.cat([dv.as_strided(mat, (mat[1], 1), start).sum(0 if right else 1)
-                            for start, mat, right in plan.bonds])
-        d_gate = torch.where(ctx.m, d_gate, 0.0)
+            per = 1 if ctx.flat else n_g  # the gate and alive arguments: one, or one a bond
+            return [*d_cores, *([None] * per), *([None] * per), None]
+        d_gate = torch.where(ctx.m, gate_sums(d_flat * flat, plan), 0.0)
         if ctx.flat:  # one gradient for the one gate vector: no split
             return [*d_cores, d_gate if need[K] else None, None, None]
         d_gates = [g if need[K + k] else None for k, g in enumerate(d_gate.split(ctx.sizes))]
         return [*d_cores, *d_gates, *([None] * n_g), None]
-
-    @staticmethod
-    def _autocast_input(x: Tensor) -> Tensor:
-        """``x`` in the autocast dtype where autocast is on for its device and it is
-        float32 (as the first product would cast it), so that the Function saves the
-        cast copy for backward: half the bytes, and no second cast there."""
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev) and x.dtype == torch.float32:
-            return x.to(torch.get_autocast_dtype(dev))
-        return x
 
     @staticmethod
     def _keep_autocast(ctx, x: Tensor) -> None:  # noqa: ANN001

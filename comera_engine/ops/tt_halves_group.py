@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .gates import apply_gates, flat_plan, gate_masks
+from .gates import apply_gates, flat_plan, gate_flat, gate_masks, gate_sums, masked_gates
 from .merges import merge_left, merge_right
 
 __all__ = ["HalvesGroup", "tt_halves_group", "tt_halves_group_reference"]
@@ -104,15 +104,11 @@ class HalvesGroup(torch.autograd.Function):
                 *tensors: Tensor) -> tuple[Tensor, ...]:
         K = 2 * d
         cores = tensors[: n * K]
-        gm = torch.nn.functional.hardshrink(torch.stack(tensors[n * K : n * K + n]), tau)
-        gm = torch.where(torch.stack(tensors[n * K + n :]), gm, 0.0)  # (n, E)
+        gm = masked_gates(torch.stack(tensors[n * K : n * K + n]),
+                          torch.stack(tensors[n * K + n :]), tau)  # (n, E)
         plan = flat_plan(tuple(c.shape for c in cores[:K]), d, gm.device)
         flat = _flatten_dense_tensors(cores).view(n, -1)  # (n, P), train-major
-        gexp = torch.nn.functional.pad(gm, (1, 0), value=1.0).index_select(1, plan.idx)
-        eff = flat * gexp
-        dev = flat.device.type
-        if torch.is_autocast_enabled(dev) and eff.dtype == torch.float32:
-            eff = eff.to(torch.get_autocast_dtype(dev))
+        gexp, eff = gate_flat(flat, gm, plan)
         views = [eff[:, s : s + shp.numel()].view(n, *shp)
                  for s, shp in zip(plan.starts, plan.shapes)]
         P, Q = _bmerge_left(views[:d]), _bmerge_right(views[d:])
@@ -141,12 +137,7 @@ class HalvesGroup(torch.autograd.Function):
             d_cores = [g if need[i] else None for i, g in enumerate(d_cores)]
         d_gates: list[Tensor | None] = [None] * n
         if any(need[n * K : n * K + n]):
-            dv = d_eff * flat
-            Pn = flat.shape[1]
-            d_gate = torch.cat([dv.as_strided((n, *mat), (Pn, mat[1], 1), start)
-                                .sum(1 if right else 2) for start, mat, right in plan.bonds],
-                               dim=1)
-            d_gate = torch.where(ctx.m, d_gate, 0.0)
+            d_gate = torch.where(ctx.m, gate_sums(d_eff * flat, plan), 0.0)
             d_gates = [g if need[n * K + i] else None for i, g in enumerate(d_gate.unbind(0))]
         return (None, None, None, *d_cores, *d_gates, *([None] * n))
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from .gates import GatedFunction, apply_gates, gate_args, gate_masks, save, saved
+from .gates import GatedFunction, apply_gates, gate_args, gate_masks, save, saved, to_autocast
 from .merges import merge_left, merge_left_grads, merge_right, merge_right_grads
 
 __all__ = ["TTLinearHalves", "TTLinearReconstructed", "batch_backward", "batch_forward",
@@ -96,7 +96,7 @@ class TTLinearHalves(GatedFunction, torch.autograd.Function):
             gm, m = out[2:4] if ctx.gated else (None, None)
         else:
             eff = TTLinearHalves._absorb(ctx, tensors, d)
-            x = TTLinearHalves._autocast_input(x)
+            x = to_autocast(x)  # saved cast: half the bytes, no second cast in backward
             P, Q = merge_left(eff[:d]), merge_right(eff[d:])
             rd = P[-1].shape[1]
             Lp, Rp = _pad_middle(P[-1], Q[0], bias) if pad else (P[-1], Q[0])
@@ -218,7 +218,7 @@ class TTLinearReconstructed(GatedFunction, torch.autograd.Function):
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
         eff = TTLinearReconstructed._absorb(ctx, tensors, d)
-        x = TTLinearReconstructed._autocast_input(x)
+        x = to_autocast(x)  # saved cast: half the bytes, no second cast in backward
         P, Q = merge_left(eff[:d]), merge_right(eff[d:])
         L, R = P[-1], Q[0]
         W = L @ R
