@@ -168,6 +168,7 @@ class CoMERA:
         self.events: list[Event] = []
         self._pairs = tt_layers(model)  # the model's structure is fixed: walked once
         self._layers = dict(self._pairs)
+        self._grouped_trains = [m.tt for m in groupable_linears(model)]  # (grouped())
         self.has_tt = bool(self._layers)
         self.has_peers = len(factorized_layers(model)) > len(self._layers)
         # the objective runs for method "comera" only; "fixed" / "tt_svd" train the task
@@ -302,7 +303,7 @@ class CoMERA:
         it. ``with comera.grouped(): loss = comera.loss(criterion(model(x), y))``, then
         ``loss.backward()`` (inside or after the block). The trainer's step does this on a
         GPU by itself (``TrainStep(grouped=...)``). Yields how many layers it grouped."""
-        return grouped_halves([m.tt for m in groupable_linears(self.model)])
+        return grouped_halves(self._grouped_trains)
 
     # ------------------------------------------------------------------ the loss
 
