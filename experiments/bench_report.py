@@ -200,6 +200,19 @@ def memory(data: dict[str, Any]) -> str:
                           "optim MiB", "saved act MiB", "held MiB", "RSS +train MiB"], rows))
 
 
+def step_memory(data: dict[str, Any]) -> str:
+    rows = [[r["preset"], r["batch"], r["variant"], f"{r['state_mb']:.0f}",
+             f"{r['step_peak_mb']:.0f}", f"{r['peak_mb']:.0f}", f"{r['ratio']:.2f}×"]
+            for r in data["rows"]]
+    what = ("One step as a GPU runs it (bf16, TT linears on halves, grouped), every storage "
+            "followed until freed: the counterpart of `max_memory_allocated`, less what a "
+            "GPU adds (cuBLAS's workspace: 32 MiB a stream on Hopper; allocator rounding).")
+    return section("Peak memory of a training step, counted on the CPU",
+                   "python experiments/bench_memory.py", "bench_memory_cpu.json", data, what,
+                   table(["preset", "batch", "model", "state MB", "step MB", "peak MB",
+                          "dense ÷ this"], rows))
+
+
 def _launch_rows(data: dict[str, Any]) -> list[list[str]]:
     """The launch table's rows; a layer's path at several shapes is one row (the counts
     hardly depend on the shape: one value where equal, else ``least–most``)."""
@@ -285,7 +298,8 @@ def step_sentence(data: dict[str, Any]) -> str:
     batch (the planner's paths, no compile): the step times eagerly and in a CUDA graph,
     and the peak memory. README quotes it (tests/test_bench_report.py)."""
     auto = [r for r in data["ratios"] if r.get("paths", "auto") == "auto"
-            and not r.get("compile") and not r.get("grouped") and not r.get("ungrouped")]
+            and not r.get("compile") and not r.get("grouped") and not r.get("ungrouped")
+            and r.get("cublas_workspace_mb") is None]
     out = []
     for batch in sorted({r["batch"] for r in auto}):
         rows = sorted((r for r in auto if r["batch"] == batch), key=lambda r: r["graph"])
@@ -311,7 +325,9 @@ def _step_table(key: str, d: dict[str, Any]) -> str:
                                f"{r['recompiles']} recompiles)" if r.get("compile") else "")
                 + (", all bonds refreshed at once, fused AdamW (`--grouped-step`)"
                    if r.get("grouped") else "")
-                + (", each layer its own halves (`--ungrouped`)" if r.get("ungrouped") else "")]
+                + (", each layer its own halves (`--ungrouped`)" if r.get("ungrouped") else "")
+                + (f", cuBLAS workspace {r['cublas_workspace_mb']} MiB (dense alike)"
+                   if r.get("cublas_workspace_mb") is not None else "")]
                if with_paths else []),
              f"{r['dense_ms']:.1f}", f"{r['comera_ms']:.1f}", f"{r['speedup']:.2f}×",
              f"{r['dense_mem_mb']:.0f} / {r['comera_mem_mb']:.0f}"
@@ -565,6 +581,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("hf_trainer.json", hf_trainer),
     ("schedule_ablation.json", schedules),
     ("reproduce/memory/bench_memory_peers.json", memory),
+    ("bench_memory_cpu.json", step_memory),
     ("bench_launches_cpu.json", launches),
     ("bench_dashboard.json", dashboard),
 ]

@@ -21,8 +21,12 @@ GPU) and CUDA-graph setting. ``--compile [MODE ...]`` adds both models eagerly w
 step's forward and objective under ``torch.compile`` in each mode (``default``,
 ``reduce-overhead``: Inductor's own CUDA graphs; ``TrainStep(compile=...)``; the dense
 model too with ``--compile-dense``, else its eager row is the reference): the first
-step's time, the compile, is its own column, and Dynamo's recompiles are counted. Each row
-records the paths the planner chose. Prints a table and writes
+step's time, the compile, is its own column, and Dynamo's recompiles are counted.
+``--cublas-workspace-mb N [N ...]`` runs every configuration once per cuBLAS workspace
+size (``default``: PyTorch's own, 32 MiB a stream on Hopper; a number of MiB: set through
+``CUBLAS_WORKSPACE_CONFIG`` and ``CUBLASLT_WORKSPACE_SIZE`` in its process, dense and
+CoMERA alike): the workspace is allocated from the caching allocator, so at batch 1 it is
+a sizeable part of the peak. Each row records the paths the planner chose. Prints a table and writes
 ``experiments/results/bench_train_step.json`` after every row (a run cut short keeps
 what it measured; ``docs/BENCHMARKS.md`` is generated from committed results by
 ``experiments/bench_report.py``).
@@ -219,10 +223,22 @@ def _recompiles() -> int | None:
         return None
 
 
+def workspace_env(mb: int | None) -> dict[str, str]:
+    """The environment that sets cuBLAS's and cuBLASLt's workspace to ``mb`` MiB (one
+    workspace a stream; nothing for None, PyTorch's default). Read when a process first
+    uses cuBLAS."""
+    if mb is None:
+        return {}
+    return {"CUBLAS_WORKSPACE_CONFIG": f":{mb * 1024}:1", "CUBLASLT_WORKSPACE_SIZE": str(mb * 1024)}
+
+
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(spec["threads"])}
     family, kernels = PATH_CHOICES[spec.get("paths", "auto")]
     env.update(COMERA_PATHS=family, COMERA_KERNELS=kernels)
+    for key in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE"):
+        env.pop(key, None)  # the row's own setting, not the caller's
+    env.update(workspace_env(spec.get("cublas_workspace_mb")))
     proc = subprocess.run(
         [sys.executable, __file__, "--one", json.dumps(spec)],
         capture_output=True,
@@ -265,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ungrouped", action="store_true",
                         help="every TT linear merges its own halves (TrainStep(grouped="
                              "False)); by default a GPU step merges them per shape at once")
+    parser.add_argument("--cublas-workspace-mb", nargs="+", default=["default"],
+                        metavar="MIB",
+                        help="run every configuration once per cuBLAS workspace size: "
+                             "'default' (PyTorch's) or a number of MiB (dense and CoMERA "
+                             "alike)")
     parser.add_argument("--steps", type=int, default=20 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--min-seconds", type=float, default=3.0,
@@ -284,6 +305,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name}: must be a positive integer")
     if args.warmup < 0 or args.min_seconds < 0:
         parser.error("--warmup/--min-seconds: must be >= 0")
+    workspaces: list[int | None] = []
+    for value in args.cublas_workspace_mb:
+        if value == "default":
+            workspaces.append(None)
+        elif value.isdigit() and int(value) >= 1:
+            workspaces.append(int(value))
+        else:
+            parser.error(f"--cublas-workspace-mb: 'default' or a positive number of MiB, "
+                         f"got {value!r}")
     if args.one:
         print(json.dumps(measure(json.loads(args.one))))
         return 0
@@ -300,15 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets:
         for batch in args.batches:
             modes = None if args.compile is None else (args.compile or ["default"])
-            for graph, compiled, variant, paths, grouped in _grid(
-                    graphs, args.paths, args.eager_paths, modes, args.grouped_step,
-                    args.compile_dense):
+            for workspace, (graph, compiled, variant, paths, grouped) in (
+                    (w, g) for w in workspaces for g in _grid(
+                        graphs, args.paths, args.eager_paths, modes, args.grouped_step,
+                        args.compile_dense)):
                 spec = {
                     "preset": preset, "batch": batch, "variant": variant, "graph": graph,
                     "device": device, "steps": args.steps, "min_seconds": args.min_seconds,
                     "warmup": max(args.warmup, 4 if graph else 1 if compiled else 0),
                     "threads": args.threads, "paths": paths, "compile": compiled,
                     "grouped": grouped, "ungrouped": args.ungrouped,
+                    "cublas_workspace_mb": workspace,
                 }
                 row = run_child(spec, args.timeout)
                 rows.append(row)
@@ -370,11 +402,12 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ok = [r for r in rows if "error" not in r]
 
     def key(r: dict[str, Any]) -> tuple:
-        return (r["preset"], r["batch"], r["graph"], r.get("compile") or False)
+        return (r["preset"], r["batch"], r["graph"], r.get("cublas_workspace_mb"),
+                r.get("compile") or False)
 
     dense_of = {key(r): r for r in ok if r["variant"] == "dense"}
     for tt in ok:  # a compiled CoMERA row without a compiled dense one: the eager dense
-        dense = dense_of.get(key(tt)) or dense_of.get((*key(tt)[:3], False))
+        dense = dense_of.get(key(tt)) or dense_of.get((*key(tt)[:4], False))
         if tt["variant"] != "comera" or dense is None:
             continue
         out.append(
@@ -388,6 +421,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "recompiles": tt.get("recompiles"),
                 "grouped": bool(tt.get("grouped")),
                 "ungrouped": bool(tt.get("ungrouped")),
+                "cublas_workspace_mb": tt.get("cublas_workspace_mb"),
                 "dense_ms": dense["step_ms_median"],
                 "comera_ms": tt["step_ms_median"],
                 "speedup": dense["step_ms_median"] / tt["step_ms_median"],
@@ -418,7 +452,8 @@ def markdown(result: dict[str, Any]) -> str:
         paths = (r.get("paths", "auto") + (f", compiled ({_compile_mode(r['compile'])}, "
                                             f"first step {r.get('first_step_ms') or 0:.0f} ms)"
                                             if r.get("compile") else "")
-                 + (", grouped step" if r.get("grouped") else ""))
+                 + (", grouped step" if r.get("grouped") else "")
+                 + _workspace_text(r))
         lines.append(
             f"| {r['preset']} | {r['batch']} | {'yes' if r['graph'] else 'no'} | {paths} | "
             f"{r['dense_ms']:.1f} | {r['comera_ms']:.1f} | {r['speedup']:.2f}x | "
@@ -447,11 +482,18 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _workspace_text(r: dict[str, Any]) -> str:
+    """``, cuBLAS workspace N MiB`` for a row run with ``--cublas-workspace-mb N``."""
+    mb = r.get("cublas_workspace_mb")
+    return "" if mb is None else f", cuBLAS workspace {mb} MiB"
+
+
 def _row_text(r: dict[str, Any]) -> str:
     paths = (f" {r.get('paths', 'auto')}" if r["variant"] == "comera" else "") + (
         f" compiled {_compile_mode(r['compile'])} (first step "
         f"{r.get('first_step_ms') or 0:.0f} ms, {r.get('recompiles')} recompiles)"
-        if r.get("compile") else "") + (" grouped" if r.get("grouped") else "")
+        if r.get("compile") else "") + (" grouped" if r.get("grouped") else "") + (
+        _workspace_text(r))
     head = (f"{r['preset']:>5} b={r['batch']:<4} {r['variant']:>6} graph={r['graph']!s:<5}"
             f"{paths}")
     if "error" in r:

@@ -190,6 +190,68 @@ def test_bench_train_step_times_until_min_seconds_and_writes_json(tmp_path, caps
     assert "--steps" in refused(capsys, [*cmd, "--steps", "0"])
 
 
+def test_bench_train_step_sets_the_cublas_workspace_per_row_and_pairs_by_it(capsys) -> None:
+    """``--cublas-workspace-mb``: a row's process gets cuBLAS's and cuBLASLt's workspace in
+    their environment variables' units (KiB, one workspace a stream), nothing for
+    PyTorch's default; a CoMERA row is compared with the dense row of its own workspace;
+    a size that is not a positive number of MiB is refused."""
+    bts = script(ROOT / "experiments" / "bench_train_step.py")
+    assert bts.workspace_env(None) == {}
+    assert bts.workspace_env(4) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:1",
+                                    "CUBLASLT_WORKSPACE_SIZE": "4096"}
+    row = {"preset": "tiny", "batch": 1, "graph": False, "step_ms_median": 1.0,
+           "peak_mem_mb": 1.0, "params": 1}
+    rows = [{**row, "variant": "dense", "cublas_workspace_mb": None, "peak_mem_mb": 40.0},
+            {**row, "variant": "dense", "cublas_workspace_mb": 4, "peak_mem_mb": 12.0},
+            {**row, "variant": "comera", "cublas_workspace_mb": 4, "peak_mem_mb": 3.0},
+            {**row, "variant": "comera", "cublas_workspace_mb": None, "peak_mem_mb": 10.0}]
+    got = {r["cublas_workspace_mb"]: r["mem_ratio"] for r in bts.ratios(rows)}
+    assert got == {4: 4.0, None: 4.0}
+    for bad in ("0", "x", "-4"):
+        assert "--cublas-workspace-mb" in refused(
+            capsys, [sys.executable, str(ROOT / "experiments" / "bench_train_step.py"),
+                     "--cublas-workspace-mb", bad])
+
+
+def test_bench_memory_counts_live_storages_as_a_hand_count_gives() -> None:
+    """The CPU proxy of a step's peak memory (experiments/bench_memory.py) follows each
+    storage an op creates until it is freed: a view adds nothing, an in-place op nothing,
+    a freed tensor leaves the count; the peak is the most held at once."""
+    bm = script(ROOT / "experiments" / "bench_memory.py")
+    with bm.LiveBytes() as live:
+        x = torch.ones(1024)  # 4 KiB
+        v = x.view(32, 32).t()  # a view: nothing new
+        x.add_(1)  # in place: nothing new
+        y = x * 2  # 4 KiB more
+        del x, v
+        z = y + 1  # x freed first: still 8 KiB at most
+        assert live.now == 8192
+        del y, z
+    assert live.now == 0 and live.peak == 8192
+
+
+def test_bench_memory_splits_a_steps_peak_into_state_and_step(tmp_path) -> None:
+    """Smoke run on the tiny transformer, fp32: per variant the state the step starts
+    from is the parameters and AdamW's two moments (3 × 4 bytes a parameter, counted
+    here from the parameter count; AdamW's step counters aside), the step's own peak
+    holds at least the gradients, and CoMERA's whole peak is below dense's."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "bench_memory.py"), "--presets", "tiny",
+           "--batches", "1", "--amp", "off", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r["variant"]: r for r in json.loads(
+        (tmp_path / "bench_memory_cpu.json").read_text())["rows"]}
+    for r in rows.values():
+        assert r["state_mb"] == pytest.approx(12 * r["params"] / 2**20, rel=1e-2)
+        assert r["step_peak_mb"] >= r["grads_mb"] >= 4 * r["params"] / 2**20 * 0.99
+        assert r["peak_mb"] == pytest.approx(r["state_mb"] + r["step_peak_mb"])
+    assert rows["dense"]["peak_mb"] > rows["comera"]["peak_mb"]
+    assert rows["comera"]["ratio"] == pytest.approx(
+        rows["dense"]["peak_mb"] / rows["comera"]["peak_mb"])
+    assert [line.split("|")[3].strip() for line in out.stdout.splitlines()[2:4]] == [
+        "dense", "comera"]
+
+
 def test_bench_step_overheads_writes_table_and_json(tmp_path, capsys) -> None:
     cmd = [sys.executable, str(ROOT / "experiments" / "bench_step_overheads.py"),
            "--preset", "tiny", "--rounds", "1", "--reps", "1", "--out", str(tmp_path)]
