@@ -230,15 +230,17 @@ def test_bench_memory_counts_live_storages_as_a_hand_count_gives() -> None:
     assert live.now == 0 and live.peak == 8192
 
 
-def test_bench_memory_splits_a_steps_peak_into_state_and_step(tmp_path) -> None:
-    """Smoke run on the tiny transformer, fp32: per variant the state the step starts
-    from is the parameters and AdamW's two moments (3 × 4 bytes a parameter, counted
-    here from the parameter count; AdamW's step counters aside), the step's own peak
-    holds at least the gradients, and CoMERA's whole peak is below dense's."""
-    cmd = [sys.executable, str(ROOT / "experiments" / "bench_memory.py"), "--presets", "tiny",
-           "--batches", "1", "--amp", "off", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_bench_memory_splits_a_steps_peak_into_state_and_step(tmp_path, capsys,
+                                                              monkeypatch) -> None:
+    """Smoke run on the tiny transformer, fp32 (each row measured in this process, not in
+    one of its own): per variant the state the step starts from is the parameters and
+    AdamW's two moments (3 × 4 bytes a parameter, counted here from the parameter count;
+    AdamW's step counters aside), the step's own peak holds at least the gradients, and
+    CoMERA's whole peak is below dense's."""
+    bm = script(ROOT / "experiments" / "bench_memory.py")
+    monkeypatch.setattr(bm, "_one", lambda spec, out: out.write_text(
+        json.dumps(bm.measure(**spec))))
+    bm.main(["--presets", "tiny", "--batches", "1", "--amp", "off", "--out", str(tmp_path)])
     rows = {r["variant"]: r for r in json.loads(
         (tmp_path / "bench_memory_cpu.json").read_text())["rows"]}
     for r in rows.values():
@@ -248,8 +250,8 @@ def test_bench_memory_splits_a_steps_peak_into_state_and_step(tmp_path) -> None:
     assert rows["dense"]["peak_mb"] > rows["comera"]["peak_mb"]
     assert rows["comera"]["ratio"] == pytest.approx(
         rows["dense"]["peak_mb"] / rows["comera"]["peak_mb"])
-    assert [line.split("|")[3].strip() for line in out.stdout.splitlines()[2:4]] == [
-        "dense", "comera"]
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split("|")[3].strip() for line in table[2:4]] == ["dense", "comera"]
 
 
 def test_bench_step_overheads_writes_table_and_json(tmp_path, capsys) -> None:
