@@ -215,7 +215,20 @@ def shot(page: Any, name: str) -> None:
 
 
 def nav(page: Any, title: str) -> None:
-    page.get_by_test_id("stSidebarNavLink").filter(has_text=title).first.click()
+    """Click the sidebar's link to the page ``title`` until the address is that page's (a
+    click while the app is still redrawing after a button can be lost: seen once in CI,
+    after Archive)."""
+    link = page.get_by_test_id("stSidebarNavLink").filter(has_text=title).first
+    target = link.evaluate("e => e.href").split("?")[0].rstrip("/")
+    for _ in range(3):
+        link.click()
+        try:
+            wait_until(lambda: page.url.split("?")[0].rstrip("/") == target, 10,
+                       f"the address of {title}")
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"the sidebar link to {title} did not open {target} (at {page.url})")
 
 
 def metric_text(page: Any, label: str) -> str:
