@@ -16,6 +16,13 @@ fused CPU AdamW) followed by :meth:`comera_engine.CoMERA.step`, in four variants
 * ``late``: the late stage (λ, the effective size, the pace's checks);
 * ``fixed ranks reached``: after the target is met (ranks fixed, task loss alone).
 
+``--ablate`` adds three rows between ``gates trained`` and ``early``, each the ``gates
+trained`` step with one part of the early stage's objective added to its loss (no
+controller work): ``+ loss root`` (``f + c·k``, ``k`` a constant: the objective's own
+node), ``+ size value`` (``f + c·Ŝ`` with ``Ŝ`` computed without a gradient) and ``+ size
+term`` (``f + c·Ŝ`` through autograd, as the early stage adds it); written to
+experiments/results/bench_controller_ablate_cpu.json instead.
+
 No gate dies while timing (the threshold is 0), so every variant keeps the same ranks,
 and every round starts each variant from where it was after the warm-up (its parameters,
 buffers and optimizer state put back in place): trained on and on, the one batch is learnt
@@ -72,11 +79,39 @@ def _batch(shape, batch_size: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
             "labels": torch.randint(0, classes, (batch_size,), generator=g)}
 
 
-def _variants(config: str) -> tuple[dict[str, Callable[[], object]],
-                                    dict[str, Callable[[], None]], dict]:
+#: ``--ablate``'s rows: a part of the early stage's objective added to the loss of the
+#: ``gates trained`` step (module doc)
+ABLATIONS = ("+ loss root", "+ size value", "+ size term")
+
+
+def _ablation(name: str, trains: list, coef: float) -> Callable:  # noqa: ANN001
+    """The objective ``f -> (f + coef·x, {})`` of an ``--ablate`` row: ``x`` a constant,
+    ``Ŝ`` without a gradient, or ``Ŝ`` through autograd."""
+    from comera_engine.tensor.size import surrogate
+
+    c = torch.tensor(coef)
+    const = torch.tensor(1.0)
+
+    def objective(f: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if name == "+ loss root":
+            x = const
+        elif name == "+ size value":
+            with torch.no_grad():
+                x = surrogate(trains)
+        else:
+            x = surrogate(trains)
+        return torch.addcmul(f, c, x), {}
+
+    return objective
+
+
+def _variants(config: str, ablate: bool = False) -> tuple[dict[str, Callable[[], object]],
+                                                          dict[str, Callable[[], None]], dict]:
     """One step function per variant, each over its own copy of the model, and for each
-    the function that puts it back at its starting state (:func:`_restorer`)."""
+    the function that puts it back at its starting state (:func:`_restorer`); with
+    ``ablate`` the :data:`ABLATIONS` rows too."""
     from comera_engine.config import load_config
+    from comera_engine.layers import tt_layers
     from comera_engine.models import TaskModel
     from comera_engine.preview import data_shape
     from comera_engine.rank import CoMERA
@@ -95,10 +130,12 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]],
     resets: dict[str, Callable[[], None]] = {}
     info: dict = {"params": sum(p.numel() for p in base.parameters()),
                   "batch": cfg.train.batch_size}
-    for variant in ("fixed", "gates trained", "early", "late", "fixed ranks reached"):
+    variants = ("fixed", "gates trained", *(ABLATIONS if ablate else ()), "early", "late",
+                "fixed ranks reached")
+    for variant in variants:
         model = copy.deepcopy(base)
         settings = dataclasses.replace(cfg.comera, tau=0.0)
-        if variant in ("fixed", "gates trained"):
+        if variant in ("fixed", "gates trained", *ABLATIONS):
             settings = dataclasses.replace(settings, method="fixed")
         if variant == "early":  # stays in the early stage however long it is timed
             settings = dataclasses.replace(settings, switch="never")
@@ -110,7 +147,12 @@ def _variants(config: str) -> tuple[dict[str, Callable[[], object]],
         if variant == "fixed ranks reached":
             comera.freeze()
         opt = comera.make_optimizer()
-        step = TrainStep(TaskModel(model, task), opt, comera.objective_fn(),
+        objective = comera.objective_fn()
+        if variant in ABLATIONS:  # the early stage's coefficient, γ/S₀
+            trains = [m.tt for _, m in tt_layers(model)]
+            s0 = sum(t.num_params(False) for t in trains)
+            objective = _ablation(variant, trains, cfg.comera.gamma / max(1, s0))
+        step = TrainStep(TaskModel(model, task), opt, objective,
                          model.parameters(), cfg.train.grad_clip, None)
 
         def run(step: TrainStep = step, comera: CoMERA = comera,
@@ -144,14 +186,15 @@ def _restorer(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[]
     return restore
 
 
-def bench(config: str, rounds: int, reps: int, builds: int) -> list[dict]:
+def bench(config: str, rounds: int, reps: int, builds: int, ablate: bool = False
+          ) -> list[dict]:
     """The rows of one config: ``rounds`` rounds in all, spread over ``builds`` fresh
     builds of the variants (new tensors at new addresses: where a model's tensors happen
     to lie moved one variant's time by a few per cent for a whole process)."""
     times: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     for b in range(builds):
-        fns, resets, info = _variants(config)
+        fns, resets, info = _variants(config, ablate)
         part = rounds // builds + (1 if b < rounds % builds else 0)
         part_cpu: dict[str, list[float]] = {}
         part_times = time_rounds(fns, torch.device("cpu"), part, reps, warmup=3,
@@ -191,7 +234,7 @@ def _in_processes(argv: list[str], processes: int) -> list[dict]:
             if done.returncode != 0:
                 sys.stderr.write(done.stderr)
                 raise SystemExit(f"bench_controller: process {i + 1} of {processes} failed")
-            runs.append(json.loads((out / "bench_controller_cpu.json").read_text())["rows"])
+            runs.append(json.loads((out / _name("--ablate" in argv)).read_text())["rows"])
     rows = []
     for k, row in enumerate(runs[0]):
         same = [run[k] for run in runs]
@@ -211,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fresh builds of the variants the rounds are spread over")
     ap.add_argument("--processes", type=int, default=3,
                     help="runs in fresh processes; rows are their medians")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also the gates-trained step plus each part of the early stage's "
+                         "objective (module doc)")
     args = ap.parse_args(argv)
     for name in ("builds", "processes"):
         if getattr(args, name) < 1:
@@ -235,22 +281,25 @@ def main(argv: list[str] | None = None) -> int:
         cols.append(("range", "vs fixed, per process", ""))
     else:
         rows = [row for name in args.configs
-                for row in bench(name, args.rounds, args.reps, args.builds)]
+                for row in bench(name, args.rounds, args.reps, args.builds, args.ablate)]
     print(f"\nrank controller cost per training step, CPU, {args.threads} thread(s)"
           + (f", median of {args.processes} processes" if args.processes > 1 else ""))
-    print_and_write(rows, cols,
-                    "bench_controller_cpu", {"machine": machine(), "threads": args.threads,
-                                             "rounds": args.rounds, "reps": args.reps,
-                                             "builds": args.builds,
-                                             "processes": args.processes,
-                                             "paired": True,
-                                             "mmap_threshold": heap, "rows": rows}, args.out)
+    print_and_write(rows, cols, _name(args.ablate).removesuffix(".json"),
+                    {"machine": machine(), "threads": args.threads, "rounds": args.rounds,
+                     "reps": args.reps, "builds": args.builds, "processes": args.processes,
+                     "paired": True, "mmap_threshold": heap, "rows": rows}, args.out)
     if args.processes > 1:  # the README quotes it from the results file
         print(sentence(rows))
     return 0
 
 
 NAMES = {"digits_tt_mlp": "digits", "snli_transformer_tiny": "SNLI-tiny"}
+
+
+def _name(ablate: bool) -> str:
+    """The results file: the ``--ablate`` rows in their own (the page and README read
+    bench_controller_cpu.json)."""
+    return "bench_controller_ablate_cpu.json" if ablate else "bench_controller_cpu.json"
 
 
 def sentence(rows: list[dict]) -> str:
