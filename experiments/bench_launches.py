@@ -8,7 +8,9 @@ floor (about 17 µs a kernel on an H100 even inside a CUDA graph, docs/BENCHMARK
 What is counted, per case, over ``--reps`` calls after one warm-up call (the per-call mean):
 
 * on CUDA (``--device cuda``): every kernel, memcpy and memset the profiler records on the
-  device (``torch.profiler``, CUDA activity): what a CUDA graph replays one by one.
+  device (``torch.profiler``, CUDA activity): what a CUDA graph replays one by one; and
+  their summed durations (``kernel_us``, µs per call) with the twelve kernel names that
+  take the most of it (``top_kernel_us``): where a step's device time goes.
 * on the CPU (the proxy): the ATen ops that reach the dispatcher below autograd (a
   ``TorchDispatchMode``: what autograd and the composite ops decompose into, each op once
   however it is implemented inside), less views (``OpOverload.is_view``) and ops that
@@ -120,6 +122,13 @@ def count(fn: Callable[[], object], device: torch.device, reps: int = 2) -> dict
         out["kernels"] = len(dev) / reps
         out["top_kernels"] = {k: v / reps for k, v in
                               Counter(e.name[:60] for e in dev).most_common(10)}
+        # where the device's time goes (the same kernels a graph replays, run eagerly
+        # here): their summed durations, and the twelve names that take the most
+        spent: Counter[str] = Counter()
+        for e in dev:
+            spent[e.name[:80]] += e.time_range.elapsed_us()
+        out["kernel_us"] = sum(spent.values()) / reps
+        out["top_kernel_us"] = {k: v / reps for k, v in spent.most_common(12)}
     return out
 
 
@@ -313,14 +322,15 @@ def main(argv: list[str] | None = None) -> int:
                 got = count(fn, device, args.reps)
             out["rows"].append({"layer": layer, "shape": shape, "path": path, **got})
             print(f"{layer:>12} {shape:>12} {path:>16}  ops {got['ops']:7.0f}  syncs "
-                  f"{got['syncs']:4.0f}" + (f"  kernels {got['kernels']:7.0f}"
+                  f"{got['syncs']:4.0f}" + (f"  kernels {got['kernels']:7.0f} "
+                                            f"({got['kernel_us']:.0f} µs)"
                                             if "kernels" in got else ""), flush=True)
             bl.write_json(name, out, args.out)  # a run cut short keeps what it counted
     rows = out["rows"]
     cols = [("layer", "layer", ""), ("shape", "shape", ""), ("path", "path", ""),
             ("ops", "ops", ".0f"), ("syncs", "syncs", ".0f")]
     if device.type == "cuda":
-        cols.append(("kernels", "kernels", ".0f"))
+        cols += [("kernels", "kernels", ".0f"), ("kernel_us", "kernel µs", ".0f")]
     print()
     bl.print_and_write(rows, cols, name, out, args.out)
     return 0
