@@ -115,6 +115,7 @@ def _variants(config: str, ablate: bool = False) -> tuple[dict[str, Callable[[],
     from comera_engine.models import TaskModel
     from comera_engine.preview import data_shape
     from comera_engine.rank import CoMERA
+    from comera_engine.rank.objective import CoMERAObjective
     from comera_engine.runplan import plan_initial_ranks
     from comera_engine.train.methods import build_run_model, freeze_gates
     from comera_engine.train.step import TrainStep
@@ -148,10 +149,10 @@ def _variants(config: str, ablate: bool = False) -> tuple[dict[str, Callable[[],
             comera.freeze()
         opt = comera.make_optimizer()
         objective = comera.objective_fn()
-        if variant in ABLATIONS:  # the early stage's coefficient, γ/S₀
-            trains = [m.tt for _, m in tt_layers(model)]
-            s0 = sum(t.num_params(False) for t in trains)
-            objective = _ablation(variant, trains, cfg.comera.gamma / max(1, s0))
+        if variant in ABLATIONS:  # the early stage's coefficient, γ/S₀, as its objective has it
+            early = CoMERAObjective(model, dataclasses.replace(settings, method="comera"))
+            objective = _ablation(variant, [m.tt for _, m in tt_layers(model)],
+                                  early.cfg.gamma / early.S0)
         step = TrainStep(TaskModel(model, task), opt, objective,
                          model.parameters(), cfg.train.grad_clip, None)
 

@@ -99,6 +99,7 @@ def measure(preset: str, batch: int, variant: str, amp: str) -> dict:
     """One row: the step's memory for ``variant`` (``dense`` or ``comera``)."""
     import torch
     from bench_train_step import build_transformer, nli_batch
+    from benchlib import state_bytes, tensor_bytes
 
     from comera_engine.layers import groupable_linears
     from comera_engine.models import TaskModel
@@ -120,18 +121,14 @@ def measure(preset: str, batch: int, variant: str, amp: str) -> dict:
         step(data)
     optimizer.zero_grad(set_to_none=True)
 
-    def nbytes(tensors) -> int:  # noqa: ANN001
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-    state_bytes = nbytes(model.parameters()) + nbytes(
-        v for st in optimizer.state.values() for v in st.values())
+    held = state_bytes(model.parameters(), optimizer)  # no gradients yet
     with LiveBytes() as live:
         step(data)
-    grads = nbytes(p.grad for p in model.parameters())
+    grads = tensor_bytes(p.grad for p in model.parameters())
     return {"preset": preset, "batch": batch, "variant": variant, "amp": amp,
             "params": sum(p.numel() for p in model.parameters()),
-            "state_mb": state_bytes / MB, "step_peak_mb": live.peak / MB,
-            "peak_mb": (state_bytes + live.peak) / MB, "grads_mb": grads / MB}
+            "state_mb": held / MB, "step_peak_mb": live.peak / MB,
+            "peak_mb": (held + live.peak) / MB, "grads_mb": grads / MB}
 
 
 def _one(spec: dict, out: Path) -> None:

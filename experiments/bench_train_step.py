@@ -93,6 +93,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     machine needs many samples for a stable median (runs in a child)."""
     import psutil
     import torch
+    from benchlib import state_bytes  # (this script's folder: sys.path[0] in its child)
 
     from comera_engine.models import TaskModel
     from comera_engine.rank import CoMERA
@@ -163,10 +164,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     made = choices_made()
     # what the training state holds (parameters, their gradients, the optimizer's
     # moments): the rest of the peak is activations, workspaces and the graph's pool
-    state_bytes = sum(t.numel() * t.element_size() for p in model.parameters()
-                      for t in (p, p.grad) if t is not None)
-    state_bytes += sum(v.numel() * v.element_size() for st in optimizer.state.values()
-                       for v in st.values() if isinstance(v, torch.Tensor))
+    held = state_bytes(model.parameters(), optimizer)
     return {
         **spec,
         "step_ms_median": 1e3 * statistics.median(times),
@@ -174,7 +172,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "first_step_ms": first_ms if spec["warmup"] else None,
         "steps_timed": len(times),
         "peak_mem_mb": peak / 2**20,
-        "state_mem_mb": state_bytes / 2**20,
+        "state_mem_mb": held / 2**20,
         "params": size["params/effective"],
         "loss": loss,
         "graph_reason": getattr(runner, "reason", None),

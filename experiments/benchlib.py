@@ -11,7 +11,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +151,19 @@ def time_rounds(fns: dict[str, Callable[[], object]], device: torch.device, roun
             if cpu is not None:
                 cpu[k].append((time.thread_time() - c0) / reps)
     return times
+
+
+def tensor_bytes(tensors: Iterable[object]) -> int:
+    """The bytes of the tensors among ``tensors`` (anything else, None included, counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """What a training state holds: the parameters, their gradients where set, and every
+    tensor of the optimizer's state (moments, step counters)."""
+    params = list(params)
+    return (tensor_bytes(params) + tensor_bytes(p.grad for p in params)
+            + tensor_bytes(v for st in optimizer.state.values() for v in st.values()))
 
 
 def training_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor],
