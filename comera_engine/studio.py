@@ -138,7 +138,7 @@ def _models(modules: Sequence[str], cwd: str) -> tuple[dict[str, Any], list[str]
 def _configs(models: Mapping[str, Any], cwd: str) -> dict[str, Any]:
     """The configs beside the registered models' modules (module docstring): those that
     parse and name one of the registered factories; others are left alone."""
-    from comera_engine.config import MAX_CONFIG_BYTES
+    from comera_engine.config import MAX_CONFIG_BYTES, PARSE_DEPTH, toml_nesting
 
     try:
         import tomllib
@@ -157,7 +157,10 @@ def _configs(models: Mapping[str, Any], cwd: str) -> dict[str, Any]:
             try:
                 if path.stat().st_size > MAX_CONFIG_BYTES:
                     continue
-                raw = tomllib.loads(path.read_text(encoding="utf-8"))
+                text = path.read_text(encoding="utf-8")
+                if toml_nesting(text) > PARSE_DEPTH:
+                    continue
+                raw = tomllib.loads(text)
             except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
                 continue
             model, data = raw.get("model"), raw.get("data")

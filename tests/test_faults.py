@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from comera_engine.cli import main
+from comera_engine.config import read
 from comera_engine.store import RunStore
 from tests.store_checks import frozen_lock_holder
 from tests.test_launch import store  # the fixture: a store whose processes are reaped
@@ -273,9 +274,16 @@ def _deep(n: int) -> str:
                                   "list of 300 (file)", "5000-deep (file)",
                                   "5000-deep (--set)", "7-deep (file)"])
 def test_oversized_configs_are_refused_before_anything_is_built(
-        case: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        case: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 3: size, list length and nesting are bounded before the config is built:
-    exit 2, one line naming the field, for ``launch`` and ``train``."""
+    exit 2, one line naming the field, for ``launch`` and ``train``. Deep nesting is
+    refused before ``tomllib`` sees it (a parse that reaches the recursion limit once broke
+    a finalizer the garbage collector ran at that depth)."""
+    parsed = []
+    loads = read.tomllib.loads
+    monkeypatch.setattr(read.tomllib, "loads",
+                        lambda text: parsed.append(text) or loads(text))
     text = CONFIG.read_text()
     where, sets = "config", []
     if case == "million-entry list (file)":
@@ -299,6 +307,26 @@ def test_oversized_configs_are_refused_before_anything_is_built(
     _refused(["train", str(path), *sets, "--run-dir", str(tmp_path / "run"), "--no-progress"],
              capsys, where)
     assert not db.exists() and not (tmp_path / "run").exists()
+    assert not any("[" * 100 in text for text in parsed)
+
+
+@pytest.mark.parametrize("value", [
+    "1", "[1, [2, [3]]]", "{b = {c = [[1], [2]]}}", "[]", "[[[{}]]]  # ]]] [[[",
+    '["[[[[", \'{{\', """\n]]] [[[ \n""", \'\'\'[[\'\'\', [{a = "}}"}]]',
+])
+def test_toml_nesting_counts_what_tomllib_recurses_into(value: str) -> None:
+    """The depth counted without parsing is the depth of the parsed inline value (what
+    tomllib recurses into); brackets in strings and comments count nothing, and a table
+    header counts its own brackets, closed on its line."""
+    def depth(item: object) -> int:
+        if isinstance(item, dict | list):
+            inner = item.values() if isinstance(item, dict) else item
+            return 1 + max((depth(v) for v in inner), default=0)
+        return 0
+    for text in (f"v = {value}", f"[t]\n[[u]]\nv = {value}\n[w]\nx = 1"):
+        parsed = read.tomllib.loads(text)
+        inner = parsed["v"] if "v" in parsed else parsed["u"][0]["v"]
+        assert read.toml_nesting(text) == max(depth(inner), 2 if "[[u]]" in text else 0)
 
 
 def test_a_long_value_is_cut_in_the_message(tmp_path: Path,

@@ -22,11 +22,13 @@ method's business: :mod:`comera_engine.rank.schedule`.
 """
 
 from .read import (
+    PARSE_DEPTH,
     apply_override,
     check_bounds,
     config_from_dict,
     load_config,
     parse_value,
+    toml_nesting,
 )
 from .schema import (
     ANY_NUMBER,
@@ -76,11 +78,11 @@ from .write import to_toml, toml_value
 __all__ = [
     "ANY_NUMBER", "BOUNDS", "DATA_BOUNDS", "DEFAULT_TT_LAYERS", "LINEAR_LAYOUTS",
     "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_LIST", "MAX_NAME", "MAX_OVERRIDE_CHARS", "METHODS",
-    "MODEL_FIELDS", "MODEL_NAMES", "OPTIMIZERS", "PRESETS", "QUANTIZE", "SCHEDULE_NAMES",
-    "SECTIONS", "TENSORIZE_BOUNDS", "TENSORIZE_KEYS", "TT_IMPLS", "TT_LAYER_KINDS",
-    "USER_TASKS", "Bound", "CoMERAConfig", "Config", "ModelConfig", "TrainConfig",
+    "MODEL_FIELDS", "MODEL_NAMES", "OPTIMIZERS", "PARSE_DEPTH", "PRESETS", "QUANTIZE",
+    "SCHEDULE_NAMES", "SECTIONS", "TENSORIZE_BOUNDS", "TENSORIZE_KEYS", "TT_IMPLS",
+    "TT_LAYER_KINDS", "USER_TASKS", "Bound", "CoMERAConfig", "Config", "ModelConfig", "TrainConfig",
     "apply_override", "check_bounds", "check_choice", "check_data_numbers",
     "check_entry_point", "check_number", "check_run_name", "check_task", "config_from_dict",
-    "load_config", "parse_value", "refuse_unknown", "to_toml", "toml_value", "validate",
-    "validate_comera", "validate_methods", "validate_user_model",
+    "load_config", "parse_value", "refuse_unknown", "to_toml", "toml_nesting",
+    "toml_value", "validate", "validate_comera", "validate_methods", "validate_user_model",
 ]

@@ -104,9 +104,22 @@ PHASES = ("preparing data", "training tokenizer", "building", "training", "evalu
           "checkpointing", "exporting", "done")
 
 
+_ISSUED: dict[str, set[str]] = {}  # this second's ids, drawn by this process
+
+
 def new_run_id() -> str:
-    """Sortable, unique-enough id: ``YYYYmmdd-HHMMSS-xxxx``."""
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    """Sortable id ``YYYYmmdd-HHMMSS-xxxx``, never repeated by one process (16 random bits
+    collide within a second one time in ~300 for 20 ids); callers still check the store
+    or the folder for another process's id."""
+    second = time.strftime("%Y%m%d-%H%M%S")
+    issued = _ISSUED.setdefault(second, set())
+    if len(_ISSUED) > 1:  # a new second: forget the others
+        for old in [k for k in _ISSUED if k != second]:
+            del _ISSUED[old]
+    while (tail := secrets.token_hex(2)) in issued:
+        pass
+    issued.add(tail)
+    return f"{second}-{tail}"
 
 
 def _check_status(status: str) -> None:

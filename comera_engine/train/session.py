@@ -327,7 +327,9 @@ def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None)
     from comera_engine.store.runs import new_run_id  # time + random: one folder per run
 
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
-    return Path("runs") / f"{new_run_id()}-{safe}"
+    while (folder := Path("runs") / f"{new_run_id()}-{safe}").exists():
+        pass  # another process's run drew the same id this second
+    return folder
 
 
 def plan_from_config(cfg: Any) -> Any:
