@@ -215,16 +215,17 @@ def shot(page: Any, name: str) -> None:
 
 
 def nav(page: Any, title: str) -> None:
-    """Click the sidebar's link to the page ``title`` until the address is that page's (a
-    click while the app is still redrawing after a button can be lost: seen once in CI,
-    after Archive)."""
+    """Click the sidebar's link to the page ``title`` until the address is that page's:
+    the first click on a link is often lost (most of a run of this file's navigations;
+    synthetic clicks alike), and a second one lands at once; clicking again while the
+    first is on its way is harmless."""
     link = page.get_by_test_id("stSidebarNavLink").filter(has_text=title).first
     target = link.evaluate("e => e.href").split("?")[0].rstrip("/")
-    for _ in range(3):
+    for _ in range(20):
         link.click()
         try:
-            wait_until(lambda: page.url.split("?")[0].rstrip("/") == target, 10,
-                       f"the address of {title}")
+            wait_until(lambda: page.url.split("?")[0].rstrip("/") == target, 1.5,
+                       f"the address of {title}", every=0.1)
             return
         except AssertionError:
             continue
@@ -232,12 +233,16 @@ def nav(page: Any, title: str) -> None:
 
 
 def metric_text(page: Any, label: str) -> str:
-    loc = page.locator('[data-testid="stMetric"]').filter(
-        has=page.locator('[data-testid="stMetricLabel"]',
-                         has_text=re.compile(f"^{re.escape(label)}$")))
-    if loc.count() == 0:
-        return ""
-    return loc.first.locator('[data-testid="stMetricValue"]').inner_text()
+    """The value of the first metric tile labelled ``label`` ("" when there is none), in
+    one round trip to the page."""
+    return page.evaluate("""label => {
+        for (const m of document.querySelectorAll('[data-testid="stMetric"]')) {
+            const name = m.querySelector('[data-testid="stMetricLabel"]');
+            const value = m.querySelector('[data-testid="stMetricValue"]');
+            if (name && value && name.innerText.trim() === label) return value.innerText;
+        }
+        return '';
+    }""", label)
 
 
 def current_step(page: Any) -> int:
@@ -258,21 +263,16 @@ def chart_points(page: Any, key: str) -> int:
 
 def live_chart_traces(page: Any) -> dict[str, int]:
     """Per Live-page chart on screen (key -> traces drawn in it): a chart being mounted
-    again is blank for a moment (0), one taken down is missing."""
-    out: dict[str, int] = {}
-    for handle in page.locator('[class*="st-key-ch-"] iframe').element_handles():
-        try:
-            key = handle.evaluate(
-                "f => Array.from(f.closest('[data-testid=\"stElementContainer\"]').classList)"
-                ".find(c => c.startsWith('st-key-')).slice(7)")
-            shown = handle.evaluate("f => f.getBoundingClientRect().height > 0")
-            frame = handle.content_frame()
-            out[key] = int(frame.evaluate(
-                "() => document.querySelectorAll('.live-chart .trace, .live-chart .hm, "
-                ".live-chart image').length")) if shown and frame else 0
-        except Exception:  # noqa: BLE001 - an element going away counts as not drawn
-            continue
-    return out
+    again is blank for a moment (0), one taken down is missing. One round trip to the
+    page (the charts' frames are same-origin ``srcdoc`` frames)."""
+    return page.evaluate("""() => Object.fromEntries(
+        Array.from(document.querySelectorAll('[class*="st-key-ch-"] iframe')).map(f => {
+            const box = f.closest('[data-testid="stElementContainer"]');
+            const key = box && Array.from(box.classList).find(c => c.startsWith('st-key-'));
+            const doc = f.getBoundingClientRect().height > 0 && f.contentDocument;
+            return [key ? key.slice(7) : '', doc ? doc.querySelectorAll(
+                '.live-chart .trace, .live-chart .hm, .live-chart image').length : 0];
+        }).filter(([key]) => key))""")
 
 
 def drawn_live_charts(page: Any) -> int:

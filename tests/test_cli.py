@@ -359,21 +359,20 @@ def test_a_config_that_is_not_utf8_names_the_file(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("home", ["file", "/proc/comera-home"])
-def test_an_unusable_home_is_one_line(home, tmp_path) -> None:
+def test_an_unusable_home_is_one_line(home, tmp_path, capsys, monkeypatch) -> None:
     """COMERA_HOME that is a plain file, or a folder that cannot be made: launch and a
     foreground train with --store refuse in one line, exit 2, no traceback."""
     if home == "file":
         home = str(tmp_path / "plain")
         Path(home).write_text("not a folder")
     cfg = write(tmp_path, DIGITS)
+    monkeypatch.setenv("COMERA_HOME", home)
     for argv in (["launch", str(cfg)], ["train", str(cfg), "--store", f"{home}/comera.db",
                                         "--run-id", "x", "--run-dir", str(tmp_path / "r")]):
-        out = subprocess.run([sys.executable, "-m", "comera_engine.cli", *argv],
-                             capture_output=True, text=True, timeout=120, cwd=ROOT,
-                             env={**os.environ, "COMERA_HOME": home})
-        assert out.returncode == 2, (argv, out.stderr[-1500:])
-        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
-        assert "writable folder" in out.stderr or "no run store" in out.stderr, out.stderr
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert "writable folder" in err or "no run store" in err, err
 
 
 REFUSED_LAUNCHES = {
@@ -385,17 +384,16 @@ REFUSED_LAUNCHES = {
 
 
 @pytest.mark.parametrize("problem", sorted(REFUSED_LAUNCHES))
-def test_a_refused_launch_creates_no_store(problem, tmp_path) -> None:
+def test_a_refused_launch_creates_no_store(problem, tmp_path, capsys) -> None:
     """launch validates the config, and the [data] table against the dataset registry,
     before the run store is opened: a refused launch leaves no database behind."""
     cfg = str(tmp_path / "missing.toml") if problem == "missing file" else str(
         write(tmp_path, DIGITS))
     extra = REFUSED_LAUNCHES[problem]
     db = tmp_path / "home" / "comera.db"
-    out = subprocess.run([sys.executable, "-m", "comera_engine.cli", "launch", cfg, *extra,
-                          "--store", str(db)], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert main(["launch", cfg, *extra, "--store", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
     assert not db.exists() and not db.parent.exists()
 
 

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -174,14 +171,14 @@ def test_ranks_are_chosen_from_the_target_up_or_down(target: float, headroom: fl
     assert alloc_fewer < headroom * plan.target
 
 
-def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+def _cli(tmp_path: Path, capsys: pytest.CaptureFixture, *overrides: str) -> tuple[int, str]:
+    """``comera train`` of the tiny config with these overrides: (exit code, stderr)."""
+    from comera_engine.cli import main
+
     args = [a for o in overrides for a in ("--set", o)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "comera_engine.cli", "train", str(TINY), *args,
-         "--run-dir", str(tmp_path / "run"), "--no-progress"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    code = main(["train", str(TINY), *args, "--run-dir", str(tmp_path / "run"),
+                 "--no-progress"])
+    return code, capsys.readouterr().err
 
 
 # the data file does not exist: an error about the target (not about data.path) shows
@@ -189,33 +186,35 @@ def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
 NO_DATA = "data.path=/nonexistent/snli/dev.jsonl"
 
 
-def test_fixed_rank_with_a_target_it_already_passes_is_refused(tmp_path: Path) -> None:
-    proc = _cli(tmp_path, "model.rank=8", NO_DATA)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+def test_fixed_rank_with_a_target_it_already_passes_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, err = _cli(tmp_path, capsys, "model.rank=8", NO_DATA)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert re.match(r"^comera: error: model\.rank: .*16\.\dx.*remove model\.rank", lines[0])
     assert not (tmp_path / "run").exists()
 
 
-def test_launch_refuses_before_queueing(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "comera_engine.cli", "launch", str(TINY), "--set", "model.rank=8",
-         "--store", str(tmp_path / "store")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("comera: error: model.rank: ")
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_launch_refuses_before_queueing(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture) -> None:
+    from comera_engine.cli import main
+
+    code = main(["launch", str(TINY), "--set", "model.rank=8", "--store",
+                 str(tmp_path / "store")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("comera: error: model.rank: ")
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "store").exists()  # nothing queued
 
 
-def test_target_below_the_floor_is_refused(tmp_path: Path) -> None:
-    proc = _cli(tmp_path, "comera.target_compression=5000", NO_DATA)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+def test_target_below_the_floor_is_refused(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    code, err = _cli(tmp_path, capsys, "comera.target_compression=5000", NO_DATA)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith("comera: error: comera.target_compression: 5000x is beyond")
     assert "rank 1 everywhere" in lines[0]
     # the objective refuses it too, with the same line
