@@ -138,7 +138,7 @@ def _models(modules: Sequence[str], cwd: str) -> tuple[dict[str, Any], list[str]
 def _configs(models: Mapping[str, Any], cwd: str) -> dict[str, Any]:
     """The configs beside the registered models' modules (module docstring): those that
     parse and name one of the registered factories; others are left alone."""
-    from comera_engine.config import MAX_CONFIG_BYTES, PARSE_DEPTH, toml_nesting
+    from comera_engine.config import MAX_CONFIG_BYTES, PARSE_DEPTH, bracket_depth
 
     try:
         import tomllib
@@ -158,7 +158,7 @@ def _configs(models: Mapping[str, Any], cwd: str) -> dict[str, Any]:
                 if path.stat().st_size > MAX_CONFIG_BYTES:
                     continue
                 text = path.read_text(encoding="utf-8")
-                if toml_nesting(text) > PARSE_DEPTH:
+                if bracket_depth(text) > PARSE_DEPTH:
                     continue
                 raw = tomllib.loads(text)
             except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):

@@ -583,6 +583,29 @@ def test_hostile_and_corrupt_files_are_refused(good_file: Path, tmp_path: Path) 
         assert msg.startswith(str(path)) and "\n" not in msg, msg
 
 
+def test_deep_json_is_refused_before_it_is_parsed(good_file: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header, or the CoMERA document in it, nested 5,000 deep is refused as not valid
+    JSON without being handed to ``json.loads`` (which would recurse to Python's limit)."""
+    parsed: list[str] = []
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda text, *a, **k: parsed.append(
+        text if isinstance(text, str) else text.decode()) or loads(text, *a, **k))
+    deep = "[" * 5000 + "]" * 5000
+    header, data = _split(good_file)
+    header["__metadata__"]["comera"] = deep
+    doc = _raw_safetensors(tmp_path / "deep_doc.safetensors", header, data)
+    whole = tmp_path / "deep_header.safetensors"
+    whole.write_bytes(struct.pack("<Q", len(deep)) + deep.encode())
+    for path, match in ((doc, "'comera' is not valid JSON"),
+                        (whole, "header is not valid JSON")):
+        with pytest.raises(ValueError, match=match):
+            load(path)
+    # the first file's header was parsed (the deep document is a string in it), not the
+    # document, nor the second file's header
+    assert parsed and not any(t.startswith("[" * 100) for t in parsed)
+
+
 def test_pickle_payloads_are_never_unpickled(good_file: Path, tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     payload = pickle.dumps({"state": _Armed(marker)}, protocol=4)

@@ -9,6 +9,7 @@ folder, names, checkpoint checksums and the run lock."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from comera_engine.cli import main
-from comera_engine.config import read
+from comera_engine.config import nesting, read
 from comera_engine.store import RunStore
 from tests.store_checks import frozen_lock_holder
 from tests.test_launch import store  # the fixture: a store whose processes are reaped
@@ -314,7 +315,7 @@ def test_oversized_configs_are_refused_before_anything_is_built(
     "1", "[1, [2, [3]]]", "{b = {c = [[1], [2]]}}", "[]", "[[[{}]]]  # ]]] [[[",
     '["[[[[", \'{{\', """\n]]] [[[ \n""", \'\'\'[[\'\'\', [{a = "}}"}]]',
 ])
-def test_toml_nesting_counts_what_tomllib_recurses_into(value: str) -> None:
+def test_bracket_depth_counts_what_tomllib_recurses_into(value: str) -> None:
     """The depth counted without parsing is the depth of the parsed inline value (what
     tomllib recurses into); brackets in strings and comments count nothing, and a table
     header counts its own brackets, closed on its line."""
@@ -326,7 +327,7 @@ def test_toml_nesting_counts_what_tomllib_recurses_into(value: str) -> None:
     for text in (f"v = {value}", f"[t]\n[[u]]\nv = {value}\n[w]\nx = 1"):
         parsed = read.tomllib.loads(text)
         inner = parsed["v"] if "v" in parsed else parsed["u"][0]["v"]
-        assert read.toml_nesting(text) == max(depth(inner), 2 if "[[u]]" in text else 0)
+        assert nesting.bracket_depth(text) == max(depth(inner), 2 if "[[u]]" in text else 0)
 
 
 def test_a_long_value_is_cut_in_the_message(tmp_path: Path,
@@ -647,8 +648,14 @@ def test_a_damaged_store_under_a_live_run_is_stopped_and_rebuilt(store: RunStore
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"{live}: stopped (the store is damaged: run `comera repair`)"
     # the stopped run's last connection may checkpoint its WAL into the file as it closes,
-    # which can write page 1 back (a CI run saw the store sound again here): damaged
-    # again now that no process writes to it, so repair has something to rebuild
+    # which can write page 1 back (a CI run saw the store sound again here), and a page 1
+    # still in the WAL hides a zeroed one in the file: the WAL emptied into the file now
+    # that no process writes to it, then page 1 zeroed again, so repair has something to
+    # rebuild
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(st.path)) as con:
+        assert con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0
     with open(st.path, "r+b") as f:
         f.write(bytes(4096))
     out = _cli("repair", "--store", str(st.path))

@@ -636,6 +636,28 @@ def test_corrupt_pages_give_a_clear_error_and_file_is_untouched(tmp_path):
     assert _sha(path) == before
 
 
+def test_an_open_store_follows_a_repaired_file(tmp_path):
+    """A long-lived store (the dashboard's) whose file ``comera repair`` moved aside and
+    rebuilt reads the rebuilt file, not the damaged one its connection was opened on;
+    a path with no file for a moment keeps the open connection (none is created)."""
+    path = tmp_path / "comera.db"
+    st = RunStore(path)
+    old = st.create_run("old", {})
+    assert [r["id"] for r in st.list_runs()] == [old]
+    for suffix in ("", "-wal", "-shm"):  # as repair moves a damaged store aside
+        src = path.with_name(path.name + suffix)
+        if src.exists():
+            os.replace(src, path.with_name(f"{path.name}.damaged{suffix}"))
+    assert [r["id"] for r in st.list_runs()] == [old] and not path.exists()
+    with RunStore(path) as rebuilt:
+        new = rebuilt.create_run("new", {})
+    assert [r["id"] for r in st.list_runs()] == [new]
+    st.set_status(new, "running")  # and writes go to the rebuilt file
+    with RunStore(path, create=False) as again:
+        assert again.get_run(new)["status"] == "running"
+    st.close()
+
+
 # ------------------------------------------------------------------------------ processes
 
 _WRITER = textwrap.dedent(

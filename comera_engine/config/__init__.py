@@ -15,20 +15,20 @@ unknown keys (with a "did you mean" suggestion), wrong types and out-of-range va
 raise :class:`~comera_engine.errors.ConfigError` whose message names the field, e.g.
 ``train.batch_sise: unknown key (did you mean train.batch_size?)``.
 
-The package: ``schema.py`` (the dataclasses, the names, every number's bound), ``read.py`` (TOML,
-``--set``, coercion to the fields' types), ``validate.py`` (ranges and consistency),
+The package: ``schema.py`` (the dataclasses, the names, every number's bound), ``read.py``
+(TOML, ``--set``, coercion to the fields' types), ``nesting.py`` (how deep a TOML or JSON
+text may nest before it is parsed), ``validate.py`` (ranges and consistency),
 ``write.py`` (back to TOML). What the schedules (``comera.schedule``) set is the
 method's business: :mod:`comera_engine.rank.schedule`.
 """
 
+from .nesting import PARSE_DEPTH, bracket_depth, loads_json
 from .read import (
-    PARSE_DEPTH,
     apply_override,
     check_bounds,
     config_from_dict,
     load_config,
     parse_value,
-    toml_nesting,
 )
 from .schema import (
     ANY_NUMBER,
@@ -81,8 +81,8 @@ __all__ = [
     "MODEL_FIELDS", "MODEL_NAMES", "OPTIMIZERS", "PARSE_DEPTH", "PRESETS", "QUANTIZE",
     "SCHEDULE_NAMES", "SECTIONS", "TENSORIZE_BOUNDS", "TENSORIZE_KEYS", "TT_IMPLS",
     "TT_LAYER_KINDS", "USER_TASKS", "Bound", "CoMERAConfig", "Config", "ModelConfig", "TrainConfig",
-    "apply_override", "check_bounds", "check_choice", "check_data_numbers",
+    "apply_override", "bracket_depth", "check_bounds", "check_choice", "check_data_numbers",
     "check_entry_point", "check_number", "check_run_name", "check_task", "config_from_dict",
-    "load_config", "parse_value", "refuse_unknown", "to_toml", "toml_nesting",
+    "load_config", "loads_json", "parse_value", "refuse_unknown", "to_toml",
     "toml_value", "validate", "validate_comera", "validate_methods", "validate_user_model",
 ]

@@ -9,7 +9,6 @@ import dataclasses
 import errno
 import math
 import os
-import re
 import stat
 import types
 import typing
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .nesting import PARSE_DEPTH, bracket_depth
 from .schema import (
     BOUNDS,
     MAX_CONFIG_BYTES,
@@ -55,7 +55,7 @@ def load_config(
                           f"config is at most {MAX_CONFIG_BYTES // 1024} KB")
     try:
         text = path.read_text(encoding="utf-8")
-        if toml_nesting(text) > PARSE_DEPTH:
+        if bracket_depth(text) > PARSE_DEPTH:
             raise RecursionError
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -128,7 +128,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 def parse_value(text: str) -> Any:
     """A TOML literal (``64``, ``1e-3``, ``true``, ``"x"``, ``[1, 2]``); bare words are strings."""
     try:
-        if toml_nesting(text) > PARSE_DEPTH:
+        if bracket_depth(text) > PARSE_DEPTH:
             raise RecursionError
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -136,31 +136,6 @@ def parse_value(text: str) -> Any:
     except RecursionError:
         raise ConfigError("--set", f"the value nests too deeply (at most {MAX_DEPTH} "
                           "levels)") from None
-
-
-#: Brackets nested deeper than this are refused before ``tomllib`` parses the text: its
-#: parser recurses once a level, and a parse that runs into the interpreter's recursion
-#: limit can break whatever else runs at that depth (a finalizer the garbage collector
-#: calls). :func:`check_bounds` then holds the parsed value to :data:`MAX_DEPTH`.
-PARSE_DEPTH = 64
-
-# a TOML string (multi-line or single-line, basic or literal), a comment, or a bracket
-_TOKENS = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"(?:[^"\\\n]|\\.)*"'
-                     r"|'[^'\n]*'|#[^\n]*|[\[\]{}]")
-
-
-def toml_nesting(text: str) -> int:
-    """The deepest nesting of ``[``/``{`` in TOML ``text``, strings and comments skipped,
-    counted in one pass without recursion (an unclosed bracket counts as open)."""
-    depth = deepest = 0
-    for match in _TOKENS.finditer(text):
-        token = match.group()
-        if token in ("[", "{"):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif token in ("]", "}"):
-            depth = max(depth - 1, 0)
-    return deepest
 
 
 def check_bounds(raw: Any, where: str = "", depth: int = 1) -> None:

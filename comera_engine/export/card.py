@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from comera_engine.config import loads_json
 from comera_engine.export.quant import INT8_SCALES
 from comera_engine.metrics import SCOPE_LABELS, compression_scope, format_metric
 from comera_engine.rank.schedule import method_label
@@ -280,7 +281,7 @@ def read_card_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             return {}
         text = p.read_text(encoding="utf-8")
         start = text.index("```json\n", text.rindex(f"\n{_BLOCK}\n")) + len("```json\n")
-        doc = json.loads(text[start: text.index("\n```", start)])
+        doc = loads_json(text[start: text.index("\n```", start)])
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return {}
     return doc if isinstance(doc, dict) else {}

@@ -11,7 +11,6 @@ executed: there is no pickle anywhere on this path.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from comera_engine.config import loads_json
 from comera_engine.errors import ConfigError
 
 #: Export formats (``comera export --format``).
@@ -134,7 +134,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         raise _too_many(path, raw.count(b'"data_offsets"'))
     try:
         text = raw.decode("utf-8")
-        header = json.loads(text)
+        header = loads_json(text)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise BadExportFile(path, "not a safetensors file: header is not valid JSON") from None
     if not isinstance(header, dict):
@@ -207,7 +207,7 @@ def read_comera_metadata(header: Header) -> dict[str, Any]:
             header.path, f"not a CoMERA export: no '{METADATA_KEY}' entry in the safetensors "
             f"metadata ({n} other entr{'y' if n == 1 else 'ies'})")
     try:
-        doc = json.loads(raw)
+        doc = loads_json(raw)
     except (ValueError, RecursionError):
         raise BadExportFile(header.path, f"metadata '{METADATA_KEY}' is not valid JSON") from None
     if not isinstance(doc, dict):

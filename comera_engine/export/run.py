@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_engine.config import loads_json
 from comera_engine.errors import ConfigError
 from comera_engine.export.container import BadExportFile, read_header
 from comera_engine.export.core import FORMATS, ExportResult, export_model
@@ -98,7 +99,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | int | os.PathLike[str] |
 
 def _read_sidecar(path: Path) -> dict[str, Any]:
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         raise BadExportFile(path, "checkpoint sidecar is not valid JSON") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):

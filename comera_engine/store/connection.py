@@ -133,6 +133,7 @@ class Database:
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._conn_pid = -1
+        self._conn_key: tuple[int, int] | None = None  # the file the connection opened
         self._finalizer: weakref.finalize | None = None
         if not self.path.exists():
             if not create:
@@ -167,9 +168,15 @@ class Database:
         return StoreError(f"store: {self.path}: {e}")
 
     def _connection(self) -> sqlite3.Connection:
+        """This process's connection, opened anew after a fork, and when the path names
+        another file than the one it was opened on (``comera repair`` moved a damaged
+        store aside and rebuilt it: a long-lived process such as the dashboard follows)."""
         with self._lock:
             if self._conn is not None and self._conn_pid == os.getpid():
-                return self._conn
+                now = _file_key(self.path)
+                if now is None or now == self._conn_key:
+                    return self._conn
+                self.close()
             self._conn = None  # after a fork, never reuse the parent's connection
             conn = self._connect()
             try:
@@ -186,7 +193,7 @@ class Database:
                 raise
             self._conn = conn
             self._conn_pid = os.getpid()
-            key = _file_key(self.path)
+            key = self._conn_key = _file_key(self.path)
             if key is not None:
                 with _LIVE_LOCK:
                     _live_count(key, add=1)
