@@ -315,16 +315,16 @@ with left:
     if tt_kinds is None:
         tt_kinds = default_tt_layers(model_name)
     has_emb = "embedding" in tt_kinds
-    c1, c2 = st.columns(2)
-    auto_rank = c1.toggle(
+    auto_rank = st.toggle(  # full width: in a half column its label was cut short
         "Initial ranks from the target", value=m.get("rank") is None, key=k("auto_rank"),
         disabled=dense or not use_target,
         help="Start at about this many times the target size and let the late stage prune "
              "to it (what `comera train` does when the config leaves model.rank unset). Off: "
              "start at the ranks below (refused if they already compress more than asked).")
     auto = bool(auto_rank) and bool(use_target) and not dense
+    c1, c2 = st.columns(2)
     headroom = number_text(
-        c2, "Start at (× the target size)", c.get("headroom", 3.0), k("headroom"),
+        c1, "Start at (× the target size)", c.get("headroom", 3.0), k("headroom"),
         disabled=not auto,
         help="comera.headroom: 3 suits the transformers and the MLP; the DLRM presets start "
              "at 1.5 (docs/SIZE_AND_TARGET.md, \"How much headroom\").")
@@ -412,10 +412,10 @@ with left:
                              key=k("precision"),
                              help="auto: bf16 autocast on a GPU, fp32 on a CPU.")
     slots["device"] = st.container()
-    c1, c2, c3 = st.columns(3)
+    c1, c2 = st.columns(2)
     steps = number_text(c1, "Steps", steps_default, k("steps"))
     batch = number_text(c2, "Batch size", t.get("batch_size", 32), k("batch"))
-    cuda_graph = c3.toggle("CUDA Graph", value=bool(t.get("cuda_graph", True)),
+    cuda_graph = st.toggle("CUDA Graph", value=bool(t.get("cuda_graph", True)),
                            key=k("cuda_graph"),
                            help="Capture the whole training step once per stage and replay "
                                 "it (GPU only).")
