@@ -86,7 +86,7 @@ def test_bf16_autocast_matches_float64_and_casts_the_cores_once(op_impl: str, op
         xr, br, cr, gr = ref_in[0], ref_in[1], ref_in[2 : 2 + 2 * d], ref_in[2 + 2 * d :]
         yr = tt_linear_halves_reference(xr, cr, d, br, gr, tau, alive)
         want = torch.autograd.grad((yr * gy.double()).sum(), ref_in)
-        assert float((y.double() - yr.detach()).norm() / yr.norm()) < 2e-2
+        assert float((y.double() - yr).detach().norm() / yr.detach().norm()) < 2e-2
         for g, w, t in zip(got, want, wrt):
             assert g.dtype == t.dtype
             assert float((g.double() - w).norm() / w.norm()) < 3e-2, op.__name__

@@ -603,12 +603,31 @@ def test_graph_path_step_trains_like_the_eager_step_on_cpu() -> None:
     assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-6)
 
 
+def test_graph_constant_marks_a_function_as_torch_compiler_does() -> None:
+    """The planner marks its choice and the layers' layout constant for Dynamo without
+    importing it: the mark is the one ``torch.compiler.assume_constant_result`` sets."""
+    from comera_engine.tensor.planner import graph_constant
+
+    def ours() -> int:
+        return 1
+
+    def torchs() -> int:
+        return 1
+
+    graph_constant(ours)
+    torch.compiler.assume_constant_result(torchs)
+    marks = dict(vars(torchs))
+    assert marks and vars(ours) == marks
+
+
+@pytest.mark.filterwarnings("error:Dynamo detected a call to a `functools.lru_cache`")
 def test_compiled_step_trains_like_the_eager_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """``TrainStep(compile="default")``: the forward and the CoMERA objective traced by
     Dynamo and AOTAutograd (the TT Functions and the objective in one graph; the
     ``aot_eager`` backend here: Inductor's C++ code generation takes minutes on 2 cold
     CPU cores and is torch's own) give the eager step's losses and parameters over a
-    few steps."""
+    few steps; the trace warns about none of the engine's caches (the planner's choice
+    and the layers' layout are constants of the graph)."""
     import functools
     from types import SimpleNamespace
 

@@ -104,7 +104,8 @@ def flat_plan(shapes: tuple[torch.Size, ...], d: int, device: torch.device) -> F
     idx = torch.zeros(sum(numels), dtype=torch.long)
     bonds = []
     first = 1
-    for j, right in _gate_plan(d):
+    gate_plan = _gate_plan.__wrapped__ if torch.compiler.is_compiling() else _gate_plan
+    for j, right in gate_plan(d):
         shp, n = shapes[j], numels[j]
         r = shp[-1] if right else shp[0]
         pos = torch.arange(n)
@@ -222,7 +223,10 @@ class GatedFunction:
                           if alive else None, tau)
         ctx.m = gm != 0  # the mask: alive and |g| > tau (> 0, so never a kept zero)
         ctx.sizes = [int(v.shape[0]) for v in gates]
-        ctx.plan = plan = flat_plan(tuple(c.shape for c in raw), d, flat_g.device)
+        # traced by Dynamo, the plan is built in the graph (its cache bypassed: Dynamo
+        # would bypass it anyway, with a warning); eagerly, once per structure
+        plan_of = flat_plan.__wrapped__ if torch.compiler.is_compiling() else flat_plan
+        ctx.plan = plan = plan_of(tuple(c.shape for c in raw), d, flat_g.device)
         flat = _flatten_dense_tensors(raw)  # one C++ call: the cat of the cores' views
         gexp, eff = gate_flat(flat, gm, plan)
         ctx.gate_flat = (flat, gexp)  # intermediates: kept on ctx, not saved inputs

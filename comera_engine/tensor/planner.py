@@ -38,11 +38,12 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -295,6 +296,19 @@ def choose(case: Case, device: torch.device | str = "cpu") -> Choice:
                           case.need_dx, _env())
 
 
+def graph_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it (Dynamo calls
+    it while tracing and puts its result in the graph as a constant) without importing
+    Dynamo, which that call does: an eager run never imports it (seconds). For functions
+    of shapes and devices only; a torch whose Dynamo ignores the mark traces ``fn``
+    instead (the same result)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+#: :func:`layout` as a constant of a traced graph (see :func:`plan_case`)
+_layout_constant = graph_constant(layout.__wrapped__)
+
 #: what :func:`plan_case` answered in this process: its arguments -> the choice
 _SEEN: dict[tuple, Choice] = {}
 
@@ -303,12 +317,27 @@ def plan_case(op: str, rows: Sequence[int], cols: Sequence[int], ranks: Sequence
               tokens: int, device: torch.device | str, dtype: torch.dtype | str,
               graph: bool = False, training: bool = True, need_dx: bool = True) -> str:
     """:func:`choose`'s path name for an op given by its parts (cached; kept for
-    :func:`choices_made`)."""
+    :func:`choices_made`). Under ``torch.compile`` the choice is made when Dynamo traces
+    the step and is a constant of its graph (it depends on shapes and the device, never
+    on data): Dynamo neither traces the cost model nor warns about the caches."""
+    if torch.compiler.is_compiling():
+        return _plan_case_constant(op, tuple(rows), tuple(cols), tuple(ranks), int(tokens),
+                                   str(device), str(dtype), graph, training, need_dx)
+    return _plan_case(op, rows, cols, ranks, tokens, device, dtype, graph, training,
+                      need_dx)
+
+
+def _plan_case(op: str, rows: Sequence[int], cols: Sequence[int], ranks: Sequence[int],
+               tokens: int, device: torch.device | str, dtype: torch.dtype | str,
+               graph: bool, training: bool, need_dx: bool) -> str:
     key = (op, tuple(rows), tuple(cols), tuple(ranks), int(tokens), torch.device(device),
            dtype_name(dtype), bool(graph), bool(training), bool(need_dx))
     ch = _choose_cached(*key, _env())
     _SEEN[key] = ch
     return ch.path
+
+
+_plan_case_constant = graph_constant(_plan_case)
 
 
 def choices_made(clear: bool = False) -> list[tuple[Case, Choice]]:
@@ -480,7 +509,9 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
     """
     if len(cores) != 2 * d:
         raise ValueError(f"cores: expected 2d = {2 * d} cores, got {len(cores)}")
-    ins, outs, ranks = layout(tuple(c.shape for c in cores), d)
+    shapes = tuple(tuple(c.shape) for c in cores)
+    ins, outs, ranks = (_layout_constant(shapes, d) if torch.compiler.is_compiling()
+                        else layout(shapes, d))
     N = math.prod(ins)
     if x.shape[-1] != N:
         raise ValueError(f"x: last dimension {x.shape[-1]} != N = {N}")
