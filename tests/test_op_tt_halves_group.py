@@ -54,8 +54,8 @@ def _assert_within_bf16(got: list, want: list, g_got: tuple, g_want: tuple) -> N
     """bf16 halves and gradients ``got`` against float64 ``want``: 2 % on the halves,
     3 % on the gradients (relative norms)."""
     for (L, R), (Lw, Rw) in zip(got, want):
-        assert float((L.detach().double().cpu() - Lw.detach()).norm() / Lw.norm()) < 2e-2
-        assert float((R.detach().double().cpu() - Rw.detach()).norm() / Rw.norm()) < 2e-2
+        assert float((L.detach().double().cpu() - Lw.detach()).norm() / Lw.detach().norm()) < 2e-2
+        assert float((R.detach().double().cpu() - Rw.detach()).norm() / Rw.detach().norm()) < 2e-2
     for a, b in zip(g_got, g_want):
         assert float((a.double().cpu() - b).norm() / b.norm()) < 3e-2
 
