@@ -138,12 +138,8 @@ def _models(modules: Sequence[str], cwd: str) -> tuple[dict[str, Any], list[str]
 def _configs(models: Mapping[str, Any], cwd: str) -> dict[str, Any]:
     """The configs beside the registered models' modules (module docstring): those that
     parse and name one of the registered factories; others are left alone."""
-    from comera_engine.config import MAX_CONFIG_BYTES, PARSE_DEPTH, bracket_depth
-
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    from comera_engine.config import MAX_CONFIG_BYTES, loads_toml
+    from comera_engine.config.nesting import tomllib
 
     factories = {m["factory"] for m in models.values()}
     folders = []
@@ -157,10 +153,7 @@ def _configs(models: Mapping[str, Any], cwd: str) -> dict[str, Any]:
             try:
                 if path.stat().st_size > MAX_CONFIG_BYTES:
                     continue
-                text = path.read_text(encoding="utf-8")
-                if bracket_depth(text) > PARSE_DEPTH:
-                    continue
-                raw = tomllib.loads(text)
+                raw = loads_toml(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
                 continue
             model, data = raw.get("model"), raw.get("data")

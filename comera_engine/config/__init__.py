@@ -22,7 +22,7 @@ text may nest before it is parsed), ``validate.py`` (ranges and consistency),
 method's business: :mod:`comera_engine.rank.schedule`.
 """
 
-from .nesting import PARSE_DEPTH, bracket_depth, loads_json
+from .nesting import PARSE_DEPTH, bracket_depth, loads_json, loads_toml
 from .read import (
     apply_override,
     check_bounds,
@@ -83,6 +83,6 @@ __all__ = [
     "TT_LAYER_KINDS", "USER_TASKS", "Bound", "CoMERAConfig", "Config", "ModelConfig", "TrainConfig",
     "apply_override", "bracket_depth", "check_bounds", "check_choice", "check_data_numbers",
     "check_entry_point", "check_number", "check_run_name", "check_task", "config_from_dict",
-    "load_config", "loads_json", "parse_value", "refuse_unknown", "to_toml",
+    "load_config", "loads_json", "loads_toml", "parse_value", "refuse_unknown", "to_toml",
     "toml_value", "validate", "validate_comera", "validate_methods", "validate_user_model",
 ]

@@ -11,6 +11,11 @@ import json
 import re
 from typing import Any
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
+    import tomli as tomllib  # type: ignore[no-redef]
+
 #: The deepest ``[``/``{`` nesting handed to a parser (a config's values are held to
 #: ``MAX_DEPTH`` after parsing; exports and sidecars nest a few levels).
 PARSE_DEPTH = 64
@@ -46,3 +51,11 @@ def loads_json(text: str | bytes) -> Any:
     if depth > PARSE_DEPTH:
         raise ValueError(f"nested {depth} levels deep; at most {PARSE_DEPTH}")
     return json.loads(text)
+
+
+def loads_toml(text: str) -> dict[str, Any]:
+    """``tomllib.loads`` of ``text`` once its nesting is within :data:`PARSE_DEPTH`, else
+    the ``RecursionError`` the parser would end in, raised before it recurses."""
+    if bracket_depth(text) > PARSE_DEPTH:
+        raise RecursionError(f"nested more than {PARSE_DEPTH} levels deep")
+    return tomllib.loads(text)

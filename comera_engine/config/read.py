@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .nesting import PARSE_DEPTH, bracket_depth
+from .nesting import loads_toml, tomllib
 from .schema import (
     BOUNDS,
     MAX_CONFIG_BYTES,
@@ -35,11 +35,6 @@ from .validate import (
     validate,
 )
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
-    import tomli as tomllib  # type: ignore[no-redef]
-
 
 def load_config(
     path: str | Path, overrides: list[str] | None = None, base_dir: str | Path | None = None
@@ -54,10 +49,7 @@ def load_config(
         raise ConfigError("config", f"{path.name} is {size:,} bytes; a run "
                           f"config is at most {MAX_CONFIG_BYTES // 1024} KB")
     try:
-        text = path.read_text(encoding="utf-8")
-        if bracket_depth(text) > PARSE_DEPTH:
-            raise RecursionError
-        raw = tomllib.loads(text)
+        raw = loads_toml(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path.name} is not valid TOML ({exc})") from None
     except UnicodeDecodeError as exc:
@@ -128,9 +120,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 def parse_value(text: str) -> Any:
     """A TOML literal (``64``, ``1e-3``, ``true``, ``"x"``, ``[1, 2]``); bare words are strings."""
     try:
-        if bracket_depth(text) > PARSE_DEPTH:
-            raise RecursionError
-        return tomllib.loads(f"v = {text}")["v"]
+        return loads_toml(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
     except RecursionError:

@@ -104,7 +104,7 @@ PHASES = ("preparing data", "training tokenizer", "building", "training", "evalu
           "checkpointing", "exporting", "done")
 
 
-_ISSUED: dict[str, set[str]] = {}  # this second's ids, drawn by this process
+_ISSUED: dict[str, set[str]] = {}  # the current second -> the tails this process drew
 
 
 def new_run_id() -> str:
@@ -112,10 +112,9 @@ def new_run_id() -> str:
     collide within a second one time in ~300 for 20 ids); callers still check the store
     or the folder for another process's id."""
     second = time.strftime("%Y%m%d-%H%M%S")
+    if second not in _ISSUED:  # a new second: the earlier ones cannot recur
+        _ISSUED.clear()
     issued = _ISSUED.setdefault(second, set())
-    if len(_ISSUED) > 1:  # a new second: forget the others
-        for old in [k for k in _ISSUED if k != second]:
-            del _ISSUED[old]
     while (tail := secrets.token_hex(2)) in issued:
         pass
     issued.add(tail)

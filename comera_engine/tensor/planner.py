@@ -313,31 +313,19 @@ _layout_constant = graph_constant(layout.__wrapped__)
 _SEEN: dict[tuple, Choice] = {}
 
 
+@graph_constant  # traced by Dynamo: a constant of the graph (shapes and device, no data)
 def plan_case(op: str, rows: Sequence[int], cols: Sequence[int], ranks: Sequence[int],
               tokens: int, device: torch.device | str, dtype: torch.dtype | str,
               graph: bool = False, training: bool = True, need_dx: bool = True) -> str:
     """:func:`choose`'s path name for an op given by its parts (cached; kept for
-    :func:`choices_made`). Under ``torch.compile`` the choice is made when Dynamo traces
-    the step and is a constant of its graph (it depends on shapes and the device, never
-    on data): Dynamo neither traces the cost model nor warns about the caches."""
-    if torch.compiler.is_compiling():
-        return _plan_case_constant(op, tuple(rows), tuple(cols), tuple(ranks), int(tokens),
-                                   str(device), str(dtype), graph, training, need_dx)
-    return _plan_case(op, rows, cols, ranks, tokens, device, dtype, graph, training,
-                      need_dx)
-
-
-def _plan_case(op: str, rows: Sequence[int], cols: Sequence[int], ranks: Sequence[int],
-               tokens: int, device: torch.device | str, dtype: torch.dtype | str,
-               graph: bool, training: bool, need_dx: bool) -> str:
+    :func:`choices_made`). Under ``torch.compile`` Dynamo calls it while tracing and puts
+    the answer in the graph as a constant: it neither traces the cost model nor warns
+    about the caches."""
     key = (op, tuple(rows), tuple(cols), tuple(ranks), int(tokens), torch.device(device),
            dtype_name(dtype), bool(graph), bool(training), bool(need_dx))
     ch = _choose_cached(*key, _env())
     _SEEN[key] = ch
     return ch.path
-
-
-_plan_case_constant = graph_constant(_plan_case)
 
 
 def choices_made(clear: bool = False) -> list[tuple[Case, Choice]]:

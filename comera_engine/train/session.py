@@ -131,13 +131,7 @@ class _Record:
         self.new = self.run_id is None
 
     def new_folder(self) -> Path:
-        from comera_engine.store import new_run_id
-
-        for _ in range(20):
-            folder = self.root / new_run_id()
-            if not folder.exists():
-                return folder
-        raise ConfigError("--store", "could not allocate a new run id")  # pragma: no cover
+        return _unused_folder(self.root)
 
     def close(self) -> None:
         if self.store is not None:
@@ -324,12 +318,21 @@ def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None)
         if record is not None and record.wanted is None and args.resume:
             record.find(folder)
         return folder
-    from comera_engine.store.runs import new_run_id  # time + random: one folder per run
-
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
-    while (folder := Path("runs") / f"{new_run_id()}-{safe}").exists():
-        pass  # another process's run drew the same id this second
-    return folder
+    return _unused_folder(Path("runs"), f"-{safe}")
+
+
+def _unused_folder(root: Path, suffix: str = "") -> Path:
+    """``root/<a new run id><suffix>``, a folder that does not exist yet (the id is time
+    + random and never repeated by this process; another process may have drawn it)."""
+    from comera_engine.store import new_run_id
+
+    for _ in range(20):
+        folder = root / f"{new_run_id()}{suffix}"
+        if not folder.exists():
+            return folder
+    raise ConfigError("--run-dir", "could not allocate a new run folder; name one with "
+                                   "--run-dir")  # pragma: no cover
 
 
 def plan_from_config(cfg: Any) -> Any:
