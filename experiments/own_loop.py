@@ -21,14 +21,21 @@ is measured on data that neither training nor the learning-rate choice saw (the 
 digits of a fixed shuffle; the reviews' own eval split). Prints a table and writes
 experiments/results/own_loop.json.
 
+The optimizer is AdamW (weight decay 0.01, torch's default), or with ``--optimizer sgd``
+SGD with momentum 0.9 (its rates ``--lrs`` 0.01 0.03 0.1 unless given; the file
+own_loop_sgd.json): the same loop, the gates then take their own Adam steps
+(:class:`comera_engine.rank.optim.GateAdam`).
+
     python experiments/own_loop.py [--networks mlp embedding transformer] [--steps 1500]
                                    [--seeds 0 1 2] [--lrs 3e-4 1e-3 3e-3]
+                                   [--optimizer adamw|sgd]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -50,6 +57,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 Batch = dict[str, Tensor]
 #: validation accuracies within this of the best tie (the dense learning-rate choice)
 LR_TIE = 0.01
+#: the dense learning rates tried on validation, per ``--optimizer``
+LRS = {"adamw": [3e-4, 1e-3, 3e-3], "sgd": [0.01, 0.03, 0.1]}
+#: SGD's momentum (``--optimizer sgd``)
+MOMENTUM = 0.9
+
+
+def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:  # noqa: ANN001
+    """The user's optimizer: AdamW at its defaults but ``lr``, or SGD with momentum."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
+    return torch.optim.AdamW(params, lr=lr)
 
 
 # ------------------------------------------------------------------------- the networks
@@ -214,10 +232,10 @@ def accuracy(model: nn.Module, data: Batch, chunk: int = 1024) -> float:
 
 
 def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr: float,
-          comera: bool) -> tuple[nn.Module, dict]:
+          comera: bool, optimizer: str = "adamw") -> tuple[nn.Module, dict]:
     """The README's loop: ``config`` once, ``tensorize`` and the controller given it, the
-    user's AdamW at ``lr`` with nothing set on the controller, ``attach``; dense: the same
-    loop with the network as it is."""
+    user's optimizer (:func:`make_optimizer`) at ``lr`` with nothing set on the
+    controller, ``attach``; dense: the same loop with the network as it is."""
     torch.manual_seed(seed)
     model = net.build(split)
     controller = None
@@ -225,10 +243,10 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
         config = ce.CoMERAConfig(target_compression=net.target)
         model = ce.tensorize(model, config, exclude=list(net.keep_dense))
         controller = ce.CoMERA(model, config, total_steps=steps)
-        opt = torch.optim.AdamW(controller.param_groups(), lr=lr)
+        opt = make_optimizer(optimizer, controller.param_groups(), lr)
         controller.attach(opt)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt = make_optimizer(optimizer, model.parameters(), lr)
     g = torch.Generator().manual_seed(seed)
     n = len(train_on["y"])
     t0 = time.perf_counter()
@@ -267,11 +285,18 @@ def summarize(rows: list[dict], methods: Sequence[str]) -> dict[str, dict[str, f
 def sentence(name: str, result: dict) -> str:
     """One line per network, as the README quotes it."""
     c, d = result["summary"]["CoMERA"], result["summary"]["dense"]
+    rate = f"{'SGD, ' if result.get('optimizer') == 'sgd' else ''}lr {result['lr']:g}"
+    rates = sorted({r.get("lr", result["lr"]) for r in result["runs"]
+                    if r["method"] == "CoMERA"})
+    if rates != [result["lr"]]:  # CoMERA diverged at the dense rate in some seeds
+        fell = result["diverged"]
+        rate += (f"; CoMERA diverged at it by step {max(f['step'] for f in fell)} in "
+                 f"{len(fell)} of {len(result['runs']) // 2} seeds and trained at "
+                 f"{', '.join(f'{r:g}' for r in rates)}")
     return (f"{name}: asked {result['target']:g}× (TT layers), reached "
             f"{c['compression_min']:.1f}× to {c['compression_max']:.1f}×; held-out accuracy "
             f"{100 * c['test_acc_mean']:.1f} ± {100 * c['test_acc_std']:.1f} % against dense "
-            f"{100 * d['test_acc_mean']:.1f} ± {100 * d['test_acc_std']:.1f} % (lr "
-            f"{result['lr']:g})")
+            f"{100 * d['test_acc_mean']:.1f} ± {100 * d['test_acc_std']:.1f} % ({rate})")
 
 
 def gaps(data: dict) -> str:
@@ -284,8 +309,8 @@ def gaps(data: dict) -> str:
     return ", ".join(parts)
 
 
-def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[float]
-                ) -> dict:
+def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[float],
+                optimizer: str = "adamw") -> dict:
     """The dense learning rate chosen on validation, then both methods per seed on the
     held-out data."""
     split = net.data()
@@ -293,25 +318,40 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
     fit = _take(split.train, torch.arange(carved))
     search = {}
     for lr in lrs:
-        model, _ = train(net, split, fit, 0, steps, lr, comera=False)
+        model, _ = train(net, split, fit, 0, steps, lr, comera=False, optimizer=optimizer)
         search[lr] = accuracy(model, split.val)
         print(f"{net.name}: dense at lr {lr:g}: validation accuracy {search[lr]:.3f}")
     best = max(search.values())
     lr = max(v for v in lrs if search[v] >= best - LR_TIE)
-    rows = []
+    rows, diverged = [], []
     for seed in seeds:
         for comera in (False, True):
-            model, row = train(net, split, split.train, seed, steps, lr, comera)
-            row |= {"seed": seed, "method": "CoMERA" if comera else "dense",
+            rate = lr
+            while True:  # a run that diverges (CoMERA.step says so) goes on at the next rate
+                try:
+                    model, row = train(net, split, split.train, seed, steps, rate, comera,
+                                       optimizer)
+                    break
+                except FloatingPointError as e:
+                    at = re.search(r"at step (\d+)", str(e))
+                    diverged.append({"seed": seed, "lr": rate, "error": str(e),
+                                     "step": int(at.group(1)) if at else None})
+                    print(f"{net.name} seed {seed} CoMERA at lr {rate:g}: {e}")
+                    lower = [v for v in lrs if v < rate]
+                    if not lower:
+                        raise
+                    rate = max(lower)
+            row |= {"seed": seed, "method": "CoMERA" if comera else "dense", "lr": rate,
                     "test_acc": accuracy(model, split.test)}
             rows.append(row)
             print(f"{net.name} seed {seed} {row['method']:6s} test acc {row['test_acc']:.3f} "
                   f"{row['params']:>9,} params {row['seconds']:6.1f} s  {row['message']}")
-    return {"target": net.target, "lr": lr, "lr_search": {f"{k:g}": v for k, v in
-                                                          search.items()},
+    return {"target": net.target, "optimizer": optimizer, "lr": lr,
+            "lr_search": {f"{k:g}": v for k, v in search.items()},
             "lr_rule": f"the largest dense rate within {LR_TIE:g} of the best validation "
                        "accuracy",
-            "batch": net.batch, "summary": summarize(rows, ("dense", "CoMERA")), "runs": rows}
+            "batch": net.batch, "summary": summarize(rows, ("dense", "CoMERA")), "runs": rows,
+            "diverged": diverged}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,23 +359,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3],
-                    help="the dense learning rates tried on validation")
+    ap.add_argument("--lrs", type=float, nargs="+", default=None,
+                    help="the dense learning rates tried on validation (default: "
+                         + "; ".join(f"{k} {' '.join(map(str, v))}" for k, v in LRS.items())
+                         + ")")
+    ap.add_argument("--optimizer", choices=list(LRS), default="adamw",
+                    help=f"the user's optimizer: AdamW, or SGD with momentum {MOMENTUM}")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--out", type=Path, default=RESULTS / "own_loop.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: experiments/results/own_loop.json (own_loop_sgd.json)")
     args = ap.parse_args(argv)
+    args.lrs = args.lrs or LRS[args.optimizer]
+    args.out = args.out or RESULTS / ("own_loop.json" if args.optimizer == "adamw"
+                                      else f"own_loop_{args.optimizer}.json")
     if args.steps < 1 or args.threads < 1:
         ap.error("--steps, --threads: must be positive integers")
     if any(not lr > 0 for lr in args.lrs):
         ap.error("--lrs: learning rates must be positive numbers")
     torch.set_num_threads(args.threads)
-    results = {name: run_network(NETWORKS[name], args.steps, args.seeds, args.lrs)
+    results = {name: run_network(NETWORKS[name], args.steps, args.seeds, args.lrs,
+                                 args.optimizer)
                for name in args.networks}
     print()
     for name, result in results.items():
         print(sentence(name, result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, json.dumps({"steps": args.steps, "seeds": args.seeds,
+                                       "optimizer": args.optimizer,
                                        "threads": args.threads, "machine": machine(),
                                        "networks": results}, indent=1))
     print(f"wrote {args.out}")

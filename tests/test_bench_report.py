@@ -58,8 +58,8 @@ def test_only_committed_results_feed_the_page(tmp_path: Path) -> None:
 
 def test_the_readme_quotes_the_own_loop_results_file() -> None:
     """README's "Your own model and training loop" states, per network, what
-    experiments/results/own_loop.json holds, in the script's own sentence (not figures
-    copied by hand from an older run)."""
+    experiments/results/own_loop.json (and own_loop_sgd.json) holds, in the script's own
+    sentence (not figures copied by hand from an older run)."""
     import json
     import sys
 
@@ -74,6 +74,11 @@ def test_the_readme_quotes_the_own_loop_results_file() -> None:
     low = json.loads((ROOT / "experiments" / "results" / "own_loop_lr3e-4.json").read_text())
     said = f"in points: {own_loop.gaps(low)}."
     assert said in readme, f"README should say: {said}"
+    sgd = json.loads((ROOT / "experiments" / "results" / "own_loop_sgd.json").read_text())
+    assert sgd["optimizer"] == "sgd"
+    for name, result in sgd["networks"].items():
+        said = own_loop.sentence(name, result)
+        assert said in readme, f"README should say: {said}"
 
 
 def test_the_readme_quotes_the_controller_cost_results_file() -> None:

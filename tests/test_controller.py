@@ -79,7 +79,9 @@ def _setup(seed: int = 0, target: float = TARGET, steps: int = STEPS, **settings
 
 
 def _train(model: nn.Module, comera: ce.CoMERA, opt: torch.optim.Optimizer,
-           data: dict[str, torch.Tensor], start: int, stop: int) -> list[float]:
+           data: dict[str, torch.Tensor], start: int, stop: int,
+           attached: bool = False) -> list[float]:
+    """Steps ``start..stop-1``, the controller's step by hand unless ``attached``."""
     losses = []
     for step in range(start, stop):
         x, y = _batch(data, step)
@@ -87,7 +89,8 @@ def _train(model: nn.Module, comera: ce.CoMERA, opt: torch.optim.Optimizer,
         opt.zero_grad()
         loss.backward()
         opt.step()
-        comera.step(opt)
+        if not attached:
+            comera.step(opt)
         losses.append(float(loss.detach()))
     return losses
 
@@ -502,6 +505,129 @@ def test_the_optimizer_owns_the_rates_and_the_gates_follow_the_schedule(capsys) 
         ce.tensorize(PixelNet(), rank=4, exclude=["head"]), weight_decay=0.0).param_groups())
 
 
+def _sgd_setup(seed: int = 0, steps: int = STEPS, double: bool = False) -> tuple:
+    """The README's loop with the user's SGD (momentum 0.9) instead of AdamW."""
+    torch.manual_seed(seed)
+    config = ce.CoMERAConfig(target_compression=TARGET, switch=60)
+    model = ce.tensorize(PixelNet(), config, exclude=["head"])
+    model = model.double() if double else model
+    comera = ce.CoMERA(model, config, total_steps=steps)
+    opt = torch.optim.SGD(comera.param_groups(), lr=0.05, momentum=0.9)
+    return model, comera, opt
+
+
+def _gates(model: nn.Module) -> list[torch.Tensor]:
+    return [m.tt.gate for _, m in tt_layers(model)]
+
+
+def test_under_sgd_the_gates_take_adam_steps_and_sgd_passes_them_over(digits, capsys):
+    """SGD moves a parameter by its rate times the gradient, so under it the gates take
+    their own Adam steps at the schedule's rate, before SGD's (float64): the first moves
+    every gate entry by the rate (Adam's first step, ``lr·g/(|g|+eps)``), SGD keeps no
+    state for the gates and moves the rest by ``-lr·grad``; said once on stderr. Over 30
+    steps the run equals, bit for bit, a hand-written loop with an Adam over the gates
+    stepped before an SGD over the other groups."""
+    model, comera, opt = _sgd_setup(double=True)
+    rate = comera.lr_gates()
+    comera.attach(opt)
+    assert "SGD steps by its learning rate times the gradient; the gates take their own " \
+           f"Adam steps at {rate:.3g}" in capsys.readouterr().err
+    gates = _gates(model)
+    others = [p for p in model.parameters() if all(p is not g for g in gates)]
+    x, y = _batch(digits, 0)
+    loss = comera.loss(F.cross_entropy(model(x), y))
+    opt.zero_grad()
+    loss.backward()
+    before = [p.detach().clone() for p in gates + others]
+    grads = [p.grad.clone() for p in gates + others]
+    opt.step()
+    for g, old, grad in zip(gates, before, grads):
+        step = rate * grad.abs() / (grad.abs() + 1e-8)  # Adam's first, bias-corrected
+        torch.testing.assert_close(old - g.detach(), step * grad.sign(), rtol=1e-9, atol=0)
+        assert float(step.min()) > 0.9 * rate  # every entry moved by about the rate
+        assert g not in opt.state and g.grad is None
+    grads = grads[len(gates):]
+    for p, old, grad in zip(others, before[len(gates):], grads):
+        torch.testing.assert_close(p.detach(), old - 0.05 * grad, rtol=1e-12, atol=1e-15)
+    _train(model, comera, opt, digits, 1, 30, attached=True)
+    assert capsys.readouterr().err == ""  # said once
+
+    ref, ref_comera, _ = _sgd_setup(double=True)
+    ref_gates = _gates(ref)
+    adam = torch.optim.Adam(ref_gates, lr=rate)
+    sgd = torch.optim.SGD([{"params": [p for p in g["params"]
+                                       if all(p is not q for q in ref_gates)]}
+                           for g in ref_comera.param_groups()], lr=0.05, momentum=0.9)
+    for step in range(30):
+        x, y = _batch(digits, step)
+        loss = ref_comera.loss(F.cross_entropy(ref(x), y))
+        sgd.zero_grad()
+        adam.zero_grad()
+        loss.backward()
+        adam.step()
+        sgd.step()
+        ref_comera.step(sgd)
+    assert ref_comera.events == comera.events == []  # no gate died yet: nothing truncated
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_under_sgd_a_resume_in_either_order_goes_on_exactly(digits):
+    """With the gates' own Adam: its state is sliced with the gates at each truncation,
+    kept in the controller's state as plain values (through JSON here), and a run rebuilt
+    from state dicts alone, the controller's loaded before or after ``attach``, goes on as
+    the uninterrupted one."""
+    whole = _sgd_setup()
+    whole[1].attach(whole[2])
+    whole_losses = _train(*whole, digits, 0, 200, attached=True)
+    model, comera, opt = _sgd_setup()
+    comera.attach(opt)
+    _train(model, comera, opt, digits, 0, 100, attached=True)
+    assert comera.stage == "late" and any(e.kind == "truncate" for e in comera.events)
+    adam = comera._gate_adam.adam
+    for gate in _gates(model):  # sliced with the gates
+        assert {k: v.shape for k, v in adam.state[gate].items() if v.dim()} == {
+            "exp_avg": gate.shape, "exp_avg_sq": gate.shape}
+    saved = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+             "comera": json.loads(json.dumps(comera.state_dict()))}
+    assert set(saved["comera"]["gate_adam"]) == {"0", "1", "2"}
+    for order in ("controller, then attach", "attach, then controller"):
+        again, resumed, opt2 = _sgd_setup(seed=123)
+        if order == "controller, then attach":
+            resumed.load_state_dict(copy.deepcopy(saved["comera"]))
+            resumed.attach(opt2)
+        else:
+            resumed.attach(opt2)
+            resumed.load_state_dict(copy.deepcopy(saved["comera"]))
+        again.load_state_dict(saved["model"])
+        opt2.load_state_dict(copy.deepcopy(saved["opt"]))
+        losses = _train(again, resumed, opt2, digits, 100, 200, attached=True)
+        assert losses == pytest.approx(whole_losses[100:], rel=1e-6, abs=1e-7), order
+        assert resumed.report()["ranks"] == whole[1].report()["ranks"], order
+        assert resumed.stage == whole[1].stage == "fixed", order
+
+
+def test_a_diverging_run_is_stopped_before_its_ranks_are_judged(digits) -> None:
+    """SGD at a rate the TT layers cannot take: the step whose task loss is not finite
+    raises, naming the step and the fix, before any gate entry is made dead by a NaN
+    (the optimizer has stepped the NaN into the weights by then; a checkpoint is the way
+    back) or the stage moves."""
+    model, comera, opt = _sgd_setup()
+    for group in opt.param_groups:
+        group["lr"] = 5.0
+    comera.attach(opt)
+    alive = [m.tt.alive.clone() for _, m in tt_layers(model)]
+    with pytest.raises(FloatingPointError,
+                       match=r"the task loss is nan at step (\d+): training diverged; lower "
+                             r"the learning rate") as raised:
+        _train(model, comera, opt, digits, 0, 50, attached=True)
+    at = int(raised.value.args[0].split("at step ")[1].split(":")[0])
+    assert 1 < at < 50 and comera.steps_done == at - 1
+    assert comera.stage == "early" and comera.removed == {"objective": 0, "pace": 0}
+    for (_, m), before in zip(tt_layers(model), alive):
+        assert torch.equal(m.tt.alive, before)
+
+
 def test_attach_runs_the_step_after_the_optimizers_and_a_second_call_is_refused(digits):
     """``attach`` registers the controller's step as the optimizer's post-step hook: the
     same run as calling ``step`` by hand, bit for bit; calling ``step`` while attached is
@@ -512,12 +638,7 @@ def test_attach_runs_the_step_after_the_optimizers_and_a_second_call_is_refused(
     handle = comera.attach(opt)
     with pytest.raises(RuntimeError, match="attached"):
         comera.attach(opt)
-    for step in range(80):
-        x, y = _batch(digits, step)
-        loss = comera.loss(F.cross_entropy(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train(model, comera, opt, digits, 0, 80, attached=True)
     assert comera.steps_done == 80 and comera.events == by_hand[1].events
     for a, b in zip(model.parameters(), by_hand[0].parameters()):
         assert torch.equal(a, b)

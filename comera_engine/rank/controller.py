@@ -47,6 +47,7 @@ captured in a CUDA graph; :meth:`CoMERA.step` runs on the host between graph rep
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -65,7 +66,15 @@ from ..tensor.grouped import grouped_halves
 from . import report as _report
 from .balance import balance_gates
 from .objective import CoMERAObjective, PlateauDetector, _mean_over_processes
-from .optim import RankEvent, gate_lr, param_groups, refresh_gates, refresh_gates_on_device
+from .optim import (
+    GRADIENT_SCALED,
+    GateAdam,
+    RankEvent,
+    gate_lr,
+    param_groups,
+    refresh_gates,
+    refresh_gates_on_device,
+)
 from .optim import truncate_model_and_optimizer as _truncate_all
 from .pace import PacePlan, grow_to, host_size, prune_to
 from .schedule import SwitchPlan, resolve_schedule, schedule_label, switch_plan
@@ -203,6 +212,10 @@ class CoMERA:
         self._plan_key: tuple[int, int] | None = None
         self._attached: Attachment | None = None  # attach(): the optimizer runs step
         self._rates_said = False  # param_groups printed the rates it set
+        # under an SGD-like optimizer the gates take their own Adam steps (_own_gates)
+        self._gate_adam: GateAdam | None = None
+        self._gate_adam_saved: dict[str, Any] | None = None  # loaded before it was made
+        self._optimizer_seen: Any = None  # the optimizer _own_gates last looked at
 
     # ------------------------------------------------------------------ optimizer
 
@@ -292,8 +305,33 @@ class CoMERA:
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             self._step(opt)
 
+        self._own_gates(optimizer)
         self._attached = Attachment(self, optimizer.register_step_post_hook(hook))
         return self._attached
+
+    def _own_gates(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under an optimizer whose step is not about its learning rate (SGD, ASGD,
+        Adagrad: :data:`.optim.GRADIENT_SCALED`) that holds the gates, the gates take
+        their own Adam steps at :meth:`lr_gates` before each of its steps
+        (:class:`.optim.GateAdam`); said once. Nothing changes under any other optimizer,
+        without the objective, or without a rate for the gates (no step budget)."""
+        self._optimizer_seen = optimizer
+        if not isinstance(optimizer, GRADIENT_SCALED) or self.objective is None:
+            return
+        rate = self.lr_gates()
+        gates = [m.tt.gate for m in self._layers.values() if m.tt.gate.requires_grad]
+        ids = {id(p) for p in gates}
+        if rate is None or not any(id(p) in ids for group in optimizer.param_groups
+                                   for p in group["params"]):
+            return
+        if self._gate_adam is None:
+            self._gate_adam = GateAdam(gates, rate)
+            if self._gate_adam_saved is not None:
+                self._gate_adam.load_state_dict(self._gate_adam_saved)
+            print(f"CoMERA: {type(optimizer).__name__} steps by its learning rate times the "
+                  f"gradient; the gates take their own Adam steps at {rate:.3g} before each "
+                  "of its steps", file=sys.stderr)
+        self._gate_adam.hook_into(optimizer)
 
     def grouped(self) -> AbstractContextManager[int]:
         """A block for a training step's forward (on a GPU): the model's TT linears of
@@ -391,11 +429,22 @@ class CoMERA:
     def _step(self, optimizer: torch.optim.Optimizer | None = None, *,
               loss: float | Tensor | None = None, counts: list[float] | None = None,
               truncate: bool = True) -> list[Event]:
-        self._steps += 1
-        step = self._steps
+        if optimizer is not None and optimizer is not self._optimizer_seen:
+            self._own_gates(optimizer)
         if self._loss_calls > 1 and self._task_loss is not None:  # micro-batches: their mean
             self._task_loss = self._task_loss / self._loss_calls
         self._loss_calls = 0
+        value = None  # the task loss: the plateau's, and judged while the ranks move
+        if self.objective is not None and (self.objective.stage == "early" or not self.frozen):
+            value = self._loss_value(loss)
+            if not math.isfinite(value):  # before any gate or rank is judged by it
+                raise FloatingPointError(
+                    f"CoMERA.step: the task loss is {value} at step {self._steps + 1}: "
+                    "training diverged; lower the learning rate (under SGD a TT layer "
+                    "steps further than its dense layer at the same rate) or clip the "
+                    "gradients, and go on from the last checkpoint")
+        self._steps += 1
+        step = self._steps
         events: list[Event] = []
         if (self.objective is not None and not self.frozen and self.cfg.balance
                 and step % self.cfg.balance_every == 0):
@@ -405,7 +454,8 @@ class CoMERA:
             events += [Event(step, "rank_change", str(e), e.as_dict()) for e in rank_events]
             self.removed["objective"] += sum(e.old - e.new for e in rank_events)
         if self.objective is not None and self.objective.stage == "early":
-            switched = self._maybe_switch(step, self._loss_value(loss))
+            assert value is not None
+            switched = self._maybe_switch(step, value)
             if switched is not None:
                 events.append(switched)
         paced = self._pace_step(step, bool(rank_events), counts)
@@ -444,7 +494,7 @@ class CoMERA:
     def _loss_value(self, loss: float | Tensor | None) -> float:
         if loss is None:
             if self._task_loss is None:
-                raise RuntimeError("CoMERA.step: no task loss to judge the plateau by; call "
+                raise RuntimeError("CoMERA.step: no task loss to judge the step by; call "
                                    "comera.loss(task_loss) in the step, or pass "
                                    "comera.step(opt, loss=...)")
             return float(_mean_over_processes(self._task_loss))
@@ -636,7 +686,8 @@ class CoMERA:
         self._dirty = False
         if not self.has_tt:
             return None
-        changed = _truncate_all(self.model, optimizer)
+        changed = _truncate_all(self.model, optimizer,
+                                self._gate_adam.adam if self._gate_adam is not None else None)
         if not changed:
             return None
         bonds = sum(len(v) for v in changed.values())
@@ -688,8 +739,9 @@ class CoMERA:
     def state_dict(self) -> dict[str, Any]:
         """Plain values (JSON and ``torch.load(weights_only=True)`` alike): the stage,
         ``z_f``, the plateau, the pace plan, whether the ranks are fixed, the steps done,
-        the objective's ``S_c`` and every TT layer's allocated ranks (so
-        :meth:`load_state_dict` can shape a fresh model before its weights are loaded)."""
+        the objective's ``S_c``, every TT layer's allocated ranks (so
+        :meth:`load_state_dict` can shape a fresh model before its weights are loaded) and,
+        under an SGD-like optimizer, the gates' own Adam state (``gate_adam``)."""
         obj = self.objective
         return {
             "stage": obj.stage if obj is not None else None,
@@ -705,7 +757,7 @@ class CoMERA:
             # the device and S_c is counted at the next rank event, not each step): a
             # resume takes it as it was, so the continuation is the uninterrupted run's
             "size_cores": obj.size_cores if obj is not None else None,
-        }
+        } | ({"gate_adam": self._gate_adam.state_dict()} if self._gate_adam is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where :meth:`state_dict` left off, before or after
@@ -735,6 +787,11 @@ class CoMERA:
             self.objective.recount(state.get("size_cores"))  # older states: count now
         if "removed" in state:
             self.removed = {k: int(v) for k, v in state["removed"].items()}
+        if state.get("gate_adam") is not None:  # the gates' own Adam (_own_gates)
+            if self._gate_adam is not None:
+                self._gate_adam.load_state_dict(state["gate_adam"])
+            else:  # made when the optimizer is first seen
+                self._gate_adam_saved = state["gate_adam"]
 
     def __repr__(self) -> str:
         target = self.target_compression
