@@ -107,7 +107,7 @@ def test_cores_are_scaled_isometries_of_the_gaussian_entry_scale(shape) -> None:
     torch.testing.assert_close(gram, std**2 * max(m, r) * torch.eye(min(m, r),
                                                                    dtype=torch.float64),
                                rtol=0, atol=1e-12)
-    assert core.shape == shape and core.dtype == torch.float64
+    assert core.shape == shape and core.dtype == torch.float64 and core.is_contiguous()
     assert a.pow(2).mean().item() == pytest.approx(std**2, rel=1e-12)
     assert scaled_isometry(shape, std, torch.bfloat16).dtype == torch.bfloat16
 

@@ -695,8 +695,8 @@ def test_a_train_built_on_the_meta_device_draws_nothing_and_a_real_one_is_as_see
     """The run plan, the preview and an export's skeleton build their model on the meta
     device: its cores are drawn from nothing there (torch's meta randn would import sympy
     and Dynamo, a second or more of ``comera launch``); on a real device the cores are
-    ``randn · std`` from the seed, as before."""
-    from comera_engine.tensor.tt import TensorTrain
+    :func:`scaled_isometry` draws at the entry scale ``std``, from the seed."""
+    from comera_engine.tensor.tt import TensorTrain, scaled_isometry
     from tests.run_checks import heavy_imports
 
     assert heavy_imports("import torch\n"
@@ -708,5 +708,5 @@ def test_a_train_built_on_the_meta_device_draws_nothing_and_a_real_one_is_as_see
     torch.manual_seed(3)
     t = TensorTrain([(4, 8), (8, 4)], rank=3)
     torch.manual_seed(3)
-    want = [torch.randn(1, 4, 8, 3) * t.init_std, torch.randn(3, 8, 4, 1) * t.init_std]
+    want = [scaled_isometry((1, 4, 8, 3), t.init_std), scaled_isometry((3, 8, 4, 1), t.init_std)]
     assert all(torch.equal(c, w) for c, w in zip(t.cores, want))

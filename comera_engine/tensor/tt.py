@@ -191,7 +191,7 @@ def scaled_isometry(shape: Sequence[int], std: float, dtype: torch.dtype | None 
     q, rr = torch.linalg.qr(a if tall else a.T)
     q = q * torch.sign(torch.diagonal(rr)).where(torch.diagonal(rr) != 0, 1.0)  # unique Q
     core = (q if tall else q.T) * (std * math.sqrt(max(m, r)))
-    return core.reshape(*shape).to(dtype or torch.get_default_dtype())
+    return core.reshape(*shape).to(dtype or torch.get_default_dtype()).contiguous()
 
 
 class TensorTrain(nn.Module):
