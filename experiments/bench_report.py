@@ -118,10 +118,9 @@ def controller(data: dict[str, Any]) -> str:
 
 
 def _held_out(summary: dict[str, float], task: str) -> str:
-    """A method's held-out score over the seeds: accuracy in per cent, or R² for a
-    regression (own_loop's ``test_score``; ``test_acc`` in older files)."""
-    key = "test_score" if "test_score_mean" in summary else "test_acc"
-    mean, std = summary[f"{key}_mean"], summary[f"{key}_std"]
+    """A method's held-out score over the seeds (own_loop's ``test_score``): accuracy in
+    per cent, or R² for a regression."""
+    mean, std = summary["test_score_mean"], summary["test_score_std"]
     if task == "regress":
         return f"R² {mean:.3f} ± {std:.3f}"
     return f"{100 * mean:.1f} ± {100 * std:.1f} %"
@@ -155,7 +154,7 @@ def own_loop(data: dict[str, Any]) -> str:
             f"{data['steps']} steps, seeds {', '.join(map(str, data['seeds']))}; held-out "
             f"accuracy (R² for a regression) against the same network dense.")
     rows = [[f"{name} ({method})", f"{r['target']:g}×" if method == "CoMERA" else "–",
-             _held_out(s, r.get("task", "classify")),
+             _held_out(s, r["task"]),
              f"{s['compression_min']:.1f}× – {s['compression_max']:.1f}×", f"{r['lr']:g}"]
             for name, r in nets.items() for method, s in r["summary"].items()]
     return section("CoMERA in your own loop", "python experiments/own_loop.py",

@@ -333,19 +333,17 @@ def summarize(rows: list[dict], methods: Sequence[str], key: str = "test_acc"
 
 
 def held_out(summary: dict[str, float]) -> tuple[float, float]:
-    """A method's held-out score, mean and std (``test_score``; ``test_acc`` in files
-    written before the regression network)."""
-    key = "test_score" if "test_score_mean" in summary else "test_acc"
-    return summary[f"{key}_mean"], summary[f"{key}_std"]
+    """A method's held-out score (``test_score``), mean and std over the seeds."""
+    return summary["test_score_mean"], summary["test_score_std"]
 
 
 def sentence(name: str, result: dict) -> str:
     """One line per network, as the README quotes it."""
     (c, c_sd), (d, d_sd) = (held_out(result["summary"][m]) for m in ("CoMERA", "dense"))
     comp = result["summary"]["CoMERA"]
-    rate = f"{'SGD, ' if result.get('optimizer') == 'sgd' else ''}lr {result['lr']:g}"
+    rate = f"{'SGD, ' if result['optimizer'] == 'sgd' else ''}lr {result['lr']:g}"
     for method in ("dense", "CoMERA"):  # runs that diverged at the chosen rate
-        fell = [f for f in result.get("diverged", []) if f.get("method", "CoMERA") == method
+        fell = [f for f in result["diverged"] if f["method"] == method
                 and f["lr"] == result["lr"]]
         if fell:
             rates = sorted({r["lr"] for r in result["runs"] if r["method"] == method},
@@ -354,7 +352,7 @@ def sentence(name: str, result: dict) -> str:
                      f"{len(result['runs']) // 2} seeds (by step "
                      f"{max(f['step'] for f in fell)}) and trained at "
                      f"{', '.join(f'{r:g}' for r in rates)}")
-    if result.get("task") == "regress":
+    if result["task"] == "regress":
         said = f"held-out R² {c:.3f} ± {c_sd:.3f} against dense {d:.3f} ± {d_sd:.3f}"
     else:
         said = (f"held-out accuracy {100 * c:.1f} ± {100 * c_sd:.1f} % against dense "

@@ -110,15 +110,13 @@ class GateAdam:
 
     def __init__(self, gates: Sequence[nn.Parameter], lr: float) -> None:
         self.adam = torch.optim.Adam(list(gates), lr=lr, weight_decay=0.0)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._handle: Any = None
+        self._handle: Any = None  # the hook on the optimizer hooked last
 
     def hook_into(self, optimizer: torch.optim.Optimizer) -> None:
         """Step the gates before every ``optimizer.step()`` (from now on; the hook on an
         optimizer hooked before is removed)."""
         if self._handle is not None:
             self._handle.remove()
-        self.optimizer = optimizer
         self._handle = optimizer.register_step_pre_hook(self.before_step)
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -189,7 +189,8 @@ def scaled_isometry(shape: Sequence[int], std: float, dtype: torch.dtype | None 
     a = torch.randn(m, r, dtype=work, device=device)
     tall = m >= r
     q, rr = torch.linalg.qr(a if tall else a.T)
-    q = q * torch.sign(torch.diagonal(rr)).where(torch.diagonal(rr) != 0, 1.0)  # unique Q
+    diag = torch.diagonal(rr)
+    q = q * torch.sign(diag).where(diag != 0, 1.0)  # the unique Q of a positive diagonal
     core = (q if tall else q.T) * (std * math.sqrt(max(m, r)))
     return core.reshape(*shape).to(dtype or torch.get_default_dtype()).contiguous()
 
