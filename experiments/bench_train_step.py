@@ -171,6 +171,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "step_ms_min": 1e3 * min(times),
         "first_step_ms": first_ms if spec["warmup"] else None,
         "steps_timed": len(times),
+        "seconds_timed": sum(times),
         "peak_mem_mb": peak / 2**20,
         "state_mem_mb": held / 2**20,
         "params": size["params/effective"],
