@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING
 from ._lazy import lazy_getattr
 from ._version import __version__
 
-__all__ = ["CoMERA", "CoMERAConfig", "TTEmbedding", "TTLinear", "__version__", "estimate",
-           "explain", "load", "load_into", "max_tt_ranks", "plan", "save", "size_report",
-           "tensorize", "truncate", "tt_svd"]
+__all__ = ["CoMERA", "CoMERAConfig", "TTEmbedding", "TTLinear", "TrainingDiverged",
+           "__version__", "estimate", "explain", "load", "load_into", "max_tt_ranks", "plan",
+           "save", "size_report", "tensorize", "truncate", "tt_svd"]
 
 #: Public names loaded on first use (torch with all but the config), and their modules.
 _LAZY = {"CoMERA": "rank", "CoMERAConfig": "config", "TTEmbedding": "layers",
-         "TTLinear": "layers", "size_report": "layers", "tensorize": "rank", "truncate": "layers",
+         "TTLinear": "layers", "TrainingDiverged": "errors", "size_report": "layers",
+         "tensorize": "rank", "truncate": "layers",
          "save": "export.weights", "load_into": "export.weights", "load": "export",
          "tt_svd": "tensor",
          "max_tt_ranks": "tensor", "explain": "tensor", "plan": "tensor",
@@ -41,6 +42,7 @@ _LAZY = {"CoMERA": "rank", "CoMERAConfig": "config", "TTEmbedding": "layers",
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import CoMERAConfig
+    from .errors import TrainingDiverged
     from .export import load
     from .export.weights import load_into, save
     from .layers import TTEmbedding, TTLinear, size_report, truncate

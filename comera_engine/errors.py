@@ -29,3 +29,14 @@ class ConfigError(ValueError):
         self.field = shorten(field, MAX_FIELD_CHARS)
         self.problem = shorten(problem, MAX_PROBLEM_CHARS)
         super().__init__(f"{self.field}: {self.problem}")
+
+
+class TrainingDiverged(FloatingPointError):
+    """The task loss turned non-finite: training diverged. ``step`` is the 1-based step
+    whose loss it was and ``loss`` its value; the message says what to do. A
+    ``FloatingPointError``, so code that catches that catches this."""
+
+    def __init__(self, step: int, loss: float, message: str) -> None:
+        self.step = int(step)
+        self.loss = float(loss)
+        super().__init__(message)

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -302,7 +301,8 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
         if controller is not None:
             loss = controller.loss(loss)  # its step raises on a non-finite loss
         elif not math.isfinite(float(loss)):  # the same test for the dense network
-            raise FloatingPointError(f"the task loss is {float(loss)} at step {step + 1}")
+            raise ce.TrainingDiverged(step + 1, float(loss),
+                                      f"the task loss is {float(loss)} at step {step + 1}")
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -397,10 +397,9 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
                     model, row = train(net, split, split.train, seed, steps, rate, comera,
                                        optimizer)
                     break
-                except FloatingPointError as e:
-                    at = re.search(r"at step (\d+)", str(e))
+                except ce.TrainingDiverged as e:
                     diverged.append({"seed": seed, "method": method, "lr": rate,
-                                     "error": str(e), "step": int(at.group(1)) if at else None})
+                                     "error": str(e), "step": e.step})
                     print(f"{net.name} seed {seed} {method} at lr {rate:g}: {e}")
                     lower = [v for v in lrs if v < rate]
                     if not lower:

@@ -621,7 +621,9 @@ def test_a_diverging_run_is_stopped_before_its_ranks_are_judged(digits) -> None:
                        match=r"the task loss is nan at step (\d+): training diverged; lower "
                              r"the learning rate") as raised:
         _train(model, comera, opt, digits, 0, 50, attached=True)
-    at = int(raised.value.args[0].split("at step ")[1].split(":")[0])
+    assert isinstance(raised.value, ce.TrainingDiverged) and math.isnan(raised.value.loss)
+    at = raised.value.step
+    assert f"at step {at}:" in str(raised.value)
     assert 1 < at < 50 and comera.steps_done == at - 1
     assert comera.stage == "early" and comera.removed == {"objective": 0, "pace": 0}
     for (_, m), before in zip(tt_layers(model), alive):

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import CoMERAConfig, validate_comera
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainingDiverged
 from ..layers import factorized_layers, groupable_linears, tt_layers
 from ..metrics import TARGET_TOLERANCE
 from ..ops.adamw import AdamW
@@ -438,7 +438,8 @@ class CoMERA:
         if self.objective is not None and (self.objective.stage == "early" or not self.frozen):
             value = self._loss_value(loss)
             if not math.isfinite(value):  # before any gate or rank is judged by it
-                raise FloatingPointError(
+                raise TrainingDiverged(
+                    self._steps + 1, value,
                     f"CoMERA.step: the task loss is {value} at step {self._steps + 1}: "
                     "training diverged; lower the learning rate (under SGD a TT layer "
                     "steps further than its dense layer at the same rate) or clip the "
