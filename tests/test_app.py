@@ -1104,6 +1104,71 @@ def test_compare_draws_one_front_per_data_set(home: Path) -> None:
     assert blank_when_missing(at) > 0  # the cancer runs' params
 
 
+def test_compare_tells_the_methods_apart_and_names_points_by_what_differs(home: Path) -> None:
+    """A sweep of peers on Compare: each method its own legend entry and colour (one front
+    across them), the int8 weights of a pruned run a peer, not a second dense baseline;
+    a point is named beside it by the words that tell it from the others (the hover has
+    the run's whole name); with more points than a figure can name, hover only."""
+    from app.lib import plots
+
+    st = store_at(home)
+    cells = {"dense": ({"dense": True}, {}, 0.97, 1.0),
+             "prune_int8": ({"dense": True, "quantize": "int8"}, {}, 0.95, 40.0),
+             "fixed": ({}, {"method": "fixed"}, 0.93, 30.0),
+             "comera": ({}, {}, 0.96, 30.0)}
+    ids = {}
+    for method, (model, comera, acc, comp) in cells.items():
+        cfg = config(f"sweep digits {method} · 30× seed 0")
+        cfg["model"].update(model)
+        cfg["comera"].update(comera)
+        rid = ids[method] = st.create_run(cfg["name"], cfg, "running")
+        st.write_batch(rid, metrics=[(10, "eval/acc", acc, time.time()),
+                                     (10, "compression/model", comp, time.time()),
+                                     (10, "compression/tensorized", comp, time.time())])
+        st.set_status(rid, "finished")
+    at = app("compare")
+    no_exception(at)
+    assert "No dense baseline" not in texts(at)
+    (front,) = [json.loads(c.proto.spec) for c in at.get("plotly_chart")
+                if "Accuracy vs compression" in str(json.loads(c.proto.spec)["layout"])]
+    traces = {t["name"]: t for t in front["data"] if t.get("name")}
+    assert set(traces) == {"Pareto front", "dense baseline", "CoMERA, schedule paced",
+                           "fixed-rank TT",
+                           "int8 weights (torchao) of a trained dense or pruned run"}
+    colours = {t["marker"]["color"] for n, t in traces.items() if n != "Pareto front"}
+    assert len(colours) == 4  # one per method, the dense stars apart
+    assert traces["dense baseline"]["x"] == [1.0] and traces["dense baseline"]["y"] == [0.97]
+    # the front: CoMERA (30x, 96 %) and the pruned int8 (40x, 95 %) beat fixed ranks
+    assert list(zip(traces["Pareto front"]["x"], traces["Pareto front"]["y"])) == [
+        (1.0, 0.97), (30.0, 0.96), (40.0, 0.95)]
+    comera = traces["CoMERA, schedule paced"]
+    assert comera["text"] == [f"comera · 30× seed 0 ({ids['comera'][-4:]})"]
+    assert comera["customdata"] == [f"sweep digits comera · 30× seed 0 ({ids['comera'][-4:]})"]
+    assert comera["hovertemplate"].startswith("%{customdata}")
+    # a figure of more points than it can name names the front's (the rest on hover)
+    many = [{"label": f"run {i}", "dense": False, "acc": 0.5 + (i % 2) / 10, "comp": 1.0 + i}
+            for i in range(plots.MAX_LABELS + 1)]
+    (dots,) = [t for t in plots.pareto(many, "comp", "acc", "x", "y", "t").data
+               if t.name == plots.TT_METHOD]
+    assert list(dots.customdata) == [p["label"] for p in many]
+    # (the front: run 8, the largest x, then run 7, the best y below it)
+    assert list(dots.text) == [""] * 7 + ["run 7", "run 8"]
+    (dots,) = [t for t in plots.pareto(many[:-1], "comp", "acc", "x", "y", "t").data
+               if t.name == plots.TT_METHOD]
+    assert list(dots.text) == [f"run {i}" for i in range(plots.MAX_LABELS)]
+
+
+def test_distinct_labels_drop_only_the_words_every_label_starts_with() -> None:
+    from app.lib.runs import distinct_labels
+
+    assert distinct_labels(["sweep digits comera · 10×", "sweep digits fixed · 10×"]) == [
+        "comera · 10×", "fixed · 10×"]
+    assert distinct_labels(["a b", "a b"]) == ["b", "b"]  # never empty
+    assert distinct_labels(["a", "a b"]) == ["a", "a b"]
+    assert distinct_labels(["one run"]) == ["one run"]
+    assert distinct_labels(["x y", "z y"]) == ["x y", "z y"]
+
+
 def test_point_labels_stay_in_the_figure_and_legends_under_titles() -> None:
     """Issue 46: Compare's point labels were cut at the plot's edges and legends ran
     over titles. A label in the right fifth of the x range (log10 on a log axis) goes

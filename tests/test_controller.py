@@ -471,6 +471,16 @@ def test_schedules_set_every_switch_and_a_switch_set_against_one_is_named() -> N
         "CoMERA, schedule comera (pace on)")
     assert method_label({"comera": {"method": "fixed"}}) == "fixed-rank TT"
     assert method_label({"model": {"dense": True}}) == "dense baseline"
+    # the peers each by its own name (Compare's legend tells them apart by it)
+    assert method_label({"comera": {"method": "fixed"}, "model": {"tt_impl": "tltorch"}}) == (
+        "fixed-rank TT (tltorch)")
+    tt_svd = {"comera": {"method": "tt_svd"}, "train": {"steps": 0}}
+    assert method_label(tt_svd) == "TT-SVD of a dense run"
+    assert method_label({**tt_svd, "train": {"steps": 150}}) == (
+        "TT-SVD of a dense run, fine-tuned")
+    assert method_label({"model": {"dense": True, "quantize": "int8"}}) == (
+        "int8 weights (torchao) of a trained dense or pruned run")
+    assert method_label({"model": {"quantize": "int8"}}) == "int8 TT cores of a trained TT run"
 
 
 def test_the_optimizer_owns_the_rates_and_the_gates_follow_the_schedule(capsys) -> None:

@@ -358,67 +358,104 @@ def _clusters(fracs: Sequence[float], near: float) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+#: Each data set's marker in a figure with several (its front's dash alike)
+GROUP_SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "x")
+GROUP_DASHES = ("dash", "dot", "dashdot", "longdash", "longdashdot")
+#: The dense baselines' colour; the methods take the others, in turn (a reproduction
+#: compares a dozen)
+DENSE_COLOR = COLORS[1]
+METHOD_COLORS = [c for c in COLORS if c != DENSE_COLOR] + [
+    "#0F766E", "#B45309", "#DB2777", "#1E3A8A", "#CA8A04", "#7F1D1D"]
+#: The most points a figure names beside them all; with more, only the fronts' points and
+#: the dense baselines are named, the others on hover (a sweep's dozens of labels would
+#: hide the points)
+MAX_LABELS = 8
+#: A point's method when the caller names none
+TT_METHOD = "CoMERA (TT)"
+
+
 def _pareto_group(fig: go.Figure, pts: Sequence[Mapping[str, Any]], x_key: str, y_key: str,
                   x_title: str, y_title: str, higher_x_better: bool, suffix: str,
-                  index: int, all_xs: Sequence[float] = (), log_x: bool = True,
-                  y_hover: str = ".3g") -> None:
-    """One group's points, front and dense baselines (``suffix`` names the group);
-    ``all_xs``, ``log_x``: every point's x and the axis type, to place the labels;
-    ``y_hover``: the d3 format of y in the hover text."""
+                  index: int, methods: Sequence[str], all_xs: Sequence[float] = (),
+                  log_x: bool = True, y_hover: str = ".3g", label_all: bool = True) -> None:
+    """One group's points, front and dense baselines (``suffix`` names the group,
+    ``index`` its marker and dash): a trace per method (``methods``: every method of the
+    figure, in colour order); ``all_xs``, ``log_x``: every point's x and the axis type,
+    to place the labels; ``y_hover``: the d3 format of y in the hover text. A point's
+    ``text`` (else its ``label``) is written beside it if ``label_all``, or if it is on
+    the front or a dense baseline; every point has its ``label`` on hover."""
     tt = [p for p in pts if not p.get("dense")]
     dense = [p for p in pts if p.get("dense")]
-    # front: walk from the best x down, keep points that improve y
+    # front: walk from the best x down, keep points that improve y (any method's)
     order = sorted(tt + dense, key=lambda p: p[x_key], reverse=higher_x_better)
     front, best = [], -math.inf
     for p in order:
         if p[y_key] > best:
             front.append(p)
             best = p[y_key]
-    colour = COLORS[(2 * index) % len(COLORS)]
-    star = COLORS[(2 * index + 1) % len(COLORS)]
+    symbol = GROUP_SYMBOLS[index % len(GROUP_SYMBOLS)]
     if len(front) > 1:
         front = sorted(front, key=lambda p: p[x_key])
         fig.add_trace(go.Scatter(
             x=[p[x_key] for p in front], y=[p[y_key] for p in front], mode="lines",
             name="Pareto front" + suffix,
-            line={"color": "#CBD5E1" if not suffix else colour, "width": 2, "dash": "dash"},
+            line={"color": "#94A3B8" if suffix else "#CBD5E1", "width": 2,
+                  "dash": GROUP_DASHES[index % len(GROUP_DASHES)]},
             hoverinfo="skip",
         ))
-    if tt:
+    hover = ("%{customdata}<br>" + x_title + ": %{x:.3g}<br>" + y_title + ": %{y:" + y_hover
+             + "}<extra></extra>")
+    # where the labels go, over all the group's named points at once (neighbours of
+    # two methods are staggered too)
+    on_front = {id(p) for p in front}
+    named = [p for p in tt if label_all or id(p) in on_front]
+    where = dict(zip(map(id, named), label_positions(
+        [p[x_key] for p in named], all_xs, log_x, ys=[p[y_key] for p in named])))
+    for method in methods:
+        mine = [p for p in tt if (p.get("method") or TT_METHOD) == method]
+        if not mine:
+            continue
+        colour = METHOD_COLORS[methods.index(method) % len(METHOD_COLORS)]
         fig.add_trace(go.Scatter(
-            x=[p[x_key] for p in tt], y=[p[y_key] for p in tt], mode="markers+text",
-            name="CoMERA (TT)" + suffix, text=[p["label"] for p in tt],
-            textposition=label_positions([p[x_key] for p in tt], all_xs, log_x,
-                                         ys=[p[y_key] for p in tt]),
+            x=[p[x_key] for p in mine], y=[p[y_key] for p in mine],
+            mode="markers+text", name=method + suffix,
+            text=[p.get("text") or p["label"] if id(p) in where else "" for p in mine],
+            customdata=[p["label"] for p in mine],
+            textposition=[where.get(id(p), "top center") for p in mine],
             textfont={"size": 10}, cliponaxis=False,
-            marker={"size": 12, "color": colour, "line": {"width": 1, "color": "white"}},
-            hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
-            + ": %{y:" + y_hover + "}<extra></extra>",
+            marker={"size": 12, "color": colour, "symbol": symbol,
+                    "line": {"width": 1, "color": "white"}},
+            hovertemplate=hover,
         ))
     if dense:
         fig.add_trace(go.Scatter(
-            x=[p[x_key] for p in dense], y=[p[y_key] for p in dense], mode="markers+text",
-            name="dense baseline" + suffix, text=[p["label"] for p in dense],
+            x=[p[x_key] for p in dense], y=[p[y_key] for p in dense],
+            mode="markers+text", name="dense baseline" + suffix,
+            text=[p.get("text") or p["label"] for p in dense],
+            customdata=[p["label"] for p in dense],
             textposition=label_positions([p[x_key] for p in dense], all_xs, log_x, "bottom",
                                          ys=[p[y_key] for p in dense]),
             textfont={"size": 10}, cliponaxis=False,
-            marker={"size": 18, "symbol": "star", "color": star,
+            marker={"size": 18, "symbol": "star", "color": DENSE_COLOR,
                     "line": {"width": 1, "color": "white"}},
-            hovertemplate="%{text}<br>" + x_title + ": %{x:.3g}<br>" + y_title
-            + ": %{y:" + y_hover + "}<extra></extra>",
+            hovertemplate=hover,
         ))
         for p in dense:
-            fig.add_hline(y=p[y_key], line={"color": star, "dash": "dot", "width": 1})
+            fig.add_hline(y=p[y_key], line={"color": DENSE_COLOR, "dash": "dot", "width": 1})
 
 
 def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title: str,
            y_title: str, title: str, log_x: bool = True, higher_x_better: bool = True,
            x_include: Sequence[float] = (), y_percent: bool = False) -> go.Figure:
     """Scatter of runs with the Pareto front (best ``y`` for a given ``x``) and the dense
-    baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key[, "group"]}``:
-    each group (data set and task) gets its own front, never one across groups.
-    ``y_percent``: ``y`` is a fraction (an accuracy) shown in percent on the axis and in
-    the hover text."""
+    baseline(s) drawn as stars. Points: ``{"label", "dense", x_key, y_key[, "group",
+    "method", "text"]}``: each group (data set and task) gets its own front, never one
+    across groups, and its own marker; each method (default :data:`TT_METHOD`) its own
+    colour and legend entry, the same in every group. A point is named beside it by its
+    ``text`` (default its ``label``) when the figure has at most :data:`MAX_LABELS`
+    points, else only the fronts' points and the dense baselines are; every point by its
+    ``label`` on hover. ``y_percent``: ``y`` is a fraction (an
+    accuracy) shown in percent on the axis and in the hover text."""
     pts = [p for p in points
            if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
            and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
@@ -430,12 +467,13 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
         log_x = False  # a narrow spread reads better on a linear axis
     # one front per group (a data set and task): runs on different data never share one
     groups = sorted({str(p.get("group") or "") for p in pts})
+    methods = sorted({p.get("method") or TT_METHOD for p in pts if not p.get("dense")})
     for gi, group in enumerate(groups):
         mine = [p for p in pts if str(p.get("group") or "") == group]
         _pareto_group(fig, mine, x_key, y_key, x_title, y_title, higher_x_better,
-                      f" · {group}" if len(groups) > 1 else "", gi,
+                      f" · {group}" if len(groups) > 1 else "", gi, methods,
                       [p[x_key] for p in pts] + list(x_include), log_x,
-                      ".1%" if y_percent else ".3g")
+                      ".1%" if y_percent else ".3g", label_all=len(pts) <= MAX_LABELS)
     if not log_x and xs:
         lo, hi = min(xs), max(xs)
         pad = max((hi - lo) * 0.2, abs(hi) * 0.01, 1e-9)

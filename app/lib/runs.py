@@ -247,6 +247,26 @@ def is_dense(run: Mapping[str, Any]) -> bool:
         return False
 
 
+def is_baseline(run: Mapping[str, Any]) -> bool:
+    """The run trained the dense model as it is: the baseline the others are measured
+    against (a dense model pruned or quantized is one of the others)."""
+    return method_label(run.get("config")).startswith("dense baseline")
+
+
+def distinct_labels(labels: Sequence[str]) -> list[str]:
+    """``labels`` less the words all of them start with: ``["sweep digits comera · 10×",
+    "sweep digits fixed · 10×"]`` → ``["comera · 10×", "fixed · 10×"]``. Unchanged for a
+    single label, or where a label would be left with nothing."""
+    if len(labels) < 2:
+        return list(labels)
+    words = [label.split(" ") for label in labels]
+    common = 0
+    while (all(len(w) > common + 1 for w in words)
+           and len({w[common] for w in words}) == 1):
+        common += 1
+    return [" ".join(w[common:]) for w in words]
+
+
 def target_metric(run: Mapping[str, Any]) -> str:
     """The compression metric the run's figure (and target) is measured on."""
     return compression_metric(compression_scope(run.get("config")))

@@ -109,6 +109,8 @@ rows = []
 scopes: set[str] = set()
 mem_what: set[str] = set()
 groups: set[str] = set()
+#: each point named beside it by what tells it from the others (the hover has all of it)
+texts = dict(zip((r["id"] for r in sel), runs.distinct_labels([label(r) for r in sel])))
 for r in sel:
     m = runs.final_metrics(store, r["id"])
     peak, what = runs.peak_memory_mb(store, r["id"])
@@ -120,12 +122,14 @@ for r in sel:
     task = (r.get("config") or {}).get("task")  # a data set and its task: one front
     group = f"{runs.dataset_of(r)} ({task})" if isinstance(task, str) else runs.dataset_of(r)
     groups.add(group)
-    points.append({"label": label(r), "dense": runs.is_dense(r), "acc": acc, "group": group,
-                   "comp": comp.value, "mem": peak, "bytes": m.get("bytes/effective")})
+    method = method_label(r.get("config"))
+    points.append({"label": label(r), "text": texts[r["id"]], "dense": runs.is_baseline(r),
+                   "method": method, "acc": acc, "group": group, "comp": comp.value,
+                   "mem": peak, "bytes": m.get("bytes/effective")})
     rows.append({
         "run": label(r),
         "status": r["status"],
-        "method": method_label(r.get("config")),
+        "method": method,
         "dense": runs.is_dense(r),
         "steps": r.get("last_step"),
         "eval acc": runs.percent(m.get("eval/acc")),

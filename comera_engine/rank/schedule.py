@@ -52,20 +52,27 @@ def schedule_label(c: CoMERAConfig) -> str:
 
 def method_label(config: Any) -> str:
     """Which method trained a run, in words, from its config (a :class:`Config` or its
-    plain ``to_dict``): ``"CoMERA, schedule paced"``, ``"fixed-rank TT"``,
-    ``"TT-SVD of a dense run"``, ``"dense baseline"``."""
+    plain ``to_dict``): ``"CoMERA, schedule paced"``, ``"fixed-rank TT"`` (``"fixed-rank
+    TT (tltorch)"``), ``"TT-SVD of a dense run"`` (``", fine-tuned"`` when it trains),
+    ``"dense baseline"``, ``"int8 TT cores of a trained TT run"``."""
     raw = config.to_dict() if isinstance(config, Config) else dict(config or {})
     model, c = raw.get("model") or {}, raw.get("comera") or {}
+    train = raw.get("train") or {}
     if model.get("quantize"):
-        return f"{model['quantize']} weights (torchao) of a trained run"
+        if model.get("dense"):
+            return f"{model['quantize']} weights (torchao) of a trained dense or pruned run"
+        return f"{model['quantize']} TT cores of a trained TT run"
     if model.get("dense") and c.get("method") == "prune":
         return "structured pruning (torch-pruning) of a dense run, fine-tuned"
     if model.get("dense"):
-        galore = (raw.get("train") or {}).get("optimizer") == "galore"
+        galore = train.get("optimizer") == "galore"
         return "dense baseline" + (" (GaLore)" if galore else "")
     method = c.get("method", "comera")
+    if method == "tt_svd":
+        return "TT-SVD of a dense run" + (", fine-tuned" if train.get("steps") else "")
     if method != "comera":
-        return {"fixed": "fixed-rank TT", "tt_svd": "TT-SVD of a dense run"}.get(method, method)
+        label = {"fixed": "fixed-rank TT"}.get(method, method)
+        return label + (" (tltorch)" if model.get("tt_impl") == "tltorch" else "")
     if not c.get("enabled", True):
         return "TT at its initial ranks (comera.enabled = false)"
     known = {f.name for f in dataclasses.fields(CoMERAConfig)}
