@@ -92,6 +92,13 @@ def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None
     assert list(dims) == ["comera.target_compression", "seed", "compression (×)",
                           "eval/acc (%)"]
     assert sorted(dims["eval/acc (%)"]) == pytest.approx(sorted(100 * a for a in ACCS.values()))
+    # one seed finished, or one value of a key: no flat axis for it
+    from app.lib.plots import sweep_parcoords
+
+    one_seed = [{"grid": {"lr": 0.1, "target": t}, "seed": 0, "score": 0.9, "compression": t}
+                for t in (5.0, 20.0)]
+    (par,) = sweep_parcoords({"metric": "eval/acc", "cells": one_seed}, "t").data
+    assert [d.label for d in par.dimensions] == ["target", "compression (×)", "eval/acc (%)"]
     groups, cells = at.dataframe[0].value, at.dataframe[1].value
     assert len(groups) == 2 and len(cells) == 4
     for target in (5.0, 20.0):

@@ -624,7 +624,8 @@ def _error_bars(stds: Sequence[Any]) -> dict[str, Any]:
 def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
     """Parallel coordinates of a sweep's cells: one axis per swept key (text values as
     their order), the seed, the compression reached and the score; a line per finished
-    cell, coloured by its score."""
+    cell, coloured by its score. A key or the seed with one value among the finished
+    cells gets no axis (it would only add a flat line to every cell)."""
     metric = rep.get("metric") or "score"
     cells = [c for c in rep.get("cells") or [] if is_finite(c.get("score"))]
     if not cells:
@@ -640,7 +641,9 @@ def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
             words = sorted({str(v) for v in values})
             dims.append({"label": key, "values": [words.index(str(v)) for v in values],
                          "tickvals": list(range(len(words))), "ticktext": words})
-    dims.append({"label": "seed", "values": [c.get("seed") or 0 for c in cells]})
+    seeds = [c.get("seed") or 0 for c in cells]
+    dims.append({"label": "seed", "values": seeds})
+    dims = [d for d in dims if len({str(v) for v in d["values"]}) > 1]
     if all(is_finite(c.get("compression")) for c in cells):
         dims.append({"label": "compression (×)", "values": [c["compression"] for c in cells],
                      "tickformat": ".3~g"})
