@@ -1158,6 +1158,39 @@ def test_compare_tells_the_methods_apart_and_names_points_by_what_differs(home: 
     assert list(dots.text) == [f"run {i}" for i in range(plots.MAX_LABELS)]
 
 
+def test_overview_draws_running_runs_as_cards_and_sums_up_the_queue(home: Path) -> None:
+    """A store with a reproduction's queue (dozens of cells waiting): the Overview draws
+    a card for each running run up to eight, says how many more run and how many wait
+    (and in how many sweeps) in one line, and counts running and queued apart; the
+    dense-baseline column marks the dense model as trained, not its int8 weights."""
+    st = store_at(home)
+    sid = st.create_sweep("peers", {"name": "peers"}, {"comera.target_compression": [5]}, 1)
+    for i in range(10):
+        st.create_run(f"running {i}", config(f"running {i}"), "running")
+    for i in range(30):
+        st.create_run(f"waiting {i}", config(f"waiting {i}"), "queued",
+                      sweep_id=sid if i % 2 else None,
+                      cell={"overrides": {}, "seed": i} if i % 2 else None)
+    dense = config("dense", dense=True)
+    int8 = config("int8", dense=True)
+    int8["model"]["quantize"] = "int8"
+    for cfg in (dense, int8):
+        rid = st.create_run(cfg["name"], cfg, "running")
+        st.set_status(rid, "finished")
+    at = app()
+    no_exception(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert (metrics["Running"], metrics["Queued"], metrics["Runs"]) == ("10", "30", "42")
+    watch = [b for b in at.button if b.label == "Watch"]
+    assert len(watch) == 8
+    assert "2 more running; 30 queued (1 sweep), waiting for a free slot: in the table " \
+        "below." in texts(at)
+    table = at.dataframe[0].value
+    assert len(table) == 42
+    baseline = dict(zip(table["name"], table["dense"]))
+    assert baseline["dense"] and not baseline["int8"]
+
+
 def test_distinct_labels_drop_only_the_words_every_label_starts_with() -> None:
     from app.lib.runs import distinct_labels
 

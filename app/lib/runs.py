@@ -477,7 +477,7 @@ def summary_rows(store: RunStore, runs: list[Mapping[str, Any]]) -> list[dict[st
                 "status": r["status"],
                 "step": r.get("last_step") or 0,
                 "steps": steps,
-                "dense": is_dense(r),
+                "dense": is_baseline(r),
                 "method": method_label(r.get("config")),
                 "data set": dataset_of(r),
                 "duration": duration_s(r),

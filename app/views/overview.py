@@ -30,17 +30,23 @@ if not all_runs:
     st.stop()
 
 live = [r for r in all_runs if runs.is_live(r)]
+queued = [r for r in live if r["status"] == "queued"]
+running = [r for r in live if r["status"] != "queued"]
 finished = [r for r in all_runs if r["status"] in ("finished", "stopped")]
 failed = [r for r in all_runs if r["status"] in ("failed", "crashed", "diverged")]
-c = st.columns(4)
+c = st.columns(5)
 c[0].metric("Runs", len(all_runs))
-c[1].metric("Live now", len(live))
-c[2].metric("Finished / stopped", len(finished))
-c[3].metric("Failed / crashed", len(failed))
+c[1].metric("Running", len(running))
+c[2].metric("Queued", len(queued), help="Waiting for a free slot: the launcher starts them "
+            "in order as running ones end (New experiment, Advanced: how many at once).")
+c[3].metric("Finished / stopped", len(finished))
+c[4].metric("Failed / crashed", len(failed))
 
+#: the most running runs drawn as cards; the rest are in the table below
+MAX_CARDS = 8
 if live:
     st.subheader("Live now", anchor=False)
-    for r in live:
+    for r in running[:MAX_CARDS]:
         with st.container(border=True):
             a, b, cc = st.columns([3, 2, 1])
             a.markdown(f"**{r['name']}** · `{r['id']}` {fmt.status_badge(r['status'])}")
@@ -49,6 +55,17 @@ if live:
             b.progress(min(1.0, step / total) if total else 0.0, text=f"step {step} / {total}")
             if cc.button("Watch", key=f"watch-{r['id']}", icon=":material/monitoring:"):
                 ui.go_live(r["id"])
+    more = len(running) - MAX_CARDS
+    waiting = ""
+    if queued:
+        sweeps = {r.get("sweep_id") for r in queued if r.get("sweep_id")}
+        waiting = (f"{len(queued)} queued"
+                   + (f" ({len(sweeps)} sweep{'s' if len(sweeps) > 1 else ''})"
+                      if sweeps else "") + ", waiting for a free slot")
+    said = "; ".join(part for part in (f"{more} more running" if more > 0 else "", waiting)
+                     if part)
+    if said:
+        st.caption(f":material/hourglass_empty: {said}: in the table below.")
 
 st.subheader("All runs", anchor=False)
 listed = ui.unarchived(all_runs, "overview-archived")
