@@ -1191,6 +1191,15 @@ def test_overview_draws_running_runs_as_cards_and_sums_up_the_queue(home: Path) 
     assert baseline["dense"] and not baseline["int8"]
 
 
+def test_a_tile_number_keeps_to_seven_characters() -> None:
+    """The Live page's loss tile wrapped ``0.0005601`` over two lines."""
+    from app.lib.fmt import num
+
+    assert [num(v) for v in (0.0005601, 1.234e-5, 2.3026, 0.25, 1234.5, -0.0123456)] == [
+        "0.00056", "1.2e-05", "2.303", "0.25", "1234", "-0.0123"]
+    assert num(None) == num(float("nan")) == "–"
+
+
 def test_distinct_labels_drop_only_the_words_every_label_starts_with() -> None:
     from app.lib.runs import distinct_labels
 

@@ -68,8 +68,21 @@ def pct(x: float | None) -> str:
     return f"{100 * x:.1f}%" if is_num(x) else "–"
 
 
+#: The most characters a number takes on a metric tile before the tile wraps it
+TILE_CHARS = 7
+
+
 def num(x: float | None, digits: int = 4) -> str:
-    return f"{x:.{digits}g}" if is_num(x) else "–"
+    """``x`` to ``digits`` significant digits, fewer (down to 2) where that is what keeps
+    it within :data:`TILE_CHARS` (``0.0005601`` → ``0.00056``, ``1.234e-05`` →
+    ``1.2e-05``); "–" for no number."""
+    if not is_num(x):
+        return "–"
+    text = f"{x:.{digits}g}"
+    while len(text) > TILE_CHARS and digits > 2:
+        digits -= 1
+        text = f"{x:.{digits}g}"
+    return text
 
 
 def duration(seconds: float | None) -> str:
