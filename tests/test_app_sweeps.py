@@ -89,6 +89,8 @@ def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None
     (par,) = json.loads(at.get("plotly_chart")[1].proto.spec)["data"]
     assert par["type"] == "parcoords"
     dims = {d["label"]: d["values"] for d in par["dimensions"]}
+    (seed,) = [d for d in par["dimensions"] if d["label"] == "seed"]
+    assert seed["tickvals"] == [0, 1]  # whole seeds, no 0.5
     assert list(dims) == ["comera.target_compression", "seed", "compression (×)",
                           "eval/acc (%)"]
     assert sorted(dims["eval/acc (%)"]) == pytest.approx(sorted(100 * a for a in ACCS.values()))

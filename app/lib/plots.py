@@ -642,7 +642,8 @@ def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
             dims.append({"label": key, "values": [words.index(str(v)) for v in values],
                          "tickvals": list(range(len(words))), "ticktext": words})
     seeds = [c.get("seed") or 0 for c in cells]
-    dims.append({"label": "seed", "values": seeds})
+    dims.append({"label": "seed", "values": seeds,  # whole seeds only on the axis
+                 "tickvals": sorted(set(seeds)), "ticktext": [str(v) for v in sorted(set(seeds))]})
     dims = [d for d in dims if len({str(v) for v in d["values"]}) > 1]
     if all(is_finite(c.get("compression")) for c in cells):
         dims.append({"label": "compression (×)", "values": [c["compression"] for c in cells],
