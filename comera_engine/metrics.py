@@ -372,6 +372,23 @@ def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any])
     return Compression(value, scope)
 
 
+def run_target(config: Mapping[str, Any] | None) -> float | None:
+    """THE compression a run asks for (``comera.target_compression``), everywhere it is
+    shown; ``None`` when it asks none, and for a run that trains the dense model or
+    evaluates int8 weights: their config may carry a target from the config they were
+    made from, which nothing in them pursues (structured pruning does: it keeps its)."""
+    if not isinstance(config, Mapping):
+        return None
+    model, comera = config.get("model"), config.get("comera")
+    target = comera.get("target_compression") if isinstance(comera, Mapping) else None
+    if not isinstance(target, (int, float)) or isinstance(target, bool):
+        return None
+    if isinstance(model, Mapping) and (model.get("quantize") or (
+            model.get("dense") and comera.get("method") != "prune")):
+        return None
+    return float(target)
+
+
 #: Statuses of a run that trains no further unless it is resumed (comera_engine.store).
 _HALTED = ("stopped", "failed", "crashed", "diverged")
 

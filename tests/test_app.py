@@ -1189,6 +1189,30 @@ def test_overview_draws_running_runs_as_cards_and_sums_up_the_queue(home: Path) 
     assert len(table) == 42
     baseline = dict(zip(table["name"], table["dense"]))
     assert baseline["dense"] and not baseline["int8"]
+    # their configs carry the 20x of the config they came from; neither pursues it
+    target = dict(zip(table["name"], table["target"]))
+    assert target["running 0"] == 20.0 and target["dense"] != target["dense"]  # NaN
+    assert target["int8"] != target["int8"]
+
+
+def test_a_run_asks_a_target_only_if_it_pursues_one() -> None:
+    """One answer for every page, the CLI's list and the sweep report: the TT methods and
+    structured pruning keep ``comera.target_compression``; a dense baseline and int8
+    weights (of any run) ask none, whatever their config carries."""
+    from comera_engine.metrics import run_target
+
+    tt = config("tt")
+    assert run_target(tt) == 20.0
+    assert run_target({**tt, "comera": {**tt["comera"], "method": "fixed"}}) == 20.0
+    prune = {**config("prune", dense=True), "comera": {**tt["comera"], "method": "prune"}}
+    assert run_target(prune) == 20.0
+    assert run_target(config("dense", dense=True)) is None
+    for dense in (True, False):
+        q = config("q", dense=dense)
+        q["model"]["quantize"] = "int8"
+        assert run_target(q) is None
+    assert run_target(config("none", target=None)) is None
+    assert run_target(None) is None
 
 
 def test_a_tile_number_keeps_to_seven_characters() -> None:

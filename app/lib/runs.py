@@ -21,6 +21,7 @@ from comera_engine.metrics import (
     compression_metric,
     compression_scope,
     run_compression,
+    run_target,
     target_status,
 )
 from comera_engine.preview import method_label
@@ -233,11 +234,8 @@ def total_steps(run: Mapping[str, Any]) -> int | None:
 
 
 def target_of(run: Mapping[str, Any]) -> float | None:
-    try:
-        t = run["config"]["comera"].get("target_compression")
-        return float(t) if t is not None else None
-    except (KeyError, TypeError, AttributeError):
-        return None
+    """The compression the run asks for (:func:`comera_engine.metrics.run_target`)."""
+    return run_target(run.get("config"))
 
 
 def is_dense(run: Mapping[str, Any]) -> bool:

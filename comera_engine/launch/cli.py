@@ -26,7 +26,7 @@ from comera_engine.launch.runs import (
     resume,
     stop,
 )
-from comera_engine.metrics import format_ratio, run_compression, target_status
+from comera_engine.metrics import format_ratio, run_compression, run_target, target_status
 from comera_engine.store import FINAL_STATUSES, RunStore, StoreError, resolve_store_path
 from comera_engine.store.errors import StoreLocked, is_damaged
 from comera_engine.store.runs import STATUSES
@@ -257,12 +257,11 @@ def _fmt_target(run: dict[str, Any], latest: dict[str, Any]) -> str:
     """The run's target and where it stands: a verdict once the run finished its steps
     (``10x→10.2x +2%``, ``60x→39.8x miss 34%``), else its progress (``60x, now 28.0x``,
     ``60x, at 28.0x (stopped)``); ``-``: no target."""
-    comera = (run.get("config") or {}).get("comera") or {}
-    target = comera.get("target_compression")
-    if target is None or ((run.get("config") or {}).get("model") or {}).get("dense"):
+    target = run_target(run.get("config"))
+    if target is None:
         return "-"
     reached = run_compression(run.get("config"), latest).value
-    return target_status(float(target), reached, str(run["status"]), short=True)
+    return target_status(target, reached, str(run["status"]), short=True)
 
 
 def _fmt_status(run: dict[str, Any]) -> str:
