@@ -19,7 +19,6 @@ from typing import Any
 from comera_engine.metrics import (
     Compression,
     compression_metric,
-    compression_scope,
     run_compression,
     run_target,
     target_status,
@@ -266,8 +265,9 @@ def distinct_labels(labels: Sequence[str]) -> list[str]:
 
 
 def target_metric(run: Mapping[str, Any]) -> str:
-    """The compression metric the run's figure (and target) is measured on."""
-    return compression_metric(compression_scope(run.get("config")))
+    """The compression metric the run's figure (and target) is measured on (the scope
+    :func:`compression` states it in)."""
+    return compression_metric(run_compression(run.get("config"), {}).scope)
 
 
 def compression(run: Mapping[str, Any], latest: Mapping[str, Any]) -> Compression:

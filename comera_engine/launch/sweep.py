@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from comera_engine.errors import ConfigError
-from comera_engine.metrics import compression_scope, run_compression, run_target
+from comera_engine.metrics import run_compression, run_target
 from comera_engine.store import FINAL_STATUSES, RESUMABLE_STATUSES, RunStore
 
 __all__ = [
@@ -421,7 +421,7 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
             "status": r["status"], "step": r.get("last_step"),
             "score": m.get(metric) if metric else None,
             "compression": run_compression(r.get("config"), m).value,
-            "scope": compression_scope(r.get("config")),
+            "scope": run_compression(r.get("config"), m).scope,  # int8 of dense: model
             "target": target, "params": m.get("params/effective"),
             "bytes": m.get("bytes/effective"),
             "step_time_s": store.median_metric(r["id"], "perf/step_time_s"),
