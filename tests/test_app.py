@@ -1215,6 +1215,26 @@ def test_a_run_asks_a_target_only_if_it_pursues_one() -> None:
     assert run_target(None) is None
 
 
+def test_a_sweep_of_int8_weights_states_no_target_and_the_whole_model(home: Path) -> None:
+    """The sweep report of int8 weights of a dense run: no target (the config's 20x is
+    the source's), and the compression in the scope it is measured in, the whole model,
+    as the run's own pages state it."""
+    from comera_engine.launch.sweep import sweep_report
+
+    st = store_at(home)
+    sid = st.create_sweep("int8", {"name": "int8"}, {"model.dense": [True]}, 1)
+    cfg = config("int8", dense=True)
+    cfg["model"]["quantize"] = "int8"
+    rid = st.create_run("int8", cfg, "running", sweep_id=sid,
+                        cell={"overrides": {"model.dense": True}, "seed": 0})
+    st.write_batch(rid, metrics=[(0, "eval/acc", 0.97, time.time()),
+                                 (0, "compression/model", 3.8, time.time()),
+                                 (0, "compression/tensorized", 1.0, time.time())])
+    st.set_status(rid, "finished")
+    (cell,) = sweep_report(st, sid)["cells"]
+    assert (cell["target"], cell["scope"], cell["compression"]) == (None, "model", 3.8)
+
+
 def test_a_tile_number_keeps_to_seven_characters() -> None:
     """The Live page's loss tile wrapped ``0.0005601`` over two lines."""
     from app.lib.fmt import num
