@@ -454,8 +454,8 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
     colour and legend entry, the same in every group. A point is named beside it by its
     ``text`` (default its ``label``) when the figure has at most :data:`MAX_LABELS`
     points, else only the fronts' points and the dense baselines are; every point by its
-    ``label`` on hover. ``y_percent``: ``y`` is a fraction (an
-    accuracy) shown in percent on the axis and in the hover text."""
+    ``label`` on hover. ``y_percent``: ``y`` is a fraction (an accuracy) shown in
+    percent on the axis and in the hover text."""
     pts = [p for p in points
            if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
            and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
