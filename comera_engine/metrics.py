@@ -374,17 +374,20 @@ def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any])
 
 def run_target(config: Mapping[str, Any] | None) -> float | None:
     """THE compression a run asks for (``comera.target_compression``), everywhere it is
-    shown; ``None`` when it asks none, and for a run that trains the dense model or
-    evaluates int8 weights: their config may carry a target from the config they were
-    made from, which nothing in them pursues (structured pruning does: it keeps its)."""
+    shown; ``None`` when it asks none, and for the dense baseline, whose config may carry
+    a target from the config it was made from that nothing in it pursues. Structured
+    pruning, compressed embedding tables (``model.kwargs.peer``) and int8 weights keep
+    theirs (int8: the size of the pruned or TT run they quantize)."""
     if not isinstance(config, Mapping):
         return None
     model, comera = config.get("model"), config.get("comera")
     target = comera.get("target_compression") if isinstance(comera, Mapping) else None
     if not isinstance(target, (int, float)) or isinstance(target, bool):
         return None
-    if isinstance(model, Mapping) and (model.get("quantize") or (
-            model.get("dense") and comera.get("method") != "prune")):
+    kwargs = model.get("kwargs") if isinstance(model, Mapping) else None
+    peer = kwargs.get("peer") if isinstance(kwargs, Mapping) else None
+    if (isinstance(model, Mapping) and model.get("dense") and not model.get("quantize")
+            and comera.get("method") != "prune" and peer in (None, "dense")):
         return None
     return float(target)
 

@@ -1189,16 +1189,18 @@ def test_overview_draws_running_runs_as_cards_and_sums_up_the_queue(home: Path) 
     assert len(table) == 42
     baseline = dict(zip(table["name"], table["dense"]))
     assert baseline["dense"] and not baseline["int8"]
-    # their configs carry the 20x of the config they came from; neither pursues it
+    # the dense run's config carries the 20x of the config it came from; nothing in it
+    # pursues it (int8 weights keep theirs: the size of the run they quantize)
     target = dict(zip(table["name"], table["target"]))
-    assert target["running 0"] == 20.0 and target["dense"] != target["dense"]  # NaN
-    assert target["int8"] != target["int8"]
+    assert target["running 0"] == target["int8"] == 20.0
+    assert target["dense"] != target["dense"]  # NaN: a blank cell
 
 
 def test_a_run_asks_a_target_only_if_it_pursues_one() -> None:
-    """One answer for every page, the CLI's list and the sweep report: the TT methods and
-    structured pruning keep ``comera.target_compression``; a dense baseline and int8
-    weights (of any run) ask none, whatever their config carries."""
+    """One answer for every page, the CLI's list and the sweep report: the TT methods,
+    structured pruning and int8 weights (of the run whose size they keep) keep
+    ``comera.target_compression``; a dense baseline asks none, whatever its config
+    carries."""
     from comera_engine.metrics import run_target
 
     tt = config("tt")
@@ -1210,15 +1212,20 @@ def test_a_run_asks_a_target_only_if_it_pursues_one() -> None:
     for dense in (True, False):
         q = config("q", dense=dense)
         q["model"]["quantize"] = "int8"
-        assert run_target(q) is None
+        assert run_target(q) == 20.0
     assert run_target(config("none", target=None)) is None
     assert run_target(None) is None
+    hashed = config("hash", dense=True)
+    hashed["model"]["kwargs"] = {"peer": "hash", "target": 20.0}
+    assert run_target(hashed) == 20.0
+    hashed["model"]["kwargs"]["peer"] = "dense"
+    assert run_target(hashed) is None
 
 
-def test_a_sweep_of_int8_weights_states_no_target_and_the_whole_model(home: Path) -> None:
-    """The sweep report of int8 weights of a dense run: no target (the config's 20x is
-    the source's), and the compression in the scope it is measured in, the whole model,
-    as the run's own pages state it."""
+def test_a_sweep_of_int8_weights_states_the_whole_model(home: Path) -> None:
+    """The sweep report of int8 weights of a dense run states the compression in the
+    scope it is measured in, the whole model, as the run's own pages state it (the
+    config's scope is the TT layers')."""
     from comera_engine.launch.sweep import sweep_report
 
     st = store_at(home)
@@ -1232,7 +1239,7 @@ def test_a_sweep_of_int8_weights_states_no_target_and_the_whole_model(home: Path
                                  (0, "compression/tensorized", 1.0, time.time())])
     st.set_status(rid, "finished")
     (cell,) = sweep_report(st, sid)["cells"]
-    assert (cell["target"], cell["scope"], cell["compression"]) == (None, "model", 3.8)
+    assert (cell["scope"], cell["compression"]) == ("model", 3.8)
 
 
 def test_a_tile_number_keeps_to_seven_characters() -> None:

@@ -481,6 +481,10 @@ def test_schedules_set_every_switch_and_a_switch_set_against_one_is_named() -> N
     assert method_label({"model": {"dense": True, "quantize": "int8"}}) == (
         "int8 weights (torchao) of a trained dense or pruned run")
     assert method_label({"model": {"quantize": "int8"}}) == "int8 TT cores of a trained TT run"
+    peer = {"model": {"dense": True, "kwargs": {"peer": "hash", "target": 100.0}}}
+    assert method_label(peer) == "hashing-trick embedding tables"
+    peer["model"]["kwargs"]["peer"] = "dense"  # the embedding task's baseline
+    assert method_label(peer) == "dense baseline"
 
 
 def test_the_optimizer_owns_the_rates_and_the_gates_follow_the_schedule(capsys) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from comera_engine.errors import ConfigError
-from comera_engine.metrics import run_compression, run_target
+from comera_engine.metrics import run_compression
 from comera_engine.store import FINAL_STATUSES, RESUMABLE_STATUSES, RunStore
 
 __all__ = [
@@ -413,7 +413,8 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
     for r in runs:
         m = latest[r["id"]]
         cell = r.get("cell") if isinstance(r.get("cell"), dict) else {}
-        target = run_target(r.get("config"))
+        # the target the grid gave the cell (what its groups are laid out by)
+        target = ((r.get("config") or {}).get("comera") or {}).get("target_compression")
         peak = m.get("mem/cuda_max_allocated_mb", m.get("mem/rss_mb"))
         cells.append({
             "run": r["id"], "label": cell_label(cell) if cell else r["name"],

@@ -64,6 +64,10 @@ def method_label(config: Any) -> str:
         return f"{model['quantize']} TT cores of a trained TT run"
     if model.get("dense") and c.get("method") == "prune":
         return "structured pruning (torch-pruning) of a dense run, fine-tuned"
+    peer = (model.get("kwargs") or {}).get("peer") if isinstance(
+        model.get("kwargs"), dict) else None
+    if model.get("dense") and peer and peer != "dense":  # compressed embedding tables
+        return _PEER_LABELS.get(peer, f"{peer} embedding tables")
     if model.get("dense"):
         galore = train.get("optimizer") == "galore"
         return "dense baseline" + (" (GaLore)" if galore else "")
@@ -81,6 +85,14 @@ def method_label(config: Any) -> str:
     except TypeError:  # a value of the wrong kind in an old record
         label = str(c.get("schedule", "paced"))
     return f"CoMERA, schedule {label}"
+
+
+#: ``model.kwargs.peer`` of a dense model with compressed embedding tables
+#: (comera_engine.layers.embedding_peers), in words
+_PEER_LABELS = {"hash": "hashing-trick embedding tables",
+                "qr": "quotient-remainder embedding tables",
+                "mixed": "mixed-dimension embedding tables", "int8": "int8 embedding tables",
+                "tt": "TT embedding tables at fixed ranks"}
 
 
 def _word(value: Any) -> str:
