@@ -372,22 +372,32 @@ def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any])
     return Compression(value, scope)
 
 
+def is_dense_baseline(config: Mapping[str, Any] | None) -> bool:
+    """The run trains the dense model as it is, the baseline the others are measured
+    against: ``model.dense``, neither pruned (``comera.method = "prune"``) nor quantized
+    (``model.quantize``), and no compressed embedding tables (``model.kwargs.peer``
+    other than ``"dense"``)."""
+    if not isinstance(config, Mapping):
+        return False
+    model, comera = config.get("model"), config.get("comera")
+    if not isinstance(model, Mapping) or not model.get("dense") or model.get("quantize"):
+        return False
+    if isinstance(comera, Mapping) and comera.get("method") == "prune":
+        return False
+    kwargs = model.get("kwargs")
+    return (kwargs.get("peer") if isinstance(kwargs, Mapping) else None) in (None, "dense")
+
+
 def run_target(config: Mapping[str, Any] | None) -> float | None:
     """THE compression a run asks for (``comera.target_compression``), everywhere it is
     shown; ``None`` when it asks none, and for the dense baseline, whose config may carry
     a target from the config it was made from that nothing in it pursues. Structured
     pruning, compressed embedding tables (``model.kwargs.peer``) and int8 weights keep
     theirs (int8: the size of the pruned or TT run they quantize)."""
-    if not isinstance(config, Mapping):
-        return None
-    model, comera = config.get("model"), config.get("comera")
+    comera = config.get("comera") if isinstance(config, Mapping) else None
     target = comera.get("target_compression") if isinstance(comera, Mapping) else None
-    if not isinstance(target, (int, float)) or isinstance(target, bool):
-        return None
-    kwargs = model.get("kwargs") if isinstance(model, Mapping) else None
-    peer = kwargs.get("peer") if isinstance(kwargs, Mapping) else None
-    if (isinstance(model, Mapping) and model.get("dense") and not model.get("quantize")
-            and comera.get("method") != "prune" and peer in (None, "dense")):
+    if (not isinstance(target, (int, float)) or isinstance(target, bool)
+            or is_dense_baseline(config)):
         return None
     return float(target)
 

@@ -19,6 +19,7 @@ from typing import Any
 from comera_engine.metrics import (
     Compression,
     compression_metric,
+    is_dense_baseline,
     run_compression,
     run_target,
     target_status,
@@ -246,8 +247,8 @@ def is_dense(run: Mapping[str, Any]) -> bool:
 
 def is_baseline(run: Mapping[str, Any]) -> bool:
     """The run trained the dense model as it is: the baseline the others are measured
-    against (a dense model pruned or quantized is one of the others)."""
-    return method_label(run.get("config")).startswith("dense baseline")
+    against (:func:`comera_engine.metrics.is_dense_baseline`)."""
+    return is_dense_baseline(run.get("config"))
 
 
 def distinct_labels(labels: Sequence[str]) -> list[str]:

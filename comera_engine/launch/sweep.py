@@ -416,13 +416,13 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
         # the target the grid gave the cell (what its groups are laid out by)
         target = ((r.get("config") or {}).get("comera") or {}).get("target_compression")
         peak = m.get("mem/cuda_max_allocated_mb", m.get("mem/rss_mb"))
+        comp = run_compression(r.get("config"), m)  # int8 of a dense run: whole model
         cells.append({
             "run": r["id"], "label": cell_label(cell) if cell else r["name"],
             "grid": dict(cell.get("overrides") or {}), "seed": cell.get("seed"),
             "status": r["status"], "step": r.get("last_step"),
             "score": m.get(metric) if metric else None,
-            "compression": run_compression(r.get("config"), m).value,
-            "scope": run_compression(r.get("config"), m).scope,  # int8 of dense: model
+            "compression": comp.value, "scope": comp.scope,
             "target": target, "params": m.get("params/effective"),
             "bytes": m.get("bytes/effective"),
             "step_time_s": store.median_metric(r["id"], "perf/step_time_s"),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import CoMERAConfig, Config, check_choice
+from ..metrics import is_dense_baseline
 
 __all__ = ["SCHEDULES", "SwitchPlan", "method_label", "resolve_schedule", "schedule_label",
            "step_of", "switch_plan"]
@@ -64,13 +65,12 @@ def method_label(config: Any) -> str:
         return f"{model['quantize']} TT cores of a trained TT run"
     if model.get("dense") and c.get("method") == "prune":
         return "structured pruning (torch-pruning) of a dense run, fine-tuned"
-    peer = (model.get("kwargs") or {}).get("peer") if isinstance(
-        model.get("kwargs"), dict) else None
-    if model.get("dense") and peer and peer != "dense":  # compressed embedding tables
-        return _PEER_LABELS.get(peer, f"{peer} embedding tables")
-    if model.get("dense"):
+    if is_dense_baseline(raw):
         galore = train.get("optimizer") == "galore"
         return "dense baseline" + (" (GaLore)" if galore else "")
+    if model.get("dense"):  # what else a dense model is: compressed embedding tables
+        peer = model["kwargs"]["peer"]
+        return _PEER_LABELS.get(peer, f"{peer} embedding tables")
     method = c.get("method", "comera")
     if method == "tt_svd":
         return "TT-SVD of a dense run" + (", fine-tuned" if train.get("steps") else "")
