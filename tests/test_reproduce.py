@@ -305,3 +305,31 @@ def test_the_embedding_probe_measures_what_the_tables_hold() -> None:
     assert row["table_bytes"] >= tables
     assert row["peak_train_mb"] * 2**20 >= 3 * tables * 0.95
     assert row["step_s"] > 0
+
+
+def test_the_readme_quotes_the_reproduction_on_the_datasets() -> None:
+    """README's "Datasets" figures are the committed reproduction's (computed by
+    reproduce_report.readme_datasets from the JSON, not written by hand): rerunning a task
+    and not the README fails here."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce_report
+
+    said = reproduce_report.readme_datasets()
+    assert said.count("dense") == len(reproduce_report.README_TASKS)  # every task found
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert " ".join(said.split()) in readme, f"README should say: {said}"
+
+
+def test_the_datasets_sentence_states_the_smallest_target_and_the_steps(tmp_path) -> None:
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce_report
+
+    res = _result(0.791, 0.778)
+    res["methods"]["comera"]["metric"] = "eval/auc"
+    res["methods"]["comera"]["groups"].insert(0, {"target": 5.0, "score": 0.78,
+                                                  "score_std": 0.002, "compression": 5.12})
+    res["overrides"] = ["train.steps=400"]
+    (tmp_path / "reviews.json").write_text(json.dumps(res))
+    said = reproduce_report.readme_datasets(tmp_path)
+    assert "`reviews` AUC 0.780 ± 0.002 at 5.1× (asked 5×) vs 0.791 dense (400 steps)" in said
+    assert "movielens" not in said  # a task without results is left out
