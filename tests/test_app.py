@@ -1013,6 +1013,11 @@ def test_edit_as_toml_launches_the_text(home: Path, monkeypatch: pytest.MonkeyPa
     at = app("new")
     code = " ".join(c.value for c in at.code)
     assert "[comera]" in code and "lr_cores = 0.003" in code and "lr = 0.001" in code
+    assert 'lr_schedule = "constant"' in code and "warmup_steps = 0" in code
+    at.selectbox(key="digits_tt_mlp:lr_schedule").set_value("cosine").run()
+    at.text_input(key="digits_tt_mlp:warmup_steps").set_value("20").run()
+    code = " ".join(c.value for c in at.code)
+    assert 'lr_schedule = "cosine"' in code and "warmup_steps = 20" in code
     at.toggle(key="digits_tt_mlp:as_toml").set_value(True).run()
     area = at.text_area(key="digits_tt_mlp:toml")
     assert tomllib.loads(area.value)["train"]["steps"] == 600

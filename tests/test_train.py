@@ -26,6 +26,7 @@ from comera_engine.errors import ConfigError
 from comera_engine.metrics import JSONLSink, read_jsonl
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train.loop import TrainResult, train
+from comera_engine.train.lr_schedule import lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 SNLI_DEV = ROOT.parent / "shared" / "data" / "snli" / "dev.jsonl"
@@ -232,9 +233,12 @@ def test_cpu_example_configs_train(tmp_path, monkeypatch, name) -> None:
 def test_resume_gives_identical_metrics(tmp_path) -> None:
     # Strong pruning so that ranks shrink and cores are physically truncated at the
     # step-10 checkpoint; late stage from step 12; stop at 20 (a checkpoint of both runs).
+    # The rates warm up then decay (train.lr_schedule): a function of the step, so the
+    # resumed run goes on along the same curve.
     raw = digits_cfg(
         comera={"gamma": 0.5, "lr_gates": 5e-2, "switch": 12, "target_compression": 50.0},
-        train={"steps": 30, "batch_size": 32, "eval_every": 10, "ckpt_every": 10},
+        train={"steps": 30, "batch_size": 32, "eval_every": 10, "ckpt_every": 10,
+               "lr_schedule": "cosine", "warmup_steps": 4},
         model={"dropout": 0.1},
     )
     full, full_records = run(raw, tmp_path / "full")
@@ -247,6 +251,10 @@ def test_resume_gives_identical_metrics(tmp_path) -> None:
     assert sorted(a) == sorted(b) == list(range(1, 31))
     for step in a:
         assert a[step] == b[step], f"step {step}"
+    base = a[1]["lr/dense"] / lr_factor(0, 30, "cosine", 4)
+    for step in (1, 4, 5, 21, 30):  # the curve, the gates' rate kept
+        assert a[step]["lr/dense"] == pytest.approx(base * lr_factor(step - 1, 30, "cosine", 4))
+        assert a[step]["lr/gates"] == a[1]["lr/gates"]
     # the run shrank ranks and truncated before the stop, so resume rebuilt smaller cores
     meta = json.loads((tmp_path / "part" / "checkpoints" / "step_000020.json").read_text())
     fresh = _fresh_shapes(raw)

@@ -28,7 +28,7 @@ class FormValues:
     ``model.tensorize.layout``, and ``task`` (``"classify"`` | ``"regress"``) is the
     run's ``task``.
 
-    ``rates``: the learning rates and weight decay the form shows, ``{"train.lr": x,
+    ``rates``: the learning rates, weight decay and rate schedule the form shows, ``{"train.lr": x,
     "comera.lr_cores": y, ...}`` (``None``: unset, the optimizer's own ``train.lr``).
     ``kwargs``: a user model's ``model.kwargs`` (``None``: the config's, untouched).
     ``schedule``: ``comera.schedule`` (``None``: the config's). Numbers (``Any``) are

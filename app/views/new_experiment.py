@@ -33,7 +33,7 @@ from app.lib.presets import (
     user_data,
     user_presets,
 )
-from comera_engine.config import SCHEDULE_NAMES, parse_value, to_toml, toml_value
+from comera_engine.config import LR_SCHEDULES, SCHEDULE_NAMES, parse_value, to_toml, toml_value
 from comera_engine.errors import ConfigError
 from comera_engine.metrics import SCOPE_LABELS
 from comera_engine.preview import (
@@ -399,6 +399,17 @@ with left:
             cols[i % 3], label, value0, k(field), placeholder=unset,
             help=f"{field}; blank: unset ({unset})." if field != "train.lr" else
             "train.lr: the optimizer's rate, every group's unless set below.")
+    c1, c2 = st.columns(2)
+    now = t.get("lr_schedule", "constant")
+    lr_schedule = c1.selectbox(
+        "Rate schedule", list(LR_SCHEDULES), key=k("lr_schedule"),
+        index=list(LR_SCHEDULES).index(now) if now in LR_SCHEDULES else 0,
+        help="train.lr_schedule: the rates over the run, constant or decaying to 0 at the "
+             "last step (cosine, linear); the rank gates keep theirs.")
+    rates["train.lr_schedule"] = None if lr_schedule == "constant" else lr_schedule
+    rates["train.warmup_steps"] = number_text(
+        c2, "Warm-up steps", t.get("warmup_steps"), k("warmup_steps"), placeholder="0",
+        help="train.warmup_steps: the rates rise linearly to theirs over these first steps.")
     slots["rates"] = st.container()
 
     c1, c2 = st.columns(2)

@@ -36,6 +36,7 @@ from .schema import (
     DATA_BOUNDS,
     DEFAULT_TT_LAYERS,
     LINEAR_LAYOUTS,
+    LR_SCHEDULES,
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
     MAX_LIST,
@@ -77,8 +78,8 @@ from .write import to_toml, toml_value
 
 __all__ = [
     "ANY_NUMBER", "BOUNDS", "DATA_BOUNDS", "DEFAULT_TT_LAYERS", "LINEAR_LAYOUTS",
-    "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_LIST", "MAX_NAME", "MAX_OVERRIDE_CHARS", "METHODS",
-    "MODEL_FIELDS", "MODEL_NAMES", "OPTIMIZERS", "PARSE_DEPTH", "PRESETS", "QUANTIZE",
+    "LR_SCHEDULES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_LIST", "MAX_NAME", "MAX_OVERRIDE_CHARS",
+    "METHODS", "MODEL_FIELDS", "MODEL_NAMES", "OPTIMIZERS", "PARSE_DEPTH", "PRESETS", "QUANTIZE",
     "SCHEDULE_NAMES", "SECTIONS", "TENSORIZE_BOUNDS", "TENSORIZE_KEYS", "TT_IMPLS",
     "TT_LAYER_KINDS", "USER_TASKS", "Bound", "CoMERAConfig", "Config", "ModelConfig", "TrainConfig",
     "apply_override", "bracket_depth", "check_bounds", "check_choice", "check_data_numbers",

@@ -44,6 +44,8 @@ TT_IMPLS = ("comera", "tltorch")
 #: matrix: one input and one output factor per core).
 LINEAR_LAYOUTS = ("tt", "ttm")
 OPTIMIZERS = ("adamw", "galore")
+#: ``train.lr_schedule`` (comera_engine/train/lr_schedule.py)
+LR_SCHEDULES = ("constant", "cosine", "linear")
 #: ``comera.schedule``: which method runs; what each sets is
 #: :data:`comera_engine.rank.schedule.SCHEDULES`.
 SCHEDULE_NAMES = ("paper", "comera", "paced")
@@ -198,6 +200,11 @@ class TrainConfig:
     # the optimizer's learning rate: every parameter group's unless [comera] sets the
     # group's own (lr_cores, lr_embedding, lr_dense; the gates follow the schedule)
     lr: float = 1e-3
+    # the learning rates over the run (comera_engine/train/lr_schedule.py): constant |
+    # cosine | linear decay to 0 at the last step, after warmup_steps rising linearly
+    # from lr/warmup_steps; every group's but the gates' (theirs follows the rank schedule)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     num_workers: int = 0  # background batch-building processes
     # adamw (CoMERA's groups) | galore: GaLore AdamW (galore-torch) on the dense model's
     # linear weight matrices, AdamW on every other parameter (docs/METHODS.md)
@@ -389,6 +396,7 @@ BOUNDS: dict[str, Bound] = {
     "train.grad_clip": _num(0.0, 1e9),
     "train.seed": _int(0, _SEED),
     "train.lr": _num(0.0, _RATE, lo_open=True),
+    "train.warmup_steps": _int(0, _STEPS),
     "train.num_workers": _int(0, 1024),
     "train.galore_rank": _int(1, 1_000_000),
     "train.galore_update_proj_gap": _int(1, _STEPS),

@@ -15,6 +15,7 @@ from .schema import (
     ANY_NUMBER,
     DATA_BOUNDS,
     LINEAR_LAYOUTS,
+    LR_SCHEDULES,
     MAX_NAME,
     METHODS,
     MODEL_FIELDS,
@@ -171,6 +172,10 @@ def validate_methods(cfg: Config) -> None:
                                                  'not the "tt" layout: set it to "ttm", drop '
                                                  'it, or set model.tt_impl = "comera"')
     check_choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    check_choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    if t.steps and t.warmup_steps >= t.steps:
+        raise ConfigError("train.warmup_steps", f"must be below train.steps ({t.steps}), "
+                                                f"got {t.warmup_steps}")
     if m.tt_impl == "tltorch" and not m.dense and c.method == "tt_svd":
         raise ConfigError("model.tt_impl", 'TT-SVD initialises the engine\'s TT layers; use '
                                            'model.tt_impl = "comera" with comera.method = '

@@ -28,7 +28,8 @@ initial ranks chosen from it when ``model.rank`` is not fixed.
 
 Metrics per step (through the one :class:`~comera_engine.metrics.MetricsSink`):
 ``loss/task``, ``loss/total``, ``acc/train``, ``grad_norm``, ``comera/*`` (objective
-terms), ``stage`` (0 early, 1 late; absent for plain training), ``lr/<group>``,
+terms), ``stage`` (0 early, 1 late; absent for plain training), ``lr/<group>`` (the
+step's rate: ``train.lr_schedule``),
 ``params/*``, ``bytes/*``, ``compression/*``, ``perf/step_time_s`` (the step itself:
 its batch to the device, the step, the controller), ``perf/step_wall_s`` (the step on
 the trainer's clock: also the wait for its batch and the logging; evaluations and
@@ -101,6 +102,7 @@ from comera_engine.train.distributed import (
     resolve_device,
     shutdown,
 )
+from comera_engine.train.lr_schedule import lr_factor, set_rates, tensor_rates
 from comera_engine.train.progress import ProgressBar
 from comera_engine.train.step import GraphedStep, TrainStep, settled
 from comera_engine.train.sysinfo import MemoryMeter, SystemMeter
@@ -256,6 +258,9 @@ class _Run:
         else:
             self.optimizer = self.comera.make_optimizer(lr=self.cfg.train.lr,
                                                        capturable=self.use_graph)
+        # the groups' own rates, before a checkpoint's (scheduled) ones are loaded over them
+        self._base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self._lr_factor = 1.0  # train.lr_schedule's at the step running
 
     def _wrap(self) -> None:
         """(Re)build the DDP wrapper and the step function (after setup or a truncation)."""
@@ -325,6 +330,10 @@ class _Run:
         resumed = self._resume() if resume else False
         if not resumed:
             self._build_optimizer()
+        scheduled = t.lr_schedule != "constant" or t.warmup_steps > 0
+        if scheduled and self.use_graph and t.optimizer != "galore":  # (GaLore: eager)
+            # a captured step reads the rates from the device
+            tensor_rates(self.optimizer, self.device)
         self._wrap()
         self._log_setup(resumed)
 
@@ -349,6 +358,9 @@ class _Run:
             t0 = time.perf_counter()
             torch.manual_seed(mix_seed(t.seed, index, self.dist.rank, 0x5EED))
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            if scheduled:
+                self._lr_factor = lr_factor(index, t.steps, t.lr_schedule, t.warmup_steps)
+                set_rates(self.optimizer, self._base_lrs, self._lr_factor)
             out = self.stepper(batch)  # type: ignore[misc]
             self.step = index + 1
             raw, counts = _to_floats(out)  # one host sync
@@ -533,8 +545,9 @@ class _Run:
             m["stage"] = float(stage == "late")
         assert self.optimizer is not None
         for i, group in enumerate(self.optimizer.param_groups):
-            lr = group["lr"]
-            m[f"lr/{group.get('name', i)}"] = float(lr.item() if torch.is_tensor(lr) else lr)
+            lr = group["lr"]  # a rate held on the device (graph path): its value as set
+            m[f"lr/{group.get('name', i)}"] = float(
+                self._base_lrs[i] * self._lr_factor if torch.is_tensor(lr) else lr)
         if self._size_cache is None:
             self._size_cache = self.comera.size_metrics()
         m.update(self._size_cache)

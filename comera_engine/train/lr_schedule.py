@@ -1,0 +1,70 @@
+"""The trainer's learning rates over a run: ``train.lr_schedule`` and
+``train.warmup_steps`` (the ``[train]`` table: comera_engine/config/schema.py).
+
+Every parameter group's rate is its own base rate (``train.lr``, or the ``[comera]`` group
+rate that replaces it) times one factor of the step, ``f(i)`` at the 0-based step index
+``i`` of ``N = train.steps``, with ``W = train.warmup_steps``::
+
+    f(i) = (i + 1) / W                        i < W   (linear warm-up, never 0)
+    f(i) = 1                                  constant
+    f(i) = ½ · (1 + cos(π · (i − W) / (N − W)))   cosine, i ≥ W
+    f(i) = 1 − (i − W) / (N − W)                linear, i ≥ W
+
+(the decays reach 0 one step after the last). The rank gates keep their rate: it is the
+rank schedule's own (:meth:`comera_engine.rank.CoMERA.lr_gates`, the speed at which a
+gate can fall to its threshold before the target is due), and decaying it would leave
+the size short of the target. A pure function of the step, so a resumed run continues
+on the same curve with nothing saved, and a captured CUDA graph follows it through the
+groups' rates held as device tensors (:func:`set_rates`).
+
+In your own loop the optimizer is yours, and so is its scheduler
+(``torch.optim.lr_scheduler``); this is the built-in trainer's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["lr_factor", "set_rates", "tensor_rates"]
+
+#: The optimizer group whose rate no schedule touches (see the module doc).
+KEEP = ("gates",)
+
+
+def lr_factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0) -> float:
+    """``f(step)`` of the module doc: the factor on the base rates at 0-based step index
+    ``step`` of a ``steps``-step run."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    raise ValueError(f"train.lr_schedule: one of constant, cosine, linear; got {schedule!r}")
+
+
+def set_rates(optimizer: torch.optim.Optimizer, base: Sequence[float], factor: float) -> None:
+    """Set every group's rate to its ``base`` rate times ``factor``, in place (a rate held
+    as a tensor is filled, so a captured step reads the new one), but the gates'."""
+    for group, rate in zip(optimizer.param_groups, base):
+        if group.get("name") in KEEP:
+            continue
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(rate * factor)
+        else:
+            group["lr"] = rate * factor
+
+
+def tensor_rates(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Hold the scheduled groups' rates as 0-d float32 tensors on ``device``: what a CUDA
+    graph of the optimizer step reads at each replay (torch's fused and capturable AdamW
+    take a tensor rate); a Python float would be captured as a constant."""
+    for group in optimizer.param_groups:
+        if group.get("name") not in KEEP and not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
