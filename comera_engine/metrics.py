@@ -350,25 +350,22 @@ def format_ratio(x: float | None, unit: str = "×") -> str:
 
 def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any]) -> Compression:
     """THE compression of a run, everywhere it is shown: its latest value of the metric in
-    its scope (:func:`compression_scope`); a dense baseline is 1× by definition (a dense
-    model with compressed embedding peers logs its tables' ratio and shows it).
+    its scope (:func:`compression_scope`); the dense baseline (:func:`is_dense_baseline`)
+    is 1× by definition (a dense model with compressed embedding peers logs its tables'
+    ratio and shows it).
     ``latest`` maps metric names to values (or ``(step, value)`` pairs, as the store's
     ``latest_metrics`` gives them)."""
     scope = compression_scope(config)
     model = (config or {}).get("model") if isinstance(config, Mapping) else None
-    method = ((config or {}).get("comera") or {}).get("method") if isinstance(
-        config, Mapping) else None
     if isinstance(model, Mapping) and model.get("quantize") and model.get("dense"):
         scope = "model"  # int8 weights of a dense or pruned run: judged in bytes, whole model
     value = latest.get(compression_metric(scope))
     if isinstance(value, (tuple, list)):
         value = value[1]
     value = float(value) if isinstance(value, (int, float)) else None
-    if (isinstance(model, Mapping) and model.get("dense") and method != "prune"
-            and not model.get("quantize")):
-        # a dense model is its own baseline (1x), unless its tables are compressed
-        # peers (hash, QR, int8, ...: layers.embedding_peers), which log their ratio
-        return Compression(value if value is not None else 1.0, scope)
+    if value is None and is_dense_baseline(config):
+        value = 1.0  # the baseline is 1x before it logs a size (a model with compressed
+        # embedding peers is not: it shows its tables' ratio once it logs one)
     return Compression(value, scope)
 
 

@@ -304,3 +304,6 @@ def test_peer_models_report_their_compression_against_dense_tables(kind: str) ->
         assert shown == pytest.approx(1.0)
     else:  # each table at most a tenth of its dense bytes, whole rows: within 5 %
         assert shown == pytest.approx(10.0, rel=0.05)
+    # before a run logs its sizes: the dense baseline is 1x, a peer model not known yet
+    peer = {"model": {"name": "custom", "dense": True, "kwargs": {"peer": kind}}}
+    assert run_compression(peer, {}).value == (1.0 if kind == "dense" else None)
