@@ -103,7 +103,10 @@ def seed_run(st: RunStore, name: str = "digits-tt-mlp", status: str = "finished"
             (s, "params/effective", 85000.0 if dense else 6000.0, t),
             (s, "bytes/effective", 340000.0 if dense else 24000.0, t),
             (s, "stage", 1.0 if s >= 300 else 0.0, t),
+            (s, "lr/dense", 3e-3 * min(1.0, s / 50), t),  # warm-up, then constant
         ]
+        if not dense:
+            rows.append((s, "lr/gates", 1e-2, t))
         if s % 100 == 1:
             rows += [(s, "eval/acc", acc * frac, t), (s, "eval/loss", 1.0 - frac / 2, t)]
     st.write_batch(rid, metrics=rows)
@@ -458,7 +461,10 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     assert not at.button(key="stop").disabled
     assert at.button(key="resume").disabled
     charts = live_charts(at)
-    assert len(charts) == 7 and "ch-gpu" not in charts  # a CPU run: no GPU chart, one line
+    assert len(charts) == 8 and "ch-gpu" not in charts  # a CPU run: no GPU chart, one line
+    rates = {tr["name"]: tr["y"] for tr in charts["ch-lr"]["data"]}
+    assert set(rates) == {"dense", "gates"} and charts["ch-lr"]["layout"]["yaxis"]["type"] == "log"
+    assert rates["dense"][0] == pytest.approx(3e-3 / 50) and rates["gates"][-1] == 1e-2
     assert "none to plot, this run trains on the CPU" in texts(at)
     spec = {k: fig["layout"] for k, fig in charts.items()}
     assert spec["ch-acc"]["yaxis"]["tickformat"] == ".0%"  # % like the accuracy tile

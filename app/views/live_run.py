@@ -228,6 +228,14 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
                  ("system RAM used %", steps, _percent(used, total))],
                 "System (read by the trainer, once a second)", "%", stages=stages,
                 from_zero=True), key="ch-sys")
+    rates = sorted(k for k in latest if k.startswith("lr/"))
+    if rates:  # each optimizer group's rate as the step ran (train.lr_schedule)
+        c1, _ = st.columns(2)
+        with c1:
+            live_chart(plots.lines_spec(
+                [(k.split("/", 1)[1], *_series(DB, rid, k)) for k in rates],
+                "Learning rates (per optimizer group)", "rate", stages=stages, log_y=True),
+                key="ch-lr")
     gpu_panel(rid, latest, stages)
 
 
