@@ -519,6 +519,24 @@ def test_the_optimizer_owns_the_rates_and_the_gates_follow_the_schedule(capsys) 
         ce.tensorize(PixelNet(), rank=4, exclude=["head"]), weight_decay=0.0).param_groups())
 
 
+def test_reach_step_is_where_the_pace_fixes_the_ranks(trained) -> None:
+    """``CoMERA.reach_step``: the pace's ``reach_at`` of the steps (where a decaying
+    learning rate can start), ``None`` without the pace; and a run paced to it has fixed
+    its ranks by then."""
+    def reach(**kw) -> int | None:  # noqa: ANN003
+        model = ce.tensorize(PixelNet(), rank=8, exclude=["head"])
+        return ce.CoMERA(model, **kw).reach_step
+
+    assert reach(target_compression=2.0, total_steps=800) == 640
+    assert reach(target_compression=2.0, total_steps=800, switch_by=0.3, reach_at=0.5) == 400
+    assert reach(target_compression=2.0, total_steps=800, schedule="comera") is None
+    assert reach(target_compression=2.0) is None and reach(total_steps=800) is None
+    _, comera, _ = trained  # the README's loop, paced to its target
+    assert comera.reach_step == math.ceil(0.8 * STEPS)
+    met = [e.step for e in comera.events if e.kind == "target_met"]
+    assert len(met) == 1 and met[0] <= comera.reach_step
+
+
 def _sgd_setup(seed: int = 0, steps: int = STEPS, double: bool = False) -> tuple:
     """The README's loop with the user's SGD (momentum 0.9) instead of AdamW."""
     torch.manual_seed(seed)

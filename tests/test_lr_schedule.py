@@ -9,24 +9,30 @@ import torch
 
 from comera_engine.config import config_from_dict
 from comera_engine.errors import ConfigError
-from comera_engine.train.lr_schedule import lr_factor, set_rates, tensor_rates
+from comera_engine.train.lr_schedule import lr_factor, rates_text, set_rates, tensor_rates
 
 
-def _torch_factors(schedule: str, steps: int, warmup: int) -> list[float]:
-    """The same curve from torch.optim.lr_scheduler (LinearLR warm-up, then
-    CosineAnnealingLR or LinearLR to 0), read off an optimizer at rate 1."""
+def _torch_factors(schedule: str, steps: int, warmup: int, hold: int = 0) -> list[float]:
+    """The same curve from torch.optim.lr_scheduler (LinearLR warm-up, ConstantLR at 1
+    until ``hold``, then CosineAnnealingLR or LinearLR to 0), read off an optimizer at
+    rate 1."""
     from torch.optim import lr_scheduler as ls
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    decay = steps - warmup
+    start = max(warmup, hold)
+    decay = steps - start
     tail = {"cosine": lambda: ls.CosineAnnealingLR(opt, T_max=decay, eta_min=0.0),
             "linear": lambda: ls.LinearLR(opt, 1.0, 0.0, total_iters=decay),
             "constant": lambda: ls.ConstantLR(opt, 1.0, total_iters=0)}[schedule]
+    parts, milestones = [], []
     if warmup:
-        head = ls.LinearLR(opt, 1.0 / warmup, 1.0, total_iters=warmup - 1)
-        sched = ls.SequentialLR(opt, [head, tail()], milestones=[warmup])
-    else:
-        sched = tail()
+        parts.append(ls.LinearLR(opt, 1.0 / warmup, 1.0, total_iters=warmup - 1))
+        milestones.append(warmup)
+    if start > warmup and schedule != "constant":
+        parts.append(ls.ConstantLR(opt, 1.0, total_iters=0))
+        milestones.append(start)
+    parts.append(tail())
+    sched = ls.SequentialLR(opt, parts, milestones=milestones) if milestones else parts[0]
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
@@ -36,14 +42,28 @@ def _torch_factors(schedule: str, steps: int, warmup: int) -> list[float]:
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
-@pytest.mark.parametrize("warmup", [0, 1, 7])
-def test_the_factor_follows_torchs_schedulers(schedule: str, warmup: int) -> None:
+@pytest.mark.parametrize("warmup, hold", [(0, 0), (1, 0), (7, 0), (7, 30), (0, 12)])
+def test_the_factor_follows_torchs_schedulers(schedule: str, warmup: int, hold: int) -> None:
     steps = 40
-    ours = [lr_factor(i, steps, schedule, warmup) for i in range(steps)]
-    assert ours == pytest.approx(_torch_factors(schedule, steps, warmup), rel=1e-9, abs=1e-12)
+    ours = [lr_factor(i, steps, schedule, warmup, hold) for i in range(steps)]
+    assert ours == pytest.approx(_torch_factors(schedule, steps, warmup, hold), rel=1e-9,
+                                 abs=1e-12)
     assert min(ours) > 0  # no step at rate 0: the decay reaches 0 one step after the last
     if warmup:
         assert ours[0] == pytest.approx(1 / warmup) and ours[warmup] == pytest.approx(1.0)
+    start = max(warmup, hold)
+    if start:  # the last step before the decay runs at the full rate
+        assert ours[start - 1] == pytest.approx(1.0)
+
+
+def test_the_run_says_its_schedule_in_one_line() -> None:
+    said = rates_text(600, "cosine", warmup=50, hold=480)
+    assert said == ("learning rates: warm-up over 50 steps, held until step 480 (the pace "
+                    "fixes the ranks by then), cosine decay to 0 at step 600; the rank "
+                    "gates' rate is kept")
+    assert rates_text(600, "linear") == ("learning rates: linear decay to 0 at step 600; "
+                                         "the rank gates' rate is kept")
+    assert "then constant" in rates_text(600, "constant", warmup=10, hold=480)
 
 
 def test_rates_scale_every_group_but_the_gates() -> None:

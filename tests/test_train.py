@@ -24,6 +24,7 @@ from safetensors import safe_open
 from comera_engine.config import config_from_dict, to_toml
 from comera_engine.errors import ConfigError
 from comera_engine.metrics import JSONLSink, read_jsonl
+from comera_engine.rank.schedule import switch_plan
 from comera_engine.train import checkpoint as ckpt
 from comera_engine.train.loop import TrainResult, train
 from comera_engine.train.lr_schedule import lr_factor
@@ -251,10 +252,15 @@ def test_resume_gives_identical_metrics(tmp_path) -> None:
     assert sorted(a) == sorted(b) == list(range(1, 31))
     for step in a:
         assert a[step] == b[step], f"step {step}"
-    base = a[1]["lr/dense"] / lr_factor(0, 30, "cosine", 4)
-    for step in (1, 4, 5, 21, 30):  # the curve, the gates' rate kept
-        assert a[step]["lr/dense"] == pytest.approx(base * lr_factor(step - 1, 30, "cosine", 4))
+    # the decay waits for the pace to fix the ranks (reach_at 0.8 of 30 steps: 24)
+    hold = switch_plan(config_from_dict(raw).comera, 30).reach
+    assert hold == 24
+    base = a[1]["lr/dense"] / lr_factor(0, 30, "cosine", 4, hold)
+    for step in (1, 4, 5, 21, 25, 26, 30):  # the curve, the gates' rate kept
+        assert a[step]["lr/dense"] == pytest.approx(
+            base * lr_factor(step - 1, 30, "cosine", 4, hold))
         assert a[step]["lr/gates"] == a[1]["lr/gates"]
+    assert a[24]["lr/dense"] == a[5]["lr/dense"] > a[26]["lr/dense"]
     # the run shrank ranks and truncated before the stop, so resume rebuilt smaller cores
     meta = json.loads((tmp_path / "part" / "checkpoints" / "step_000020.json").read_text())
     fresh = _fresh_shapes(raw)

@@ -547,6 +547,12 @@ class CoMERA:
 
     # ------------------------------------------------------------------ stages
 
+    @property
+    def reach_step(self) -> int | None:
+        """The step by which the pace lands the size at the target and fixes the ranks
+        (``reach_at`` of ``total_steps``); ``None`` without the pace."""
+        return self._switch_plan().reach if self._pacing() else None
+
     def _pacing(self) -> bool:
         """The pace is on: ``pace`` with a target and a step budget (the switch rule's
         ``reach`` step exists)."""

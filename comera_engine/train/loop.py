@@ -102,7 +102,7 @@ from comera_engine.train.distributed import (
     resolve_device,
     shutdown,
 )
-from comera_engine.train.lr_schedule import lr_factor, set_rates, tensor_rates
+from comera_engine.train.lr_schedule import lr_factor, rates_text, set_rates, tensor_rates
 from comera_engine.train.progress import ProgressBar
 from comera_engine.train.step import GraphedStep, TrainStep, settled
 from comera_engine.train.sysinfo import MemoryMeter, SystemMeter
@@ -331,6 +331,11 @@ class _Run:
         if not resumed:
             self._build_optimizer()
         scheduled = t.lr_schedule != "constant" or t.warmup_steps > 0
+        # the decay waits while the pace moves the ranks (a network pruned at a falling
+        # rate recovers less; train/lr_schedule.py): it starts where they are fixed
+        hold = (self.comera.reach_step or 0) if t.lr_schedule != "constant" else 0
+        if scheduled and not resumed:
+            self._info(rates_text(t.steps, t.lr_schedule, t.warmup_steps, hold))
         if scheduled and self.use_graph and t.optimizer != "galore":  # (GaLore: eager)
             # a captured step reads the rates from the device
             tensor_rates(self.optimizer, self.device)
@@ -359,7 +364,8 @@ class _Run:
             torch.manual_seed(mix_seed(t.seed, index, self.dist.rank, 0x5EED))
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             if scheduled:
-                self._lr_factor = lr_factor(index, t.steps, t.lr_schedule, t.warmup_steps)
+                self._lr_factor = lr_factor(index, t.steps, t.lr_schedule, t.warmup_steps,
+                                            hold)
                 set_rates(self.optimizer, self._base_lrs, self._lr_factor)
             out = self.stepper(batch)  # type: ignore[misc]
             self.step = index + 1
