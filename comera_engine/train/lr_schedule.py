@@ -14,9 +14,10 @@ rate that replaces it) times one factor of the step, ``f(i)`` at the 0-based ste
 (the decays reach 0 one step after the last). ``hold`` is the step by which CoMERA's
 pace fixes the ranks at the target (:attr:`comera_engine.rank.CoMERA.reach_step`; 0 for
 a dense model, fixed ranks or a run without the pace): a network pruned while its rate
-falls recovers less from each cut (digits, 5 seeds: cosine from the warm-up's end 96.0 ±
-0.8 % at 60×, held until the ranks are fixed 97.5 ± 1.1, constant 96.9 ± 0.8), so the
-decay runs over the fine-tuning at the final ranks. The rank gates keep their rate: it
+falls recovers less from each cut, so the decay runs over the fine-tuning at the final
+ranks (``experiments/lr_schedule_check.py``: held, the cosine scores above the same
+decay from the warm-up's end on digits and the clothing reviews; neither beats a
+constant rate by more than the seeds' spread there). The rank gates keep their rate: it
 is the rank schedule's own (:meth:`comera_engine.rank.CoMERA.lr_gates`, the speed at
 which a gate can fall to its threshold before the target is due), and decaying it
 would leave the size short of the target. A pure function of the step, so a resumed run
