@@ -1029,6 +1029,38 @@ def test_cuda_graph_matches_eager_and_is_faster(tmp_path) -> None:
     assert ratio > 1.0
 
 
+def _scheduled(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with a warm-up and a held cosine decay (train.lr_schedule)."""
+    raw = copy.deepcopy(raw)
+    raw["train"].update(lr_schedule="cosine", warmup_steps=20)
+    return raw
+
+
+def test_the_scheduled_graph_test_config_is_valid() -> None:
+    cfg = config_from_dict(_scheduled(_graph_test_config(False)))
+    assert (cfg.train.lr_schedule, cfg.train.warmup_steps) == ("cosine", 20)
+
+
+@pytest.mark.gpu
+def test_a_scheduled_rate_reaches_the_captured_step(tmp_path) -> None:
+    """Under a CUDA graph the groups' rates are device tensors the captured optimizer step
+    reads (train/lr_schedule.py): replayed, the warm-up and decay train as the eager step
+    does (a rate baked into the graph at capture would drift from it at once)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA-graph path needs a GPU")
+    raw = _scheduled(_graph_test_config(False))
+    graph, g_records = run(raw, tmp_path / "graph")
+    eager_raw = copy.deepcopy(raw)
+    eager_raw["train"]["cuda_graph"] = False
+    eager, e_records = run(eager_raw, tmp_path / "eager")
+    assert graph.graph_reason is None, graph.graph_reason
+    a, b = metric_rows(g_records), metric_rows(e_records)
+    for step in (1, 10, 30, 90, 120):
+        assert a[step]["lr/dense"] == pytest.approx(b[step]["lr/dense"])
+        assert a[step]["loss/task"] == pytest.approx(b[step]["loss/task"], rel=2e-3, abs=1e-4)
+    assert a[10]["lr/dense"] < a[30]["lr/dense"] > a[120]["lr/dense"]
+
+
 @pytest.mark.gpu
 def test_grouped_step_in_a_cuda_graph_trains_like_the_per_layer_eager_step() -> None:
     """On a GPU the step groups the TT linears' halves by default; replayed from a CUDA
