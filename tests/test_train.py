@@ -998,17 +998,23 @@ def test_graph_test_config_is_valid(snli: bool) -> None:
     assert cfg.train.device == "cuda" and cfg.comera.target_compression == 4.0
 
 
+def _graph_and_eager(raw: dict[str, Any], tmp_path: Path) -> tuple[list, list]:
+    """The records of ``raw`` trained with the CUDA graph (which must have been used) and
+    eagerly."""
+    graph, g_records = run(raw, tmp_path / "graph")
+    eager_raw = copy.deepcopy(raw)
+    eager_raw["train"]["cuda_graph"] = False
+    _, e_records = run(eager_raw, tmp_path / "eager")
+    assert graph.graph_reason is None, graph.graph_reason
+    return g_records, e_records
+
+
 @pytest.mark.gpu
 def test_cuda_graph_matches_eager_and_is_faster(tmp_path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the CUDA-graph path needs a GPU")
     torch.set_num_threads(4)
-    raw = _graph_test_config(SNLI_DEV.is_file())
-    graph, g_records = run(raw, tmp_path / "graph")
-    eager_raw = copy.deepcopy(raw)
-    eager_raw["train"]["cuda_graph"] = False
-    eager, e_records = run(eager_raw, tmp_path / "eager")
-    assert graph.graph_reason is None, graph.graph_reason
+    g_records, e_records = _graph_and_eager(_graph_test_config(SNLI_DEV.is_file()), tmp_path)
     a, b = metric_rows(g_records), metric_rows(e_records)
     for step in (1, 50, 100, 120):
         assert a[step]["loss/task"] == pytest.approx(b[step]["loss/task"], rel=2e-3, abs=1e-4)
@@ -1048,12 +1054,7 @@ def test_a_scheduled_rate_reaches_the_captured_step(tmp_path) -> None:
     does (a rate baked into the graph at capture would drift from it at once)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the CUDA-graph path needs a GPU")
-    raw = _scheduled(_graph_test_config(False))
-    graph, g_records = run(raw, tmp_path / "graph")
-    eager_raw = copy.deepcopy(raw)
-    eager_raw["train"]["cuda_graph"] = False
-    eager, e_records = run(eager_raw, tmp_path / "eager")
-    assert graph.graph_reason is None, graph.graph_reason
+    g_records, e_records = _graph_and_eager(_scheduled(_graph_test_config(False)), tmp_path)
     a, b = metric_rows(g_records), metric_rows(e_records)
     for step in (1, 10, 30, 90, 120):
         assert a[step]["lr/dense"] == pytest.approx(b[step]["lr/dense"])
