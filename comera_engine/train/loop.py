@@ -333,7 +333,7 @@ class _Run:
         scheduled = t.lr_schedule != "constant" or t.warmup_steps > 0
         # the decay waits while the pace moves the ranks (a network pruned at a falling
         # rate recovers less; train/lr_schedule.py): it starts where they are fixed
-        hold = (self.comera.reach_step or 0) if t.lr_schedule != "constant" else 0
+        hold = self.comera.reach_step or 0  # (a constant schedule has no decay to hold)
         if scheduled and not resumed:
             self._info(rates_text(t.steps, t.lr_schedule, t.warmup_steps, hold))
         if scheduled and self.use_graph and t.optimizer != "galore":  # (GaLore: eager)

@@ -36,10 +36,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["lr_factor", "rates_text", "set_rates", "tensor_rates"]
+__all__ = ["decay_start", "lr_factor", "rates_text", "set_rates", "tensor_rates"]
 
 #: The optimizer group whose rate no schedule touches (see the module doc).
 KEEP = ("gates",)
+
+
+def decay_start(steps: int, warmup: int = 0, hold: int = 0) -> int:
+    """``D = max(W, hold)`` of the module doc, within the run (at most its last step)."""
+    return max(warmup, min(hold, steps - 1))
 
 
 def lr_factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0,
@@ -49,7 +54,7 @@ def lr_factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0
     hold)``."""
     if step < warmup:
         return (step + 1) / warmup
-    start = max(warmup, min(hold, steps - 1))
+    start = decay_start(steps, warmup, hold)
     if schedule == "constant" or step < start:
         return 1.0
     progress = min(1.0, (step - start) / max(1, steps - start))
@@ -63,7 +68,7 @@ def lr_factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0
 def rates_text(steps: int, schedule: str, warmup: int = 0, hold: int = 0) -> str:
     """The schedule :func:`lr_factor` follows, in one line (the run says it once)."""
     parts = [f"warm-up over {warmup} steps"] if warmup else []
-    start = max(warmup, min(hold, steps - 1))
+    start = decay_start(steps, warmup, hold)
     if schedule == "constant":
         parts.append("then constant" if warmup else "constant")
     else:
