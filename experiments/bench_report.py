@@ -533,9 +533,17 @@ def profiles(files: list[tuple[str, dict[str, Any]]]) -> str:
              "Forward + backward of each TT op of the paper's "
              "model and the paper-size configs, every path, beside the dense layer it "
              "replaces, medians of rounds.\n"]
+    newest = max((d["device"].get("time") or "" for _, d in files), default="")
     for name, d in files:
         dev = d["device"]
         fit = d["fit"]
+        # the newest profile's cases in a table; an older one's stay in its file (they were
+        # measured on an older version of the ops)
+        cases = ("The cases replayed in a CUDA graph, as the trainer runs a GPU step "
+                 "(the file holds the eager ones too):\n\n"
+                 + table(*profile_rows(d, graph_only=True))
+                 if (dev.get("time") or "") == newest else
+                 f"Its cases are in the file; they predate the {newest[:10]} profile's.")
         parts.append(f"### {dev['name']}\n\n`{dev.get('command', '')}` → "
                      f"`comera_engine/tensor/profiles/{name}.json`. torch "
                      f"{dev.get('torch')}, Triton {dev.get('triton')}, {dev.get('time')}"
@@ -545,9 +553,7 @@ def profiles(files: list[tuple[str, dict[str, Any]]]) -> str:
                      f"rate, {100 * fit['bw_eff']:.0f} % of the bandwidth, "
                      f"{1e6 * fit['op_overhead']:.1f} µs a kernel eagerly, "
                      f"{1e6 * fit['graph_op_overhead']:.1f} µs in a CUDA graph.\n\n"
-                     + "The cases replayed in a CUDA graph, as the trainer runs a GPU step "
-                     "(the file holds the eager ones too):\n\n"
-                     + table(*profile_rows(d, graph_only=True)) + "\n")
+                     + cases + "\n")
     return "\n".join(parts)
 
 

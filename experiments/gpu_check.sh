@@ -7,8 +7,8 @@
 #   bash experiments/gpu_check.sh compile           # the step under torch.compile (~60 s)
 #
 # Steps, in the order given, each with its own time limit (so a slow step cannot eat the
-# others' time; the limits add up to 60 s for tune, 180 s for tests, 350 s for bench; on an H100 or
-# H200 the tuner needs about 55 s, a step-benchmark row about 15 s):
+# others' time; the limits add up to 72 s for tune, 168 s for tests, 350 s for bench; on an H100 or
+# H200 the tuner needs about 60 s, a step-benchmark row about 15 s):
 #   tune   the device profile: every path of every TT op of the paper model (batch 32 and
 #          128) and the paper-size configs timed in bf16, eager and graphed, the Triton
 #          kernels' launch configurations swept, the cost model calibrated
@@ -63,7 +63,7 @@ step() {  # step SECONDS LOG COMMAND...: run with a time limit, log to $RES/LOG
 tune() {
     # the tuner stops its cases at 70 % of --budget and its kernel sweep at --budget, and
     # writes the profile after every case: a timeout still leaves a valid file
-    step 60 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 55
+    step 72 tune.log $PY experiments/tune_gpu.py --out "$RES/profiles" --budget 66
     export COMERA_PROFILE_DIR="$RES/profiles"
 }
 
@@ -75,7 +75,7 @@ tests() {
         -k "gpu or cuda or graph or bf16 or resume or ddp_truncation"
     # the Triton kernels compiled and run on the GPU, every launch configuration, against
     # the same float64 references (the ahead-of-time compile is a CPU test)
-    TRITON_INTERPRET=0 step 75 gpu_kernels.log $PY -m pytest -q -rs -p no:cacheprovider \
+    TRITON_INTERPRET=0 step 63 gpu_kernels.log $PY -m pytest -q -rs -p no:cacheprovider \
         tests/test_kernels.py tests/test_kernels_ttm.py -k "not compile_ahead"
     # the trainer end to end on the GPU (auto precision = bf16), CUDA graphs on and off,
     # planning with the profile of the tune step where it ran. (NCCL DDP needs two GPUs:
