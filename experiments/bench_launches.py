@@ -10,7 +10,9 @@ What is counted, per case, over ``--reps`` calls after one warm-up call (the per
 * on CUDA (``--device cuda``): every kernel, memcpy and memset the profiler records on the
   device (``torch.profiler``, CUDA activity): what a CUDA graph replays one by one; and
   their summed durations (``kernel_us``, µs per call) with the twelve kernel names that
-  take the most of it (``top_kernel_us``): where a step's device time goes.
+  take the most of it (``top_kernel_us``), and the same time by kernel kind (GEMM,
+  elementwise, reduction, copy, optimizer, ...: ``kernel_us_by_kind``): where a step's
+  device time goes.
 * on the CPU (the proxy): the ATen ops that reach the dispatcher below autograd (a
   ``TorchDispatchMode``: what autograd and the composite ops decompose into, each op once
   however it is implemented inside), less views (``OpOverload.is_view``) and ops that
@@ -118,7 +120,10 @@ def count(fn: Callable[[], object], device: torch.device, reps: int = 2) -> dict
             for _ in range(reps):
                 fn()
             bl.sync(device)
-        dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        # the device's own work: a ``record_function`` range (``Optimizer.step#...``) is a
+        # CUDA event too, spanning kernels counted on their own
+        dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
         out["kernels"] = len(dev) / reps
         out["top_kernels"] = {k: v / reps for k, v in
                               Counter(e.name[:60] for e in dev).most_common(10)}
@@ -129,7 +134,35 @@ def count(fn: Callable[[], object], device: torch.device, reps: int = 2) -> dict
             spent[e.name[:80]] += e.time_range.elapsed_us()
         out["kernel_us"] = sum(spent.values()) / reps
         out["top_kernel_us"] = {k: v / reps for k, v in spent.most_common(12)}
+        kinds: Counter[str] = Counter()
+        for e in dev:
+            kinds[kernel_kind(e.name)] += e.time_range.elapsed_us()
+        out["kernel_us_by_kind"] = {k: v / reps for k, v in kinds.most_common()}
     return out
+
+
+#: (kind, substrings of a kernel's name), the first match wins: attention before GEMM
+#: (cuDNN's fused attention names its tensor-core instructions), a GEMM before the
+#: elementwise kernels (cuBLAS's split-K reduce), a copy or fill before them too
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "xmma", "nvjet", "wgmma", "matmul")),
+    ("softmax / loss", ("softmax", "nll_loss", "cross_entropy")),
+    ("layer norm", ("layer_norm",)),
+    ("optimizer", ("multi_tensor_apply", "fused_adam", "adam")),
+    ("gather / scatter", ("index", "gather", "scatter", "embedding")),
+    ("sort / scan", ("sort", "scan")),
+    ("copy / cat / fill", ("copy", "memcpy", "memset", "fill")),  # a cat is a copy
+    ("reduction", ("reduce", "norm")),
+    ("elementwise", ("elementwise", "dropout")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """What a CUDA kernel does, from its name (``KINDS``; ``other`` where none matches):
+    where a step's device time goes, by kind rather than by the 12 costliest names."""
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
 # ---------------------------------------------------------------------- the layers
@@ -282,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="autocast of the step and the layers: bf16 (default: what a GPU "
                          "step runs, on the CPU proxy too: its casts are kernels) or off")
     ap.add_argument("--step-only", action="store_true", help="the training step only")
+    ap.add_argument("--graph-paths", action="store_true",
+                    help="plan the step's TT layers as for a CUDA graph (the paths a "
+                         "graphed step replays, run eagerly here so each kernel is seen)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if min(args.tokens, args.rank, args.step_batch, args.reps) < 1:
@@ -289,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.manual_seed(0)
     from comera_engine.kernels import runs_on_device
+    from comera_engine.tensor.planner import graph_planning
 
     out = {"benchmark": "launches", "device": device.type, "machine": bl.machine(),
            "tokens": args.tokens, "rank": args.rank, "step_batch": args.step_batch,
@@ -305,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     # the step first (the most telling rows, if a time limit cuts the run short), planned
     # as a run plans it: the Triton kernels off unless the run asks; then the layers,
     # every path forced (fused where COMERA_KERNELS=1 lets the kernels run)
+    out["graph_paths"] = args.graph_paths
     groups: list[tuple[Callable[[], list], bool, str | None]] = []
     if not args.quick:
         groups.append((lambda: step_cases(device, args.step_batch, args.preset, dtype,
@@ -316,9 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     for make, amp, kernels in groups:
         os.environ["COMERA_KERNELS"] = kernels if kernels is not None else (asked or "0")
         for layer, shape, path, fn in make():
-            # the layers in the step's precision (the step sets its own autocast)
+            # the layers in the step's precision (the step sets its own autocast); the
+            # step planned as graphed where asked (the layers force their paths)
             with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                enabled=amp and dtype is not None, cache_enabled=False):
+                                enabled=amp and dtype is not None, cache_enabled=False), \
+                    graph_planning(args.graph_paths and not amp):
                 got = count(fn, device, args.reps)
             out["rows"].append({"layer": layer, "shape": shape, "path": path, **got})
             print(f"{layer:>12} {shape:>12} {path:>16}  ops {got['ops']:7.0f}  syncs "
@@ -332,6 +372,15 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         cols += [("kernels", "kernels", ".0f"), ("kernel_us", "kernel µs", ".0f")]
     print()
+    steps = [r for r in rows if r.get("kernel_us_by_kind") and r["layer"].startswith("step")]
+    if steps:  # where each step's device time goes, by kernel kind (µs per call)
+        kinds = list(dict.fromkeys(k for r in steps for k in r["kernel_us_by_kind"]))
+        print("| step | phase | " + " | ".join(kinds) + " |")
+        print("|---|---|" + "---|" * len(kinds))
+        for r in steps:
+            print(f"| {r['layer']} {r['shape']} | {r['path']} | " + " | ".join(
+                f"{r['kernel_us_by_kind'].get(k, 0):.0f}" for k in kinds) + " |")
+        print()
     bl.print_and_write(rows, cols, name, out, args.out)
     return 0
 

@@ -267,6 +267,43 @@ def launches(data: dict[str, Any]) -> str:
                           *(["kernels"] if cuda else [])], _launch_rows(data)))
 
 
+#: kernel kinds (experiments/bench_launches.py, KINDS) as the step table groups them:
+#: the TT layers' own work, and what a dense and a CoMERA step share
+KIND_COLUMNS = (("GEMM", ("gemm",)),
+                ("elementwise, copies, reductions",
+                 ("elementwise", "copy / cat / fill", "reduction")),
+                ("gather / scatter", ("gather / scatter",)),
+                ("optimizer", ("optimizer",)),
+                ("attention, norms, softmax, sort, other",
+                 ("attention", "layer norm", "softmax / loss", "sort / scan", "other")))
+
+
+def step_kinds(data: dict[str, Any]) -> str:
+    """Where a GPU training step's device time goes, by kernel kind, CoMERA against dense
+    (``bench_launches.py --step-only``, the kernels of the step run eagerly)."""
+    rows = []
+    for r in data["rows"]:
+        if r["path"] != "whole":
+            continue
+        kinds = r["kernel_us_by_kind"]
+        rows.append([r["layer"].removeprefix("step "), f"{r['kernels']:.0f}",
+                     *(f"{sum(kinds.get(k, 0) for k in keys) / 1000:.2f}"
+                       for _, keys in KIND_COLUMNS), f"{r['kernel_us'] / 1000:.2f}"])
+    gpu = (data.get("machine") or {}).get("gpu", "the GPU")
+    what = (f"On an {gpu}, the paper transformer's training step at batch "
+            f"{data['step_batch']}, bf16, "
+            + ("TT paths as graphed, " if data.get("graph_paths") else "")
+            + "run eagerly under the profiler: kernel time (ms per step) by kind "
+            "(`bench_launches.kernel_kind`); a graph replays the same kernels, adding under "
+            "1 µs each. The last column is the same work in both models, as is most of the "
+            "elementwise one (activations, residuals, dropout, casts): a floor no TT layer "
+            "lowers.")
+    return section("Where a training step's device time goes", data["command"],
+                   "gpu/bench_launches_cuda_step_b32.json", data, what,
+                   table(["step", "kernels", *(c for c, _ in KIND_COLUMNS), "total ms"],
+                         rows))
+
+
 def dashboard(data: dict[str, Any]) -> str:
     """The Live page's charts: as plain specs (the page's way) and as validated figures."""
     rows = [[r["chart"], f"{r['spec_ms']:.2f}", f"{r['figure_ms']:.2f}", f"{r['ratio']:.1f}×"]
@@ -384,14 +421,10 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
     if "bench_train_step_cuda" in files:
         parts.append("What these files say: " + step_sentence(files["bench_train_step_cuda"])
                      + " A TT layer does 6–60× fewer multiply-adds than the dense one it "
-                     "replaces, but on its own runs as tens of small kernels (gates, core "
-                     "merges, the batch products and their backward), each far below the "
-                     "GPU's roofline (the \"% roofline\" columns where measured): "
-                     "launch-bound eagerly, kernel-bound in a graph. A training step merges "
-                     "the halves of all TT linears of one shape in one batched pass "
-                     "(`TrainStep(grouped=...)`, on by default on a GPU), so each layer "
-                     "launches little more than `nn.Linear` does; the `--ungrouped` row "
-                     "is the same step with every layer merging its own.\n")
+                     "replaces but runs as tens of small kernels, each far below the roofline "
+                     "(the \"% roofline\" columns); a training step merges the halves of all "
+                     "TT linears of one shape in one batched pass (`TrainStep(grouped=...)`, "
+                     "on by default on a GPU; the `--ungrouped` row: each layer its own).\n")
     steps = [key for key in ("bench_train_step_cuda", "bench_train_step_cuda_batch1",
                              "bench_train_step_cuda_compile") if files.get(key)]
     if steps:
@@ -401,6 +434,8 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
     if files.get("bench_launches_cuda"):
         parts.append("#" + launches(files["bench_launches_cuda"]).replace(
             "experiments/results/bench_launches", "experiments/results/gpu/bench_launches"))
+    if files.get("bench_launches_cuda_step_b32"):
+        parts.append("#" + step_kinds(files["bench_launches_cuda_step_b32"]))
     d = files.get("bench_kernels_cuda")
     if d and "dense" in d["rows"][0]["ms"]:  # every path, with its % of the roofline
         names = ["fused", "halves", "dense", "nn.Linear"]
@@ -527,23 +562,26 @@ def profiles(files: list[tuple[str, dict[str, Any]]]) -> str:
     """The section of the committed device profiles (comera_engine/tensor/profiles)."""
     parts = ["## Paths measured on each GPU (the planner's profiles)\n\n`python "
              "experiments/tune_gpu.py` (`bash experiments/gpu_check.sh tune`) → "
-             "`comera_engine/tensor/profiles/<gpu>.json` (the run's log beside the other "
-             "GPU results, `experiments/results/gpu/tune_<gpu>.log`), the profile the "
+             "`comera_engine/tensor/profiles/<gpu>.json` (its log: "
+             "`experiments/results/gpu/tune_<gpu>.log`), the profile the "
              "planner picks each layer's path from; machine: the GPU each table names. "
              "Forward + backward of each TT op of the paper's "
              "model and the paper-size configs, every path, beside the dense layer it "
              "replaces, medians of rounds.\n"]
     newest = max((d["device"].get("time") or "" for _, d in files), default="")
+    older = [(name, d) for name, d in files if (d["device"].get("time") or "") != newest]
+    files = [(name, d) for name, d in files if (d["device"].get("time") or "") == newest]
+    if older:
+        parts[0] = parts[0].rstrip("\n") + (" Older profiles (measured on older ops; "
+                                            "their cases in the files): " + "; ".join(
+                         f"{d['device']['name']} (`comera_engine/tensor/profiles/{name}.json`, "
+                         f"{d['device'].get('time')})" for name, d in older) + ".\n")
     for name, d in files:
         dev = d["device"]
         fit = d["fit"]
-        # the newest profile's cases in a table; an older one's stay in its file (they were
-        # measured on an older version of the ops)
         cases = ("The cases replayed in a CUDA graph, as the trainer runs a GPU step "
                  "(the file holds the eager ones too):\n\n"
-                 + table(*profile_rows(d, graph_only=True))
-                 if (dev.get("time") or "") == newest else
-                 f"Its cases are in the file; they predate the {newest[:10]} profile's.")
+                 + table(*profile_rows(d, graph_only=True)))
         parts.append(f"### {dev['name']}\n\n`{dev.get('command', '')}` → "
                      f"`comera_engine/tensor/profiles/{name}.json`. torch "
                      f"{dev.get('torch')}, Triton {dev.get('triton')}, {dev.get('time')}"
@@ -600,7 +638,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
 ]
 
 
-def first_line(script: Path, limit: int = 110) -> str:
+def first_line(script: Path, limit: int = 96) -> str:
     """The first sentence of a script's docstring (shortened at a word to ``limit``)."""
     doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or ""
     text = " ".join(doc.strip().split("\n\n")[0].split()).removeprefix("Benchmark: ")

@@ -7,7 +7,7 @@
 #   bash experiments/gpu_check.sh compile           # the step under torch.compile (~60 s)
 #
 # Steps, in the order given, each with its own time limit (so a slow step cannot eat the
-# others' time; the limits add up to 72 s for tune, 168 s for tests, 350 s for bench; on an H100 or
+# others' time; the limits add up to 72 s for tune, 154 s for tests, 363 s for bench; on an H100 or
 # H200 the tuner needs about 60 s, a step-benchmark row about 15 s):
 #   tune   the device profile: every path of every TT op of the paper model (batch 32 and
 #          128) and the paper-size configs timed in bf16, eager and graphed, the Triton
@@ -22,7 +22,8 @@
 #          planner's paths and with the grouped step ops, CUDA graph on and off, dense
 #          alike; graphed at batch 32 with the TT linears' halves merged per layer;
 #          batch 1 for peak memory, with PyTorch's cuBLAS workspace and with 4 MiB),
-#          the kernels launched per layer path and per step, the
+#          the kernels launched per layer path and per step, the batch-32 step's kernel
+#          time by kind (GEMM, elementwise, optimizer, ...), the
 #          TT-linear and TTM-lookup paths with their % of the roofline, one TT layer vs
 #          nn.Linear in bf16 in a CUDA graph, alone and in a group of 24 of its shape
 #   compile the step under torch.compile (Inductor) on the tiny transformer against eager,
@@ -84,7 +85,7 @@ tests() {
         local graph=true
         [ $variant = eager ] && graph=false
         rm -rf /tmp/gpu_run
-        step 25 "train_$variant.log" $PY -m comera_engine.cli train \
+        step 18 "train_$variant.log" $PY -m comera_engine.cli train \
             experiments/configs/digits_tt_mlp.toml --set train.device='"cuda"' \
             --set train.cuda_graph=$graph --run-dir /tmp/gpu_run --no-progress
         grep '"type": "metrics"' /tmp/gpu_run/metrics.jsonl 2>/dev/null | tail -n 1 \
@@ -119,17 +120,22 @@ bench() {
         --cublas-workspace-mb default 4 --out "$RES/bench_train_step_cuda_batch1.json"
     # kernels launched per TT layer path and per training step (and by phase), against
     # the CPU proxy committed in experiments/results/bench_launches_cpu.json
-    COMERA_KERNELS=1 step 40 bench_launches.log $PY experiments/bench_launches.py \
+    COMERA_KERNELS=1 step 28 bench_launches.log $PY experiments/bench_launches.py \
         --reps 1 --out "$RES"
+    # where the batch-32 step's device time goes, by kernel kind (GEMM, elementwise,
+    # optimizer, attention, ...), CoMERA on the paths a graph replays against dense
+    step 35 bench_launches_step_b32.log $PY experiments/bench_launches.py --device cuda \
+        --step-only --step-batch 32 --reps 2 --graph-paths --out "$RES/step_b32" &&
+        mv "$RES/step_b32/bench_launches_cuda.json" "$RES/bench_launches_cuda_step_b32.json"
     # every TT-linear path and the TTM lookup's against the dense layers, % of roofline
-    step 20 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
+    step 15 bench_kernels.log $PY experiments/bench_kernels.py --out "$RES" --rounds 5
     step 15 bench_kernels_ttm.log $PY experiments/bench_kernels_ttm.py --out "$RES" --rounds 5
     # one TT layer on the planner's path against nn.Linear, as the trainer runs it
     step 20 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
         --dtype bf16 --graph --tokens 4096 16384 --rounds 5 --out "$RES"
     # ... and 24 layers of each shape on one input, grouped as a training step runs them
     # (times per layer)
-    step 20 bench_tt_linear_group.log $PY experiments/bench_tt_linear.py --device cuda \
+    step 15 bench_tt_linear_group.log $PY experiments/bench_tt_linear.py --device cuda \
         --quick --dtype bf16 --graph --group 24 --tokens 4096 --rounds 5 --out "$RES"
 }
 

@@ -390,3 +390,39 @@ def test_bench_dashboard_times_the_live_pages_charts_both_ways(tmp_path, capsys)
     assert all(r["spec_ms"] > 0 and r["figure_ms"] > 0 for r in rows)
     assert "| chart" in capsys.readouterr().out
     assert "--points" in refused(capsys, [sys.executable, str(bench), "--points", "1"])
+
+
+def test_bench_launches_sorts_real_kernel_names_by_what_they_do() -> None:
+    """``kernel_kind`` on kernel names the profiler recorded on an H200: cuDNN's fused
+    attention is attention though it names a GEMM instruction, cuBLAS's split-K reduce is
+    part of a GEMM, a bf16 copy or a fill is not arithmetic, a Triton kernel of ours is
+    ``other``."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_launches as bl
+
+    said = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": "attention",
+        "nvjet_sm90_tst_64x32_64x16_1x4_h_bz_splitK_NNT": "gemm",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16": "gemm",
+        "std::enable_if<!(false), void>::type internal::gemvx::kernel<int, int": "gemm",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kern":
+            "copy / cat / fill",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>":
+            "copy / cat / fill",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy_contig<at::native":
+            "copy / cat / fill",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float": (
+            "layer norm"),
+        "void at::native::lpnorm_cleanup<float, (at::native::NormType)1, float": "reduction",
+        "void at::native::reduce_kernel<256, 2, at::native::ReduceOp<float": "reduction",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native":
+            "optimizer",
+        "void at::native::_scatter_gather_elementwise_kernel<128, 8, at::native": (
+            "gather / scatter"),
+        "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float":
+            "elementwise",
+        "void at::native::(anonymous namespace)::fused_dropout_kernel": "elementwise",
+        "void at::native::radixSortKVInPlace<-2, -1, 32, 32, long, long": "sort / scan",
+        "chain_kernel": "other",
+    }
+    assert {name: bl.kernel_kind(name) for name in said} == said

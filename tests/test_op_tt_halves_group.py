@@ -50,6 +50,18 @@ def _copies(layers: list[TTLinear], dtype: torch.dtype, device: str = "cpu"
     return trains, [p for cores, g, _ in trains for p in (*cores, g)]
 
 
+def _unpadded(got: list, want: list) -> list:
+    """The group's halves cut to the reference's middle rank, after checking the padding:
+    a width that is a multiple of 8 (at least 16) and zeros beyond ``r_d``."""
+    out = []
+    for (L, R), (Lw, _) in zip(got, want):
+        rd, rp = Lw.shape[1], L.shape[1]
+        assert rp % 8 == 0 and rp >= max(16, rd) and R.shape[0] == rp, (L.shape, R.shape)
+        assert not L[:, rd:].detach().any() and not R[rd:].detach().any()
+        out.append((L[:, :rd], R[:rd]))
+    return out
+
+
 def _assert_within_bf16(got: list, want: list, g_got: tuple, g_want: tuple) -> None:
     """bf16 halves and gradients ``got`` against float64 ``want``: 2 % on the halves,
     3 % on the gradients (relative norms)."""
@@ -64,8 +76,8 @@ def test_group_matches_the_per_train_reference_float64() -> None:
     layers = _layers(3)
     trains = [layer.tt.flat_parts() for layer in layers]
     d, tau = layers[0].tt.d, layers[0].tt.tau
-    got = tt_halves_group(trains, d, tau)
     want = tt_halves_group_reference(trains, d, tau)
+    got = _unpadded(tt_halves_group(trains, d, tau), want)
     for (L, R), (Lw, Rw) in zip(got, want):
         torch.testing.assert_close(L, Lw, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(R, Rw, rtol=1e-12, atol=1e-12)
@@ -90,6 +102,7 @@ def test_group_under_bf16_autocast_within_bf16_error() -> None:
     assert all(L.dtype == torch.bfloat16 and R.dtype == torch.bfloat16 for L, R in got)
     ref, wrt_ref = _copies(layers, DT)
     want = tt_halves_group_reference(ref, d, tau)
+    got = _unpadded(got, want)
     wrt = [p for layer in layers for p in (*layer.tt.cores, layer.tt.gate)]
     g_got = torch.autograd.grad(_loss([(L.float(), R.float()) for L, R in got]), wrt)
     g_want = torch.autograd.grad(_loss(want), wrt_ref)
@@ -175,6 +188,7 @@ def test_group_on_cuda_matches_the_cpu_group_under_bf16() -> None:
     want = tt_halves_group(cpu, d, tau)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got = tt_halves_group(gpu, d, tau)
+    assert [L.shape for L, _ in got] == [L.shape for L, _ in want]  # the same padding
     g_want = torch.autograd.grad(_loss(want), wrt_cpu)
     g_got = torch.autograd.grad(_loss([(L.float().cpu(), R.float().cpu()) for L, R in got]),
                                 wrt_gpu)

@@ -26,6 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .gates import apply_gates, flat_plan, gate_flat, gate_masks, gate_sums, masked_gates
 from .merges import merge_left, merge_right
+from .tt_linear_halves import padded_width
 
 __all__ = ["HalvesGroup", "tt_halves_group", "tt_halves_group_reference"]
 
@@ -89,8 +90,11 @@ def _bmerge_right_grads(cores: Sequence[Tensor], Q: Sequence[Tensor], dR: Tensor
 class HalvesGroup(torch.autograd.Function):
     """``(L_1, …, L_n, R_1, …, R_n)`` of ``n`` trains of ``2d`` cores each, the same
     shapes: train ``i``'s cores ``(r_{k-1}, s_k, r_k)`` gated by its one gate vector and
-    ``alive`` flags (entry active where alive and ``|g| > tau``), ``L_i``: ``(N, r_d)``,
-    ``R_i``: ``(r_d, M)``, in the autocast dtype where autocast is on.
+    ``alive`` flags (entry active where alive and ``|g| > tau``), ``L_i``: ``(N, r_p)``,
+    ``R_i``: ``(r_p, M)``, in the autocast dtype where autocast is on, with the middle
+    rank ``r_d`` zero-padded to ``r_p`` (:func:`.tt_linear_halves.padded_width`: a
+    multiple of 8, at least 16): ``L_i·R_i`` is the weight exactly, and the GEMMs a layer
+    runs on them are aligned.
 
     Forward: the trains' gates stacked ``(n, E)`` and masked, their cores laid end to end
     ``(n, P)`` (one copy), scaled by the gates through the layout's index and cast, once;
@@ -116,14 +120,23 @@ class HalvesGroup(torch.autograd.Function):
         ctx.m = gm != 0
         # intermediates, kept on ctx (the Function saves none of its inputs)
         ctx.keep = (flat, gexp, views, P[:-1], Q[1:], cores[:K])
-        return (*P[-1].unbind(0), *Q[0].unbind(0))
+        # the middle rank zero-padded (one pad per structure): every batch GEMM of the
+        # layers then has a width and leading dimension that are multiples of 8 (on a GPU
+        # cuBLAS otherwise falls back to its slow misaligned kernels)
+        rd = P[-1].shape[-1]
+        ctx.rd = rd
+        pad = padded_width(rd, False) - rd
+        Lp = torch.nn.functional.pad(P[-1], (0, pad)) if pad else P[-1]
+        Rp = torch.nn.functional.pad(Q[0], (0, 0, 0, pad)) if pad else Q[0]
+        return (*Lp.unbind(0), *Rp.unbind(0))
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # noqa: ANN001
         d, n, plan = ctx.d, ctx.n, ctx.plan
         flat, gexp, views, P, Q, like = ctx.keep
-        dL = torch.stack(grads[:n]).to(views[0].dtype)
-        dR = torch.stack(grads[n:]).to(views[0].dtype)
+        rd = ctx.rd  # the padding's gradient is dropped: those entries are constant zeros
+        dL = torch.stack(grads[:n])[..., :rd].to(views[0].dtype)
+        dR = torch.stack(grads[n:])[:, :rd].to(views[0].dtype)
         d_eff = torch.cat([g.reshape(n, -1) for g in (*_bmerge_left_grads(views[:d], P, dL),
                                                         *_bmerge_right_grads(views[d:], Q, dR))],
                           dim=1)
@@ -146,7 +159,8 @@ def tt_halves_group(trains: Sequence[tuple[Sequence[Tensor], Tensor, Tensor]], d
                     tau: float) -> list[tuple[Tensor, Tensor]]:
     """``[(L_i, R_i)]`` of trains given as ``(cores, gate, alive)`` (a train's
     :meth:`~comera_engine.tensor.tt.TensorTrain.flat_parts`), all with the same core
-    shapes and ``tau`` (:class:`HalvesGroup`)."""
+    shapes and ``tau`` (:class:`HalvesGroup`), the middle rank zero-padded: ``L_i[:, :r_d]``
+    and ``R_i[:r_d]`` are the halves, the rest zeros."""
     n = len(trains)
     out = HalvesGroup.apply(d, n, float(tau), *(c for cores, _, _ in trains for c in cores),
                             *(g for _, g, _ in trains), *(a for _, _, a in trains))
