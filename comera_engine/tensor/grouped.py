@@ -3,7 +3,8 @@
 Inside ``with grouped_halves(trains):`` the trains that share a structure (core shapes,
 ``d``, ``tau``, device and dtype; two or more of them) have their gated halves ``L``,
 ``R`` merged together, one batched pass per structure
-(:func:`comera_engine.ops.tt_halves_group.tt_halves_group`), and
+(:func:`comera_engine.ops.tt_halves_group.tt_halves_group`; the middle rank zero-padded
+to a multiple of 8, so the batch GEMMs below run aligned), and
 :func:`comera_engine.tensor.planner.tt_linear` runs such a train's ``halves`` or
 reconstructed path on them: ``(X·L)·R + b`` or ``X·(L·R) + b``, autograd through both
 (the batch products and their backward are ``nn.Linear``'s). The halves are made when the
