@@ -8,7 +8,8 @@ loop")::
     comera = ce.CoMERA(model, config, total_steps=1500)
     opt = torch.optim.AdamW(comera.param_groups(), lr=2e-3)   # your optimizer, your lr
     comera.attach(opt)                                        # its step after opt.step()
-    ...  # loss = comera.loss(task_loss); opt.zero_grad(); loss.backward(); opt.step()
+    sched = ce.lr_scheduler(opt, "cosine", comera=comera)     # optional: decays once sized
+    ...  # loss = comera.loss(task_loss); opt.zero_grad(); loss.backward(); opt.step(); sched.step()
     ce.save(model, "small.safetensors"); ce.load_into(MyNet(), "small.safetensors")
 
 ``import comera_engine`` is cheap: ``CoMERAConfig`` is torch-free, and the layers (and
@@ -28,8 +29,8 @@ from ._lazy import lazy_getattr
 from ._version import __version__
 
 __all__ = ["CoMERA", "CoMERAConfig", "TTEmbedding", "TTLinear", "TrainingDiverged",
-           "__version__", "estimate", "explain", "load", "load_into", "max_tt_ranks", "plan",
-           "save", "size_report", "tensorize", "truncate", "tt_svd"]
+           "__version__", "estimate", "explain", "load", "load_into", "lr_scheduler",
+           "max_tt_ranks", "plan", "save", "size_report", "tensorize", "truncate", "tt_svd"]
 
 #: Public names loaded on first use (torch with all but the config), and their modules.
 _LAZY = {"CoMERA": "rank", "CoMERAConfig": "config", "TTEmbedding": "layers",
@@ -38,7 +39,7 @@ _LAZY = {"CoMERA": "rank", "CoMERAConfig": "config", "TTEmbedding": "layers",
          "save": "export.weights", "load_into": "export.weights", "load": "export",
          "tt_svd": "tensor",
          "max_tt_ranks": "tensor", "explain": "tensor", "plan": "tensor",
-         "estimate": "tensor"}
+         "estimate": "tensor", "lr_scheduler": "train.lr_schedule"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import CoMERAConfig
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .layers import TTEmbedding, TTLinear, size_report, truncate
     from .rank import CoMERA, tensorize
     from .tensor import estimate, explain, max_tt_ranks, plan, tt_svd
+    from .train.lr_schedule import lr_scheduler
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)

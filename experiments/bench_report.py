@@ -168,8 +168,9 @@ def hf_trainer(data: dict[str, Any]) -> str:
             f"reviews (recommended or not; majority class {100 * data['majority']:.1f} %), "
             f"trained by `transformers.Trainer`: dense, fixed-rank TT at the target size, "
             f"and CoMERA through `CoMERACallback` (README, \"Your own model\"), target "
-            f"{data['target']:g}× over {data['steps']} steps, seeds {_seeds(data)}; "
-            f"accuracy on the held-out 20 %.")
+            f"{data['target']:g}× over {data['steps']} steps, seeds {_seeds(data)}, the "
+            f"Trainer's linear decay (README: with `ce.lr_scheduler`); accuracy on the "
+            f"held-out 20 %.")
     return section("CoMERA in a Hugging Face Trainer", "python experiments/hf_trainer.py",
                    "hf_trainer.json", data, what, _accuracy_table(data))
 

@@ -15,12 +15,14 @@ majority class is printed beside it: the reviews are four-fifths "recommended").
 a table and writes experiments/results/hf_trainer.json.
 
     python experiments/hf_trainer.py [--target 10] [--steps 1000] [--seeds 0 1 2]
+                                     [--schedule trainer|held]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -69,8 +71,13 @@ def accuracy(model: torch.nn.Module, data: Any) -> float:
 METHODS = ("dense", "fixed-rank TT", "CoMERA")
 
 
-def train(bundle: Any, seed: int, steps: int, method: str, target: float, batch: int) -> dict:
-    """One run of ``method`` (one of :data:`METHODS`) at ``target``."""
+def train(bundle: Any, seed: int, steps: int, method: str, target: float, batch: int,
+          schedule: str = "trainer") -> dict:
+    """One run of ``method`` (one of :data:`METHODS`) at ``target``; ``schedule``: the
+    Trainer's own learning-rate schedule (``trainer``: linear from the first step to 0)
+    or ``held``: ``ce.lr_scheduler``'s linear decay from the step at which CoMERA's pace
+    fixes the ranks, the same step for every method (dense given an AdamW as the Trainer
+    would build it, at its rate, without weight decay)."""
     from transformers import Trainer, TrainingArguments
 
     from comera_engine.integrations.huggingface import CoMERACallback
@@ -91,6 +98,11 @@ def train(bundle: Any, seed: int, steps: int, method: str, target: float, batch:
                            method="fixed" if fixed else "comera", **RATES)
         optimizers = (torch.optim.AdamW(comera.param_groups()), None)
         callbacks = [] if fixed else [CoMERACallback(comera)]
+    if schedule == "held":
+        opt = optimizers[0] or torch.optim.AdamW(model.parameters(), lr=RATES["lr_dense"],
+                                                 weight_decay=0.0)
+        hold = math.ceil(ce.CoMERAConfig().reach_at * steps)
+        optimizers = (opt, ce.lr_scheduler(opt, "linear", steps=steps, hold=hold))
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, max_steps=steps, seed=seed,
                                  per_device_train_batch_size=batch,
@@ -157,8 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-examples", type=int, default=None,
                     help="train on this many reviews and test on a quarter as many (a smoke "
                          "run; default: the whole split)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "hf_trainer.json")
+    ap.add_argument("--schedule", choices=["trainer", "held"], default="trainer",
+                    help="the Trainer's linear decay from the first step, or ce.lr_scheduler's "
+                         "held until the ranks are fixed, every method alike (the file "
+                         "hf_trainer_held.json)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: experiments/results/hf_trainer.json (_held)")
     args = ap.parse_args(argv)
+    args.out = args.out or RESULTS / ("hf_trainer.json" if args.schedule == "trainer"
+                                      else f"hf_trainer_{args.schedule}.json")
     if args.steps < 1 or args.batch < 1 or args.threads < 1 or (
             args.max_examples is not None and args.max_examples < 8):
         ap.error("--steps, --batch, --threads, --max-examples: must be positive integers "
@@ -185,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for seed in args.seeds:
         for method in METHODS:
-            row = train(bundle, seed, args.steps, method, args.target, args.batch)
+            row = train(bundle, seed, args.steps, method, args.target, args.batch,
+                        args.schedule)
             rows.append(row)
             print(f"seed {seed} {row['method']:13s} test acc {row['test_acc']:.3f}  "
                   f"{row['params']:>8,} params  {row['seconds']:.1f} s  {row['message']}")
@@ -194,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
           + f" ({len(args.seeds)} seeds, {args.steps} steps)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, json.dumps({"target": args.target, "steps": args.steps,
+                                       "schedule": args.schedule,
                                        "batch": args.batch, "threads": args.threads,
                                        "data": data, "majority": majority,
                                        "machine": machine(), "summary": summary,

@@ -30,9 +30,15 @@ SGD with momentum 0.9 (its rates ``--lrs`` 0.01 0.03 0.1 unless given; the file
 own_loop_sgd.json): the same loop, the gates then take their own Adam steps
 (:class:`comera_engine.rank.optim.GateAdam`).
 
+With ``--schedule cosine`` the loop also steps torch's ``CosineAnnealingLR`` over the
+run (every group, the gates' too: what a user writes for the dense network), with
+``cosine-held`` README's recipe (the decay from ``comera.reach_step``, the gates at their
+rate), dense and CoMERA alike (the files own_loop_cosine.json, own_loop_cosine-held.json).
+
     python experiments/own_loop.py [--networks mlp embedding transformer] [--steps 1500]
                                    [--seeds 0 1 2] [--lrs 3e-4 1e-3 3e-3]
                                    [--optimizer adamw|sgd]
+                                   [--schedule constant|cosine|cosine-held]
 """
 
 from __future__ import annotations
@@ -276,11 +282,28 @@ def task_loss(net: Network, out: Tensor, y: Tensor) -> Tensor:
     return F.mse_loss(out, y) if net.task == "regress" else F.cross_entropy(out, y)
 
 
+def make_scheduler(schedule: str, opt: torch.optim.Optimizer, steps: int,
+                   hold: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The user's learning-rate schedule, stepped after every optimizer step: ``constant``
+    (none); ``cosine``, torch's ``CosineAnnealingLR`` over the run on every group, as a
+    user writes it for the dense network; ``cosine-held``, README's: ``ce.lr_scheduler``,
+    a cosine from step ``hold`` (``comera.reach_step``) to the end, the gates at their
+    rate."""
+    if schedule == "constant":
+        return None
+    if schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    return ce.lr_scheduler(opt, "cosine", steps=steps, hold=hold)
+
+
 def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr: float,
-          comera: bool, optimizer: str = "adamw") -> tuple[nn.Module, dict]:
+          comera: bool, optimizer: str = "adamw", schedule: str = "constant"
+          ) -> tuple[nn.Module, dict]:
     """The README's loop: ``config`` once, ``tensorize`` and the controller given it, the
     user's optimizer (:func:`make_optimizer`) at ``lr`` with nothing set on the
-    controller, ``attach``; dense: the same loop with the network as it is."""
+    controller, ``attach``, the user's ``schedule`` (:func:`make_scheduler`); dense: the
+    same loop with the network as it is (``cosine-held`` holding to the step CoMERA's
+    default config fixes its ranks at)."""
     torch.manual_seed(seed)
     model = net.build(split)
     controller = None
@@ -292,6 +315,9 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
         controller.attach(opt)
     else:
         opt = make_optimizer(optimizer, model.parameters(), lr)
+    hold = (controller.reach_step if controller is not None
+            else round(ce.CoMERAConfig().reach_at * steps)) or 0
+    sched = make_scheduler(schedule, opt, steps, hold)
     g = torch.Generator().manual_seed(seed)
     n = len(train_on["y"])
     t0 = time.perf_counter()
@@ -306,6 +332,8 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
     row = {"seconds": time.perf_counter() - t0}
     if controller is not None:
         rep = controller.report()
@@ -374,7 +402,7 @@ def gaps(data: dict) -> str:
 
 
 def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[float],
-                optimizer: str = "adamw") -> dict:
+                optimizer: str = "adamw", schedule: str = "constant") -> dict:
     """The dense learning rate chosen on validation, then both methods per seed on the
     held-out data."""
     split = net.data()
@@ -382,7 +410,8 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
     fit = _take(split.train, torch.arange(carved))
     search = {}
     for lr in lrs:
-        model, _ = train(net, split, fit, 0, steps, lr, comera=False, optimizer=optimizer)
+        model, _ = train(net, split, fit, 0, steps, lr, comera=False, optimizer=optimizer,
+                         schedule=schedule)
         search[lr] = score(model, split.val, net.task)
         print(f"{net.name}: dense at lr {lr:g}: validation score {search[lr]:.3f}")
     best = max(search.values())
@@ -395,7 +424,7 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
             while True:  # a run whose loss turns non-finite goes on at the next lower rate
                 try:
                     model, row = train(net, split, split.train, seed, steps, rate, comera,
-                                       optimizer)
+                                       optimizer, schedule)
                     break
                 except ce.TrainingDiverged as e:
                     diverged.append({"seed": seed, "method": method, "lr": rate,
@@ -411,7 +440,8 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
             print(f"{net.name} seed {seed} {row['method']:6s} held-out "
                   f"{'R²' if net.task == 'regress' else 'accuracy'} {row['test_score']:.3f} "
                   f"{row['params']:>9,} params {row['seconds']:6.1f} s  {row['message']}")
-    return {"target": net.target, "task": net.task, "optimizer": optimizer, "lr": lr,
+    return {"target": net.target, "task": net.task, "optimizer": optimizer,
+            "schedule": schedule, "lr": lr,
             "lr_search": {f"{k:g}": v for k, v in search.items()},
             "lr_rule": f"the largest dense rate within {LR_TIE:g} of the best validation "
                        "score (accuracy, R²)",
@@ -431,20 +461,25 @@ def main(argv: list[str] | None = None) -> int:
                          + ")")
     ap.add_argument("--optimizer", choices=list(LRS), default="adamw",
                     help=f"the user's optimizer: AdamW, or SGD with momentum {MOMENTUM}")
+    ap.add_argument("--schedule", choices=["constant", "cosine", "cosine-held"],
+                    default="constant",
+                    help="the user's learning-rate schedule in the loop, dense and CoMERA "
+                         "alike (make_scheduler; the file own_loop_<schedule>.json)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: experiments/results/own_loop.json (own_loop_sgd.json)")
     args = ap.parse_args(argv)
     args.lrs = args.lrs or LRS[args.optimizer]
-    args.out = args.out or RESULTS / ("own_loop.json" if args.optimizer == "adamw"
-                                      else f"own_loop_{args.optimizer}.json")
+    suffix = "".join(f"_{v}" for v, default in ((args.optimizer, "adamw"),
+                                                 (args.schedule, "constant")) if v != default)
+    args.out = args.out or RESULTS / f"own_loop{suffix}.json"
     if args.steps < 1 or args.threads < 1:
         ap.error("--steps, --threads: must be positive integers")
     if any(not lr > 0 for lr in args.lrs):
         ap.error("--lrs: learning rates must be positive numbers")
     torch.set_num_threads(args.threads)
     results = {name: run_network(NETWORKS[name], args.steps, args.seeds, args.lrs,
-                                 args.optimizer)
+                                 args.optimizer, args.schedule)
                for name in args.networks}
     print()
     for name, result in results.items():
@@ -452,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, json.dumps({"steps": args.steps, "seeds": args.seeds,
                                        "optimizer": args.optimizer,
+                                       "schedule": args.schedule,
                                        "threads": args.threads, "machine": machine(),
                                        "networks": results}, indent=1))
     print(f"wrote {args.out}")

@@ -74,6 +74,11 @@ def test_the_readme_quotes_the_own_loop_results_file() -> None:
     low = json.loads((ROOT / "experiments" / "results" / "own_loop_lr3e-4.json").read_text())
     said = f"in points: {own_loop.gaps(low)}."
     assert said in readme, f"README should say: {said}"
+    for name, start in (("own_loop_cosine.json", "torch's `CosineAnnealingLR` over the run: "),
+                        ("own_loop_cosine-held.json", "`ce.lr_scheduler`'s cosine: ")):
+        sched = json.loads((ROOT / "experiments" / "results" / name).read_text())
+        said = start + own_loop.gaps(sched)
+        assert said in readme, f"README should say: {said}"
     sgd = json.loads((ROOT / "experiments" / "results" / "own_loop_sgd.json").read_text())
     assert sgd["optimizer"] == "sgd"
     for name, result in sgd["networks"].items():
@@ -107,11 +112,13 @@ def test_the_readme_quotes_the_hf_trainer_results_file() -> None:
     sys.path.insert(0, str(ROOT / "experiments"))
     import hf_trainer
 
-    data = json.loads((ROOT / "experiments" / "results" / "hf_trainer.json").read_text())
-    said = hf_trainer.sentence(data["target"], data["summary"], data["majority"])
-    assert "CoMERA" in said and "dense" in said and "fixed-rank TT" in said
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    assert " ".join(said.split()) in readme, f"README should say: {said}"
+    for name, schedule in (("hf_trainer.json", "trainer"), ("hf_trainer_held.json", "held")):
+        data = json.loads((ROOT / "experiments" / "results" / name).read_text())
+        assert data.get("schedule", "trainer") == schedule
+        said = hf_trainer.sentence(data["target"], data["summary"], data["majority"])
+        assert "CoMERA" in said and "dense" in said and "fixed-rank TT" in said
+        assert " ".join(said.split()) in readme, f"README should say: {said}"
 
 
 def test_the_readme_says_what_the_gpu_step_results_file_says() -> None:

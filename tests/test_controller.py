@@ -519,6 +519,63 @@ def test_the_optimizer_owns_the_rates_and_the_gates_follow_the_schedule(capsys) 
         ce.tensorize(PixelNet(), rank=4, exclude=["head"]), weight_decay=0.0).param_groups())
 
 
+@pytest.mark.parametrize("attached", [True, False])
+def test_a_scheduler_of_the_users_decays_every_rate_but_the_gates(digits, capsys,
+                                                                  attached: bool) -> None:
+    """The README's loop with torch's ``CosineAnnealingLR`` over every group, as a user
+    writes it for the dense network: each optimizer step runs the cores and the dense
+    parameters at the cosine's rate (torch's closed form) and the gates at the schedule's
+    own (``lr_gates``), whether the controller is attached or stepped by hand; that the
+    gates' rate was set back is said once."""
+    model, comera, opt = _setup()
+    if attached:
+        comera.attach(opt)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=24)
+    used = []
+    opt.register_step_post_hook(
+        lambda o, *_: used.append({g["name"]: g["lr"] for g in o.param_groups}))
+    for step in range(12):
+        _train(model, comera, opt, digits, step, step + 1, attached=attached)
+        sched.step()
+    cosine = [LR * 0.5 * (1 + math.cos(math.pi * t / 24)) for t in range(12)]
+    assert [u["gates"] for u in used] == [comera.lr_gates()] * 12
+    assert [u["cores"] for u in used] == pytest.approx(cosine, rel=1e-6)
+    assert [u["dense"] for u in used] == pytest.approx(cosine, rel=1e-6)
+    assert cosine[-1] < 0.6 * LR  # the cosine did move the rates
+    err = capsys.readouterr().err
+    assert err.count("the rank gates' learning rate was moved") == 1
+    # and that the rates fall long before the pace fixes the ranks (step 288 of 360)
+    assert err.count("the learning rates fall (to 0.") == 1 and "before step 288" in err
+
+
+def test_ce_lr_scheduler_decays_once_the_ranks_are_fixed(digits, capsys) -> None:
+    """``ce.lr_scheduler(opt, "cosine", comera=comera)`` in the README's loop: each step
+    runs the cores and the dense parameters at the base rate until ``reach_step`` and on
+    a cosine to 0 from there (written out here), the gates at their own rate throughout;
+    the run lands at its target, and nothing is said about falling rates."""
+    model, comera, opt = _setup()
+    comera.attach(opt)
+    sched = ce.lr_scheduler(opt, "cosine", comera=comera)
+    used = []
+    opt.register_step_post_hook(
+        lambda o, *_: used.append({g["name"]: g["lr"] for g in o.param_groups}))
+    for step in range(STEPS):
+        _train(model, comera, opt, digits, step, step + 1, attached=True)
+        sched.step()
+    hold = comera.reach_step
+    want = [LR if t < hold else LR * 0.5 * (1 + math.cos(math.pi * (t - hold) / (STEPS - hold)))
+            for t in range(STEPS)]
+    assert hold == 288 and [u["cores"] for u in used] == pytest.approx(want, rel=1e-9)
+    assert [u["dense"] for u in used] == pytest.approx(want, rel=1e-9)
+    assert {u["gates"] for u in used} == {comera.lr_gates()}
+    assert abs(comera.report()["compression"] / TARGET - 1) <= 0.05
+    assert "learning rates fall" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        ce.lr_scheduler(opt, "cosine")
+    with pytest.raises(ValueError, match="schedule must be constant, cosine or linear"):
+        ce.lr_scheduler(opt, "step", comera=comera)
+
+
 def test_reach_step_is_where_the_pace_fixes_the_ranks(trained) -> None:
     """``CoMERA.reach_step``: the pace's ``reach_at`` of the steps (where a decaying
     learning rate can start), ``None`` without the pace; and a run paced to it has fixed

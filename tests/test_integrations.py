@@ -67,10 +67,17 @@ def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> No
     comera = ce.CoMERA(model, target_compression=TARGET, total_steps=STEPS, lr_cores=3e-3,
                        lr_embedding=3e-3, lr_dense=1e-3)
     opt = torch.optim.AdamW(comera.param_groups())
+    used = []  # the rates each optimizer step ran at
+    opt.register_step_post_hook(
+        lambda o, *_: used.append({g["name"]: g["lr"] for g in o.param_groups}))
     callback = CoMERACallback(comera)
     trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=Tokens(4000, 0),
                       optimizers=(opt, None), callbacks=[callback])
     trainer.train()
+    # the Trainer's linear decay ran on every group but the gates, kept at their rate by
+    # the controller's hook on the optimizer under accelerate's wrapper
+    assert len(used) == STEPS and {u["gates"] for u in used} == {comera.lr_gates()}
+    assert used[-1]["cores"] < 0.01 * used[0]["cores"]
     # the controller stepped after every optimizer step and landed at the target
     rep, sizes = comera.report(), size_report(model)
     assert comera.steps_done == STEPS and rep["step"] == STEPS

@@ -28,7 +28,9 @@ The Trainer owns the loop, so the controller's two calls go where it lets them:
 The optimizer must come from :meth:`~comera_engine.CoMERA.param_groups` (each group its
 own learning rate; the gates need theirs): the Trainer's default one, built over the
 model's parameters at one rate, is refused in one line naming the fix. The Trainer's
-learning-rate schedule scales every group alike. Under DDP (several processes) the
+learning-rate schedule scales every group but the gates (CoMERA keeps their rate);
+``optimizers=(opt, ce.lr_scheduler(opt, "linear", comera=comera))`` holds the others
+until the pace fixes the ranks, then decays them. Under DDP (several processes) the
 plateau and the late stage's ``λ`` are judged on the loss averaged over the processes,
 as in any loop; shapes must not change under the live wrapper, so dead rank entries stay
 masked while the Trainer trains and are sliced out of the model and the optimizer's
@@ -84,8 +86,9 @@ STATE_FILE = "comera_state.json"
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer under accelerate's wrapper (which proxies its state)."""
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+    """The torch optimizer under accelerate's wrapper (which proxies its state; it is an
+    ``Optimizer`` subclass without the base's hooks, so unwrap while it holds one)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
 
@@ -126,6 +129,8 @@ class CoMERACallback(TrainerCallback):
                                                         "terms are added: set "
                                                         "label_smoothing_factor=0")
         self._check_optimizer(optimizer)
+        if optimizer is not None:  # before the first step: the Trainer's scheduler (its
+            comera._own_gates(_inner(optimizer))  # state restored on a resume) moves rates
         if self._hook is None:
             self._hook = comera.model.register_forward_hook(self._add_rank_terms,
                                                              with_kwargs=True)

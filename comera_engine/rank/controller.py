@@ -70,6 +70,7 @@ from .optim import (
     GRADIENT_SCALED,
     GateAdam,
     RankEvent,
+    RateWatch,
     gate_lr,
     param_groups,
     refresh_gates,
@@ -216,6 +217,7 @@ class CoMERA:
         self._gate_adam: GateAdam | None = None
         self._gate_adam_saved: dict[str, Any] | None = None  # loaded before it was made
         self._optimizer_seen: Any = None  # the optimizer _own_gates last looked at
+        self._rates: RateWatch | None = None  # the gates' rate kept, an early decay said
 
     # ------------------------------------------------------------------ optimizer
 
@@ -316,13 +318,18 @@ class CoMERA:
         (:class:`.optim.GateAdam`); said once. Nothing changes under any other optimizer,
         without the objective, or without a rate for the gates (no step budget)."""
         self._optimizer_seen = optimizer
-        if not isinstance(optimizer, GRADIENT_SCALED) or self.objective is None:
+        if self.objective is None:
             return
         rate = self.lr_gates()
         gates = [m.tt.gate for m in self._layers.values() if m.tt.gate.requires_grad]
         ids = {id(p) for p in gates}
         if rate is None or not any(id(p) in ids for group in optimizer.param_groups
                                    for p in group["params"]):
+            return
+        if self._rates is None:  # a scheduler of the user's does not decay the gates
+            self._rates = RateWatch(gates, rate, self.reach_step, lambda: self._steps)
+        self._rates.hook_into(optimizer)
+        if not isinstance(optimizer, GRADIENT_SCALED):
             return
         if self._gate_adam is None:
             self._gate_adam = GateAdam(gates, rate)

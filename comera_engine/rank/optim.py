@@ -3,7 +3,8 @@ refresh, rank events and truncation with the optimizer state."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -14,8 +15,8 @@ from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
 from ..tensor.size import gate_entries, refresh_entries
 
 __all__ = ["GATE_MIN_STEPS", "GATE_TRAVEL", "GRADIENT_SCALED", "GateAdam", "RankEvent",
-           "RankTracker", "gate_lr", "param_groups", "refresh_gates", "refresh_gates_on_device",
-           "truncate_model_and_optimizer"]
+           "RankTracker", "RateWatch", "gate_lr", "param_groups", "refresh_gates",
+           "refresh_gates_on_device", "truncate_model_and_optimizer"]
 
 
 #: A gate can fall from 1 to ``tau`` within this fraction of the steps before the target
@@ -84,6 +85,67 @@ def param_groups(model: nn.Module, lr_cores: float | None = None,
 #: their own Adam steps (:class:`GateAdam`).
 GRADIENT_SCALED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.ASGD, torch.optim.Adagrad)
+
+
+class RateWatch:
+    """Watches the optimizer's learning rates before every ``optimizer.step()`` (a step
+    pre-hook), for a scheduler of the user's that moves every group alike:
+
+    * a group holding rank gates whose rate was moved is set back to the gates' rate (the
+      rank schedule's, :func:`gate_lr`: decayed, a gate no longer reaches its threshold
+      before the target is due), said once;
+    * when another group's rate falls below 0.9 of its highest so far before ``hold``
+      (the step at which the pace fixes the ranks), that is said once: a network shrunk
+      while its rate falls recovers less (experiments/results/own_loop_cosine.json against
+      own_loop_cosine-held.json), and ``ce.lr_scheduler`` decays from ``hold`` instead.
+
+    A rate held as a tensor (a captured CUDA graph's) is left alone."""
+
+    def __init__(self, gates: list[Tensor], rate: float, hold: int | None = None,
+                 step_now: Callable[[], int] = lambda: 0) -> None:
+        self.ids = {id(p) for p in gates}
+        self.rate = float(rate)
+        self.hold, self.step_now = hold, step_now
+        self.top: dict[int, float] = {}  # group index -> its highest rate seen
+        self.said: set[str] = set()
+        self._handle: Any = None
+
+    def hook_into(self, optimizer: torch.optim.Optimizer) -> None:
+        """Watch before every ``optimizer.step()`` from now on (the hook on an optimizer
+        hooked before is removed)."""
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle = optimizer.register_step_pre_hook(self.before_step)
+
+    def _say(self, what: str, text: str) -> None:
+        if what not in self.said:
+            self.said.add(what)
+            print("CoMERA: " + text, file=sys.stderr)
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        step = None
+        for i, group in enumerate(optimizer.param_groups):
+            lr = group.get("lr")
+            if not isinstance(lr, (int, float)):
+                continue
+            if any(id(p) in self.ids for p in group["params"]):
+                if lr != self.rate:
+                    self._say("gates", "the rank gates' learning rate was moved (by a "
+                              f"learning-rate scheduler?); it stays at {self.rate:.3g}, the "
+                              "rate at which the ranks reach the target in time "
+                              "(comera.lr_gates sets another)")
+                    group["lr"] = self.rate
+                continue
+            top = max(self.top.get(i, lr), lr)
+            self.top[i] = top
+            if self.hold and "fall" not in self.said and lr < 0.9 * top:
+                step = self.step_now() if step is None else step
+                if step < self.hold:
+                    self._say("fall", f"the learning rates fall (to {lr / top:.2f} of their "
+                              f"highest) at step {step}, before step {self.hold}, where the "
+                              "pace fixes the ranks; a network shrunk while its rate falls "
+                              "recovers less: ce.lr_scheduler(optimizer, \"cosine\", "
+                              "comera=comera) starts the decay there")
 
 
 class GateAdam:

@@ -25,18 +25,27 @@ continues on the same curve with nothing saved, and a captured CUDA graph follow
 through the groups' rates held as device tensors (:func:`set_rates`). The run says its
 schedule once (:func:`rates_text`) and logs each step's rates as ``lr/<group>``.
 
-In your own loop the optimizer is yours, and so is its scheduler
-(``torch.optim.lr_scheduler``); this is the built-in trainer's.
+In your own loop the optimizer is yours, and so is its scheduler: :func:`lr_scheduler`
+is this schedule as a ``torch.optim.lr_scheduler.LambdaLR`` over your optimizer, the hold
+taken from your controller (``ce.lr_scheduler(opt, "cosine", comera=comera)``). A
+scheduler of your own that decays every group from the start (``CosineAnnealingLR``)
+leaves the gates at their rate anyway (:class:`comera_engine.rank.optim.RateWatch` sets
+it back, and says when the rates fall before the ranks are fixed) but shrinks the
+network at a falling rate: in ``experiments/own_loop.py`` the held cosine kept every
+network within a point of dense where that one fell behind
+(``experiments/results/own_loop_cosine.json``, ``own_loop_cosine-held.json``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["decay_start", "lr_factor", "rates_text", "set_rates", "tensor_rates"]
+__all__ = ["decay_start", "lr_factor", "lr_scheduler", "rates_text", "set_rates",
+           "tensor_rates"]
 
 #: The optimizer group whose rate no schedule touches (see the module doc).
 KEEP = ("gates",)
@@ -63,6 +72,41 @@ def lr_factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0
     if schedule == "linear":
         return 1.0 - progress
     raise ValueError(f"train.lr_schedule: one of constant, cosine, linear; got {schedule!r}")
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str = "cosine", *,
+                 comera: Any = None, steps: int | None = None, warmup_steps: int = 0,
+                 hold: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """The trainer's schedule for your own loop: a ``LambdaLR`` that sets every group's
+    rate to its rate now times :func:`lr_factor` of the step, but the gates' (a group
+    named ``gates``: their rate is the rank schedule's). Call its ``step()`` after each
+    ``optimizer.step()``, as any scheduler's.
+
+    ``schedule``: ``cosine``, ``linear`` or ``constant``; ``steps``: the run's optimizer
+    steps (default ``comera.total_steps``); ``hold``: the decay's earliest start (default
+    ``comera.reach_step``, where the pace fixes the ranks; 0 without a controller, for
+    the dense baseline give the same number); ``warmup_steps``: a linear warm-up first.
+    Bad arguments raise ``ValueError`` naming the argument."""
+    if steps is None:
+        steps = getattr(comera, "total_steps", None)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"lr_scheduler: steps must be a positive int (the run's optimizer "
+                         f"steps), got {steps!r}; pass steps= or a CoMERA with total_steps")
+    if schedule not in ("constant", "cosine", "linear"):
+        raise ValueError(f"lr_scheduler: schedule must be constant, cosine or linear, got "
+                         f"{schedule!r}")
+    if not 0 <= warmup_steps < steps:
+        raise ValueError(f"lr_scheduler: warmup_steps must be in [0, steps), got "
+                         f"{warmup_steps!r} for {steps} steps")
+    if hold is None:
+        hold = (getattr(comera, "reach_step", None) or 0) if comera is not None else 0
+
+    def factor(step: int) -> float:
+        return lr_factor(step, steps, schedule, warmup_steps, hold)
+
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, [(lambda step: 1.0) if g.get("name") in KEEP else factor
+                    for g in optimizer.param_groups])
 
 
 def rates_text(steps: int, schedule: str, warmup: int = 0, hold: int = 0) -> str:
