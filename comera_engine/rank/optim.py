@@ -112,9 +112,10 @@ class RateWatch:
 
     def hook_into(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch before every ``optimizer.step()`` from now on (the hook on an optimizer
-        hooked before is removed)."""
+        hooked before is removed, with the rates seen on it)."""
         if self._handle is not None:
             self._handle.remove()
+        self.top.clear()
         self._handle = optimizer.register_step_pre_hook(self.before_step)
 
     def _say(self, what: str, text: str) -> None:
