@@ -316,3 +316,29 @@ def test_the_hf_trainer_example_runs_on_the_reviews_and_writes_json(tmp_path, ca
     with pytest.raises(SystemExit):
         hf_trainer.main(["--target", "1"])
     assert "--target" in capsys.readouterr().err
+
+
+def test_under_sgd_in_a_trainer_the_gates_take_their_own_adam_steps(tmp_path) -> None:
+    """The Trainer wraps the optimizer in accelerate's ``AcceleratedOptimizer`` (an
+    ``Optimizer`` subclass without the base's hooks): the callback hands the controller
+    the SGD under it, so the gates' own Adam hooks in (said once) and steps them, SGD
+    keeps no state for them, and the Trainer's linear decay leaves their rate alone."""
+    torch.set_num_threads(1)
+    model = _bert()
+    comera = ce.CoMERA(model, target_compression=TARGET, total_steps=STEPS)
+    opt = torch.optim.SGD(comera.param_groups(), lr=0.05, momentum=0.9)
+    gates = [m.tt.gate for _, m in tt_layers(model)]
+    before = [g.detach().clone() for g in gates]
+    used = []
+    opt.register_step_post_hook(
+        lambda o, *_: used.append({g["name"]: g["lr"] for g in o.param_groups}))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=10, seed=0,
+                             per_device_train_batch_size=32, report_to="none",
+                             save_strategy="no", logging_strategy="no", use_cpu=True,
+                             disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=Tokens(320, 0), optimizers=(opt, None),
+            callbacks=[CoMERACallback(comera)]).train()
+    assert comera.steps_done == 10 and len(used) == 10
+    assert {u["gates"] for u in used} == {comera.lr_gates()}
+    assert all(not torch.equal(g.detach(), b) for g, b in zip(gates, before))
+    assert not any(opt.state.get(g) for g in gates)  # SGD passed over them
