@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 import comera_engine as ce
+from comera_engine.rank.schedule import step_of
 from comera_engine.store.layout import write_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -101,7 +101,7 @@ def train(bundle: Any, seed: int, steps: int, method: str, target: float, batch:
     if schedule == "held":
         opt = optimizers[0] or torch.optim.AdamW(model.parameters(), lr=RATES["lr_dense"],
                                                  weight_decay=0.0)
-        hold = math.ceil(ce.CoMERAConfig().reach_at * steps)
+        hold = step_of(ce.CoMERAConfig().reach_at, steps)
         optimizers = (opt, ce.lr_scheduler(opt, "linear", steps=steps, hold=hold))
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, max_steps=steps, seed=seed,

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import comera_engine as ce
+from comera_engine.rank.schedule import step_of
 from comera_engine.store.layout import write_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -316,7 +317,7 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
     else:
         opt = make_optimizer(optimizer, model.parameters(), lr)
     hold = (controller.reach_step if controller is not None
-            else round(ce.CoMERAConfig().reach_at * steps)) or 0
+            else step_of(ce.CoMERAConfig().reach_at, steps)) or 0
     sched = make_scheduler(schedule, opt, steps, hold)
     g = torch.Generator().manual_seed(seed)
     n = len(train_on["y"])

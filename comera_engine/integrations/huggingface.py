@@ -130,7 +130,7 @@ class CoMERACallback(TrainerCallback):
                                                         "label_smoothing_factor=0")
         self._check_optimizer(optimizer)
         if optimizer is not None:  # before the first step: the Trainer's scheduler (its
-            comera._own_gates(_inner(optimizer))  # state restored on a resume) moves rates
+            comera._hook_optimizer(_inner(optimizer))  # state restored on a resume) moves rates
         if self._hook is None:
             self._hook = comera.model.register_forward_hook(self._add_rank_terms,
                                                              with_kwargs=True)

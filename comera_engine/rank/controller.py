@@ -213,10 +213,10 @@ class CoMERA:
         self._plan_key: tuple[int, int] | None = None
         self._attached: Attachment | None = None  # attach(): the optimizer runs step
         self._rates_said = False  # param_groups printed the rates it set
-        # under an SGD-like optimizer the gates take their own Adam steps (_own_gates)
+        # under an SGD-like optimizer the gates take their own Adam steps (_hook_optimizer)
         self._gate_adam: GateAdam | None = None
         self._gate_adam_saved: dict[str, Any] | None = None  # loaded before it was made
-        self._optimizer_seen: Any = None  # the optimizer _own_gates last looked at
+        self._optimizer_seen: Any = None  # the optimizer _hook_optimizer last looked at
         self._rates: RateWatch | None = None  # the gates' rate kept, an early decay said
 
     # ------------------------------------------------------------------ optimizer
@@ -307,16 +307,18 @@ class CoMERA:
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             self._step(opt)
 
-        self._own_gates(optimizer)
+        self._hook_optimizer(optimizer)
         self._attached = Attachment(self, optimizer.register_step_post_hook(hook))
         return self._attached
 
-    def _own_gates(self, optimizer: torch.optim.Optimizer) -> None:
-        """Under an optimizer whose step is not about its learning rate (SGD, ASGD,
-        Adagrad: :data:`.optim.GRADIENT_SCALED`) that holds the gates, the gates take
-        their own Adam steps at :meth:`lr_gates` before each of its steps
-        (:class:`.optim.GateAdam`); said once. Nothing changes under any other optimizer,
-        without the objective, or without a rate for the gates (no step budget)."""
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hooks before each step of an optimizer that holds the gates: their rate is kept
+        at :meth:`lr_gates` against a scheduler of the user's, and a decay of the other
+        rates before :attr:`reach_step` is said once (:class:`.optim.RateWatch`); under
+        an optimizer whose step is not about its learning rate (SGD, ASGD, Adagrad:
+        :data:`.optim.GRADIENT_SCALED`) the gates also take their own Adam steps at that
+        rate (:class:`.optim.GateAdam`), said once. Nothing is hooked without the
+        objective or without a rate for the gates (no step budget)."""
         self._optimizer_seen = optimizer
         if self.objective is None:
             return
@@ -437,7 +439,7 @@ class CoMERA:
               loss: float | Tensor | None = None, counts: list[float] | None = None,
               truncate: bool = True) -> list[Event]:
         if optimizer is not None and optimizer is not self._optimizer_seen:
-            self._own_gates(optimizer)
+            self._hook_optimizer(optimizer)
         if self._loss_calls > 1 and self._task_loss is not None:  # micro-batches: their mean
             self._task_loss = self._task_loss / self._loss_calls
         self._loss_calls = 0
@@ -801,7 +803,7 @@ class CoMERA:
             self.objective.recount(state.get("size_cores"))  # older states: count now
         if "removed" in state:
             self.removed = {k: int(v) for k, v in state["removed"].items()}
-        if state.get("gate_adam") is not None:  # the gates' own Adam (_own_gates)
+        if state.get("gate_adam") is not None:  # the gates' own Adam (_hook_optimizer)
             if self._gate_adam is not None:
                 self._gate_adam.load_state_dict(state["gate_adam"])
             else:  # made when the optimizer is first seen

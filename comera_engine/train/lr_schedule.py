@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from comera_engine.config import LR_SCHEDULES
+
 __all__ = ["decay_start", "lr_factor", "lr_scheduler", "rates_text", "set_rates",
            "tensor_rates"]
 
@@ -71,7 +73,7 @@ def lr_factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "linear":
         return 1.0 - progress
-    raise ValueError(f"train.lr_schedule: one of constant, cosine, linear; got {schedule!r}")
+    raise ValueError(f"train.lr_schedule: one of {', '.join(LR_SCHEDULES)}; got {schedule!r}")
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str = "cosine", *,
@@ -92,14 +94,14 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str = "cosine", *,
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"lr_scheduler: steps must be a positive int (the run's optimizer "
                          f"steps), got {steps!r}; pass steps= or a CoMERA with total_steps")
-    if schedule not in ("constant", "cosine", "linear"):
-        raise ValueError(f"lr_scheduler: schedule must be constant, cosine or linear, got "
-                         f"{schedule!r}")
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_scheduler: schedule must be {', '.join(LR_SCHEDULES[:-1])} or "
+                         f"{LR_SCHEDULES[-1]}, got {schedule!r}")
     if not 0 <= warmup_steps < steps:
         raise ValueError(f"lr_scheduler: warmup_steps must be in [0, steps), got "
                          f"{warmup_steps!r} for {steps} steps")
     if hold is None:
-        hold = (getattr(comera, "reach_step", None) or 0) if comera is not None else 0
+        hold = getattr(comera, "reach_step", None) or 0
 
     def factor(step: int) -> float:
         return lr_factor(step, steps, schedule, warmup_steps, hold)
