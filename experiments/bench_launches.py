@@ -128,15 +128,15 @@ def count(fn: Callable[[], object], device: torch.device, reps: int = 2) -> dict
         out["top_kernels"] = {k: v / reps for k, v in
                               Counter(e.name[:60] for e in dev).most_common(10)}
         # where the device's time goes (the same kernels a graph replays, run eagerly
-        # here): their summed durations, and the twelve names that take the most
+        # here): their summed durations, the twelve names that take the most, and by kind
         spent: Counter[str] = Counter()
-        for e in dev:
-            spent[e.name[:80]] += e.time_range.elapsed_us()
-        out["kernel_us"] = sum(spent.values()) / reps
-        out["top_kernel_us"] = {k: v / reps for k, v in spent.most_common(12)}
         kinds: Counter[str] = Counter()
         for e in dev:
-            kinds[kernel_kind(e.name)] += e.time_range.elapsed_us()
+            us = e.time_range.elapsed_us()
+            spent[e.name[:80]] += us
+            kinds[kernel_kind(e.name)] += us
+        out["kernel_us"] = sum(spent.values()) / reps
+        out["top_kernel_us"] = {k: v / reps for k, v in spent.most_common(12)}
         out["kernel_us_by_kind"] = {k: v / reps for k, v in kinds.most_common()}
     return out
 
@@ -375,11 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = [r for r in rows if r.get("kernel_us_by_kind") and r["layer"].startswith("step")]
     if steps:  # where each step's device time goes, by kernel kind (µs per call)
         kinds = list(dict.fromkeys(k for r in steps for k in r["kernel_us_by_kind"]))
-        print("| step | phase | " + " | ".join(kinds) + " |")
-        print("|---|---|" + "---|" * len(kinds))
-        for r in steps:
-            print(f"| {r['layer']} {r['shape']} | {r['path']} | " + " | ".join(
-                f"{r['kernel_us_by_kind'].get(k, 0):.0f}" for k in kinds) + " |")
+        bl.print_table([{"step": f"{r['layer']} {r['shape']}", "phase": r["path"],
+                         **{k: r["kernel_us_by_kind"].get(k, 0.0) for k in kinds}}
+                        for r in steps],
+                       [("step", "step", ""), ("phase", "phase", ""),
+                        *((k, k, ".0f") for k in kinds)])
         print()
     bl.print_and_write(rows, cols, name, out, args.out)
     return 0
