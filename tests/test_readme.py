@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import comera_engine as ce
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.pytorch_path]
@@ -72,3 +74,29 @@ def test_the_readme_loop_runs_as_written(tmp_path, monkeypatch) -> None:
         torch.testing.assert_close(small(state["batch"]), model(state["batch"]))
         acc = float((model({"cat": cat, "num": num}).argmax(1) == labels).float().mean())
     assert acc > 0.6  # it learned the task (three classes: chance is about 1/3)
+
+
+def test_the_readme_engine_example_runs_as_written() -> None:
+    """"Using the engine": the layers are drop-ins (same output shapes as the dense ones)
+    and ``tensorize`` swaps a model's layers in place and returns it, smaller than dense."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Using the engine", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "the README's engine example is missing"
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    my_model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    scope: dict = {"my_model": my_model}
+    exec(compile(match.group(1), "README.md", "exec"), scope)  # noqa: S102
+    assert scope["my_model"] is my_model  # in place, and returned
+    assert scope["layer"](torch.randn(2, 768)).shape == nn.Linear(768, 3072)(
+        torch.randn(2, 768)).shape
+    assert scope["emb"](torch.tensor([0, 30521])).shape == (2, 768)
+    n_dense = sum(p.numel() for p in dense.parameters())
+    n_tt = sum(p.numel() for p in my_model.parameters())
+    report = ce.size_report(my_model)["model"]
+    assert report["dense_params"] == n_dense  # counted against the dense twin
+    assert report["compression"] == pytest.approx(n_dense / report["effective_params"])
+    assert n_tt < n_dense / 10
+    x = torch.randn(4, 256)
+    assert my_model(x).shape == dense(x).shape
