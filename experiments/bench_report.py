@@ -495,7 +495,10 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
             continue
         r0 = d["rows"][0]
         roof = "roofline" in r0
-        rows = [[r["shape"], r["tokens"], r["rank"], r["path"], f"{r['dense_ms']:.3f}",
+        forced = any(r.get("source") == "forced" for r in d["rows"])
+        rows = [[r["shape"], r["tokens"], r["rank"],
+                 r["path"] + (", forced" if r.get("source") == "forced" else ""),
+                 f"{r['dense_ms']:.3f}",
                  f"{r['tt_ms']:.3f}", f"{r['speedup']:.2f}×", f"{r['mem_ratio']:.1f}×",
                  f"{r['params_ratio']:.1f}×",
                  *([_pct({"roofline": {"tt": r["roofline"]}}, "tt")] if roof else [])]
@@ -508,6 +511,7 @@ def gpu(files: dict[str, dict[str, Any]]) -> str:
                      + "\n\n`" + d.get("command", "python experiments/bench_tt_linear.py "
                                           "--device cuda --quick --rounds 5")
                      + f"`. Forward + backward, {how}, on the planner's path"
+                     + (" and on each path forced" if forced else "")
                      + (f" ({group} layers of the shape on one input, the TT ones' halves "
                         "merged in one batched pass as a training step does; times per "
                         "layer)" if group > 1 else "") + "; speed-up and "

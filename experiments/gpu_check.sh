@@ -109,7 +109,7 @@ bench() {
         --graphs both --steps 10 --min-seconds 0.5 --out "$RES/bench_train_step_cuda.json"
     # the same step, graphed, with every TT linear merging its own halves (TrainStep's
     # grouping off): what the grouping buys
-    step 35 bench_train_step_ungrouped.log $PY experiments/bench_train_step.py --presets paper \
+    step 30 bench_train_step_ungrouped.log $PY experiments/bench_train_step.py --presets paper \
         --batches 32 --graphs on --ungrouped --steps 10 --min-seconds 0.3 \
         --out "$RES/bench_train_step_cuda_ungrouped.json"
     # batch 1: peak memory against dense + AdamW, with PyTorch's cuBLAS workspace (32 MiB
@@ -120,7 +120,7 @@ bench() {
         --cublas-workspace-mb default 4 --out "$RES/bench_train_step_cuda_batch1.json"
     # kernels launched per TT layer path and per training step (and by phase), against
     # the CPU proxy committed in experiments/results/bench_launches_cpu.json
-    COMERA_KERNELS=1 step 28 bench_launches.log $PY experiments/bench_launches.py \
+    COMERA_KERNELS=1 step 23 bench_launches.log $PY experiments/bench_launches.py \
         --reps 1 --out "$RES"
     # where the batch-32 step's device time goes, by kernel kind (GEMM, elementwise,
     # optimizer, attention, ...), CoMERA on the paths a graph replays against dense
@@ -134,9 +134,11 @@ bench() {
     step 20 bench_tt_linear.log $PY experiments/bench_tt_linear.py --device cuda --quick \
         --dtype bf16 --graph --tokens 4096 16384 --rounds 5 --out "$RES"
     # ... and 24 layers of each shape on one input, grouped as a training step runs them
-    # (times per layer)
-    step 15 bench_tt_linear_group.log $PY experiments/bench_tt_linear.py --device cuda \
-        --quick --dtype bf16 --graph --group 24 --tokens 4096 --rounds 5 --out "$RES"
+    # (times per layer), on the planner's path and reconstructed (W = L·R from the grouped
+    # halves, then nn.Linear's GEMMs), side by side
+    step 25 bench_tt_linear_group.log $PY experiments/bench_tt_linear.py --device cuda \
+        --quick --dtype bf16 --graph --group 24 --tokens 4096 --rounds 5 \
+        --paths planner dense --out "$RES"
 }
 
 compile() {

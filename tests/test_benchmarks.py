@@ -71,6 +71,15 @@ def test_bench_tt_linear_group_times_per_layer(tmp_path, capsys) -> None:
     assert [(r["shape"], r["rank"], r["group"]) for r in rows] == [("768x768", 4, 3)]
     assert rows[0]["dense_ms"] > 0 and rows[0]["tt_ms"] > 0
     assert "--group" in refused(capsys, ["python", str(path), "--group", "0"])
+    # --paths: the planner's row and each forced path's, side by side in one run
+    assert script(path).main(["--device", "cpu", "--shapes", "768x768", "--ranks", "4",
+                              "--tokens", "16", "--rounds", "1", "--group", "2",
+                              "--paths", "planner", "dense", "halves",
+                              "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_tt_linear_cpu_group2.json").read_text())["rows"]
+    assert [r["source"] == "forced" for r in rows] == [False, True, True]
+    assert [r["path"] for r in rows[1:]] == ["dense", "halves"]
+    assert all(r["tt_ms"] > 0 and r["group"] == 2 for r in rows)
 
 
 def test_bench_tt_linear_parts_writes_table_and_json(tmp_path, capsys) -> None:

@@ -266,7 +266,7 @@ class TensorTrain(nn.Module):
 
     def structure(self) -> tuple[tuple[int, ...], tuple[int, ...], float]:
         """``(internal ranks, mode sizes, tau)``: what an index over the gates is built
-        from (:func:`comera_engine.tensor.size.size_index`)."""
+        from (:func:`comera_engine.tensor.size.size_form`)."""
         return self.bond_ranks, self._mode_sizes, self.tau
 
     @property
