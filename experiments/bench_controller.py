@@ -111,13 +111,13 @@ def _variants(config: str, ablate: bool = False) -> tuple[dict[str, Callable[[],
     the function that puts it back at its starting state (:func:`_restorer`); with
     ``ablate`` the :data:`ABLATIONS` rows too."""
     from comera_engine.config import load_config
-    from comera_engine.layers import tt_layers
+    from comera_engine.layers import freeze_gates, tt_layers
     from comera_engine.models import TaskModel
     from comera_engine.preview import data_shape
     from comera_engine.rank import CoMERA
     from comera_engine.rank.objective import CoMERAObjective
     from comera_engine.runplan import plan_initial_ranks
-    from comera_engine.train.methods import build_run_model, freeze_gates
+    from comera_engine.train.methods import build_run_model
     from comera_engine.train.step import TrainStep
 
     cfg = load_config(CONFIGS / f"{config}.toml", base_dir=ROOT)

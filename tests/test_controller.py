@@ -171,8 +171,10 @@ def test_load_into_refuses_another_model_and_leaves_it_untouched(trained, tmp_pa
     path = ce.save(model, tmp_path / "small.safetensors")
     other = PixelNet(hidden=128)
     before = copy.deepcopy(other.state_dict())
-    with pytest.raises(ConfigError, match="load into a fresh instance of the class"):
+    with pytest.raises(ConfigError, match="load into a fresh instance of the class") as err:
         ce.load_into(other, path)
+    # both sides named with their shapes: what was saved, what the model has there
+    assert "saved as a TT Linear(32, 256); the model has Linear(32, 128)" in str(err.value)
     assert isinstance(other.mid, nn.Linear) and not isinstance(other.mid, TTLinear)
     for k, v in other.state_dict().items():
         assert torch.equal(v, before[k])
@@ -351,6 +353,13 @@ def test_bad_settings_and_unreachable_targets_are_refused_in_one_line() -> None:
     assert not tt_layers(model)  # nothing was replaced
     with pytest.raises(ConfigError, match="rank"):  # rank 8 is already smaller than 1.5x
         ce.tensorize(model, ce.CoMERAConfig(target_compression=1.5), rank=8, exclude=["head"])
+    assert not tt_layers(model)
+    # a pattern naming no layer (a typo) would leave "haed" dense and make the head TT
+    with pytest.raises(ConfigError, match="^exclude: 'haed' matches none") as info:
+        ce.tensorize(model, rank=4, exclude=["haed"])
+    assert "table, up, mid, head" in str(info.value)  # the names it could have meant
+    with pytest.raises(ConfigError, match="^include: 'blocks.*' matches none"):
+        ce.tensorize(model, rank=4, include=["blocks.*"])
     assert not tt_layers(model)
 
 
@@ -787,3 +796,73 @@ def test_without_the_pace_the_ranks_are_fixed_once_deaths_bring_the_size_to_the_
             model.up.tt.gates[0][1:].fill_(1e-3)
         comera.step(loss=1.0)
         assert (model.up.effective_ranks()[0] == 4) == stops
+
+
+def test_a_fixed_rank_method_gets_gate_free_layers_at_the_target_size(digits) -> None:
+    """``method="fixed"`` in the user's loop: ``tensorize`` plans each layer's ranks from
+    the target as ``comera train`` does (the largest whose model is at most the target
+    size; counted here against the dense layers), with frozen gates; trained, the report
+    says the target was met, and a miss names the fixed ranks, not a late stage."""
+    config = ce.CoMERAConfig(target_compression=TARGET, method="fixed")
+    model = ce.tensorize(PixelNet(), config, exclude=["head"])
+    rows = size_report(model)["layers"]
+    dense = sum(r["dense_params"] for r in rows)
+    size = sum(r["effective_params"] for r in rows) + sum(
+        m.bias.numel() for _, m in tt_layers(model) if getattr(m, "bias", None) is not None)
+    assert TARGET <= dense / sum(r["effective_params"] for r in rows)
+    assert dense / size <= TARGET * 1.1  # not far below the size asked either
+    gates = [m.tt.gate for _, m in tt_layers(model)]
+    assert all(not g.requires_grad and bool((g == 1).all()) for g in gates)
+    comera = ce.CoMERA(model, config, total_steps=40)
+    opt = torch.optim.AdamW(comera.param_groups(), lr=3e-3)
+    comera.attach(opt)
+    for step in range(40):
+        x, y = _batch(digits, step)
+        loss = comera.loss(F.cross_entropy(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rep = comera.report()
+    assert rep["stage"] == "plain" and rep["message"].startswith(f"target {TARGET:g}x · reached")
+    assert "missed" not in rep["message"]
+    # ranks given by hand below the target's size: the miss names the fixed ranks
+    small = ce.tensorize(PixelNet(), ce.CoMERAConfig(method="fixed"), rank=12, exclude=["head"])
+    rep = ce.CoMERA(small, config).report()  # no step budget: a verdict now
+    assert "missed" in rep["message"] and "fixed keeps the ranks it starts at" in rep["message"]
+
+
+def test_a_target_without_total_steps_is_said_once_and_named_in_a_miss(digits, capsys) -> None:
+    """No step budget: no pace plans the size to the target; said once at the first step,
+    and a miss names it rather than the late stage."""
+    model = ce.tensorize(PixelNet(), ce.CoMERAConfig(target_compression=TARGET),
+                         exclude=["head"])
+    comera = ce.CoMERA(model, ce.CoMERAConfig(target_compression=TARGET))
+    opt = torch.optim.AdamW(comera.param_groups(), lr=3e-3)
+    comera.attach(opt)
+    for step in range(3):
+        x, y = _batch(digits, step)
+        loss = comera.loss(F.cross_entropy(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    err = capsys.readouterr().err
+    assert err.count("target without total_steps") == 1, err
+    rep = comera.report()
+    assert "missed" in rep["message"] and "no total_steps" in rep["message"], rep["message"]
+
+
+def test_tt_svd_from_pretrained_starts_from_the_weights_at_the_planned_ranks() -> None:
+    """``method="tt_svd"`` with ``from_pretrained``: each layer is the TT-SVD of its own
+    weight at the ranks planned for the target; a weight of TT rank 2 (made here from
+    rank-2 cores) comes back to float rounding."""
+    torch.manual_seed(0)
+    low = TTLinear(256, 256, rank=2)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    with torch.no_grad():
+        model[0].weight.copy_(low.dense_weight())
+    weight = model[0].weight.detach().clone()
+    ce.tensorize(model, ce.CoMERAConfig(target_compression=20, method="tt_svd"),
+                 exclude=["2"], from_pretrained=True)
+    assert isinstance(model[0], TTLinear) and min(model[0].effective_ranks()) >= 2
+    assert size_report(model)["tensorized"]["compression"] >= 20
+    torch.testing.assert_close(model[0].dense_weight(), weight, rtol=1e-4, atol=1e-5)

@@ -137,11 +137,23 @@ def _build(path: Path, entry: Any, like: nn.Module) -> nn.Module:
                             ) from None
     if not fits:
         raise BadExportFile(path, f"layer {name!r} was saved as a TT {shape}; the model has "
-                                  f"{type(like).__name__} there: load into a fresh instance "
+                                  f"{_layer_shape(like)} there: load into a fresh instance "
                                   "of the class that was saved")
     if alloc != ranks:  # a bond of rank 0: the zero map
         new.tt.resize_(ranks)
     return new
+
+
+def _layer_shape(module: nn.Module) -> str:
+    """``Linear(1024, 256)``, ``Embedding(500, 32)`` (also for their TT layers), or the
+    module's class name."""
+    for a, b, kind in (("in_features", "out_features", "Linear"),
+                       ("num_embeddings", "embedding_dim", "Embedding")):
+        if isinstance(getattr(module, a, None), int) and isinstance(getattr(module, b, None),
+                                                                    int):
+            tt = "TT " if isinstance(module, (TTLinear, TTEmbedding)) else ""
+            return f"{tt}{kind}({getattr(module, a)}, {getattr(module, b)})"
+    return type(module).__name__
 
 
 def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:

@@ -5,10 +5,12 @@
     import comera_engine as ce
     from comera_engine.integrations.huggingface import CoMERACallback
 
-    ce.tensorize(model, rank="auto", target_compression=20, exclude=["classifier"])
-    comera = ce.CoMERA(model, target_compression=20, total_steps=args.max_steps)
+    config = ce.CoMERAConfig(target_compression=20)
+    ce.tensorize(model, config, exclude=["classifier"])
+    comera = ce.CoMERA(model, config, total_steps=args.max_steps)
+    opt = torch.optim.AdamW(comera.param_groups(), lr=args.learning_rate)
     trainer = Trainer(model=model, args=args, train_dataset=train,
-                      optimizers=(torch.optim.AdamW(comera.param_groups()), None),
+                      optimizers=(opt, None),
                       callbacks=[CoMERACallback(comera)])
     trainer.train()
     comera.report()["message"]          # "target 20x · reached 20.1x (+0 %)"

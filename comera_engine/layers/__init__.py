@@ -6,6 +6,7 @@ from .tensorize import (
     TT_LAYERS,
     dense_size_metrics,
     factorized_layers,
+    freeze_gates,
     groupable_linears,
     size_report,
     stored_nbytes,
@@ -17,6 +18,6 @@ from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
 __all__ = ["PEER_LAYERS", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS", "TTEmbedding",
-           "TTLinear", "dense_size_metrics", "factorized_layers", "groupable_linears",
-           "peer_layers", "size_report", "stored_nbytes", "tensorize_layers", "truncate",
-           "tt_layers"]
+           "TTLinear", "dense_size_metrics", "factorized_layers", "freeze_gates",
+           "groupable_linears", "peer_layers", "size_report", "stored_nbytes",
+           "tensorize_layers", "truncate", "tt_layers"]

@@ -17,8 +17,8 @@ from .peers import peer_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
-__all__ = ["TT_LAYERS", "factorized_layers", "groupable_linears", "size_report",
-           "tensorize_layers", "truncate", "tt_layers"]
+__all__ = ["TT_LAYERS", "factorized_layers", "freeze_gates", "groupable_linears",
+           "size_report", "tensorize_layers", "truncate", "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
 
@@ -40,6 +40,16 @@ def factorized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The engine's TT layers, then the peer (tltorch) TT layers of ``model``, each in
     model order (the order :func:`comera_engine.rank.size_spec` lists them in)."""
     return tt_layers(model) + peer_layers(model)
+
+
+def freeze_gates(model: nn.Module) -> None:
+    """Gate-free TT layers (the fixed-rank methods): every gate of ``model``'s TT layers
+    at 1, not trained, never pruned (threshold 0)."""
+    with torch.no_grad():
+        for _, layer in tt_layers(model):
+            layer.tt.gate.fill_(1.0)
+            layer.tt.gate.requires_grad_(False)
+            layer.tt.tau = 0.0
 
 
 def _matches(name: str, patterns: Iterable[str] | None) -> bool:

@@ -4,14 +4,15 @@
 
     import comera_engine as ce
 
-    model = MyNet()                                         # any nn.Module
-    ce.tensorize(model, rank="auto", target_compression=20, exclude=["head"])
-    comera = ce.CoMERA(model, target_compression=20, total_steps=1500)
-    opt = torch.optim.AdamW(comera.param_groups())          # each group its own lr
+    config = ce.CoMERAConfig(target_compression=20)
+    model = ce.tensorize(MyNet(), config, exclude=["head"])  # any nn.Module
+    comera = ce.CoMERA(model, config, total_steps=1500)
+    opt = torch.optim.AdamW(comera.param_groups(), lr=2e-3)  # your lr (the gates': derived)
     for step in range(1500):
         loss = comera.loss(task_loss(model, batch))         # + the stage's rank terms
         opt.zero_grad(); loss.backward(); opt.step()
         comera.step(opt)                                    # gates, stages, pace, truncation
+                                                            # (or comera.attach(opt) once)
     comera.report()["message"]                              # "target 20x · reached 20.4x (+2 %)"
 
 What one :meth:`CoMERA.step` does, after the optimizer step (docs/SIZE_AND_TARGET.md):
@@ -213,6 +214,7 @@ class CoMERA:
         self._plan_key: tuple[int, int] | None = None
         self._attached: Attachment | None = None  # attach(): the optimizer runs step
         self._rates_said = False  # param_groups printed the rates it set
+        self._budget_said = False  # a target without total_steps was said
         # under an SGD-like optimizer the gates take their own Adam steps (_hook_optimizer)
         self._gate_adam: GateAdam | None = None
         self._gate_adam_saved: dict[str, Any] | None = None  # loaded before it was made
@@ -260,6 +262,18 @@ class CoMERA:
         rest = [g["name"] for g in groups if "lr" not in g]
         print(f"CoMERA: learning rate {', '.join(own)}{why}"
               + (f"; {', '.join(rest)} at the optimizer's" if rest else ""), file=sys.stderr)
+
+    def _say_budget(self) -> None:
+        """One line on stderr, once, where a target has no step budget to be planned over
+        (``total_steps`` 0): no pace and no deadline, the objective alone decides how far
+        the size goes."""
+        self._budget_said = True
+        if self.objective is not None and self.target_compression is not None \
+                and not self.total_steps:
+            print(f"CoMERA: a {self.target_compression:g}x target without total_steps: no "
+                  "pace plans the size's path to it, so the objective alone decides how far "
+                  "the model shrinks (it may stop short); give CoMERA(model, config, "
+                  "total_steps=...), the optimizer steps your loop runs", file=sys.stderr)
 
     def lr_gates(self) -> float | None:
         """The gates' learning rate. With a target and a step budget, the schedule's: the
@@ -440,6 +454,8 @@ class CoMERA:
               truncate: bool = True) -> list[Event]:
         if optimizer is not None and optimizer is not self._optimizer_seen:
             self._hook_optimizer(optimizer)
+        if not self._budget_said:
+            self._say_budget()
         if self._loss_calls > 1 and self._task_loss is not None:  # micro-batches: their mean
             self._task_loss = self._task_loss / self._loss_calls
         self._loss_calls = 0

@@ -70,8 +70,16 @@ def outcome(comera: CoMERA, reached: float | None, final: bool = True) -> str | 
     steps = comera.steps_done
     if not final:  # the studio's own words for a run on its way
         return target_status(target, reached, "running", steps, comera.total_steps or None)
-    reason = ("the late stage never started" if comera.stage_name == "early" else
-              f"the late stage did not prune enough by step {steps}")
+    if not comera.enabled:  # a fixed-rank method: the ranks it was given decide
+        reason = (f"{comera.cfg.method} keeps the ranks it starts at; ce.tensorize(model, "
+                  "config) with this config plans ranks of the target size")
+    elif not comera.total_steps:
+        reason = ("no total_steps, so no pace planned the size to the target: give "
+                  "CoMERA(..., total_steps=...)")
+    elif comera.stage_name == "early":
+        reason = "the late stage never started"
+    else:
+        reason = f"the late stage did not prune enough by step {steps}"
     return target_outcome(target, reached, reason)
 
 

@@ -16,14 +16,16 @@ rank. An unreachable target is refused before any layer is replaced::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from fnmatch import fnmatchcase
+from glob import escape
 
 from torch import nn
 
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
-from ..layers import factorized_layers, tensorize_layers
+from ..layers import factorized_layers, freeze_gates, tensorize_layers
 from .size import size_spec
-from .target import SizeSpec, TargetPlan, plan_target
+from .target import SizeSpec, TargetPlan, plan_fixed_ranks, plan_target
 
 __all__ = ["BASE_RANK", "plan_ranks", "tensorize"]
 
@@ -41,6 +43,32 @@ def _config(config: object) -> CoMERAConfig:
                                     "a fixed rank is rank=...")
     validate_comera(config)
     return config
+
+
+def _patterns(model: nn.Module, field: str, patterns: Iterable[str] | str | None
+              ) -> list[str] | None:
+    """``patterns`` as a list, each checked to match the name of at least one of the
+    model's ``nn.Linear`` / ``nn.Embedding`` layers (or TT layers): a typo would otherwise
+    leave a layer dense, or make one TT, without a word."""
+    if patterns is None:
+        return None
+    out = [patterns] if isinstance(patterns, str) else list(patterns)
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, (nn.Linear, nn.Embedding)) or hasattr(m, "tt")]
+    for p in out:
+        if not isinstance(p, str):
+            raise ConfigError(field, f"glob patterns of module names (strings), got {p!r}")
+        if not any(fnmatchcase(n, p) for n in names):
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            raise ConfigError(field, f"{p!r} matches none of the model's Linear / Embedding "
+                                     f"layers ({shown or 'it has none'}); give glob patterns "
+                                     "over these full names (e.g. 'head', 'blocks.*.mlp*')")
+    return out
+
+
+def _fixed(config: CoMERAConfig) -> bool:
+    """A fixed-rank method (``"fixed"``, ``"tt_svd"``): no gates, the ranks planned once."""
+    return config.method != "comera"
 
 
 def plan_ranks(model: nn.Module, config: CoMERAConfig, *, rank: int | str = "auto",
@@ -69,6 +97,10 @@ def plan_ranks(model: nn.Module, config: CoMERAConfig, *, rank: int | str = "aut
     if not planned and not existing:
         raise ConfigError("include", "no nn.Linear or nn.Embedding of the model is left to "
                                      "tensorize; widen include / exclude or lower min_features")
+    if existing and _fixed(config) and rank == "auto":
+        raise ConfigError("config.method", f"{config.method!r} plans the ranks of every TT "
+                                           "layer from the target: tensorize a model that has "
+                                           "none yet (or give rank=...)")
     shadow = nn.Module()
     shadow.layers = nn.ModuleList([*existing, *(r["module"] for r in planned)])
     total = sum(p.numel() for p in model.parameters())
@@ -76,6 +108,8 @@ def plan_ranks(model: nn.Module, config: CoMERAConfig, *, rank: int | str = "aut
               + sum(p.numel() for m in existing for p in m.parameters()))
     spec = SizeSpec(size_spec(shadow).layers, total - inside)
     try:
+        if _fixed(config) and rank == "auto":  # gate-free TT layers at the target's size
+            return plan_fixed_ranks(spec, config.target_scope, config.target_compression)
         return plan_target(spec, config.target_scope, config.target_compression,
                            rank_fixed=rank != "auto",
                            embedding_rank_fixed=embedding_rank is not None,
@@ -105,7 +139,11 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
             rank whose model is ``headroom`` times the target size, as ``comera train``
             starts; embeddings at the same rank unless ``embedding_rank`` is given), else
             :data:`BASE_RANK`. With a fixed rank and a target, the target is checked:
-            refused when those ranks already compress more.
+            refused when those ranks already compress more. A fixed-rank method
+            (``config.method`` ``"fixed"`` / ``"tt_svd"``) gets gate-free layers (gates
+            at 1, frozen) and, with ``"auto"``, each layer its own ranks, the largest
+            whose model is at most the target size
+            (:func:`~comera_engine.rank.target.plan_fixed_ranks`, as ``comera train``).
         include, exclude: glob patterns of module names to make TT / keep dense.
         from_pretrained: initialise the cores by TT-SVD of the existing weights.
         min_features, d, layout: as :func:`comera_engine.layers.tensorize_layers`.
@@ -118,6 +156,7 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
             unreachable target; nothing is replaced then.
     """
     config = _config(config)
+    include, exclude = _patterns(model, "include", include), _patterns(model, "exclude", exclude)
     target = config.target_compression
     if rank is None:
         rank = "auto" if target is not None else BASE_RANK
@@ -137,6 +176,18 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
         plan = plan_ranks(model, config, rank=rank,  # type: ignore[arg-type]
                           embedding_rank=embedding_rank, include=include, exclude=exclude,
                           min_features=min_features, d=d, layout=layout)
+        if plan.bond_ranks is not None:  # a fixed-rank method: each layer at its own ranks
+            rows = tensorize_layers(model, include=include, exclude=exclude,
+                                    min_features=min_features, d=d, layout=layout,
+                                    dry_run=True)
+            names = [r["name"] for r in rows if "module" in r]  # the plan's layer order
+            for name, ranks in zip(names, plan.bond_ranks):
+                tensorize_layers(model, rank=list(ranks), embedding_rank=list(ranks),
+                                 include=[escape(name)], from_pretrained=from_pretrained,
+                                 min_features=min_features, d=d, tau=config.tau,
+                                 layout=layout)
+            freeze_gates(model)
+            return model
         if rank == "auto":
             rank = plan.rank if plan.rank is not None else BASE_RANK
             if embedding_rank is None:
@@ -144,4 +195,6 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
     tensorize_layers(model, rank=rank, embedding_rank=embedding_rank,  # type: ignore[arg-type]
                      include=include, exclude=exclude, from_pretrained=from_pretrained,
                      min_features=min_features, d=d, tau=config.tau, layout=layout)
+    if _fixed(config):  # gate-free TT at the ranks given
+        freeze_gates(model)
     return model

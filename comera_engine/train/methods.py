@@ -29,10 +29,10 @@ from torch import Tensor, nn
 
 from comera_engine.config import Config, ModelConfig
 from comera_engine.errors import ConfigError
-from comera_engine.layers import factorized_layers
+from comera_engine.layers import factorized_layers, freeze_gates
 from comera_engine.train import checkpoint as ckpt
 
-__all__ = ["GALORE_MIN_SIDE", "apply_bond_ranks", "build_run_model", "freeze_gates",
+__all__ = ["GALORE_MIN_SIDE", "apply_bond_ranks", "build_run_model",
            "galore_optimizer", "init_from_dense", "load_init_state"]
 
 
@@ -105,17 +105,6 @@ def _shrunk_model(cfg: Config, data: Any, model: nn.Module) -> nn.Module:
         ref["prune_ratio"], ref["target"] = ratio, t
     model.comera_reference = ref
     return model
-
-
-def freeze_gates(model: nn.Module) -> None:
-    """Gate-free TT layers: every gate at 1, not trained, never pruned (threshold 0)."""
-    from comera_engine.layers import tt_layers
-
-    with torch.no_grad():
-        for _, layer in tt_layers(model):
-            layer.tt.gate.fill_(1.0)
-            layer.tt.gate.requires_grad_(False)
-            layer.tt.tau = 0.0
 
 
 @torch.no_grad()
