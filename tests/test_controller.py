@@ -815,13 +815,7 @@ def test_a_fixed_rank_method_gets_gate_free_layers_at_the_target_size(digits) ->
     assert all(not g.requires_grad and bool((g == 1).all()) for g in gates)
     comera = ce.CoMERA(model, config, total_steps=40)
     opt = torch.optim.AdamW(comera.param_groups(), lr=3e-3)
-    comera.attach(opt)
-    for step in range(40):
-        x, y = _batch(digits, step)
-        loss = comera.loss(F.cross_entropy(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train(model, comera, opt, digits, 0, 40)
     rep = comera.report()
     assert rep["stage"] == "plain" and rep["message"].startswith(f"target {TARGET:g}x · reached")
     assert "missed" not in rep["message"]
@@ -838,13 +832,7 @@ def test_a_target_without_total_steps_is_said_once_and_named_in_a_miss(digits, c
                          exclude=["head"])
     comera = ce.CoMERA(model, ce.CoMERAConfig(target_compression=TARGET))
     opt = torch.optim.AdamW(comera.param_groups(), lr=3e-3)
-    comera.attach(opt)
-    for step in range(3):
-        x, y = _batch(digits, step)
-        loss = comera.loss(F.cross_entropy(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train(model, comera, opt, digits, 0, 3)
     err = capsys.readouterr().err
     assert err.count("target without total_steps") == 1, err
     rep = comera.report()
