@@ -1501,3 +1501,37 @@ def test_live_chart_markers_are_plotlys_own_lines() -> None:
     heat = go.Figure(plots.rank_heatmap_spec([{"step": 0, "layer": "fc", "ranks": [2]}],
                                              stages=[(5, "late stage")], until=9))
     assert heat.layout.shapes == theirs.layout.shapes[1:2]
+
+
+def test_a_marked_x_is_labelled_at_its_line_on_log_and_linear_axes() -> None:
+    """``plots.mark_x`` (Compare's "dense 1×"): Plotly draws a shape at its ``x`` on a log
+    axis but places an annotation at ``log10`` of its ``x``; the label sits on its line on
+    either axis (``add_vline`` put it at 10×)."""
+    from app.lib import plots
+
+    wide = [{"label": f"r{x:g}", "dense": False, "acc": 0.9, "comp": x} for x in (5.0, 80.0)]
+    narrow = [{"label": f"r{x:g}", "dense": False, "acc": 0.9, "comp": x} for x in (1.2, 1.5)]
+    for pts, log in ((wide, True), (narrow, False)):
+        fig = plots.pareto(pts, "comp", "acc", "x", "y", "t", x_include=[1.0])
+        assert (fig.layout.xaxis.type == "log") is log
+        plots.mark_x(fig, 1.0, "dense 1×", plots.COLORS[1])
+        (line,), (note,) = fig.layout.shapes, fig.layout.annotations[-1:]
+        assert line.x0 == line.x1 == 1.0 and note.text == "dense 1×"
+        assert note.x == (0.0 if log else 1.0)  # log10(1) on the log axis
+
+
+def test_a_run_name_is_drawn_as_typed_not_as_markup() -> None:
+    """A name typed with ``<b>`` reaches Plotly escaped (its labels read tags and
+    entities as markup), in point labels, legends and bar labels alike."""
+    from app.lib import plots
+
+    name = "digits <b>bold</b> & co"
+    shown = "digits &lt;b&gt;bold&lt;/b&gt; &amp; co"
+    pts = [{"label": name, "dense": False, "acc": 0.9, "comp": 10.0},
+           {"label": "other", "dense": False, "acc": 0.8, "comp": 40.0}]
+    fig = plots.pareto(pts, "comp", "acc", "x", "y", "t")
+    texts = [t for tr in fig.data for t in (tr.text or ()) if isinstance(t, str)]
+    assert shown in texts and name not in texts
+    spec = plots.lines_spec([(name, [0, 1, 2], [1.0, 2.0, 3.0])], "T")
+    assert [d["name"] for d in spec["data"]] == [shown]
+    assert list(plots.hbar([name], [1.0], "T", "x").data[0].y) == [shown]

@@ -77,6 +77,9 @@ def test_int8_export_is_small_and_as_accurate(digits_run: Path, tmp_path: Path) 
     o8 = export_run(digits_run, format="onnx", out=tmp_path / "i8.onnx", dtype="int8")
     assert abs(_acc_onnx(o8.path, x, y) - _acc_onnx(o32.path, x, y)) <= 0.005
     assert o8.tensor_bytes < 0.5 * o32.tensor_bytes  # int8 initializers, not float ones
+    # what each export expects to hold is what it holds: the same int8 weights either way
+    assert o8.expected_bytes == i8.expected_bytes == i8.tensor_bytes
+    assert o32.expected_bytes == f32.expected_bytes
     assert o8.metadata["onnx"]["max_rel_diff_vs_float32"] <= 0.05
     # the card states what is stored and how many bytes
     card = i8.card.read_text()

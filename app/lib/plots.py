@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -99,6 +100,25 @@ def empty_figure(message: str, height: int = 300, title: str | None = None) -> g
     return go.Figure(empty_spec(message, height, title))
 
 
+def plain(text: Any) -> str:
+    """``text`` (a run's name, which its owner types) as Plotly shows it literally: its
+    labels read ``<b>``, ``<br>`` and ``&…;`` as markup, so they are escaped."""
+    return html.escape(str(text), quote=False)
+
+
+def mark_x(fig: go.Figure, x: float, text: str, color: str) -> go.Figure:
+    """A dotted vertical line at ``x`` labelled ``text`` at its foot, on a linear or a log
+    x axis: Plotly draws a shape at ``x`` on either, but places an annotation on a log
+    axis at ``log10`` of its ``x`` (``add_vline``'s label lands at 10× the line)."""
+    log = fig.layout.xaxis.type == "log"
+    fig.add_shape(type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="y domain",
+                  line={"color": color, "dash": "dot", "width": 1})
+    fig.add_annotation(x=math.log10(x) if log else x, xref="x", y=0, yref="y domain",
+                       text=text, showarrow=False, xanchor="left", yanchor="bottom",
+                       font={"size": 10, "color": color})
+    return fig
+
+
 def stage_markers(stages: Sequence[tuple[int, str]]) -> tuple[list[dict], list[dict]]:
     """A dotted vertical line at each stage switch and its label: ``(shapes,
     annotations)``, as Plotly's ``add_vline(annotation_position="top left")`` makes them."""
@@ -144,6 +164,7 @@ def lines_spec(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], t
     for i, (label, x, y) in enumerate(series):
         if not len(x):
             continue
+        label = plain(label)
         color = COLORS[i % len(COLORS)]
         ys = [v if v is not None and math.isfinite(v) else None for v in y]
         few = len(x) < 3
@@ -456,7 +477,8 @@ def pareto(points: Sequence[Mapping[str, Any]], x_key: str, y_key: str, x_title:
     points, else only the fronts' points and the dense baselines are; every point by its
     ``label`` on hover. ``y_percent``: ``y`` is a fraction (an accuracy) shown in
     percent on the axis and in the hover text."""
-    pts = [p for p in points
+    pts = [{**p, **{k: plain(p[k]) for k in ("label", "text") if p.get(k) is not None}}
+           for p in points
            if isinstance(p.get(x_key), (int, float)) and isinstance(p.get(y_key), (int, float))
            and math.isfinite(p[x_key]) and math.isfinite(p[y_key])]
     if not pts:
@@ -502,7 +524,7 @@ def hbar(labels: Sequence[str], values: Sequence[float], title: str, x_title: st
          colors: Sequence[str] | None = None, text: Sequence[str] | None = None,
          log_x: bool = False, height: int | None = None) -> go.Figure:
     fig = go.Figure(go.Bar(
-        y=list(labels), x=list(values), orientation="h",
+        y=[plain(v) for v in labels], x=list(values), orientation="h",
         marker_color=list(colors) if colors else COLORS[0],
         text=list(text) if text else None, textposition="auto",
     ))

@@ -158,8 +158,7 @@ with c1:
     fig = plots.pareto(points, "comp", "acc",
                        f"compression vs dense ({' / '.join(sorted(scopes))}; ×, log)",
                        "accuracy", "Accuracy vs compression", x_include=[1.0], y_percent=True)
-    fig.add_vline(x=1.0, line={"color": plots.COLORS[1], "dash": "dot", "width": 1},
-                  annotation_text="dense 1×", annotation_position="bottom right")
+    plots.mark_x(fig, 1.0, "dense 1×", plots.COLORS[1])
     st.plotly_chart(fig, width="stretch", key="cmp-pareto")
 with c2:
     # bytes as stored: the currency in which TT, pruned and int8 models compare

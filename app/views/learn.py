@@ -220,6 +220,11 @@ with tab3:
                 marker_color="#E2E8F0")
     fig.add_bar(x=list(range(1, r3 + 1)), y=g, name="gate |g|",
                 marker_color=[plots.COLORS[0] if a else plots.COLORS[3] for a in alive])
+    dead = [i + 1 for i, a in enumerate(alive) if not a]
+    if dead:  # a pruned gate is at or near 0: a bar too short to see, so a mark on τ
+        fig.add_scatter(x=dead, y=[tau] * len(dead), mode="markers",
+                        name="pruned (gate ≤ τ)",
+                        marker={"symbol": "x", "size": 9, "color": plots.COLORS[3]})
     fig.add_hline(y=tau, line={"color": plots.COLORS[3], "dash": "dash"},
                   annotation_text=f"τ = {tau:g}", annotation_position="top right")
     fig.update_layout(barmode="overlay")
@@ -238,7 +243,8 @@ with tab3:
                 delta=f"from {p_full:,}", delta_color="off", delta_arrow="off")
     k[2].metric("Compression vs dense", fmt.ratio(768 * 768 / p_eff) if p_eff else "∞×",
                 help="A bond at rank 0 makes the layer the zero map (0 parameters).")
-    st.caption("Red bars are pruned: they act as exact zeros and get no gradient, so at the "
+    st.caption("Red crosses on the τ line mark pruned directions: they act as exact zeros "
+               "and get no gradient, so at the "
                "next checkpoint the cores are physically sliced and memory really shrinks. "
                "In the late stage CoMERA keeps pushing only while the size is above the "
                "target, so the size lands on it.")

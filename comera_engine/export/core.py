@@ -339,6 +339,16 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _stored_compressed_bytes(model: nn.Module, dtype: str) -> int:
+    """The bytes of ``model``'s compressed weights stored in ``dtype`` (``bf16``: two a
+    value; ``int8``: one, plus the scales), as a compressed safetensors file holds them."""
+    tensors = _compressed_tensors(model)
+    buffers = {k for k, _ in model.named_buffers(remove_duplicate=False)}
+    stored, _ = _quant.quantize_state(tensors, {k for k in tensors if k not in buffers},
+                                      dtype, _core_sizes(model))
+    return _quant.stored_bytes(stored)
+
+
 def _sizes(model: nn.Module) -> dict[str, Any]:
     """``size_report`` as JSON (the per-layer rows live in the ``tt_layers`` entries)."""
     return _jsonable(size_report(model))
@@ -498,6 +508,8 @@ def export_model(
             tensor_bytes, diff = res["initializer_bytes"], res["max_abs_diff"]
             input_bytes = 0
             expected = int(sizes["model"]["effective_bytes"])
+            if dtype != "float32":  # the graph's initializers: the compressed weights, stored
+                expected = _stored_compressed_bytes(model, dtype)
             doc["onnx"] = res
         else:
             if format == "compressed":
