@@ -97,10 +97,18 @@ def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None
     # one seed finished, or one value of a key: no flat axis for it
     from app.lib.plots import sweep_parcoords
 
-    one_seed = [{"grid": {"lr": 0.1, "target": t}, "seed": 0, "score": 0.9, "compression": t}
-                for t in (5.0, 20.0)]
+    one_seed = [{"grid": {"lr": 0.1, "target": t}, "seed": 0, "score": 0.9, "compression": t,
+                 "status": "finished"} for t in (5.0, 20.0)]
     (par,) = sweep_parcoords({"metric": "eval/acc", "cells": one_seed}, "t").data
     assert [d.label for d in par.dimensions] == ["target", "compression (×)", "eval/acc (%)"]
+    # a running cell (its score so far) is left out; an accuracy axis stays within 100 %
+    running = {"grid": {"lr": 0.1, "target": 50.0}, "seed": 0, "score": 0.99,
+               "compression": 30.0, "status": "running"}
+    (par,) = sweep_parcoords({"metric": "eval/acc", "cells": [*one_seed, running]}, "t").data
+    assert sorted(par.dimensions[-1]["values"]) == [90.0, 90.0]
+    lone = [{**one_seed[0], "score": 0.995}]
+    (par,) = sweep_parcoords({"metric": "eval/acc", "cells": lone}, "t").data
+    assert 0.0 <= par.dimensions[-1]["range"][0] < 99.5 < par.dimensions[-1]["range"][1] <= 100
     groups, cells = at.dataframe[0].value, at.dataframe[1].value
     assert len(groups) == 2 and len(cells) == 4
     for target in (5.0, 20.0):

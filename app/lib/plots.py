@@ -645,11 +645,13 @@ def _error_bars(stds: Sequence[Any]) -> dict[str, Any]:
 
 def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
     """Parallel coordinates of a sweep's cells: one axis per swept key (text values as
-    their order), the seed, the compression reached and the score; a line per finished
-    cell, coloured by its score. A key or the seed with one value among the finished
+    their order), the seed, the compression reached and the score (an accuracy on a
+    0..100 % axis); a line per finished cell (a running one's score is not its last),
+    coloured by its score. A key or the seed with one value among the finished
     cells gets no axis (it would only add a flat line to every cell)."""
     metric = rep.get("metric") or "score"
-    cells = [c for c in rep.get("cells") or [] if is_finite(c.get("score"))]
+    cells = [c for c in rep.get("cells") or []  # a running cell's score is not its last
+             if c.get("status") == "finished" and is_finite(c.get("score"))]
     if not cells:
         return empty_figure("No finished cells yet", 360, title)
     keys = sorted({k for c in cells for k in (c.get("grid") or {})})
@@ -673,7 +675,11 @@ def sweep_parcoords(rep: Mapping[str, Any], title: str) -> go.Figure:
     scale = 100.0 if is_fraction(metric) else 1.0  # accuracy in percent
     label = f"{metric} (%)" if scale == 100.0 else metric
     scores = [c["score"] * scale for c in cells]
-    dims.append({"label": label, "values": scores, "tickformat": ".3~g"})
+    score_dim: dict[str, Any] = {"label": label, "values": scores, "tickformat": ".3~g"}
+    if scale == 100.0:  # Plotly pads a lone value's axis past 100 %: keep it in 0..100
+        pad = max(1.0, (max(scores) - min(scores)) * 0.1)
+        score_dim["range"] = [max(0.0, min(scores) - pad), min(100.0, max(scores) + pad)]
+    dims.append(score_dim)
     fig = go.Figure(go.Parcoords(
         line={"color": scores, "colorscale": "Viridis", "showscale": True,
               "colorbar": {"title": {"text": label}}},
