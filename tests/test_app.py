@@ -348,6 +348,16 @@ def test_new_experiment_every_preset_previews(home: Path) -> None:
         assert any("data.path" in e.value and "not on this server" in e.value
                    for e in at.error)
         assert at.button(key="launch").disabled
+    # a data set read from the Hugging Face hub by name says it needs the network first
+    at.selectbox(key="preset").set_value("snli_transformer_tiny").run()
+    pick = at.selectbox(key="snli_transformer_tiny:data")
+    hub = [i for i, label in enumerate(pick.options) if "Hugging Face hub" in label]
+    assert hub, "no hub data set offered for the NLI transformer"
+    assert not any("Hugging Face hub by name" in c.value for c in at.caption)
+    pick.set_value(hub[0]).run()
+    no_exception(at)
+    assert any("Hugging Face hub by name" in c.value and "network" in c.value
+               for c in at.caption)
 
 
 def test_dense_baseline_and_model_scope_target(home: Path) -> None:

@@ -251,6 +251,11 @@ with left:
                            "registered." if user else
                       "Datasets this model's task can train on.")
     data = dict(options[ds][1]) if options else dict(raw.get("data", {}))
+    if data.get("hub"):  # the one kind of data a run fetches: say so before it is launched
+        st.caption(f":material/cloud_download: {data.get('hub_name') or data.get('name')} is "
+                   "read from the Hugging Face hub by name: the run needs the network, or "
+                   "the data set already in the local Hugging Face cache (`HF_HOME`); "
+                   "without either it fails while preparing data.")
     task = None
     if user and options and ds >= own:  # the label column and the task of a registered file
         reg_name = list(user_data(REGISTRY))[ds - own]  # the options' order
