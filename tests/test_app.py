@@ -1209,6 +1209,24 @@ def test_overview_draws_running_runs_as_cards_and_sums_up_the_queue(home: Path) 
     table = at.dataframe[0].value
     assert len(table) == 42
     baseline = dict(zip(table["name"], table["dense"]))
+    # the cards redraw themselves while runs are live (a fragment on a timer): a run's
+    # step moves on the card without a reload
+    import streamlit
+
+    timers: list = []
+    real = streamlit.fragment
+
+    def fragment(fn=None, *, run_every=None, **kw):  # noqa: ANN001, ANN202
+        timers.append(run_every)
+        return real(fn, run_every=None, **kw)
+
+    streamlit.fragment = fragment
+    try:
+        again = app()
+    finally:
+        streamlit.fragment = real
+    assert timers and timers[-1] and timers[-1] > 0
+    no_exception(again)
     assert baseline["dense"] and not baseline["int8"]
     # the dense run's config carries the 20x of the config it came from; nothing in it
     # pursues it (int8 weights keep theirs: the size of the run they quantize)

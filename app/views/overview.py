@@ -44,7 +44,22 @@ c[4].metric("Failed / crashed", len(failed))
 
 #: the most running runs drawn as cards; the rest are in the table below
 MAX_CARDS = 8
-if live:
+#: seconds between the live cards' redraws while runs are live
+REFRESH_S = 2.0
+LIVE_AT_START = bool(live)
+
+
+def live_cards() -> None:
+    """The running runs' cards, read from the store again at every redraw (every
+    :data:`REFRESH_S` while a run was live at the page's start); once none is live the
+    whole page is drawn again (its tiles and table too)."""
+    now = [r for r in store.list_runs() if runs.is_live(r)]
+    if LIVE_AT_START and not now:
+        st.rerun()
+    if not now:
+        return
+    queued = [r for r in now if r["status"] == "queued"]
+    running = [r for r in now if r["status"] != "queued"]
     st.subheader("Live now", anchor=False)
     for r in running[:MAX_CARDS]:
         with st.container(border=True):
@@ -66,6 +81,9 @@ if live:
                      if part)
     if said:
         st.caption(f":material/hourglass_empty: {said}: in the table below.")
+
+
+st.fragment(live_cards, run_every=REFRESH_S if LIVE_AT_START else None)()
 
 st.subheader("All runs", anchor=False)
 listed = ui.unarchived(all_runs, "overview-archived")
