@@ -361,6 +361,15 @@ def test_bad_settings_and_unreachable_targets_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="^include: 'blocks.*' matches none"):
         ce.tensorize(model, rank=4, include=["blocks.*"])
     assert not tt_layers(model)
+    # tied weights (an output layer sharing the embedding's matrix) are not cut silently
+    tied = PixelNet(dim=32, hidden=32)
+    tied.head = nn.Linear(32, 64 * 17)
+    tied.head.weight = tied.table.weight
+    with pytest.raises(ConfigError, match="^exclude: 'table' shares its weight with 'head'"):
+        ce.tensorize(tied, rank=4)
+    assert not tt_layers(tied) and tied.head.weight is tied.table.weight
+    ce.tensorize(tied, rank=4, exclude=["table", "head"])  # the fix it names
+    assert tied.head.weight is tied.table.weight and tt_layers(tied)
 
 
 def test_auto_ranks_start_at_the_headroom_the_trainer_uses() -> None:
@@ -854,3 +863,32 @@ def test_tt_svd_from_pretrained_starts_from_the_weights_at_the_planned_ranks() -
     assert isinstance(model[0], TTLinear) and min(model[0].effective_ranks()) >= 2
     assert size_report(model)["tensorized"]["compression"] >= 20
     torch.testing.assert_close(model[0].dense_weight(), weight, rtol=1e-4, atol=1e-5)
+
+
+def test_a_loss_that_starts_below_one_scales_the_size_terms_and_resumes_so(digits, capsys):
+    """``loss_scale``: the controller gives the objective where the task loss starts (the
+    mean of its first 20 values, recorded here), says once that it scales the size terms,
+    and a controller resumed from the state dict has the same start."""
+    model, comera, opt = _setup()
+    seen = []
+    for step in range(25):
+        x, y = _batch(digits, step)
+        task = 0.1 * F.cross_entropy(model(x), y)  # cross-entropy in other units
+        seen.append(float(task.detach()))
+        loss = comera.loss(task)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        comera.step(opt)
+    start = sum(seen[:20]) / 20
+    assert comera.objective.loss_start == pytest.approx(start, rel=1e-6)
+    assert comera.objective.loss_scale() == pytest.approx(start, rel=1e-6) and start < 1
+    err = capsys.readouterr().err
+    assert err.count("the size terms are weighed at") == 1, err
+    again, resumed, _ = _setup()
+    again.load_state_dict(model.state_dict())
+    resumed.load_state_dict(comera.state_dict())
+    assert resumed.objective.loss_start == pytest.approx(start, rel=1e-6)
+    paper = ce.CoMERA(model, ce.CoMERAConfig(target_compression=TARGET, schedule="paper"))
+    paper.objective.loss_start = start
+    assert paper.objective.loss_scale() == 1.0  # the spec's objective as written

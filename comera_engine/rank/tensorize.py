@@ -66,6 +66,31 @@ def _patterns(model: nn.Module, field: str, patterns: Iterable[str] | str | None
     return out
 
 
+def _refuse_tied(model: nn.Module, include: list[str] | None, exclude: list[str] | None,
+                 min_features: int, d: int | None, layout: str) -> None:
+    """Refuse to make a layer TT whose weight another module shares (a language model's
+    output layer tied to its embedding): a TT layer holds weights of its own, so the tie
+    would be cut without a word and the shared matrix counted twice."""
+    rows = tensorize_layers(model, include=include, exclude=exclude, min_features=min_features,
+                            d=d, layout=layout, dry_run=True)
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name.rpartition(".")[0])
+    modules = dict(model.named_modules())
+    for row in rows:
+        if "module" not in row:
+            continue
+        weight = getattr(modules[row["name"]], "weight", None)
+        others = [o for o in owners.get(id(weight), []) if o != row["name"]]
+        if others:
+            both = [row["name"], *others]
+            raise ConfigError("exclude", f"{row['name']!r} shares its weight with "
+                                         f"{', '.join(repr(o) for o in others)} (tied "
+                                         "weights); a TT layer holds weights of its own and "
+                                         "would untie them: keep them dense with exclude="
+                                         f"{both!r}, or untie them in the model first")
+
+
 def _fixed(config: CoMERAConfig) -> bool:
     """A fixed-rank method (``"fixed"``, ``"tt_svd"``): no gates, the ranks planned once."""
     return config.method != "comera"
@@ -157,6 +182,7 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
     """
     config = _config(config)
     include, exclude = _patterns(model, "include", include), _patterns(model, "exclude", exclude)
+    _refuse_tied(model, include, exclude, min_features, d, layout)
     target = config.target_compression
     if rank is None:
         rank = "auto" if target is not None else BASE_RANK
