@@ -437,7 +437,7 @@ def test_sigterm_stops_a_cli_run(tmp_path) -> None:
 
 
 def _objective_reference(model, cfg, stage, z_f, target_size, S0, ramp, f, frozen=False,
-                         paper=False):
+                         paper=False, scale=1.0):
     """comera-method.md §2 written out in float64 from the gates and cores alone:
     ``Ŝ = Σ_layers Σ_k s_k·‖g_{k-1}‖₁·‖g_k‖₁`` over active entries (outer bonds 1),
     ``S`` the same with entry counts (plus the TT biases; plus every other parameter for
@@ -445,6 +445,7 @@ def _objective_reference(model, cfg, stage, z_f, target_size, S0, ramp, f, froze
     size) or the late one (over the current cores' size, the size terms off once the
     target is reached), or the task loss alone once the ranks are fixed. ``paper``: the
     spec's late stage as it is written (``Ŝ/S₀``; λ and ``ρ_S`` whatever the size).
+    ``scale``: every size term's factor (``comera.loss_scale``: ``min(1, f₀)``).
     Returns the total and λ; gradients flow to ``f``, gates and cores (float64 leaves)."""
     from comera_engine.layers import tt_layers
 
@@ -478,8 +479,8 @@ def _objective_reference(model, cfg, stage, z_f, target_size, S0, ramp, f, froze
     if frozen:  # ranks fixed at the target: the task loss alone
         return f + reg, 0.0, leaves
     if stage == "early":  # normalised by the initial allocated size
-        return f + cfg.gamma * ramp * s_hat / S0 + reg, 0.0, leaves
-    s_hat = s_hat / (S0 if paper else cores_size)  # ours: by the current size (a constant)
+        return f + cfg.gamma * ramp * scale * s_hat / S0 + reg, 0.0, leaves
+    s_hat = scale * s_hat / (S0 if paper else cores_size)  # ours: by the current size
     fv = float(f.detach())
     reached = size <= target_size and not paper
     lam = 1.0 if ((fv - z_f) / fv < (size - target_size) / size and not reached) else 0.0
@@ -494,7 +495,9 @@ def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> Non
     """The one objective (device tensors, no host reads, the form CUDA graphs capture)
     gives the loss, lambda and gradients of the method's formula computed independently
     in float64, in both stages, during the gamma warm-up and for both lambda outcomes;
-    with ``comera.schedule = "paper"`` the spec's formula as written."""
+    with ``comera.schedule = "paper"`` the spec's formula as written. A task loss that
+    started at 0.3 scales the size terms by 0.3 (``loss_scale``, not the paper's), one
+    that started above 1 leaves them as they are."""
     from types import SimpleNamespace
 
     from comera_engine.config import CoMERAConfig, ModelConfig
@@ -522,6 +525,8 @@ def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> Non
     refresh_gates(model)
     obj = state.objective
     obj.recount()  # the cores' size after the ranks changed (the controller's step does it)
+    obj.loss_start = 0.3  # where the task loss started: the size terms' units
+    scale = 1.0 if paper else 0.3
 
     def check(f_value: float, step: int = 100) -> float:
         state.steps_done = step  # the γ warm-up of the step after `step` steps
@@ -532,7 +537,8 @@ def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> Non
         f64 = torch.tensor(f_value, dtype=torch.float64, requires_grad=True)
         ref, lam, leaves = _objective_reference(
             model, cfg, obj.stage, obj.z_f, obj.target_size, obj.S0,
-            gamma_ramp(cfg.gamma_warmup, step), f64, frozen=obj.frozen, paper=paper)
+            gamma_ramp(cfg.gamma_warmup, step), f64, frozen=obj.frozen, paper=paper,
+            scale=scale)
         ref.backward()
         assert float(total.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
         assert float(info["lambda"]) == lam
@@ -548,6 +554,9 @@ def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> Non
 
     assert check(0.7, step=3) == 0.0  # early stage, gamma still warming up
     assert check(0.7) == 0.0  # early stage
+    obj.loss_start, scale = 2.3, 1.0  # a loss that starts above 1: the spec's weights
+    assert check(0.7) == 0.0
+    obj.loss_start, scale = 0.3, 1.0 if paper else 0.3
     obj.switch_to_late(z_f=0.69)  # task loss near its target: size is further -> lambda 1
     assert check(0.7) == 1.0
     obj.z_f = -10.0  # task loss far above its target: lambda 0

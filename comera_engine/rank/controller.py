@@ -592,12 +592,26 @@ class CoMERA:
             self._plan_key = key
         return self._plan
 
+    def _set_loss_start(self) -> None:
+        """Give the objective where the task loss starts (the plateau's first losses),
+        and say once, when the first losses are in, if it scales the size terms."""
+        if self.objective is None or self.plateau is None:
+            return
+        self.objective.loss_start = self.plateau.start_so_far
+        scale = self.objective.loss_scale()
+        if self.plateau.n == self.plateau.head and scale < 1.0:
+            print(f"CoMERA: the task loss starts at {self.plateau.start_so_far:.3g}, so the "
+                  f"size terms are weighed at {scale:.3g} (comera.loss_scale: the objective's "
+                  "weights suit a loss that starts near 1)", file=sys.stderr)
+
     def _maybe_switch(self, step: int, task_loss: float) -> Event | None:
         """Switch to the late stage when its time has come."""
         assert self.objective is not None and self.plateau is not None
         c = self.cfg
         plan = self._switch_plan()
         plateaued = self.plateau.update(task_loss)
+        if self.plateau.n <= self.plateau.head:  # f₀, the size terms' units (loss_scale)
+            self._set_loss_start()
         due = (plan.switch == "plateau" and plateaued) or (
             isinstance(plan.switch, int) and step >= plan.switch)
         latest = plan.latest is not None and step >= plan.latest
@@ -805,6 +819,7 @@ class CoMERA:
                 layer.tt.resize_(ranks)
         if self.plateau is not None and state.get("plateau") is not None:
             self.plateau.load_state_dict(state["plateau"])
+            self._set_loss_start()
         if self.objective is not None and state.get("S0") is not None:
             self.objective.S0 = float(state["S0"])
         if self.objective is not None and state.get("stage") == "late":

@@ -18,6 +18,15 @@ divided by ``S_c`` (``late_norm = "current"``; the spec's ``"initial"`` divides 
 target (``frozen``, see :mod:`comera_engine.rank.pace`) the objective is the task loss
 alone.
 
+With ``loss_scale`` (on in our schedules, off in the paper's) every size term above is
+multiplied by ``s = min(1, f₀)``, ``f₀`` where the task loss starts (the mean of its
+first 20 values, :attr:`loss_start`, set by the controller): the paper's weights suit a
+loss that starts near or above 1, as cross-entropy does (``ln K`` for ``K`` classes:
+``s = 1``, the spec's objective), while a loss that starts at 0.2 (an MSE on values in
+[0, 1]) would weigh five times less against the size, and the late stage can prune a
+network into one that answers a constant. Below 1, multiplying the task loss by a
+constant multiplies the whole objective by it.
+
 ``S₀`` is the initial allocated size of the TT cores (so ``Ŝ/S₀`` starts at 1); ``S_c``
 is the cores' *current* effective size (a constant in the gradient). The late stage
 normalises by ``S_c``, as the λ test does: after the early stage has shrunk the model
@@ -89,6 +98,7 @@ class CoMERAObjective:
         self.cfg = cfg = resolve_schedule(cfg)
         self.stage = "early"
         self._z_f: float | None = None
+        self._start: float | None = None  # f₀, where the task loss starts (loss_scale)
         self._target: float | None = None
         self._consts: dict[str, Tensor] = {}  # the per-stage constants, on the loss's device
         self.frozen = False  # ranks fixed at the target: the task loss alone
@@ -114,6 +124,27 @@ class CoMERAObjective:
     def z_f(self, value: float | None) -> None:
         self._z_f = None if value is None else float(value)
         self._fill()
+
+    @property
+    def loss_start(self) -> float | None:
+        """``f₀``: where the task loss starts (the mean of its first values; ``None``
+        before any). With ``loss_scale`` the size terms are scaled by ``min(1, f₀)``."""
+        return self._start
+
+    @loss_start.setter
+    def loss_start(self, value: float | None) -> None:
+        value = None if value is None else float(value)
+        if value != self._start:
+            self._start = value
+            self._fill()
+
+    def loss_scale(self) -> float:
+        """The size terms' factor: ``min(1, f₀)`` with ``loss_scale`` and a positive,
+        finite ``f₀``, else 1."""
+        f0 = self._start
+        if not self.cfg.loss_scale or f0 is None or not 0.0 < f0 < math.inf:
+            return 1.0
+        return min(1.0, f0)
 
     @property
     def target_size(self) -> float | None:
@@ -156,10 +187,10 @@ class CoMERAObjective:
         self.step_index = index
 
     def _values(self) -> dict[str, float]:
-        """The current constants: ``coef`` (``γ·ramp/S₀``), ``gamma`` (``γ·ramp``), the
+        """The current constants: ``coef`` (``s·γ·ramp/S₀``), ``gamma`` (``γ·ramp``), the
         size ``S``, ``gap_s`` (``(S − z_S)/S``), ``pursue`` (the size terms on: above the
-        target, or always in the paper's schedule), ``inv_norm`` (``1/S_c``, or ``1/S₀``
-        with ``late_norm = "initial"``), ``rho_s`` (``ρ_S·pursue/S_c``), ``one_rho_f``
+        target, or always in the paper's schedule), ``inv_norm`` (``s/S_c``, or ``s/S₀``
+        with ``late_norm = "initial"``), ``rho_s`` (``s·ρ_S·pursue/S_c``), ``one_rho_f``
         (``1 + ρ_f``), ``z_f``, ``target_size``."""
         cfg = self.cfg
         gamma = cfg.gamma * gamma_ramp(cfg.gamma_warmup, self.step_index)
@@ -168,10 +199,12 @@ class CoMERAObjective:
         norm = self.S0 if cfg.late_norm == "initial" else max(1.0, self._cores)
         above = size > target if cfg.size_off_at_target is not False else True
         pursue = float(above)
-        return {"coef": gamma / self.S0, "gamma": gamma, "size": size,
+        scale = self.loss_scale()  # the size terms in the task loss's units
+        return {"coef": gamma * scale / self.S0, "gamma": gamma, "size": size,
                 "gap_s": (size - target) / size if size > 0 else -1.0,
-                "pursue": pursue, "inv_norm": 1 / norm,
-                "rho_s": self.cfg.rho_s * pursue / norm, "one_rho_f": 1.0 + self.cfg.rho_f,
+                "pursue": pursue, "inv_norm": scale / norm,
+                "rho_s": self.cfg.rho_s * pursue * scale / norm,
+                "one_rho_f": 1.0 + self.cfg.rho_f,
                 "z_f": self.z_f if self.z_f is not None else 0.0,
                 "target_size": target, "zero": 0.0}
 
@@ -261,6 +294,12 @@ class PlateauDetector:
     def start(self) -> float | None:
         """Where the loss started: the mean of its first ``head`` values (None before)."""
         return self.head_sum / self.head if self.n >= self.head else None
+
+    @property
+    def start_so_far(self) -> float | None:
+        """The mean of the first ``head`` losses, or of those seen while fewer (None
+        before any)."""
+        return self.head_sum / min(self.n, self.head) if self.n else None
 
     @property
     def learned(self) -> bool:
