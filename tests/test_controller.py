@@ -134,6 +134,9 @@ def test_own_loop_lands_at_the_target_and_report_agrees_with_size_report(trained
     assert abs(rep["compression"] / TARGET - 1) <= 0.05, rep["message"]
     assert rep["compression"] == sizes["tensorized"]["compression"]
     assert rep["params"] == sizes["model"]["effective_params"]
+    # the scope's own counts beside the whole model's: their ratio is the compression
+    assert rep["scope_params"] == sizes["tensorized"]["effective_params"]
+    assert rep["scope_dense_params"] / rep["scope_params"] == pytest.approx(rep["compression"])
     assert rep["ranks"] == {row["name"]: row["effective_ranks"] for row in sizes["layers"]}
     assert rep["target"] == TARGET and rep["stage"] == "fixed" and rep["step"] == STEPS
     assert rep["message"].startswith(f"target {TARGET:g}x · reached")

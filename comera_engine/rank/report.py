@@ -86,7 +86,9 @@ def outcome(comera: CoMERA, reached: float | None, final: bool = True) -> str | 
 def report(comera: CoMERA) -> dict[str, Any]:
     """Where the model stands, from ``size_report``: ``compression`` (in the target's
     scope, ``scope``), ``target`` (``None`` without one), ``ranks`` (effective, per TT
-    layer), ``params`` (effective, whole model), ``dense_params``, ``stage``, ``step``,
+    layer), ``params`` (effective, whole model), ``dense_params`` (whole model),
+    ``scope_params`` / ``scope_dense_params`` (the same in the target's scope:
+    ``compression`` is their ratio), ``stage``, ``step``,
     ``removed`` (rank entries removed by the objective and by the pace), ``schedule``
     (which method ran: ``comera.schedule`` and the switches set against it; the method's
     name when the objective is off) and ``message`` (:func:`outcome`: a verdict once the
@@ -106,5 +108,7 @@ def report(comera: CoMERA) -> dict[str, Any]:
             "removed": dict(comera.removed),
             "schedule": comera.schedule if comera.enabled else comera.cfg.method,
             "ranks": comera.effective_ranks(), "params": int(rep["model"]["effective_params"]),
-            "dense_params": int(rep["model"]["dense_params"]), "stage": comera.stage,
+            "dense_params": int(rep["model"]["dense_params"]),
+            "scope_params": int(rep[scope]["effective_params"]),
+            "scope_dense_params": int(rep[scope]["dense_params"]), "stage": comera.stage,
             "step": steps, "message": message}
