@@ -825,6 +825,8 @@ with right:
         ui.table(
             rows, height=min(420, 40 + 35 * len(rows)),
             column_config={
+                # the full module name, kept in view while the wide table scrolls
+                "layer": st.column_config.TextColumn(width="medium", pinned=True),
                 "dense": st.column_config.NumberColumn(
                     format="compact", help="Parameters of the dense layer (bias included)."),
                 "TT": st.column_config.NumberColumn(
