@@ -885,7 +885,8 @@ def test_a_loss_that_starts_below_one_scales_the_size_terms_and_resumes_so(digit
         comera.step(opt)
     start = sum(seen[:20]) / 20
     assert comera.objective.loss_start == pytest.approx(start, rel=1e-6)
-    assert comera.objective.loss_scale() == pytest.approx(start, rel=1e-6) and start < 1
+    assert comera.objective.loss_scale() == pytest.approx(start / math.log(2), rel=1e-6)
+    assert start < math.log(2)
     err = capsys.readouterr().err
     assert err.count("the size terms are weighed at") == 1, err
     again, resumed, _ = _setup()

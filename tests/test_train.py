@@ -496,8 +496,8 @@ def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> Non
     gives the loss, lambda and gradients of the method's formula computed independently
     in float64, in both stages, during the gamma warm-up and for both lambda outcomes;
     with ``comera.schedule = "paper"`` the spec's formula as written. A task loss that
-    started at 0.3 scales the size terms by 0.3 (``loss_scale``, not the paper's), one
-    that started above 1 leaves them as they are."""
+    started at 0.3 scales the size terms by 0.3 / ln 2 (``loss_scale``, not the
+    paper's), one that started above ln 2 (any classifier's) leaves them as they are."""
     from types import SimpleNamespace
 
     from comera_engine.config import CoMERAConfig, ModelConfig
@@ -526,7 +526,7 @@ def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> Non
     obj = state.objective
     obj.recount()  # the cores' size after the ranks changed (the controller's step does it)
     obj.loss_start = 0.3  # where the task loss started: the size terms' units
-    scale = 1.0 if paper else 0.3
+    scale = 1.0 if paper else 0.3 / math.log(2)
 
     def check(f_value: float, step: int = 100) -> float:
         state.steps_done = step  # the γ warm-up of the step after `step` steps
@@ -554,9 +554,9 @@ def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> Non
 
     assert check(0.7, step=3) == 0.0  # early stage, gamma still warming up
     assert check(0.7) == 0.0  # early stage
-    obj.loss_start, scale = 2.3, 1.0  # a loss that starts above 1: the spec's weights
+    obj.loss_start, scale = 0.7, 1.0  # a loss that starts above ln 2: the spec's weights
     assert check(0.7) == 0.0
-    obj.loss_start, scale = 0.3, 1.0 if paper else 0.3
+    obj.loss_start, scale = 0.3, 1.0 if paper else 0.3 / math.log(2)
     obj.switch_to_late(z_f=0.69)  # task loss near its target: size is further -> lambda 1
     assert check(0.7) == 1.0
     obj.z_f = -10.0  # task loss far above its target: lambda 0

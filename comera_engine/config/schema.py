@@ -140,11 +140,11 @@ class CoMERAConfig:
     plateau_min_drop: float | None = None
     # no bond loses its last entry (the paper lets a layer become the zero map)
     rank_floor: bool | None = None
-    # the size terms are weighed in the task loss's own units: scaled by where the loss
-    # starts (the mean of its first 20 values) when that is below 1 (the paper's weights
-    # suit a loss that starts near or above 1, as cross-entropy does; an MSE starting at
-    # 0.2 would weigh 5x less against the size, and a network can be pruned into one
-    # that answers a constant)
+    # the size terms are weighed in the task loss's own units: scaled by f0 / ln 2, f0
+    # where the loss starts (the mean of its first 20 values), when that is below ln 2 (the
+    # paper's weights are set for a classifier's cross-entropy, which starts at ln K >=
+    # ln 2; an MSE starting at 0.2 would weigh 3.5x less against the size, and a network
+    # can be pruned into one that answers a constant)
     loss_scale: bool | None = None
     # initial ranks chosen from the target (docs/SIZE_AND_TARGET.md) unless model.rank
     # is fixed; off: the preset's ranks

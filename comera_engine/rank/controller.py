@@ -602,7 +602,8 @@ class CoMERA:
         if self.plateau.n == self.plateau.head and scale < 1.0:
             print(f"CoMERA: the task loss starts at {self.plateau.start_so_far:.3g}, so the "
                   f"size terms are weighed at {scale:.3g} (comera.loss_scale: the objective's "
-                  "weights suit a loss that starts near 1)", file=sys.stderr)
+                  "weights are set for a cross-entropy, which starts at ln 2 or more)",
+                  file=sys.stderr)
 
     def _maybe_switch(self, step: int, task_loss: float) -> Event | None:
         """Switch to the late stage when its time has come."""

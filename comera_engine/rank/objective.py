@@ -19,13 +19,13 @@ target (``frozen``, see :mod:`comera_engine.rank.pace`) the objective is the tas
 alone.
 
 With ``loss_scale`` (on in our schedules, off in the paper's) every size term above is
-multiplied by ``s = min(1, f₀)``, ``f₀`` where the task loss starts (the mean of its
-first 20 values, :attr:`loss_start`, set by the controller): the paper's weights suit a
-loss that starts near or above 1, as cross-entropy does (``ln K`` for ``K`` classes:
-``s = 1``, the spec's objective), while a loss that starts at 0.2 (an MSE on values in
-[0, 1]) would weigh five times less against the size, and the late stage can prune a
-network into one that answers a constant. Below 1, multiplying the task loss by a
-constant multiplies the whole objective by it.
+multiplied by ``s = min(1, f₀ / ln 2)``, ``f₀`` where the task loss starts (the mean of
+its first 20 values, :attr:`loss_start`, set by the controller). The paper's weights are
+set for a classifier's cross-entropy, which starts at ``ln K >= ln 2`` for ``K`` classes
+(``s = 1``: the spec's objective); a loss that starts lower (an MSE on values in
+[0, 1] starts near 0.2) would weigh several times less against the size, and the late
+stage can prune a network into one that answers a constant. Below ``ln 2``, multiplying
+the task loss by a constant multiplies the whole objective by it.
 
 ``S₀`` is the initial allocated size of the TT cores (so ``Ŝ/S₀`` starts at 1); ``S_c``
 is the cores' *current* effective size (a constant in the gradient). The late stage
@@ -70,7 +70,11 @@ from .schedule import resolve_schedule
 from .size import size_extra, size_spec
 from .target import plan_target
 
-__all__ = ["CoMERAObjective", "PlateauDetector", "gamma_ramp"]
+__all__ = ["LOSS_UNIT", "CoMERAObjective", "PlateauDetector", "gamma_ramp"]
+
+#: ``ln 2``: where a classifier's cross-entropy starts at the least (two classes); a task
+#: loss that starts below it has the size terms scaled to its units (``loss_scale``)
+LOSS_UNIT = math.log(2.0)
 
 
 def gamma_ramp(warmup_steps: int, step: int) -> float:
@@ -128,7 +132,8 @@ class CoMERAObjective:
     @property
     def loss_start(self) -> float | None:
         """``f₀``: where the task loss starts (the mean of its first values; ``None``
-        before any). With ``loss_scale`` the size terms are scaled by ``min(1, f₀)``."""
+        before any). With ``loss_scale`` the size terms are scaled by
+        ``min(1, f₀ / ln 2)``."""
         return self._start
 
     @loss_start.setter
@@ -139,12 +144,12 @@ class CoMERAObjective:
             self._fill()
 
     def loss_scale(self) -> float:
-        """The size terms' factor: ``min(1, f₀)`` with ``loss_scale`` and a positive,
-        finite ``f₀``, else 1."""
+        """The size terms' factor: ``min(1, f₀ / ln 2)`` with ``loss_scale`` and a
+        positive, finite ``f₀``, else 1."""
         f0 = self._start
         if not self.cfg.loss_scale or f0 is None or not 0.0 < f0 < math.inf:
             return 1.0
-        return min(1.0, f0)
+        return min(1.0, f0 / LOSS_UNIT)
 
     @property
     def target_size(self) -> float | None:
