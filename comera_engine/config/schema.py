@@ -141,7 +141,7 @@ class CoMERAConfig:
     # no bond loses its last entry (the paper lets a layer become the zero map)
     rank_floor: bool | None = None
     # the size terms are weighed in the task loss's own units: scaled by f0 / ln 2, f0
-    # where the loss starts (the mean of its first 20 values), when that is below ln 2 (the
+    # where the loss starts (its first value, the untrained network's), when below ln 2 (the
     # paper's weights are set for a classifier's cross-entropy, which starts at ln K >=
     # ln 2; an MSE starting at 0.2 would weigh 3.5x less against the size, and a network
     # can be pruned into one that answers a constant)

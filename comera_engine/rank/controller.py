@@ -592,27 +592,26 @@ class CoMERA:
             self._plan_key = key
         return self._plan
 
-    def _set_loss_start(self) -> None:
-        """Give the objective where the task loss starts (the plateau's first losses),
-        and say once, when the first losses are in, if it scales the size terms."""
-        if self.objective is None or self.plateau is None:
+    def _set_loss_start(self, loss: float) -> None:
+        """Give the objective where the task loss starts (its first value: the untrained
+        network's), and say once if that scales the size terms (``loss_scale``)."""
+        if self.objective is None:
             return
-        self.objective.loss_start = self.plateau.start_so_far
+        self.objective.loss_start = loss
         scale = self.objective.loss_scale()
-        if self.plateau.n == self.plateau.head and scale < 1.0:
-            print(f"CoMERA: the task loss starts at {self.plateau.start_so_far:.3g}, so the "
-                  f"size terms are weighed at {scale:.3g} (comera.loss_scale: the objective's "
-                  "weights are set for a cross-entropy, which starts at ln 2 or more)",
-                  file=sys.stderr)
+        if scale < 1.0:
+            print(f"CoMERA: the task loss starts at {loss:.3g}, so the size terms are "
+                  f"weighed at {scale:.3g} (comera.loss_scale: the objective's weights are "
+                  "set for a cross-entropy, which starts at ln 2 or more)", file=sys.stderr)
 
     def _maybe_switch(self, step: int, task_loss: float) -> Event | None:
         """Switch to the late stage when its time has come."""
         assert self.objective is not None and self.plateau is not None
         c = self.cfg
         plan = self._switch_plan()
+        if self.objective.loss_start is None:  # f₀: the size terms' units (loss_scale)
+            self._set_loss_start(task_loss)
         plateaued = self.plateau.update(task_loss)
-        if self.plateau.n <= self.plateau.head:  # f₀, the size terms' units (loss_scale)
-            self._set_loss_start()
         due = (plan.switch == "plateau" and plateaued) or (
             isinstance(plan.switch, int) and step >= plan.switch)
         latest = plan.latest is not None and step >= plan.latest
@@ -786,7 +785,7 @@ class CoMERA:
     def state_dict(self) -> dict[str, Any]:
         """Plain values (JSON and ``torch.load(weights_only=True)`` alike): the stage,
         ``z_f``, the plateau, the pace plan, whether the ranks are fixed, the steps done,
-        the objective's ``S_c``, every TT layer's allocated ranks (so
+        the objective's ``S_c`` and the task loss's start, every TT layer's allocated ranks (so
         :meth:`load_state_dict` can shape a fresh model before its weights are loaded) and,
         under an SGD-like optimizer, the gates' own Adam state (``gate_adam``)."""
         obj = self.objective
@@ -804,6 +803,8 @@ class CoMERA:
             # the device and S_c is counted at the next rank event, not each step): a
             # resume takes it as it was, so the continuation is the uninterrupted run's
             "size_cores": obj.size_cores if obj is not None else None,
+            # where the task loss started: the size terms' units (comera.loss_scale)
+            "loss_start": obj.loss_start if obj is not None else None,
         } | ({"gate_adam": self._gate_adam.state_dict()} if self._gate_adam is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -820,7 +821,11 @@ class CoMERA:
                 layer.tt.resize_(ranks)
         if self.plateau is not None and state.get("plateau") is not None:
             self.plateau.load_state_dict(state["plateau"])
-            self._set_loss_start()
+        if self.objective is not None:  # older states kept no start: the plateau's head
+            start = state.get("loss_start")
+            if start is None and self.plateau is not None and self.plateau.n:
+                start = self.plateau.head_sum / min(self.plateau.n, self.plateau.head)
+            self.objective.loss_start = start
         if self.objective is not None and state.get("S0") is not None:
             self.objective.S0 = float(state["S0"])
         if self.objective is not None and state.get("stage") == "late":

@@ -19,8 +19,8 @@ target (``frozen``, see :mod:`comera_engine.rank.pace`) the objective is the tas
 alone.
 
 With ``loss_scale`` (on in our schedules, off in the paper's) every size term above is
-multiplied by ``s = min(1, f₀ / ln 2)``, ``f₀`` where the task loss starts (the mean of
-its first 20 values, :attr:`loss_start`, set by the controller). The paper's weights are
+multiplied by ``s = min(1, f₀ / ln 2)``, ``f₀`` where the task loss starts (its first
+value, the untrained network's: :attr:`loss_start`, set by the controller). The paper's weights are
 set for a classifier's cross-entropy, which starts at ``ln K >= ln 2`` for ``K`` classes
 (``s = 1``: the spec's objective); a loss that starts lower (an MSE on values in
 [0, 1] starts near 0.2) would weigh several times less against the size, and the late
@@ -131,8 +131,8 @@ class CoMERAObjective:
 
     @property
     def loss_start(self) -> float | None:
-        """``f₀``: where the task loss starts (the mean of its first values; ``None``
-        before any). With ``loss_scale`` the size terms are scaled by
+        """``f₀``: where the task loss starts (its first value, the untrained network's;
+        ``None`` before any). With ``loss_scale`` the size terms are scaled by
         ``min(1, f₀ / ln 2)``."""
         return self._start
 
@@ -299,12 +299,6 @@ class PlateauDetector:
     def start(self) -> float | None:
         """Where the loss started: the mean of its first ``head`` values (None before)."""
         return self.head_sum / self.head if self.n >= self.head else None
-
-    @property
-    def start_so_far(self) -> float | None:
-        """The mean of the first ``head`` losses, or of those seen while fewer (None
-        before any)."""
-        return self.head_sum / min(self.n, self.head) if self.n else None
 
     @property
     def learned(self) -> bool:
