@@ -148,14 +148,14 @@ def own_loop(data: dict[str, Any]) -> str:
         return section("CoMERA in your own loop", "python experiments/own_loop.py",
                        "own_loop.json", data, what, _accuracy_table(data))
     nets = data["networks"]
-    what = (f"The script's own networks ({', '.join(nets)}; no preset) in the README's loop "
-            f"at the optimizer's rate (the largest of the grid within a point of the dense "
-            f"network's best validation score), nothing set on the controller; "
+    what = (f"The script's own networks ({', '.join(nets)}; no preset), the README's loop "
+            f"at the dense network's rate (README), nothing set on the controller; "
             f"{data['steps']} steps, seeds {', '.join(map(str, data['seeds']))}; held-out "
-            f"accuracy (R² for a regression) against the same network dense.")
+            f"score against the same network dense.")
     rows = [[f"{name} ({method})", f"{r['target']:g}×" if method == "CoMERA" else "–",
              _held_out(s, r["task"]),
-             f"{s['compression_min']:.1f}× – {s['compression_max']:.1f}×", f"{r['lr']:g}"]
+             f"{s['compression_min']:.1f}× – {s['compression_max']:.1f}×"
+             if method == "CoMERA" else "–", f"{r['lr']:g}"]
             for name, r in nets.items() for method, s in r["summary"].items()]
     return section("CoMERA in your own loop", "python experiments/own_loop.py",
                    "own_loop.json", data, what,

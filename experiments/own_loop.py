@@ -13,16 +13,20 @@ the same network dense in the same loop.
 - ``regression``: scikit-learn's Friedman #1 (10 features, 5 informative, noise 0.5;
   generated, 5,000 to train, 1,000 held out), standardised target, through three GELU
   layers of 256 to one output; mean squared error, scored by R² on held-out data.
+- ``autoencoder``: the digits' 64 pixel values (0..1) through a 13-wide bottleneck and
+  back (64-97-13-97-64, GELU between), every layer TT; mean squared error on the
+  reconstruction (a loss that starts far below 1), scored by R² over the 64 outputs.
 
-Every layer but the head becomes TT (``ce.tensorize(model, config)``: initial ranks
-from the target). The learning rate is the optimizer's, chosen once per network for the
-*dense* network, as one picks a learning rate: the largest of ``--lrs`` whose validation
-accuracy (seed 0, a validation split carved out of the training data) is within one
-point of the best (on these small networks several rates tie, and the fastest that does
-as well is the one a user keeps). Every run then trains on the whole training split and
-is measured on data that neither training nor the learning-rate choice saw (the last 300
-digits of a fixed shuffle; the reviews' own eval split; the last 1,000 Friedman rows),
-by accuracy (R² for the regression network: ``test_score`` in the JSON). Prints a table and writes
+Every layer but the head (the autoencoder: every layer) becomes TT
+(``ce.tensorize(model, config)``: initial ranks from the target). The learning rate is
+the optimizer's, chosen once per network for the *dense* network, as one picks a
+learning rate: the largest of ``--lrs`` whose validation accuracy (seed 0, a validation
+split carved out of the training data) is within one point of the best (on these small
+networks several rates tie, and the fastest that does as well is the one a user keeps).
+Every run then trains on the whole training split and is measured on data that neither
+training nor the learning-rate choice saw (the last 300 digits of a fixed shuffle; the
+reviews' own eval split; the last 1,000 Friedman rows), by accuracy (R² for the
+regression and the autoencoder: ``test_score`` in the JSON). Prints a table and writes
 experiments/results/own_loop.json.
 
 The optimizer is AdamW (weight decay 0.01, torch's default), or with ``--optimizer sgd``
@@ -149,6 +153,19 @@ class FriedmanMLP(nn.Module):
         return self.head(h).squeeze(-1)
 
 
+class DigitAE(nn.Module):
+    """64 pixel values (0..1) through a 13-wide bottleneck and back: 64-97-13-97-64, GELU
+    between (odd widths: TT factors that do not divide them evenly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(64, 97), nn.GELU(), nn.Linear(97, 13))
+        self.dec = nn.Sequential(nn.Linear(13, 97), nn.GELU(), nn.Linear(97, 64))
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self.dec(self.enc(batch["x"].float() / 16))
+
+
 class TinyEncoder(nn.Module):
     """Token embedding + learned positions, two :class:`Block` s, the mean of the
     unpadded tokens through a linear head."""
@@ -201,6 +218,13 @@ def digits_split() -> Split:
     train = _take(data, torch.arange(n - 300))
     return Split(train, _take(train, torch.arange(n - 500, n - 300)),
                  _take(data, torch.arange(n - 300, n)))
+
+
+def digits_ae_split() -> Split:
+    """:func:`digits_split` with the pixels (0..1) as the target: an autoencoder's."""
+    split = digits_split()
+    return Split(*({"x": b["x"], "y": b["x"].float() / 16}
+                   for b in (split.train, split.val, split.test)))
 
 
 def reviews_split(seq_len: int = 64) -> Split:
@@ -260,6 +284,8 @@ NETWORKS = {
         reviews_split, 10.0, ["head"], 32),
     "regression": Network("regression", lambda s: FriedmanMLP(), friedman_split, 30.0,
                           ["head"], 64, "regress"),
+    "autoencoder": Network("autoencoder", lambda s: DigitAE(), digits_ae_split, 8.0, [], 64,
+                           "regress"),
 }
 
 
@@ -268,14 +294,15 @@ NETWORKS = {
 
 @torch.no_grad()
 def score(model: nn.Module, data: Batch, task: str = "classify", chunk: int = 1024) -> float:
-    """Held-out accuracy, or R² (``1 − Σ(ŷ−y)² / Σ(y−ȳ)²``) for ``task="regress"``."""
+    """Held-out accuracy, or R² (``1 − Σ(ŷ−y)² / Σ(y−ȳ)²``, ``ȳ`` each output's mean)
+    for ``task="regress"``."""
     model.eval()
     outs = [model(_take(data, torch.arange(i, min(i + chunk, len(data["y"])))))
             for i in range(0, len(data["y"]), chunk)]
     model.train()
     out, y = torch.cat(outs), data["y"]
     if task == "regress":
-        return 1.0 - float((out - y).pow(2).sum() / (y - y.mean()).pow(2).sum())
+        return 1.0 - float((out - y).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
     return float((out.argmax(1) == y).float().mean())
 
 
@@ -327,7 +354,7 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
         loss = task_loss(net, model(batch), batch["y"])
         if controller is not None:
             loss = controller.loss(loss)  # its step raises on a non-finite loss
-        elif not math.isfinite(float(loss)):  # the same test for the dense network
+        elif not math.isfinite(float(loss.detach())):  # the same test for the dense network
             raise ce.TrainingDiverged(step + 1, float(loss),
                                       f"the task loss is {float(loss)} at step {step + 1}")
         opt.zero_grad()
