@@ -228,8 +228,12 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     assert bar[None]["base"][0] == start and bar[None]["x"][0] == pytest.approx(floor - start)
     assert at.toggle(key="digits_tt_mlp:auto_rank").value
     assert any("Starts at max rank" in c.value for c in at.caption)
+    # the greyed rank field shows no rank the run does not start at, but where it comes from
+    chosen = at.text_input(key="digits_tt_mlp:rank:tiny:auto")
+    assert chosen.disabled and not chosen.value and "from the target" in chosen.placeholder
     # the toggle off: the preset's rank 8 is the start
     at.toggle(key="digits_tt_mlp:auto_rank").set_value(False).run()
+    assert at.text_input(key="digits_tt_mlp:rank:tiny").value == "8"
     raw8 = tomllib.loads((ROOT / "experiments/configs/digits_tt_mlp.toml").read_text())
     raw8["model"]["rank"] = 8
     bar = {t.get("name"): t for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"]}

@@ -334,18 +334,24 @@ with left:
         help="comera.headroom: 3 suits the transformers and the MLP; the DLRM presets start "
              "at 1.5 (docs/SIZE_AND_TARGET.md, \"How much headroom\").")
     c1, c2 = st.columns(2)
+    # chosen from the target: the fields say so (the preview gives the ranks) instead of
+    # showing a rank the run does not start at; their own values come back when unticked
+    planned = ":auto" if auto else ""
+    from_target = "from the target (see the preview)" if auto else None
     max_rank = number_text(
         c1, "Max rank (linear layers)",
-        (m.get("rank") or rank_default) if size == m.get("preset", "tiny") else rank_default,
-        k(f"rank:{size}"), disabled=dense or auto,
+        None if auto else (m.get("rank") or rank_default) if size == m.get("preset", "tiny")
+        else rank_default,
+        k(f"rank:{size}{planned}"), disabled=dense or auto, placeholder=from_target,
         help="TT ranks start here (clamped per bond to what the shapes allow) and are "
              "pruned by the rank gates while training.")
     emb_rank = None
     if has_emb:
         emb_rank = number_text(
             c2, "Max rank (embeddings)",
-            (m.get("embedding_rank") or emb_default) if size == m.get("preset", "tiny")
-            else emb_default, k(f"erank:{size}"), disabled=dense or auto)
+            None if auto else (m.get("embedding_rank") or emb_default)
+            if size == m.get("preset", "tiny") else emb_default,
+            k(f"erank:{size}{planned}"), disabled=dense or auto, placeholder=from_target)
     layout = None
     if user or (any(kind != "embedding" for kind in tt_kinds)
                 and m.get("tt_impl") != "tltorch"):
