@@ -52,7 +52,9 @@ def freeze_gates(model: nn.Module) -> None:
             layer.tt.tau = 0.0
 
 
-def _matches(name: str, patterns: Iterable[str] | None) -> bool:
+def matches(name: str, patterns: Iterable[str] | None) -> bool:
+    """Whether the module name ``name`` matches one of the glob ``patterns`` (the full
+    name: ``include`` / ``exclude``'s rule)."""
     return any(fnmatch.fnmatchcase(name, p) for p in (patterns or ()))
 
 
@@ -103,7 +105,7 @@ def tensorize_layers(
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, (nn.Linear, nn.Embedding)) or isinstance(mod, TT_LAYERS):
             continue
-        if include is not None and not _matches(name, include):
+        if include is not None and not matches(name, include):
             continue
         row: dict = {"name": name}
         if isinstance(mod, nn.Linear):
@@ -114,9 +116,9 @@ def tensorize_layers(
             row.update(kind="embedding", shape=[mod.num_embeddings, mod.embedding_dim],
                        params_before=mod.weight.numel())
             small = min(mod.num_embeddings, mod.embedding_dim) < min_features
-        if _matches(name, exclude) or small:
+        if matches(name, exclude) or small:
             row.update(replaced=False, params_after=row["params_before"],
-                       reason="excluded" if _matches(name, exclude) else
+                       reason="excluded" if matches(name, exclude) else
                        f"smaller than min_features={min_features}")
             report.append(row)
             continue

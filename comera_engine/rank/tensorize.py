@@ -16,7 +16,6 @@ rank. An unreachable target is refused before any layer is replaced::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from fnmatch import fnmatchcase
 from glob import escape
 
 from torch import nn
@@ -24,6 +23,7 @@ from torch import nn
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import factorized_layers, freeze_gates, tensorize_layers
+from ..layers.tensorize import matches
 from .size import size_spec
 from .target import SizeSpec, TargetPlan, plan_fixed_ranks, plan_target
 
@@ -58,7 +58,7 @@ def _patterns(model: nn.Module, field: str, patterns: Iterable[str] | str | None
     for p in out:
         if not isinstance(p, str):
             raise ConfigError(field, f"glob patterns of module names (strings), got {p!r}")
-        if not any(fnmatchcase(n, p) for n in names):
+        if not any(matches(n, [p]) for n in names):
             shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
             raise ConfigError(field, f"{p!r} matches none of the model's Linear / Embedding "
                                      f"layers ({shown or 'it has none'}); give glob patterns "
@@ -66,13 +66,11 @@ def _patterns(model: nn.Module, field: str, patterns: Iterable[str] | str | None
     return out
 
 
-def _refuse_tied(model: nn.Module, include: list[str] | None, exclude: list[str] | None,
-                 min_features: int, d: int | None, layout: str) -> None:
+def _refuse_tied(model: nn.Module, rows: list[dict]) -> None:
     """Refuse to make a layer TT whose weight another module shares (a language model's
     output layer tied to its embedding): a TT layer holds weights of its own, so the tie
-    would be cut without a word and the shared matrix counted twice."""
-    rows = tensorize_layers(model, include=include, exclude=exclude, min_features=min_features,
-                            d=d, layout=layout, dry_run=True)
+    would be cut without a word and the shared matrix counted twice. ``rows``: the
+    candidates :func:`tensorize_layers` reports (a dry run)."""
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name.rpartition(".")[0])
@@ -182,7 +180,9 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
     """
     config = _config(config)
     include, exclude = _patterns(model, "include", include), _patterns(model, "exclude", exclude)
-    _refuse_tied(model, include, exclude, min_features, d, layout)
+    candidates = tensorize_layers(model, include=include, exclude=exclude,
+                                  min_features=min_features, d=d, layout=layout, dry_run=True)
+    _refuse_tied(model, candidates)
     target = config.target_compression
     if rank is None:
         rank = "auto" if target is not None else BASE_RANK
@@ -203,10 +203,7 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
                           embedding_rank=embedding_rank, include=include, exclude=exclude,
                           min_features=min_features, d=d, layout=layout)
         if plan.bond_ranks is not None:  # a fixed-rank method: each layer at its own ranks
-            rows = tensorize_layers(model, include=include, exclude=exclude,
-                                    min_features=min_features, d=d, layout=layout,
-                                    dry_run=True)
-            names = [r["name"] for r in rows if "module" in r]  # the plan's layer order
+            names = [r["name"] for r in candidates if "module" in r]  # the plan's order
             for name, ranks in zip(names, plan.bond_ranks):
                 tensorize_layers(model, rank=list(ranks), embedding_rank=list(ranks),
                                  include=[escape(name)], from_pretrained=from_pretrained,
