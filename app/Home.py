@@ -42,12 +42,7 @@ pages = {
 }
 page = st.navigation(pages)
 
-# A tile's value and label wrap instead of ending in "…" (Streamlit cuts them to one
-# line: a Learn page rank list "4-16-24-24-2…" hid its last bonds).
-st.html("<style>[data-testid='stMetricValue'], [data-testid='stMetricValue'] *, "
-        "[data-testid='stMetricLabel'], [data-testid='stMetricLabel'] * {"
-        " white-space: normal !important; overflow: visible !important;"
-        " text-overflow: clip !important; overflow-wrap: anywhere; }</style>")
+st.html(ui.PAGE_CSS)  # tiles whose values fit them (app/lib/ui.py)
 
 with st.sidebar:
     st.markdown("### :material/view_in_ar: CoMERA Studio")

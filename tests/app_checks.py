@@ -38,3 +38,24 @@ def blank_when_missing(at: AppTest) -> int:
                 elif pd.api.types.is_scalar(cell) and pd.isna(cell):
                     missing += 1
     return missing
+
+
+def tile_rows(at: AppTest) -> list[list[str]]:
+    """The rows of metric tiles on the page, in order: per row of columns holding a tile,
+    the label of each column's tile ("" for a column without one)."""
+    from streamlit.testing.v1.element_tree import Block, Column, Metric
+
+    rows: list[list[str]] = []
+
+    def walk(node: Block) -> None:
+        kids = list(node.children.values())
+        if kids and all(isinstance(k, Column) for k in kids) and any(
+                isinstance(e, Metric) for k in kids for e in k.children.values()):
+            rows.append([next((e.label for e in k.children.values() if isinstance(e, Metric)),
+                              "") for k in kids])
+        for k in kids:
+            if isinstance(k, Block):
+                walk(k)
+
+    walk(at.main)
+    return rows

@@ -27,6 +27,7 @@ from tests.app_checks import (  # noqa: E402
     TIMEOUT,
     blank_when_missing,
     no_exception,
+    tile_rows,
 )
 
 PAGES = {
@@ -675,6 +676,29 @@ def test_live_page_on_a_gpu_run(home: Path) -> None:
     assert used[0] == pytest.approx(100 * 9001.0 / 81559.0)
     assert used[-1] == pytest.approx(100 * 9049.0 / 81559.0)
     assert "GPU 1" in texts(at) and "trains on the CPU" not in texts(at)
+
+
+def test_tiles_are_wide_enough_for_their_values(home: Path) -> None:
+    """On a 1024 px screen with the sidebar open a tile's value fits on one line: the
+    Live page's six tiles come in two rows of three (six side by side were 81 px wide
+    there, and "430 MiB" or "0.1031" took two lines), the New experiment's preview (half
+    the page) and Learn's TT-SVD (a long rank list) in rows of two, and every page's style
+    shrinks a value's type with its tile."""
+    seed_run(store_at(home))
+    at = app("live")
+    no_exception(at)
+    rows = tile_rows(at)
+    assert rows == [["Step", "Task loss", "Eval accuracy"],
+                    ["Compression (TT layers)", "Samples / s", "Memory (RSS)"]], rows
+    at = app("new")
+    no_exception(at)
+    assert [len(row) for row in tile_rows(at)] == [2, 2]
+    at = app("learn")
+    no_exception(at)
+    assert tile_rows(at)[:2] == [["Parameters", "Compression"], ["Relative error", "Ranks"]]
+    assert max(len(row) for row in tile_rows(at)) <= 4
+    (style,) = [h.proto.body for h in at.get("html") if "stMetricValue" in h.proto.body]
+    assert "container-type: inline-size" in style and "cqi" in style
 
 
 def test_new_experiment_lists_gpus_and_launches_on_one(home: Path,

@@ -83,6 +83,8 @@ def test_sweeps_page_shows_the_front_and_the_mean_per_target(home: Path) -> None
     at = app("views/sweeps.py", sweep=sid)
     no_exception(at)
     assert at.selectbox(key="sw-pick").value == sid
+    tiles = {m.label: m.value for m in at.metric}  # short values: one line in a narrow tile
+    assert (tiles["Status"], tiles["Cells ended"]) == ("finished", "4 / 4")
     assert len(at.get("plotly_chart")) == 2
     # parallel coordinates (issue 46 item 6): the swept key, the seed, the compression
     # and the score (percent), a line per cell

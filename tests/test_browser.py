@@ -5,7 +5,8 @@ Each test is one story on one server; the runs it trains serve all its checks.
 * launch the default tiny experiment from the New-experiment form, watch the live page's
   step count rise and its plots update, press Stop and see the status become stopped;
   tour Compare, Learn and Export: no Streamlit exception, no tile or button label cut
-  short, no legend over a title, no request leaving 127.0.0.1;
+  short, no legend over a title, no request leaving 127.0.0.1; at 1024 px with the
+  sidebar open, the form's and the live page's tile values each on one line;
 * two browser sessions press "Launch the default experiment" at once: one run starts and
   both sessions watch it;
 * the form refuses target 1e9, steps -5 / 1e9 / 2.5 / text with the engine's message and
@@ -316,6 +317,26 @@ def cut_labels(page: Any) -> list[str]:
         .map(e => e.innerText)""")
 
 
+def wrapped_values(page: Any) -> list[str]:
+    """Tile values drawn on more than one line (taller than one and a half lines)."""
+    return page.evaluate("""() => Array.from(document.querySelectorAll(
+        '[data-testid="stMetricValue"]')).filter(v => {
+            const r = v.getBoundingClientRect();
+            const line = parseFloat(getComputedStyle(v).lineHeight);
+            return r.width > 0 && r.height > 1.5 * line; }).map(v => v.innerText)""")
+
+
+def at_laptop_width(page: Any) -> list[str]:
+    """At 1024 px wide, the sidebar open: the tile values on two lines and the labels cut
+    short (:func:`wrapped_values`, :func:`cut_labels`); then back to :data:`VIEWPORT`."""
+    page.set_viewport_size({"width": 1024, "height": VIEWPORT["height"]})
+    try:
+        time.sleep(1.0)  # the page lays itself out again
+        return wrapped_values(page) + cut_labels(page)
+    finally:
+        page.set_viewport_size(VIEWPORT)
+
+
 def plot_problems(page: Any) -> list[str]:
     """Per Plotly chart of the page: a legend drawn over its title or its x axis title,
     and each point label cut (outside the figure, or outside the plot area inside a
@@ -384,6 +405,8 @@ def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
     wait_until(lambda: steps.input_value() == "3000", 30, "the steps field")
     settle(page)
     shot(page, "02-new-experiment")
+    laptop = at_laptop_width(page)  # the preview's four tiles
+    assert not laptop, laptop
 
     page.get_by_role("button", name="Launch", exact=True).click()
     page.wait_for_url(re.compile(r".*/live_run\?run=.+"), timeout=60_000)
@@ -413,6 +436,8 @@ def test_launch_watch_stop_and_tour(browser: Any, server: Server) -> None:
     shot(page, "04-live-stopped")
 
     assert not cut_labels(page)
+    laptop = at_laptop_width(page)  # six tiles, Stop and Resume
+    assert not laptop, laptop
 
     nav(page, "Compare")
     charts_drawn(page, "Accuracy for the size", 4, "compare charts")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,36 @@ EXPORT_PAGE = "views/export.py"
 #: Token of the empty-state "launch the default experiment" button: shared by every
 #: session, so two sessions pressing it at once start one run.
 DEFAULT_LAUNCH_TOKEN = "empty-store:default-experiment"
+
+
+#: The most metric tiles side by side: in a row of more, a tile on a 1024 px screen with
+#: the sidebar open is under 90 px wide, and a value such as "430 MiB" wraps.
+TILES_PER_ROW = 3
+
+#: Every page's style. A tile's value and label wrap instead of ending in "…" (Streamlit
+#: cuts them to one line: a Learn page rank list "4-16-24-24-2…" hid its last bonds), and
+#: a value's type shrinks with its tile (each tile a size container; from 36 px down to
+#: 24 px, at 22 % of the tile's width), so a figure fits on one line in a narrow tile.
+PAGE_CSS = (
+    "<style>[data-testid='stMetric'] { container-type: inline-size; }"
+    " [data-testid='stMetricValue'] { font-size: clamp(1.5rem, 22cqi, 2.25rem) !important; }"
+    " [data-testid='stMetricValue'], [data-testid='stMetricValue'] *, "
+    "[data-testid='stMetricLabel'], [data-testid='stMetricLabel'] * {"
+    " white-space: normal !important; overflow: visible !important;"
+    " text-overflow: clip !important; overflow-wrap: anywhere; }</style>"
+)
+
+
+def tile_columns(n: int, per_row: int = TILES_PER_ROW) -> list[Any]:
+    """Slots for ``n`` metric tiles in as few rows as ``per_row`` allows, the rows as even
+    as they can be (6 tiles: 3 + 3; 4 tiles by 2: 2 + 2; 5: 3 + 2) and every column of
+    the same width, so a tile is never narrower than a row of ``per_row`` gives it."""
+    rows = max(1, math.ceil(n / per_row))
+    cols = math.ceil(n / rows)
+    slots: list[Any] = []
+    while len(slots) < n:
+        slots += st.columns(cols)[: n - len(slots)]
+    return slots
 
 
 #: Session-state entry holding the New-experiment form's values between visits.

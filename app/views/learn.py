@@ -8,7 +8,7 @@ import numpy as np
 import plotly.graph_objects as go
 import streamlit as st
 
-from app.lib import fmt, plots
+from app.lib import fmt, plots, ui
 from app.lib.learn import (
     LAYOUTS,
     SOURCES,
@@ -73,7 +73,7 @@ with tab1:
         res = _approx(source, layout, rank)
         curve = _curve(source, layout)
     m = _matrix(source)
-    k = st.columns(4)
+    k = ui.tile_columns(4, per_row=2)  # the rank list is long: rows of 2 tiles
     k[0].metric("Parameters", f"{res.params:,}", delta=f"dense {res.dense:,}",
                 delta_color="off", delta_arrow="off")
     k[1].metric("Compression", fmt.ratio(res.compression))
@@ -239,7 +239,7 @@ with tab3:
     p_eff = 0 if eff == 0 else sum(a * s * b for a, s, b in shapes_eff)
     k = st.columns(3)
     k[0].metric("Effective rank", f"{eff} / {r3}")
-    k[1].metric("768×768 layer, all bonds alike", f"{p_eff:,} params",
+    k[1].metric("Parameters (768×768, all bonds alike)", f"{p_eff:,}",
                 delta=f"from {p_full:,}", delta_color="off", delta_arrow="off")
     k[2].metric("Compression vs dense", fmt.ratio(768 * 768 / p_eff) if p_eff else "∞×",
                 help="A bond at rank 0 makes the layer the zero map (0 parameters).")

@@ -66,7 +66,7 @@ def controls(run: dict[str, Any]) -> None:
     from comera_engine.launch import LaunchError, resume, stop
 
     status = run["status"]
-    c1, c2, _ = st.columns([1, 1, 4])
+    c1, c2, _ = st.columns([1, 1, 2])  # "Resume" whole at 1024 px, sidebar open
     can_stop = status in ("queued", "running")
     if c1.button("Stop", key="stop", icon=":material/stop:", disabled=not can_stop,
                  help="Graceful stop: the trainer writes a checkpoint and reports 'stopped'.",
@@ -135,7 +135,7 @@ def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float |
     target = runs.target_of(run)
     comp = runs.compression(run, latest)
     acc_name = "eval/acc" if "eval/acc" in latest else "acc/train"
-    c = st.columns(6)
+    c = ui.tile_columns(6)  # rows of 3: each value fits its tile at 1024 px
     c[0].metric("Step", f"{step:,}", delta=f"of {total:,}", delta_color="off",
                 delta_arrow="off")
     c[1].metric("Task loss", fmt.num(latest.get("loss/task")),
@@ -383,7 +383,7 @@ def _about(run: dict[str, Any]) -> None:
                              help="What you tried and what you saw: kept with the run.")
         tags = st.text_input("Tags", value=", ".join(run.get("tags") or []),
                              key=f"about-tags-{RID}", help="Words, separated by commas.")
-        c1, c2, _ = st.columns([1, 1, 3])
+        c1, c2, _ = st.columns([1, 1, 2])
         if c1.button("Save", key="about-save", icon=":material/save:"):
             try:
                 store.update_run(RID, name=check_run_name(name))
@@ -408,7 +408,7 @@ def _about(run: dict[str, Any]) -> None:
 
 
 _about(store.get_run(RID) or chosen)
-d1, d2, _ = st.columns([1, 1, 4])  # the metric history, read when the button is pressed
+d1, d2, _ = st.columns([1, 1, 1])  # the metric history, read when the button is pressed
 d1.download_button("Metrics (CSV)", key="dl-csv", icon=":material/download:",
                    data=lambda: runs.history_csv(runs.metric_history(store, [RID])),
                    file_name=f"{RID}-metrics.csv", mime="text/csv", on_click="ignore",

@@ -774,7 +774,7 @@ with right:
         st.info("Fix the highlighted fields to see the preview.", icon=":material/visibility:")
         st.stop()
     unit = pv.token_unit
-    k1, k2, k3, k4 = st.columns(4)
+    k1, k2, k3, k4 = ui.tile_columns(4, per_row=2)  # half the page: rows of 2 tiles
     k1.metric("Parameters", fmt.count(pv.alloc_total),
               delta=f"dense {fmt.count(pv.dense_total)}", delta_color="off", delta_arrow="off",
               help="Whole model at the allocated ranks (dense layers included).")

@@ -75,12 +75,13 @@ def view() -> None:
     done = sum(n for k, n in counts.items() if k not in ("queued", "running", "stopping"))
     c1, c2, c3, c4 = st.columns(4)
     c1.metric("Status", sweep["status"])
-    c2.metric("Cells", f"{done} / {sweep['cells']} ended")
+    c2.metric("Cells ended", f"{done} / {sweep['cells']}",
+              help="Cells that finished, stopped or failed, of all the sweep's cells.")
     c3.metric("At once", sweep.get("max_parallel") or "-")
     c4.metric("Backend", sweep.get("backend") or "local")
     st.progress(done / max(1, sweep["cells"]),
                 text=" · ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    b1, b2, _ = st.columns([1, 1, 4])
+    b1, b2, _ = st.columns([1, 1, 1])  # each label whole at 1024 px, sidebar open
     live = sweep["status"] in ("queued", "running")
     b1.button("Stop sweep", key="sw-stop", disabled=not live, on_click=_stop,
               icon=":material/stop_circle:", width="stretch")
