@@ -166,6 +166,57 @@ def grid_points(at: AppTest) -> dict:
     return marks
 
 
+def test_the_sweep_picker_says_each_sweeps_status_as_the_store_has_it(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The picker names each sweep with its status as the store has it now: it is drawn
+    by the part of the page redrawn every 2 s while any sweep is live (the chosen one or
+    another), so a sweep that started, ended or was resumed meanwhile reads so without a
+    reload (it kept the status of the page's first drawing)."""
+    import streamlit
+
+    real = streamlit.fragment
+    drawn: list[tuple[float | None, bool]] = []  # per pass: its refresh, the picker drawn
+
+    def fragment(func, *, run_every=None):  # what each fragment of the page draws
+        def body() -> None:
+            before = "sw-pick" in streamlit.session_state
+            func()
+            drawn.append((run_every, not before and "sw-pick" in streamlit.session_state))
+        return real(body, run_every=run_every)
+
+    monkeypatch.setattr(streamlit, "fragment", fragment)
+    st = RunStore(home / "comera.db")
+    sid, ids = seed_sweep(st, unfinished=True)  # its last cell waits: running
+    at = app("views/sweeps.py", sweep=sid)
+    no_exception(at)
+    assert (2.0, True) in drawn  # the picker, in the part redrawn every 2 s
+
+    def label(at: AppTest, sweep: str) -> str:
+        pick = at.selectbox(key="sw-pick")
+        return pick.options[[o.endswith(sweep) for o in pick.options].index(True)]
+
+    assert label(at, sid) == f"digits · running · {sid}"
+    # another sweep starts while the first one ends: still redrawn, each status current
+    other = st.create_sweep("other", {"name": "other"}, {"comera.target_compression": [5]}, 1)
+    cell = st.create_run("other · 5× seed 0", {"name": "other"}, "queued", sweep_id=other,
+                         cell={"overrides": {"comera.target_compression": 5}, "seed": 0})
+    st.set_status(ids[-1], "finished")
+    drawn.clear()
+    at.run()
+    no_exception(at)
+    assert at.selectbox(key="sw-pick").value == sid
+    assert label(at, sid) == f"digits · finished · {sid}"
+    assert label(at, other) == f"other · queued · {other}"
+    assert drawn[-1][0] == 2.0  # the chosen sweep is over, the other one is live
+    assert "Refreshing every 2 s" in texts(at)
+    # nothing live: no refresh
+    st.set_status(cell, "stopped", only_from=("queued",))
+    drawn.clear()
+    at.run()
+    assert label(at, other) == f"other · stopped · {other}"
+    assert drawn[-1][0] is None and "Refreshing" not in texts(at)
+
+
 def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])  # start nothing

@@ -30,32 +30,41 @@ if not sweeps:
             st.switch_page(ui.NEW_PAGE)
     st.stop()
 
-ids = [s["id"] for s in sweeps]
-by_id = {s["id"]: s for s in sweeps}
-wanted = st.query_params.get("sweep")
-SID = st.selectbox(
-    "Sweep", ids, index=ids.index(wanted) if wanted in ids else 0, key="sw-pick",
-    format_func=lambda i: f"{by_id[i]['name']} · {by_id[i]['status']} · {i}")
-if st.query_params.get("sweep") != SID:
-    st.query_params["sweep"] = SID
-LIVE_AT_START = by_id[SID]["status"] in ("queued", "running")
+#: A sweep is live while it is queued or running: the page then redraws itself (the
+#: picker too) every REFRESH_S.
+LIVE = ("queued", "running")
+LIVE_AT_START = any(s["status"] in LIVE for s in sweeps)
 
 
-def _stop() -> None:
+def _stop(sid: str) -> None:
     try:
-        stop_sweep(SID, store, wait=False)
+        stop_sweep(sid, store, wait=False)
         st.session_state["sw-note"] = "Stop requested: waiting cells will not start, running " \
             "ones write a checkpoint and stop."
     except Exception as e:  # noqa: BLE001 - shown on the page
         st.session_state["sw-note"] = f"Stop failed: {e}"
 
 
-def _resume() -> None:
+def _resume(sid: str) -> None:
     try:
-        again = resume_sweep(SID, store)
+        again = resume_sweep(sid, store)
         st.session_state["sw-note"] = f"{len(again)} cell(s) queued again."
     except Exception as e:  # noqa: BLE001 - shown on the page
         st.session_state["sw-note"] = f"Resume failed: {e}"
+
+
+def pick(sweeps: list[dict]) -> str:
+    """The sweep picker (``?sweep=`` remembers the choice), each sweep named with its
+    status as ``sweeps`` gives it: the store's, read again at every pass."""
+    ids = [s["id"] for s in sweeps]
+    by_id = {s["id"]: s for s in sweeps}
+    wanted = st.query_params.get("sweep")
+    sid = st.selectbox(
+        "Sweep", ids, index=ids.index(wanted) if wanted in ids else 0, key="sw-pick",
+        format_func=lambda i: f"{by_id[i]['name']} · {by_id[i]['status']} · {i}")
+    if st.query_params.get("sweep") != sid:
+        st.query_params["sweep"] = sid
+    return str(sid)
 
 
 def _scope(rep: dict) -> str:
@@ -68,8 +77,8 @@ def _text(value: object, shown: object) -> object:
     return "" if value is None else shown
 
 
-def view() -> None:
-    rep = sweep_report(store, SID)
+def view(sid: str) -> None:
+    rep = sweep_report(store, sid)
     sweep = rep["sweep"]
     counts = sweep["counts"]
     done = sum(n for k, n in counts.items() if k not in ("queued", "running", "stopping"))
@@ -82,12 +91,13 @@ def view() -> None:
     st.progress(done / max(1, sweep["cells"]),
                 text=" · ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     b1, b2, _ = st.columns([1, 1, 1])  # each label whole at 1024 px, sidebar open
-    live = sweep["status"] in ("queued", "running")
-    b1.button("Stop sweep", key="sw-stop", disabled=not live, on_click=_stop,
+    live = sweep["status"] in LIVE
+    b1.button("Stop sweep", key="sw-stop", disabled=not live, on_click=_stop, args=(sid,),
               icon=":material/stop_circle:", width="stretch")
     resumable = any(k in ("stopped", "crashed", "failed") for k in counts)
     b2.button("Resume sweep", key="sw-resume", disabled=live or not resumable,
-              on_click=_resume, icon=":material/play_circle:", width="stretch")
+              on_click=_resume, args=(sid,), icon=":material/play_circle:",
+              width="stretch")
     note = st.session_state.pop("sw-note", None)
     if note:
         st.info(note, icon=":material/info:")
@@ -133,26 +143,43 @@ def view() -> None:
             "run": st.column_config.LinkColumn("run", display_text=r"run=(.*)$",
                                                help="Open the cell's Live run page"),
         })
-    if LIVE_AT_START != live:
-        st.rerun()
 
 
-st.fragment(view, run_every=REFRESH_S if LIVE_AT_START else None)()
-
-
-def _history() -> list[dict]:
-    cells = sweep_report(store, SID)["cells"]
+def _history(sid: str) -> list[dict]:
+    cells = sweep_report(store, sid)["cells"]
     return runs.metric_history(store, [c["run"] for c in cells],
                                {c["run"]: c["label"] for c in cells})
 
 
-d1, d2, _ = st.columns([1, 1, 1])  # every cell's metric history, read on the click
-d1.download_button("Metrics of every cell (CSV)", key="sw-dl-csv", icon=":material/download:",
-                   data=lambda: runs.history_csv(_history()), file_name=f"{SID}-metrics.csv",
-                   mime="text/csv", on_click="ignore")
-d2.download_button("Metrics of every cell (JSON)", key="sw-dl-json",
-                   icon=":material/download:", data=lambda: runs.history_json(_history()),
-                   file_name=f"{SID}-metrics.json", mime="application/json",
-                   on_click="ignore")
+def downloads(sid: str) -> None:
+    """Every cell's metric history, read when a button is pressed."""
+    d1, d2, _ = st.columns([1, 1, 1])
+    d1.download_button("Metrics of every cell (CSV)", key="sw-dl-csv",
+                       icon=":material/download:",
+                       data=lambda: runs.history_csv(_history(sid)),
+                       file_name=f"{sid}-metrics.csv", mime="text/csv", on_click="ignore")
+    d2.download_button("Metrics of every cell (JSON)", key="sw-dl-json",
+                       icon=":material/download:",
+                       data=lambda: runs.history_json(_history(sid)),
+                       file_name=f"{sid}-metrics.json", mime="application/json",
+                       on_click="ignore")
+
+
+def page() -> None:
+    """One pass of the page: the picker, the chosen sweep and its downloads, every
+    status read from the store again (each pass, every REFRESH_S while a sweep was live
+    when the page was drawn); once that changes, the page is drawn anew (with or without
+    its refresh)."""
+    now = store.list_sweeps()
+    if not now:  # deleted meanwhile: the page says there is none
+        st.rerun()
+    sid = pick(now)
+    view(sid)
+    downloads(sid)
+    if LIVE_AT_START != any(s["status"] in LIVE for s in now):
+        st.rerun()
+
+
+st.fragment(page, run_every=REFRESH_S if LIVE_AT_START else None)()
 if LIVE_AT_START:
-    st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while the sweep runs.")
+    st.caption(f":material/autorenew: Refreshing every {REFRESH_S:g} s while a sweep runs.")
