@@ -59,3 +59,43 @@ def tile_rows(at: AppTest) -> list[list[str]]:
 
     walk(at.main)
     return rows
+
+
+def page_figures(at: AppTest) -> dict[str, dict]:
+    """Every chart on the page as a Plotly figure dict, by its key: the Plotly charts
+    and the Live page's in-place charts (``app.lib.livechart``)."""
+    import json
+
+    from app.lib.livechart import figure_of
+
+    out = {c.proto.id: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+    out.update({e.proto.id: figure_of(e.proto.json_args) for e in at.get("component_instance")
+                if e.proto.component_name.endswith("live_chart")})
+    return out
+
+
+def tick_value(text: str) -> float:
+    """A log axis's tick label as the figure it states: ``"20k"`` -> 20000."""
+    scale = {"k": 1e3, "M": 1e6, "G": 1e9}
+    return float(text[:-1]) * scale[text[-1]] if text[-1:] in scale else float(text)
+
+
+def log_axes(figures: dict[str, dict]) -> dict[str, dict]:
+    """The log axes of these figures, by ``"<figure key> <axis>"``."""
+    return {f"{key} {name}": axis for key, fig in figures.items()
+            for name, axis in (fig.get("layout") or {}).items()
+            if name.startswith(("xaxis", "yaxis")) and isinstance(axis, dict)
+            and axis.get("type") == "log"}
+
+
+def unlabelled_log_axes(figures: dict[str, dict]) -> list[str]:
+    """The log axes that Plotly would label itself ("9 10 2 3": the minor digits of a
+    decade): those without their own tick values, or with a label that is not the whole
+    figure at its tick (``"20k"`` at 20000)."""
+    bad = []
+    for where, axis in log_axes(figures).items():
+        vals, texts = axis.get("tickvals"), axis.get("ticktext")
+        if not vals or not texts or len(vals) != len(texts) or any(
+                abs(tick_value(t) - v) > 1e-6 * v for v, t in zip(vals, texts)):
+            bad.append(where)
+    return bad

@@ -26,8 +26,11 @@ from tests.app_checks import (  # noqa: E402
     ROOT,
     TIMEOUT,
     blank_when_missing,
+    log_axes,
     no_exception,
+    page_figures,
     tile_rows,
+    unlabelled_log_axes,
 )
 
 PAGES = {
@@ -1108,6 +1111,46 @@ def test_metric_history_downloads(home: Path) -> None:
     at = app("live")
     no_exception(at)
     assert {"Metrics (CSV)", "Metrics (JSON)"} <= {b.label for b in at.get("download_button")}
+
+
+def test_every_log_axis_is_labelled_with_whole_figures(home: Path) -> None:
+    """A log axis reads 1, 2, 5, 10, 20k (each decade only over many decades, finer over
+    less than a factor 3), never Plotly's own "9 10 2 3" (a decade's minor digits): on
+    every page's charts with one (the preview's size and per-layer bars, Learn's error
+    and cost curves, Compare's loss and fronts, a sweep's front, the Live learning
+    rates)."""
+    from app.lib.plots import log_axis
+    from tests.test_app_sweeps import seed_sweep
+
+    def shown(axis: dict, lo: float, hi: float) -> list[str]:
+        return [t for v, t in zip(axis["tickvals"], axis["ticktext"]) if lo <= v <= hi]
+
+    assert shown(log_axis(values=[3, 900]), 1, 1000) == [
+        "1", "2", "5", "10", "20", "50", "100", "200", "500", "1k"]
+    assert shown(log_axis(values=[1, 3e4]), 1, 1e5) == ["1", "10", "100", "1k", "10k", "100k"]
+    assert shown(log_axis(values=[0.35, 0.45]), 0.3, 0.5) == ["0.3", "0.4", "0.5"]
+    assert shown(log_axis(values=[2e-3, 1e-2], suffix="×"), 1e-3, 1e-2) == [
+        "0.001×", "0.002×", "0.005×", "0.01×"]
+    st = store_at(home)
+    rid = seed_run(st, "tt-20x", target=20.0, acc=0.93, comp=24.0)
+    seed_run(st, "tt-50x", target=50.0, acc=0.90, comp=50.0)
+    seed_run(st, "dense", dense=True, acc=0.95)
+    sid, _ = seed_sweep(st)
+    found: dict[str, dict] = {}
+    for page, query in (("new", {}), ("learn", {}), ("compare", {}), ("live", {"run": rid}),
+                        ("sweeps", {"sweep": sid})):
+        at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+        at.switch_page(PAGES.get(page, f"views/{page}.py"))
+        at.query_params.update(query)
+        at.run()
+        no_exception(at)
+        figures = page_figures(at)
+        assert not unlabelled_log_axes(figures), (page, unlabelled_log_axes(figures))
+        found.update(log_axes(figures))
+    keys = " ".join(found)
+    for chart in ("pv-size", "pv-params", "pv-macs", "l-curve", "l-cost-rank",
+                  "l-cost-batch", "cmp-c1", "cmp-pareto", "sw-pareto", "ch-lr"):
+        assert chart in keys, (chart, keys)
 
 
 def test_compare_draws_one_front_per_data_set(home: Path) -> None:

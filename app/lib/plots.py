@@ -194,12 +194,7 @@ def lines_spec(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], t
         layout["shapes"] = shapes + more_shapes
         layout["annotations"] = notes + more_notes
     if log_y:
-        pos = [v for _, _, y in series for v in y
-               if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
-        if pos and math.log10(max(pos) / min(pos)) > 2.5:
-            _axis(layout, "yaxis", type="log", dtick=1)  # decades only
-        else:
-            _axis(layout, "yaxis", **log_axis())
+        _axis(layout, "yaxis", **log_axis(values=[v for _, _, y in series for v in y]))
     xs = [v for _, x, _ in series for v in x if isinstance(v, (int, float))]
     if x_title == "step" and xs and max(xs) - min(xs) < 10:
         _axis(layout, "xaxis", dtick=1)  # no half steps on a short run
@@ -236,23 +231,38 @@ def legend_below(fig: go.Figure) -> go.Figure:
     return fig
 
 
-def log_axis(suffix: str = "") -> dict[str, Any]:
-    """A log axis labelled 1-2-5 per decade instead of every minor digit."""
-    vals = [m * 10**e for e in range(-4, 10) for m in (1, 2, 5)]
+#: The ticks of a log axis per decade, by how many decades its values span (more than
+#: the first figure: at each decade; more than the second: at 1, 2 and 5; less: finer).
+LOG_TICKS = ((2.5, (1.0,)), (math.log10(3), (1.0, 2.0, 5.0)),
+             (0.0, (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)))
+
+
+def log_axis(suffix: str = "", values: Sequence[Any] = ()) -> dict[str, Any]:
+    """A log axis labelled at 1, 2 and 5 of each decade (at each decade only where
+    ``values`` span more than 2.5 decades, finer where they span less than a factor 3),
+    every label a whole figure in k / M / G (``"20k"``, ``"0.005"``), instead of Plotly's
+    own labels, which on a log axis read "9 10 2 3" (the minor digits of a decade)."""
+    pos = [float(v) for v in values if is_finite(v) and v > 0]
+    span = math.log10(max(pos) / min(pos)) if pos else 1.0
+    steps = next(m for least, m in LOG_TICKS if span > least or least == 0.0)
+    vals = [m * 10.0**e for e in range(-6, 13) for m in steps]
     return {"type": "log", "tickvals": vals,
             "ticktext": [f"{fmt_tick(v)}{suffix}" for v in vals]}
 
 
 def log_ticks(fig: go.Figure, axis: str = "x", suffix: str = "") -> None:
-    """:func:`log_axis` on ``fig``'s ``axis`` (``"x"`` or ``"y"``)."""
-    (fig.update_xaxes if axis == "x" else fig.update_yaxes)(**log_axis(suffix))
+    """:func:`log_axis` on ``fig``'s ``axis`` (``"x"`` or ``"y"``), over the values its
+    traces draw on that axis."""
+    values = [v for trace in fig.data for v in (getattr(trace, axis, None) or ())]
+    (fig.update_xaxes if axis == "x" else fig.update_yaxes)(**log_axis(suffix, values))
 
 
 def fmt_tick(v: float) -> str:
+    """A tick's label: ``20k``, ``5M``, ``0.002``, ``1e-05``."""
     for div, suf in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if v >= div:
-            return f"{v / div:g}{suf}"
-    return f"{v:g}"
+            return f"{v / div:.3g}{suf}"
+    return f"{v:.3g}"
 
 
 def rank_rows(
@@ -557,7 +567,8 @@ def size_bar(dense: float, start: float, floor: float, target: float | None,
                         text=[f"{name} {x:.3g}×"], textposition="top center",
                         cliponaxis=False,
                         hovertemplate=f"{name}: {x:.3g}× ({size:,.0f} params)<extra></extra>")
-    fig.update_xaxes(type="log", title_text=f"compression ({scope}), log scale")
+    fig.update_xaxes(**log_axis(values=list(ratio.values())),
+                     title_text=f"compression ({scope}), log scale")
     fig.update_yaxes(visible=False)
     base_layout(fig, None, 130)
     fig.update_layout(hovermode="closest", showlegend=False,

@@ -102,9 +102,8 @@ with tab1:
                         hovertemplate="%{text}: %{x:,} params, %{y:.2f}%<extra></extra>")
         fig.add_scatter(x=[res.params], y=[100 * res.rel_error], mode="markers", name="you",
                         marker={"size": 14, "color": plots.COLORS[3]})
-        fig.add_vline(x=res.dense, line={"dash": "dot", "color": plots.COLORS[7]},
-                      annotation_text="dense", annotation_position="top left")
-        fig.update_xaxes(type="log")
+        plots.log_ticks(fig, "x")
+        plots.mark_x(fig, res.dense, "dense", plots.COLORS[7])  # its label on a log axis
         plots.base_layout(fig, "Error against parameters", 330, "parameters (log)",
                           "relative error (%)")
         fig.update_layout(hovermode="closest")
@@ -301,9 +300,9 @@ with tab4:
                         name="planner's pick", marker={"size": 7, "color": "#0F172A"},
                         text=picks, hovertemplate="%{text}: %{y:.3s}<extra></extra>")
         fig.add_vline(x=here, line={"color": "#94A3B8", "dash": "dash"})
-        fig.update_yaxes(type="log", dtick=1)
+        plots.log_ticks(fig, "y")
         if col is c2:
-            fig.update_xaxes(type="log", dtick=1)
+            plots.log_ticks(fig, "x")
         plots.base_layout(fig, title, 400, xt, "MACs, forward + backward (log)")
         plots.legend_below(fig)
         col.plotly_chart(fig, width="stretch", key=f"l-cost-{xt}")
