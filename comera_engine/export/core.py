@@ -343,10 +343,16 @@ def _stored_compressed_bytes(model: nn.Module, dtype: str) -> int:
     """The bytes of ``model``'s compressed weights stored in ``dtype`` (``bf16``: two a
     value; ``int8``: one, plus the scales), as a compressed safetensors file holds them."""
     tensors = _compressed_tensors(model)
-    buffers = {k for k, _ in model.named_buffers(remove_duplicate=False)}
-    stored, _ = _quant.quantize_state(tensors, {k for k in tensors if k not in buffers},
-                                      dtype, _core_sizes(model))
+    stored, _ = _quant.quantize_state(tensors, _param_names(model, tensors), dtype,
+                                      _core_sizes(model))
     return _quant.stored_bytes(stored)
+
+
+def _param_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The names in ``tensors`` that are not the model's buffers: the weights a storage
+    dtype applies to (buffers are stored as they are)."""
+    buffers = {k for k, _ in model.named_buffers(remove_duplicate=False)}
+    return {k for k in tensors if k not in buffers}
 
 
 def _sizes(model: nn.Module) -> dict[str, Any]:
@@ -520,8 +526,7 @@ def export_model(
                 expected = int(sizes["model"]["dense_bytes"])
             doc = _base_metadata(format, recipe, metadata, model, sizes, infos)
             taus = _self_check(recipe, format, tensors, infos)
-            buffers = {k for k, _ in model.named_buffers(remove_duplicate=False)}
-            params = {k for k in tensors if k not in buffers}
+            params = _param_names(model, tensors)
             packed = _packed.packed_names(
                 {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, params)
             tensors, doc["storage"] = _quant.quantize_state(
