@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 import threading
 import time
 from pathlib import Path
@@ -127,6 +128,26 @@ def seed_run(st: RunStore, name: str = "digits-tt-mlp", status: str = "finished"
     else:
         st.heartbeat(rid)
     return rid
+
+
+def launched_folder(st: RunStore, rid: str, checkpoint_at: int | None = None) -> Path:
+    """The run's folder as the launcher and its trainer leave it: its ``config.toml``
+    and, at step ``checkpoint_at``, a checkpoint that reads back (a sidecar naming one
+    tensor, and a safetensors file holding it)."""
+    folder = st.run_dir(rid)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.toml").write_text(
+        (ROOT / "experiments" / "configs" / "digits_tt_mlp.toml").read_text())
+    if checkpoint_at is not None:
+        stem = folder / "checkpoints" / f"step_{checkpoint_at:06d}"
+        stem.parent.mkdir(exist_ok=True)
+        head = json.dumps({"model/w": {"dtype": "F32", "shape": [1],
+                                       "data_offsets": [0, 4]}}).encode()
+        stem.with_suffix(".safetensors").write_bytes(
+            struct.pack("<Q", len(head)) + head + bytes(4))
+        stem.with_suffix(".json").write_text(json.dumps({"step": checkpoint_at,
+                                                         "shapes": {"w": [1]}}))
+    return folder
 
 
 # ------------------------------------------------------------------ every page: empty store
@@ -294,11 +315,14 @@ def test_new_experiment_validation_messages(home: Path) -> None:
         e.value for e in at.error)
     assert at.button(key="launch").disabled
     at.text_input(key="digits_tt_mlp:steps").set_value("200").run()
-    at.text_input(key="digits_tt_mlp:name").set_value("").run()
-    assert "name: must be a non-empty string" in " ".join(e.value for e in at.error)
+    at.text_input(key="digits_tt_mlp:name").set_value("bad\x1bname").run()
+    assert "name: control characters" in " ".join(e.value for e in at.error)
     assert at.button(key="launch").disabled
     at.text_input(key="digits_tt_mlp:name").set_value("mine").run()
     assert not at.error and not at.button(key="launch").disabled
+    at.text_input(key="digits_tt_mlp:name").set_value("").run()  # blank: named for the run
+    assert not at.error
+    assert tomllib.loads(at.code[0].value)["name"] == "digits-tt-mlp · 40×"  # what launches
 
     at.text_input(key="digits_tt_mlp:batch").set_value("5000").run()
     assert "train.batch_size: 5000 exceeds" in " ".join(e.value for e in at.error)
@@ -421,6 +445,42 @@ def test_launch_from_form_is_idempotent(home: Path, monkeypatch: pytest.MonkeyPa
     assert fake.calls == 2 and len(st.list_runs()) == 2
 
 
+def test_a_run_launched_from_a_preset_gets_a_name_of_its_own(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run launched from the form is named for what it is, unique in the store: the
+    config's name and what the run asks ("mnli-transformer-paper · 20×"), #2, #3 once a
+    run has it; it kept the preset's name, the same for every run launched from it. A
+    name typed in the form is the run's, as typed; a sweep's cells are named after the
+    config."""
+    from app.lib.form import auto_run_name
+    from app.lib.runs import unique_name
+
+    monkeypatch.setattr("comera_engine.launch.launch", FakeLaunch())
+    mnli = {"name": "mnli-transformer-paper", "model": {"preset": "paper"}}
+    assert auto_run_name(mnli, "paper", False, 20.0) == "mnli-transformer-paper · 20×"
+    assert auto_run_name(mnli, "tiny", True, 20.0) == "mnli-transformer-paper · tiny · dense"
+    assert auto_run_name(mnli, None, False, None) == "mnli-transformer-paper · no target"
+    assert unique_name("a", ["a", "a #2", "b"]) == "a #3" and unique_name("c", ["a"]) == "c"
+    assert len(unique_name("x" * 120, ["x" * 120])) == 120
+    at = app("new")
+    assert at.text_input(key="digits_tt_mlp:name").value == ""  # blank: named for the run
+    assert at.text_input(key="digits_tt_mlp:name").placeholder == "digits-tt-mlp · 60×"
+    at.button(key="launch").click().run()
+    at.switch_page(PAGES["new"]).run()
+    at.button(key="launch_another").click().run()
+    at.button(key="launch").click().run()
+    at.switch_page(PAGES["new"]).run()
+    at.text_input(key="digits_tt_mlp:target").set_value("30").run()
+    at.button(key="launch").click().run()
+    st = store_at(home)
+    assert sorted(r["name"] for r in st.list_runs()) == [
+        "digits-tt-mlp · 30×", "digits-tt-mlp · 60×", "digits-tt-mlp · 60× #2"]
+    at.switch_page(PAGES["new"]).run()
+    at.text_input(key="digits_tt_mlp:name").set_value("digits-tt-mlp · 60×").run()
+    at.button(key="launch").click().run()  # typed: as typed, even when taken
+    assert [r["name"] for r in st.list_runs()].count("digits-tt-mlp · 60×") == 2
+
+
 def test_guarded_launch_once_across_concurrent_sessions(home: Path,
                                                          monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
@@ -456,7 +516,7 @@ def test_empty_state_button_launches_default_once(home: Path,
     st = store_at(home)
     assert fake.calls == 1 and len(st.list_runs()) == 1
     rid = st.list_runs()[0]["id"]
-    assert st.list_runs()[0]["config"]["name"] == "digits-tt-mlp"
+    assert st.list_runs()[0]["config"]["name"] == "digits-tt-mlp · 60×"  # its own name
     for at in (a, b):  # both landed on the live page of the same run
         assert any(rid in c.value for c in at.caption)
 
@@ -631,6 +691,7 @@ def test_stop_button_stops_and_enables_resume(home: Path) -> None:
     at.button(key="stop").click().run()
     no_exception(at)
     assert st.get_run(rid)["status"] == "stopped"
+    launched_folder(st, rid)  # stopped before its first checkpoint: resumes from the start
     at.run()
     assert "stopped" in texts(at)
     assert at.button(key="stop").disabled and not at.button(key="resume").disabled
@@ -640,6 +701,7 @@ def test_resume_button_resumes_a_stopped_run(home: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     st = store_at(home)
     rid = seed_run(st, "paused", "stopped", upto=200)
+    launched_folder(st, rid, checkpoint_at=200)
     calls: list[str] = []
 
     def fake_resume(run_id: str, store: RunStore | None = None) -> str:
@@ -654,6 +716,48 @@ def test_resume_button_resumes_a_stopped_run(home: Path,
     no_exception(at)
     assert calls == [rid] and st.get_run(rid)["status"] == "queued"
     assert "Refreshing every 1 s" in texts(at)
+
+
+@pytest.mark.parametrize("status", ["failed", "crashed"])
+def test_a_run_that_failed_is_offered_resume_only_from_a_checkpoint(
+        home: Path, status: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed or crashed run is offered Resume only where a resume can work: from a
+    checkpoint that reads back. One that failed before its first checkpoint (the mnli
+    preset's run, its data unreachable) was offered it, and a resume would only start it
+    afresh into the same failure: the button is disabled and says to launch it again."""
+    from app.lib import runs as runs_lib
+
+    st = store_at(home)
+    rid = st.create_run("mnli · 20×", config("mnli"), "running")
+    st.set_status(rid, status, "ConnectionError: the hub is unreachable")
+    folder = launched_folder(st, rid)
+    at = app("live")
+    no_exception(at)
+    resume = at.button(key="resume")
+    assert resume.disabled and "before its first checkpoint" in resume.help
+    assert any("Not resumable" in c.value and "launch it again" in c.value
+               for c in at.caption)
+    launched_folder(st, rid, checkpoint_at=300)  # the trainer had written one
+    at.run()
+    resume = at.button(key="resume")
+    assert not resume.disabled and "step_000300" in resume.help
+    assert not any("Not resumable" in c.value for c in at.caption)
+    calls: list[str] = []
+    monkeypatch.setattr("comera_engine.launch.resume",
+                        lambda run_id, store=None: calls.append(run_id) or run_id)
+    at.button(key="resume").click().run()
+    assert calls == [rid]
+    # a damaged checkpoint is no resume point; a stopped run resumes without one
+    ckpt = folder / "checkpoints" / "step_000300.safetensors"
+    ckpt.write_bytes(ckpt.read_bytes()[:-2])
+    offered, why = runs_lib.resume_offer(st, st.get_run(rid))
+    assert not offered and why.startswith("No checkpoint reads back")
+    ckpt.unlink()
+    st.update_run(rid, status="stopped")
+    assert runs_lib.resume_offer(st, st.get_run(rid))[0]
+    (folder / "config.toml").unlink()  # what the launcher's resume starts from
+    assert runs_lib.resume_offer(st, st.get_run(rid)) == (
+        False, f"Its folder has no config.toml to resume from ({folder}).")
 
 
 def test_live_page_on_a_gpu_run(home: Path) -> None:
@@ -1036,7 +1140,7 @@ def test_an_uploaded_config_starts_the_form_and_names_only_what_is_offered(
     at.button(key="launch").click().run()
     assert fake.calls == 1
     launched = store_at(home).list_runs()[0]["config"]
-    assert (launched["name"], launched["train"]["steps"]) == ("uploaded-digits", 77)
+    assert (launched["name"], launched["train"]["steps"]) == ("uploaded-digits · 60×", 77)
 
     at = app("new")
     at.file_uploader(key="upload").set_value(("evil.toml", b'name = "x"\n[model]\n'

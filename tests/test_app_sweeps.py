@@ -254,6 +254,9 @@ def test_new_experiment_launches_a_sweep_once(home: Path,
     cells = st.sweep_runs(sweeps[0]["id"])
     assert sorted((c["config"]["comera"]["target_compression"], c["config"]["train"]["seed"])
                   for c in cells) == [(5, 0), (5, 1), (10, 0), (10, 1)]
+    # named after the config, not after the form's own target (a run's automatic name)
+    assert sorted(c["name"] for c in cells) == [
+        f"digits-tt-mlp · {t}× seed {s}" for t in (10, 5) for s in (0, 1)]
     assert at.selectbox(key="sw-pick").value == sweeps[0]["id"]  # on the Sweeps page
     at.switch_page("views/new_experiment.py").run()
     at.button(key="sw-launch").click().run()  # the same submission: no second sweep

@@ -4,12 +4,13 @@ turns it into a run config (no streamlit here, so it is tested like any function
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from comera_engine.config import toml_value
+from comera_engine.config import MAX_NAME, toml_value
 
-__all__ = ["FormValues", "form_to_config", "raw_toml"]
+__all__ = ["FormValues", "auto_run_name", "form_to_config", "raw_toml"]
 
 
 @dataclass
@@ -134,6 +135,27 @@ def form_to_config(preset: dict[str, Any], v: FormValues) -> tuple[dict[str, Any
     )
     gpu_ids = None if v.device == "cpu" else v.device.split(":", 1)[1]
     return raw, gpu_ids
+
+
+def auto_run_name(preset: Mapping[str, Any], size: str | None, dense: bool,
+                  target: Any) -> str:
+    """The name of a run launched from the form without a name typed: the config's own
+    name, then what this run asks of it: its model size where it is not the config's,
+    then ``dense``, its target (``20×``) or ``no target`` (``target``: the target asked,
+    ``None`` for none). ``"mnli-transformer-paper · 20×"``, ``"digits-tt-mlp · small ·
+    dense"``. The launch makes it unique (``app.lib.runs.unique_name``)."""
+    parts = [str(preset.get("name") or "").strip() or "run"]
+    model = preset.get("model") or {}
+    if size is not None and size != model.get("preset", "tiny"):
+        parts.append(size)
+    if dense:
+        parts.append("dense")
+    elif target is None:
+        parts.append("no target")
+    else:
+        number = isinstance(target, (int, float)) and not isinstance(target, bool)
+        parts.append(f"{target:g}×" if number else f"{target}×")
+    return " · ".join(parts)[:MAX_NAME]
 
 
 def raw_toml(raw: dict[str, Any]) -> str:

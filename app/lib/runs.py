@@ -12,7 +12,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +57,13 @@ __all__ = [
     "phase_of",
     "phase_text",
     "peak_memory_mb",
+    "resume_offer",
     "run_label",
     "stage_steps",
     "store_path",
     "summary_rows",
     "target_metric",
+    "unique_name",
 ]
 
 #: Store setting prefix that maps a launch token to the run it started.
@@ -121,6 +123,20 @@ def launched_run(store: RunStore, token: str) -> str | None:
     return None
 
 
+def unique_name(name: str, taken: Iterable[str]) -> str:
+    """``name`` when no name in ``taken`` is it, else the first free ``name #2``,
+    ``name #3``, ... (cut to the longest run name the engine takes)."""
+    from comera_engine.config import MAX_NAME
+
+    taken = set(taken)
+    if name not in taken:
+        return name
+    n = 2
+    while (numbered := f"{name[:MAX_NAME - len(f' #{n}')]} #{n}") in taken:
+        n += 1
+    return numbered
+
+
 def guarded_launch(
     store: RunStore,
     config: Mapping[str, Any],
@@ -128,12 +144,15 @@ def guarded_launch(
     *,
     name: str | None = None,
     gpus: str | None = None,
+    unique: bool = False,
 ) -> tuple[str, bool]:
     """Launch ``config`` once per ``token``: returns ``(run_id, started_now)``.
 
     The check-and-launch runs under :func:`launch_lock`, and the token is recorded in the
     store, so a double click, a resubmitted form or two browser sessions pressing the same
-    button start one run; the second caller gets the first caller's run id.
+    button start one run; the second caller gets the first caller's run id. ``unique``:
+    the run's name (the config's) is made one no run in the store has yet
+    (:func:`unique_name`), under the same lock.
     """
     from comera_engine.launch import launch
 
@@ -141,6 +160,9 @@ def guarded_launch(
         existing = launched_run(store, token)
         if existing is not None:
             return existing, False
+        if unique:
+            config = {**config, "name": unique_name(
+                str(config.get("name") or ""), (r["name"] for r in store.list_runs()))}
         rid = launch(dict(config), store=store, name=name, gpus=gpus)
         store.set_setting(TOKEN_PREFIX + token, rid)
         return rid, True
@@ -387,6 +409,38 @@ def checkpoints(store: RunStore, run_id: str) -> list[dict[str, Any]]:
     for r in rows:
         r["label"] = f"step {r['step']}" if r["step"] is not None else Path(r["path"]).name
     return rows
+
+
+def resume_offer(store: RunStore, run: Mapping[str, Any]) -> tuple[bool, str]:
+    """Whether a resume of ``run`` can work, and what the Resume button says of it (its
+    help): what the launcher's ``resume`` needs of a run (a stopped, crashed or failed
+    one, its folder's config, a checkpoint that reads back if it has any, not a Ray
+    sweep's cell). A failed or crashed run needs a checkpoint besides: without one a
+    resume starts it afresh, into what made it fail, so it is launched again instead."""
+    from comera_engine.errors import ConfigError
+    from comera_engine.launch import CONFIG_FILENAME, is_ray_cell
+    from comera_engine.store.layout import resume_point
+
+    status = str(run.get("status"))
+    if status not in RESUMABLE_STATUSES:
+        return False, f"The run is {status}: only a stopped, crashed or failed run resumes."
+    if is_ray_cell(store, run):
+        return False, "A cell of a Ray sweep cannot be resumed yet: run its config again."
+    folder = store.run_dir(str(run["id"]))
+    if not (folder / CONFIG_FILENAME).is_file():
+        return False, f"Its folder has no {CONFIG_FILENAME} to resume from ({folder})."
+    try:
+        start, _ = resume_point(folder / "checkpoints")
+    except ConfigError as e:  # every checkpoint damaged
+        return False, f"No checkpoint reads back: {e.problem}."
+    if start is None and status != "stopped":
+        return False, (f"The run {status} before its first checkpoint: a resume would start "
+                       "it afresh, into the same failure. Fix what the error says and "
+                       "launch it again (New experiment).")
+    if start is None:
+        return True, "Continue the stopped run from its start (it stopped before its first " \
+                     "checkpoint)."
+    return True, f"Continue the {status} run from its last checkpoint ({start.stem})."
 
 
 def percent(fraction: Any) -> float | None:

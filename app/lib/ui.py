@@ -11,6 +11,7 @@ import streamlit as st
 
 from app.lib import runs
 from app.lib.defaults import default_config
+from app.lib.form import auto_run_name
 from comera_engine.launch import reap as reap_dead_runs
 from comera_engine.store import RunStore, StoreError
 
@@ -142,8 +143,11 @@ GO_LIVE = "_go_live"
 def _launch_default_clicked(store: RunStore) -> None:
     """Button callback: runs before the next script run, so a second session's click is
     honoured even though its page no longer shows the empty state."""
+    config = default_config()  # named as the form names it: "digits-tt-mlp · 60×", ...
+    config["name"] = auto_run_name(config, None, False,
+                                   (config.get("comera") or {}).get("target_compression"))
     try:
-        rid, started = runs.guarded_launch(store, default_config(), DEFAULT_LAUNCH_TOKEN)
+        rid, started = runs.guarded_launch(store, config, DEFAULT_LAUNCH_TOKEN, unique=True)
     except Exception as e:  # noqa: BLE001 - shown on the page
         st.session_state["_launch_error"] = str(e)
         return

@@ -76,16 +76,17 @@ def controls(run: dict[str, Any]) -> None:
             st.toast(f"Stop requested ({new})", icon=":material/stop_circle:")
         except (LaunchError, ValueError) as e:
             st.error(str(e))
-    can_resume = status in runs.RESUMABLE_STATUSES
+    can_resume, why = runs.resume_offer(store, run)
     if c2.button("Resume", key="resume", icon=":material/play_arrow:", disabled=not can_resume,
-                 help="Continue a stopped or crashed run from its last checkpoint.",
-                 width="stretch"):
+                 help=why, width="stretch"):
         try:
             resume(run["id"], store=store)
             st.toast("Resuming from the last checkpoint", icon=":material/play_circle:")
             st.rerun()  # the page switches back to live refreshing
         except (LaunchError, ValueError) as e:
             st.error(str(e))
+    if status in runs.RESUMABLE_STATUSES and not can_resume:
+        st.caption(f":material/block: Not resumable. {why}")
 
 
 def header(run: dict[str, Any], latest: dict[str, float]) -> None:

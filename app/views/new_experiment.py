@@ -17,7 +17,7 @@ import tomllib
 from app.lib import fmt, plots, runs, ui
 from app.lib.defaults import DEFAULT_PRESET
 from app.lib.devices import list_gpus
-from app.lib.form import FormValues, form_to_config, raw_toml
+from app.lib.form import FormValues, auto_run_name, form_to_config, raw_toml
 from app.lib.presets import (
     CONFIG_PREFIX,
     MODEL_LABELS,
@@ -443,9 +443,14 @@ with left:
                                 "it (GPU only).")
     slots["steps"] = st.container()
 
+    # a run of its own name: the config's, what it asks, and #2, #3 once taken
+    auto_name = auto_run_name(raw, size, bool(dense),
+                              target if use_target and not dense else None)
     with st.expander("More settings"):
-        run_name = st.text_input("Run name", value=str(raw.get("name", pkey)), key=k("name"),
-                                 help="Required: the run's name in every list.")
+        run_name = st.text_input(
+            "Run name", value="", key=k("name"), placeholder=auto_name,
+            help="The run's name in every list. Blank: the config's name and what the run "
+                 f"asks (\"{auto_name}\"), numbered #2, #3, ... when a run has it already.")
         seed = number_text(st, "Seed", t.get("seed", 0), k("seed"))
         c1, c2 = st.columns(2)
         eval_every = number_text(c1, "Evaluate every (steps)", t.get("eval_every", 100),
@@ -466,7 +471,8 @@ raw, gpu_ids = form_to_config(raw, FormValues(  # numbers as typed: the engine r
     late_switch=late_switch, switch_step=switch_step, patience=patience, steps=steps,
     batch_size=batch, seed=seed, eval_every=eval_every,
     ckpt_every=ckpt_every, precision=precision, cuda_graph=bool(cuda_graph),
-    device=device, run_name=run_name, rates=rates, kwargs=kwargs if user else None,
+    device=device, run_name=run_name if str(run_name).strip() else auto_name, rates=rates,
+    kwargs=kwargs if user else None,
     schedule=schedule,
 ))
 
@@ -664,6 +670,8 @@ def _sweep_section() -> None:
                        "it once")
         # each cell's ranks are chosen from its own target (a fixed rank fits one target)
         sweep_raw = json.loads(json.dumps(raw))
+        if AUTO_NAMED:  # the cells are named "<config> · <cell>", not after the form's target
+            sweep_raw["name"] = preset.title
         for key in ("rank", "embedding_rank") if targets else ():
             sweep_raw.get("model", {}).pop(key, None)
         if problem is None and not n_errors:
@@ -696,6 +704,8 @@ def _sweep_section() -> None:
             ui.go_sweep(sid)
 
 
+#: the run's name is the automatic one: the launch numbers it (#2, ...) when it is taken
+AUTO_NAMED = raw.get("name") == auto_name
 nonce = st.session_state.setdefault("form_nonce", uuid.uuid4().hex)
 token = runs.config_token(nonce, raw, {"gpus": gpu_ids})
 already = runs.launched_run(store, token)
@@ -719,7 +729,8 @@ with left:
         with st.status("Launching…", expanded=True) as status:
             status.write("Config validated")
             try:
-                rid, started = runs.guarded_launch(store, raw, token, gpus=gpu_ids)
+                rid, started = runs.guarded_launch(store, raw, token, gpus=gpu_ids,
+                                                   unique=AUTO_NAMED)
             except (ConfigError, ValueError) as e:
                 status.update(label="Launch failed", state="error")
                 st.error(str(e))
