@@ -227,7 +227,7 @@ def test_new_experiment_widgets_and_preview(home: Path) -> None:
     assert "cpu" in at.selectbox(key="device").options[0].lower()
     metrics = {m.label: m.value for m in at.metric}
     assert {"Parameters", "Compression (TT layers)", "MACs / example",
-            "Training memory (estimate)"} <= set(metrics)
+            "Estimated training memory"} <= set(metrics)
     assert metrics["Compression (TT layers)"].endswith("×")
     # at the end of the run: the 60x target itself (the pace prunes to it), not the
     # whole-rank illustration of the per-layer table
@@ -535,7 +535,7 @@ def test_live_page_shows_a_running_run(home: Path) -> None:
     step = next(m for m in at.metric if m.label == "Step")
     assert (step.value, step.proto.delta) == ("396", "of 600")  # never cut to "396 / 6…"
     assert metrics["Compression (TT layers)"] == "24.0×"
-    assert "Samples / s" in metrics and "Memory (RSS)" in metrics
+    assert "Samples / s" in metrics and "Process memory (RSS)" in metrics
     assert not at.button(key="stop").disabled
     assert at.button(key="resume").disabled
     charts = live_charts(at)
@@ -775,7 +775,12 @@ def test_live_page_on_a_gpu_run(home: Path) -> None:
     at = app("live")
     no_exception(at)
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["GPU memory"] == "8.84 GiB" and "Tokens / s" in metrics
+    assert metrics["Peak GPU memory (allocated)"] == "2.05 GiB" and "Tokens / s" in metrics
+    tile = next(m for m in at.metric if m.label == "Peak GPU memory (allocated)")
+    assert tile.proto.delta == "device 8.84 GiB used" and "max_memory_allocated" in tile.help
+    mem = {tr["name"] for tr in live_charts(at)["ch-mem"]["data"] if tr.get("name")}
+    assert mem == {"GPU memory used (device)", "Peak GPU memory (allocated)",
+                   "Peak GPU memory (reserved)"}
     # the GPU panel: what the trainer read (utilisation from NVML, memory of the device)
     gpu = {tr["name"]: tr for tr in live_charts(at)["ch-gpu"]["data"] if tr.get("name")}
     assert list(gpu["GPU utilisation %"]["y"]) == [90.0, 100.0]
@@ -796,7 +801,7 @@ def test_tiles_are_wide_enough_for_their_values(home: Path) -> None:
     no_exception(at)
     rows = tile_rows(at)
     assert rows == [["Step", "Task loss", "Eval accuracy"],
-                    ["Compression (TT layers)", "Samples / s", "Memory (RSS)"]], rows
+                    ["Compression (TT layers)", "Samples / s", "Process memory (RSS)"]], rows
     at = app("new")
     no_exception(at)
     assert [len(row) for row in tile_rows(at)] == [2, 2]
@@ -806,6 +811,64 @@ def test_tiles_are_wide_enough_for_their_values(home: Path) -> None:
     assert max(len(row) for row in tile_rows(at)) <= 4
     (style,) = [h.proto.body for h in at.get("html") if "stMetricValue" in h.proto.body]
     assert "container-type: inline-size" in style and "cqi" in style
+
+
+def test_each_memory_figure_has_one_label_everywhere(home: Path) -> None:
+    """"Peak memory" meant three things on three pages (the Sweeps page: GPU allocated or
+    the last process RSS; Compare: GPU allocated or a model + optimizer estimate; the
+    Live tile: the device's used memory). Each quantity has its own label, the same on
+    every page, with what it measures beside it; no page says just "peak memory"."""
+    from app.lib import fmt
+    from tests.test_app_sweeps import seed_sweep
+
+    labels = [fmt.memory_label(k) for k in fmt.MEMORY]
+    assert len(set(labels)) == len(labels)
+    st = store_at(home)
+    cpu = seed_run(st, "cpu-run")  # process RSS logged
+    gpu = st.create_run("gpu-run", config("gpu-run"), "running", device="cuda", gpus="0")
+    st.write_batch(gpu, metrics=[(s, n, v, time.time()) for s in (1, 2) for n, v in (
+        ("mem/cuda_max_allocated_mb", 2100.0), ("mem/gpu_used_mb", 9000.0),
+        ("eval/acc", 0.9), ("compression/tensorized", 20.0))])
+    st.set_status(gpu, "finished")
+    sid, cells = seed_sweep(st)
+    for rid in cells:  # a CPU sweep: its cells' memory is their process RSS
+        st.write_batch(rid, metrics=[(100, "mem/rss_mb", 500.0, time.time())])
+    shown: dict[str, set[str]] = {}  # label -> the pages that show it
+
+    def open_page(page: str, **query: str) -> AppTest:
+        at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+        at.switch_page(PAGES.get(page, f"views/{page}.py"))
+        at.query_params.update(query)
+        at.run()
+        no_exception(at)
+        words = texts(at) + " ".join(
+            str(c) for d in at.dataframe for c in d.value.columns) + " ".join(
+            f"{m.label} {m.help}" for m in at.metric) + json.dumps(page_figures(at))
+        assert "peak memory" not in words.lower() and "torch peak" not in words, page
+        for kind in fmt.MEMORY:
+            if fmt.memory_label(kind) in words:
+                shown.setdefault(kind, set()).add(page)
+        return at
+
+    for rid, kind in ((cpu, "rss"), (gpu, "gpu_peak")):
+        at = open_page("live", run=rid)
+        (tile,) = [m for m in at.metric if m.label == fmt.memory_label(kind)]
+        assert tile.help == fmt.memory_help(kind)
+    at = open_page("new")
+    (tile,) = [m for m in at.metric if m.label == fmt.memory_label("estimate")]
+    assert tile.help == fmt.memory_help("estimate")
+    at = open_page("compare")
+    at.multiselect(key="cmp-runs").set_value([cpu, gpu]).run()
+    final = at.dataframe[0].value.set_index("run")
+    gpu_row = f"gpu-run ({gpu[-4:]})"
+    assert final.loc[gpu_row, fmt.memory_label("gpu_peak")] == "2.05 GiB"
+    assert final.loc[gpu_row, fmt.memory_label("model_state")] == ""
+    at = open_page("sweeps", sweep=sid)
+    groups = at.dataframe[0].value
+    assert set(groups[fmt.memory_label("rss")]) == {"500 MiB"}
+    assert fmt.memory_label("gpu_peak") not in groups.columns
+    assert shown["rss"] >= {"live", "sweeps"} and shown["gpu_peak"] >= {"live", "compare"}
+    assert shown["estimate"] == {"new"} and "model_state" in shown
 
 
 def test_new_experiment_lists_gpus_and_launches_on_one(home: Path,
@@ -886,11 +949,12 @@ def test_compare_page(home: Path) -> None:
     st.write_batch(st.list_runs()[0]["id"], metrics=[(1, "params/allocated", 2**20, time.time())])
     at = app("compare")
     final = at.dataframe[0].value
-    row = final[final["memory counts"] == "model + optimizer state"]
-    assert list(row["peak training memory"]) == ["16 MiB"]  # 2**20 params x 16 bytes
+    row = final[final["Model + optimizer memory (estimate)"] != ""]
+    assert list(row["Model + optimizer memory (estimate)"]) == ["16 MiB"]  # 2**20 x 16 B
+    assert set(final["Peak GPU memory (allocated)"]) == {""}  # no run trained on a GPU
     specs = [json.loads(c.proto.spec)["layout"] for c in at.get("plotly_chart")]
     (mem,) = [s for s in specs if "training memory" in str(s.get("title"))]
-    assert "model + optimizer state" in mem["xaxis"]["title"]["text"]
+    assert mem["xaxis"]["title"]["text"].startswith("Model + optimizer memory (estimate) (MiB")
 
 
 # ------------------------------------------------------------------ export (real run)
@@ -1285,7 +1349,8 @@ def test_compare_draws_one_front_per_data_set(home: Path) -> None:
     assert blank_when_missing(at) > 0 and final["eval loss"].isna().sum() == 2
     assert all(final[c].dtype.kind == "f" for c in ("eval acc", "eval loss", "samples/s"))
     cancer = final[final["data set"] == "files: train.csv (classify)"]
-    assert set(cancer["model size"]) == {""} and set(cancer["peak training memory"]) == {""}
+    assert set(cancer["model size"]) == {""}
+    assert set(cancer["Model + optimizer memory (estimate)"]) == {""}
     # accuracy in percent on every front: axis and hover (issue 46 item 3)
     drawn = [s for s in specs if "Accuracy vs" in str(s["layout"]["title"]) and s["data"]]
     assert len(drawn) == 2  # compression and bytes (no training memory was logged)

@@ -123,6 +123,52 @@ def status_badge(status: str) -> str:
     return f":{color}-badge[{icon} {status}]"
 
 
+#: The memory figures the pages show, by kind: ``(label, what it measures)``. Each is
+#: one quantity with one label wherever it is shown (a tile, a column, a chart's line or
+#: axis); what it measures is the help beside it.
+MEMORY: dict[str, tuple[str, str]] = {
+    "gpu_peak": (
+        "Peak GPU memory (allocated)",
+        "The most the run's tensors held on the GPU at once (torch.cuda."
+        "max_memory_allocated): weights, gradients, optimizer state and saved activations. "
+        "The CUDA caching allocator reserves more, and the device holds more still."),
+    "gpu_reserved": (
+        "Peak GPU memory (reserved)",
+        "The most the CUDA caching allocator held on the GPU at once (torch.cuda."
+        "max_memory_reserved): the allocated peak and the cache around it."),
+    "gpu_used": (
+        "GPU memory used (device)",
+        "Memory in use on the whole GPU as the trainer last read it (NVML, else the CUDA "
+        "runtime): this run's tensors and cache, the CUDA context, and any other process "
+        "on the device."),
+    "rss": (
+        "Process memory (RSS)",
+        "The trainer process's resident memory as it last read it: Python, PyTorch, the data "
+        "and the model together. On a CPU most of it is the interpreter and the "
+        "libraries, much the same for every method."),
+    "model_state": (
+        "Model + optimizer memory (estimate)",
+        "The most parameters the run allocated × 16 bytes (fp32 weight and gradient, "
+        "AdamW's two moments): the memory the method changes on a CPU run, without the "
+        "activations and the process around it."),
+    "estimate": (
+        "Estimated training memory",
+        "Before the run, from its config: weights, gradients, AdamW moments and saved "
+        "activations at this batch (a rough estimate). The process adds a few hundred MiB "
+        "of RSS, the same for every method."),
+}
+
+
+def memory_label(kind: str) -> str:
+    """The label of a memory figure of this kind (:data:`MEMORY`)."""
+    return MEMORY[kind][0]
+
+
+def memory_help(kind: str) -> str:
+    """What a memory figure of this kind measures (:data:`MEMORY`)."""
+    return MEMORY[kind][1]
+
+
 #: How the pages name the metrics a run logs (``metric_label``).
 METRIC_LABELS = {
     "loss/task": "Task loss", "loss/total": "Total loss (objective)",
@@ -137,10 +183,11 @@ METRIC_LABELS = {
     "params/tensorized_effective": "Parameters of the TT layers (effective)",
     "bytes/effective": "Model bytes (effective)", "bytes/dense": "Model bytes (dense)",
     "perf/samples_per_s": "Samples / s", "perf/tokens_per_s": "Tokens / s",
-    "perf/step_time_s": "Step time (s)", "mem/rss_mb": "Process memory, RSS (MiB)",
-    "mem/cuda_max_allocated_mb": "GPU memory, torch peak allocated (MiB)",
-    "mem/cuda_max_reserved_mb": "GPU memory, torch peak reserved (MiB)",
-    "mem/gpu_used_mb": "GPU memory used, NVML (MiB)", "mem/gpu_total_mb": "GPU memory (MiB)",
+    "perf/step_time_s": "Step time (s)", "mem/rss_mb": f"{memory_label('rss')}, MiB",
+    "mem/cuda_max_allocated_mb": f"{memory_label('gpu_peak')}, MiB",
+    "mem/cuda_max_reserved_mb": f"{memory_label('gpu_reserved')}, MiB",
+    "mem/gpu_used_mb": f"{memory_label('gpu_used')}, MiB",
+    "mem/gpu_total_mb": "GPU memory of the device, MiB",
     "comera/lambda": "CoMERA λ (late stage: 1 = size step)",
     "comera/size": "CoMERA effective size S (parameters)",
     "comera/size_surrogate": "CoMERA size surrogate Ŝ (parameters)",

@@ -60,6 +60,7 @@ __all__ = [
     "resume_offer",
     "run_label",
     "stage_steps",
+    "sweep_memory_kind",
     "store_path",
     "summary_rows",
     "target_metric",
@@ -309,11 +310,12 @@ TRAIN_BYTES_PER_PARAM = 16
 
 
 def peak_memory_mb(store: RunStore, run_id: str) -> tuple[float | None, str]:
-    """Peak training memory in MiB and what it counts: on a GPU, torch's peak allocated
-    (weights, gradients, optimizer state, saved activations); on a CPU, the model and
-    its optimizer state (the peak allocated parameters x 16 bytes), the memory the method
-    changes (the process RSS is mostly the interpreter and libraries, the same for every
-    run)."""
+    """The run's peak memory in MiB and its kind (``app.lib.fmt.MEMORY``): on a GPU,
+    ``"gpu_peak"``, torch's peak allocated (weights, gradients, optimizer state, saved
+    activations); on a CPU, ``"model_state"``, its model and optimizer state (the most
+    parameters it allocated x 16 bytes), the memory the method changes (the process RSS
+    is mostly the interpreter and libraries, the same for every run); ``(None, "")``
+    when it logged neither."""
     def peak(name: str) -> float | None:
         s = store.series(run_id, name, max_points=500)
         vals = [v for v in s["value"] if isinstance(v, float) and math.isfinite(v)]
@@ -321,11 +323,20 @@ def peak_memory_mb(store: RunStore, run_id: str) -> tuple[float | None, str]:
 
     gpu = peak("mem/cuda_max_allocated_mb")
     if gpu is not None:
-        return gpu, "GPU: torch peak allocated"
+        return gpu, "gpu_peak"
     params = peak("params/allocated")
     if params is not None:
-        return params * TRAIN_BYTES_PER_PARAM / 2**20, "model + optimizer state"
+        return params * TRAIN_BYTES_PER_PARAM / 2**20, "model_state"
     return None, ""
+
+
+def sweep_memory_kind(latest: Mapping[str, Any]) -> str | None:
+    """The kind (``app.lib.fmt.MEMORY``) of the memory figure the sweep report gives a
+    cell with these latest metrics: its peak GPU memory (allocated) on a GPU, else its
+    process memory (RSS) as last read (``comera_engine.launch.sweep.sweep_report``)."""
+    if "mem/cuda_max_allocated_mb" in latest:
+        return "gpu_peak"
+    return "rss" if "mem/rss_mb" in latest else None
 
 
 def stage_steps(store: RunStore, run_id: str) -> list[tuple[int, str]]:

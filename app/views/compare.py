@@ -113,9 +113,9 @@ groups: set[str] = set()
 texts = dict(zip((r["id"] for r in sel), runs.distinct_labels([label(r) for r in sel])))
 for r in sel:
     m = runs.final_metrics(store, r["id"])
-    peak, what = runs.peak_memory_mb(store, r["id"])
-    if what:
-        mem_what.add(what)
+    peak, kind = runs.peak_memory_mb(store, r["id"])
+    if kind:
+        mem_what.add(kind)
     acc = m.get("eval/acc", m.get("acc/train"))
     comp = runs.compression(r, m)
     scopes.add(comp.label)
@@ -141,8 +141,8 @@ for r in sel:
         "data set": group,
         "params": m.get("params/effective"),
         "model size": fmt.nbytes(m["bytes/effective"]) if "bytes/effective" in m else "",
-        "peak training memory": fmt.mib(peak) if peak is not None else "",
-        "memory counts": what,
+        fmt.memory_label("gpu_peak"): fmt.mib(peak) if kind == "gpu_peak" else "",
+        fmt.memory_label("model_state"): fmt.mib(peak) if kind == "model_state" else "",
         "samples/s": store.median_metric(r["id"], "perf/samples_per_s"),
     })
 if not any(p["dense"] for p in points):
@@ -168,13 +168,14 @@ with c2:
                      y_percent=True),
         width="stretch", key="cmp-pareto-bytes",
     )
+mem_labels = " / ".join(fmt.memory_label(k) for k in sorted(mem_what)) or "memory"
 st.plotly_chart(
-    plots.pareto(points, "mem", "acc",
-                 f"peak training memory: {' / '.join(sorted(mem_what)) or 'n/a'} (MiB, log)",
-                 "accuracy",
+    plots.pareto(points, "mem", "acc", f"{mem_labels} (MiB, log)", "accuracy",
                  "Accuracy vs training memory", higher_x_better=False, y_percent=True),
     width="stretch", key="cmp-pareto-mem",
 )
+st.caption(" ".join(f"**{fmt.memory_label(k)}**: {fmt.memory_help(k)}" for k in sorted(mem_what))
+           or "No run logged its memory yet.")
 
 st.subheader("Final metrics", anchor=False)
 ui.table(
@@ -188,6 +189,8 @@ ui.table(
             "one its target is asked in): the figure every page shows."),
         "target": st.column_config.NumberColumn(format="%.0f×"),
         "params": st.column_config.NumberColumn(format="compact"),
+        **{fmt.memory_label(k): st.column_config.TextColumn(help=fmt.memory_help(k))
+           for k in ("gpu_peak", "model_state")},
         "samples/s": st.column_config.NumberColumn(
             format="%.0f", help="Training throughput, the median over the run's steps (one "
             "step's own figure swings with pruning, checkpoints and the machine's load)."),

@@ -131,6 +131,8 @@ def phase_note(phase: tuple[str, float | None] | None) -> None:
 
 def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float | None],
          mem: tuple[str, str, str | None]) -> None:
+    """The run's tiles; ``mem``: its memory tile, ``(kind, value, delta)`` (the kind
+    names it: ``app.lib.fmt.MEMORY``)."""
     total = runs.total_steps(run) or 0
     step = int(run.get("last_step") or 0)
     target = runs.target_of(run)
@@ -154,7 +156,8 @@ def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float |
                 help="Training throughput on the trainer's own clock, over its last 50 "
                      "steps (the wait for each batch counted; evaluations and checkpoints "
                      "not).")
-    c[5].metric(mem[0], mem[1], delta=mem[2], delta_color="off", delta_arrow="off")
+    c[5].metric(fmt.memory_label(mem[0]), mem[1], delta=mem[2], delta_color="off",
+                delta_arrow="off", help=fmt.memory_help(mem[0]))
 
 
 def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
@@ -207,18 +210,16 @@ def charts(run: dict[str, Any], latest: dict[str, float]) -> None:
     c1, c2 = st.columns(2)
     with c1:
         if on_gpu(latest):
-            series = [
-                ("device used (NVML)", *_series(DB, rid, "mem/gpu_used_mb")),
-                ("torch peak allocated", *_series(DB, rid, "mem/cuda_max_allocated_mb")),
-                ("torch peak reserved", *_series(DB, rid, "mem/cuda_max_reserved_mb")),
-            ]
+            series = [(fmt.memory_label(kind), *_series(DB, rid, name)) for kind, name in (
+                ("gpu_used", "mem/gpu_used_mb"), ("gpu_peak", "mem/cuda_max_allocated_mb"),
+                ("gpu_reserved", "mem/cuda_max_reserved_mb"))]
             total = latest.get("mem/gpu_total_mb")
             fig = plots.lines_spec(series, "GPU memory", "MiB", stages=stages, from_zero=True,
                               hline=(total, f"device total {fmt.mib(total)}") if total else None)
         else:
-            fig = plots.lines_spec([("process RSS", *_series(DB, rid, "mem/rss_mb"))],
-                              "Memory (CPU run: process RSS)", "MiB", stages=stages,
-                              from_zero=True)
+            fig = plots.lines_spec(
+                [(fmt.memory_label("rss"), *_series(DB, rid, "mem/rss_mb"))],
+                f"{fmt.memory_label('rss')} (a CPU run)", "MiB", stages=stages, from_zero=True)
         live_chart(fig, key="ch-mem")
     with c2:
         if "sys/cpu_percent" in latest:  # what the trainer read of the machine
@@ -343,14 +344,12 @@ def _view() -> None:
         tput = ("Tokens / s", latest.get("perf/tokens_per_s"))
     else:
         tput = ("Samples / s", latest.get("perf/samples_per_s"))
-    if "mem/gpu_used_mb" in latest:
-        mem = ("GPU memory", fmt.mib(latest.get("mem/gpu_used_mb")),
-               f"of {fmt.mib(latest.get('mem/gpu_total_mb'))}; torch peak "
-               f"{fmt.mib(latest.get('mem/cuda_max_allocated_mb'))}")
-    elif "mem/cuda_max_allocated_mb" in latest:
-        mem = ("GPU memory (torch peak)", fmt.mib(latest.get("mem/cuda_max_allocated_mb")), None)
+    if "mem/cuda_max_allocated_mb" in latest:  # the chart beside has the device's figure
+        mem = ("gpu_peak", fmt.mib(latest.get("mem/cuda_max_allocated_mb")),
+               f"device {fmt.mib(latest['mem/gpu_used_mb'])} used"
+               if "mem/gpu_used_mb" in latest else None)
     else:
-        mem = ("Memory (RSS)", fmt.mib(latest.get("mem/rss_mb")), None)
+        mem = ("rss", fmt.mib(latest.get("mem/rss_mb")), None)
     with tiles:
         kpis(run, latest, tput, mem)
     with body:

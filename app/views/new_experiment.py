@@ -586,7 +586,7 @@ if pv is not None:
         gpu = next(g for g in gpus if f"cuda:{g.index}" == device)
         need = pv.memory["tt"]["total"] / 2**20
         if need > 0.9 * gpu.memory_total_mb:
-            say("device", "error", f"Estimated training memory {fmt.mib(need)} exceeds 90% of "
+            say("device", "error", f"{fmt.memory_label('estimate')} {fmt.mib(need)} exceeds 90% of "
                 f"{gpu.label}; lower the batch size or the model size.")
 
 for name, slot in slots.items():
@@ -774,7 +774,7 @@ def _memory_chart(pv: Preview) -> None:
                     x=[pv.memory["tt"][part] / 2**20, pv.memory["dense"][part] / 2**20],
                     name=part, orientation="h", marker_color=plots.COLORS[i])
     fig.update_layout(barmode="stack")
-    plots.base_layout(fig, None, 220, "MiB (estimate)")
+    plots.base_layout(fig, None, 220, f"{fmt.memory_label('estimate')}, MiB")
     fig.update_layout(hovermode="closest")
     st.plotly_chart(fig, width="stretch", key="pv-mem")
 
@@ -807,13 +807,9 @@ with right:
               delta=f"dense {fmt.count(pv.dense_macs)}", delta_color="off", delta_arrow="off",
               help="Forward multiply-accumulates of the linear and embedding layers per "
                    f"{unit}, on the path the planner picks at batch {pv.tokens_per_batch}.")
-    k4.metric("Training memory (estimate)", fmt.nbytes(pv.memory["tt"]["total"]),
+    k4.metric(fmt.memory_label("estimate"), fmt.nbytes(pv.memory["tt"]["total"]),
               delta=f"dense {fmt.nbytes(pv.memory['dense']['total'])}", delta_color="off",
-              delta_arrow="off",
-              help="Estimated training memory: weights, gradients, AdamW moments and saved "
-                   "activations (a rough estimate). Not the process: Python, PyTorch and "
-                   "the data add a few hundred MiB of RSS (the Live page's memory chart), "
-                   "the same for every method.")
+              delta_arrow="off", help=fmt.memory_help("estimate"))
     if not pv.dense_model and pv.layers:
         dense = pv.dense_tt if pv.scope == "tensorized" else pv.dense_total
         st.plotly_chart(plots.size_bar(dense, pv.start_size, pv.floor_size, pv.target,
@@ -866,7 +862,7 @@ with right:
                        "until the TT layers fit the target (whole ranks, so they may land "
                        "below it); the run itself prunes entry by entry to the target.")
         tab1, tab2, tab3 = st.tabs(["Parameters per layer", f"MACs per {unit}",
-                                    "Training memory"])
+                                    fmt.memory_label("estimate")])
         names = [layer.name for layer in pv.layers]
         with tab1:
             _layer_bars(pv, names, "params", None, "parameters (log)", "pv-params")

@@ -111,6 +111,11 @@ def view(sid: str) -> None:
     # figures as text: accuracies in percent, a pending value blank, no spread for one
     # seed (comera_engine.metrics.format_metric), nor in the header when no point has one
     spread = any(g["score_std"] is not None for g in rep["groups"])
+    # the cells' memory: their peak GPU memory on a GPU, else their process memory
+    kinds = sorted({k for c in rep["cells"] if c["peak_mem_mb"] is not None
+                    for k in [runs.sweep_memory_kind(runs.final_metrics(store, c["run"]))]
+                    if k})
+    memory = " / ".join(fmt.memory_label(k) for k in kinds) or fmt.memory_label("gpu_peak")
     score = f"{metric} (mean ± std over seeds)" if spread else metric
     ui.table(
         [{"grid point": g["label"], "target": g["target"],
@@ -120,7 +125,7 @@ def view(sid: str) -> None:
           "scope": _scope(rep), "model size": _text(g.get("bytes"), fmt.nbytes(g.get("bytes"))),
           "finished": f"{g['finished']}/{g['cells']}", "Pareto": g["pareto"],
           "step time": _text(g["step_time_s"], f"{g['step_time_s'] or 0:.4f} s"),
-          "peak memory": _text(g["peak_mem_mb"], fmt.mib(g["peak_mem_mb"]))}
+          memory: _text(g["peak_mem_mb"], fmt.mib(g["peak_mem_mb"]))}
          for g in rep["groups"]],
         column_config={
             "target": st.column_config.NumberColumn(format="%g×"),
@@ -128,6 +133,9 @@ def view(sid: str) -> None:
                 help="Each finished cell's median training step, averaged "
                 "over the seeds; cells that ran side by side share the machine, and each "
                 "step time carries that load."),
+            memory: st.column_config.TextColumn(help=" ".join(
+                fmt.memory_help(k) for k in kinds or ["gpu_peak"]) + " The mean over the "
+                "grid point's finished cells."),
         })
     st.subheader("Cells", anchor=False)
     ui.table(
