@@ -1220,6 +1220,48 @@ def test_an_uploaded_config_starts_the_form_and_names_only_what_is_offered(
     assert any(e.value.startswith("config: not valid TOML") for e in at.error)
 
 
+def test_a_bad_uploaded_config_shows_every_problem_and_cannot_launch(home: Path) -> None:
+    """An uploaded config is checked as written, and every problem is said, a line each
+    naming the field and the fix (only the first was), with Launch disabled until the
+    file is fixed; a value a widget does not offer (comera.switch = "sometimes") was
+    replaced by the widget's first choice and launched, or broke the page (precision
+    "fp64"). A file that is not a config is not loaded: both missing tables are named,
+    and Launch stays disabled until the file leaves the uploader."""
+    text = (ROOT / "experiments/configs/digits_tt_mlp.toml").read_text()
+    bad = (text.replace("tau = 0.01", "tau = 3.0\nbatch_sise = 4")
+           .replace("switch = 100", 'switch = "sometimes"')
+           .replace("grad_clip = 1.0", 'grad_clip = -1.0\nprecision = "fp64"'))
+    at = app("new")
+    at.file_uploader(key="upload").set_value(("bad.toml", bad.encode(), "text/plain")).run()
+    no_exception(at)
+    assert at.selectbox(key="preset").value == "upload:bad"
+    errors = [e.value for e in at.error]
+    problems = ["comera.tau: must be a fraction in [0, 1)",
+                "comera.batch_sise: unknown key (did you mean train.batch_size?)",
+                "comera.switch: unknown value 'sometimes'",
+                "train.grad_clip: must be a finite number >= 0, got -1.0",
+                "train.precision: unknown value 'fp64'"]
+    for problem in problems:  # each said once
+        assert sum(e.startswith(problem) for e in errors) == 1, (problem, errors)
+    assert "Fix 5 problems above to launch." in errors
+    assert "bad.toml as uploaded: 5 problems" in texts(at)
+    assert at.button(key="launch").disabled and at.button(key="sw-launch").disabled
+    fixed = text.replace("steps = 600", "steps = 80")  # the same file, mended
+    at.file_uploader(key="upload").set_value(("bad.toml", fixed.encode(), "text/plain")).run()
+    assert not at.error and not at.button(key="launch").disabled
+
+    at.file_uploader(key="upload").set_value(("notes.toml", b'title = "not a run"\n',
+                                             "text/plain")).run()
+    no_exception(at)
+    assert at.selectbox(key="preset").value == "upload:bad"  # not loaded
+    errors = [e.value for e in at.error]
+    for table in ("model", "data"):
+        assert f"{table}: missing; a run config has [model] and [data] tables" in errors
+    assert "notes.toml was not loaded" in texts(at) and at.button(key="launch").disabled
+    at.file_uploader(key="upload").set_value(None).run()  # out of the uploader
+    assert not at.error and not at.button(key="launch").disabled
+
+
 def test_edit_as_toml_launches_the_text(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """"Edit as TOML" shows the form's config as text; the edited text is what launches,
     validated by the engine, and it may name only files the dashboard offers."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.lib.form import FormValues, form_to_config
+from app.lib.form import FormValues, check_all, form_to_config
 from app.lib.presets import load_presets
 from comera_engine.errors import ConfigError
 from comera_engine.launch import resolve_config
@@ -184,3 +184,37 @@ def test_the_late_stage_the_form_states_is_where_the_engine_switches(
               if r.get("type") == "event" and r["kind"] == "stage"]
     assert [e["step"] for e in events] == [stage.step]
     assert abs(result.metrics["compression/error"]) <= 0.05
+
+
+def test_check_all_names_every_problem_the_engine_finds() -> None:
+    """The engine's validation stops at its first refusal; ``check_all`` gives every one,
+    a line each naming its field and the fix, and the config when there is none."""
+    preset = PRESETS["digits_tt_mlp"]
+    cfg, problems = check_all(preset.config(), resolve_config)
+    assert problems == [] and cfg.train.steps == 600
+    raw = preset.config()
+    raw["comera"].update(tau=3.0, batch_sise=4)
+    raw["train"].update(grad_clip=-1.0, steps=2.5)
+    before = preset.config()
+    before["comera"].update(tau=3.0, batch_sise=4)
+    before["train"].update(grad_clip=-1.0, steps=2.5)
+    cfg, problems = check_all(raw, resolve_config)
+    assert cfg is None and raw == before  # the config itself is left as it is
+    assert [p.field for p in problems] == ["comera.tau", "comera.batch_sise", "train.steps",
+                                           "train.grad_clip"]
+    assert "did you mean train.batch_size?" in str(problems[1])
+    assert all(str(p).startswith(p.field + ": ") and "\n" not in str(p) for p in problems)
+    # the model's name refused: the rest would be judged against another model, so the
+    # list stops there (no "does not apply to tt_mlp" about the fields of the one meant)
+    raw = preset.config()
+    raw["model"]["name"] = "tt_mpl"
+    raw["comera"]["tau"] = 3.0
+    _, problems = check_all(raw, resolve_config)
+    assert [p.field for p in problems] == ["comera.tau", "model.name"]
+    assert "did you mean tt_mlp?" in str(problems[1])
+    # a missing field cannot be taken out: it is named once, and the list ends with it
+    raw = preset.config()
+    del raw["data"]["name"]
+    raw["train"]["steps"] = 0
+    _, problems = check_all(raw, resolve_config)
+    assert [p.field for p in problems] == ["data.name"]

@@ -4,13 +4,21 @@ turns it into a run config (no streamlit here, so it is tested like any function
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from comera_engine.config import MAX_NAME, toml_value
+from comera_engine.errors import ConfigError
 
-__all__ = ["FormValues", "auto_run_name", "form_to_config", "raw_toml"]
+__all__ = ["FormValues", "auto_run_name", "check_all", "form_to_config", "raw_toml"]
+
+T = TypeVar("T")
+
+#: Fields the others are checked against (which model, which data, which task): once
+#: one is refused, what the engine says of the rest would be about another config.
+DECISIVE_FIELDS = ("model", "model.name", "model.factory", "data", "data.name",
+                   "data.factory", "task", "comera", "train")
 
 
 @dataclass
@@ -156,6 +164,45 @@ def auto_run_name(preset: Mapping[str, Any], size: str | None, dense: bool,
         number = isinstance(target, (int, float)) and not isinstance(target, bool)
         parts.append(f"{target:g}×" if number else f"{target}×")
     return " · ".join(parts)[:MAX_NAME]
+
+
+def check_all(raw: Mapping[str, Any], check: Callable[[dict[str, Any]], T],
+              most: int = 40) -> tuple[T | None, list[ConfigError]]:
+    """``(check(raw), [])`` when the engine's ``check`` (``resolve_config``) accepts
+    ``raw``; else ``(None, problems)``, every problem it finds, one per field, in order.
+
+    The engine stops at its first refusal, so each field it refuses is taken out of a
+    copy of ``raw`` (its default stands in) and the copy checked again, until it passes,
+    refuses a field that is not there to take out (a missing one) or one already
+    refused, or refuses one of :data:`DECISIVE_FIELDS` (the rest would be checked
+    against another model, data set or task). ``raw`` is left unchanged."""
+    work = copy.deepcopy(dict(raw))
+    problems: list[ConfigError] = []
+    for _ in range(most):
+        try:
+            result = check(work)
+        except ConfigError as e:
+            if any(e.field == p.field for p in problems):
+                break
+            problems.append(e)
+            if e.field in DECISIVE_FIELDS or not _take_out(work, e.field):
+                break
+            continue
+        return (None, problems) if problems else (result, [])
+    return None, problems
+
+
+def _take_out(raw: dict[str, Any], field: str) -> bool:
+    """Delete the value at the dotted ``field`` from ``raw``; whether it was there."""
+    *tables, key = field.split(".")
+    for name in tables:
+        raw = raw.get(name)  # type: ignore[assignment]
+        if not isinstance(raw, dict):
+            return False
+    return raw.pop(key, _MISSING) is not _MISSING
+
+
+_MISSING = object()
 
 
 def raw_toml(raw: dict[str, Any]) -> str:

@@ -224,7 +224,8 @@ def save_upload(store_folder: Path, filename: str, content: bytes) -> str:
     when it is launched (:func:`browser_config_problem`).
 
     Raises:
-        ValueError: one line saying what is wrong with the file.
+        ValueError: what is wrong with the file, a line per problem (both tables when
+            both are missing).
     """
     from comera_engine.config import MAX_CONFIG_BYTES
 
@@ -239,9 +240,10 @@ def save_upload(store_folder: Path, filename: str, content: bytes) -> str:
         raise ValueError(f"config: not valid TOML ({exc})") from None
     except RecursionError:
         raise ValueError("config: nests values too deeply") from None
-    for table in ("model", "data"):
-        if not isinstance(raw.get(table), dict):
-            raise ValueError(f"{table}: missing; a run config has [model] and [data] tables")
+    missing = [f"{table}: missing; a run config has [model] and [data] tables"
+               for table in ("model", "data") if not isinstance(raw.get(table), dict)]
+    if missing:
+        raise ValueError("\n".join(missing))
     stem = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_-") else "_"
                    for ch in Path(filename).stem)[:60].strip("_") or "config"
     folder = upload_dir(store_folder)
@@ -250,11 +252,11 @@ def save_upload(store_folder: Path, filename: str, content: bytes) -> str:
     return UPLOAD_PREFIX + stem
 
 
-def browser_config_problem(raw: Mapping[str, Any], start: Mapping[str, Any],
-                           registry: Mapping[str, Any], store_folder: Path,
-                           base: Path) -> tuple[str, str] | None:
-    """``(field, problem)`` when a config the browser wrote (uploaded, or edited as
-    TOML) names what the server does not offer, else ``None``.
+def browser_config_problems(raw: Mapping[str, Any], start: Mapping[str, Any],
+                            registry: Mapping[str, Any], store_folder: Path,
+                            base: Path) -> list[tuple[str, str]]:
+    """``(field, problem)`` for each thing a config the browser wrote (uploaded, or
+    edited as TOML) names that the server does not offer; ``[]`` when none.
 
     Allowed: the code (``model.factory``, ``task.factory``, ``data.factory``) of the
     config it started from and of the registered models; files (the ``[data]`` paths,
@@ -276,12 +278,13 @@ def browser_config_problem(raw: Mapping[str, Any], start: Mapping[str, Any],
             code.add(spec["factory"])
     for d in (registry.get("data") or {}).values():
         files.update(str(Path(p).resolve()) for p in (d.get("train"), d.get("eval")) if p)
+    problems: list[tuple[str, str]] = []
     for where, spec in (("model.factory", raw.get("model")), ("task.factory", raw.get("task")),
                         ("data.factory", raw.get("data"))):
         value = spec.get("factory") if isinstance(spec, Mapping) else None
         if value is not None and value not in code:
-            return where, (f"{value!r} is not a model this dashboard offers; register its "
-                           "module with `comera app --models MODULE`")
+            problems.append((where, f"{value!r} is not a model this dashboard offers; "
+                                    "register its module with `comera app --models MODULE`"))
 
     def allowed(path: str) -> bool:
         p = Path(path)
@@ -296,7 +299,8 @@ def browser_config_problem(raw: Mapping[str, Any], start: Mapping[str, Any],
     for key, path in named.items():
         if not allowed(path):
             where = key if key.startswith("model.") else f"data.{key}"
-            return where, ("names a file this dashboard does not offer; use a registered "
-                           "data file (`comera app --data NAME=PATH`), a shipped config's, "
-                           "or one inside the run store's folder")
-    return None
+            problems.append((where, "names a file this dashboard does not offer; use a "
+                                    "registered data file (`comera app --data NAME=PATH`), "
+                                    "a shipped config's, or one inside the run store's "
+                                    "folder"))
+    return problems

@@ -17,14 +17,14 @@ import tomllib
 from app.lib import fmt, plots, runs, ui
 from app.lib.defaults import DEFAULT_PRESET
 from app.lib.devices import list_gpus
-from app.lib.form import FormValues, auto_run_name, form_to_config, raw_toml
+from app.lib.form import FormValues, auto_run_name, check_all, form_to_config, raw_toml
 from app.lib.presets import (
     CONFIG_PREFIX,
     MODEL_LABELS,
     UPLOAD_PREFIX,
     USER_PREFIX,
     Preset,
-    browser_config_problem,
+    browser_config_problems,
     load_presets,
     preset_label,
     registered_configs,
@@ -35,6 +35,7 @@ from app.lib.presets import (
 )
 from comera_engine.config import LR_SCHEDULES, SCHEDULE_NAMES, parse_value, to_toml, toml_value
 from comera_engine.errors import ConfigError
+from comera_engine.launch import resolve_config
 from comera_engine.metrics import SCOPE_LABELS
 from comera_engine.preview import (
     Preview,
@@ -137,15 +138,21 @@ def _upload() -> None:
     """The uploader's callback: keep the file in the run store's folder and start from it
     (runs before the page, so the picker can be set)."""
     f = st.session_state.get("upload")
-    if f is None:
+    st.session_state.pop("upload_error", None)
+    if f is None:  # removed from the uploader: its refusal goes with it
         return
     try:
         key = save_upload(STORE_FOLDER, f.name, f.getvalue())
     except ValueError as e:
-        st.session_state["upload_error"] = str(e)
+        st.session_state["upload_error"] = (f.name, str(e).splitlines())
         return
-    st.session_state.pop("upload_error", None)
     st.session_state["preset"] = key
+
+
+def _picked() -> None:
+    """Start from's callback: another config chosen, a refused upload is no longer the
+    config at hand."""
+    st.session_state.pop("upload_error", None)
 
 
 def number_text(where: Any, label: str, value: Any, key: str, help: str | None = None,
@@ -157,6 +164,12 @@ def number_text(where: Any, label: str, value: Any, key: str, help: str | None =
                             key=key, help=help, placeholder=placeholder, disabled=disabled)
     text = str(text).strip()
     return None if not text else parse_value(text)
+
+
+def _index(options: list[Any] | tuple[Any, ...], value: Any) -> int:
+    """The place of ``value`` among a widget's ``options``; the first where it is not one
+    (an uploaded config's unknown value: the check of the upload names it)."""
+    return options.index(value) if value in options else 0
 
 
 def _data_label(data: dict) -> str:
@@ -212,7 +225,7 @@ with left:
         keys,
         index=keys.index(first) if first in keys else 0,  # your config or model, if any
         format_func=lambda k: preset_label(presets[k]),
-        key="preset",
+        key="preset", on_change=_picked,
         help="A config to start from: yours (beside a module `comera app --models` "
              "registered, or uploaded below), a registered model with its function's "
              "defaults, or a template from experiments/configs/. Every field below starts "
@@ -224,8 +237,9 @@ with left:
                          help="Kept in the run store's folder (configs/) and offered under "
                               "Start from. Its files and model code must be ones this "
                               "dashboard offers.")
-        if st.session_state.get("upload_error"):
-            st.error(st.session_state["upload_error"], icon=":material/error:")
+        refused = st.session_state.get("upload_error")
+        for line in refused[1] if refused else []:
+            st.error(line, icon=":material/error:")
     preset = presets[pkey]
     raw: dict[str, Any] = preset.config()
     model_name = preset.model
@@ -234,6 +248,7 @@ with left:
         f"{MODEL_LABELS.get(model_name, model_name)} · "
         f"{preset.description or 'no description'} ({preset.source})"
     )
+    slots["upload"] = st.container()  # what is wrong with an uploaded file, every problem
 
     def k(name: str) -> str:
         key = f"{pkey}:{name}"
@@ -287,7 +302,7 @@ with left:
     m = raw.setdefault("model", {})
     size = None
     if not user:  # a user model's architecture is its factory's
-        size = st.radio("Model size", SIZES, index=SIZES.index(m.get("preset", "tiny")),
+        size = st.radio("Model size", SIZES, index=_index(SIZES, m.get("preset", "tiny")),
                         horizontal=True, key=k("size"),
                         help="The architecture preset: tiny runs on a CPU, paper is the "
                              "paper's size (GPU).")
@@ -358,7 +373,7 @@ with left:
         layout0 = (m.get("tensorize") or {}).get("layout") if user else m.get("linear_layout")
         layout = st.radio(
             "TT linear layout", list(LAYOUTS), format_func=LAYOUTS.get, horizontal=True,
-            index=list(LAYOUTS).index(layout0 or "tt"), key=k("layout"),
+            index=_index(list(LAYOUTS), layout0 or "tt"), key=k("layout"),
             disabled=dense,
             help="model.linear_layout: tt, the paper's (saves MACs); ttm, a TT matrix "
                  "(computes like a dense layer, more accurate at high compression).")
@@ -430,7 +445,7 @@ with left:
                           format_func=lambda d: "CPU" if d == "cpu" else glabels[d],
                           help="CPU, or one of the GPUs NVML reports on this machine.")
     precision = c2.selectbox("Precision", list(PRECISIONS), format_func=PRECISIONS.get,
-                             index=list(PRECISIONS).index(t.get("precision", "auto")),
+                             index=_index(list(PRECISIONS), t.get("precision", "auto")),
                              key=k("precision"),
                              help="auto: bf16 autocast on a GPU, fp32 on a CPU.")
     slots["device"] = st.container()
@@ -500,9 +515,9 @@ with all_settings:
         else:
             raw = edited
 if as_toml or pkey.startswith(UPLOAD_PREFIX):  # the browser wrote it: only what is offered
-    if (bad := browser_config_problem(raw, trusted, REGISTRY, STORE_FOLDER,
-                                      Path.cwd())) is not None:
-        say("toml" if as_toml else "data", "error", f"{bad[0]}: {bad[1]}")
+    for field, problem in browser_config_problems(raw, trusted, REGISTRY, STORE_FOLDER,
+                                                  Path.cwd()):
+        say("toml" if as_toml else "data", "error", f"{field}: {problem}")
 
 FIELD_SLOTS = {
     "data": "data", "model.preset": "data", "model.name": "data",
@@ -518,14 +533,26 @@ FIELD_SLOTS = {
     **{field: "rates" for field, _, _ in RATES},
 }
 
-cfg = None
-try:
-    from comera_engine.launch import resolve_config
-
-    cfg = resolve_config(raw)
-except ConfigError as e:
-    field = e.field.split(".")[0] if e.field.startswith("data") else e.field
-    say("toml" if as_toml else FIELD_SLOTS.get(field, "advanced"), "error", str(e))
+if refused := st.session_state.get("upload_error"):  # the file was not loaded at all
+    say("upload", "note", f"{refused[0]} was not loaded: fix it and upload it again, or "
+        "remove it from the uploader (or pick a config under Start from) to launch another.")
+    for line in refused[1]:
+        say("upload", "error", line)
+said: set[str] = set()
+if pkey.startswith(UPLOAD_PREFIX) and not as_toml:  # the file as written, every problem
+    _, as_written = check_all(preset.raw, resolve_config)
+    if as_written:
+        say("upload", "note", f"{preset.source} as uploaded: {len(as_written)} problem"
+            f"{'s' if len(as_written) > 1 else ''}, each below. Fix the file and upload it "
+            "again, or edit the config under All settings · Edit as TOML.")
+    for e in as_written:
+        say("upload", "error", str(e))
+        said.add(str(e))
+cfg, refusals = check_all(raw, resolve_config)  # the form's config: every problem
+for e in refusals:
+    if str(e) not in said:  # the file's own problem, said under the upload
+        field = e.field.split(".")[0] if e.field.startswith("data") else e.field
+        say("toml" if as_toml else FIELD_SLOTS.get(field, "advanced"), "error", str(e))
 if settings_box is not None:
     with settings_box:
         if cfg is not None:
