@@ -80,29 +80,23 @@ def controller(data: dict[str, Any]) -> str:
                if runs else [])]
             for r in data["rows"]]
     what = (f"Each shipped config's model at the ranks its run starts from, one batch of its "
-            f"shape, the trainer's step followed by `CoMERA.step` ({data['rounds']} "
-            f"alternating rounds of {data['reps']} steps); `fixed` has its gates frozen "
-            "(`comera.method = \"fixed\"`), `gates trained` trains them on the task loss "
-            "alone (CoMERA's own parameters in the optimizer, no size objective: the floor "
-            "of the stages below it). No gate dies while timing, so every row has the "
-            "same ranks. Medians of the rounds, wall-clock and the process's CPU time (on "
-            "a shared machine what other processes take is not counted in the latter).")
+            f"shape, the trainer's step then `CoMERA.step` ({data['rounds']} alternating "
+            f"rounds of {data['reps']} steps); `fixed`: gates frozen "
+            "(`comera.method = \"fixed\"`); `gates trained`: gates trained on the task "
+            "loss alone (no size objective). No gate dies while timing. Medians of the "
+            "rounds, wall-clock and the process's CPU time (which leaves out what other "
+            "processes take).")
     if data.get("paired"):
-        what += (" An overhead is paired by round: per round the variant's time over "
-                 "`fixed`'s in that round (the variants run one right after another), "
-                 "the median over the rounds.")
+        what += (" Overheads are paired by round: the variant's time over `fixed`'s in the "
+                 "same round, the median over the rounds.")
     if data.get("builds"):
-        what += (f" Every round starts each variant from its state after the warm-up, and "
-                 f"the rounds are spread over {data['builds']} fresh builds of the "
-                 "variants (where a model's tensors lie moves its time for a whole "
-                 "process).")
+        what += f" The rounds are spread over {data['builds']} fresh builds of the variants."
     if data.get("mmap_threshold"):
-        what += (" The process keeps freed memory between steps, as `comera train` does on "
-                 "CPU (`comera_engine.backends.keep_freed_memory`).")
+        what += (" Freed memory is kept between steps, as `comera train` does on CPU "
+                 "(`comera_engine.backends.keep_freed_memory`).")
     if runs:
-        what += (f" Each row is the median of {data['processes']} runs in fresh processes; "
-                 "the last column gives every process's overhead (wall-clock): one run is "
-                 "one sample, and runs differ by a few points.")
+        what += (f" Each row is the median of {data['processes']} fresh processes; the last "
+                 "column gives each one's overhead (wall-clock).")
     else:
         what += (" Repeated runs move these overheads by 2-3 points; only rows of one run "
                  "compare.")
@@ -151,11 +145,11 @@ def own_loop(data: dict[str, Any]) -> str:
     what = (f"The script's own networks ({', '.join(nets)}; no preset), the README's loop "
             f"at the dense network's rate (README), nothing set on the controller; "
             f"{data['steps']} steps, seeds {', '.join(map(str, data['seeds']))}; held-out "
-            f"score against the same network dense.")
-    rows = [[f"{name} ({method})", f"{r['target']:g}×" if method == "CoMERA" else "–",
+            f"score against the same network dense and at ranks fixed for the target.")
+    rows = [[f"{name} ({method})", f"{r['target']:g}×" if method != "dense" else "–",
              _held_out(s, r["task"]),
              f"{s['compression_min']:.1f}× – {s['compression_max']:.1f}×"
-             if method == "CoMERA" else "–", f"{r['lr']:g}"]
+             if method != "dense" else "–", f"{r['lr']:g}"]
             for name, r in nets.items() for method, s in r["summary"].items()]
     return section("CoMERA in your own loop", "python experiments/own_loop.py",
                    "own_loop.json", data, what,
@@ -252,12 +246,11 @@ def launches(data: dict[str, Any]) -> str:
             + ("; the step's TT linears take their halves from one batched pass per "
                "shape, as on a GPU (`--ungrouped`: each its own)" if data.get("grouped")
                else "") + "): `ops`, the ATen ops below "
-            "autograd that do work (views, allocations and flags not counted; each about "
-            "one GPU kernel; a `_foreach_`/`_fused_` op once), with the C++ CPU backend "
-            "off; `syncs`, host reads. The optimizer row is torch's `foreach` AdamW (what "
-            "a GPU step runs; the CPU one reads its step counts on the host, hence the "
-            "syncs); `optimizer fused` and `refresh_entries` (every bond at once) are the "
-            "alternatives to the step's own optimizer and per-bond refresh.")
+            "autograd that do work (not views, allocations or flags; each about one GPU "
+            "kernel; a `_foreach_`/`_fused_` op once), the C++ CPU backend off; `syncs`, "
+            "host reads. The optimizer row is torch's `foreach` AdamW (a GPU step's); "
+            "`optimizer fused` and `refresh_entries` (every bond at once) are the "
+            "alternatives to the step's optimizer and per-bond refresh.")
     if cuda:
         what = ("Counted as in the CPU table of the same name above, on the GPU with bf16 "
                 "autocast (its casts count); `kernels`: the CUDA kernels, memcpys and "

@@ -1,7 +1,8 @@
-"""CoMERA in your own training loop, on networks nobody tuned for: four networks defined
+"""CoMERA in your own training loop, on networks nobody tuned for: five networks defined
 in this file (none is a preset), each trained with the README's loop at the learning
 rate the same network trains best at dense, and no CoMERA learning-rate setting, against
-the same network dense in the same loop.
+the same network dense and the same TT network at ranks fixed for the target from the
+start (``method="fixed"``: what learning the ranks buys), in the same loop.
 
 - ``mlp``: scikit-learn's 8×8 digits as 64 pixel values through two hidden layers of 512
   to a 10-way head;
@@ -325,26 +326,30 @@ def make_scheduler(schedule: str, opt: torch.optim.Optimizer, steps: int,
 
 
 def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr: float,
-          comera: bool, optimizer: str = "adamw", schedule: str = "constant"
+          method: str, optimizer: str = "adamw", schedule: str = "constant"
           ) -> tuple[nn.Module, dict]:
-    """The README's loop: ``config`` once, ``tensorize`` and the controller given it, the
-    user's optimizer (:func:`make_optimizer`) at ``lr`` with nothing set on the
-    controller, ``attach``, the user's ``schedule`` (:func:`make_scheduler`); dense: the
-    same loop with the network as it is (``cosine-held`` holding to the step CoMERA's
-    default config fixes its ranks at)."""
+    """The README's loop for ``method`` (:data:`METHODS`): ``config`` once, ``tensorize``
+    and the controller given it, the user's optimizer (:func:`make_optimizer`) at ``lr``
+    with nothing set on the controller, ``attach``, the user's ``schedule``
+    (:func:`make_scheduler`). ``fixed ranks``: the same loop with
+    ``method="fixed"`` (the TT layers at ranks planned for the target from the start,
+    gates frozen); dense: the same loop with the network as it is (``cosine-held``
+    holding to the step CoMERA's default config fixes its ranks at)."""
     torch.manual_seed(seed)
     model = net.build(split)
     controller = None
-    if comera:
-        config = ce.CoMERAConfig(target_compression=net.target)
+    if method != "dense":
+        fixed = {"method": "fixed"} if method == "fixed ranks" else {}
+        config = ce.CoMERAConfig(target_compression=net.target, **fixed)
         model = ce.tensorize(model, config, exclude=list(net.keep_dense))
         controller = ce.CoMERA(model, config, total_steps=steps)
         opt = make_optimizer(optimizer, controller.param_groups(), lr)
         controller.attach(opt)
     else:
         opt = make_optimizer(optimizer, model.parameters(), lr)
-    hold = (controller.reach_step if controller is not None
-            else step_of(ce.CoMERAConfig().reach_at, steps)) or 0
+    hold = controller.reach_step if controller is not None else None
+    if hold is None:  # dense and fixed ranks: where CoMERA's default fixes its ranks
+        hold = step_of(ce.CoMERAConfig().reach_at, steps) or 0
     sched = make_scheduler(schedule, opt, steps, hold)
     g = torch.Generator().manual_seed(seed)
     n = len(train_on["y"])
@@ -373,6 +378,11 @@ def train(net: Network, split: Split, train_on: Batch, seed: int, steps: int, lr
     return model, row
 
 
+#: what each network is trained by: dense, TT at ranks fixed for the target from the
+#: start, and CoMERA (the ranks learned while it trains)
+METHODS = ("dense", "fixed ranks", "CoMERA")
+
+
 def summarize(rows: list[dict], methods: Sequence[str], key: str = "test_acc"
               ) -> dict[str, dict[str, float]]:
     """Per method of ``methods``: its rows' held-out ``key`` (accuracy), mean and std
@@ -394,51 +404,68 @@ def held_out(summary: dict[str, float]) -> tuple[float, float]:
 
 
 def sentence(name: str, result: dict) -> str:
-    """One line per network, as the README quotes it."""
+    """One line per network, as the README quotes it (with the fixed-rank TT network's
+    score where the file has it)."""
     (c, c_sd), (d, d_sd) = (held_out(result["summary"][m]) for m in ("CoMERA", "dense"))
+    fixed = result["summary"].get("fixed ranks")
     comp = result["summary"]["CoMERA"]
     rate = f"{'SGD, ' if result['optimizer'] == 'sgd' else ''}lr {result['lr']:g}"
-    for method in ("dense", "CoMERA"):  # runs that diverged at the chosen rate
+    for method in result["summary"]:  # runs that diverged at the chosen rate
         fell = [f for f in result["diverged"] if f["method"] == method
                 and f["lr"] == result["lr"]]
         if fell:
             rates = sorted({r["lr"] for r in result["runs"] if r["method"] == method},
                            reverse=True)
             rate += (f"; {method} diverged at it in {len(fell)} of "
-                     f"{len(result['runs']) // 2} seeds (by step "
+                     f"{len(result['runs']) // len(result['summary'])} seeds (by step "
                      f"{max(f['step'] for f in fell)}) and trained at "
                      f"{', '.join(f'{r:g}' for r in rates)}")
     if result["task"] == "regress":
         said = f"held-out R² {c:.3f} ± {c_sd:.3f} against dense {d:.3f} ± {d_sd:.3f}"
+        if fixed is not None:
+            said += " and fixed ranks {:.3f} ± {:.3f}".format(*held_out(fixed))
     else:
         said = (f"held-out accuracy {100 * c:.1f} ± {100 * c_sd:.1f} % against dense "
                 f"{100 * d:.1f} ± {100 * d_sd:.1f} %")
+        if fixed is not None:
+            said += " and fixed ranks {:.1f} ± {:.1f} %".format(
+                *(100 * v for v in held_out(fixed)))
     return (f"{name}: asked {result['target']:g}× (TT layers), reached "
             f"{comp['compression_min']:.1f}× to {comp['compression_max']:.1f}×; {said} "
             f"({rate})")
 
 
+def _points(diff: float) -> str:
+    """A score difference in points (hundredths), signed: ``+0.2``, ``-7.8``, ``+0.0``
+    for a difference that rounds to nothing (never ``-0.0``)."""
+    return f"{round(100 * diff, 1) + 0.0:+.1f}"
+
+
 def gaps(data: dict) -> str:
     """How far CoMERA's held-out score is off dense, per network: points of accuracy
     (``mlp -3.9, embedding +0.7, ...``, what the README quotes for another learning
-    rate), R² in hundredths for the regression network."""
+    rate), R² in hundredths for the regression networks; with the fixed-rank TT
+    network's in brackets where the file has it (``mlp -3.9 (fixed ranks -4.2)``)."""
     parts = []
     for name, result in data["networks"].items():
         c, d = (held_out(result["summary"][m])[0] for m in ("CoMERA", "dense"))
-        parts.append(f"{name} {100 * (c - d):+.1f}")
+        part = f"{name} {_points(c - d)}"
+        if "fixed ranks" in result["summary"]:
+            part += f" (fixed ranks {_points(held_out(result['summary']['fixed ranks'])[0] - d)})"
+        parts.append(part)
     return ", ".join(parts)
 
 
 def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[float],
                 optimizer: str = "adamw", schedule: str = "constant") -> dict:
-    """The dense learning rate chosen on validation, then both methods per seed on the
-    held-out data."""
+    """The dense learning rate chosen on validation, then every method of
+    :data:`METHODS` per seed on the held-out data."""
     split = net.data()
     carved = len(split.train["y"]) - len(split.val["y"])
     fit = _take(split.train, torch.arange(carved))
     search = {}
     for lr in lrs:
-        model, _ = train(net, split, fit, 0, steps, lr, comera=False, optimizer=optimizer,
+        model, _ = train(net, split, fit, 0, steps, lr, "dense", optimizer=optimizer,
                          schedule=schedule)
         search[lr] = score(model, split.val, net.task)
         print(f"{net.name}: dense at lr {lr:g}: validation score {search[lr]:.3f}")
@@ -446,12 +473,11 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
     lr = max(v for v in lrs if search[v] >= best - LR_TIE)
     rows, diverged = [], []
     for seed in seeds:
-        for comera in (False, True):
-            method = "CoMERA" if comera else "dense"
+        for method in METHODS:
             rate = lr
             while True:  # a run whose loss turns non-finite goes on at the next lower rate
                 try:
-                    model, row = train(net, split, split.train, seed, steps, rate, comera,
+                    model, row = train(net, split, split.train, seed, steps, rate, method,
                                        optimizer, schedule)
                     break
                 except ce.TrainingDiverged as e:
@@ -465,7 +491,7 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
             row |= {"seed": seed, "method": method, "lr": rate,
                     "test_score": score(model, split.test, net.task)}
             rows.append(row)
-            print(f"{net.name} seed {seed} {row['method']:6s} held-out "
+            print(f"{net.name} seed {seed} {row['method']:11s} held-out "
                   f"{'R²' if net.task == 'regress' else 'accuracy'} {row['test_score']:.3f} "
                   f"{row['params']:>9,} params {row['seconds']:6.1f} s  {row['message']}")
     return {"target": net.target, "task": net.task, "optimizer": optimizer,
@@ -474,7 +500,7 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
             "lr_rule": f"the largest dense rate within {LR_TIE:g} of the best validation "
                        "score (accuracy, R²)",
             "batch": net.batch,
-            "summary": summarize(rows, ("dense", "CoMERA"), key="test_score"), "runs": rows,
+            "summary": summarize(rows, METHODS, key="test_score"), "runs": rows,
             "diverged": diverged}
 
 
