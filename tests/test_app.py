@@ -1691,6 +1691,22 @@ def test_rename_notes_tags_archive_and_restore(home: Path) -> None:
     assert st.get_run(rid)["archived_at"] is None and st.counts(rid)["metrics"] > 0
 
 
+def test_a_renamed_run_is_shown_by_its_new_name_in_the_closed_picker(home: Path) -> None:
+    """Saved under a new name, the run's picker (closed) is sent the new name as its
+    choice: the browser kept showing the old one above a header with the new."""
+    st = store_at(home)
+    rid = seed_run(st, "first")
+    at = app("live")
+    no_exception(at)
+    assert not at.selectbox(key="live-run").proto.set_value
+    at.text_input(key=f"about-name-{rid}").set_value("renamed").run()
+    at.button(key="about-save").click().run()
+    no_exception(at)
+    pick = at.selectbox(key="live-run")
+    assert pick.value == rid
+    assert pick.proto.set_value and pick.proto.raw_value == f"renamed · {rid}"
+
+
 def test_live_page_plots_the_trainers_system_readings(home: Path) -> None:
     st = store_at(home)
     rid = seed_run(st, "sys", status="running", steps=100, upto=50)

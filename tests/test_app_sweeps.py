@@ -217,6 +217,25 @@ def test_the_sweep_picker_says_each_sweeps_status_as_the_store_has_it(
     assert drawn[-1][0] is None and "Refreshing" not in texts(at)
 
 
+def test_the_closed_picker_shows_its_sweeps_status_as_it_changes(home: Path) -> None:
+    """The picker, closed, shows its chosen sweep with the status it has now: once the
+    sweep ended, the browser is sent the new label as the choice (it kept showing
+    "running" beside a list that said "finished"); while nothing changes it is sent
+    nothing, so a picker being typed in is left alone."""
+    st = RunStore(home / "comera.db")
+    sid, ids = seed_sweep(st, unfinished=True)
+    at = app("views/sweeps.py", sweep=sid)
+    no_exception(at)
+    at.run()  # a redraw with nothing changed: the choice is not sent again
+    assert not at.selectbox(key="sw-pick").proto.set_value
+    st.set_status(ids[-1], "finished")
+    at.run()
+    no_exception(at)
+    pick = at.selectbox(key="sw-pick")
+    assert pick.value == sid
+    assert pick.proto.set_value and pick.proto.raw_value == f"digits · finished · {sid}"
+
+
 def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("comera_engine.launch.runs.dispatch", lambda *a, **k: [])  # start nothing

@@ -265,17 +265,41 @@ def messages(msgs: dict[str, list[tuple[str, str]]], field: str) -> None:
             st.caption(f":material/info: {text}")
 
 
+def relabel(key: str, options: list[Any], index: int, label: Callable[[Any], str]) -> int:
+    """Call before drawing the selectbox ``key`` over ``options`` (``index``: its choice
+    when it is first drawn; ``label``: its ``format_func``); returns the ``index`` to draw
+    it with. The browser shows a closed selectbox's choice by the label it had when it was
+    chosen, and Streamlit sends a changed label only in the list of options: a sweep that
+    ended still read "running", a renamed run its old name. When the chosen option's label
+    changed since the last pass, the choice is handed to the widget again, which sends
+    the browser the new label; otherwise nothing is set (a picker the user is typing in
+    is left alone)."""
+    seen: dict[str, str] = st.session_state.setdefault("_picker_labels", {})
+    current = st.session_state.get(key)
+    chosen = current if current in options else options[index]
+    now = label(chosen)
+    if key in st.session_state and seen.get(key) not in (None, now):
+        st.session_state[key] = chosen
+        index = 0  # the state says the choice; no default beside it (Streamlit warns)
+    seen[key] = now
+    return index
+
+
 def pick_run(store: RunStore, label: str, key: str, runs_list: list[dict[str, Any]],
              default_id: str | None = None) -> dict[str, Any] | None:
-    """A run selectbox (newest first) that remembers the choice in ``?run=``."""
+    """A run selectbox (newest first) that remembers the choice in ``?run=``, its closed
+    label the chosen run's name as it is now (:func:`relabel`)."""
     if not runs_list:
         return None
     ids = [r["id"] for r in runs_list]
     wanted = default_id or st.query_params.get("run")
-    index = ids.index(wanted) if wanted in ids else 0
     by_id = {r["id"]: r for r in runs_list}
-    rid = st.selectbox(label, ids, index=index, key=key,
-                       format_func=lambda i: f"{by_id[i]['name']} · {i}")
+
+    def name(i: str) -> str:
+        return f"{by_id[i]['name']} · {i}"
+
+    index = relabel(key, ids, ids.index(wanted) if wanted in ids else 0, name)
+    rid = st.selectbox(label, ids, index=index, key=key, format_func=name)
     if st.query_params.get("run") != rid:
         st.query_params["run"] = rid
     return by_id[rid]

@@ -59,9 +59,13 @@ def pick(sweeps: list[dict]) -> str:
     ids = [s["id"] for s in sweeps]
     by_id = {s["id"]: s for s in sweeps}
     wanted = st.query_params.get("sweep")
-    sid = st.selectbox(
-        "Sweep", ids, index=ids.index(wanted) if wanted in ids else 0, key="sw-pick",
-        format_func=lambda i: f"{by_id[i]['name']} · {by_id[i]['status']} · {i}")
+
+    def name(i: str) -> str:
+        return f"{by_id[i]['name']} · {by_id[i]['status']} · {i}"
+
+    # the closed picker follows its sweep's status too (it kept "running" once it ended)
+    index = ui.relabel("sw-pick", ids, ids.index(wanted) if wanted in ids else 0, name)
+    sid = st.selectbox("Sweep", ids, index=index, key="sw-pick", format_func=name)
     if st.query_params.get("sweep") != sid:
         st.query_params["sweep"] = sid
     return str(sid)
