@@ -1257,7 +1257,8 @@ def test_a_bad_uploaded_config_shows_every_problem_and_cannot_launch(home: Path)
     errors = [e.value for e in at.error]
     for table in ("model", "data"):
         assert f"{table}: missing; a run config has [model] and [data] tables" in errors
-    assert "notes.toml was not loaded" in texts(at) and at.button(key="launch").disabled
+    assert "notes\\.toml was not loaded" in texts(at)  # drawn as typed (fmt.literal)
+    assert at.button(key="launch").disabled
     at.file_uploader(key="upload").set_value(None).run()  # out of the uploader
     assert not at.error and not at.button(key="launch").disabled
 
@@ -1705,6 +1706,46 @@ def test_a_renamed_run_is_shown_by_its_new_name_in_the_closed_picker(home: Path)
     pick = at.selectbox(key="live-run")
     assert pick.value == rid
     assert pick.proto.set_value and pick.proto.raw_value == f"renamed · {rid}"
+
+
+def test_names_a_user_typed_are_shown_as_typed_not_as_markdown(home: Path) -> None:
+    """A run's name is drawn as typed in the Live page's header and the Overview's live
+    card (it was Markdown there: ``[l](http://…)`` a link, ``**b**`` bold, ``$x$``
+    maths, ``:material/home:`` an icon), and so is an uploaded file's name in the note
+    saying it was not loaded."""
+    import html
+
+    from markdown_it import MarkdownIt
+
+    from app.lib import fmt
+
+    md = MarkdownIt("commonmark").enable("strikethrough")
+    name = "<b>x</b> **b** $x$ :red[r] :material/home: `c` [l](http://e.x) www.a.b _i_ ~~s~~"
+
+    def shown(source: str) -> str:
+        """``source`` as Markdown draws it, one paragraph: its HTML, the invisible word
+        joiners left out. Streamlit's own readings (``$…$``, ``:…:``, ``:colour[…]``,
+        bare ``http://`` and ``www.`` links) apply to text where ``:`` is followed by a
+        letter or a ``/``, or ``.`` follows ``www``: they must not be left."""
+        assert not re.search(r":[A-Za-z/]|www\\?\.|(?<!\\)\$", source), source
+        return md.renderInline(source).replace("\u2060", "")
+
+    assert shown(fmt.literal(name)) == html.escape(name, quote=False)
+    st = store_at(home)
+    rid = seed_run(st, name, status="running", upto=100)
+    at = app("live")
+    no_exception(at)
+    header = next(m.value for m in at.markdown if m.value.startswith("### "))
+    assert shown(header[4:].split(" &nbsp; ")[0]) == html.escape(name, quote=False)
+    at = app()
+    card = next(m.value for m in at.markdown if rid in m.value)
+    assert shown(card.split(" · ")[0].strip("*")) == html.escape(name, quote=False)
+    at = app("new")
+    at.session_state["upload_error"] = (f"{name}.toml", ["config: not UTF-8 text (byte 9)"])
+    at.run()
+    note = next(c.value for c in at.caption if "was not loaded" in c.value)
+    assert shown(note.removeprefix(":material/info: ").split(" was not loaded")[0]) \
+        == html.escape(f"{name}.toml", quote=False)
 
 
 def test_live_page_plots_the_trainers_system_readings(home: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 
 from comera_engine.metrics import format_ratio
@@ -114,6 +115,29 @@ def when(t: float | None) -> str:
     if not is_num(t):
         return "–"
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(float(t)))
+
+
+#: What Streamlit's Markdown reads as markup: CommonMark's punctuation, and ``$`` (maths),
+#: ``:`` (``:red[…]``, ``:material/…:``, emoji shortcodes) and ``~`` of its extensions.
+_MARKUP = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>$:~&=^\"'])")
+
+
+#: An invisible word joiner after each ``:`` and ``@`` and between ``www`` and its ``.``
+#: keeps Streamlit from reading ``:material/home:`` as an icon and ``http://…``,
+#: ``www.…`` or ``a@b.c`` as a link (both are read from the text after the escapes are
+#: undone).
+_JOIN = re.compile(r"([:@])|(?i:(?<=www)(\\\.))")
+
+
+def literal(text: object) -> str:
+    """``text`` (a name a user typed: a run's, an uploaded file's) for ``st.markdown`` to
+    show as typed: every character Markdown could read as markup is escaped (a run named
+    ``[x](http://…)`` was drawn as a link, ``**a**`` in bold, ``$x$`` as maths), and each
+    ``:`` and ``@``, and the ``.`` of ``www.``, has an invisible word joiner beside it
+    (``:material/home:`` was an icon, ``http://…`` and ``www.…`` links even with their
+    ``:`` and ``.`` escaped)."""
+    return _JOIN.sub(lambda m: f"{m[1]}\u2060" if m[1] else f"\u2060{m[2]}",
+                     _MARKUP.sub(r"\\\1", str(text)))
 
 
 def status_badge(status: str) -> str:

@@ -92,7 +92,7 @@ def controls(run: dict[str, Any]) -> None:
 def header(run: dict[str, Any], latest: dict[str, float]) -> None:
     total = runs.total_steps(run) or 0
     step = int(run.get("last_step") or 0)
-    st.markdown(f"### {run['name']} &nbsp; {fmt.status_badge(run['status'])}")
+    st.markdown(f"### {fmt.literal(run['name'])} &nbsp; {fmt.status_badge(run['status'])}")
     started = run.get("started_at")
     end = run.get("ended_at") or time.time()
     elapsed = (end - started) if started else None

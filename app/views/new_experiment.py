@@ -534,8 +534,9 @@ FIELD_SLOTS = {
 }
 
 if refused := st.session_state.get("upload_error"):  # the file was not loaded at all
-    say("upload", "note", f"{refused[0]} was not loaded: fix it and upload it again, or "
-        "remove it from the uploader (or pick a config under Start from) to launch another.")
+    say("upload", "note", f"{fmt.literal(refused[0])} was not loaded: fix it and upload it "
+        "again, or remove it from the uploader (or pick a config under Start from) to launch "
+        "another.")
     for line in refused[1]:
         say("upload", "error", line)
 said: set[str] = set()

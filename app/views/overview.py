@@ -64,7 +64,8 @@ def live_cards() -> None:
     for r in running[:MAX_CARDS]:
         with st.container(border=True):
             a, b, cc = st.columns([3, 2, 1])
-            a.markdown(f"**{r['name']}** · `{r['id']}` {fmt.status_badge(r['status'])}")
+            a.markdown(f"**{fmt.literal(r['name'])}** · `{r['id']}` "
+                       f"{fmt.status_badge(r['status'])}")
             total = runs.total_steps(r) or 0
             step = r.get("last_step") or 0
             b.progress(min(1.0, step / total) if total else 0.0, text=f"step {step} / {total}")
