@@ -1009,6 +1009,12 @@ def test_export_page_exports_a_real_checkpoint(trained_home: tuple[Path, str]) -
     # the card loads the file by the name it is downloaded as (issue 46)
     assert any(f'comera_engine.load("digits-tt-mlp-{rid}-step40.safetensors")' in m.value
                for m in at.markdown)
+    # the page and the card name the file as it arrives, not as the store keeps it
+    assert any(m.value.endswith(f"`digits-tt-mlp-{rid}-step40.safetensors`")
+               for m in at.markdown if m.value.startswith("####"))
+    card = next(m.value for m in at.markdown if m.value.startswith("# Model card"))
+    assert f"**File**: `digits-tt-mlp-{rid}-step40.safetensors`" in card
+    assert "`model.safetensors`" not in card
     exports = RunStore(h / "comera.db").artifacts(rid, kind="export_compressed")
     assert exports and exports[0]["exists"]
     assert Path(exports[0]["path"]).resolve().is_relative_to(h.resolve())
@@ -1023,6 +1029,30 @@ def test_export_page_exports_a_real_checkpoint(trained_home: tuple[Path, str]) -
 
     assert read_metadata(int8[0])["storage"]["dtype"] == "int8"
     assert any(f"digits-tt-mlp-{rid}-step40.int8.safetensors" in m.value for m in at.markdown)
+
+
+def test_earlier_exports_list_each_file_once_by_its_download_name(home: Path) -> None:
+    """An export made twice rewrites its file: Earlier exports lists it once (it was
+    listed per export, the same file twice), each file by the name it downloads as (all
+    read ``model.safetensors``, whichever checkpoint they came from)."""
+    st = store_at(home)
+    rid = seed_run(st, "digits")
+    folder = launched_folder(st, rid, checkpoint_at=600)
+    files = []
+    for step, name in ((300, "model.safetensors"), (600, "model.safetensors"),
+                       (600, "model.int8.safetensors")):
+        f = folder / "exports" / f"step_{step:06d}" / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"x" * 8)
+        files.append(f)
+    for f in (files[0], files[1], files[2], files[1]):  # the step-600 file made again
+        st.log_artifact(rid, "export_compressed", f)
+    at = app("export")
+    no_exception(at)
+    rows = [m.value.split(" · ")[0] for m in at.markdown if " · compressed · " in m.value]
+    assert rows == [f"`digits-{rid}-step600.safetensors`",
+                    f"`digits-{rid}-step600.int8.safetensors`",
+                    f"`digits-{rid}-step300.safetensors`"]
 
 
 #: A compression figure with its scope, as every place writes it: "60.6× (TT layers)",

@@ -118,7 +118,8 @@ if st.button("Prepare export", type="primary", icon=":material/build:", key="exp
 res = results.get(key)
 if res is not None and _inside_store(res.path) and Path(res.path).is_file():
     with st.container(border=True):
-        st.markdown(f"#### :material/check_circle: `{Path(res.path).name}`")
+        # named as it is downloaded (the file in the store is exports/step_N/model.…)
+        st.markdown(f"#### :material/check_circle: `{download_name(run, res.path)}`")
         sizes = res.sizes if isinstance(res.sizes, dict) else {}
         dense_b = (sizes.get("model") or {}).get("dense_bytes")
         scope = compression_scope(run.get("config"))
@@ -146,9 +147,10 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
                            mime="application/octet-stream", on_click="ignore")
         if res.card and Path(res.card).is_file() and _inside_store(res.card):
             card = Path(res.card).read_text(encoding="utf-8", errors="replace")
-            # the card's code loads the file by the name it is downloaded as
-            card = card.replace(f'"{Path(res.path).name}"',
-                                f'"{download_name(run, res.path)}"')
+            # the card names the file, and its code loads it, as it is downloaded
+            for quote in '"`':
+                card = card.replace(f"{quote}{Path(res.path).name}{quote}",
+                                    f"{quote}{download_name(run, res.path)}{quote}")
             d2.download_button("Download model card", data=card,
                                file_name=download_name(run, res.path) + ".md",
                                icon=":material/description:", key="dl-card",
@@ -156,14 +158,17 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
             with st.expander("Model card"):
                 st.markdown(card)
 
-previous = [a for a in store.artifacts(rid) if str(a["kind"]).startswith("export_")
-            and a.get("exists") and _inside_store(a["path"])]
+# one row per file, as it was last written (an export made again rewrites its file)
+newest = {a["path"]: a for a in store.artifacts(rid) if str(a["kind"]).startswith("export_")
+          and a.get("exists") and _inside_store(a["path"])}
+previous = sorted(newest.values(), key=lambda a: a["time"])
 if previous:
     st.subheader("Earlier exports of this run", anchor=False)
     for i, a in enumerate(reversed(previous[-10:])):
         p = Path(a["path"])
         c1, c2, c3 = st.columns([3, 1, 1])
-        c1.markdown(f"`{p.name}` · {a['kind'].removeprefix('export_')} · {fmt.when(a['time'])}")
+        c1.markdown(f"`{download_name(run, p)}` · {a['kind'].removeprefix('export_')} · "
+                    f"{fmt.when(a['time'])}")
         c2.caption(fmt.nbytes(a.get("size")))
         if p.is_file():
             c3.download_button("Download", data=p.read_bytes, file_name=download_name(run, p),
