@@ -392,6 +392,29 @@ def test_new_experiment_every_preset_previews(home: Path) -> None:
                for c in at.caption)
 
 
+def test_the_forms_expanders_keep_their_identity_when_fields_come_and_go(
+        home: Path) -> None:
+    """The form's expanders (More settings, All settings, Sweep several targets) are
+    keyed: a switch above them that adds or removes fields (the target, the dense
+    baseline) leaves an open one open. Unkeyed, each was a new element at its new place,
+    and the browser drew it closed: Sweep several targets shut on the user who turned the
+    target off to sweep another key."""
+    at = app("new")
+
+    def ids(at: AppTest) -> dict[str, str]:
+        return {e.label: e._block_id for e in at.expander}
+
+    before = ids(at)
+    assert set(before) >= {"More settings", "All settings · edit as TOML",
+                           "Sweep several targets"}
+    assert all(before.values()), before
+    at.toggle(key="digits_tt_mlp:use_target").set_value(False).run()
+    no_exception(at)
+    assert ids(at) == before
+    at.toggle(key="digits_tt_mlp:dense").set_value(True).run()
+    assert ids(at) == before
+
+
 def test_dense_baseline_and_model_scope_target(home: Path) -> None:
     at = app("new")
     at.toggle(key="digits_tt_mlp:dense").set_value(True).run()

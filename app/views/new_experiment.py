@@ -461,7 +461,8 @@ with left:
     # a run of its own name: the config's, what it asks, and #2, #3 once taken
     auto_name = auto_run_name(raw, size, bool(dense),
                               target if use_target and not dense else None)
-    with st.expander("More settings"):
+    # keyed: an expander opened stays open when a switch above adds or removes fields
+    with st.expander("More settings", key="exp-more"):
         run_name = st.text_input(
             "Run name", value="", key=k("name"), placeholder=auto_name,
             help="The run's name in every list. Blank: the config's name and what the run "
@@ -473,7 +474,8 @@ with left:
         ckpt_every = number_text(c2, "Checkpoint every (steps)", t.get("ckpt_every", 500),
                                  k("ckpt"))
     slots["advanced"] = st.container()
-    all_settings = st.expander("All settings · edit as TOML", icon=":material/data_object:")
+    all_settings = st.expander("All settings · edit as TOML", icon=":material/data_object:",
+                               key="exp-toml")
 
 ui.save_form(SAVED, FORM_KEYS)
 
@@ -661,7 +663,7 @@ def _sweep_section() -> None:
 
     from comera_engine.launch.sweep import default_parallel, parse_grid
 
-    with st.expander("Sweep several targets", icon=":material/grid_view:"):
+    with st.expander("Sweep several targets", icon=":material/grid_view:", key="exp-sweep"):
         st.caption("Runs this configuration once per grid point and seed, as ordinary runs, "
                    "a few at a time; the Sweeps page shows them together with the Pareto "
                    "front of accuracy against compression.")
