@@ -34,8 +34,9 @@ step's rate: ``train.lr_schedule``),
 its batch to the device, the step, the controller), ``perf/step_wall_s`` (the step on
 the trainer's clock: also the wait for its batch and the logging; evaluations and
 checkpoints left out), ``perf/samples_per_s`` and ``perf/tokens_per_s`` (text) over the last 50
-steps, ``perf/train_s`` (training seconds so far), ``perf/eta_s`` (the median step of
-the last 50 times the steps left; :class:`~comera_engine.train.clock.StepClock`),
+steps, ``perf/train_s`` (training seconds so far), ``perf/eta_s`` (the mean step of
+the last 50, plus the evaluations' and checkpoints' time a step so far, times the steps
+left; :class:`~comera_engine.train.clock.StepClock`),
 ``mem/*`` (CUDA peak allocated /
 reserved and NVML device used / total on GPU, RSS on CPU), ``sys/*`` (the process's
 CPU %, system RAM used / total, process RSS, GPU utilisation from NVML; read at most
@@ -396,8 +397,8 @@ class _Run:
                                       truncate=False)
             now = time.perf_counter()
             step_time = now - t0  # the step itself: batch to device, step, controller
-            wall, mark, excluded = now - mark - excluded, now, 0.0
-            metrics = self._step_metrics(raw, step_time, wall, batch, stage)
+            wall, other, mark, excluded = now - mark - excluded, excluded, now, 0.0
+            metrics = self._step_metrics(raw, step_time, wall, batch, stage, other)
             switched, fixed, paced = self._log_events(events, counts)
             pruned = paced or any(e.kind == "rank_change" for e in events)
             # slice at the prune: the next step runs on the truncated cores and optimizer
@@ -526,12 +527,12 @@ class _Run:
 
     def _step_metrics(
         self, raw: dict[str, float], step_time: float, wall: float,
-        batch: dict[str, torch.Tensor], stage: str,
+        batch: dict[str, torch.Tensor], stage: str, other: float = 0.0,
     ) -> dict[str, float]:
         samples = self.plan.global_batch
         tokens = (batch["input_ids"].numel() * self.dist.world_size
                   if "input_ids" in batch else 0)
-        self.clock.add(wall, samples, tokens)
+        self.clock.add(wall, samples, tokens, other)
         m: dict[str, float] = {
             "loss/task": raw["loss/task"],
             "loss/total": raw["loss/total"],
