@@ -264,6 +264,29 @@ def test_tensorized_sequential_round_trips(tmp_path: Path) -> None:
     assert isinstance(load(tmp_path / "a.safetensors")[0], TTEmbedding)
 
 
+def test_names_on_the_model_card_read_as_typed(tmp_path: Path) -> None:
+    """A run's and a config's name are the user's text: the card (Markdown, shown by the
+    studio's Export page and any viewer) shows them as typed, never as a link, bold,
+    maths or code that ends early; checked by rendering it with markdown-it."""
+    from markdown_it import MarkdownIt
+
+    title = "<b>x</b> **bold** $x$ :red[red] [link](http://evil.example) # \\ ~z~"
+    run_name = "a `tick` and ``two`` `"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 4))
+    tensorize(model, rank=3)
+    res = export_model(model, tmp_path / "m.safetensors", "compressed",
+                       {"name": title, "run": {"id": "r1", "name": run_name, "step": 7}})
+    tokens = MarkdownIt("commonmark").parse(res.card.read_text())
+    heading = next(tokens[i + 1] for i, t in enumerate(tokens) if t.type == "heading_open")
+    assert [c.type for c in heading.children] == ["text"]  # no link, emphasis or html
+    assert heading.content and "".join(c.content for c in heading.children) == (
+        "Model card: " + title)
+    spans = [c.content for t in tokens if t.type == "inline" and "**Run**" in t.content
+             for c in t.children if c.type == "code_inline"]
+    assert spans == ["r1", run_name, "7"]
+
+
 def test_bad_export_arguments_are_one_line_errors(tmp_path: Path) -> None:
     model = family_model("tt_mlp")
     meta = family_metadata("tt_mlp")

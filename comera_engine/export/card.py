@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import string
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,23 @@ BYTES_RATIO_LABEL = "file bytes vs dense model bytes"
 PROVENANCE = ("name", "created", "library", "config", "dataset", "metrics", "run", "sizes")
 _BLOCK = "## Metadata"
 _MAX_CARD_BYTES = 16 * 1024 * 1024
+
+
+def _text(value: Any) -> str:
+    """``value`` as Markdown text that reads as typed (a run's or a config's name): every
+    ASCII punctuation mark backslash-escaped (CommonMark lets any be), line breaks as
+    spaces, so ``**a**`` or ``[x](http://…)`` in a name is not drawn bold or as a link."""
+    text = " ".join(str(value).splitlines())
+    return "".join("\\" + c if c in string.punctuation else c for c in text)
+
+
+def _code(value: Any) -> str:
+    """``value`` as a Markdown code span that holds it whole: fenced by one backtick more
+    than its longest run of them, padded by a space where it starts or ends with one."""
+    text = " ".join(str(value).splitlines())
+    fence = "`" * (max((len(r) for r in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _bytes(n: float | int | None) -> str:
@@ -94,10 +113,10 @@ def _rows_source(doc: dict[str, Any]) -> tuple[str, str]:
     data = (doc.get("config") or {}).get("data") or {}
     if data.get("eval"):
         name = Path(str(data["eval"])).name
-        return name, (f"`{name}` is the run's eval split: its rows give the run's eval "
+        return name, (f"{_code(name)} is the run's eval split: its rows give the run's eval "
                       "figures (the card's metrics below).")
     name = Path(str(data.get("train") or "train.csv")).name
-    return name, (f"The run's eval figures are on a seeded split of `{name}` "
+    return name, (f"The run's eval figures are on a seeded split of {_code(name)} "
                   f"(`data.split_fraction` {data.get('split_fraction', 0.8)}, `data.seed` "
                   f"{data.get('seed', 0)}), not on all its rows.")
 
@@ -348,7 +367,7 @@ def model_card(result: Any, sha256: str) -> str:
     recipe = doc.get("model") or {}
     cfg = recipe.get("model_config") or {}
     title = doc.get("name") or recipe.get("family") or "model"
-    lines = [f"# Model card: {title}", ""]
+    lines = [f"# Model card: {_text(title)}", ""]
     what = recipe.get("family") or "module tree (nn.Sequential)"
     preset = f" (preset `{cfg['preset']}`)" if cfg.get("preset") else ""
     if what == "custom":  # a user model: rebuilt by its factory (COMERA_MODELS lists it)
@@ -361,7 +380,7 @@ def model_card(result: Any, sha256: str) -> str:
         f"- **Task**: {(recipe.get('data_spec') or {}).get('task', '?')}",
         f"- **Trained by**: {method_label(doc.get('config'))} (docs/METHODS.md)",
         f"- **Format**: `{result.format}` ({doc.get('format')} v{doc.get('format_version')})",
-        f"- **File**: `{result.path.name}`, {_bytes(result.file_bytes)} "
+        f"- **File**: {_code(result.path.name)}, {_bytes(result.file_bytes)} "
         f"({result.file_bytes:,} bytes), sha256 `{sha256}`",
         f"- **Created**: {doc.get('created')} with comera-studio "
         f"{(doc.get('library') or {}).get('version')} (torch "
@@ -372,8 +391,8 @@ def model_card(result: Any, sha256: str) -> str:
     ]
     run = doc.get("run") or {}
     if run:
-        bits = [f"{k} `{run[k]}`" for k in ("id", "name", "step", "checkpoint") if run.get(k)
-                is not None]
+        bits = [f"{k} {_code(run[k])}" for k in ("id", "name", "step", "checkpoint")
+                if run.get(k) is not None]
         lines += [f"- **Run**: {', '.join(bits)}", ""]
 
     lines += ["## Size", "",
