@@ -954,9 +954,10 @@ def test_compare_page(home: Path) -> None:
     assert "Compression (TT layers)" in picker.options and not any(
         re.fullmatch(r"[a-z_]+/[a-z_]+", o) for o in picker.options)
     # one compression figure per run, with its scope (the target's): the seeded TT runs
-    # log 24x / 50x on the TT layers (0.6 of that on the whole model)
-    assert sorted(final["compression"]) == [1.0, 24.0, 50.0]
-    assert set(final["scope"]) == {"TT layers"}
+    # log 24x / 50x on the TT layers (0.6 of that on the whole model); the dense
+    # baseline has no TT layers: 1x of the whole model
+    assert sorted(zip(final["compression"], final["scope"])) == [
+        (1.0, "whole model"), (24.0, "TT layers"), (50.0, "TT layers")]
     # which method trained each run
     assert sorted(final["method"]) == ["CoMERA, schedule paced"] * 2 + ["dense baseline"]
     # throughput: the median over each run's steps, not its last step's figure
@@ -978,6 +979,38 @@ def test_compare_page(home: Path) -> None:
     specs = [json.loads(c.proto.spec)["layout"] for c in at.get("plotly_chart")]
     (mem,) = [s for s in specs if "training memory" in str(s.get("title"))]
     assert mem["xaxis"]["title"]["text"].startswith("Model + optimizer memory (estimate) (MiB")
+
+
+def test_a_dense_baseline_is_stated_as_the_whole_dense_model(home: Path) -> None:
+    """A dense baseline has no TT layers: Overview, Compare and Live state its
+    compression as the whole model's, 1× (it read "1.0×" on the "TT layers" scope), from
+    the config the store holds; the TT runs keep their TT-layer figure."""
+    st = store_at(home)
+    seed_run(st, "tt-20x", target=20.0, comp=24.0)
+    dense = seed_run(st, "dense", dense=True)
+    at = app()
+    no_exception(at)
+    table = at.dataframe[0].value
+    scope = dict(zip(table["name"], table["scope"]))
+    comp = dict(zip(table["name"], table["compression"]))
+    assert scope == {"tt-20x": "TT layers", "dense": "whole model"}
+    assert comp == {"tt-20x": 24.0, "dense": 1.0}
+    at.switch_page(PAGES["compare"]).run()
+    no_exception(at)
+    final = at.dataframe[0].value
+    assert sorted(zip(final["scope"], final["compression"])) == [("TT layers", 24.0),
+                                                                  ("whole model", 1.0)]
+    # the axis is the TT runs' scope: the dense model is 1× in any (its own mark)
+    (pareto,) = [json.loads(c.proto.spec)["layout"] for c in at.get("plotly_chart")
+                 if "Accuracy vs compression" in c.proto.spec]
+    assert pareto["xaxis"]["title"]["text"] == "compression vs dense (TT layers; ×, log)"
+    at = app("live")
+    at.selectbox(key="live-run").set_value(dense).run()
+    no_exception(at)
+    (tile,) = [m for m in at.metric if m.label.startswith("Compression")]
+    assert (tile.label, tile.value, tile.proto.delta) == (
+        "Compression (whole model)", "1.0×", "dense model")
+    assert "(TT layers)" not in " ".join(m.label for m in at.metric)
 
 
 # ------------------------------------------------------------------ export (real run)
@@ -1052,6 +1085,29 @@ def test_export_page_exports_a_real_checkpoint(trained_home: tuple[Path, str]) -
 
     assert read_metadata(int8[0])["storage"]["dtype"] == "int8"
     assert any(f"digits-tt-mlp-{rid}-step40.int8.safetensors" in m.value for m in at.markdown)
+
+
+def test_a_dense_export_describes_the_dense_file(trained_home: tuple[Path, str]) -> None:
+    """A CoMERA run exported in the dense format: the tiles describe the file (its
+    bytes, 1× against dense), not the run's compression (its compressed export's tile
+    and card state it), which is named as the Compressed TT format's."""
+    at = app("export")
+    at.button(key="exp-go").click().run()
+    no_exception(at)
+    (run_tile,) = [m for m in at.metric if m.label == "Compression (TT layers)"]
+    assert run_tile.value not in ("1.0×", "–")
+    at.radio(key="exp-format").set_value("dense").run()
+    at.button(key="exp-go").click().run()
+    no_exception(at)
+    tiles = {m.label: m for m in at.metric}
+    assert "Compression (TT layers)" not in tiles
+    dense = tiles["Compression (this dense file)"]
+    assert dense.value == "1.0×"
+    assert dense.proto.delta == f"compressed TT: {run_tile.value} (TT layers)"
+    assert tiles["File bytes vs dense model bytes"].value == "1.0×"
+    assert run_tile.value not in {m.value for m in at.metric}
+    assert any(f"{run_tile.value} (TT layers), applies to the **Compressed TT** format" in c.value
+               for c in at.caption)
 
 
 def test_earlier_exports_list_each_file_once_by_its_download_name(home: Path) -> None:

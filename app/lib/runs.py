@@ -35,6 +35,7 @@ from comera_engine.store import (
 
 __all__ = [
     "ACTIVE_STATUSES",
+    "DENSE_HELP",
     "FINAL_STATUSES",
     "RESUMABLE_STATUSES",
     "checkpoints",
@@ -291,12 +292,22 @@ def distinct_labels(labels: Sequence[str]) -> list[str]:
 def target_metric(run: Mapping[str, Any]) -> str:
     """The compression metric the run's figure (and target) is measured on (the scope
     :func:`compression` states it in)."""
-    return compression_metric(run_compression(run.get("config"), {}).scope)
+    return compression_metric(compression(run, {}).scope)
+
+
+#: What a dense baseline's compression is, for the pages' help beside it.
+DENSE_HELP = ("The dense baseline trains the dense model itself: no TT layers, so its "
+              "figure is the whole model's, 1× by definition. The other runs are measured "
+              "against it.")
 
 
 def compression(run: Mapping[str, Any], latest: Mapping[str, Any]) -> Compression:
     """The run's one compression figure with its scope (``latest``: its latest metrics):
-    what every page shows (:func:`comera_engine.metrics.run_compression`)."""
+    what every page shows (:func:`comera_engine.metrics.run_compression`). A dense
+    baseline (:func:`is_baseline`, told by the config the store holds) has no TT layers
+    to state a figure of: its figure is the whole model's, 1× (the dense model itself)."""
+    if is_baseline(run):
+        return Compression(1.0, "model")
     return run_compression(run.get("config"), latest)
 
 

@@ -118,7 +118,8 @@ for r in sel:
         mem_what.add(kind)
     acc = m.get("eval/acc", m.get("acc/train"))
     comp = runs.compression(r, m)
-    scopes.add(comp.label)
+    if not runs.is_baseline(r):  # the dense model is 1x in every scope (its own mark)
+        scopes.add(comp.label)
     task = (r.get("config") or {}).get("task")  # a data set and its task: one front
     group = f"{runs.dataset_of(r)} ({task})" if isinstance(task, str) else runs.dataset_of(r)
     groups.add(group)
@@ -156,7 +157,8 @@ if len(groups) > 1:
 c1, c2 = st.columns(2)
 with c1:
     fig = plots.pareto(points, "comp", "acc",
-                       f"compression vs dense ({' / '.join(sorted(scopes))}; ×, log)",
+                       f"compression vs dense ({' / '.join(sorted(scopes)) or 'whole model'}"
+                       "; ×, log)",
                        "accuracy", "Accuracy vs compression", x_include=[1.0], y_percent=True)
     plots.mark_x(fig, 1.0, "dense 1×", plots.COLORS[1])
     st.plotly_chart(fig, width="stretch", key="cmp-pareto")
@@ -186,7 +188,8 @@ ui.table(
         "task loss": st.column_config.NumberColumn(format="%.4f"),
         "compression": st.column_config.NumberColumn(
             format="%.1f×", help="Dense / effective parameters in the run's scope (the "
-            "one its target is asked in): the figure every page shows."),
+            "one its target is asked in): the figure every page shows. A dense baseline "
+            "has no TT layers: 1× of the whole model."),
         "target": st.column_config.NumberColumn(format="%.0f×"),
         "params": st.column_config.NumberColumn(format="compact"),
         **{fmt.memory_label(k): st.column_config.TextColumn(help=fmt.memory_help(k))

@@ -122,13 +122,26 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
         st.markdown(f"#### :material/check_circle: `{download_name(run, res.path)}`")
         sizes = res.sizes if isinstance(res.sizes, dict) else {}
         dense_b = (sizes.get("model") or {}).get("dense_bytes")
-        scope = compression_scope(run.get("config"))
+        baseline = runs.is_baseline(run)  # no TT layers: the whole model's figure, 1x
+        scope = "model" if baseline else compression_scope(run.get("config"))
         comp = (sizes.get(scope) or {}).get("compression")
+        shown = f"{fmt.ratio(comp)} ({SCOPE_LABELS[scope]})"
         k = st.columns(4)
-        k[0].metric(f"Compression ({SCOPE_LABELS[scope]})", fmt.ratio(comp),
-                    help="Dense / effective parameters of the exported model in the run's "
-                         "scope (the one its target is asked in): the figure every page "
-                         "shows for this run at this checkpoint.")
+        if res.format == "dense":  # the file: every weight multiplied out, 1x of dense
+            k[0].metric("Compression (this dense file)", fmt.ratio(1.0),
+                        delta=None if baseline else f"compressed TT: {shown}",
+                        delta_color="off", delta_arrow="off",
+                        help="This file holds the dense network, as many parameters as "
+                             "the dense model: 1× against dense. " + (
+                                 runs.DENSE_HELP if baseline else
+                                 f"The run's compression, {shown}, is that of the "
+                                 "Compressed TT format (and ONNX), not of this file."))
+        else:
+            k[0].metric(f"Compression ({SCOPE_LABELS[scope]})", fmt.ratio(comp),
+                        help=runs.DENSE_HELP if baseline else
+                        "Dense / effective parameters of the exported model in the run's "
+                        "scope (the one its target is asked in): the figure every page "
+                        "shows for this run at this checkpoint.")
         k[1].metric("File size", fmt.nbytes(res.file_bytes),
                     delta=f"dense model {fmt.nbytes(dense_b)}", delta_color="off",
                     delta_arrow="off")
@@ -140,6 +153,11 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
                     help="Bytes of the dense model over this file's bytes (header, ONNX "
                          "graph and, for a whole-model view, every dense layer included): "
                          "another scope than the compression beside it.")
+        if res.format == "dense" and not baseline:
+            st.caption(f":material/info: This file is dense (the TT weights multiplied out): "
+                       f"{fmt.nbytes(res.file_bytes)}, 1× against the dense model. The "
+                       f"run's compression, {shown}, applies to the **Compressed TT** "
+                       "format (and ONNX).")
         d1, d2, _ = st.columns([1, 1, 2])
         d1.download_button("Download model", data=Path(res.path).read_bytes,
                            file_name=download_name(run, res.path), type="primary",

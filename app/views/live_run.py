@@ -146,12 +146,15 @@ def kpis(run: dict[str, Any], latest: dict[str, float], tput: tuple[str, float |
                 delta_arrow="off")
     c[2].metric("Eval accuracy" if acc_name == "eval/acc" else "Train accuracy",
                 fmt.pct(latest.get(acc_name)))
+    baseline = runs.is_baseline(run)
     c[3].metric(f"Compression ({comp.label})", fmt.ratio(comp.value),
-                delta=f"target {fmt.ratio(target)}" if target else "no target",
+                delta=f"target {fmt.ratio(target)}" if target else
+                "dense model" if baseline else "no target",
                 delta_color="off", delta_arrow="off",
-                help=f"Dense / effective parameters of the {comp.label}: the scope the "
-                     "run's target is measured on (comera.target_scope); every page shows "
-                     "this figure.")
+                help=runs.DENSE_HELP if baseline else
+                f"Dense / effective parameters of the {comp.label}: the scope the "
+                "run's target is measured on (comera.target_scope); every page shows "
+                "this figure.")
     c[4].metric(tput[0], fmt.count(tput[1]),
                 help="Training throughput on the trainer's own clock, over its last 50 "
                      "steps (the wait for each batch counted; evaluations and checkpoints "

@@ -139,7 +139,8 @@ event = ui.table(
         "eval acc": st.column_config.NumberColumn(format="%.1f%%"),
         "compression": st.column_config.NumberColumn(
             "compression", format="%.1f×", help="Dense / effective parameters, measured on "
-            "the scope named beside it (the one the run's target is asked in)."
+            "the scope named beside it (the one the run's target is asked in); a dense "
+            "baseline has no TT layers: 1× of the whole model."
         ),
         "target": st.column_config.NumberColumn(format="%.0f×"),
         "params": st.column_config.NumberColumn(format="compact"),
