@@ -981,6 +981,58 @@ def test_compare_page(home: Path) -> None:
     assert mem["xaxis"]["title"]["text"].startswith("Model + optimizer memory (estimate) (MiB")
 
 
+def test_compare_diffs_the_configs_as_the_engine_reads_them(home: Path) -> None:
+    """Compare's config diff is of the configs with their defaults filled in: the
+    embedded default states ``data.split_fraction = 0.8`` and a shipped TOML leaves it to
+    that default (it read "— vs 0.8"), and an unset ``model.rank`` of a run with a target
+    reads "from the target" (it read "—")."""
+    from app.lib.defaults import default_config
+
+    st = store_at(home)
+    stated = default_config()
+    left = default_config()
+    del left["data"]["split_fraction"]  # as digits_tt_mlp_paper.toml: the default
+    fixed = default_config()
+    fixed["model"]["rank"] = 6
+    t = time.time()
+    for name, cfg in (("stated", stated), ("left", left), ("fixed", fixed)):
+        rid = st.create_run(name, {**cfg, "name": name}, "running")
+        st.write_batch(rid, metrics=[(1, "loss/task", 1.0, t)])
+        st.set_status(rid, "finished")
+    at = app("compare")
+    no_exception(at)
+    diff = at.dataframe[1].value
+    assert set(diff["field"]) == {"name", "model.rank"}
+    (rank,) = diff[diff["field"] == "model.rank"].to_dict("records")
+    assert sorted(v for k, v in rank.items() if k != "field") == [
+        "6", "from the target", "from the target"]
+    assert any("with its defaults filled in" in c.value for c in at.caption)
+
+
+def test_config_fields_fill_defaults_and_say_where_an_unset_rank_comes_from() -> None:
+    """The fields Compare diffs: every default filled in by the engine's config reading
+    (and the dataset's), an unset rank "from the target" only where the run chooses it
+    so; a config the engine does not read is listed as stored."""
+    from app.lib.runs import FROM_TARGET, config_fields
+
+    tt = config(target=20.0)
+    del tt["model"]["rank"]
+    fields = config_fields(tt)
+    assert fields["model.rank"] == FROM_TARGET and "model.embedding_rank" not in fields
+    assert (fields["data.seed"], fields["train.lr"], fields["comera.schedule"]) == (
+        0, 1e-3, "paced")
+    assert config_fields(config(rank=8))["model.rank"] == 8
+    for change in ({"schedule": "paper"}, {"ranks_from_target": False}):  # the preset's
+        assert "model.rank" not in config_fields({**tt, "comera": {**tt["comera"], **change}})
+    assert "model.rank" not in config_fields({**tt, "model": {**tt["model"], "dense": True}})
+    assert "model.rank" not in config_fields(config(target=None) | {"model": tt["model"]})
+    fixed = {**tt, "comera": {**tt["comera"], "method": "fixed", "schedule": "paper"}}
+    assert config_fields(fixed)["model.rank"] == FROM_TARGET
+    old = {**tt, "comera": {**tt["comera"], "retired_key": 1}}
+    assert config_fields(old)["comera.retired_key"] == 1  # as stored, nothing filled in
+    assert "train.lr" not in config_fields(old)
+
+
 def test_a_dense_baseline_is_stated_as_the_whole_dense_model(home: Path) -> None:
     """A dense baseline has no TT layers: Overview, Compare and Live state its
     compression as the whole model's, 1× (it read "1.0×" on the "TT layers" scope), from

@@ -37,10 +37,12 @@ __all__ = [
     "ACTIVE_STATUSES",
     "DENSE_HELP",
     "FINAL_STATUSES",
+    "FROM_TARGET",
     "RESUMABLE_STATUSES",
     "checkpoints",
     "compression",
     "config_diff",
+    "config_fields",
     "config_token",
     "final_metrics",
     "dataset_of",
@@ -57,6 +59,8 @@ __all__ = [
     "open_store",
     "phase_of",
     "phase_text",
+    "ranks_from_target",
+    "resolved_config",
     "peak_memory_mb",
     "resume_offer",
     "run_label",
@@ -581,6 +585,81 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def _data_defaults(name: Any, model: str) -> dict[str, Any]:
+    """The registered defaults of the dataset ``name`` (``{}`` for one not registered),
+    through the preview's dataset lists (``model``'s first). ``task`` is left out: a
+    dataset that reads it takes the run's own ``task``, which the config states."""
+    from comera_engine.config import MODEL_NAMES
+    from comera_engine.preview import datasets_for
+
+    for m in dict.fromkeys((model, *MODEL_NAMES)):
+        for info in datasets_for(m):
+            if info.name == name:
+                return {k: v for k, v in info.defaults.items()
+                        if v is not None and k != "task"}
+    return {}
+
+
+def resolved_config(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``config`` as the engine reads it, every default filled in: ``[model]``,
+    ``[comera]`` and ``[train]`` from their dataclasses (the engine's own
+    :func:`comera_engine.config.config_from_dict`, which validates it), ``[data]`` from
+    its dataset's registered defaults. Two configs that mean the same (one states
+    ``split_fraction = 0.8``, the other leaves it to that default) resolve alike. A
+    config the engine does not read (an old run's) is given as stored."""
+    import copy
+
+    from comera_engine.config import config_from_dict
+    from comera_engine.errors import ConfigError
+
+    raw = copy.deepcopy(dict(config or {}))
+    try:
+        cfg = config_from_dict(raw)
+    except (ConfigError, TypeError, ValueError, AttributeError):
+        return dict(config or {})
+    out = cfg.to_dict()
+    out["data"] = {**_data_defaults(cfg.data.get("name"), cfg.model.name), **out["data"]}
+    return out
+
+
+#: What an unset initial rank means in a run that chooses it from its target.
+FROM_TARGET = "from the target"
+
+
+def ranks_from_target(config: Mapping[str, Any] | None) -> bool:
+    """The run chooses its initial ranks from its target where its config leaves them
+    unset (docs/SIZE_AND_TARGET.md, rule 3): it asks a target
+    (:func:`comera_engine.metrics.run_target`) of a TT model, and neither
+    ``comera.ranks_from_target = false`` nor the ``"paper"`` schedule, which sets it off,
+    keeps the preset's ranks (the fixed-rank methods always take the target's)."""
+    if run_target(config) is None:
+        return False
+    model = (config or {}).get("model") or {}
+    comera = (config or {}).get("comera") or {}
+    if not isinstance(model, Mapping) or not isinstance(comera, Mapping) or model.get("dense"):
+        return False
+    if comera.get("method", "comera") != "comera":
+        return True
+    chosen = comera.get("ranks_from_target")
+    return bool(chosen) if chosen is not None else comera.get("schedule") != "paper"
+
+
+def config_fields(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``config`` as Compare lists its fields: resolved (:func:`resolved_config`), one
+    key per field (:func:`flatten`), and an initial rank left unset by a run that
+    chooses it from its target said so (:data:`FROM_TARGET`) instead of as missing."""
+    from comera_engine.config import MODEL_FIELDS
+
+    fields = flatten(resolved_config(config))
+    if ranks_from_target(config):
+        model = fields.get("model.name")
+        for key in ("rank", "embedding_rank"):
+            applies = key not in MODEL_FIELDS or model in MODEL_FIELDS[key]
+            if applies and f"model.{key}" not in fields:
+                fields[f"model.{key}"] = FROM_TARGET
+    return fields
 
 
 def config_diff(configs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:

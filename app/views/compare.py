@@ -204,8 +204,13 @@ st.subheader("Config diff", anchor=False)
 if len(sel) < 2:
     st.caption("Pick two or more runs to see how their configs differ.")
 else:
-    diff = runs.config_diff({label(r): r.get("config") or {} for r in sel})
+    # as the engine reads them: a default stated in one and left out of the other is no
+    # difference
+    diff = runs.config_diff({label(r): runs.config_fields(r.get("config")) for r in sel})
     if diff:
         ui.table(diff)
+        st.caption("Each config with its defaults filled in; \"—\": not set (the preset's "
+                   f"value, or none); \"{runs.FROM_TARGET}\": an initial rank the run "
+                   "chooses from its target.")
     else:
-        st.caption("The configs are identical.")
+        st.caption("The configs are identical (with their defaults filled in).")
