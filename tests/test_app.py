@@ -183,6 +183,38 @@ def test_learn_page_widgets_and_live_numbers(home: Path) -> None:
     assert len(at.get("plotly_chart")) >= 7
 
 
+def test_learn_cores_tab_counts_the_cores_and_bounds_of_the_chosen_factors(home: Path
+                                                                           ) -> None:
+    """The TT cores tab's texts follow the factors picked: how many cores, and the bound
+    of each inner rank (it said "six here" and "r1 ≤ 12" whatever was picked)."""
+    from app.lib.learn import bounds_text, in_words, rank_bounds
+
+    assert rank_bounds([12, 8, 8], [8, 8, 12]) == [12, 96, 768, 96, 12]
+    assert rank_bounds([24, 32], [32, 24]) == [24, 768, 24]
+    assert bounds_text([24, 32], [32, 24]) == "r1 ≤ 24, r2 ≤ 768, r3 ≤ 24"
+    assert bounds_text([24, 32], [32, 24], 30) == (
+        "r1 ≤ 24, r2 ≤ 768, r3 ≤ 24; at rank 30, r1 and r3 are held at their bound")
+    assert bounds_text([6, 4, 4, 8], [8, 4, 4, 6], 8).endswith(
+        "; at rank 8, r1 and r7 are held at their bound")
+    assert bounds_text([12, 8, 8], [8, 8, 12], 12) == "r1 ≤ 12, r2 ≤ 96, r3 ≤ 768, r4 ≤ 96, " \
+        "r5 ≤ 12"
+    assert (in_words(6), in_words(4), in_words(13)) == ("six", "four", "13")
+    at = app("learn")
+    no_exception(at)
+    assert "reshape $W$ into a 6-way tensor" in texts(at) and "(six here)" in texts(at)
+    assert "r1 ≤ 12, r2 ≤ 96, r3 ≤ 768, r4 ≤ 96, r5 ≤ 12; at rank 30, r1 and r5" in texts(at)
+    for factors, way, word, bounds in (
+            ("24·32 | 32·24", 4, "four", "r1 ≤ 24, r2 ≤ 768, r3 ≤ 24; at rank 30, r1 and r3"),
+            ("6·4·4·8 | 8·4·4·6", 8, "eight", "r1 ≤ 6, r2 ≤ 24, r3 ≤ 96, r4 ≤ 768, r5 ≤ 96, "
+                                               "r6 ≤ 24, r7 ≤ 6; at rank 30, r1, r2, r6 and r7")):
+        at.radio(key="l-fac").set_value(factors).run()
+        no_exception(at)
+        assert f"768 = {factors.split(' | ')[0]} for the inputs" in texts(at)
+        assert f"reshape $W$ into a {way}-way tensor" in texts(at) and f"({word} here)" in texts(at)
+        assert bounds in texts(at)
+        assert "six here" not in texts(at) and "r1 ≤ 12" not in texts(at)
+
+
 def test_learn_tt_svd_holds_after_tltorch_switched_tensorlys_backend() -> None:
     """The Learn page's TT-SVD after a tltorch peer's preview in the same dashboard process
     (importing tltorch sets tensorly's global backend to PyTorch): the matrix's TT cores,

@@ -113,16 +113,45 @@ def tt_approx(m: np.ndarray, layout: str, rank: int) -> TTResult:
 # ------------------------------------------------------------------ cores of a layer
 
 
+def rank_bounds(in_factors: list[int], out_factors: list[int]) -> list[int]:
+    """The most each inner bond ``r_1 … r_{d-1}`` of a TT linear layer with these factors
+    can hold: the maximal TT rank, what the modes on either side of it allow."""
+    from comera_engine import max_tt_ranks
+
+    return [int(c) for c in max_tt_ranks([*in_factors, *out_factors])]
+
+
 def tt_layer_cores(in_factors: list[int], out_factors: list[int], rank: int
                    ) -> list[tuple[int, int, int]]:
     """Core shapes ``(r_{k-1}, s_k, r_k)`` of a TT linear layer at a uniform rank, each
     bond clamped to the maximal TT rank."""
-    from comera_engine import max_tt_ranks
-
     modes = [*in_factors, *out_factors]
-    caps = max_tt_ranks(modes)
-    ranks = [1, *[min(rank, c) for c in caps], 1]
+    ranks = [1, *[min(rank, c) for c in rank_bounds(in_factors, out_factors)], 1]
     return [(ranks[k], s, ranks[k + 1]) for k, s in enumerate(modes)]
+
+
+_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+          "ten", "eleven", "twelve")
+
+
+def in_words(n: int) -> str:
+    """``6`` → ``"six"`` (up to twelve; digits beyond)."""
+    return _WORDS[n] if 0 <= n < len(_WORDS) else f"{n:,}"
+
+
+def bounds_text(in_factors: list[int], out_factors: list[int], rank: int | None = None
+                ) -> str:
+    """The inner bonds' bounds as a sentence part: ``"r1 ≤ 12, r2 ≤ 96, …, r5 ≤ 12"``;
+    with ``rank``, which of them hold the bond below it (``"; at rank 30, r1 and r5 are
+    held at their bound"``)."""
+    bounds = rank_bounds(in_factors, out_factors)
+    text = ", ".join(f"r{k} ≤ {c:,}" for k, c in enumerate(bounds, 1))
+    held = [f"r{k}" for k, c in enumerate(bounds, 1) if c < (rank or 0)]
+    if held:
+        names = held[0] if len(held) == 1 else f"{', '.join(held[:-1])} and {held[-1]}"
+        text += (f"; at rank {rank}, {names} {'is' if len(held) == 1 else 'are'} held at "
+                 f"{'its' if len(held) == 1 else 'their'} bound")
+    return text
 
 
 # ------------------------------------------------------------------ rank gates

@@ -12,8 +12,10 @@ from app.lib import fmt, plots, ui
 from app.lib.learn import (
     LAYOUTS,
     SOURCES,
+    bounds_text,
     gate_importance,
     gates_after,
+    in_words,
     make_matrix,
     path_macs,
     tt_approx,
@@ -166,12 +168,7 @@ def cores_figure(in_f: list[int], out_f: list[int], r: int) -> go.Figure:
 
 
 with tab2:
-    st.markdown(
-        "A 768×768 weight (a BERT attention projection) has **589,824** numbers. Write "
-        "768 = 12·8·8 for the inputs and 8·8·12 for the outputs, reshape $W$ into a 6-way "
-        "tensor and store it as one core per factor, $G_k \\in \\mathbb{R}^{r_{k-1} "
-        "\\times s_k \\times r_k}$ (six here). The paper uses these factors with rank 30."
-    )
+    intro = st.empty()  # drawn once the factors are read: it counts their cores
     c1, c2 = st.columns([1, 2])
     r2 = c1.slider("Rank", 1, 64, 30, key="l-core-rank")
     fac = c2.radio("Factors per side", ["12·8·8 | 8·8·12 (paper)", "24·32 | 32·24",
@@ -182,6 +179,13 @@ with tab2:
         "6·4·4·8 | 8·4·4·6": ([6, 4, 4, 8], [8, 4, 4, 6]),
     }[fac]
     shapes = tt_layer_cores(in_f, out_f, r2)
+    intro.markdown(
+        "A 768×768 weight (a BERT attention projection) has **589,824** numbers. Write "
+        f"768 = {'·'.join(map(str, in_f))} for the inputs and {'·'.join(map(str, out_f))} "
+        f"for the outputs, reshape $W$ into a {len(shapes)}-way tensor and store it as one "
+        "core per factor, $G_k \\in \\mathbb{R}^{r_{k-1} \\times s_k \\times r_k}$ "
+        f"({in_words(len(shapes))} here). The paper uses 12·8·8 | 8·8·12 with rank 30."
+    )
     tt_p = sum(a * s * b for a, s, b in shapes)
     st.caption(f"With {fac.split(' (')[0]}: a {len(shapes)}-way tensor, **{len(shapes)} cores**.")
     k = st.columns(3)
@@ -190,8 +194,8 @@ with tab2:
     k[2].metric("Compression", fmt.ratio(768 * 768 / tt_p))
     st.plotly_chart(cores_figure(in_f, out_f, r2), width="stretch", key="l-cores")
     st.caption("Box area grows with the core's parameter count (the number under it). Ranks "
-               "at the ends are 1; inner ranks are capped by what the modes allow (e.g. "
-               "r1 ≤ 12).")
+               "at the ends are 1; inner ranks are capped by what the modes on either side "
+               f"allow: {bounds_text(in_f, out_f, r2)}.")
 
 # ------------------------------------------------------------------ 3. rank gates
 with tab3:
