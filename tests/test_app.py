@@ -700,6 +700,46 @@ def test_live_page_states_the_target_outcome_and_slower_paths(home: Path) -> Non
     assert runs.notices(st, st.get_run(rid))[0][0] == "warning"
 
 
+def test_the_cpu_threads_note_is_shown_while_the_run_is_in_flight(home: Path) -> None:
+    """The CPU threads note (the launcher's, then the trainer's ``threads`` event) is
+    shown while the run is in flight, with the runs in flight counted as the page is
+    drawn; a finished run's page, and a resumed run still waiting for its slot, show none
+    (the note stayed on finished runs' pages with the count of when it was written)."""
+    from app.lib import runs
+
+    def threads_notes(at: AppTest) -> list[str]:
+        return [i.value for i in at.info if i.value.startswith("CPU threads")]
+
+    st = store_at(home)
+    rid = seed_run(st, "threaded", "running", upto=100)
+    st.log_event(rid, "threads", "2 thread(s): 2 cores shared by 1 run(s) in flight "
+                 "(OMP_NUM_THREADS)", 0)
+    others = [seed_run(st, f"other {i}", "running", upto=10) for i in range(2)]
+    at = app("live")
+    at.selectbox(key="live-run").set_value(rid).run()
+    no_exception(at)
+    assert threads_notes(at) == ["CPU threads: 2 thread(s): 2 cores shared by 3 run(s) in "
+                                 "flight (OMP_NUM_THREADS)"]
+    st.set_status(others[0], "finished")
+    at.run()
+    assert threads_notes(at) == ["CPU threads: 2 thread(s): 2 cores shared by 2 run(s) in "
+                                 "flight (OMP_NUM_THREADS)"]
+    st.set_status(rid, "finished")
+    at.run()
+    no_exception(at)
+    assert at.selectbox(key="live-run").value == rid and not threads_notes(at)
+    assert not [t for _, t in runs.notices(st, st.get_run(rid)) if "thread" in t]
+    # resumed: queued again, waiting for a slot (not in flight), then dispatched
+    st.update_run(rid, status="queued", dispatched_at=None)
+    assert not [t for _, t in runs.notices(st, st.get_run(rid)) if "thread" in t]
+    st.update_run(rid, dispatched_at=time.time())
+    assert ("info", "CPU threads: 2 thread(s): 2 cores shared by 2 run(s) in flight "
+            "(OMP_NUM_THREADS)") in runs.notices(st, st.get_run(rid))
+    # a text without the count keeps it and says the count now
+    assert runs.threads_now(st, st.get_run(rid), "1 thread(s)") == (
+        "1 thread(s) (2 run(s) in flight now)")
+
+
 def test_a_stopped_then_resumed_run_shows_progress_not_its_old_verdict(home: Path) -> None:
     """The trainer writes a ``target`` event when an attempt ends, stopped ones too; the
     page states a verdict only for a run that finished its steps. Stopped: where it

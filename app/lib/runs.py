@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -69,6 +70,7 @@ __all__ = [
     "store_path",
     "summary_rows",
     "target_metric",
+    "threads_now",
     "unique_name",
 ]
 
@@ -369,7 +371,8 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
     the trainer's ``target`` event, only for a run that finished its steps: a miss is a
     warning; otherwise its progress toward the target, never an old verdict of an
     attempt that was stopped and resumed), the moment its ranks were fixed at the target
-    (``pace``), the TT paths its step runs (``paths``: the planner's choice per op and
+    (``pace``), the CPU threads it trains on while it is in flight (``threads``:
+    :func:`threads_now`), the TT paths its step runs (``paths``: the planner's choice per op and
     where its times came from) and every slower path the trainer fell back to
     (``slow_path``: e.g. a CUDA graph capture that failed)."""
     out: list[tuple[str, str]] = []
@@ -395,8 +398,9 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
     if fixed and not (run.get("status") == "finished" and finals):
         out.append(("info", str(fixed[-1]["text"])))
     threads = [e for e in evs if e["kind"] == "threads"]
-    if threads:
-        out.append(("info", f"CPU threads: {threads[-1]['text']}"))
+    now = threads_now(store, run, str(threads[-1]["text"])) if threads else None
+    if now:
+        out.append(("info", f"CPU threads: {now}"))
     paths = [e for e in evs if e["kind"] == "paths"]
     if paths:
         out.append(("info", f"TT paths: {paths[-1]['text']}"))
@@ -406,6 +410,25 @@ def notices(store: RunStore, run: Mapping[str, Any]) -> list[tuple[str, str]]:
             seen.add(e["text"])
             out.append(("warning", f"Slower path at step {e.get('step')}: {e['text']}"))
     return out
+
+
+#: The count of runs in flight in a ``threads`` event's text (the launcher's, the
+#: trainer's: "1 thread(s): 2 cores shared by 3 run(s) in flight").
+_IN_FLIGHT = re.compile(r"\b\d+ run\(s\) in flight")
+
+
+def threads_now(store: RunStore, run: Mapping[str, Any], text: str) -> str | None:
+    """What the run's last ``threads`` event (``text``) says as the page is drawn: only
+    while the run is in flight (running, stopping, or dispatched and starting: the
+    store's active runs), with the runs in flight on its host counted now (the event
+    counted them when its threads were last set); ``None`` once it is over."""
+    from comera_engine.launch.threads import runs_in_flight
+
+    if run.get("id") not in {r["id"] for r in store.active_runs()}:
+        return None
+    count = f"{max(1, runs_in_flight(store, run.get('host') or None))} run(s) in flight"
+    said, n = _IN_FLIGHT.subn(count, text)
+    return said if n else f"{text} ({count} now)"
 
 
 def checkpoints(store: RunStore, run_id: str) -> list[dict[str, Any]]:
