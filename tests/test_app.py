@@ -485,8 +485,10 @@ def test_launch_from_form_is_idempotent(home: Path, monkeypatch: pytest.MonkeyPa
     runs_ = st.list_runs()
     assert fake.calls == 1 and len(runs_) == 1
     assert runs_[0]["config"]["train"]["steps"] == 1000
-    # we are on the live page of that run
-    assert any(runs_[0]["name"] in m.value for m in at.markdown)
+    # we are on the live page of that run (its name drawn as typed: fmt.literal)
+    from app.lib.fmt import literal
+
+    assert any(literal(runs_[0]["name"]) in m.value for m in at.markdown)
     # the same submission again (double click / resubmitted form): no second run
     at.switch_page(PAGES["new"]).run()
     assert any("launched from this form" in i.value and runs_[0]["id"] in i.value
