@@ -285,6 +285,11 @@ def test_names_on_the_model_card_read_as_typed(tmp_path: Path) -> None:
     spans = [c.content for t in tokens if t.type == "inline" and "**Run**" in t.content
              for c in t.children if c.type == "code_inline"]
     assert spans == ["r1", run_name, "7"]
+    # the dense export's card says first that its file is dense, at its bytes ratio
+    dense = export_model(model, tmp_path / "m.dense.safetensors", "dense").card.read_text()
+    assert "**This file is dense**" in dense and "**This file is dense**" not in (
+        res.card.read_text())
+    assert dense.index("**This file is dense**") < dense.index("**Compression:")
 
 
 def test_bad_export_arguments_are_one_line_errors(tmp_path: Path) -> None:

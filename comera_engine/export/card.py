@@ -405,6 +405,10 @@ def model_card(result: Any, sha256: str) -> str:
     other = "model" if scope == "tensorized" else "tensorized"
     mine, theirs = sizes.get(scope) or {}, sizes.get(other) or {}
     shown, other_shown, by_bytes = _figures(result)
+    if result.format == "dense":  # the file holds every weight: the model's figure is not it
+        lines += [f"**This file is dense**: every weight stored, {by_bytes}. The model's "
+                  "compression below is what its compressed export (`--format "
+                  "compressed`, or ONNX) keeps.", ""]
     lines += [f"**Compression: {shown}**, "
               f"dense / effective parameters of the {SCOPE_LABELS[scope]} "
               f"({_num(mine.get('dense_params'))} → {_num(mine.get('effective_params'))}): "
