@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comera_engine.rank.schedule import method_label, resolve_schedule, switch_plan
+from comera_engine.config import CoMERAConfig
+from comera_engine.rank.schedule import SCHEDULES, method_label, resolve_schedule, switch_plan
 from comera_engine.runplan.data import data_shape
 
 __all__ = ["LateStage", "LayerPreview", "Preview", "check_runnable", "data_problems",
            "data_shape", "datasets_for", "default_tt_layers", "late_stage", "make_preview",
-           "memory_problem", "method_label", "preview", "size_defaults"]
+           "memory_problem", "method_label", "preview", "schedule_switch", "size_defaults"]
 
 DIGITS_EXAMPLES = 1797
 _FP32 = 4
@@ -420,6 +421,19 @@ def preview(raw: dict[str, Any], device: str = "cpu") -> Preview:
     from comera_engine.launch import resolve_config
 
     return make_preview(resolve_config(raw), device)
+
+
+def schedule_switch(comera: Any, switch: str) -> Any:
+    """The value of ``switch`` (``"ranks_from_target"``, ``"pace"``, ...) in a run's
+    ``[comera]`` table (a mapping): its own where set, else what its ``schedule`` (the
+    default one when unset or unknown) gives it
+    (:data:`comera_engine.rank.schedule.SCHEDULES`), for the dashboard, which does not
+    import the method."""
+    table = dict(comera or {})
+    if table.get(switch) is not None:
+        return table[switch]
+    schedule = table.get("schedule")
+    return SCHEDULES.get(schedule if schedule in SCHEDULES else CoMERAConfig.schedule)[switch]
 
 
 def size_defaults(model: str, size: str) -> tuple[int, int]:

@@ -300,3 +300,23 @@ def test_the_deadline_holds_without_the_pace_and_the_paper_has_none() -> None:
     assert switch_plan(dataclasses.replace(c, target_compression=None), 800).latest is None
     stage = late_stage(dataclasses.replace(c, switch=700), 800)
     assert stage.step == 400 and stage.moved is not None and "comera.deadline" in stage.moved
+
+
+def test_the_dashboards_reading_of_a_schedule_switch_is_the_controllers() -> None:
+    """``preview.schedule_switch`` (what the dashboard reads of a stored ``[comera]``
+    table, without importing the method) gives every switch the value the controller's
+    ``resolve_schedule`` sets, for each schedule, left unset and set against it."""
+    from comera_engine.config import CoMERAConfig
+    from comera_engine.preview import schedule_switch
+    from comera_engine.rank.schedule import SCHEDULES, resolve_schedule
+
+    for schedule, switches in SCHEDULES.items():
+        for switch, value in switches.items():
+            resolved = resolve_schedule(CoMERAConfig(schedule=schedule))
+            assert schedule_switch({"schedule": schedule}, switch) == getattr(resolved, switch)
+            own = not value if isinstance(value, bool) else value
+            resolved = resolve_schedule(CoMERAConfig(schedule=schedule, **{switch: own}))
+            assert schedule_switch({"schedule": schedule, switch: own}, switch) == (
+                getattr(resolved, switch))
+    default = resolve_schedule(CoMERAConfig())  # no schedule in the table: the default's
+    assert all(schedule_switch({}, k) == getattr(default, k) for k in SCHEDULES["paced"])

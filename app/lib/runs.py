@@ -665,8 +665,9 @@ def ranks_from_target(config: Mapping[str, Any] | None) -> bool:
         return False
     if comera.get("method", "comera") != "comera":
         return True
-    chosen = comera.get("ranks_from_target")
-    return bool(chosen) if chosen is not None else comera.get("schedule") != "paper"
+    from comera_engine.preview import schedule_switch
+
+    return bool(schedule_switch(comera, "ranks_from_target"))
 
 
 def config_fields(config: Mapping[str, Any] | None) -> dict[str, Any]:
