@@ -351,21 +351,21 @@ def format_ratio(x: float | None, unit: str = "×") -> str:
 def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any]) -> Compression:
     """THE compression of a run, everywhere it is shown: its latest value of the metric in
     its scope (:func:`compression_scope`); the dense baseline (:func:`is_dense_baseline`)
-    is 1× by definition (a dense model with compressed embedding peers logs its tables'
-    ratio and shows it).
+    is the whole dense model, 1× by definition, in the whole model's scope (it has no TT
+    layers to state a figure of); a dense model with compressed embedding peers logs its
+    tables' ratio and shows it.
     ``latest`` maps metric names to values (or ``(step, value)`` pairs, as the store's
     ``latest_metrics`` gives them)."""
     scope = compression_scope(config)
     model = (config or {}).get("model") if isinstance(config, Mapping) else None
     if isinstance(model, Mapping) and model.get("quantize") and model.get("dense"):
         scope = "model"  # int8 weights of a dense or pruned run: judged in bytes, whole model
+    if is_dense_baseline(config):
+        return Compression(1.0, "model")
     value = latest.get(compression_metric(scope))
     if isinstance(value, (tuple, list)):
         value = value[1]
     value = float(value) if isinstance(value, (int, float)) else None
-    if value is None and is_dense_baseline(config):
-        value = 1.0  # the baseline is 1x before it logs a size (a model with compressed
-        # embedding peers is not: it shows its tables' ratio once it logs one)
     return Compression(value, scope)
 
 

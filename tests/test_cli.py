@@ -496,3 +496,21 @@ def test_a_run_is_planned_once_and_its_plan_kept(tmp_path, monkeypatch, count_ca
     assert plan["initial_ranks"]["rank"] == config["model"]["rank"]
     assert plan["target"]["compression"] == config["comera"]["target_compression"]
     assert plan["data_spec"]["task"] == "classification"
+
+
+def test_comera_runs_lists_a_dense_baseline_as_the_whole_dense_model() -> None:
+    """A dense baseline has no TT layers to state a figure of: ``comera runs`` (and
+    Sweeps, the studio: ``run_compression``) list it as the whole model at 1×, whatever
+    its config's target scope; a TT run stays in its own scope; a dense model with
+    compressed embedding tables (a peer) shows its tables' ratio."""
+    from comera_engine.launch.cli import _fmt_compression
+
+    tensorized = {"comera": {"target_scope": "tensorized"}}
+    dense = {"config": {"model": {"name": "tt_mlp", "dense": True}, **tensorized}}
+    assert _fmt_compression(dense, {"compression/tensorized": (9, 1.0)}) == "1.0x whole model"
+    assert _fmt_compression(dense, {}) == "1.0x whole model"  # before it logs a size
+    tt = {"config": {"model": {"name": "tt_mlp"}, **tensorized}}
+    assert _fmt_compression(tt, {"compression/tensorized": (9, 60.6)}) == "60.6x TT layers"
+    peer = {"config": {"model": {"name": "custom", "dense": True,
+                                 "kwargs": {"peer": "hash"}}, **tensorized}}
+    assert _fmt_compression(peer, {"compression/tensorized": (9, 9.8)}) == "9.8x TT layers"

@@ -298,7 +298,8 @@ def test_peer_models_report_their_compression_against_dense_tables(kind: str) ->
     assert m["bytes/effective"] == own_bytes
     assert m["compression/model"] == pytest.approx(dense_bytes / own_bytes)
     assert m["compression/tensorized"] == pytest.approx(table_dense / table_bytes)
-    config = {"model": {"name": "custom", "dense": True}, "comera": {}}
+    config = {"model": {"name": "custom", "dense": True, "kwargs": {"peer": kind}},
+              "comera": {}}
     shown = run_compression(config, m).value
     if kind == "dense":
         assert shown == pytest.approx(1.0)

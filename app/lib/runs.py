@@ -309,11 +309,8 @@ DENSE_HELP = ("The dense baseline trains the dense model itself: no TT layers, s
 
 def compression(run: Mapping[str, Any], latest: Mapping[str, Any]) -> Compression:
     """The run's one compression figure with its scope (``latest``: its latest metrics):
-    what every page shows (:func:`comera_engine.metrics.run_compression`). A dense
-    baseline (:func:`is_baseline`, told by the config the store holds) has no TT layers
-    to state a figure of: its figure is the whole model's, 1× (the dense model itself)."""
-    if is_baseline(run):
-        return Compression(1.0, "model")
+    what every page shows (:func:`comera_engine.metrics.run_compression`: a dense
+    baseline's is the whole model's, 1×)."""
     return run_compression(run.get("config"), latest)
 
 
