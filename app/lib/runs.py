@@ -40,6 +40,7 @@ __all__ = [
     "FINAL_STATUSES",
     "FROM_TARGET",
     "RESUMABLE_STATUSES",
+    "SWEEP_MEMORY_KINDS",
     "checkpoints",
     "compression",
     "config_diff",
@@ -66,7 +67,6 @@ __all__ = [
     "resume_offer",
     "run_label",
     "stage_steps",
-    "sweep_memory_kind",
     "store_path",
     "summary_rows",
     "target_metric",
@@ -344,13 +344,9 @@ def peak_memory_mb(store: RunStore, run_id: str) -> tuple[float | None, str]:
     return None, ""
 
 
-def sweep_memory_kind(latest: Mapping[str, Any]) -> str | None:
-    """The kind (``app.lib.fmt.MEMORY``) of the memory figure the sweep report gives a
-    cell with these latest metrics: its peak GPU memory (allocated) on a GPU, else its
-    process memory (RSS) as last read (``comera_engine.launch.sweep.sweep_report``)."""
-    if "mem/cuda_max_allocated_mb" in latest:
-        return "gpu_peak"
-    return "rss" if "mem/rss_mb" in latest else None
+#: The kind (``app.lib.fmt.MEMORY``) of the memory metric a sweep cell's peak memory is
+#: (``sweep_report``'s ``peak_mem_metric``).
+SWEEP_MEMORY_KINDS = {"mem/cuda_max_allocated_mb": "gpu_peak", "mem/rss_mb": "rss"}
 
 
 def stage_steps(store: RunStore, run_id: str) -> list[tuple[int, str]]:

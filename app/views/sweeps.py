@@ -116,9 +116,8 @@ def view(sid: str) -> None:
     # seed (comera_engine.metrics.format_metric), nor in the header when no point has one
     spread = any(g["score_std"] is not None for g in rep["groups"])
     # the cells' memory: their peak GPU memory on a GPU, else their process memory
-    kinds = sorted({k for c in rep["cells"] if c["peak_mem_mb"] is not None
-                    for k in [runs.sweep_memory_kind(runs.final_metrics(store, c["run"]))]
-                    if k})
+    kinds = sorted({runs.SWEEP_MEMORY_KINDS[c["peak_mem_metric"]] for c in rep["cells"]
+                    if c["peak_mem_mb"] is not None})
     memory = " / ".join(fmt.memory_label(k) for k in kinds) or fmt.memory_label("gpu_peak")
     score = f"{metric} (mean ± std over seeds)" if spread else metric
     ui.table(

@@ -399,7 +399,8 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
     ``sweep`` (the row, with status and counts); ``metric`` / ``higher_is_better`` (what
     it is scored on, :func:`score_metric`); ``cells``: one row per run (id, label, grid
     values, seed, status, step, score, compression reached and asked, parameters, the
-    median step time over the run, peak memory); ``groups``: one row per grid point
+    median step time over the run, peak memory and the metric it is: ``peak_mem_metric``,
+    the peak allocated on a GPU, else the process RSS); ``groups``: one row per grid point
     (mean ± std of score and compression over its finished seeds, how many finished, the
     cells' statuses, whether it is on the Pareto front of score vs compression
     reached)."""
@@ -415,7 +416,8 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
         cell = r.get("cell") if isinstance(r.get("cell"), dict) else {}
         # the target the grid gave the cell (what its groups are laid out by)
         target = ((r.get("config") or {}).get("comera") or {}).get("target_compression")
-        peak = m.get("mem/cuda_max_allocated_mb", m.get("mem/rss_mb"))
+        peak_metric = next((k for k in ("mem/cuda_max_allocated_mb", "mem/rss_mb")
+                            if k in m), None)
         comp = run_compression(r.get("config"), m)  # int8 of a dense run: whole model
         cells.append({
             "run": r["id"], "label": cell_label(cell) if cell else r["name"],
@@ -426,7 +428,8 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
             "target": target, "params": m.get("params/effective"),
             "bytes": m.get("bytes/effective"),
             "step_time_s": store.median_metric(r["id"], "perf/step_time_s"),
-            "peak_mem_mb": peak,
+            "peak_mem_mb": m.get(peak_metric) if peak_metric else None,
+            "peak_mem_metric": peak_metric,
         })
     groups: dict[str, dict[str, Any]] = {}
     for c in cells:
