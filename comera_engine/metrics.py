@@ -356,12 +356,12 @@ def run_compression(config: Mapping[str, Any] | None, latest: Mapping[str, Any])
     tables' ratio and shows it.
     ``latest`` maps metric names to values (or ``(step, value)`` pairs, as the store's
     ``latest_metrics`` gives them)."""
+    if is_dense_baseline(config):
+        return Compression(1.0, "model")
     scope = compression_scope(config)
     model = (config or {}).get("model") if isinstance(config, Mapping) else None
     if isinstance(model, Mapping) and model.get("quantize") and model.get("dense"):
         scope = "model"  # int8 weights of a dense or pruned run: judged in bytes, whole model
-    if is_dense_baseline(config):
-        return Compression(1.0, "model")
     value = latest.get(compression_metric(scope))
     if isinstance(value, (tuple, list)):
         value = value[1]

@@ -433,7 +433,7 @@ def schedule_switch(comera: Any, switch: str) -> Any:
     if table.get(switch) is not None:
         return table[switch]
     schedule = table.get("schedule")
-    return SCHEDULES.get(schedule if schedule in SCHEDULES else CoMERAConfig.schedule)[switch]
+    return SCHEDULES[schedule if schedule in SCHEDULES else CoMERAConfig.schedule][switch]
 
 
 def size_defaults(model: str, size: str) -> tuple[int, int]:

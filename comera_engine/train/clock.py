@@ -14,7 +14,6 @@ step so far.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 
 __all__ = ["StepClock"]
@@ -57,10 +56,6 @@ class StepClock:
     @property
     def tokens_per_s(self) -> float | None:
         return self._rate(2)
-
-    @property
-    def median_step_s(self) -> float | None:
-        return statistics.median(s[0] for s in self._steps) if self._steps else None
 
     @property
     def mean_step_s(self) -> float | None:
