@@ -12,7 +12,14 @@ import pytest
 import tomllib
 
 from comera_engine.cli import main
-from comera_engine.config import Config, config_from_dict, load_config, parse_value, to_toml
+from comera_engine.config import (
+    Config,
+    config_from_dict,
+    load_config,
+    parse_value,
+    to_toml,
+    toml_value,
+)
 from comera_engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +93,32 @@ def test_to_toml_round_trips_every_example() -> None:
         cfg = load_config(path)
         back = config_from_dict(tomllib.loads(to_toml(cfg)))
         assert back == cfg, path.name
+
+
+def test_to_toml_writes_text_as_typed_and_reads_back(tmp_path) -> None:
+    """Non-ASCII text is written as typed (UTF-8), and what TOML must escape is escaped:
+    tomllib reads every string back to the same characters."""
+    cfg = load_config(write(tmp_path))
+    cfg.name = "digits \u00b7 10\u00d7 seed 2 \u2014 caf\u00e9"
+    text = to_toml(cfg)
+    assert 'name = "digits \u00b7 10\u00d7 seed 2 \u2014 caf\u00e9"' in text
+    assert config_from_dict(tomllib.loads(text)) == cfg
+    tricky = 'a "quoted" \\ back\tslash\nnew\x7fdel\x00nul \u00e9'
+    assert tomllib.loads(f"v = {toml_value(tricky)}")["v"] == tricky
+    assert tomllib.loads(f"v = {toml_value({tricky: 1})}")["v"] == {tricky: 1}
+
+
+def test_a_run_name_of_undecodable_bytes_is_one_line(tmp_path) -> None:
+    """``--set name=`` with bytes that are not UTF-8 (Python's surrogate escapes): one
+    line naming the field, exit 2, nothing written."""
+    env = {**os.environ, "COMERA_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable.encode(), b"-m", b"comera_engine.cli", b"train",
+                          str(write(tmp_path)).encode(), b"--set", b"name=caf\xe9",
+                          b"--print-config"], capture_output=True, timeout=60, env=env,
+                         cwd=ROOT)
+    err = out.stderr.decode("utf-8", "replace").strip()
+    assert out.returncode == 2 and err.startswith("comera: error: name: is not valid UTF-8"), err
+    assert len(err.splitlines()) == 1 and not out.stdout
 
 
 def test_parse_value_reads_toml_literals() -> None:

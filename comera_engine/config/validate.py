@@ -359,6 +359,9 @@ def check_run_name(name: Any, field: str = "name") -> str:
     if any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in name):
         raise ConfigError(field, "control characters (newlines, tabs, terminal escapes) "
                                  "are not allowed in a run name; use plain text")
+    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in name):  # undecodable bytes of an argument
+        raise ConfigError(field, "is not valid UTF-8 text (bytes of another encoding); "
+                                 "type the name in UTF-8")
     return name.strip()
 
 

@@ -26,7 +26,14 @@ def to_toml(cfg: Config) -> str:
 def _toml_key(key: str) -> str:
     """A table key: bare when it may be, else quoted."""
     return key if key and all(ch.isascii() and (ch.isalnum() or ch in "_-") for ch in key) \
-        else json.dumps(key)
+        else toml_string(key)
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string, in UTF-8 as typed ("10× · seed 2", not ``\\u00d7``): JSON's
+    escapes of the quote, the backslash and the control characters are TOML's too; DEL,
+    which TOML escapes and JSON does not, is escaped as well."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def toml_value(value: Any) -> str:
@@ -38,7 +45,7 @@ def toml_value(value: Any) -> str:
             return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)
+        return toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
