@@ -71,6 +71,21 @@ def trainer_command(store: RunStore, run: dict[str, Any], resume: bool) -> list[
     return [sys.executable, *args]
 
 
+def shown_command(cmd: list[str], root: Path) -> str:
+    """``cmd`` as the run's log says it: the interpreter as ``python`` and paths inside
+    the run store relative to its folder (``<run id>/config.toml``), so the log, which the
+    dashboard shows, names no server path outside the run store."""
+    def shown(i: int, arg: str) -> str:
+        if i == 0 and arg == sys.executable:
+            return "python"
+        path = Path(arg)
+        if path.is_absolute() and path.is_relative_to(root):
+            return str(path.relative_to(root))
+        return arg
+
+    return shlex.join(shown(i, a) for i, a in enumerate(cmd))
+
+
 def _signame(rc: int) -> str:
     try:
         return signal.Signals(-rc).name
@@ -130,7 +145,8 @@ class LocalExecutor:
             if differ:
                 _log(self.log_path, "resume: with the launch environment (differs here in "
                      f"{', '.join(differ)})")
-        _log(self.log_path, f"attempt {attempt} on {this_host()}: {shlex.join(cmd)}")
+        _log(self.log_path,
+             f"attempt {attempt} on {this_host()}: {shown_command(cmd, st.root)}")
         with open(self.log_path, "ab") as log:
             self.offset = log.tell()
             proc = subprocess.Popen(
