@@ -815,29 +815,38 @@ def test_resume_button_resumes_a_stopped_run(home: Path,
     assert "Refreshing every 1 s" in texts(at)
 
 
-@pytest.mark.parametrize("status", ["failed", "crashed"])
 def test_a_run_that_failed_is_offered_resume_only_from_a_checkpoint(
-        home: Path, status: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failed or crashed run is offered Resume only where a resume can work: from a
-    checkpoint that reads back. One that failed before its first checkpoint (the mnli
-    preset's run, its data unreachable) was offered it, and a resume would only start it
-    afresh into the same failure: the button is disabled and says to launch it again."""
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed run is offered Resume only where a resume can work: from a checkpoint
+    that reads back. One that failed before its first checkpoint (the mnli preset's run,
+    its data unreachable) was offered it, and a resume would only start it afresh into
+    the same failure: the button is disabled and says to launch it again, as the
+    launcher's resume refuses it. A crashed one (killed) starts afresh."""
     from app.lib import runs as runs_lib
+    from comera_engine.launch import LaunchError, resume
 
     st = store_at(home)
     rid = st.create_run("mnli · 20×", config("mnli"), "running")
-    st.set_status(rid, status, "ConnectionError: the hub is unreachable")
+    st.set_status(rid, "failed", "ConnectionError: the hub is unreachable")
     folder = launched_folder(st, rid)
     at = app("live")
     no_exception(at)
-    resume = at.button(key="resume")
-    assert resume.disabled and "before its first checkpoint" in resume.help
+    resume_button = at.button(key="resume")
+    assert resume_button.disabled and "before its first checkpoint" in resume_button.help
     assert any("Not resumable" in c.value and "launch it again" in c.value
                for c in at.caption)
+    with pytest.raises(LaunchError, match=f"^run: {rid} failed before its first checkpoint"):
+        resume(rid, store=st)  # the same rule, the same words
+    assert st.get_run(rid)["status"] == "failed"
+    st.update_run(rid, status="crashed")
+    assert runs_lib.resume_offer(st, st.get_run(rid)) == (
+        True, "Continue the crashed run from its start (it crashed before its first "
+              "checkpoint).")
+    st.update_run(rid, status="failed")
     launched_folder(st, rid, checkpoint_at=300)  # the trainer had written one
     at.run()
-    resume = at.button(key="resume")
-    assert not resume.disabled and "step_000300" in resume.help
+    resume_button = at.button(key="resume")
+    assert not resume_button.disabled and "step_000300" in resume_button.help
     assert not any("Not resumable" in c.value for c in at.caption)
     calls: list[str] = []
     monkeypatch.setattr("comera_engine.launch.resume",
@@ -848,13 +857,13 @@ def test_a_run_that_failed_is_offered_resume_only_from_a_checkpoint(
     ckpt = folder / "checkpoints" / "step_000300.safetensors"
     ckpt.write_bytes(ckpt.read_bytes()[:-2])
     offered, why = runs_lib.resume_offer(st, st.get_run(rid))
-    assert not offered and why.startswith("No checkpoint reads back")
+    assert not offered and why.startswith("The run has no checkpoint that reads back")
     ckpt.unlink()
     st.update_run(rid, status="stopped")
     assert runs_lib.resume_offer(st, st.get_run(rid))[0]
     (folder / "config.toml").unlink()  # what the launcher's resume starts from
     assert runs_lib.resume_offer(st, st.get_run(rid)) == (
-        False, f"Its folder has no config.toml to resume from ({folder}).")
+        False, "The run has no config.toml in its folder to resume from.")
 
 
 def test_live_page_on_a_gpu_run(home: Path) -> None:

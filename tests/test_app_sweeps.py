@@ -249,11 +249,17 @@ def test_stop_and_resume_buttons_act_on_the_whole_sweep(home: Path,
     assert st.get_run(ids[-1])["status"] == "stopped"  # the waiting cell never starts
     assert st.get_sweep(sid)["status"] == "stopped"
     assert not at.button(key="sw-resume").disabled
+    # a cell that failed before its first checkpoint would fail again: left as it is
+    st.update_run(ids[0], status="failed", error="ValueError: lr")
+    st.run_dir(ids[0]).mkdir(parents=True)
+    (st.run_dir(ids[0]) / "config.toml").write_text(
+        (ROOT / "experiments" / "configs" / "digits_tt_mlp.toml").read_text())
     at.button(key="sw-resume").click().run()
     no_exception(at)
-    assert "1 cell(s) queued again" in texts(at)
+    assert (f"1 cell(s) queued again. Cell {ids[0]} is left as it is: the run failed before "
+            "its first checkpoint") in texts(at)
     assert st.get_run(ids[-1])["status"] == "queued"
-    assert [st.get_run(i)["status"] for i in ids[:3]] == ["finished"] * 3
+    assert [st.get_run(i)["status"] for i in ids[:3]] == ["failed", "finished", "finished"]
 
 
 def test_new_experiment_launches_a_sweep_once(home: Path,

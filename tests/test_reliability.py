@@ -322,7 +322,7 @@ def test_resume_with_only_damaged_checkpoints_is_one_line_and_changes_nothing(st
     before = store.get_run(rid)
     assert main(["resume", rid, "--store", str(store.path)]) == 2
     assert _one_line(capsys.readouterr().err).startswith(
-        "comera: error: --resume: no usable checkpoint in"
+        f"comera: error: run: {rid} has no checkpoint that reads back (no usable checkpoint in"
     )
     assert store.get_run(rid) == before and store.events(rid) == []
 

@@ -191,7 +191,7 @@ def test_a_killed_cell_crashes_alone_and_the_sweep_goes_on_then_resumes(tmp_path
     assert statuses[run["id"]] == "crashed"
     assert sorted(statuses.values()) == ["crashed", "finished", "finished", "finished"]
     assert sweep["status"] == "failed"
-    assert resume_sweep(sid, st) == [run["id"]]
+    assert resume_sweep(sid, st) == ([run["id"]], {})
     sweep = wait_sweep(st, sid)
     assert sweep["status"] == "finished"
     again = st.get_run(run["id"])
@@ -215,7 +215,7 @@ def test_stop_sweep_stops_waiting_and_running_cells_and_resume_finishes_them(tmp
     for r in cells:  # make the resumed cells short
         cfg = st.run_dir(r["id"]) / "config.toml"
         cfg.write_text(cfg.read_text().replace("steps = 100000", "steps = 80"))
-    assert sorted(resume_sweep(sid, st)) == sorted(r["id"] for r in cells)
+    assert sorted(resume_sweep(sid, st).queued) == sorted(r["id"] for r in cells)
     sweep = wait_sweep(st, sid)
     assert sweep["counts"] == {"finished": 3}
 

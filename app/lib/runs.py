@@ -39,6 +39,7 @@ __all__ = [
     "DENSE_HELP",
     "FINAL_STATUSES",
     "FROM_TARGET",
+    "HISTORY_IDS",
     "RESUMABLE_STATUSES",
     "SWEEP_MEMORY_KINDS",
     "checkpoints",
@@ -455,34 +456,17 @@ def checkpoints(store: RunStore, run_id: str) -> list[dict[str, Any]]:
 
 def resume_offer(store: RunStore, run: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether a resume of ``run`` can work, and what the Resume button says of it (its
-    help): what the launcher's ``resume`` needs of a run (a stopped, crashed or failed
-    one, its folder's config, a checkpoint that reads back if it has any, not a Ray
-    sweep's cell). A failed or crashed run needs a checkpoint besides: without one a
-    resume starts it afresh, into what made it fail, so it is launched again instead."""
-    from comera_engine.errors import ConfigError
-    from comera_engine.launch import CONFIG_FILENAME, is_ray_cell
-    from comera_engine.store.layout import resume_point
+    help): the launcher's own rule (:func:`comera_engine.launch.runs.resume_from`)."""
+    from comera_engine.launch.runs import resume_from
 
-    status = str(run.get("status"))
-    if status not in RESUMABLE_STATUSES:
-        return False, f"The run is {status}: only a stopped, crashed or failed run resumes."
-    if is_ray_cell(store, run):
-        return False, "A cell of a Ray sweep cannot be resumed yet: run its config again."
-    folder = store.run_dir(str(run["id"]))
-    if not (folder / CONFIG_FILENAME).is_file():
-        return False, f"Its folder has no {CONFIG_FILENAME} to resume from ({folder})."
-    try:
-        start, _ = resume_point(folder / "checkpoints")
-    except ConfigError as e:  # every checkpoint damaged
-        return False, f"No checkpoint reads back: {e.problem}."
-    if start is None and status != "stopped":
-        return False, (f"The run {status} before its first checkpoint: a resume would start "
-                       "it afresh, into the same failure. Fix what the error says and "
-                       "launch it again (New experiment).")
-    if start is None:
-        return True, "Continue the stopped run from its start (it stopped before its first " \
-                     "checkpoint)."
-    return True, f"Continue the {status} run from its last checkpoint ({start.stem})."
+    start, problem = resume_from(store, run)
+    if problem is not None:
+        return False, f"The run {problem}."
+    status = run.get("status")
+    if start is not None:
+        return True, f"Continue the {status} run from its last checkpoint ({start.stem})."
+    return True, (f"Continue the {status} run from its start (it {status} before its first "
+                  "checkpoint).")
 
 
 def percent(fraction: Any) -> float | None:
@@ -514,16 +498,24 @@ def duration_s(run: Mapping[str, Any]) -> float | None:
     return max(0.0, (end if isinstance(end, (int, float)) else time.time()) - start)
 
 
+#: The columns of a :func:`metric_history` row that say whose and which step it is (the
+#: others are its metrics).
+HISTORY_IDS = ("run", "name", "cell", "step")
+
+
 def metric_history(store: RunStore, run_ids: Sequence[str],
-                   labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """Every metric the runs logged, one row per run and step: ``{"run", ["cell",]
-    "step", <metric>: value, ...}`` (a metric not logged at a step is absent)."""
+                   labels: Mapping[str, str] | None = None,
+                   label: str = "cell") -> list[dict[str, Any]]:
+    """Every metric the runs logged, one row per run and step: ``{"run", [label,] "step",
+    <metric>: value, ...}`` (a metric not logged at a step is absent); ``labels``: each
+    run's label, in the column ``label`` (``"cell"``: a sweep's cell; ``"name"``: the
+    run's name)."""
     rows: list[dict[str, Any]] = []
     for rid in run_ids:
         by_step: dict[int, dict[str, Any]] = {}
         for r in store.metrics_since(rid):
             row = by_step.setdefault(int(r["step"]), {"run": rid, **(
-                {"cell": labels[rid]} if labels and rid in labels else {}),
+                {label: labels[rid]} if labels and rid in labels else {}),
                 "step": int(r["step"])})
             v = r["value"]
             row[r["name"]] = None if isinstance(v, float) and math.isnan(v) else v
@@ -532,12 +524,12 @@ def metric_history(store: RunStore, run_ids: Sequence[str],
 
 
 def history_csv(rows: Sequence[Mapping[str, Any]]) -> str:
-    """:func:`metric_history` rows as CSV: the id columns, then every metric (sorted);
-    an empty cell where a metric was not logged at that step."""
+    """:func:`metric_history` rows as CSV: the id columns (:data:`HISTORY_IDS`), then
+    every metric (sorted); an empty cell where a metric was not logged at that step."""
     import csv
     import io
 
-    ids = [k for k in ("run", "cell", "step") if any(k in r for r in rows)]
+    ids = [k for k in HISTORY_IDS if any(k in r for r in rows)]
     names = sorted({k for r in rows for k in r} - set(ids))
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=ids + names, restval="", lineterminator="\n")
@@ -547,14 +539,14 @@ def history_csv(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def history_json(rows: Sequence[Mapping[str, Any]]) -> str:
-    """:func:`metric_history` rows as JSON: ``{run: {"cell"?, "metrics": {name:
+    """:func:`metric_history` rows as JSON: ``{run: {<label>?, "metrics": {name:
     [[step, value], ...]}}}``."""
     out: dict[str, Any] = {}
     for r in rows:
-        run = out.setdefault(r["run"], {**({"cell": r["cell"]} if "cell" in r else {}),
+        run = out.setdefault(r["run"], {**{k: r[k] for k in ("name", "cell") if k in r},
                                         "metrics": {}})
         for k, v in r.items():
-            if k not in ("run", "cell", "step"):
+            if k not in HISTORY_IDS:
                 run["metrics"].setdefault(k, []).append([r["step"], v])
     return json.dumps(out, indent=1)
 

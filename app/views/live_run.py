@@ -81,7 +81,7 @@ def controls(run: dict[str, Any]) -> None:
                  help=why, width="stretch"):
         try:
             resume(run["id"], store=store)
-            st.toast("Resuming from the last checkpoint", icon=":material/play_circle:")
+            st.toast(f"Resume requested. {why}", icon=":material/play_circle:")
             st.rerun()  # the page switches back to live refreshing
         except (LaunchError, ValueError) as e:
             st.error(str(e))

@@ -47,8 +47,10 @@ def _stop(sid: str) -> None:
 
 def _resume(sid: str) -> None:
     try:
-        again = resume_sweep(sid, store)
-        st.session_state["sw-note"] = f"{len(again)} cell(s) queued again."
+        done = resume_sweep(sid, store)
+        left = "".join(f" Cell {cell} is left as it is: the run {why}."
+                       for cell, why in done.left.items())
+        st.session_state["sw-note"] = f"{len(done.queued)} cell(s) queued again.{left}"
     except Exception as e:  # noqa: BLE001 - shown on the page
         st.session_state["sw-note"] = f"Resume failed: {e}"
 

@@ -486,8 +486,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if (sid := _sweep_named(st, args.run)) is not None:
             from comera_engine.launch.sweep import resume_sweep
 
-            again = resume_sweep(sid, st)
-            print(f"{sid}: {len(again)} cells queued again")
+            done = resume_sweep(sid, st)
+            print(f"{sid}: {len(done.queued)} cells queued again")
+            for cell, why in done.left.items():
+                print(f"{cell}: left as it is: the run {why}", file=sys.stderr)
             return 0
         rid = resume(args.run, store=st)
     except ValueError as e:

@@ -410,12 +410,43 @@ def _wait_gone(run: Mapping[str, Any], timeout: float) -> bool:
     return True
 
 
+def resume_from(store: RunStore, run: Mapping[str, Any]) -> tuple[Path | None, str | None]:
+    """Where a resume of ``run`` would start and what stops it: ``(checkpoint, problem)``,
+    the newest checkpoint that reads back (``None``: the start) and, when the run cannot
+    be resumed, why in words that follow "the run" (``None``: it can). The one rule that
+    :func:`resume` enforces and the dashboard's Resume button shows: a stopped, crashed
+    or failed run, not a Ray sweep's cell, with its folder's config, and a checkpoint
+    that reads back if it has any. A failed run needs a checkpoint besides: started
+    afresh it would fail as it did (its error says why; launch it again once that is
+    fixed). A crashed run (killed, its machine gone) without one starts afresh."""
+    status = str(run.get("status"))
+    if status not in RESUMABLE_STATUSES:
+        return None, f"is {status}; only stopped, crashed or failed runs can be resumed"
+    if is_ray_cell(store, run):  # the local launcher never starts a Ray sweep's cells
+        return None, (f"is a cell of Ray sweep {run['sweep_id']}; a Ray cell cannot be "
+                      "resumed yet (run its config again)")
+    folder = store.run_dir(str(run["id"]))
+    if not (folder / CONFIG_FILENAME).is_file():
+        return None, f"has no {CONFIG_FILENAME} in its folder to resume from"
+    try:
+        start, _ = resume_point(folder / "checkpoints")
+    except ConfigError as e:  # every checkpoint damaged
+        return None, f"has no checkpoint that reads back ({e.problem})"
+    if start is None and status == "failed":
+        return None, ("failed before its first checkpoint: a resume would start it afresh, "
+                      "into the same failure; fix what its error says and launch it "
+                      "again")
+    return start, None
+
+
 def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) -> str:
     """Continue a ``stopped``, ``crashed`` or ``failed`` run from its newest checkpoint
     that reads back whole, as the same run (step numbers continue; metrics the old
-    attempt logged after that checkpoint are replaced). Returns the run id; the run is
-    queued and started like a new one. Refused (one line, nothing changed) while a
-    process still holds the run folder's lock, or when every checkpoint is damaged."""
+    attempt logged after that checkpoint are replaced); a stopped or crashed one
+    without a checkpoint from the start (:func:`resume_from` says what can be resumed).
+    Returns the run id; the run is queued and started like a new one. Refused (one
+    line, nothing changed) when it cannot be, or while a process still holds the run
+    folder's lock."""
     st = open_store(store)
     rid = st.resolve(run_id)
     if st.readonly:
@@ -423,14 +454,9 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     reap(st)
     run = st.get_run(rid)
     assert run is not None
-    if run["status"] not in RESUMABLE_STATUSES:
-        raise LaunchError(
-            f"run: {rid} is {run['status']}; only stopped, crashed or failed runs can be "
-            "resumed"
-        )
-    if is_ray_cell(st, run):  # the local launcher never starts a Ray sweep's cells
-        raise LaunchError(f"run: {rid} is a cell of Ray sweep {run['sweep_id']}; a Ray "
-                          "cell cannot be resumed yet (run its config again)")
+    start, problem = resume_from(st, run)
+    if problem is not None:
+        raise LaunchError(f"run: {rid} {problem}")
     if not _wait_gone(run, 10.0):
         raise LaunchError(f"run: {rid} still has a live process (pid {run['pid']}); try again")
     holder = lock_holder(st.run_dir(rid))
@@ -439,11 +465,7 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
             f"run: {rid} is still being written by pid {holder.get('pid', '?')}; "
             "stop that process first"
         )
-    run_dir = st.run_dir(rid)
-    if not (run_dir / CONFIG_FILENAME).is_file():
-        raise LaunchError(f"run: {rid} has no {CONFIG_FILENAME} in {run_dir}")
-    start, _ = resume_point(run_dir / "checkpoints")  # all damaged: one line
-    _check_resumable_folder(run_dir)
+    _check_resumable_folder(st.run_dir(rid))
     where = f"checkpoint {start.stem}" if start else "the start (no checkpoint)"
     ok = st.lifecycle(rid).requeue(
         event=("resume", f"resume requested from {where}"),

@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from comera_engine.errors import ConfigError
 from comera_engine.metrics import run_compression
@@ -33,6 +33,7 @@ __all__ = [
     "expand_cells",
     "pareto_front",
     "parse_grid",
+    "SweepResume",
     "resume_sweep",
     "score_metric",
     "stop_sweep",
@@ -311,22 +312,35 @@ def stop_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None = 
     return dict(sweep.get("counts", {}))
 
 
+class SweepResume(NamedTuple):
+    """What :func:`resume_sweep` did: the cells ``queued`` again, and those ``left`` as
+    they were (id → why, in words that follow "the run")."""
+
+    queued: list[str]
+    left: dict[str, str]
+
+
 def resume_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None = None
-                 ) -> list[str]:
-    """Queue again every stopped, crashed or failed cell (each from its newest checkpoint;
-    one that never started, from the start); finished cells stay. Returns their ids."""
-    from comera_engine.launch.runs import open_store, resume
+                 ) -> SweepResume:
+    """Queue again every stopped, crashed or failed cell that can be resumed (each from its
+    newest checkpoint; a stopped or crashed one without any from the start), by the
+    launcher's one rule (:func:`comera_engine.launch.runs.resume_from`); finished cells
+    stay, and a cell that cannot be (one that failed before its first checkpoint, a Ray
+    sweep's cell) is left with the reason."""
+    from comera_engine.launch.runs import open_store, resume, resume_from
 
     st = open_store(store)
     sid = st.resolve_sweep(sweep_id)
-    sweep = st.get_sweep(sid) or {}
-    again = []
+    done = SweepResume([], {})
     for r in st.sweep_runs(sid):
-        if r["status"] in RESUMABLE_STATUSES:
-            again.append(resume(r["id"], store=st))
-    if again and sweep.get("backend") == "ray":
-        _start(st, sid, "ray")
-    return again
+        if r["status"] not in RESUMABLE_STATUSES:
+            continue
+        _, problem = resume_from(st, r)
+        if problem is not None:
+            done.left[r["id"]] = problem
+        else:
+            done.queued.append(resume(r["id"], store=st))
+    return done
 
 
 def wait_sweeps(store: RunStore, sweep_ids: Sequence[str], poll: float = 1.0, *,
