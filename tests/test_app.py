@@ -1064,6 +1064,51 @@ def test_compare_page(home: Path) -> None:
     assert mem["xaxis"]["title"]["text"].startswith("Model + optimizer memory (estimate) (MiB")
 
 
+def test_compare_downloads_the_compared_runs_metrics_as_one_csv(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compare offers the compared runs' metrics as one CSV, read when the button is
+    pressed: a row per run and step, the run's id and name, then each metric as the store
+    holds it (a metric not logged at a step blank); a run not compared is not in it."""
+    import csv
+    import io
+
+    from streamlit.runtime.media_file_manager import MediaFileManager
+
+    st = store_at(home)
+    tt = seed_run(st, "tt-20x", steps=100, upto=100)
+    dense = seed_run(st, "dense", steps=100, upto=50, dense=True)
+    seed_run(st, "not compared", steps=100, upto=100)
+    served: dict[str, tuple] = {}  # the deferred downloads the page registers, by id
+    real = MediaFileManager.add_deferred
+
+    def record(self, data, mimetype, coordinates, file_name=None, **kw):  # noqa: ANN001, ANN202
+        file_id = real(self, data, mimetype, coordinates, file_name=file_name, **kw)
+        served[file_id] = (data, mimetype, file_name)
+        return file_id
+
+    monkeypatch.setattr(MediaFileManager, "add_deferred", record)
+    at = app("compare")
+    at.multiselect(key="cmp-runs").set_value([tt, dense]).run()
+    no_exception(at)
+    (button,) = [b for b in at.get("download_button") if b.proto.id.endswith("cmp-dl-csv")]
+    data, mimetype, file_name = served[button.proto.deferred_file_id]
+    assert (mimetype, file_name) == ("text/csv", f"compare-{tt[-4:]}-{dense[-4:]}-metrics.csv")
+    table = list(csv.DictReader(io.StringIO(data())))
+    assert list(table[0])[:3] == ["run", "name", "step"]
+    assert {(r["run"], r["name"]) for r in table} == {(tt, "tt-20x"), (dense, "dense")}
+    # every metric of both runs at every step it was logged, as the store holds it
+    for rid in (tt, dense):
+        rows = {int(r["step"]): r for r in table if r["run"] == rid}
+        for name in st.metric_names(rid):
+            logged = st.series(rid, name, max_points=10_000)
+            assert [float(rows[s][name]) for s in logged["step"]] == pytest.approx(
+                logged["value"]), (rid, name)
+            assert sum(rows[s][name] != "" for s in rows) == len(logged["step"]), (rid, name)
+    assert len(table) == len(range(1, 101, 5)) + len(range(1, 51, 5))
+    assert "lr/gates" not in st.metric_names(dense)
+    assert all(r["lr/gates"] == "" for r in table if r["run"] == dense)
+
+
 def test_compare_diffs_the_configs_as_the_engine_reads_them(home: Path) -> None:
     """Compare's config diff is of the configs with their defaults filled in: the
     embedded default states ``data.split_fraction = 0.8`` and a shipped TOML leaves it to

@@ -200,6 +200,23 @@ ui.table(
     },
 )
 
+
+def csv_name(chosen: list[dict]) -> str:
+    """``compare-<tag>-<tag>-metrics.csv``: each run by its legend's tag (its id's last
+    four characters, file-safe as ids are), the first six and then how many more."""
+    tags = [r["id"][-4:] for r in chosen[:6]]
+    more = [f"{len(chosen) - 6}more"] if len(chosen) > 6 else []
+    return f"compare-{'-'.join(tags + more)}-metrics.csv"
+
+
+st.download_button(
+    "Metrics of these runs (CSV)", key="cmp-dl-csv", icon=":material/download:",
+    data=lambda: runs.history_csv(runs.metric_history(
+        store, picked, {r["id"]: r["name"] for r in sel}, label="name")),
+    file_name=csv_name(sel), mime="text/csv", on_click="ignore",
+    help="Every metric the chosen runs logged, one row per run and step (its id and "
+    "name first), as the Live page's download gives one run's.")
+
 st.subheader("Config diff", anchor=False)
 if len(sel) < 2:
     st.caption("Pick two or more runs to see how their configs differ.")
