@@ -1807,6 +1807,51 @@ def test_overview_draws_running_runs_as_cards_and_sums_up_the_queue(home: Path) 
     assert target["dense"] != target["dense"]  # NaN: a blank cell
 
 
+def test_the_overview_reads_the_run_list_once_per_pass(home: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass of the Overview reads the store's run list once: its tiles, its table and
+    its live cards' first draw share the read (the cards read it again beside it); a
+    redraw of the cards alone, on their timer, reads the store anew."""
+    import sys
+
+    import streamlit
+
+    st = store_at(home)
+    seed_run(st, "done")
+    seed_run(st, "live", status="running", upto=100)
+    readers: list[str] = []  # the file each read of the run list came from
+    real = RunStore.list_runs
+
+    def counting(self: RunStore, *args: object, **kwargs: object) -> list[dict]:
+        readers.append(Path(sys._getframe(1).f_code.co_filename).name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunStore, "list_runs", counting)
+    cards: list[tuple] = []  # the cards' function and what each pass handed it
+    real_fragment = streamlit.fragment
+
+    def fragment(fn=None, **kw):  # noqa: ANN001, ANN202
+        drawn = real_fragment(fn, **kw)
+
+        def draw(*args: object) -> object:
+            cards.append((fn, args))
+            return drawn(*args)
+        return draw
+
+    monkeypatch.setattr(streamlit, "fragment", fragment)
+    at = app()
+    no_exception(at)
+    assert [b.label for b in at.button] == ["Watch"]  # the live run's card
+    # the sidebar's own read (Home.py, on every page) and the page's one
+    assert sorted(readers) == ["overview.py", "ui.py"]
+    at.run()
+    assert sorted(readers) == ["overview.py"] * 2 + ["ui.py"] * 2
+    readers.clear()
+    fn, args = cards[-1]
+    fn(*args)  # the cards redrawn alone, as Streamlit calls them on their timer
+    assert readers == ["overview.py"]
+
+
 def test_a_run_asks_a_target_only_if_it_pursues_one() -> None:
     """One answer for every page, the CLI's list and the sweep report: the TT methods,
     structured pruning and int8 weights (of the run whose size they keep) keep

@@ -49,11 +49,12 @@ REFRESH_S = 2.0
 LIVE_AT_START = bool(live)
 
 
-def live_cards() -> None:
-    """The running runs' cards, read from the store again at every redraw (every
-    :data:`REFRESH_S` while a run was live at the page's start); once none is live the
-    whole page is drawn again (its tiles and table too)."""
-    now = [r for r in store.list_runs() if runs.is_live(r)]
+def live_cards(first: list[list[dict]]) -> None:
+    """The running runs' cards: on the page's pass, from the page's own read of the runs
+    (``first``, taken once); at every redraw of the cards alone (every :data:`REFRESH_S`
+    while a run was live at the page's start), read from the store again. Once none is
+    live the whole page is drawn again (its tiles and table too)."""
+    now = [r for r in (first.pop() if first else store.list_runs()) if runs.is_live(r)]
     if LIVE_AT_START and not now:
         st.rerun()
     if not now:
@@ -84,7 +85,8 @@ def live_cards() -> None:
         st.caption(f":material/hourglass_empty: {said}: in the table below.")
 
 
-st.fragment(live_cards, run_every=REFRESH_S if LIVE_AT_START else None)()
+# the page's read, handed to the cards' first draw: one read of the runs per pass
+st.fragment(live_cards, run_every=REFRESH_S if LIVE_AT_START else None)([all_runs])
 
 st.subheader("All runs", anchor=False)
 listed = ui.unarchived(all_runs, "overview-archived")
