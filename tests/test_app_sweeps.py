@@ -159,6 +159,59 @@ def test_one_seed_has_no_spread_and_a_pending_cell_is_blank(home: Path) -> None:
     assert marks["name"] == "grid point" and marks["error_y"] == {"visible": False}
 
 
+def test_a_dense_baseline_cell_leaves_the_sweeps_scope_to_its_tt_cells(home: Path) -> None:
+    """A sweep over ``model.dense``: the dense cell states its 1× in the whole model's
+    scope (it has no TT layers), the TT cells theirs on the TT layers. 1× holds in any
+    scope, so the sweep's scope (the grid points' column, the front's axis) is the TT
+    cells' alone (it read "TT layers / whole model"); a mix is said only where the TT
+    cells' own scopes differ, and a sweep of dense baselines alone is the whole model's."""
+    from app.lib.runs import sweep_scope
+    from comera_engine.launch.sweep import sweep_report
+
+    st = RunStore(home / "comera.db")
+
+    def sweep(scopes: dict[bool, str]) -> str:
+        """A finished sweep of one cell per ``model.dense`` value in ``scopes`` (each
+        cell's target scope), as its trainers would have left it."""
+        sid = st.create_sweep("dense vs tt", {"name": "dense vs tt"},
+                              {"model.dense": list(scopes)}, 1)
+        for dense, scope in scopes.items():
+            cfg = {"name": "dense vs tt", "model": {"name": "tt_mlp", "dense": dense},
+                   "comera": {"target_compression": 10.0, "target_scope": scope},
+                   "train": {"steps": 100, "seed": 0}}
+            rid = st.create_run(f"dense={dense}", cfg, "running", sweep_id=sid,
+                                cell={"overrides": {"model.dense": dense}, "seed": 0})
+            t = time.time()
+            st.write_batch(rid, metrics=[
+                (100, "eval/acc", 0.95 if dense else 0.92, t),
+                (100, "compression/tensorized", 1.0 if dense else 10.2, t),
+                (100, "compression/model", 1.0 if dense else 4.1, t)])
+            st.set_status(rid, "finished")
+        return sid
+
+    sid = sweep({True: "tensorized", False: "tensorized"})
+    at = app("views/sweeps.py", sweep=sid)
+    no_exception(at)
+    groups, cells = at.dataframe[0].value, at.dataframe[1].value
+    # each cell in its own scope; the sweep in its TT cells'
+    assert sorted(zip(cells["scope"], cells["compression"])) == [
+        ("TT layers", "10.2×"), ("whole model", "1.0×")]
+    assert set(groups["scope"]) == {"TT layers"}
+    front = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
+    assert front["xaxis"]["title"]["text"].startswith("compression reached (TT layers; ")
+    # TT cells asked on the whole model: their scope, not the TT layers'
+    mixed = sweep({True: "tensorized", False: "model"})
+    assert sweep_scope(st, mixed, sweep_report(st, mixed)["cells"]) == "whole model"
+    alone = sweep({True: "tensorized"})
+    assert sweep_scope(st, alone, sweep_report(st, alone)["cells"]) == "whole model"
+    # TT cells that differ among themselves: a mix, said so
+    both = sweep({False: "model"})
+    st.create_run("tt", {"name": "tt", "model": {"name": "tt_mlp"},
+                         "comera": {"target_scope": "tensorized"}}, "finished",
+                  sweep_id=both, cell={"overrides": {"model.dense": False}, "seed": 1})
+    assert sweep_scope(st, both, sweep_report(st, both)["cells"]) == "TT layers / whole model"
+
+
 def grid_points(at: AppTest) -> dict:
     """The Sweeps page's grid-point trace (mean per grid point) in its front chart."""
     (marks,) = [t for t in json.loads(at.get("plotly_chart")[0].proto.spec)["data"]

@@ -576,11 +576,12 @@ def size_bar(dense: float, start: float, floor: float, target: float | None,
     return fig
 
 
-def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression reached"
-                 ) -> go.Figure:
+def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression reached",
+                 scope: str = SCOPE_LABELS["tensorized"]) -> go.Figure:
     """A sweep's grid points as mean ± std (error bars over seeds) of its score against
-    the compression reached, every finished cell as a faint dot, the Pareto front as a
-    dashed line (``report``: :func:`comera_engine.launch.sweep.sweep_report`)."""
+    the compression reached (in ``scope``: ``app.lib.runs.sweep_scope``), every finished
+    cell as a faint dot, the Pareto front as a dashed line (``report``:
+    :func:`comera_engine.launch.sweep.sweep_report`)."""
     metric = report.get("metric") or "score"
     groups = [g for g in report.get("groups", [])
               if is_finite(g.get("score")) and is_finite(g.get("compression"))]
@@ -628,8 +629,7 @@ def sweep_pareto(report: Mapping[str, Any], title: str = "Score vs compression r
         x_title = "×, log"
     else:
         x_title = "×"
-    scopes = sorted({SCOPE_LABELS.get(c.get("scope"), "TT layers") for c in cells})
-    x_title = f"compression reached ({' / '.join(scopes) or 'TT layers'}; {x_title})"
+    x_title = f"compression reached ({scope}; {x_title})"
     fig = base_layout(fig, title, 420, x_title, metric_label(metric))
     if is_fraction(metric):  # accuracy: one unit (percent) everywhere
         fig.update_yaxes(tickformat=percent_ticks(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.metrics import (
+    SCOPE_LABELS,
     Compression,
     compression_metric,
     is_dense_baseline,
@@ -70,6 +71,7 @@ __all__ = [
     "stage_steps",
     "store_path",
     "summary_rows",
+    "sweep_scope",
     "target_metric",
     "threads_now",
     "unique_name",
@@ -343,6 +345,17 @@ def peak_memory_mb(store: RunStore, run_id: str) -> tuple[float | None, str]:
     if params is not None:
         return params * TRAIN_BYTES_PER_PARAM / 2**20, "model_state"
     return None, ""
+
+
+def sweep_scope(store: RunStore, sweep_id: str, cells: Sequence[Mapping[str, Any]]) -> str:
+    """The scope a sweep's compressions are stated in (its table's column, its front's
+    axis), from its ``cells`` (``sweep_report``'s): the TT cells' scope. A dense baseline
+    is 1× in any scope, so its cells (stated in the whole model's) name none: the label
+    says a mix only where the other cells' scopes differ; a sweep of dense baselines
+    alone is the whole model's."""
+    dense = {r["id"] for r in store.sweep_runs(sweep_id) if is_baseline(r)}
+    scopes = sorted({SCOPE_LABELS[c["scope"]] for c in cells if c["run"] not in dense})
+    return " / ".join(scopes) or (SCOPE_LABELS["model"] if dense else "–")
 
 
 #: The kind (``app.lib.fmt.MEMORY``) of the memory metric a sweep cell's peak memory is

@@ -73,11 +73,6 @@ def pick(sweeps: list[dict]) -> str:
     return str(sid)
 
 
-def _scope(rep: dict) -> str:
-    """The scope the sweep's compressions are measured on (its cells' target scope)."""
-    return " / ".join(sorted({SCOPE_LABELS[c["scope"]] for c in rep["cells"]})) or "–"
-
-
 def _text(value: object, shown: object) -> object:
     """A table cell: ``shown`` (the figure as text), blank while ``value`` is pending."""
     return "" if value is None else shown
@@ -109,8 +104,9 @@ def view(sid: str) -> None:
         st.info(note, icon=":material/info:")
 
     metric = rep["metric"] or "score"
-    st.plotly_chart(plots.sweep_pareto(rep, f"{fmt.metric_label(metric)} vs compression reached"),
-                    width="stretch", key="sw-pareto")
+    scope = runs.sweep_scope(store, sid, rep["cells"])  # a dense baseline's 1x names none
+    st.plotly_chart(plots.sweep_pareto(rep, f"{fmt.metric_label(metric)} vs compression reached",
+                                       scope), width="stretch", key="sw-pareto")
     st.plotly_chart(plots.sweep_parcoords(rep, "Every cell across the swept keys"),
                     width="stretch", key="sw-parcoords")
     st.subheader("Per grid point", anchor=False)
@@ -127,7 +123,7 @@ def view(sid: str) -> None:
           score: format_metric(metric, g["score"], g["score_std"]),
           "compression": "" if g["compression"] is None else fmt.ratio(g["compression"]) + (
               "" if g["compression_std"] is None else f" ± {g['compression_std']:.1f}"),
-          "scope": _scope(rep), "model size": _text(g.get("bytes"), fmt.nbytes(g.get("bytes"))),
+          "scope": scope, "model size": _text(g.get("bytes"), fmt.nbytes(g.get("bytes"))),
           "finished": f"{g['finished']}/{g['cells']}", "Pareto": g["pareto"],
           "step time": _text(g["step_time_s"], f"{g['step_time_s'] or 0:.4f} s"),
           memory: _text(g["peak_mem_mb"], fmt.mib(g["peak_mem_mb"]))}
