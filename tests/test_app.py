@@ -1613,6 +1613,22 @@ def test_metric_history_downloads(home: Path) -> None:
     assert {"Metrics (CSV)", "Metrics (JSON)"} <= {b.label for b in at.get("download_button")}
 
 
+def charted_pages(rid: str, sid: str) -> dict[str, dict[str, dict]]:
+    """Every chart of the pages that draw charts, by page and key (``page_figures``):
+    New experiment, Learn, Compare, the run ``rid`` on Live run and the sweep ``sid`` on
+    Sweeps; no page raises."""
+    out = {}
+    for page, query in (("new", {}), ("learn", {}), ("compare", {}), ("live", {"run": rid}),
+                        ("sweeps", {"sweep": sid})):
+        at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+        at.switch_page(PAGES.get(page, f"views/{page}.py"))
+        at.query_params.update(query)
+        at.run()
+        no_exception(at)
+        out[page] = page_figures(at)
+    return out
+
+
 def test_every_log_axis_is_labelled_with_whole_figures(home: Path) -> None:
     """A log axis reads 1, 2, 5, 10, 20k (each decade only over many decades, finer over
     less than a factor 3), never Plotly's own "9 10 2 3" (a decade's minor digits): on
@@ -1637,20 +1653,41 @@ def test_every_log_axis_is_labelled_with_whole_figures(home: Path) -> None:
     seed_run(st, "dense", dense=True, acc=0.95)
     sid, _ = seed_sweep(st)
     found: dict[str, dict] = {}
-    for page, query in (("new", {}), ("learn", {}), ("compare", {}), ("live", {"run": rid}),
-                        ("sweeps", {"sweep": sid})):
-        at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
-        at.switch_page(PAGES.get(page, f"views/{page}.py"))
-        at.query_params.update(query)
-        at.run()
-        no_exception(at)
-        figures = page_figures(at)
+    for page, figures in charted_pages(rid, sid).items():
         assert not unlabelled_log_axes(figures), (page, unlabelled_log_axes(figures))
         found.update(log_axes(figures))
     keys = " ".join(found)
     for chart in ("pv-size", "pv-params", "pv-macs", "l-curve", "l-cost-rank",
                   "l-cost-batch", "cmp-c1", "cmp-pareto", "sw-pareto", "ch-lr"):
         assert chart in keys, (chart, keys)
+
+
+def test_no_chart_has_its_tool_bar_across_its_title(home: Path) -> None:
+    """Plotly's tool bar (shown on hover) covered the title of a chart in two or three
+    columns at 1024 px: drawn across the figure's top right, it is about 220 px wide.
+    Every chart on every page has it down its right edge (about 25 px wide) and its
+    title from its left edge, so a title that fits beside the bar is clear of it."""
+    from app.lib import plots
+    from tests.test_app_sweeps import seed_sweep
+
+    st = store_at(home)
+    rid = seed_run(st, "tt-20x", target=20.0, acc=0.93, comp=24.0)
+    seed_run(st, "dense", dense=True, acc=0.95)
+    sid, _ = seed_sweep(st)
+    figures = {f"{page} {key}": fig for page, charts in charted_pages(rid, sid).items()
+               for key, fig in charts.items()}
+    figures.update({f"spec {case}": spec for case, spec in _specs()})
+    assert len(figures) > 20
+    titled = 0
+    for key, fig in figures.items():
+        layout = fig["layout"]
+        assert layout["modebar"]["orientation"] == "v", key
+        title = layout.get("title") or {}
+        if title.get("text"):
+            titled += 1
+            assert (title["x"], title["xanchor"]) == (0.0, "left"), key
+    assert titled > 15
+    assert plots.look()["modebar"] == plots.look("A title")["modebar"] == {"orientation": "v"}
 
 
 def test_compare_draws_one_front_per_data_set(home: Path) -> None:

@@ -41,6 +41,12 @@ LEGEND_BELOW = {"orientation": "h", "yref": "container", "yanchor": "bottom", "y
 #: The same, centred under the plot (the charts whose legends are long)
 LEGEND_CENTRED = {**LEGEND_BELOW, "x": 0.5, "xanchor": "center"}
 
+#: Every chart's Plotly tool bar (shown on hover) down the figure's right edge, about
+#: 25 px wide: across the top (Plotly's default) it is about 220 px wide, over the title
+#: of a chart in two or three columns at 1024 px. A title left-aligned (:func:`look`) is
+#: clear of it while the title fits beside it.
+MODEBAR = {"orientation": "v"}
+
 #: A figure as Plotly's JSON would have it, ``{"data": [trace, …], "layout": {…}}``: the
 #: Live page draws these every second without building (and validating) a
 #: ``go.Figure`` each time (about 20 ms a chart); the other pages wrap the same spec in a
@@ -50,14 +56,16 @@ Spec = dict[str, Any]
 
 def look(title: str | None = None, height: int = 300, x_title: str | None = None,
          y_title: str | None = None) -> dict[str, Any]:
-    """The layout every chart shares. The title sits alone at the top of the figure; the
-    legend at its bottom, under the x axis, in as many rows as it needs, each pushing the
-    plot in as far as it needs (``automargin``, a legend placed on the container): a long
-    legend never runs over the title or the axis."""
+    """The layout every chart shares. The title sits alone at the top of the figure, from
+    its left edge, and Plotly's tool bar (shown on hover) stands down the right edge
+    (:data:`MODEBAR`): drawn across the top, it covered the title of a narrow chart. The
+    legend sits at the bottom, under the x axis, in as many rows as it needs, each pushing
+    the plot in as far as it needs (``automargin``, a legend placed on the container): a
+    long legend never runs over the title or the axis."""
     layout: dict[str, Any] = {
         "height": height, "margin": {"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
         "colorway": list(COLORS), "legend": dict(LEGEND_BELOW), "hovermode": "x unified",
-        "font": {"size": 12}}
+        "modebar": dict(MODEBAR), "font": {"size": 12}}
     if title:
         layout["title"] = {"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 15},
                            "automargin": True, "yref": "container", "y": 1.0,
