@@ -197,19 +197,20 @@ def test_a_dense_baseline_cell_leaves_the_sweeps_scope_to_its_tt_cells(home: Pat
     assert sorted(zip(cells["scope"], cells["compression"])) == [
         ("TT layers", "10.2×"), ("whole model", "1.0×")]
     assert set(groups["scope"]) == {"TT layers"}
+    assert sorted(c["baseline"] for c in sweep_report(st, sid)["cells"]) == [False, True]
     front = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
     assert front["xaxis"]["title"]["text"].startswith("compression reached (TT layers; ")
     # TT cells asked on the whole model: their scope, not the TT layers'
     mixed = sweep({True: "tensorized", False: "model"})
-    assert sweep_scope(st, mixed, sweep_report(st, mixed)["cells"]) == "whole model"
+    assert sweep_scope(sweep_report(st, mixed)["cells"]) == "whole model"
     alone = sweep({True: "tensorized"})
-    assert sweep_scope(st, alone, sweep_report(st, alone)["cells"]) == "whole model"
+    assert sweep_scope(sweep_report(st, alone)["cells"]) == "whole model"
     # TT cells that differ among themselves: a mix, said so
     both = sweep({False: "model"})
     st.create_run("tt", {"name": "tt", "model": {"name": "tt_mlp"},
                          "comera": {"target_scope": "tensorized"}}, "finished",
                   sweep_id=both, cell={"overrides": {"model.dense": False}, "seed": 1})
-    assert sweep_scope(st, both, sweep_report(st, both)["cells"]) == "TT layers / whole model"
+    assert sweep_scope(sweep_report(st, both)["cells"]) == "TT layers / whole model"
 
 
 def grid_points(at: AppTest) -> dict:

@@ -347,14 +347,14 @@ def peak_memory_mb(store: RunStore, run_id: str) -> tuple[float | None, str]:
     return None, ""
 
 
-def sweep_scope(store: RunStore, sweep_id: str, cells: Sequence[Mapping[str, Any]]) -> str:
+def sweep_scope(cells: Sequence[Mapping[str, Any]]) -> str:
     """The scope a sweep's compressions are stated in (its table's column, its front's
     axis), from its ``cells`` (``sweep_report``'s): the TT cells' scope. A dense baseline
-    is 1× in any scope, so its cells (stated in the whole model's) name none: the label
-    says a mix only where the other cells' scopes differ; a sweep of dense baselines
-    alone is the whole model's."""
-    dense = {r["id"] for r in store.sweep_runs(sweep_id) if is_baseline(r)}
-    scopes = sorted({SCOPE_LABELS[c["scope"]] for c in cells if c["run"] not in dense})
+    (a cell's ``baseline``) is 1× in any scope, so its cells (stated in the whole
+    model's) name none: the label says a mix only where the other cells' scopes differ;
+    a sweep of dense baselines alone is the whole model's."""
+    scopes = sorted({SCOPE_LABELS[c["scope"]] for c in cells if not c.get("baseline")})
+    dense = any(c.get("baseline") for c in cells)
     return " / ".join(scopes) or (SCOPE_LABELS["model"] if dense else "–")
 
 

@@ -104,7 +104,7 @@ def view(sid: str) -> None:
         st.info(note, icon=":material/info:")
 
     metric = rep["metric"] or "score"
-    scope = runs.sweep_scope(store, sid, rep["cells"])  # a dense baseline's 1x names none
+    scope = runs.sweep_scope(rep["cells"])  # a dense baseline's 1x names none
     st.plotly_chart(plots.sweep_pareto(rep, f"{fmt.metric_label(metric)} vs compression reached",
                                        scope), width="stretch", key="sw-pareto")
     st.plotly_chart(plots.sweep_parcoords(rep, "Every cell across the swept keys"),

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from comera_engine.errors import ConfigError
-from comera_engine.metrics import run_compression
+from comera_engine.metrics import is_dense_baseline, run_compression
 from comera_engine.store import FINAL_STATUSES, RESUMABLE_STATUSES, RunStore
 
 __all__ = [
@@ -412,7 +412,8 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
 
     ``sweep`` (the row, with status and counts); ``metric`` / ``higher_is_better`` (what
     it is scored on, :func:`score_metric`); ``cells``: one row per run (id, label, grid
-    values, seed, status, step, score, compression reached and asked, parameters, the
+    values, seed, status, step, score, compression reached and asked and its scope,
+    ``baseline``: the dense model as it is, 1x in any scope, parameters, the
     median step time over the run, peak memory and the metric it is: ``peak_mem_metric``,
     the peak allocated on a GPU, else the process RSS); ``groups``: one row per grid point
     (mean ± std of score and compression over its finished seeds, how many finished, the
@@ -439,6 +440,7 @@ def sweep_report(store: RunStore, sweep_id: str) -> dict[str, Any]:
             "status": r["status"], "step": r.get("last_step"),
             "score": m.get(metric) if metric else None,
             "compression": comp.value, "scope": comp.scope,
+            "baseline": is_dense_baseline(r.get("config")),
             "target": target, "params": m.get("params/effective"),
             "bytes": m.get("bytes/effective"),
             "step_time_s": store.median_metric(r["id"], "perf/step_time_s"),
