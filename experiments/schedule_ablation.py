@@ -36,6 +36,7 @@ VARIANTS: list[tuple[str, list[str]]] = [
     ("paper: the spec alone", ['comera.schedule="paper"']),
     ("paced, late_norm initial", ['comera.late_norm="initial"']),
     ("paced, size_off_at_target off", ["comera.size_off_at_target=false"]),
+    ("paced, keep_task_loss off", ["comera.keep_task_loss=false"]),
     ("paced, plateau_min_drop 0", ["comera.plateau_min_drop=0.0"]),
     ("paced, rank_floor off", ["comera.rank_floor=false"]),
     ("paced, ranks_from_target off", ["comera.ranks_from_target=false"]),
@@ -43,6 +44,7 @@ VARIANTS: list[tuple[str, list[str]]] = [
     ("comera, deadline off", ['comera.schedule="comera"', "comera.deadline=false"]),
     ("paced, balance on", ["comera.balance=true"]),
     ("comera, gate_speed off", ['comera.schedule="comera"', "comera.gate_speed=false"]),
+    ("comera, keep_task_loss on", ['comera.schedule="comera"', "comera.keep_task_loss=true"]),
     # not a switch: the gates' step size, which bounds how fast the objective can prune
     ("paced, lr_gates 3e-3", ["comera.lr_gates=3e-3"]),
 ]

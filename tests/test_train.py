@@ -485,19 +485,23 @@ def _objective_reference(model, cfg, stage, z_f, target_size, S0, ramp, f, froze
     reached = size <= target_size and not paper
     lam = 1.0 if ((fv - z_f) / fv < (size - target_size) / size and not reached) else 0.0
     rho_s = 0.0 if reached else cfg.rho_s
-    total = cfg.rho_f * f + rho_s * s_hat + lam * s_hat + (1 - lam) * f + reg
+    traded = 0.0 if cfg.keep_task_loss else lam  # keep_task_loss: λ only adds the size
+    total = cfg.rho_f * f + rho_s * s_hat + lam * s_hat + (1 - traded) * f + reg
     return total, lam, leaves
 
 
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("schedule", ["paced", "paper"])
 @pytest.mark.parametrize("scope", ["tensorized", "model"])
-def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> None:
+def test_objective_matches_the_method_formula_in_float64(scope, schedule, keep) -> None:
     """The one objective (device tensors, no host reads, the form CUDA graphs capture)
     gives the loss, lambda and gradients of the method's formula computed independently
     in float64, in both stages, during the gamma warm-up and for both lambda outcomes;
     with ``comera.schedule = "paper"`` the spec's formula as written. A task loss that
     started at 0.3 scales the size terms by 0.3 / ln 2 (``loss_scale``, not the
-    paper's), one that started above ln 2 (any classifier's) leaves them as they are."""
+    paper's), one that started above ln 2 (any classifier's) leaves them as they are.
+    ``keep_task_loss`` (``keep``): λ = 1 adds the size term, the task loss keeps its
+    weight."""
     from types import SimpleNamespace
 
     from comera_engine.config import CoMERAConfig, ModelConfig
@@ -516,7 +520,7 @@ def test_objective_matches_the_method_formula_in_float64(scope, schedule) -> Non
     target = 40.0 if scope == "tensorized" else 20.0  # not reached yet (33x, 15x now)
     cfg = CoMERAConfig(
         gamma=0.3, gamma_warmup=10, target_compression=target, target_scope=scope, l2_cores=1e-3,
-        schedule=schedule)
+        schedule=schedule, keep_task_loss=keep)
     paper = schedule == "paper"
     state = CoMERA(model, config=cfg)
     with torch.no_grad():  # kill a few ranks so that the masks matter

@@ -18,6 +18,14 @@ divided by ``S_c`` (``late_norm = "current"``; the spec's ``"initial"`` divides 
 target (``frozen``, see :mod:`comera_engine.rank.pace`) the objective is the task loss
 alone.
 
+With ``keep_task_loss`` (on in the ``paced`` schedule) λ = 1 adds the size term and the
+task loss keeps its weight: ``L = (1 + ρ_f)·f + (ρ_S + λ)·Ŝ/S_c``. In the spec's form
+λ = 1 weighs the task loss at ``ρ_f`` (0.1): the gates then shrink by size alone, so the
+pace, which prunes by them, cuts entries the task needs, and under Adam the cores' steps
+shrink about tenfold until the second moments catch up (thousands of steps). Under the
+pace the size reaches the target whatever λ's pull; the ``comera`` schedule, where only
+the objective prunes, keeps the spec's trade.
+
 With ``loss_scale`` (on in our schedules, off in the paper's) every size term above is
 multiplied by ``s = min(1, f₀ / ln 2)``, ``f₀`` where the task loss starts (its first
 value, the untrained network's: :attr:`loss_start`, set by the controller). The paper's weights are
@@ -245,7 +253,8 @@ class CoMERAObjective:
             fv = _mean_over_processes(f.detach())  # every process picks the same λ
             lam = torch.where((fv - c["z_f"]) / fv < c["gap_s"], c["pursue"], c["zero"])
             weight_s = torch.addcmul(c["rho_s"], lam, c["inv_norm"])
-            total = torch.addcmul((c["one_rho_f"] - lam) * f, weight_s, s_hat)
+            weight_f = c["one_rho_f"] if self.cfg.keep_task_loss else c["one_rho_f"] - lam
+            total = torch.addcmul(weight_f * f, weight_s, s_hat)
             info.update(size_surrogate=s_hat.detach(), size=c["size"], z_f=c["z_f"],
                         **{"lambda": lam})
         if self.cfg.l2_cores > 0:  # the cores' L2 term (comera.l2_cores; off by default)

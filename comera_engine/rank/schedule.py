@@ -24,13 +24,16 @@ __all__ = ["SCHEDULES", "SwitchPlan", "method_label", "resolve_schedule", "sched
 SCHEDULES: dict[str, dict[str, Any]] = {
     "paper": {"late_norm": "initial", "size_off_at_target": False, "plateau_min_drop": 0.0,
               "rank_floor": False, "ranks_from_target": False, "balance": False,
-              "gate_speed": False, "deadline": False, "pace": False, "loss_scale": False},
+              "gate_speed": False, "deadline": False, "pace": False, "loss_scale": False,
+              "keep_task_loss": False},
     "comera": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
                "rank_floor": True, "ranks_from_target": True, "balance": True,
-               "gate_speed": True, "deadline": True, "pace": False, "loss_scale": True},
+               "gate_speed": True, "deadline": True, "pace": False, "loss_scale": True,
+               "keep_task_loss": False},
     "paced": {"late_norm": "current", "size_off_at_target": True, "plateau_min_drop": 0.01,
               "rank_floor": True, "ranks_from_target": True, "balance": False,
-              "gate_speed": False, "deadline": True, "pace": True, "loss_scale": True},
+              "gate_speed": False, "deadline": True, "pace": True, "loss_scale": True,
+              "keep_task_loss": True},
 }
 
 
