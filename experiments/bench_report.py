@@ -171,13 +171,13 @@ def hf_trainer(data: dict[str, Any]) -> str:
 
 def schedules(data: dict[str, Any]) -> str:
     rows = [[r["config"], r["variant"], f"{r['target']:g}×", f"{r['reached']}×",
-             f"{r['acc']} %", f"{r['by_objective']:g}", f"{r['by_pace']:g}",
+             f"{r['acc']} %", f"{r['by_objective']:.0f}", f"{r['by_pace']:.0f}",
              r.get("note") or ""] for r in data["rows"]]
     what = (f"Every schedule (`paced`, the default; `comera`, no pace; `paper`, the spec "
             f"alone) and the default less one switch at a time (docs/METHODS.md, "
             f"\"Schedules\"), seeds {', '.join(map(str, data['seeds']))}: the compression "
             "reached (range over seeds), eval accuracy (mean ± std) and the rank entries "
-            "the objective's gates and the pace removed (mean).")
+            "the objective's gates and the pace removed (mean, rounded).")
     return section("What each schedule and switch does", "python experiments/schedule_ablation.py",
                    "schedule_ablation.json", data, what,
                    table(["config", "variant", "target", "reached", "eval acc", "by objective",
@@ -636,7 +636,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
 ]
 
 
-def first_line(script: Path, limit: int = 96) -> str:
+def first_line(script: Path, limit: int = 72) -> str:
     """The first sentence of a script's docstring (shortened at a word to ``limit``)."""
     doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or ""
     text = " ".join(doc.strip().split("\n\n")[0].split()).removeprefix("Benchmark: ")
