@@ -136,8 +136,8 @@ class CoMERAConfig:
     # once the size is at the target, the late stage's size terms are off (λ = 0, no ρ_S)
     size_off_at_target: bool | None = None
     # the late stage's λ = 1 adds the size term to the task loss, which keeps its weight
-    # (1 + ρ_f), instead of trading it down to ρ_f as the paper does: the gates (and
-    # under Adam the cores) go on learning from the task while the size presses them
+    # (1 + ρ_f), instead of trading it down to ρ_f as the paper does: the gates go on
+    # learning what each rank entry is worth to the task while the size presses them
     keep_task_loss: bool | None = None
     # a loss plateau counts only once the smoothed loss is this much (relative) below its
     # start: a network still at chance is not switched to the late stage (0: off)

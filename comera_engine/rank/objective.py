@@ -20,11 +20,11 @@ alone.
 
 With ``keep_task_loss`` (on in the ``paced`` schedule) λ = 1 adds the size term and the
 task loss keeps its weight: ``L = (1 + ρ_f)·f + (ρ_S + λ)·Ŝ/S_c``. In the spec's form
-λ = 1 weighs the task loss at ``ρ_f`` (0.1): the gates then shrink by size alone, so the
-pace, which prunes by them, cuts entries the task needs, and under Adam the cores' steps
-shrink about tenfold until the second moments catch up (thousands of steps). Under the
-pace the size reaches the target whatever λ's pull; the ``comera`` schedule, where only
-the objective prunes, keeps the spec's trade.
+λ = 1 weighs the task loss at ``ρ_f`` (0.1, an eleventh of λ = 0's): the gates then
+shrink by size alone, so the pace, which prunes by them, cuts entries the task needs
+(``experiments/own_loop.py``: the autoencoder and the regression under a decaying rate).
+Under the pace the size reaches the target whatever λ's pull; the ``comera`` schedule,
+where only the objective prunes, keeps the spec's trade.
 
 With ``loss_scale`` (on in our schedules, off in the paper's) every size term above is
 multiplied by ``s = min(1, f₀ / ln 2)``, ``f₀`` where the task loss starts (its first
