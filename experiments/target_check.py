@@ -74,6 +74,9 @@ def run_one(path: Path, seed: int, steps: int | None = None, target: float | Non
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = train(cfg, tmp, NullSink(), stop_flag=threading.Event(), progress=False)
+    if result.status == "stopped":  # a signal stopped it gracefully: no result to record
+        raise SystemExit(f"{path.stem} seed {seed}: stopped at step {result.step} (by a "
+                         "signal?); nothing written")
     m = result.metrics
     scope = cfg.comera.target_scope
     if dense:
