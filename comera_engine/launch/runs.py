@@ -51,6 +51,15 @@ class LaunchError(ValueError):
     """A launcher request that cannot be carried out (wrong status, other host, ...)."""
 
 
+class ResumeRefused(LaunchError):
+    """:func:`resume` refused the run by the resume rule (:func:`resume_from`);
+    ``problem`` says why, in words that follow "the run"."""
+
+    def __init__(self, run_id: str, problem: str) -> None:
+        super().__init__(f"run: {run_id} {problem}")
+        self.problem = problem
+
+
 def open_store(store: RunStore | str | os.PathLike[str] | None = None) -> RunStore:
     """A :class:`RunStore` from a store, a path (file or folder) or ``None`` (default)."""
     return store if isinstance(store, RunStore) else RunStore(store)
@@ -456,7 +465,7 @@ def resume(run_id: str, store: RunStore | str | os.PathLike[str] | None = None) 
     assert run is not None
     start, problem = resume_from(st, run)
     if problem is not None:
-        raise LaunchError(f"run: {rid} {problem}")
+        raise ResumeRefused(rid, problem)
     if not _wait_gone(run, 10.0):
         raise LaunchError(f"run: {rid} still has a live process (pid {run['pid']}); try again")
     holder = lock_holder(st.run_dir(rid))

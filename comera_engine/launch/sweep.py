@@ -327,7 +327,7 @@ def resume_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None 
     launcher's one rule (:func:`comera_engine.launch.runs.resume_from`); finished cells
     stay, and a cell that cannot be (one that failed before its first checkpoint, a Ray
     sweep's cell) is left with the reason."""
-    from comera_engine.launch.runs import open_store, resume, resume_from
+    from comera_engine.launch.runs import ResumeRefused, open_store, resume
 
     st = open_store(store)
     sid = st.resolve_sweep(sweep_id)
@@ -335,11 +335,10 @@ def resume_sweep(sweep_id: str, store: RunStore | str | os.PathLike[str] | None 
     for r in st.sweep_runs(sid):
         if r["status"] not in RESUMABLE_STATUSES:
             continue
-        _, problem = resume_from(st, r)
-        if problem is not None:
-            done.left[r["id"]] = problem
-        else:
+        try:  # the rule is checked (its checkpoints read, hashed) once, by resume itself
             done.queued.append(resume(r["id"], store=st))
+        except ResumeRefused as e:
+            done.left[r["id"]] = e.problem
     return done
 
 
