@@ -7,6 +7,7 @@ real (short) run through the launcher for the export page.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -143,10 +144,11 @@ def launched_folder(st: RunStore, rid: str, checkpoint_at: int | None = None) ->
         stem.parent.mkdir(exist_ok=True)
         head = json.dumps({"model/w": {"dtype": "F32", "shape": [1],
                                        "data_offsets": [0, 4]}}).encode()
-        stem.with_suffix(".safetensors").write_bytes(
-            struct.pack("<Q", len(head)) + head + bytes(4))
-        stem.with_suffix(".json").write_text(json.dumps({"step": checkpoint_at,
-                                                         "shapes": {"w": [1]}}))
+        data = struct.pack("<Q", len(head)) + head + bytes(4)
+        stem.with_suffix(".safetensors").write_bytes(data)
+        stem.with_suffix(".json").write_text(json.dumps(
+            {"step": checkpoint_at, "shapes": {"w": [1]},
+             "sha256": hashlib.sha256(data).hexdigest()}))
     return folder
 
 
@@ -853,8 +855,23 @@ def test_a_run_that_failed_is_offered_resume_only_from_a_checkpoint(
                         lambda run_id, store=None: calls.append(run_id) or run_id)
     at.button(key="resume").click().run()
     assert calls == [rid]
-    # a damaged checkpoint is no resume point; a stopped run resumes without one
+    # the verdict is kept while nothing in the folder changes: a page pass hashes nothing
+    from comera_engine.store import layout
+
+    hashed: list[object] = []
+    sha256 = layout.file_sha256
+    monkeypatch.setattr(layout, "file_sha256", lambda p: hashed.append(p) or sha256(p))
+    runs_lib._OFFERS.clear()
+    assert runs_lib.resume_offer(st, st.get_run(rid))[0] and len(hashed) == 1
+    assert runs_lib.resume_offer(st, st.get_run(rid))[0] and len(hashed) == 1
+    # a damaged checkpoint is no resume point (bytes changed in place, or cut short); a
+    # stopped run resumes without one
     ckpt = folder / "checkpoints" / "step_000300.safetensors"
+    flipped = bytearray(ckpt.read_bytes())
+    flipped[-1] ^= 0xFF
+    ckpt.write_bytes(bytes(flipped))
+    offered, why = runs_lib.resume_offer(st, st.get_run(rid))
+    assert not offered and "checksum mismatch" in why and len(hashed) == 2
     ckpt.write_bytes(ckpt.read_bytes()[:-2])
     offered, why = runs_lib.resume_offer(st, st.get_run(rid))
     assert not offered and why.startswith("The run has no checkpoint that reads back")

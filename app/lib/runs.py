@@ -467,19 +467,58 @@ def checkpoints(store: RunStore, run_id: str) -> list[dict[str, Any]]:
     return rows
 
 
+#: :func:`resume_offer`'s verdicts by run folder: ``(stamp, verdict)``
+_OFFERS: dict[str, tuple[tuple, tuple[bool, str]]] = {}
+_OFFERS_KEPT = 256
+
+
+def _folder_stamp(folder: Path, config_name: str) -> tuple:
+    """What a resume's verdict depends on in a run folder, cheaply: the config file's and
+    every checkpoint file's size and modification time (a write changes one or the
+    other)."""
+    def stat(path: Path) -> tuple[str, int, int] | None:
+        try:
+            info = path.stat()
+        except OSError:
+            return None
+        return path.name, info.st_size, info.st_mtime_ns
+
+    try:
+        ckpts = sorted(os.scandir(folder / "checkpoints"), key=lambda e: e.name)
+    except OSError:
+        ckpts = []
+    return (stat(folder / config_name),
+            tuple(stat(Path(e.path)) for e in ckpts if e.is_file()))
+
+
 def resume_offer(store: RunStore, run: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether a resume of ``run`` can work, and what the Resume button says of it (its
-    help): the launcher's own rule (:func:`comera_engine.launch.runs.resume_from`)."""
-    from comera_engine.launch.runs import resume_from
+    help): the launcher's own rule (:func:`comera_engine.launch.runs.resume_from`).
 
+    The rule reads every checkpoint back and checks its SHA-256, which a large model's
+    checkpoints make slow; the verdict is kept until the run's status or a file in its
+    folder changes (size or modification time), so a page pass over an unchanged run
+    hashes nothing. The launcher's resume checks afresh either way."""
+    from comera_engine.launch.runs import CONFIG_FILENAME, resume_from
+
+    folder = store.run_dir(str(run["id"]))
+    stamp = (run.get("status"), run.get("sweep_id"), _folder_stamp(folder, CONFIG_FILENAME))
+    kept = _OFFERS.get(str(folder))
+    if kept is not None and kept[0] == stamp:
+        return kept[1]
     start, problem = resume_from(store, run)
-    if problem is not None:
-        return False, f"The run {problem}."
     status = run.get("status")
-    if start is not None:
-        return True, f"Continue the {status} run from its last checkpoint ({start.stem})."
-    return True, (f"Continue the {status} run from its start (it {status} before its first "
-                  "checkpoint).")
+    if problem is not None:
+        verdict = (False, f"The run {problem}.")
+    elif start is not None:
+        verdict = (True, f"Continue the {status} run from its last checkpoint ({start.stem}).")
+    else:
+        verdict = (True, f"Continue the {status} run from its start (it {status} before its "
+                         "first checkpoint).")
+    if len(_OFFERS) >= _OFFERS_KEPT:
+        _OFFERS.clear()
+    _OFFERS[str(folder)] = (stamp, verdict)
+    return verdict
 
 
 def percent(fraction: Any) -> float | None:
