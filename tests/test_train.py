@@ -689,6 +689,32 @@ def test_compiled_step_trains_like_the_eager_step(monkeypatch: pytest.MonkeyPatc
     for a, b in zip(p1, p2):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
+@pytest.mark.filterwarnings("error:Dynamo detected a call to a `functools.lru_cache`")
+@pytest.mark.parametrize("path", ["sweep", "halves"])
+def test_each_tt_linear_path_compiles_without_cache_warnings(path: str) -> None:
+    """``torch.compile`` over one TT linear on each CPU path (the sweep is what a small
+    batch takes, which the step above does not reach): no warning about the engine's
+    caches, and the eager values and gradients."""
+    from comera_engine.tensor.planner import tt_linear
+
+    g = torch.Generator().manual_seed(0)
+    cores = [torch.randn(s, generator=g, requires_grad=True)
+             for s in ((1, 8, 6), (6, 8, 5), (5, 8, 7), (7, 8, 1))]
+    x = torch.randn(2, 64, generator=g)
+
+    def f(x: torch.Tensor, *cores: torch.Tensor) -> torch.Tensor:
+        return tt_linear(x, list(cores), 2, path=path)
+
+    outs = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        y = fn(x, *cores)
+        grads = torch.autograd.grad(y.square().sum(), cores)
+        outs.append((y.detach(), grads))
+    torch.testing.assert_close(outs[1][0], outs[0][0])
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(b, a)
+
+
 def test_grouped_step_trains_like_the_per_layer_step() -> None:
     """``TrainStep(grouped=True)`` (a GPU step's default): the transformer's TT linears of
     each shape get their halves from one batched pass; three steps give the losses and

@@ -50,7 +50,11 @@ def sweep_merges(B: int, ins: Sequence[int], outs: Sequence[int], r: Sequence[in
 
 @lru_cache(maxsize=4096)
 def _sweep_plan(B: int, shapes: tuple[torch.Size, ...], d: int) -> tuple[bool, bool]:
-    """:func:`sweep_merges` for the cores of these ``shapes`` (cached per step shape)."""
+    """:func:`sweep_merges` for the cores of these ``shapes`` (cached per step shape;
+    ``torch.compile`` traces the uncached functions, whose caches it would skip with a
+    warning)."""
+    if torch.compiler.is_compiling():
+        return sweep_merges(B, *layout.__wrapped__(shapes, d))
     return sweep_merges(B, *layout(shapes, d))
 
 
@@ -78,7 +82,8 @@ class TTLinearSweep(GatedFunction, torch.autograd.Function):
             return TTLinearSweep._backend_forward(ctx, x, d, bias, tensors)
         cores = TTLinearSweep._absorb(ctx, tensors, d)
         B = x.shape[0]
-        ctx.head, ctx.tail = _sweep_plan(B, tuple(c.shape for c in cores), d)
+        plan = _sweep_plan.__wrapped__ if torch.compiler.is_compiling() else _sweep_plan
+        ctx.head, ctx.tail = plan(B, tuple(c.shape for c in cores), d)
         # the swept cores as matrices: input half (r0·n, r1), output half (r0, m·r1);
         # views, built once and saved for backward (no reshapes there)
         ml = [left_mat(c) for c in cores[:d]]
