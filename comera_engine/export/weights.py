@@ -39,7 +39,14 @@ from comera_engine.export.container import (
     read_header,
     write_atomic,
 )
-from comera_engine.layers import TTEmbedding, TTLinear, peer_layers, tt_layers
+from comera_engine.layers import (
+    SplitAttention,
+    TTEmbedding,
+    TTLinear,
+    candidate_layers,
+    peer_layers,
+    tt_layers,
+)
 
 __all__ = ["WEIGHTS_FORMAT", "load_into", "save"]
 
@@ -102,7 +109,7 @@ def _build(path: Path, entry: Any, like: nn.Module) -> nn.Module:
         raise BadExportFile(path, "a TT layer entry of the metadata is not an object with "
                                   "a name")
     name = entry["name"]
-    weight = getattr(like, "weight", None)
+    weight = next(like.parameters(), None)
     device = weight.device if isinstance(weight, torch.Tensor) else None
     try:
         ranks = [int(r) for r in entry["ranks"]]
@@ -174,20 +181,27 @@ def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     entries = doc.get("layers")
     if not isinstance(entries, list):
         raise BadExportFile(path, "the metadata lists no TT layers")
-    modules = dict(model.named_modules())
+    modules: dict[str, nn.Module | str] = {**dict(model.named_modules()),
+                                           **dict(candidate_layers(model))}
     new: dict[str, nn.Module] = {}
     for entry in entries:
         name = entry.get("name") if isinstance(entry, dict) else None
         if name == "":
             raise BadExportFile(path, "the saved model is a TT layer itself; load_into "
                                       "rebuilds the TT layers inside a model")
-        if name not in modules:
+        like = modules.get(name)
+        if like is None or isinstance(like, str):
             raise BadExportFile(path, f"layer {name!r} is not in the model: load into a "
                                       "fresh instance of the class that was saved")
-        new[name] = _build(path, entry, modules[name])
+        new[name] = _build(path, entry, like)
+    # attention whose packed projection was saved TT: split before its layer goes in
+    split = [owner for owner in (n.rpartition(".")[0] for n in new if n.endswith(".in_proj"))
+             if isinstance(modules[owner], nn.MultiheadAttention)
+             and not isinstance(modules[owner], SplitAttention)]
     prefixes = tuple(f"{n}." for n in new)
+    packed = {f"{o}.in_proj_{k}" for o in split for k in ("weight", "bias")}
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()
-            if not any(k.startswith(p) for p in prefixes)}
+            if not any(k.startswith(p) for p in prefixes) and k not in packed}
     for name, layer in new.items():
         want.update({f"{name}." + k: tuple(v.shape) for k, v in layer.state_dict().items()
                      if k not in ("tt.gate", "tt.alive")})
@@ -205,6 +219,10 @@ def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path), device="cpu")
+    for owner in split:
+        parent, _, child = owner.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                SplitAttention.of(modules[owner]))  # type: ignore[arg-type]
     for name, layer in new.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)

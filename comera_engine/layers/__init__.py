@@ -1,9 +1,11 @@
 """TT layers (drop-ins for ``nn.Linear`` / ``nn.Embedding``) and model-level helpers;
 the peer (tltorch) TT layers of docs/METHODS.md in :mod:`.peers`."""
 
+from .attention import SplitAttention
 from .peers import PEER_LAYERS, TLTorchEmbedding, TLTorchLinear, peer_layers
 from .tensorize import (
     TT_LAYERS,
+    candidate_layers,
     dense_size_metrics,
     factorized_layers,
     freeze_gates,
@@ -17,7 +19,7 @@ from .tensorize import (
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
-__all__ = ["PEER_LAYERS", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS", "TTEmbedding",
-           "TTLinear", "dense_size_metrics", "factorized_layers", "freeze_gates",
-           "groupable_linears", "peer_layers", "size_report", "stored_nbytes",
-           "tensorize_layers", "truncate", "tt_layers"]
+__all__ = ["PEER_LAYERS", "SplitAttention", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS",
+           "TTEmbedding", "TTLinear", "candidate_layers", "dense_size_metrics",
+           "factorized_layers", "freeze_gates", "groupable_linears", "peer_layers",
+           "size_report", "stored_nbytes", "tensorize_layers", "truncate", "tt_layers"]

@@ -12,13 +12,14 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from .attention import SplitAttention, packed_in_proj, weight_read_linears
 from .embedding_peers import peer_tables
 from .peers import peer_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
-__all__ = ["TT_LAYERS", "factorized_layers", "freeze_gates", "groupable_linears",
-           "size_report", "tensorize_layers", "truncate", "tt_layers"]
+__all__ = ["TT_LAYERS", "candidate_layers", "factorized_layers", "freeze_gates",
+           "groupable_linears", "size_report", "tensorize_layers", "truncate", "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
 
@@ -31,9 +32,11 @@ def tt_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def groupable_linears(model: nn.Module) -> list[TTLinear]:
     """The TT linears of ``model`` whose halves a forward can take from a grouped pass
     (:func:`comera_engine.tensor.grouped.grouped_halves`): layout ``tt``, path not forced
-    to one that merges no halves (``sweep``, ``fused``)."""
+    to one that merges no halves (``sweep``, ``fused``), called as a layer (not an
+    attention module's projection, whose weight torch reads)."""
+    read = weight_read_linears(model)
     return [m for _, m in tt_layers(model) if isinstance(m, TTLinear) and m.layout == "tt"
-            and m.path in (None, "halves", "dense")]
+            and m.path in (None, "halves", "dense") and id(m) not in read]
 
 
 def factorized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -64,6 +67,23 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
+    """``(qualified name, module)`` of every layer of ``model`` that can be made TT, in
+    model order: each ``nn.Linear`` and ``nn.Embedding``, and the packed input projection
+    of each ``nn.MultiheadAttention`` as ``<attention>.in_proj`` (an ``nn.Linear``
+    sharing its parameters, :func:`~comera_engine.layers.attention.packed_in_proj`, until
+    the attention is split; in its place why it cannot be, a string)."""
+    out: list[tuple[str, nn.Module | str]] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.MultiheadAttention) and not isinstance(mod, SplitAttention):
+            out.append((f"{name}.in_proj", packed_in_proj(mod)) if name else (
+                "in_proj", "the model is an attention module itself: tensorize a model "
+                           "that holds it"))
+        elif isinstance(mod, (nn.Linear, nn.Embedding)) and not isinstance(mod, TT_LAYERS):
+            out.append((name, mod))
+    return out
+
+
 def tensorize_layers(
     model: nn.Module,
     rank: int | Sequence[int] = 8,
@@ -78,9 +98,15 @@ def tensorize_layers(
     dry_run: bool = False,
 ) -> list[dict]:
     """Replace ``nn.Linear`` / ``nn.Embedding`` modules by TT layers at the ranks given,
-    in place, and report each candidate layer. (The public ``comera_engine.tensorize``
-    takes a :class:`~comera_engine.config.CoMERAConfig`, chooses the ranks from its
-    target and returns the model: :func:`comera_engine.rank.tensorize`.)
+    in place, and report each candidate layer (:func:`candidate_layers`). (The public
+    ``comera_engine.tensorize`` takes a :class:`~comera_engine.config.CoMERAConfig`,
+    chooses the ranks from its target and returns the model:
+    :func:`comera_engine.rank.tensorize`.)
+
+    An ``nn.MultiheadAttention``'s packed query-key-value projection is the candidate
+    ``<attention>.in_proj``: made TT, the attention becomes a
+    :class:`~comera_engine.layers.attention.SplitAttention` holding it (its
+    ``out_proj`` is an ordinary candidate).
 
     Args:
         rank: TT rank for every replaced layer.
@@ -102,12 +128,14 @@ def tensorize_layers(
     """
     report = []
     emb_rank = rank if embedding_rank is None else embedding_rank
-    for name, mod in list(model.named_modules()):
-        if not isinstance(mod, (nn.Linear, nn.Embedding)) or isinstance(mod, TT_LAYERS):
-            continue
+    for name, mod in candidate_layers(model):
         if include is not None and not matches(name, include):
             continue
         row: dict = {"name": name}
+        if isinstance(mod, str):  # an attention's projections that are not one matrix
+            row.update(kind="linear", replaced=False, reason=mod)
+            report.append(row)
+            continue
         if isinstance(mod, nn.Linear):
             row.update(kind="linear", shape=[mod.in_features, mod.out_features],
                        params_before=sum(p.numel() for p in mod.parameters()))
@@ -143,6 +171,11 @@ def tensorize_layers(
         if dry_run:
             row["module"] = new
         else:
+            owner = name.rpartition(".")[0]
+            parent = model.get_submodule(owner)
+            if (name.endswith(".in_proj") and isinstance(parent, nn.MultiheadAttention)
+                    and not isinstance(parent, SplitAttention)):
+                _set_module(model, owner, SplitAttention.of(parent))
             _set_module(model, name, new)
         row.update(replaced=not dry_run, ranks=new.tt.ranks, params_after=new.num_params(False))
         report.append(row)

@@ -163,6 +163,14 @@ class TTLinear(nn.Module):
         """The reconstructed weight, ``nn.Linear`` layout ``(out_features, in_features)``."""
         return self.tt.to_matrix()[: self.in_features, : self.out_features].t()
 
+    @property
+    def weight(self) -> Tensor:
+        """:meth:`dense_weight`, rebuilt from the gated cores at each read (differentiable
+        in them), for code that reads an ``nn.Linear``'s weight instead of calling it:
+        ``nn.MultiheadAttention`` reads its ``out_proj.weight``, torch's transformer
+        fast paths their linears'. Read-only: the parameters are the cores."""
+        return self.dense_weight()
+
     def effective_ranks(self) -> list[int]:
         return self.tt.effective_ranks()
 

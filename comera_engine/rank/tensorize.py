@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
-from ..layers import factorized_layers, freeze_gates, tensorize_layers
+from ..layers import candidate_layers, factorized_layers, freeze_gates, tensorize_layers
 from ..layers.tensorize import matches
 from .size import size_spec
 from .target import SizeSpec, TargetPlan, plan_fixed_ranks, plan_target
@@ -48,13 +48,14 @@ def _config(config: object) -> CoMERAConfig:
 def _patterns(model: nn.Module, field: str, patterns: Iterable[str] | str | None
               ) -> list[str] | None:
     """``patterns`` as a list, each checked to match the name of at least one of the
-    model's ``nn.Linear`` / ``nn.Embedding`` layers (or TT layers): a typo would otherwise
+    model's ``nn.Linear`` / ``nn.Embedding`` layers, attention projections (``.in_proj``)
+    or TT layers: a typo would otherwise
     leave a layer dense, or make one TT, without a word."""
     if patterns is None:
         return None
     out = [patterns] if isinstance(patterns, str) else list(patterns)
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, (nn.Linear, nn.Embedding)) or hasattr(m, "tt")]
+    names = [n for n, _ in candidate_layers(model)] + [n for n, m in model.named_modules()
+                                                       if hasattr(m, "tt")]
     for p in out:
         if not isinstance(p, str):
             raise ConfigError(field, f"glob patterns of module names (strings), got {p!r}")
@@ -78,7 +79,8 @@ def _refuse_tied(model: nn.Module, rows: list[dict]) -> None:
     for row in rows:
         if "module" not in row:
             continue
-        weight = getattr(modules[row["name"]], "weight", None)
+        layer = modules.get(row["name"])  # None: an attention's packed projection
+        weight = getattr(layer, "weight", None)
         others = [o for o in owners.get(id(weight), []) if o != row["name"]]
         if others:
             both = [row["name"], *others]
