@@ -344,3 +344,44 @@ def test_under_sgd_in_a_trainer_the_gates_take_their_own_adam_steps(tmp_path) ->
     assert {u["gates"] for u in used} == {comera.lr_gates()}
     assert all(not torch.equal(g.detach(), b) for g, b in zip(gates, before))
     assert not any(opt.state.get(g) for g in gates)  # SGD passed over them
+
+
+def _gpt2() -> torch.nn.Module:
+    """A two-layer GPT-2 built from its config (no download)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=48, n_head=4, vocab_size=300, n_positions=32,
+                        bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, embd_pdrop=0.0,
+                        resid_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def test_gpt2s_conv1d_layers_become_tt_and_compute_what_they_did(tmp_path) -> None:
+    """GPT-2's linears are Hugging Face ``Conv1D`` (``x·W + b``, ``W`` ``(in, out)``):
+    ``tensorize`` makes each TT; from the pretrained weights at full rank (TT-SVD is then
+    exact) the model gives the original's logits; its tied embedding and head are
+    refused unless kept dense; a save loads into a fresh GPT-2."""
+    import comera_engine as ce
+    from comera_engine.errors import ConfigError
+    from comera_engine.layers import tt_layers
+
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(1))
+    original = _gpt2().eval()
+    with pytest.raises(ConfigError, match="tied weights"):
+        ce.tensorize(_gpt2(), ce.CoMERAConfig(target_compression=4))
+    model = ce.tensorize(_gpt2(), ce.CoMERAConfig(), rank=200, from_pretrained=True,
+                         exclude=["transformer.wte", "lm_head", "transformer.wpe"]).eval()
+    names = [n for n, _ in tt_layers(model)]
+    assert names == [f"transformer.h.{i}.{part}" for i in range(2)
+                     for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+    small = ce.tensorize(_gpt2(), ce.CoMERAConfig(target_compression=4),
+                         exclude=["transformer.wte", "lm_head"]).eval()
+    path = tmp_path / "gpt2.safetensors"
+    ce.save(small, path)
+    loaded = ce.load_into(_gpt2(), path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, small(ids).logits)

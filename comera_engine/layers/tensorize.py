@@ -67,12 +67,35 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's linears: ``y = x·W + b``, ``W`` ``(in, out)``),
+    known by its class name and shape, without importing transformers."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2 and getattr(module, "nf", None) == weight.shape[1])
+
+
+def conv1d_as_linear(module: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` computing what the ``Conv1D`` ``module`` computes: its weight the
+    transposed view of the ``Conv1D``'s (same storage, nothing copied), its bias the same
+    parameter."""
+    weight, bias = module.weight, module.bias
+    linear = nn.Linear(weight.shape[0], weight.shape[1], bias=bias is not None,
+                       device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach().t(), requires_grad=weight.requires_grad)
+    if bias is not None:
+        linear.bias = bias
+    return linear
+
+
 def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
     """``(qualified name, module)`` of every layer of ``model`` that can be made TT, in
-    model order: each ``nn.Linear`` and ``nn.Embedding``, and the packed input projection
-    of each ``nn.MultiheadAttention`` as ``<attention>.in_proj`` (an ``nn.Linear``
-    sharing its parameters, :func:`~comera_engine.layers.attention.packed_in_proj`, until
-    the attention is split; in its place why it cannot be, a string)."""
+    model order: each ``nn.Linear`` and ``nn.Embedding``; each Hugging Face ``Conv1D``
+    (GPT-2's) as the ``nn.Linear`` it computes (:func:`conv1d_as_linear`); and the
+    packed input projection of each ``nn.MultiheadAttention`` as ``<attention>.in_proj``
+    (an ``nn.Linear`` sharing its parameters,
+    :func:`~comera_engine.layers.attention.packed_in_proj`, until the attention is split;
+    in its place why it cannot be, a string)."""
     out: list[tuple[str, nn.Module | str]] = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.MultiheadAttention) and not isinstance(mod, SplitAttention):
@@ -81,6 +104,8 @@ def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
                            "that holds it"))
         elif isinstance(mod, (nn.Linear, nn.Embedding)) and not isinstance(mod, TT_LAYERS):
             out.append((name, mod))
+        elif _is_conv1d(mod):
+            out.append((name, conv1d_as_linear(mod)))
     return out
 
 
