@@ -275,3 +275,98 @@ device = "cpu"
     exec(compile(code, "onnx-card", "exec"), scope)  # noqa: S102 - the card's own code
     acc = sum(p == t for p, t in zip(scope["labels"], truth)) / len(truth)
     assert acc == pytest.approx(final["eval/acc"], abs=1e-9)
+
+
+#: A network of your own built from torch's encoder layer and a Hugging Face Conv1D.
+ENCODER_MODULE = '''
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+COMERA_MODELS = ["feature_tokens"]
+
+
+class Net(nn.Module):
+    """Each feature a token: torch's TransformerEncoderLayer over them, a Conv1D (GPT-2's
+    linear, its weight stored (in, out)) widening the pooled state, a dense head."""
+
+    def __init__(self, in_features, num_classes, d=32):
+        super().__init__()
+        self.tok = nn.Linear(1, d)
+        self.pos = nn.Parameter(torch.randn(in_features, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.wide = Conv1D(48, d)
+        self.head = nn.Linear(48, num_classes)
+
+    def forward(self, x):
+        h = self.enc(self.tok(x.unsqueeze(-1)) + self.pos).mean(1)
+        return self.head(torch.relu(self.wide(h)))
+
+
+def feature_tokens(in_features, num_classes):
+    return Net(in_features, num_classes)
+'''
+
+
+def test_exports_of_torch_attention_and_conv1d_rebuild_the_dense_model(
+        tmp_path: Path, monkeypatch) -> None:
+    """A factory network with torch's attention (its packed projection TT) and a Hugging
+    Face ``Conv1D`` (TT), trained by ``comera train``: the compressed, dense and ONNX
+    exports give the same outputs, and the dense file is the factory's own dense model's
+    state dict (``in_proj_weight``, the ``Conv1D`` weight ``(in, out)``)."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    (tmp_path / "enc_mod.py").write_text(ENCODER_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments" / "own"))
+    try:
+        from make_data import write_csvs
+    finally:
+        sys.path.remove(str(ROOT / "experiments" / "own"))
+    train, evals = write_csvs(tmp_path)
+    (tmp_path / "enc.toml").write_text(f'''name = "enc"
+task = "classify"
+[model]
+factory = "enc_mod:feature_tokens"
+[model.tensorize]
+exclude = ["head", "tok"]
+[data]
+name = "files"
+train = "{train.name}"
+eval = "{evals.name}"
+label = "diagnosis"
+[comera]
+target_compression = 3
+[train]
+steps = 40
+batch_size = 32
+eval_every = 0
+ckpt_every = 0
+device = "cpu"
+''', encoding="utf-8")
+    train_final_eval(tmp_path / "enc.toml", tmp_path / "run")
+    model, session, _ = _exports(tmp_path / "run", tmp_path)
+    names = [n for n, _ in comera_engine.layers.tt_layers(model.network)]
+    assert {"enc.layers.0.self_attn.in_proj", "enc.layers.0.self_attn.out_proj",
+            "wide"} <= set(names)
+    dense = export_run(tmp_path / "run", format="dense", out=tmp_path / "dense.safetensors")
+    state = load_file(str(dense.path))
+    from enc_mod import Net
+
+    plain = Net(30, 2).eval()  # the factory's dense network, loaded by torch alone
+    plain.load_state_dict({k: v for k, v in state.items() if not k.startswith("meta:")})
+    assert state["wide.weight"].shape == (32, 48)
+    x = np.random.default_rng(0).normal(size=(6, 30)).astype(np.float32)
+    with torch.no_grad():
+        y = model(torch.from_numpy(x)).numpy()
+        std = (torch.from_numpy(x) - state["meta:mean"]) / state["meta:std"]
+        np.testing.assert_allclose(plain(std).numpy(), y, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(comera_engine.load(dense.path)(torch.from_numpy(x)).numpy(),
+                                   y, rtol=1e-4, atol=1e-5)
+    (onnx_y,) = session.run(None, {"x": x})
+    np.testing.assert_allclose(onnx_y, y, rtol=1e-4, atol=1e-5)

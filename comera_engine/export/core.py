@@ -63,7 +63,7 @@ from comera_engine.export.container import (
     read_header,
     write_atomic,
 )
-from comera_engine.layers import TTLinear, size_report, tt_layers
+from comera_engine.layers import TTLinear, is_conv1d, size_report, tt_layers
 from comera_engine.tensor.tt import max_tt_ranks
 
 __all__ = ["FORMATS", "ExportResult", "export_model", "load", "read_metadata"]
@@ -174,20 +174,30 @@ def _compressed_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def _dense_tensors(model: nn.Module, dense: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` with each TT layer's weight rebuilt, named and laid out
+    as the dense rebuild ``dense`` (a skeleton) holds them: ``<layer>.weight``, an
+    attention's packed projection as its ``in_proj_weight`` / ``in_proj_bias``, a
+    Hugging Face ``Conv1D``'s weight ``(in, out)``."""
     tensors: dict[str, torch.Tensor] = {}
     layers = dict(_tt_name_set(model))
     names = list(layers)
+    home = dict(dense.named_modules())
     for key, value in _persistent_state(model).items():
         owner = _under(key, names)
         if owner is None:
             tensors[key] = value
             continue
+        attention = owner.rpartition(".")[0]
+        packed = (owner.endswith(".in_proj") and owner not in home
+                  and isinstance(home.get(attention), nn.MultiheadAttention))
+        weight = f"{attention}.in_proj_weight" if packed else f"{owner}.weight"
         if key.startswith(owner + ".tt."):
-            if f"{owner}.weight" not in tensors:
-                tensors[f"{owner}.weight"] = layers[owner].dense_weight()
+            if weight not in tensors:
+                w = layers[owner].dense_weight()
+                tensors[weight] = w.t().contiguous() if is_conv1d(home.get(owner)) else w
             continue
-        tensors[key] = value
+        tensors[f"{attention}.in_proj_bias" if packed and key == f"{owner}.bias" else key] = value
     return tensors
 
 
@@ -522,7 +532,8 @@ def export_model(
                 tensors = _compressed_tensors(model)
                 expected = int(sizes["model"]["effective_bytes"])
             else:
-                tensors = _dense_tensors(model)
+                tensors = _dense_tensors(model, _spec.build(recipe, dense=True,
+                                                            device="meta"))
                 expected = int(sizes["model"]["dense_bytes"])
             doc = _base_metadata(format, recipe, metadata, model, sizes, infos)
             taus = _self_check(recipe, format, tensors, infos)

@@ -71,6 +71,18 @@ class OnnxTTLinear(nn.Module):
         self.bias = (nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
                      if layer.bias is not None else None)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """``W`` ``(out_features, in_features)`` multiplied out from the cores in the graph
+        (the file still holds only the cores), for a module that reads its linear's
+        weight instead of calling it: torch's attention reads its projections'."""
+        if self.zero:
+            return torch.zeros(self.out_features, self.in_features)
+        cores = list(self.cores)
+        W = (ttm_matrix(cores) if self.layout == "ttm"
+             else merge_left(cores[: self.d])[-1] @ merge_right(cores[self.d:])[0])
+        return W[: self.in_features, : self.out_features].t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.zero:
             y = torch.zeros_like(x[..., :1]).expand(*x.shape[:-1], self.out_features)
@@ -171,10 +183,17 @@ def _trace(module: nn.Module, args: tuple, names: list[str], outputs: list[str],
         do_constant_folding=False, export_params=True)
     if "dynamo" in inspect.signature(torch.onnx.export).parameters:
         kwargs["dynamo"] = False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.no_grad():
-            torch.onnx.export(module, args, buf, **kwargs)
+    fast = torch.backends.mha.get_fastpath_enabled()
+    # torch's attention and encoder layers take fused inference kernels under no_grad,
+    # which ONNX has no operator for; traced without them they are plain ops
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                torch.onnx.export(module, args, buf, **kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
     return buf.getvalue()
 
 

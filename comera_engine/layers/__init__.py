@@ -6,10 +6,12 @@ from .peers import PEER_LAYERS, TLTorchEmbedding, TLTorchLinear, peer_layers
 from .tensorize import (
     TT_LAYERS,
     candidate_layers,
+    conv1d_as_linear,
     dense_size_metrics,
     factorized_layers,
     freeze_gates,
     groupable_linears,
+    is_conv1d,
     size_report,
     stored_nbytes,
     tensorize_layers,
@@ -20,6 +22,7 @@ from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
 __all__ = ["PEER_LAYERS", "SplitAttention", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS",
-           "TTEmbedding", "TTLinear", "candidate_layers", "dense_size_metrics",
-           "factorized_layers", "freeze_gates", "groupable_linears", "peer_layers",
-           "size_report", "stored_nbytes", "tensorize_layers", "truncate", "tt_layers"]
+           "TTEmbedding", "TTLinear", "candidate_layers", "conv1d_as_linear",
+           "dense_size_metrics", "factorized_layers", "freeze_gates", "groupable_linears",
+           "is_conv1d", "peer_layers", "size_report", "stored_nbytes", "tensorize_layers",
+           "truncate", "tt_layers"]

@@ -18,8 +18,9 @@ from .peers import peer_layers
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
-__all__ = ["TT_LAYERS", "candidate_layers", "factorized_layers", "freeze_gates",
-           "groupable_linears", "size_report", "tensorize_layers", "truncate", "tt_layers"]
+__all__ = ["TT_LAYERS", "candidate_layers", "conv1d_as_linear", "factorized_layers",
+           "freeze_gates", "groupable_linears", "is_conv1d", "size_report", "tensorize_layers",
+           "truncate", "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
 
@@ -67,7 +68,7 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module | None) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2's linears: ``y = x·W + b``, ``W`` ``(in, out)``),
     known by its class name and shape, without importing transformers."""
     weight = getattr(module, "weight", None)
@@ -104,7 +105,7 @@ def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
                            "that holds it"))
         elif isinstance(mod, (nn.Linear, nn.Embedding)) and not isinstance(mod, TT_LAYERS):
             out.append((name, mod))
-        elif _is_conv1d(mod):
+        elif is_conv1d(mod):
             out.append((name, conv1d_as_linear(mod)))
     return out
 
