@@ -186,10 +186,9 @@ def numbers_and_site(in_features, num_classes, cardinalities):
 '''
 
 
-def _table_csvs(folder: Path) -> tuple[Path, Path]:
-    """The worked example's breast-cancer files with a categorical text column ``site``
-    (one value seen only in the eval file) and missing numbers in both files."""
-    import csv
+def _breast_cancer_csvs(folder: Path) -> tuple[Path, Path]:
+    """The worked example's train and eval CSV files (experiments/own/make_data.py),
+    written into ``folder``."""
     import sys
 
     sys.path.insert(0, str(ROOT / "experiments" / "own"))
@@ -197,7 +196,15 @@ def _table_csvs(folder: Path) -> tuple[Path, Path]:
         from make_data import write_csvs
     finally:
         sys.path.remove(str(ROOT / "experiments" / "own"))
-    paths = write_csvs(folder)
+    return write_csvs(folder)
+
+
+def _table_csvs(folder: Path) -> tuple[Path, Path]:
+    """The worked example's breast-cancer files with a categorical text column ``site``
+    (one value seen only in the eval file) and missing numbers in both files."""
+    import csv
+
+    paths = _breast_cancer_csvs(folder)
     for which, path in zip(("train", "eval"), paths):
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
@@ -321,14 +328,7 @@ def test_exports_of_torch_attention_and_conv1d_rebuild_the_dense_model(
     (tmp_path / "enc_mod.py").write_text(ENCODER_MODULE, encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    import sys
-
-    sys.path.insert(0, str(ROOT / "experiments" / "own"))
-    try:
-        from make_data import write_csvs
-    finally:
-        sys.path.remove(str(ROOT / "experiments" / "own"))
-    train, evals = write_csvs(tmp_path)
+    train, evals = _breast_cancer_csvs(tmp_path)
     (tmp_path / "enc.toml").write_text(f'''name = "enc"
 task = "classify"
 [model]
