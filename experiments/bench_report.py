@@ -636,7 +636,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
 ]
 
 
-def first_line(script: Path, limit: int = 64) -> str:
+def first_line(script: Path, limit: int = 56) -> str:
     """The first sentence of a script's docstring (shortened at a word to ``limit``)."""
     doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or ""
     text = " ".join(doc.strip().split("\n\n")[0].split()).removeprefix("Benchmark: ")
