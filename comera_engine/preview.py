@@ -51,6 +51,8 @@ class LayerPreview:
     path: str  # the planner's path at the allocated ranks (an embedding's lookup path)
     target_path: str
     layout: str = "tt"  # a linear's core layout: "tt" (the paper's) or "ttm" (model.linear_layout)
+    #: torch reads the layer's weight (an attention's projection): W rebuilt, path dense
+    weight_read: bool = False
 
     @property
     def compression(self) -> float:
@@ -287,16 +289,17 @@ def planning(cfg: Any, device: str) -> tuple[str, bool]:
 
 def linear_macs(batch: int, in_f: tuple[int, ...], out_f: tuple[int, ...], ranks: list[int],
                 device: str, layout: str = "tt", dtype: str = "float32",
-                graph: bool = False) -> tuple[float, str]:
+                graph: bool = False, weight_read: bool = False) -> tuple[float, str]:
     """Forward MACs per row on the planner's path (merges amortised over the batch) and
     the path: for a ``"tt"`` linear halves, sweep, dense or fused; for a ``"ttm"`` one
     dense (``N·M`` per row plus ``W`` from the cores amortised over the batch) or sweep.
-    ``dtype`` and ``graph``: as the trainer plans (:func:`planning`)."""
+    ``dtype`` and ``graph``: as the trainer plans (:func:`planning`). ``weight_read``: a
+    layer whose weight torch reads (an attention's projection) runs ``dense``."""
     from comera_engine.tensor import explain, explain_ttm
 
     info = (explain_ttm if layout == "ttm" else explain)(batch, in_f, out_f, ranks, device,
                                                          dtype, True, graph)
-    path = info["path"]
+    path = "dense" if weight_read else info["path"]
     return info["paths"][path]["macs_fwd"] / max(batch, 1), path
 
 
@@ -483,6 +486,7 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
 
     from comera_engine.errors import ConfigError
     from comera_engine.layers import TTEmbedding, TTLinear
+    from comera_engine.layers.attention import weight_read_linears
     from comera_engine.runplan import plan_run
 
     plan_error: tuple[str, str] | None = None
@@ -504,20 +508,21 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
     layers: list[LayerPreview] = []
     tt_param_ids: set[int] = set()
     other_macs = 0.0
+    read = weight_read_linears(model)
     for name, mod in model.named_modules():
         if isinstance(mod, TTLinear):
             tt_param_ids.update(id(p) for p in mod.parameters())
             ranks = list(mod.tt.ranks)
             bias = mod.bias.numel() if mod.bias is not None else 0
             macs, path = linear_macs(tokens, mod.in_factors, mod.out_factors, ranks, device,
-                                     mod.layout, dtype, graph)
+                                     mod.layout, dtype, graph, id(mod) in read)
             layers.append(LayerPreview(
                 name, "linear", (mod.in_features, mod.out_features),
                 (tuple(mod.in_factors), tuple(mod.out_factors)), tuple(mod.tt.mode_sizes),
                 ranks, ranks, bias, mod.dense_num_params(),
                 tt_params(tuple(mod.tt.mode_sizes), ranks) + bias, 0,
                 float(mod.in_features * mod.out_features), macs, macs, path, path,
-                mod.layout,
+                mod.layout, id(mod) in read,
             ))
         elif isinstance(mod, TTEmbedding):
             tt_param_ids.update(id(p) for p in mod.parameters())
@@ -585,7 +590,7 @@ def _at_target(pv: Preview, target: Any, device: str, tokens: int, dtype: str = 
         if layer.kind == "linear":
             layer.target_macs, layer.target_path = linear_macs(
                 tokens, layer.factors[0], layer.factors[1], r, device, layer.layout, dtype,
-                graph)
+                graph, layer.weight_read)
         else:
             layer.target_macs = embedding_macs(layer.factors[0], layer.factors[1], r)
             layer.target_path = lookup_path(tokens, layer.factors[0], layer.factors[1], r,
@@ -602,7 +607,9 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
     from torch import nn
 
     from comera_engine.layers import TTEmbedding, TTLinear
+    from comera_engine.layers.attention import weight_read_linears
 
+    read = weight_read_linears(model)  # W rebuilt from the cores, as a ttm linear's
     precision = cfg.train.precision
     if precision == "auto":
         precision = "bf16" if device == "cuda" else "fp32"
@@ -622,7 +629,7 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
             if isinstance(mod, TTLinear):
                 acts += tokens * mod.in_features * act_b  # saved input
                 acts += tokens * mod.out_features * act_b  # output (feeds the next op)
-                if tt and mod.layout == "ttm":  # W materialised, and its gradient
+                if tt and (mod.layout == "ttm" or id(mod) in read):  # W built, and its grad
                     built += 2 * math.prod(mod.tt.shape) * _FP32
                 elif tt:
                     acts += tokens * mod.tt.ranks[mod.tt.d] * act_b  # X·L
@@ -640,7 +647,8 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
                     built += 2 * tables * _FP32
             elif isinstance(mod, nn.Embedding):
                 acts += tokens * mod.embedding_dim * act_b
-            heads = getattr(mod, "n_heads", None)
+            heads = getattr(mod, "n_heads", None) or (
+                mod.num_heads if isinstance(mod, nn.MultiheadAttention) else None)
             if heads and device != "cuda":  # CPU attention keeps the score matrix
                 acts += 2 * B * heads * seq * seq * act_b
         return {"weights": weights, "gradients": grads, "optimizer": optim,

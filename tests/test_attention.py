@@ -217,3 +217,52 @@ def test_save_and_load_into_a_fresh_encoder(tmp_path: Path) -> None:
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(x, pad), model(x, pad))
+
+
+ATTENTION_MODULE = '''
+import torch
+from torch import nn
+
+COMERA_MODELS = ["feature_tokens"]
+
+
+def feature_tokens(in_features, num_classes):
+    """Each input feature a token through torch's encoder layer, mean-pooled."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Linear(1, 32)
+            layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+            self.head = nn.Linear(32, num_classes)
+
+        def forward(self, x):
+            return self.head(self.enc(self.tok(x.unsqueeze(-1))).mean(1))
+
+    return Net()
+'''
+
+
+def test_the_preview_plans_an_attention_projection_as_its_rebuilt_weight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The studio's preview of a factory network with torch's attention: its projections
+    are TT layers on the ``dense`` path (torch reads their weight, rebuilt each step:
+    the memory estimate counts it), the feed-forward linears on the planner's."""
+    from comera_engine.preview import preview
+
+    (tmp_path / "attn_mod.py").write_text(ATTENTION_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    raw = {"name": "attn", "task": "classify",
+           "model": {"factory": "attn_mod:feature_tokens", "tensorize": {"exclude": ["head"]}},
+           "data": {"name": "digits"}, "comera": {"target_compression": 3},
+           "train": {"steps": 100, "batch_size": 32}}
+    pv = preview(raw)
+    assert not pv.errors, pv.errors
+    layers = {layer.name: layer for layer in pv.layers}
+    for name in ("enc.layers.0.self_attn.in_proj", "enc.layers.0.self_attn.out_proj"):
+        assert layers[name].weight_read and layers[name].path == "dense"
+    assert layers["enc.layers.0.self_attn.in_proj"].shape == (32, 96)
+    assert not layers["enc.layers.0.linear1"].weight_read
+    in_proj = layers["enc.layers.0.self_attn.in_proj"]
+    assert pv.memory["tt"]["materialised"] >= 2 * 4 * 32 * 96  # W (3E × E) and its gradient
+    assert in_proj.tt_macs >= 32 * 96  # a dense GEMM per token, plus W's rebuild
