@@ -187,6 +187,10 @@ def store_module(module: nn.Module, dtype: str, core_lists: str = "cores") -> nn
     scale per core."""
     if dtype == "float32":
         return module
+    # torch's attention reads its projections' weights without calling them: their
+    # weights are rebuilt before the attention's forward too
+    readers = {id(child): m for m in module.modules() if isinstance(m, nn.MultiheadAttention)
+               for child in (getattr(m, "in_proj", None), m.out_proj) if child is not None}
     for owner in list(module.modules()):
         if isinstance(owner, (_Stored, nn.ParameterList)):
             continue
@@ -207,6 +211,9 @@ def store_module(module: nn.Module, dtype: str, core_lists: str = "cores") -> nn
             delattr(owner, n)
         owner.add_module("stored_weights", holder)
         owner.register_forward_pre_hook(holder)
+        if id(owner) in readers:
+            readers[id(owner)].register_forward_pre_hook(
+                lambda _reader, args, holder=holder, owner=owner: holder(owner, args))
         holder(owner, ())  # the attributes exist before the first call, too
     return module
 
