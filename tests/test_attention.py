@@ -266,3 +266,17 @@ def test_the_preview_plans_an_attention_projection_as_its_rebuilt_weight(
     in_proj = layers["enc.layers.0.self_attn.in_proj"]
     assert pv.memory["tt"]["materialised"] >= 2 * 4 * 32 * 96  # W (3E × E) and its gradient
     assert in_proj.tt_macs >= 32 * 96  # a dense GEMM per token, plus W's rebuild
+
+
+def test_from_pretrained_at_full_rank_computes_the_original_encoder() -> None:
+    """``from_pretrained`` splits the attention and TT-SVDs its packed projection from the
+    trained values: at full rank (exact TT-SVD) the model gives the original's outputs."""
+    torch.manual_seed(0)
+    original = Encoder().eval()
+    model = ce.tensorize(copy.deepcopy(original), ce.CoMERAConfig(), rank=512,
+                         from_pretrained=True, exclude=["emb"]).eval()
+    assert isinstance(model.enc.layers[0].self_attn.in_proj, TTLinear)
+    x, pad = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), original(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(x, pad), original(x, pad), rtol=1e-4, atol=1e-4)
