@@ -485,7 +485,7 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
     from torch import nn
 
     from comera_engine.errors import ConfigError
-    from comera_engine.layers import TTEmbedding, TTLinear
+    from comera_engine.layers import TiedDecoder, TTEmbedding, TTLinear
     from comera_engine.layers.attention import weight_read_linears
     from comera_engine.runplan import plan_run
 
@@ -535,7 +535,7 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
                 tuple(mod.tt.mode_sizes), ranks, ranks, 0, mod.dense_num_params(),
                 tt_params(tuple(mod.tt.mode_sizes), ranks), 0, 0.0, macs, macs, path, path,
             ))
-        elif isinstance(mod, nn.Linear):
+        elif isinstance(mod, (nn.Linear, TiedDecoder)):  # a tied head: h·Eᵀ, dense MACs
             other_macs += float(mod.in_features * mod.out_features)
     gates = {id(p) for n, p in model.named_parameters() if n.endswith(".tt.gate")}
     other = sum(
@@ -606,7 +606,7 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
     a TT embedding's two half tables, with their gradients)."""
     from torch import nn
 
-    from comera_engine.layers import TTEmbedding, TTLinear
+    from comera_engine.layers import TiedDecoder, TTEmbedding, TTLinear
     from comera_engine.layers.attention import weight_read_linears
 
     read = weight_read_linears(model)  # W rebuilt from the cores, as a ttm linear's
@@ -633,7 +633,7 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
                     built += 2 * math.prod(mod.tt.shape) * _FP32
                 elif tt:
                     acts += tokens * mod.tt.ranks[mod.tt.d] * act_b  # X·L
-            elif isinstance(mod, nn.Linear):
+            elif isinstance(mod, (nn.Linear, TiedDecoder)):
                 acts += tokens * (mod.in_features + mod.out_features) * act_b
             elif isinstance(mod, TTEmbedding):
                 acts += tokens * mod.embedding_dim * act_b

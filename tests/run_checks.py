@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: What building a model or training on the CPU should not import: Dynamo (with sympy,
 #: FSDP and Triton, a second or more of a process's start) and sympy.
@@ -43,3 +45,25 @@ def train_final_eval(config: str | Path, run_dir: Path, *sets: str) -> dict[str,
         if rec.get("type") == "metrics" and "eval/acc" in rec["values"]:
             final = rec["values"]
     return final
+
+
+def readme_loop(model: Any, config: Any, steps: int, loss_of: Callable[[Any], Any],
+                lr: float = 3e-3, seed: int = 2) -> Any:
+    """The README's loop over a tensorized ``model``: ``CoMERA(model, config)``, AdamW at
+    ``lr`` over its parameter groups, ``attach``, then ``steps`` steps of
+    ``comera.loss(loss_of(generator))`` (a seeded ``torch.Generator`` for the batches).
+    Returns the controller."""
+    import torch
+
+    import comera_engine as ce
+
+    comera = ce.CoMERA(model, config, total_steps=steps)
+    opt = torch.optim.AdamW(comera.param_groups(), lr=lr)
+    comera.attach(opt)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = comera.loss(loss_of(g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return comera

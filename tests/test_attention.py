@@ -16,6 +16,7 @@ from torch import nn
 import comera_engine as ce
 from comera_engine.errors import ConfigError
 from comera_engine.layers import SplitAttention, TTLinear, groupable_linears, tt_layers
+from tests.run_checks import readme_loop
 
 E, HEADS, FF, VOCAB = 32, 4, 64, 50
 
@@ -196,16 +197,12 @@ def test_save_and_load_into_a_fresh_encoder(tmp_path: Path) -> None:
     config = ce.CoMERAConfig(target_compression=4)
     torch.manual_seed(0)
     model = ce.tensorize(Encoder(), config)
-    comera = ce.CoMERA(model, config, total_steps=30)
-    opt = torch.optim.AdamW(comera.param_groups(), lr=3e-3)
-    comera.attach(opt)
-    g = torch.Generator().manual_seed(2)
-    for _ in range(30):
+
+    def loss_of(g: torch.Generator) -> torch.Tensor:
         x = torch.randint(0, VOCAB, (16, 9), generator=g)
-        loss = comera.loss(nn.functional.cross_entropy(model(x), x[:, 0] % 3))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        return nn.functional.cross_entropy(model(x), x[:, 0] % 3)
+
+    comera = readme_loop(model, config, 30, loss_of)
     assert comera.report()["compression"] == pytest.approx(4, rel=0.05)
     path = tmp_path / "encoder.safetensors"
     ce.save(model, path)

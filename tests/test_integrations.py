@@ -357,31 +357,34 @@ def _gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def test_gpt2s_conv1d_layers_become_tt_and_compute_what_they_did(tmp_path) -> None:
-    """GPT-2's linears are Hugging Face ``Conv1D`` (``x·W + b``, ``W`` ``(in, out)``):
-    ``tensorize`` makes each TT; from the pretrained weights at full rank (TT-SVD is then
-    exact) the model gives the original's logits; its tied embedding and head are
-    refused unless kept dense; a save loads into a fresh GPT-2."""
+def test_gpt2s_layers_become_tt_and_compute_what_they_did(tmp_path) -> None:
+    """GPT-2's linears are Hugging Face ``Conv1D`` (``x·W + b``, ``W`` ``(in, out)``) and
+    its head is tied to the token table: ``tensorize`` makes the linears and the tables
+    TT and the head decodes through the TT table. From the pretrained weights at full
+    rank (TT-SVD is then exact) the model gives the original's logits; a tied head kept
+    dense under a TT table is refused; a save loads into a fresh GPT-2, tie included."""
     import comera_engine as ce
     from comera_engine.errors import ConfigError
     from comera_engine.layers import tt_layers
+    from comera_engine.layers.tied import TiedDecoder
 
     ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(1))
     original = _gpt2().eval()
-    with pytest.raises(ConfigError, match="tied weights"):
-        ce.tensorize(_gpt2(), ce.CoMERAConfig(target_compression=4))
-    model = ce.tensorize(_gpt2(), ce.CoMERAConfig(), rank=200, from_pretrained=True,
-                         exclude=["transformer.wte", "lm_head", "transformer.wpe"]).eval()
+    with pytest.raises(ConfigError, match="'lm_head' is tied to 'transformer.wte'"):
+        ce.tensorize(_gpt2(), ce.CoMERAConfig(target_compression=4), exclude=["lm_head"])
+    model = ce.tensorize(_gpt2(), ce.CoMERAConfig(), rank=300, from_pretrained=True).eval()
     names = [n for n, _ in tt_layers(model)]
-    assert names == [f"transformer.h.{i}.{part}" for i in range(2)
-                     for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert names == ["transformer.wte", "transformer.wpe"] + [
+        f"transformer.h.{i}.{part}" for i in range(2)
+        for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert isinstance(model.lm_head, TiedDecoder)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits,
                                    rtol=1e-4, atol=1e-4)
-    small = ce.tensorize(_gpt2(), ce.CoMERAConfig(target_compression=4),
-                         exclude=["transformer.wte", "lm_head"]).eval()
+    small = ce.tensorize(_gpt2(), ce.CoMERAConfig(target_compression=4)).eval()
     path = tmp_path / "gpt2.safetensors"
     ce.save(small, path)
     loaded = ce.load_into(_gpt2(), path).eval()
+    assert loaded.lm_head.embedding is loaded.transformer.wte
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, small(ids).logits)

@@ -64,6 +64,7 @@ from comera_engine.export.container import (
     write_atomic,
 )
 from comera_engine.layers import TTLinear, is_conv1d, size_report, tt_layers
+from comera_engine.layers.tied import TiedDecoder
 from comera_engine.tensor.tt import max_tt_ranks
 
 __all__ = ["FORMATS", "ExportResult", "export_model", "load", "read_metadata"]
@@ -198,6 +199,9 @@ def _dense_tensors(model: nn.Module, dense: nn.Module) -> dict[str, torch.Tensor
                 tensors[weight] = w.t().contiguous() if is_conv1d(home.get(owner)) else w
             continue
         tensors[f"{attention}.in_proj_bias" if packed and key == f"{owner}.bias" else key] = value
+    for name, module in model.named_modules():  # a tied head holds the table's weight
+        if isinstance(module, TiedDecoder) and f"{name}.weight" not in tensors:
+            tensors[f"{name}.weight"] = module.weight.detach().clone()
     return tensors
 
 

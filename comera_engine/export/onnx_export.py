@@ -39,6 +39,7 @@ from comera_engine.export.container import METADATA_KEY, BadExportFile, write_at
 from comera_engine.export.pipeline import RawInputs, raw_example
 from comera_engine.export.quant import max_rel_diff, store_module
 from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
+from comera_engine.layers.tied import TiedDecoder
 from comera_engine.tensor.contract import merge_left, merge_right
 from comera_engine.tensor.lookup import merge_tables, split_point
 from comera_engine.tensor.tt import ttm_matrix
@@ -155,11 +156,16 @@ class OnnxTTEmbedding(nn.Module):
 def onnx_export_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` (eval mode) with every TT layer in its export form."""
     clone = copy.deepcopy(model).eval()
+    swapped: dict[int, nn.Module] = {}
     for name, layer in tt_layers(clone):
         new = OnnxTTLinear(layer) if isinstance(layer, TTLinear) else OnnxTTEmbedding(layer)
         parent_name, _, child = name.rpartition(".")
         parent = clone.get_submodule(parent_name) if parent_name else clone
         setattr(parent, child, new)
+        swapped[id(layer)] = new
+    for module in clone.modules():  # a tied head decodes through the table's export form
+        if isinstance(module, TiedDecoder):
+            object.__setattr__(module, "embedding", swapped[id(module.embedding)])
     for p in clone.parameters():
         p.requires_grad_(False)
     return clone

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from comera_engine.errors import ConfigError
+from comera_engine.layers.tied import TiedDecoder
 from comera_engine.tensor.quant import int8_round_trip, int8_scale, to_int8
 
 __all__ = ["INT8_SCALES", "SCALE_SUFFIX", "STORE_DTYPES", "dequantize_state", "max_rel_diff",
@@ -191,6 +192,8 @@ def store_module(module: nn.Module, dtype: str, core_lists: str = "cores") -> nn
     # weights are rebuilt before the attention's forward too
     readers = {id(child): m for m in module.modules() if isinstance(m, nn.MultiheadAttention)
                for child in (getattr(m, "in_proj", None), m.out_proj) if child is not None}
+    readers.update({id(m.embedding): m for m in module.modules()  # a tied head's table
+                    if isinstance(m, TiedDecoder)})
     for owner in list(module.modules()):
         if isinstance(owner, (_Stored, nn.ParameterList)):
             continue

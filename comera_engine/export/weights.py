@@ -47,6 +47,7 @@ from comera_engine.layers import (
     peer_layers,
     tt_layers,
 )
+from comera_engine.layers.tied import tie_heads, tied_heads
 
 __all__ = ["WEIGHTS_FORMAT", "load_into", "save"]
 
@@ -194,12 +195,15 @@ def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
             raise BadExportFile(path, f"layer {name!r} is not in the model: load into a "
                                       "fresh instance of the class that was saved")
         new[name] = _build(path, entry, like)
+    # heads tied to a table saved TT decode through it (their weight is not in the file)
+    ties = {h: t for h, t in tied_heads(model).items() if t in new}
     # attention whose packed projection was saved TT: split before its layer goes in
     split = [owner for owner in (n.rpartition(".")[0] for n in new if n.endswith(".in_proj"))
              if isinstance(modules[owner], nn.MultiheadAttention)
              and not isinstance(modules[owner], SplitAttention)]
     prefixes = tuple(f"{n}." for n in new)
-    packed = {f"{o}.in_proj_{k}" for o in split for k in ("weight", "bias")}
+    packed = {f"{o}.in_proj_{k}" for o in split for k in ("weight", "bias")} | {
+        f"{h}.weight" for h in ties}
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()
             if not any(k.startswith(p) for p in prefixes) and k not in packed}
     for name, layer in new.items():
@@ -226,5 +230,6 @@ def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     for name, layer in new.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
+    tie_heads(model, ties)
     model.load_state_dict(tensors, strict=False)
     return model

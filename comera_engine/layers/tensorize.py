@@ -15,6 +15,7 @@ from torch import nn
 from .attention import SplitAttention, packed_in_proj, weight_read_linears
 from .embedding_peers import peer_tables
 from .peers import peer_layers
+from .tied import tie_heads, tied_heads
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
@@ -129,6 +130,11 @@ def tensorize_layers(
     chooses the ranks from its target and returns the model:
     :func:`comera_engine.rank.tensorize`.)
 
+    A linear head whose weight is an embedding's (a language model's tied output layer,
+    :func:`~comera_engine.layers.tied.tied_heads`) follows that table whatever
+    ``include`` / ``exclude`` say of it: once the table is TT it becomes a
+    :class:`~comera_engine.layers.tied.TiedDecoder` over it (its row: ``tied_to``).
+
     An ``nn.MultiheadAttention``'s packed query-key-value projection is the candidate
     ``<attention>.in_proj``: made TT, the attention becomes a
     :class:`~comera_engine.layers.attention.SplitAttention` holding it (its
@@ -154,7 +160,12 @@ def tensorize_layers(
     """
     report = []
     emb_rank = rank if embedding_rank is None else embedding_rank
-    for name, mod in candidate_layers(model):
+    candidates = candidate_layers(model)
+    ties = tied_heads(model, [(n, m) for n, m in candidates if not isinstance(m, str)])
+    tables: set[str] = set()  # the embeddings made TT (to be, in a dry run)
+    for name, mod in candidates:
+        if name in ties:  # a head tied to a table follows the table (below)
+            continue
         if include is not None and not matches(name, include):
             continue
         row: dict = {"name": name}
@@ -205,6 +216,19 @@ def tensorize_layers(
             _set_module(model, name, new)
         row.update(replaced=not dry_run, ranks=new.tt.ranks, params_after=new.num_params(False))
         report.append(row)
+        tables.add(name)
+    for name, mod in candidates:  # heads tied to a table: decode through it once it is TT
+        if name not in ties:
+            continue
+        bias = mod.bias.numel() if mod.bias is not None else 0  # the weight is the table's
+        row = {"name": name, "kind": "linear", "shape": [mod.in_features, mod.out_features],
+               "params_before": bias, "params_after": bias, "tied_to": ties[name],
+               "replaced": not dry_run and ties[name] in tables}
+        if ties[name] not in tables:
+            row["reason"] = f"tied to {ties[name]}, which stays dense"
+        report.append(row)
+    if not dry_run:
+        tie_heads(model, {h: t for h, t in ties.items() if t in tables})
     return report
 
 

@@ -67,21 +67,32 @@ def _patterns(model: nn.Module, field: str, patterns: Iterable[str] | str | None
     return out
 
 
-def _refuse_tied(model: nn.Module, rows: list[dict]) -> None:
-    """Refuse to make a layer TT whose weight another module shares (a language model's
-    output layer tied to its embedding): a TT layer holds weights of its own, so the tie
-    would be cut without a word and the shared matrix counted twice. ``rows``: the
-    candidates :func:`tensorize_layers` reports (a dry run)."""
+def _refuse_tied(model: nn.Module, rows: list[dict], exclude: Iterable[str] | None) -> None:
+    """Refuse to make a layer TT whose weight another module shares, but for a language
+    model's head tied to its embedding table (the head then decodes through the TT
+    table, :mod:`comera_engine.layers.tied`): a TT layer holds weights of its own, so
+    any other tie would be cut without a word and the shared matrix counted twice. A
+    tied head excluded while its table is made TT is refused too (it cannot stay dense
+    and tied). ``rows``: the candidates :func:`tensorize_layers` reports (a dry run)."""
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name.rpartition(".")[0])
     modules = dict(model.named_modules())
+    heads = {r["name"]: r["tied_to"] for r in rows if "tied_to" in r}
     for row in rows:
         if "module" not in row:
             continue
         layer = modules.get(row["name"])  # None: an attention's packed projection
         weight = getattr(layer, "weight", None)
         others = [o for o in owners.get(id(weight), []) if o != row["name"]]
+        kept = [o for o in others if heads.get(o) == row["name"] and matches(o, exclude or [])]
+        if kept:
+            raise ConfigError("exclude", f"{kept[0]!r} is tied to {row['name']!r} (one "
+                                         "weight): a head tied to a table made TT decodes "
+                                         "through it and cannot stay dense; exclude both "
+                                         f"to keep them dense (exclude={[row['name'], *kept]!r})"
+                                         ", or neither")
+        others = [o for o in others if heads.get(o) != row["name"]]
         if others:
             both = [row["name"], *others]
             raise ConfigError("exclude", f"{row['name']!r} shares its weight with "
@@ -184,7 +195,7 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
     include, exclude = _patterns(model, "include", include), _patterns(model, "exclude", exclude)
     candidates = tensorize_layers(model, include=include, exclude=exclude,
                                   min_features=min_features, d=d, layout=layout, dry_run=True)
-    _refuse_tied(model, candidates)
+    _refuse_tied(model, candidates, exclude)
     target = config.target_compression
     if rank is None:
         rank = "auto" if target is not None else BASE_RANK

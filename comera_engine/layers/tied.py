@@ -1,0 +1,89 @@
+"""An output layer tied to an embedding table that is made TT: a language model's head.
+
+Many language models share one matrix between the token embedding ``E`` ``(V, d)`` and the
+output layer (``nn.Linear(d, V)`` whose ``weight`` *is* ``E``: GPT-2's ``lm_head`` and
+``wte``). A TT layer holds weights of its own, so making the table TT would cut the tie
+and leave the head holding the old dense matrix. Instead the head becomes a
+:class:`TiedDecoder` that scores through the TT table, ``h · Eᵀ (+ b)``
+(:meth:`~comera_engine.layers.TTEmbedding.decode`: contracted through the cores, the
+table never built on the ``tt`` path): one set of parameters, counted once, as the tie
+had it.
+
+:func:`tied_heads` finds the ties, :func:`tie_heads` makes them; ``tensorize`` and
+``load_into`` both go through them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from torch import Tensor, nn
+
+from .tt_embedding import TTEmbedding
+
+__all__ = ["TiedDecoder", "tie_heads", "tied_heads"]
+
+
+class TiedDecoder(nn.Module):
+    """``h · Eᵀ + b`` for the table ``E`` of ``embedding`` (a :class:`TTEmbedding`, or the
+    ONNX export's form of one): an ``nn.Linear(d, V)`` tied to it. ``embedding`` is
+    referenced, not owned: its parameters belong to the module that holds it, so they
+    appear once in ``parameters()`` and the state dict. ``bias``: the head's own bias
+    parameter (kept), or ``None``.
+
+    ``weight`` is ``E`` rebuilt from the cores (``(V, d)``, ``nn.Linear``'s layout), for
+    code that reads a head's weight instead of calling it.
+    """
+
+    def __init__(self, embedding: nn.Module, bias: nn.Parameter | None = None) -> None:
+        super().__init__()
+        object.__setattr__(self, "embedding", embedding)  # a reference, not a child
+        self.in_features = int(embedding.embedding_dim)
+        self.out_features = int(embedding.num_embeddings)
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias: shape {tuple(bias.shape)}, the table has "
+                             f"{self.out_features} rows")
+        self.bias = bias
+
+    def forward(self, h: Tensor) -> Tensor:
+        scores = self.embedding.decode(h)
+        return scores if self.bias is None else scores + self.bias.to(scores.dtype)
+
+    @property
+    def weight(self) -> Tensor:
+        """The tied table ``E`` ``(V, d)``, rebuilt from the cores at each read."""
+        return self.embedding.dense_weight()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tied to a TT table")
+
+
+def tied_heads(model: nn.Module, candidates: Iterable[tuple[str, object]] | None = None
+               ) -> dict[str, str]:
+    """``{head: embedding}``: every ``nn.Linear`` of ``model`` whose ``weight`` is the
+    very parameter of an ``nn.Embedding`` of the same shape (``(V, d)``), by qualified
+    name. ``candidates``: the ``(name, module)`` pairs to look among (default: all
+    modules)."""
+    pairs = list(model.named_modules() if candidates is None else candidates)
+    tables = {id(m.weight): name for name, m in pairs
+              if isinstance(m, nn.Embedding) and not isinstance(m, TTEmbedding)}
+    return {name: tables[id(m.weight)] for name, m in pairs
+            if isinstance(m, nn.Linear) and id(m.weight) in tables}
+
+
+def tie_heads(model: nn.Module, ties: Mapping[str, str]) -> list[str]:
+    """Replace each head of ``ties`` (``{head: embedding}``) whose embedding is now a
+    :class:`TTEmbedding` by a :class:`TiedDecoder` over it, keeping the head's bias.
+    Returns the heads replaced."""
+    done = []
+    for head, table in ties.items():
+        embedding = model.get_submodule(table)
+        if not isinstance(embedding, TTEmbedding):
+            continue
+        old = model.get_submodule(head)
+        parent, _, child = head.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                TiedDecoder(embedding, getattr(old, "bias", None)))
+        done.append(head)
+    return done
