@@ -19,7 +19,7 @@ from torch import nn
 
 import comera_engine as ce
 from comera_engine.errors import ConfigError
-from comera_engine.layers import TTEmbedding, TTLinear, size_report, tt_layers
+from comera_engine.layers import TiedDecoder, TTEmbedding, TTLinear, size_report, tt_layers
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.pytorch_path]
 
@@ -364,15 +364,20 @@ def test_bad_settings_and_unreachable_targets_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="^include: 'blocks.*' matches none"):
         ce.tensorize(model, rank=4, include=["blocks.*"])
     assert not tt_layers(model)
-    # tied weights (an output layer sharing the embedding's matrix) are not cut silently
+    # tied weights are not cut silently: two linears sharing one matrix are refused; an
+    # output layer sharing the embedding's matrix decodes through the TT table
+    shared = PixelNet(dim=32, hidden=32)
+    shared.mid.weight = shared.up.weight
+    with pytest.raises(ConfigError, match="^exclude: 'up' shares its weight with 'mid'"):
+        ce.tensorize(shared, rank=4)
+    assert not tt_layers(shared) and shared.mid.weight is shared.up.weight
+    ce.tensorize(shared, rank=4, exclude=["up", "mid"])  # the fix it names
+    assert shared.mid.weight is shared.up.weight and tt_layers(shared)
     tied = PixelNet(dim=32, hidden=32)
     tied.head = nn.Linear(32, 64 * 17)
     tied.head.weight = tied.table.weight
-    with pytest.raises(ConfigError, match="^exclude: 'table' shares its weight with 'head'"):
-        ce.tensorize(tied, rank=4)
-    assert not tt_layers(tied) and tied.head.weight is tied.table.weight
-    ce.tensorize(tied, rank=4, exclude=["table", "head"])  # the fix it names
-    assert tied.head.weight is tied.table.weight and tt_layers(tied)
+    ce.tensorize(tied, rank=4)
+    assert isinstance(tied.head, TiedDecoder) and tied.head.embedding is tied.table
 
 
 def test_auto_ranks_start_at_the_headroom_the_trainer_uses() -> None:
