@@ -388,3 +388,54 @@ def test_gpt2s_layers_become_tt_and_compute_what_they_did(tmp_path) -> None:
     assert loaded.lm_head.embedding is loaded.transformer.wte
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, small(ids).logits)
+
+
+def test_t5_ties_its_tables_and_barts_scaled_tables_stay_dense(tmp_path) -> None:
+    """T5 holds one token table three times (``shared``, the encoder's, the decoder's)
+    and ties its head to it; BART's tables are subclasses that scale their output (and
+    offset the positions). At full rank from the pretrained weights (exact TT-SVD) both
+    give the original's logits: T5's table is one TT table in all three places, BART's
+    stay dense (a plain TT table would drop the scale); a T5 save loads into a fresh T5."""
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    import comera_engine as ce
+    from comera_engine.layers.tied import TiedDecoder
+
+    def t5() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return T5ForConditionalGeneration(T5Config(
+            vocab_size=120, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+            decoder_start_token_id=0, dropout_rate=0.0))
+
+    def bart() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return BartForConditionalGeneration(BartConfig(
+            vocab_size=120, d_model=32, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+            scale_embedding=True))
+
+    ids = torch.randint(3, 120, (2, 9), generator=torch.Generator().manual_seed(1))
+    for build in (t5, bart):
+        original = build().eval()
+        model = ce.tensorize(build(), ce.CoMERAConfig(), rank=200, from_pretrained=True).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids, labels=ids).logits,
+                                       original(input_ids=ids, labels=ids).logits,
+                                       rtol=1e-4, atol=1e-4)
+    assert model.model.shared.__class__.__name__ == "BartScaledWordEmbedding"  # BART's
+    small = ce.tensorize(t5(), ce.CoMERAConfig(target_compression=4)).eval()
+    assert small.shared is small.encoder.embed_tokens is small.decoder.embed_tokens
+    assert isinstance(small.lm_head, TiedDecoder)
+    path = tmp_path / "t5.safetensors"
+    ce.save(small, path)
+    loaded = ce.load_into(t5(), path).eval()
+    assert loaded.shared is loaded.decoder.embed_tokens
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids, labels=ids).logits,
+                                   small(input_ids=ids, labels=ids).logits)

@@ -133,3 +133,57 @@ def test_the_export_copies_keep_the_tie() -> None:
     tensors = _dense_tensors(model, skeleton)
     assert set(tensors) == set(skeleton.state_dict())
     torch.testing.assert_close(tensors["head.weight"], tensors["emb.weight"])
+
+
+class TwoTables(nn.Module):
+    """An encoder-decoder's tables as T5 holds them: a ``shared`` table, an encoder table
+    that is the same module, a decoder table that is another module holding the same
+    weight, and a head tied to it; plus a scaled table (a subclass with its own forward,
+    as BART's), which a TT layer would not scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(V, D)
+        self.enc = self.shared  # the same module at two places
+        self.dec = nn.Embedding(V, D)
+        self.dec.weight = self.shared.weight  # another module, the same weight
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.shared.weight
+        self.scaled = Scaled(V, D)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        h = self.enc(src).mean(1, keepdim=True) + self.dec(tgt) + self.scaled(tgt)
+        return self.head(h)
+
+
+class Scaled(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 2.0
+
+
+def test_tables_held_twice_become_one_tt_table_and_a_subclass_stays_dense(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ce.tensorize(TwoTables(), ce.CoMERAConfig(), rank=4)
+    assert isinstance(model.shared, TTEmbedding)
+    assert model.enc is model.shared and model.dec is model.shared
+    assert isinstance(model.head, TiedDecoder) and model.head.embedding is model.shared
+    assert type(model.scaled) is Scaled  # kept, with its forward
+    assert [n for n, _ in tt_layers(model)] == ["shared"]  # one table, counted once
+    from comera_engine.layers import tensorize_layers
+
+    rows = {r["name"]: r for r in tensorize_layers(TwoTables(), rank=4, dry_run=True)}
+    assert rows["dec"]["tied_to"] == "shared" and "own forward" in rows["scaled"]["reason"]
+    src, tgt = tokens(), tokens().flip(1)
+    twin = TwoTables()  # dense, tied, on the TT table's values
+    with torch.no_grad():
+        twin.shared.weight.copy_(model.shared.dense_weight())
+        twin.scaled.weight.copy_(model.scaled.weight)
+    torch.testing.assert_close(model(src, tgt), twin(src, tgt), rtol=1e-5, atol=1e-5)
+    path = tmp_path / "two.safetensors"
+    ce.save(model, path)
+    loaded = ce.load_into(TwoTables(), path)
+    assert loaded.enc is loaded.shared and loaded.dec is loaded.shared
+    assert loaded.head.embedding is loaded.shared
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(src, tgt), model(src, tgt))

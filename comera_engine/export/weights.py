@@ -47,6 +47,7 @@ from comera_engine.layers import (
     peer_layers,
     tt_layers,
 )
+from comera_engine.layers.tensorize import set_module, unique_state_dict
 from comera_engine.layers.tied import tie_heads, tied_heads
 
 __all__ = ["WEIGHTS_FORMAT", "load_into", "save"]
@@ -82,7 +83,7 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> Path:
                                    "does not rebuild; save its state_dict with safetensors")
     from safetensors.torch import save_file
 
-    state = dict(model.state_dict())
+    state = unique_state_dict(model)  # a module held at several places, once
     layers = []
     for name, layer in tt_layers(model):
         prefix = f"{name}." if name else ""
@@ -204,7 +205,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     prefixes = tuple(f"{n}." for n in new)
     packed = {f"{o}.in_proj_{k}" for o in split for k in ("weight", "bias")} | {
         f"{h}.weight" for h in ties}
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()
+    want = {k: tuple(v.shape) for k, v in unique_state_dict(model).items()
             if not any(k.startswith(p) for p in prefixes) and k not in packed}
     for name, layer in new.items():
         want.update({f"{name}." + k: tuple(v.shape) for k, v in layer.state_dict().items()
@@ -228,8 +229,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
         setattr(model.get_submodule(parent) if parent else model, child,
                 SplitAttention.of(modules[owner]))  # type: ignore[arg-type]
     for name, layer in new.items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        set_module(model, name, layer)  # and wherever else the model holds that module
     tie_heads(model, ties)
     model.load_state_dict(tensors, strict=False)
     return model

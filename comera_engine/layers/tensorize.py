@@ -20,8 +20,8 @@ from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
 __all__ = ["TT_LAYERS", "candidate_layers", "conv1d_as_linear", "factorized_layers",
-           "freeze_gates", "groupable_linears", "is_conv1d", "size_report", "tensorize_layers",
-           "truncate", "tt_layers"]
+           "freeze_gates", "groupable_linears", "is_conv1d", "module_aliases", "set_module",
+           "size_report", "tensorize_layers", "truncate", "tt_layers", "unique_state_dict"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
 
@@ -63,10 +63,35 @@ def matches(name: str, patterns: Iterable[str] | None) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in (patterns or ()))
 
 
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
+def module_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """``{name: [other names]}``: the modules of ``model`` held at more than one place
+    (T5's and BART's ``shared`` table is also ``encoder.embed_tokens`` and
+    ``decoder.embed_tokens``), by the name ``named_modules`` gives them first."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in first:
+            out.setdefault(first[id(module)], []).append(name)
+        else:
+            first[id(module)] = name
+    return out
+
+
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where the module ``name`` is, and at every other place that holds the
+    same module (:func:`module_aliases`), so no alias keeps the old one."""
+    for where in (name, *module_aliases(model).get(name, ())):
+        parent_name, _, child = where.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without the entries a module held at several places repeats
+    under its other names (:func:`module_aliases`): each tensor once, under the name
+    ``named_modules`` gives its module first."""
+    others = tuple(f"{a}." for names in module_aliases(model).values() for a in names)
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(others)}
 
 
 def is_conv1d(module: nn.Module | None) -> bool:
@@ -105,7 +130,10 @@ def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
                 "in_proj", "the model is an attention module itself: tensorize a model "
                            "that holds it"))
         elif isinstance(mod, (nn.Linear, nn.Embedding)) and not isinstance(mod, TT_LAYERS):
-            out.append((name, mod))
+            base = nn.Linear if isinstance(mod, nn.Linear) else nn.Embedding
+            out.append((name, mod) if type(mod).forward is base.forward else (
+                name, f"a {type(mod).__name__} computes more than an {base.__name__} (its "
+                      "own forward), which a TT layer would drop: it stays dense"))
         elif is_conv1d(mod):
             out.append((name, conv1d_as_linear(mod)))
     return out
@@ -161,7 +189,8 @@ def tensorize_layers(
     report = []
     emb_rank = rank if embedding_rank is None else embedding_rank
     candidates = candidate_layers(model)
-    ties = tied_heads(model, [(n, m) for n, m in candidates if not isinstance(m, str)])
+    modules = dict(model.named_modules())
+    ties = tied_heads(model)  # {head or embedding: the table whose weight it holds}
     tables: set[str] = set()  # the embeddings made TT (to be, in a dry run)
     for name, mod in candidates:
         if name in ties:  # a head tied to a table follows the table (below)
@@ -169,8 +198,9 @@ def tensorize_layers(
         if include is not None and not matches(name, include):
             continue
         row: dict = {"name": name}
-        if isinstance(mod, str):  # an attention's projections that are not one matrix
-            row.update(kind="linear", replaced=False, reason=mod)
+        if isinstance(mod, str):  # cannot be made TT, and why
+            row.update(kind="embedding" if isinstance(modules.get(name), nn.Embedding)
+                       else "linear", replaced=False, reason=mod)
             report.append(row)
             continue
         if isinstance(mod, nn.Linear):
@@ -212,18 +242,22 @@ def tensorize_layers(
             parent = model.get_submodule(owner)
             if (name.endswith(".in_proj") and isinstance(parent, nn.MultiheadAttention)
                     and not isinstance(parent, SplitAttention)):
-                _set_module(model, owner, SplitAttention.of(parent))
-            _set_module(model, name, new)
+                set_module(model, owner, SplitAttention.of(parent))
+            set_module(model, name, new)
         row.update(replaced=not dry_run, ranks=new.tt.ranks, params_after=new.num_params(False))
         report.append(row)
         tables.add(name)
-    for name, mod in candidates:  # heads tied to a table: decode through it once it is TT
-        if name not in ties:
+    for name in ties:  # tied to a table: the head decodes through it once it is TT,
+        mod = modules[name]  # another embedding holding it becomes it
+        if include is not None and not matches(name, include) and ties[name] not in tables:
             continue
-        bias = mod.bias.numel() if mod.bias is not None else 0  # the weight is the table's
-        row = {"name": name, "kind": "linear", "shape": [mod.in_features, mod.out_features],
-               "params_before": bias, "params_after": bias, "tied_to": ties[name],
-               "replaced": not dry_run and ties[name] in tables}
+        bias = mod.bias.numel() if getattr(mod, "bias", None) is not None else 0
+        row = {"name": name, "params_before": bias, "params_after": bias,  # weight: table's
+               "tied_to": ties[name], "replaced": not dry_run and ties[name] in tables}
+        if isinstance(mod, nn.Embedding):
+            row.update(kind="embedding", shape=[mod.num_embeddings, mod.embedding_dim])
+        else:
+            row.update(kind="linear", shape=[mod.in_features, mod.out_features])
         if ties[name] not in tables:
             row["reason"] = f"tied to {ties[name]}, which stays dense"
         report.append(row)

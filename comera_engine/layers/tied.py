@@ -10,7 +10,9 @@ table never built on the ``tt`` path): one set of parameters, counted once, as t
 had it.
 
 :func:`tied_heads` finds the ties, :func:`tie_heads` makes them; ``tensorize`` and
-``load_into`` both go through them.
+``load_into`` both go through them. An embedding holding another's table (T5's encoder
+and decoder tables are its ``shared`` one) is tied the same way: the TT table is put in
+its place too.
 """
 
 from __future__ import annotations
@@ -61,29 +63,42 @@ class TiedDecoder(nn.Module):
 
 def tied_heads(model: nn.Module, candidates: Iterable[tuple[str, object]] | None = None
                ) -> dict[str, str]:
-    """``{head: embedding}``: every ``nn.Linear`` of ``model`` whose ``weight`` is the
-    very parameter of an ``nn.Embedding`` of the same shape (``(V, d)``), by qualified
-    name. ``candidates``: the ``(name, module)`` pairs to look among (default: all
-    modules)."""
+    """``{module: table}``: every module of ``model`` tied to an ``nn.Embedding`` (the
+    first, in model order, of those holding that weight): an ``nn.Linear`` whose
+    ``weight`` is the table's very parameter (a head, ``(V, d)``), or another
+    ``nn.Embedding`` holding it (T5's encoder and decoder tables are its ``shared``
+    one), by qualified name; only modules whose forward is the plain one (a subclass
+    computing more cannot be replaced by the table). ``candidates``: the ``(name,
+    module)`` pairs to look among (default: all modules)."""
     pairs = list(model.named_modules() if candidates is None else candidates)
-    tables = {id(m.weight): name for name, m in pairs
-              if isinstance(m, nn.Embedding) and not isinstance(m, TTEmbedding)}
-    return {name: tables[id(m.weight)] for name, m in pairs
-            if isinstance(m, nn.Linear) and id(m.weight) in tables}
+    tables: dict[int, str] = {}
+    ties: dict[str, str] = {}
+    for name, m in pairs:
+        if isinstance(m, nn.Embedding) and not isinstance(m, TTEmbedding):
+            if id(m.weight) not in tables:
+                tables[id(m.weight)] = name
+            elif type(m).forward is nn.Embedding.forward:  # computes what the table does
+                ties[name] = tables[id(m.weight)]
+    ties.update({name: tables[id(m.weight)] for name, m in pairs
+                 if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+                 and id(m.weight) in tables})
+    return ties
 
 
 def tie_heads(model: nn.Module, ties: Mapping[str, str]) -> list[str]:
-    """Replace each head of ``ties`` (``{head: embedding}``) whose embedding is now a
-    :class:`TTEmbedding` by a :class:`TiedDecoder` over it, keeping the head's bias.
-    Returns the heads replaced."""
+    """Tie each module of ``ties`` (``{module: table}``, :func:`tied_heads`) whose table
+    is now a :class:`TTEmbedding` to it: a head becomes a :class:`TiedDecoder` over it
+    (its bias kept), another embedding *is* it (the same module at both places).
+    Returns the modules tied."""
     done = []
-    for head, table in ties.items():
+    for name, table in ties.items():
         embedding = model.get_submodule(table)
         if not isinstance(embedding, TTEmbedding):
             continue
-        old = model.get_submodule(head)
-        parent, _, child = head.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child,
-                TiedDecoder(embedding, getattr(old, "bias", None)))
-        done.append(head)
+        old = model.get_submodule(name)
+        new = (embedding if isinstance(old, nn.Embedding)
+               else TiedDecoder(embedding, getattr(old, "bias", None)))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        done.append(name)
     return done

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import candidate_layers, factorized_layers, freeze_gates, tensorize_layers
-from ..layers.tensorize import matches
+from ..layers.tensorize import matches, module_aliases
 from .size import size_spec
 from .target import SizeSpec, TargetPlan, plan_fixed_ranks, plan_target
 
@@ -78,13 +78,15 @@ def _refuse_tied(model: nn.Module, rows: list[dict], exclude: Iterable[str] | No
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name.rpartition(".")[0])
     modules = dict(model.named_modules())
+    aliases = module_aliases(model)  # one module at several places is no tie
     heads = {r["name"]: r["tied_to"] for r in rows if "tied_to" in r}
     for row in rows:
         if "module" not in row:
             continue
         layer = modules.get(row["name"])  # None: an attention's packed projection
         weight = getattr(layer, "weight", None)
-        others = [o for o in owners.get(id(weight), []) if o != row["name"]]
+        same = {row["name"], *aliases.get(row["name"], ())}
+        others = [o for o in owners.get(id(weight), []) if o not in same]
         kept = [o for o in others if heads.get(o) == row["name"] and matches(o, exclude or [])]
         if kept:
             raise ConfigError("exclude", f"{kept[0]!r} is tied to {row['name']!r} (one "
