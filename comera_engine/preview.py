@@ -566,9 +566,27 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
                         "learn. Train it to mark the baseline on the Compare page.")
     elif not layers:
         pv.notes.append("No layer is in TT form with these settings (model.tt_layers).")
+    if cfg.model.factory and not cfg.model.dense:
+        pv.notes.extend(_kept_dense(cfg, shape))
     _at_target(pv, plan.target if plan is not None else None, device, tokens, dtype, graph)
     pv.memory = _memory(cfg, model, pv, shape, device)
     return pv
+
+
+def _kept_dense(cfg: Any, shape: types.SimpleNamespace) -> list[str]:
+    """For a factory network: the layers ``tensorize`` keeps dense for a reason of their
+    own (a subclass with its own forward, attention with other key widths, a head tied
+    to a dense table), not for the config's ``exclude`` or ``min_features``; one note
+    each."""
+    from comera_engine.layers import tensorize_layers
+
+    t = dict(cfg.model.tensorize or {})
+    rows = tensorize_layers(build_meta_model(cfg, shape, dense=True), rank=2,
+                            include=t.get("include"), exclude=t.get("exclude"),
+                            min_features=t.get("min_features", 8), dry_run=True)
+    return [f"Kept dense: {r['name']} ({r['reason']})." for r in rows
+            if r.get("reason") and r["reason"] != "excluded"
+            and not r["reason"].startswith("smaller than")]
 
 
 def _at_target(pv: Preview, target: Any, device: str, tokens: int, dtype: str = "float32",

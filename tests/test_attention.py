@@ -223,12 +223,17 @@ from torch import nn
 COMERA_MODELS = ["feature_tokens"]
 
 
+class Doubled(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
 def feature_tokens(in_features, num_classes):
     """Each input feature a token through torch's encoder layer, mean-pooled."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.tok = nn.Linear(1, 32)
+            self.tok = Doubled(1, 32)
             layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
             self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
             self.head = nn.Linear(32, num_classes)
@@ -263,6 +268,10 @@ def test_the_preview_plans_an_attention_projection_as_its_rebuilt_weight(
     in_proj = layers["enc.layers.0.self_attn.in_proj"]
     assert pv.memory["tt"]["materialised"] >= 2 * 4 * 32 * 96  # W (3E × E) and its gradient
     assert in_proj.tt_macs >= 32 * 96  # a dense GEMM per token, plus W's rebuild
+    # a layer kept dense for a reason of its own is named, with the reason; the
+    # config's exclude ("head") is not repeated
+    kept = [n for n in pv.notes if n.startswith("Kept dense")]
+    assert len(kept) == 1 and "tok (a Doubled computes more than a plain nn.Linear" in kept[0]
 
 
 def test_from_pretrained_at_full_rank_computes_the_original_encoder() -> None:

@@ -132,8 +132,9 @@ def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
         elif isinstance(mod, (nn.Linear, nn.Embedding)) and not isinstance(mod, TT_LAYERS):
             base = nn.Linear if isinstance(mod, nn.Linear) else nn.Embedding
             out.append((name, mod) if type(mod).forward is base.forward else (
-                name, f"a {type(mod).__name__} computes more than an {base.__name__} (its "
-                      "own forward), which a TT layer would drop: it stays dense"))
+                name, f"a {type(mod).__name__} computes more than a plain nn."
+                      f"{base.__name__} (its own forward), which a TT layer would drop: it "
+                      "stays dense"))
         elif is_conv1d(mod):
             out.append((name, conv1d_as_linear(mod)))
     return out
