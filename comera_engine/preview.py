@@ -486,7 +486,7 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
 
     from comera_engine.errors import ConfigError
     from comera_engine.layers import TiedDecoder, TTEmbedding, TTLinear
-    from comera_engine.layers.attention import weight_read_linears
+    from comera_engine.layers.attention import weight_readers
     from comera_engine.runplan import plan_run
 
     plan_error: tuple[str, str] | None = None
@@ -508,7 +508,7 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
     layers: list[LayerPreview] = []
     tt_param_ids: set[int] = set()
     other_macs = 0.0
-    read = weight_read_linears(model)
+    read = weight_readers(model)
     for name, mod in model.named_modules():
         if isinstance(mod, TTLinear):
             tt_param_ids.update(id(p) for p in mod.parameters())
@@ -625,9 +625,9 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
     from torch import nn
 
     from comera_engine.layers import TiedDecoder, TTEmbedding, TTLinear
-    from comera_engine.layers.attention import weight_read_linears
+    from comera_engine.layers.attention import weight_readers
 
-    read = weight_read_linears(model)  # W rebuilt from the cores, as a ttm linear's
+    read = weight_readers(model)  # W rebuilt from the cores, as a ttm linear's
     precision = cfg.train.precision
     if precision == "auto":
         precision = "bf16" if device == "cuda" else "fp32"

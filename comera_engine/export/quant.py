@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from comera_engine.errors import ConfigError
+from comera_engine.layers.attention import weight_readers
 from comera_engine.layers.tied import TiedDecoder
 from comera_engine.tensor.quant import int8_round_trip, int8_scale, to_int8
 
@@ -190,8 +191,7 @@ def store_module(module: nn.Module, dtype: str, core_lists: str = "cores") -> nn
         return module
     # torch's attention reads its projections' weights without calling them: their
     # weights are rebuilt before the attention's forward too
-    readers = {id(child): m for m in module.modules() if isinstance(m, nn.MultiheadAttention)
-               for child in (getattr(m, "in_proj", None), m.out_proj) if child is not None}
+    readers = weight_readers(module)
     readers.update({id(m.embedding): m for m in module.modules()  # a tied head's table
                     if isinstance(m, TiedDecoder)})
     for owner in list(module.modules()):

@@ -47,8 +47,9 @@ from comera_engine.layers import (
     peer_layers,
     tt_layers,
 )
-from comera_engine.layers.tensorize import set_module, unique_state_dict
+from comera_engine.layers.attention import set_layer
 from comera_engine.layers.tied import tie_heads, tied_heads
+from comera_engine.layers.tree import unique_state_dict
 
 __all__ = ["WEIGHTS_FORMAT", "load_into", "save"]
 
@@ -224,12 +225,8 @@ def load_into(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path), device="cpu")
-    for owner in split:
-        parent, _, child = owner.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child,
-                SplitAttention.of(modules[owner]))  # type: ignore[arg-type]
-    for name, layer in new.items():
-        set_module(model, name, layer)  # and wherever else the model holds that module
+    for name, layer in new.items():  # an attention split first, every alias replaced
+        set_layer(model, name, layer)
     tie_heads(model, ties)
     model.load_state_dict(tensors, strict=False)
     return model

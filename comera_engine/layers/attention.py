@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["SplitAttention", "packed_in_proj", "weight_read_linears"]
+from .tree import set_module
+
+__all__ = ["SplitAttention", "packed_in_proj", "set_layer", "weight_readers"]
 
 #: what :class:`SplitAttention` copies from the attention it splits (besides parameters)
 _SETTINGS = ("embed_dim", "kdim", "vdim", "_qkv_same_embed_dim", "num_heads", "dropout",
@@ -92,8 +94,21 @@ class SplitAttention(nn.MultiheadAttention):
         return self.in_proj.bias
 
 
-def weight_read_linears(model: nn.Module) -> set[int]:
-    """``id`` of every linear inside an attention module of ``model`` (its ``in_proj``,
-    its ``out_proj``): torch reads their ``weight``, never calls their forward."""
-    return {id(child) for m in model.modules() if isinstance(m, nn.MultiheadAttention)
+def weight_readers(model: nn.Module) -> dict[int, nn.Module]:
+    """``{id(linear): attention}`` for every linear inside an attention module of
+    ``model`` (its ``in_proj``, its ``out_proj``): torch's attention reads their
+    ``weight``, never calls their forward."""
+    return {id(child): m for m in model.modules() if isinstance(m, nn.MultiheadAttention)
             for child in (getattr(m, "in_proj", None), m.out_proj) if child is not None}
+
+
+def set_layer(model: nn.Module, name: str, layer: nn.Module) -> None:
+    """Put ``layer`` at ``name`` in ``model`` (:func:`~comera_engine.layers.tree.set_module`);
+    at ``<attention>.in_proj`` of an attention not yet split, split it first
+    (:meth:`SplitAttention.of`)."""
+    owner = name.rpartition(".")[0]
+    parent = model.get_submodule(owner)
+    if (name.endswith(".in_proj") and isinstance(parent, nn.MultiheadAttention)
+            and not isinstance(parent, SplitAttention)):
+        set_module(model, owner, SplitAttention.of(parent))
+    set_module(model, name, layer)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from .attention import SplitAttention, packed_in_proj, weight_read_linears
+from .attention import SplitAttention, packed_in_proj, set_layer, weight_readers
 from .embedding_peers import peer_tables
 from .peers import peer_layers
 from .tied import tie_heads, tied_heads
@@ -20,8 +20,8 @@ from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 
 __all__ = ["TT_LAYERS", "candidate_layers", "conv1d_as_linear", "factorized_layers",
-           "freeze_gates", "groupable_linears", "is_conv1d", "module_aliases", "set_module",
-           "size_report", "tensorize_layers", "truncate", "tt_layers", "unique_state_dict"]
+           "freeze_gates", "groupable_linears", "is_conv1d", "size_report", "tensorize_layers",
+           "truncate", "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
 
@@ -36,7 +36,7 @@ def groupable_linears(model: nn.Module) -> list[TTLinear]:
     (:func:`comera_engine.tensor.grouped.grouped_halves`): layout ``tt``, path not forced
     to one that merges no halves (``sweep``, ``fused``), called as a layer (not an
     attention module's projection, whose weight torch reads)."""
-    read = weight_read_linears(model)
+    read = weight_readers(model)
     return [m for _, m in tt_layers(model) if isinstance(m, TTLinear) and m.layout == "tt"
             and m.path in (None, "halves", "dense") and id(m) not in read]
 
@@ -61,37 +61,6 @@ def matches(name: str, patterns: Iterable[str] | None) -> bool:
     """Whether the module name ``name`` matches one of the glob ``patterns`` (the full
     name: ``include`` / ``exclude``'s rule)."""
     return any(fnmatch.fnmatchcase(name, p) for p in (patterns or ()))
-
-
-def module_aliases(model: nn.Module) -> dict[str, list[str]]:
-    """``{name: [other names]}``: the modules of ``model`` held at more than one place
-    (T5's and BART's ``shared`` table is also ``encoder.embed_tokens`` and
-    ``decoder.embed_tokens``), by the name ``named_modules`` gives them first."""
-    first: dict[int, str] = {}
-    out: dict[str, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        if id(module) in first:
-            out.setdefault(first[id(module)], []).append(name)
-        else:
-            first[id(module)] = name
-    return out
-
-
-def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` where the module ``name`` is, and at every other place that holds the
-    same module (:func:`module_aliases`), so no alias keeps the old one."""
-    for where in (name, *module_aliases(model).get(name, ())):
-        parent_name, _, child = where.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
-
-
-def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` without the entries a module held at several places repeats
-    under its other names (:func:`module_aliases`): each tensor once, under the name
-    ``named_modules`` gives its module first."""
-    others = tuple(f"{a}." for names in module_aliases(model).values() for a in names)
-    return {k: v for k, v in model.state_dict().items() if not k.startswith(others)}
 
 
 def is_conv1d(module: nn.Module | None) -> bool:
@@ -239,12 +208,7 @@ def tensorize_layers(
         if dry_run:
             row["module"] = new
         else:
-            owner = name.rpartition(".")[0]
-            parent = model.get_submodule(owner)
-            if (name.endswith(".in_proj") and isinstance(parent, nn.MultiheadAttention)
-                    and not isinstance(parent, SplitAttention)):
-                set_module(model, owner, SplitAttention.of(parent))
-            set_module(model, name, new)
+            set_layer(model, name, new)
         row.update(replaced=not dry_run, ranks=new.tt.ranks, params_after=new.num_params(False))
         report.append(row)
         tables.add(name)

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor, nn
 
+from .tree import set_module
 from .tt_embedding import TTEmbedding
 
 __all__ = ["TiedDecoder", "tie_heads", "tied_heads"]
@@ -98,7 +99,6 @@ def tie_heads(model: nn.Module, ties: Mapping[str, str]) -> list[str]:
         old = model.get_submodule(name)
         new = (embedding if isinstance(old, nn.Embedding)
                else TiedDecoder(embedding, getattr(old, "bias", None)))
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        set_module(model, name, new)
         done.append(name)
     return done

@@ -23,7 +23,8 @@ from torch import nn
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import candidate_layers, factorized_layers, freeze_gates, tensorize_layers
-from ..layers.tensorize import matches, module_aliases
+from ..layers.tensorize import matches
+from ..layers.tree import module_aliases
 from .size import size_spec
 from .target import SizeSpec, TargetPlan, plan_fixed_ranks, plan_target
 
