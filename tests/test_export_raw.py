@@ -10,6 +10,7 @@ function and seed); the text is encoded with the code the model card prints, run
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,42 @@ def _table_csvs(folder: Path) -> tuple[Path, Path]:
             writer.writerows(rows)
     return paths
 
+def _factory_run(tmp: Path, monkeypatch, module: str, source: str, factory: str,
+                 tensorize: str, data: str = "", comera: str = "",
+                 csvs: Callable[[Path], tuple[Path, Path]] = _breast_cancer_csvs,
+                 steps: int = 40) -> tuple[dict[str, float], Path]:
+    """``comera train`` of the network ``factory`` of the module ``module`` (``source``,
+    written into ``tmp`` and importable) on the worked example's CSV files (``csvs``
+    writes them), 3× asked; ``tensorize``, ``data`` and ``comera``: more keys of those
+    tables. Returns the final metrics and the eval file."""
+    (tmp / f"{module}.py").write_text(source, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp))
+    monkeypatch.chdir(tmp)
+    train, evals = csvs(tmp)
+    (tmp / "net.toml").write_text(f'''name = "{module}"
+task = "classify"
+[model]
+factory = "{module}:{factory}"
+[model.tensorize]
+{tensorize}
+[data]
+name = "files"
+train = "{train.name}"
+eval = "{evals.name}"
+label = "diagnosis"
+{data}
+[comera]
+target_compression = 3
+{comera}
+[train]
+steps = {steps}
+batch_size = 32
+eval_every = 0
+ckpt_every = 0
+device = "cpu"
+''', encoding="utf-8")
+    return train_final_eval(tmp / "net.toml", tmp / "run"), evals
+
 
 def test_a_file_data_export_takes_raw_csv_rows(tmp_path: Path, monkeypatch) -> None:
     """Issue 46 item 2: a model trained on your CSV (numbers with missing values, a
@@ -227,35 +264,11 @@ def test_a_file_data_export_takes_raw_csv_rows(tmp_path: Path, monkeypatch) -> N
     give the run's eval accuracy."""
     import csv
 
-    (tmp_path / "table_mod.py").write_text(TABLE_MODULE, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    train, evals = _table_csvs(tmp_path)
-    (tmp_path / "table.toml").write_text(f'''name = "raw-rows"
-task = "classify"
-[model]
-factory = "table_mod:numbers_and_site"
-[model.tensorize]
-exclude = ["head", "site"]
-layout = "ttm"
-[data]
-name = "files"
-train = "{train.name}"
-eval = "{evals.name}"
-label = "diagnosis"
-categorical = ["site"]
-[comera]
-target_compression = 3
-lr_cores = 3e-3
-lr_dense = 3e-3
-[train]
-steps = 120
-batch_size = 32
-eval_every = 0
-ckpt_every = 0
-device = "cpu"
-''', encoding="utf-8")
-    final = train_final_eval(tmp_path / "table.toml", tmp_path / "run")
+    final, evals = _factory_run(
+        tmp_path, monkeypatch, "table_mod", TABLE_MODULE, "numbers_and_site",
+        tensorize='exclude = ["head", "site"]\nlayout = "ttm"',
+        data='categorical = ["site"]', comera="lr_cores = 3e-3\nlr_dense = 3e-3",
+        csvs=_table_csvs, steps=120)
     assert final["eval/acc"] > 0.85
     model, session, res = _exports(tmp_path / "run", tmp_path)
     with open(evals, newline="") as f:
@@ -325,31 +338,8 @@ def test_exports_of_torch_attention_and_conv1d_rebuild_the_dense_model(
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    (tmp_path / "enc_mod.py").write_text(ENCODER_MODULE, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    train, evals = _breast_cancer_csvs(tmp_path)
-    (tmp_path / "enc.toml").write_text(f'''name = "enc"
-task = "classify"
-[model]
-factory = "enc_mod:feature_tokens"
-[model.tensorize]
-exclude = ["head", "tok"]
-[data]
-name = "files"
-train = "{train.name}"
-eval = "{evals.name}"
-label = "diagnosis"
-[comera]
-target_compression = 3
-[train]
-steps = 40
-batch_size = 32
-eval_every = 0
-ckpt_every = 0
-device = "cpu"
-''', encoding="utf-8")
-    train_final_eval(tmp_path / "enc.toml", tmp_path / "run")
+    _factory_run(tmp_path, monkeypatch, "enc_mod", ENCODER_MODULE, "feature_tokens",
+                 tensorize='exclude = ["head", "tok"]')
     model, session, _ = _exports(tmp_path / "run", tmp_path)
     names = [n for n, _ in comera_engine.layers.tt_layers(model.network)]
     assert {"enc.layers.0.self_attn.in_proj", "enc.layers.0.self_attn.out_proj",
@@ -374,3 +364,86 @@ device = "cpu"
     # dequantised in the graph like every other layer's, not baked in as float constants
     o8 = export_run(tmp_path / "run", format="onnx", out=tmp_path / "i8.onnx", dtype="int8")
     assert o8.tensor_bytes == o8.expected_bytes
+
+
+#: A network of your own whose token table is held at two places (as T5's shared table)
+#: and read by a head tied to it (as GPT-2's lm_head).
+TIED_MODULE = '''
+import torch
+from torch import nn
+
+COMERA_MODELS = ["bucket_tokens"]
+
+
+class Net(nn.Module):
+    """Each feature bucketed into a token of its own; the table read at two places and
+    by a tied head, whose scores a dense head reads."""
+
+    def __init__(self, in_features, num_classes, buckets=8, d=32):
+        super().__init__()
+        self.buckets = buckets
+        self.register_buffer("edges", torch.linspace(-2.0, 2.0, buckets - 1))
+        self.tok = nn.Embedding(in_features * buckets, d)
+        self.pooled_tok = self.tok  # the same module at a second place
+        self.mix = nn.Linear(d, d)
+        self.dec = nn.Linear(d, in_features * buckets, bias=False)
+        self.dec.weight = self.tok.weight  # tied
+        self.head = nn.Linear(in_features * buckets, num_classes)
+
+    def forward(self, x):
+        ids = torch.bucketize(x.contiguous(), self.edges)
+        ids = ids + self.buckets * torch.arange(x.shape[1], device=x.device)
+        h = self.pooled_tok(ids).mean(1) + self.tok(ids).amax(1)
+        return self.head(self.dec(torch.relu(self.mix(h))))
+
+
+def bucket_tokens(in_features, num_classes):
+    return Net(in_features, num_classes)
+'''
+
+
+def test_exports_of_a_shared_table_and_a_tied_head(tmp_path: Path, monkeypatch) -> None:
+    """A factory network whose table is held at two places and tied to a head, trained by
+    ``comera train``: every export (compressed and dense safetensors, ONNX; float32 and
+    int8) gives the trained model's outputs; the compressed file holds the TT table once,
+    the dense file is the factory's own dense state dict (every name), which torch loads
+    strictly into the factory's network."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    ort = pytest.importorskip("onnxruntime")
+    _factory_run(tmp_path, monkeypatch, "tied_mod", TIED_MODULE, "bucket_tokens",
+                 tensorize='exclude = ["head"]')
+    model = comera_engine.load(export_run(tmp_path / "run", format="compressed",
+                                          out=tmp_path / "c.safetensors").path)
+    net = model.network
+    assert net.pooled_tok is net.tok and net.dec.embedding is net.tok  # the ties kept
+    with safe_open(str(tmp_path / "c.safetensors"), framework="pt") as f:
+        assert not any(k.startswith("pooled_tok") for k in f.keys())  # the table once
+    x = np.random.default_rng(0).normal(size=(7, 30)).astype(np.float32)
+    with torch.no_grad():
+        y = model(torch.from_numpy(x)).numpy()
+    dense = export_run(tmp_path / "run", format="dense", out=tmp_path / "d.safetensors")
+    state = load_file(str(dense.path))
+    from tied_mod import Net
+
+    plain = Net(30, 2).eval()
+    plain.load_state_dict({k: v for k, v in state.items() if not k.startswith("meta:")})
+    with torch.no_grad():
+        std = (torch.from_numpy(x) - state["meta:mean"]) / state["meta:std"]
+        np.testing.assert_allclose(plain(std).numpy(), y, rtol=1e-4, atol=1e-5)
+    for dtype, tol in (("float32", 1e-5), ("int8", 0.2)):
+        onnx = export_run(tmp_path / "run", format="onnx", out=tmp_path / f"{dtype}.onnx",
+                          dtype=dtype)
+        # each TT table once, nothing baked in as constants (float32 counts the model's
+        # weights and, in the graph, also its buffer of bucket edges)
+        buffers = 4 * net.edges.numel() if dtype == "float32" else 0
+        assert onnx.tensor_bytes == onnx.expected_bytes + buffers
+        session = ort.InferenceSession(str(onnx.path), providers=["CPUExecutionProvider"])
+        (got,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(got, y, rtol=0, atol=tol * max(1.0, np.abs(y).max()))
+    q = comera_engine.load(export_run(tmp_path / "run", format="compressed", dtype="int8",
+                                      out=tmp_path / "q.safetensors").path)
+    with torch.no_grad():
+        np.testing.assert_allclose(q(torch.from_numpy(x)).numpy(), y, rtol=0,
+                                   atol=0.2 * max(1.0, np.abs(y).max()))

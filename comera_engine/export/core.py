@@ -65,6 +65,7 @@ from comera_engine.export.container import (
 )
 from comera_engine.layers import TTLinear, is_conv1d, size_report, tt_layers
 from comera_engine.layers.tied import TiedDecoder
+from comera_engine.layers.tree import unique_state_dict, with_aliases
 from comera_engine.tensor.tt import max_tt_ranks
 
 __all__ = ["FORMATS", "ExportResult", "export_model", "load", "read_metadata"]
@@ -149,7 +150,8 @@ def _layer_info(name: str, layer: nn.Module, ranks: list[int]) -> dict[str, Any]
 
 
 def _persistent_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items()}
+    """The model's state, each module held at several places once (T5's shared table)."""
+    return unique_state_dict(model)
 
 
 def _under(key: str, prefixes: list[str]) -> str | None:
@@ -202,7 +204,7 @@ def _dense_tensors(model: nn.Module, dense: nn.Module) -> dict[str, torch.Tensor
     for name, module in model.named_modules():  # a tied head holds the table's weight
         if isinstance(module, TiedDecoder) and f"{name}.weight" not in tensors:
             tensors[f"{name}.weight"] = module.weight.detach().clone()
-    return tensors
+    return with_aliases(dense, tensors)  # the dense model's state dict, every name
 
 
 # ------------------------------------------------------------------------ expectations
@@ -211,8 +213,11 @@ def _expected_state(skeleton: nn.Module, fmt: str, infos: list[dict] | None,
     """Names, shapes and dtypes the file must hold for this skeleton (built on ``meta``),
     and per TT layer name ``(validated ranks, core shapes)`` (compressed). A layer's cores
     are stored packed: one 1-D tensor ``<layer>.tt.cores``, the row-major cores one after
-    the other."""
-    state = {k: (tuple(v.shape), v.dtype) for k, v in skeleton.state_dict().items()}
+    the other. A dense file holds the dense model's whole state dict (a module held at
+    several places under each of its names: ``load_state_dict`` takes it as it is); a
+    compressed file each module once (:func:`unique_state_dict`)."""
+    state = {k: (tuple(v.shape), v.dtype) for k, v in (
+        skeleton.state_dict() if fmt == "dense" else unique_state_dict(skeleton)).items()}
     layers = dict(_tt_name_set(skeleton))
     if fmt == "dense":
         if layers:
@@ -620,6 +625,11 @@ def _write_safetensors(path: Path, doc: dict[str, Any], tensors: dict[str, torch
                                    f"{_packed.META_PREFIX!r} are the data spec's in an export")
     text = json.dumps(_file_doc(doc, recipe, taus), separators=(",", ":"), allow_nan=False)
     out = {k: v.detach().to("cpu").contiguous() for k, v in {**tensors, **arrays}.items()}
+    seen: set[int] = set()
+    for k, v in out.items():  # safetensors refuses tensors sharing memory: copy repeats
+        if v.numel() and v.untyped_storage().data_ptr() in seen:
+            out[k] = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
     write_atomic(path, lambda tmp: save_file(out, str(tmp), metadata={METADATA_KEY: text}))
     return _quant.stored_bytes(tensors), _quant.stored_bytes(arrays)
 
@@ -846,7 +856,7 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
         state[f"{name}.tt.gate"] = torch.ones(sum(ranks), dtype=dtype)
         state[f"{name}.tt.alive"] = torch.ones(sum(ranks), dtype=torch.bool)
     try:
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(with_aliases(model, state), strict=True)
     except RuntimeError as exc:  # pragma: no cover - shapes were checked above
         raise BadExportFile(p, f"tensors do not fit the rebuilt model: "
                                f"{str(exc).splitlines()[0]}") from None

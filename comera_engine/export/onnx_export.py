@@ -40,6 +40,7 @@ from comera_engine.export.pipeline import RawInputs, raw_example
 from comera_engine.export.quant import max_rel_diff, store_module
 from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
 from comera_engine.layers.tied import TiedDecoder
+from comera_engine.layers.tree import set_module
 from comera_engine.tensor.contract import merge_left, merge_right
 from comera_engine.tensor.lookup import merge_tables, split_point
 from comera_engine.tensor.tt import ttm_matrix
@@ -154,14 +155,13 @@ class OnnxTTEmbedding(nn.Module):
 
 
 def onnx_export_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` (eval mode) with every TT layer in its export form."""
+    """A copy of ``model`` (eval mode) with every TT layer in its export form (one per
+    layer, put at every place that holds it: T5's shared table)."""
     clone = copy.deepcopy(model).eval()
     swapped: dict[int, nn.Module] = {}
     for name, layer in tt_layers(clone):
         new = OnnxTTLinear(layer) if isinstance(layer, TTLinear) else OnnxTTEmbedding(layer)
-        parent_name, _, child = name.rpartition(".")
-        parent = clone.get_submodule(parent_name) if parent_name else clone
-        setattr(parent, child, new)
+        set_module(clone, name, new)  # at every place that holds the layer
         swapped[id(layer)] = new
     for module in clone.modules():  # a tied head decodes through the table's export form
         if isinstance(module, TiedDecoder):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["module_aliases", "set_module", "unique_state_dict"]
+__all__ = ["module_aliases", "set_module", "unique_state_dict", "with_aliases"]
 
 
 def module_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -39,3 +39,16 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``named_modules`` gives its module first."""
     others = tuple(f"{a}." for names in module_aliases(model).values() for a in names)
     return {k: v for k, v in model.state_dict().items() if not k.startswith(others)}
+
+
+def with_aliases(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (named as :func:`unique_state_dict` names it) with the entries of every
+    module held at several places repeated under its other names: what
+    ``model.load_state_dict(strict=True)`` and ``model.state_dict()`` expect. The
+    repeated entries are the same tensors, not copies."""
+    out = dict(state)
+    for first, others in module_aliases(model).items():
+        for key, value in state.items():
+            if key.startswith(f"{first}."):
+                out.update({f"{other}{key[len(first):]}": value for other in others})
+    return out
