@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING
 from ._lazy import lazy_getattr
 from ._version import __version__
 
-__all__ = ["CoMERA", "CoMERAConfig", "TTEmbedding", "TTLinear", "TrainingDiverged",
-           "__version__", "estimate", "explain", "load", "load_into", "lr_scheduler",
-           "max_tt_ranks", "plan", "save", "size_report", "tensorize", "truncate", "tt_svd"]
+__all__ = ["CoMERA", "CoMERAConfig", "TTEmbedding", "TTEmbeddingBag", "TTLinear",
+           "TrainingDiverged", "__version__", "estimate", "explain", "load", "load_into",
+           "lr_scheduler", "max_tt_ranks", "plan", "save", "size_report", "tensorize", "truncate",
+           "tt_svd"]
 
 #: Public names loaded on first use (torch with all but the config), and their modules.
 _LAZY = {"CoMERA": "rank", "CoMERAConfig": "config", "TTEmbedding": "layers",
+         "TTEmbeddingBag": "layers",
          "TTLinear": "layers", "TrainingDiverged": "errors", "size_report": "layers",
          "tensorize": "rank", "truncate": "layers",
          "save": "export.weights", "load_into": "export.weights", "load": "export",
@@ -46,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .errors import TrainingDiverged
     from .export import load
     from .export.weights import load_into, save
-    from .layers import TTEmbedding, TTLinear, size_report, truncate
+    from .layers import TTEmbedding, TTEmbeddingBag, TTLinear, size_report, truncate
     from .rank import CoMERA, tensorize
     from .tensor import estimate, explain, max_tt_ranks, plan, tt_svd
     from .train.lr_schedule import lr_scheduler

@@ -663,7 +663,7 @@ def _memory(cfg: Any, model: Any, pv: Preview, shape: types.SimpleNamespace, dev
                     tables = (math.prod(vf[:h]) * math.prod(df[:h])
                               + math.prod(vf[h:]) * math.prod(df[h:])) * r[h]
                     built += 2 * tables * _FP32
-            elif isinstance(mod, nn.Embedding):
+            elif isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
                 acts += tokens * mod.embedding_dim * act_b
             heads = getattr(mod, "n_heads", None) or (
                 mod.num_heads if isinstance(mod, nn.MultiheadAttention) else None)

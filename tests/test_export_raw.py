@@ -367,7 +367,7 @@ def test_exports_of_torch_attention_and_conv1d_rebuild_the_dense_model(
 
 
 #: A network of your own whose token table is held at two places (as T5's shared table)
-#: and read by a head tied to it (as GPT-2's lm_head).
+#: and read by a head tied to it (as GPT-2's lm_head), and a bag table (max-pooled).
 TIED_MODULE = '''
 import torch
 from torch import nn
@@ -377,7 +377,7 @@ COMERA_MODELS = ["bucket_tokens"]
 
 class Net(nn.Module):
     """Each feature bucketed into a token of its own; the table read at two places and
-    by a tied head, whose scores a dense head reads."""
+    by a tied head, whose scores a dense head reads; a bag table pooling the tokens."""
 
     def __init__(self, in_features, num_classes, buckets=8, d=32):
         super().__init__()
@@ -385,6 +385,7 @@ class Net(nn.Module):
         self.register_buffer("edges", torch.linspace(-2.0, 2.0, buckets - 1))
         self.tok = nn.Embedding(in_features * buckets, d)
         self.pooled_tok = self.tok  # the same module at a second place
+        self.bag = nn.EmbeddingBag(in_features * buckets, d, mode="max")
         self.mix = nn.Linear(d, d)
         self.dec = nn.Linear(d, in_features * buckets, bias=False)
         self.dec.weight = self.tok.weight  # tied
@@ -393,7 +394,7 @@ class Net(nn.Module):
     def forward(self, x):
         ids = torch.bucketize(x.contiguous(), self.edges)
         ids = ids + self.buckets * torch.arange(x.shape[1], device=x.device)
-        h = self.pooled_tok(ids).mean(1) + self.tok(ids).amax(1)
+        h = self.pooled_tok(ids).mean(1) + self.bag(ids)
         return self.head(self.dec(torch.relu(self.mix(h))))
 
 
@@ -402,12 +403,13 @@ def bucket_tokens(in_features, num_classes):
 '''
 
 
-def test_exports_of_a_shared_table_and_a_tied_head(tmp_path: Path, monkeypatch) -> None:
-    """A factory network whose table is held at two places and tied to a head, trained by
-    ``comera train``: every export (compressed and dense safetensors, ONNX; float32 and
-    int8) gives the trained model's outputs; the compressed file holds the TT table once,
-    the dense file is the factory's own dense state dict (every name), which torch loads
-    strictly into the factory's network."""
+def test_exports_of_a_shared_table_a_tied_head_and_a_bag(tmp_path: Path,
+                                                         monkeypatch) -> None:
+    """A factory network whose table is held at two places and tied to a head, with an
+    ``nn.EmbeddingBag`` (max), trained by ``comera train``: every export (compressed and
+    dense safetensors, ONNX; float32 and int8) gives the trained model's outputs; the
+    compressed file holds the TT table once, the dense file is the factory's own dense
+    state dict (every name), which torch loads strictly into the factory's network."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -418,6 +420,7 @@ def test_exports_of_a_shared_table_and_a_tied_head(tmp_path: Path, monkeypatch) 
                                           out=tmp_path / "c.safetensors").path)
     net = model.network
     assert net.pooled_tok is net.tok and net.dec.embedding is net.tok  # the ties kept
+    assert isinstance(net.bag, comera_engine.TTEmbeddingBag) and net.bag.mode == "max"
     with safe_open(str(tmp_path / "c.safetensors"), framework="pt") as f:
         assert not any(k.startswith("pooled_tok") for k in f.keys())  # the table once
     x = np.random.default_rng(0).normal(size=(7, 30)).astype(np.float32)

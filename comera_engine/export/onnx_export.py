@@ -38,15 +38,15 @@ from comera_engine.errors import ConfigError
 from comera_engine.export.container import METADATA_KEY, BadExportFile, write_atomic
 from comera_engine.export.pipeline import RawInputs, raw_example
 from comera_engine.export.quant import max_rel_diff, store_module
-from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
+from comera_engine.layers import TTEmbedding, TTEmbeddingBag, TTLinear, tt_layers
 from comera_engine.layers.tied import TiedDecoder
 from comera_engine.layers.tree import set_module
 from comera_engine.tensor.contract import merge_left, merge_right
 from comera_engine.tensor.lookup import merge_tables, split_point
 from comera_engine.tensor.tt import ttm_matrix
 
-__all__ = ["OnnxTTEmbedding", "OnnxTTLinear", "export_onnx", "onnx_export_copy",
-           "read_onnx_metadata"]
+__all__ = ["OnnxTTEmbedding", "OnnxTTEmbeddingBag", "OnnxTTLinear", "export_onnx",
+           "onnx_export_copy", "read_onnx_metadata"]
 
 OPSET = 17
 
@@ -154,13 +154,53 @@ class OnnxTTEmbedding(nn.Module):
         return W
 
 
+class OnnxTTEmbeddingBag(OnnxTTEmbedding):
+    """Export form of a :class:`TTEmbeddingBag`: the entries' rows as
+    :class:`OnnxTTEmbedding` gathers them, reduced per bag in plain ONNX ops (torch's
+    exporter has no ``embedding_bag`` with a padding row). A 2-D input (equal bags)
+    reduces along its rows; flat ids with ``offsets`` through a bag-membership matrix
+    ``(B, N)``: a matmul for ``sum`` / ``mean``, a masked maximum for ``max``."""
+
+    def __init__(self, layer: TTEmbeddingBag) -> None:
+        super().__init__(layer)
+        self.mode, self.include_last_offset = layer.mode, layer.include_last_offset
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,  # noqa: A002
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        rows = super().forward(input)  # (*input, D), padding rows zero
+        keep = (torch.ones_like(input, dtype=torch.bool) if self.padding_idx is None
+                else input != self.padding_idx)
+        if offsets is None:  # (B, L): bag b holds row b's entries
+            member = keep
+        else:  # flat ids: entry i belongs to the last bag starting at or before it
+            starts = offsets[:-1] if self.include_last_offset else offsets
+            pos = torch.arange(input.shape[0], device=input.device)
+            bag = (starts.unsqueeze(0) <= pos.unsqueeze(1)).sum(1) - 1  # (N,)
+            if self.include_last_offset:
+                keep = keep & (pos < offsets[-1])
+            bags = torch.arange(starts.shape[0], device=input.device)
+            member = (bag.unsqueeze(0) == bags.unsqueeze(1)) & keep.unsqueeze(0)  # (B, N)
+            rows = rows.unsqueeze(0)  # (1, N, D)
+        if self.mode == "max":
+            out = torch.where(member.unsqueeze(-1), rows, float("-inf")).amax(-2)
+            return torch.where(member.any(-1, keepdim=True), out, 0.0)  # an empty bag: 0
+        weight = member.to(rows.dtype)
+        if per_sample_weights is not None:
+            weight = weight * per_sample_weights.to(rows.dtype)
+        out = torch.matmul(weight.unsqueeze(-2), rows).squeeze(-2)  # (B, D)
+        if self.mode == "mean":
+            out = out / member.sum(-1, keepdim=True).clamp(min=1).to(rows.dtype)
+        return out
+
+
 def onnx_export_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` (eval mode) with every TT layer in its export form (one per
     layer, put at every place that holds it: T5's shared table)."""
     clone = copy.deepcopy(model).eval()
     swapped: dict[int, nn.Module] = {}
     for name, layer in tt_layers(clone):
-        new = OnnxTTLinear(layer) if isinstance(layer, TTLinear) else OnnxTTEmbedding(layer)
+        new = (OnnxTTLinear(layer) if isinstance(layer, TTLinear) else OnnxTTEmbeddingBag(layer)
+               if isinstance(layer, TTEmbeddingBag) else OnnxTTEmbedding(layer))
         set_module(clone, name, new)  # at every place that holds the layer
         swapped[id(layer)] = new
     for module in clone.modules():  # a tied head decodes through the table's export form

@@ -42,6 +42,7 @@ from comera_engine.export.container import (
 from comera_engine.layers import (
     SplitAttention,
     TTEmbedding,
+    TTEmbeddingBag,
     TTLinear,
     candidate_layers,
     peer_layers,
@@ -68,7 +69,8 @@ def _describe(name: str, layer: nn.Module, ranks: list[int]) -> dict[str, Any]:
                 "layout": layer.layout, "path": layer.path}
     return {**common, "kind": "embedding", "num_embeddings": layer.num_embeddings,
             "embedding_dim": layer.embedding_dim, "vocab_factors": list(layer.vocab_factors),
-            "dim_factors": list(layer.dim_factors), "padding_idx": layer.padding_idx}
+            "dim_factors": list(layer.dim_factors), "padding_idx": layer.padding_idx,
+            **({"bag": layer.options_of(layer)} if isinstance(layer, TTEmbeddingBag) else {})}
 
 
 def save(model: nn.Module, path: str | os.PathLike[str]) -> Path:
@@ -131,15 +133,22 @@ def _build(path: Path, entry: Any, like: nn.Module) -> nn.Module:
                 bias=bool(entry["bias"]), tau=float(entry["tau"]), path=entry.get("path"),
                 dtype=dtype, device=device, layout=str(entry["layout"]))
         elif entry.get("kind") == "embedding":
-            fits = isinstance(like, (nn.Embedding, TTEmbedding)) and (
+            bag = entry.get("bag")  # an nn.EmbeddingBag's reduction
+            kinds = (nn.EmbeddingBag, TTEmbeddingBag) if bag is not None else (
+                nn.Embedding, TTEmbedding)
+            fits = isinstance(like, kinds) and not (
+                bag is None and isinstance(like, TTEmbeddingBag)) and (
                 like.num_embeddings, like.embedding_dim) == (entry["num_embeddings"],
                                                              entry["embedding_dim"])
-            shape = f"Embedding({entry['num_embeddings']}, {entry['embedding_dim']})"
-            new = TTEmbedding(
+            shape = (f"{'EmbeddingBag' if bag is not None else 'Embedding'}"
+                     f"({entry['num_embeddings']}, {entry['embedding_dim']})")
+            options = {} if bag is None else {"mode": str(bag["mode"]), "include_last_offset":
+                                              bool(bag["include_last_offset"])}
+            new = (TTEmbedding if bag is None else TTEmbeddingBag)(
                 int(entry["num_embeddings"]), int(entry["embedding_dim"]), rank=alloc,
                 padding_idx=entry.get("padding_idx"), vocab_factors=entry["vocab_factors"],
                 dim_factors=entry["dim_factors"], tau=float(entry["tau"]), dtype=dtype,
-                device=device)
+                device=device, **options)
         else:
             raise ValueError(f"kind {entry.get('kind')!r}")
     except (KeyError, TypeError, ValueError) as exc:
@@ -162,6 +171,8 @@ def _layer_shape(module: nn.Module) -> str:
         if isinstance(getattr(module, a, None), int) and isinstance(getattr(module, b, None),
                                                                     int):
             tt = "TT " if isinstance(module, (TTLinear, TTEmbedding)) else ""
+            if isinstance(module, (nn.EmbeddingBag, TTEmbeddingBag)):
+                kind = "EmbeddingBag"
             return f"{tt}{kind}({getattr(module, a)}, {getattr(module, b)})"
     return type(module).__name__
 

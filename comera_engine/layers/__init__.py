@@ -19,11 +19,11 @@ from .tensorize import (
     tt_layers,
 )
 from .tied import TiedDecoder
-from .tt_embedding import TTEmbedding
+from .tt_embedding import TTEmbedding, TTEmbeddingBag
 from .tt_linear import TTLinear
 
 __all__ = ["PEER_LAYERS", "SplitAttention", "TLTorchEmbedding", "TLTorchLinear", "TT_LAYERS",
-           "TTEmbedding", "TiedDecoder", "TTLinear", "candidate_layers", "conv1d_as_linear",
-           "dense_size_metrics", "factorized_layers", "freeze_gates", "groupable_linears",
-           "is_conv1d", "peer_layers", "size_report", "stored_nbytes", "tensorize_layers",
-           "truncate", "tt_layers"]
+           "TTEmbedding", "TTEmbeddingBag", "TiedDecoder", "TTLinear", "candidate_layers",
+           "conv1d_as_linear", "dense_size_metrics", "factorized_layers", "freeze_gates",
+           "groupable_linears", "is_conv1d", "peer_layers", "size_report", "stored_nbytes",
+           "tensorize_layers", "truncate", "tt_layers"]

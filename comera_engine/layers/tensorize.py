@@ -16,7 +16,7 @@ from .attention import SplitAttention, packed_in_proj, set_layer, weight_readers
 from .embedding_peers import peer_tables
 from .peers import peer_layers
 from .tied import tie_heads, tied_heads
-from .tt_embedding import TTEmbedding
+from .tt_embedding import TTEmbedding, TTEmbeddingBag
 from .tt_linear import TTLinear
 
 __all__ = ["TT_LAYERS", "candidate_layers", "conv1d_as_linear", "factorized_layers",
@@ -24,6 +24,9 @@ __all__ = ["TT_LAYERS", "candidate_layers", "conv1d_as_linear", "factorized_laye
            "truncate", "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
+#: the tables a TT table replaces: ``nn.Embedding`` by :class:`TTEmbedding`,
+#: ``nn.EmbeddingBag`` by :class:`TTEmbeddingBag`
+TABLES = (nn.Embedding, nn.EmbeddingBag)
 
 
 def tt_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -86,8 +89,9 @@ def conv1d_as_linear(module: nn.Module) -> nn.Linear:
 
 def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
     """``(qualified name, module)`` of every layer of ``model`` that can be made TT, in
-    model order: each ``nn.Linear`` and ``nn.Embedding``; each Hugging Face ``Conv1D``
-    (GPT-2's) as the ``nn.Linear`` it computes (:func:`conv1d_as_linear`); and the
+    model order: each ``nn.Linear``, ``nn.Embedding`` and ``nn.EmbeddingBag``; each
+    Hugging Face ``Conv1D`` (GPT-2's) as the ``nn.Linear`` it computes
+    (:func:`conv1d_as_linear`); and the
     packed input projection of each ``nn.MultiheadAttention`` as ``<attention>.in_proj``
     (an ``nn.Linear`` sharing its parameters,
     :func:`~comera_engine.layers.attention.packed_in_proj`, until the attention is split;
@@ -98,12 +102,16 @@ def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
             out.append((f"{name}.in_proj", packed_in_proj(mod)) if name else (
                 "in_proj", "the model is an attention module itself: tensorize a model "
                            "that holds it"))
-        elif isinstance(mod, (nn.Linear, nn.Embedding)) and not isinstance(mod, TT_LAYERS):
-            base = nn.Linear if isinstance(mod, nn.Linear) else nn.Embedding
+        elif isinstance(mod, TABLES + (nn.Linear,)) and not isinstance(mod, TT_LAYERS):
+            base = next(b for b in (nn.Linear, *TABLES) if isinstance(mod, b))
             out.append((name, mod) if type(mod).forward is base.forward else (
                 name, f"a {type(mod).__name__} computes more than a plain nn."
                       f"{base.__name__} (its own forward), which a TT layer would drop: it "
                       "stays dense"))
+            if base is not nn.Linear and (mod.max_norm is not None or mod.scale_grad_by_freq):
+                out[-1] = (name, "renormalises the rows it reads (max_norm) or scales their "
+                                 "gradients by the ids' counts (scale_grad_by_freq), which a "
+                                 "TT table cannot: it stays dense")
         elif is_conv1d(mod):
             out.append((name, conv1d_as_linear(mod)))
     return out
@@ -169,7 +177,7 @@ def tensorize_layers(
             continue
         row: dict = {"name": name}
         if isinstance(mod, str):  # cannot be made TT, and why
-            row.update(kind="embedding" if isinstance(modules.get(name), nn.Embedding)
+            row.update(kind="embedding" if isinstance(modules.get(name), TABLES)
                        else "linear", replaced=False, reason=mod)
             report.append(row)
             continue
@@ -198,12 +206,13 @@ def tensorize_layers(
                                device=device, layout=layout)
             row["factors"] = [list(new.in_factors), list(new.out_factors)]
         else:
+            table = TTEmbeddingBag if isinstance(mod, nn.EmbeddingBag) else TTEmbedding
             if from_pretrained and not dry_run:
-                new = TTEmbedding.from_embedding(mod, rank=emb_rank, d=d, tau=tau)
+                new = table.from_embedding(mod, rank=emb_rank, d=d, tau=tau)
             else:
-                new = TTEmbedding(mod.num_embeddings, mod.embedding_dim, rank=emb_rank,
-                                  padding_idx=mod.padding_idx, d=d, tau=tau, dtype=w.dtype,
-                                  device=device)
+                new = table(mod.num_embeddings, mod.embedding_dim, rank=emb_rank,
+                            padding_idx=mod.padding_idx, d=d, tau=tau, dtype=w.dtype,
+                            device=device, **table.options_of(mod))
             row["factors"] = [list(new.vocab_factors), list(new.dim_factors)]
         if dry_run:
             row["module"] = new

@@ -17,8 +17,10 @@ its place too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
+import torch
 from torch import Tensor, nn
 
 from .tree import set_module
@@ -47,6 +49,14 @@ class TiedDecoder(nn.Module):
             raise ValueError(f"bias: shape {tuple(bias.shape)}, the table has "
                              f"{self.out_features} rows")
         self.bias = bias
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The head's bias drawn afresh as ``nn.Linear``'s (the table is its owner's to
+        reset): for a model built on the ``meta`` device, after ``to_empty``."""
+        if self.bias is not None and not self.bias.is_meta:
+            bound = 1.0 / math.sqrt(self.in_features)
+            self.bias.uniform_(-bound, bound)
 
     def forward(self, h: Tensor) -> Tensor:
         scores = self.embedding.decode(h)

@@ -1,4 +1,5 @@
-"""``TTEmbedding``: a drop-in ``nn.Embedding`` stored as a gated TT-matrix (TTM)."""
+"""``TTEmbedding`` and ``TTEmbeddingBag``: drop-in ``nn.Embedding`` / ``nn.EmbeddingBag``
+tables stored as a gated TT-matrix (TTM)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from ..tensor.lookup import lookup_rows, split_point
 from ..tensor.planner import compute_dtype, explain_decode, explain_lookup, in_graph, plan_case
 from ..tensor.tt import TTMCores
 
-__all__ = ["TTEmbedding", "embedding_factors"]
+__all__ = ["BAG_MODES", "TTEmbedding", "TTEmbeddingBag", "embedding_factors"]
+
+#: the reductions of ``nn.EmbeddingBag`` (``mode``)
+BAG_MODES = ("sum", "mean", "max")
 
 
 def embedding_factors(num_embeddings: int, embedding_dim: int,
@@ -84,6 +88,11 @@ class TTEmbedding(nn.Module):
         fv, fe = embedding_factors(num_embeddings, embedding_dim, vocab_factors, dim_factors, d)
         self.tt = TTMCores(fv.factors, fe.factors, rank, tau=tau, init_var=1.0, dtype=dtype,
                            device=device)
+
+    def reset_parameters(self) -> None:
+        """Initialise afresh, as a new table is (entries of variance 1, gates 1): for a
+        model built on the ``meta`` device, after ``to_empty``."""
+        self.tt.reset_parameters()
 
     @property
     def vocab_factors(self) -> tuple[int, ...]:
@@ -161,12 +170,14 @@ class TTEmbedding(nn.Module):
         return self.num_embeddings * self.embedding_dim
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, rank: int | Sequence[int] | None = None,
-                       tol: float | None = None, **kw) -> TTEmbedding:
-        """TT-SVD of a trained ``nn.Embedding`` table."""
+    def from_embedding(cls, emb: nn.Embedding | nn.EmbeddingBag,
+                       rank: int | Sequence[int] | None = None, tol: float | None = None,
+                       **kw) -> TTEmbedding:
+        """TT-SVD of a trained ``nn.Embedding`` table (an ``nn.EmbeddingBag``'s for
+        :class:`TTEmbeddingBag`, its reduction kept)."""
         layer = cls(emb.num_embeddings, emb.embedding_dim, rank=rank or 1,
                     padding_idx=emb.padding_idx, dtype=emb.weight.dtype,
-                    device=emb.weight.device, **kw)
+                    device=emb.weight.device, **cls.options_of(emb), **kw)
         W = emb.weight.detach()
         D = layer.tt.shape[1]
         if D != W.shape[1]:
@@ -176,7 +187,62 @@ class TTEmbedding(nn.Module):
         layer.tt.load_cores_([c.detach() for c in src.cores])
         return layer
 
+    @staticmethod
+    def options_of(emb: nn.Module) -> dict:
+        """The constructor keywords, beyond the table's shape and padding row, that
+        rebuild ``emb``'s behaviour (none for a plain table)."""
+        return {}
+
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "
                 f"factors={list(self.vocab_factors)}x{list(self.dim_factors)}, "
                 f"ranks={self.tt.ranks}, padding_idx={self.padding_idx}")
+
+
+class TTEmbeddingBag(TTEmbedding):
+    """A drop-in ``nn.EmbeddingBag``: sums, means or maxima over bags of rows of a TTM
+    table, as ``F.embedding_bag`` computes them (``mode``, ``offsets`` or a 2-D input of
+    equal bags, ``per_sample_weights`` with ``sum``, ``include_last_offset``; an entry
+    equal to ``padding_idx`` is left out of its bag, an empty bag gives zeros).
+
+    The rows of every entry are looked up from the cores as :class:`TTEmbedding` does
+    (each distinct id once), then reduced per bag: ``F.embedding_bag`` over those rows.
+    Shapes: ``input`` ``(N,)`` with ``offsets`` ``(B,)`` (``(B+1,)`` with
+    ``include_last_offset``), or ``(B, L)``; the output ``(B, embedding_dim)``.
+
+    Args:
+        mode: ``"sum"``, ``"mean"`` (default, as ``nn.EmbeddingBag``) or ``"max"``.
+        include_last_offset: as ``nn.EmbeddingBag``.
+        The rest: as :class:`TTEmbedding`.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 rank: int | Sequence[int] = 8, padding_idx: int | None = None,
+                 mode: str = "mean", include_last_offset: bool = False, **kw) -> None:
+        if mode not in BAG_MODES:
+            raise ValueError(f"mode: one of {', '.join(BAG_MODES)}, got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, rank=rank, padding_idx=padding_idx,
+                         **kw)
+        self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+
+    def forward(self, input: Tensor, offsets: Tensor | None = None,  # noqa: A002 - torch's
+                per_sample_weights: Tensor | None = None) -> Tensor:
+        flat = input.reshape(-1)
+        rows = super().forward(flat)  # (N, D), each entry's row
+        index = torch.arange(flat.numel(), device=flat.device).reshape(input.shape)
+        skip = None
+        if self.padding_idx is not None:  # padding entries point at a row the bag skips
+            skip = flat.numel()
+            index = torch.where(input == self.padding_idx, skip, index)
+            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+        return torch.nn.functional.embedding_bag(
+            index, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset, padding_idx=skip)
+
+    @staticmethod
+    def options_of(emb: nn.Module) -> dict:
+        return {"mode": emb.mode, "include_last_offset": emb.include_last_offset}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode!r}"

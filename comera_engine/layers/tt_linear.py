@@ -116,6 +116,15 @@ class TTLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise afresh, as a new layer is (cores, gates 1, the bias as
+        ``nn.Linear``'s): for a model built on the ``meta`` device, after ``to_empty``."""
+        self.tt.reset_parameters()
+        if self.bias is not None and not self.bias.is_meta:
+            bound = 1.0 / math.sqrt(self.in_features)
+            self.bias.uniform_(-bound, bound)
+
     @property
     def in_factors(self) -> tuple[int, ...]:
         tt = self.tt

@@ -231,6 +231,7 @@ class TensorTrain(nn.Module):
         ranks = _resolve_ranks(rank, self.mode_sizes)
         full = [1, *ranks, 1]
         K = len(self.mode_shapes)
+        self.init_var = float(init_var)
         std = (init_var / max(1, math.prod(ranks))) ** (1.0 / (2 * K))
         #: the cores' entry scale at initialisation (gate balancing keeps their slices at it)
         self.init_std = float(std)
@@ -248,6 +249,21 @@ class TensorTrain(nn.Module):
         self.register_buffer("alive", torch.ones(sum(ranks), dtype=torch.bool, device=device))
         #: the allocated internal ranks: the lengths of the bonds' parts of ``gate``
         self.bond_ranks: tuple[int, ...] = tuple(ranks)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw the cores afresh as a new train at the current ranks is drawn (entry scale
+        from ``init_var``), every gate 1 and alive: torch's convention for filling a
+        module built on the ``meta`` device after ``to_empty`` (nothing is drawn on
+        ``meta``)."""
+        ranks = self.bond_ranks
+        self.init_std = float((self.init_var / max(1, math.prod(ranks)))
+                              ** (1.0 / (2 * self.num_cores)))
+        for core in self.cores:
+            if not core.is_meta:
+                core.copy_(scaled_isometry(core.shape, self.init_std, core.dtype, core.device))
+        self.gate.fill_(1.0)
+        self.alive.fill_(True)
 
     # ----------------------------------------------------------------- structure
     @property

@@ -144,6 +144,7 @@ def init_from_dense(model: nn.Module, dense: nn.Module) -> None:
         ConfigError: the two models do not match (``model.init_from``).
     """
     from comera_engine.layers import TTEmbedding, TTLinear, tt_layers
+    from comera_engine.layers.tensorize import TABLES
     from comera_engine.tensor.tt import TTMCores
 
     own = dict(factorized_layers(model))
@@ -161,7 +162,7 @@ def init_from_dense(model: nn.Module, dense: nn.Module) -> None:
             layer.tt.load_cores_(cores)
             if layer.bias is not None:
                 layer.bias.copy_(src.bias)
-        elif isinstance(layer, TTEmbedding) and isinstance(src, nn.Embedding) and (
+        elif isinstance(layer, TTEmbedding) and isinstance(src, TABLES) and (
                 src.num_embeddings, src.embedding_dim) == (layer.num_embeddings,
                                                            layer.embedding_dim):
             E = src.weight.detach().double()
