@@ -1,4 +1,4 @@
-"""CoMERA in your own training loop, on networks nobody tuned for: six networks defined
+"""CoMERA in your own training loop, on networks nobody tuned for: seven networks defined
 in this file (none is a preset), each trained with the README's loop at the learning
 rate the same network trains best at dense, and no CoMERA learning-rate setting, against
 the same network dense and the same TT network at ranks fixed for the target from the
@@ -14,6 +14,9 @@ start (``method="fixed"``: what learning the ranks buys), in the same loop.
 - ``torch_encoder``: the same reviews and shape, the blocks torch's own
   ``nn.TransformerEncoder`` (its attention's packed query-key-value projection made TT
   as ``<attention>.in_proj``).
+- ``bag``: the same reviews through a fastText-style bag of words: one
+  ``nn.EmbeddingBag`` (mean) over the tokens and their hashed bigrams (4,000 + 16,384
+  rows of 64: a large table, 1.3 M parameters), a hidden layer of 64 and the head.
 - ``regression``: scikit-learn's Friedman #1 (10 features, 5 informative, noise 0.5;
   generated, 5,000 to train, 1,000 held out), standardised target, through three GELU
   layers of 256 to one output; mean squared error, scored by R² on held-out data.
@@ -217,6 +220,26 @@ class TorchEncoder(nn.Module):
         return self.head(self.norm((x * w).sum(1) / w.sum(1).clamp_min(1)))
 
 
+class BagOfWords(nn.Module):
+    """fastText's classifier: the mean of the rows of the tokens and of their hashed
+    bigrams (``vocab + buckets`` rows; padding, id 0, left out of the bag) in one
+    ``nn.EmbeddingBag``, a hidden layer, a linear head."""
+
+    def __init__(self, vocab: int, classes: int, buckets: int = 16384, d: int = 64) -> None:
+        super().__init__()
+        self.vocab, self.buckets = vocab, buckets
+        self.bag = nn.EmbeddingBag(vocab + buckets, d, mode="mean", padding_idx=0)
+        self.hidden = nn.Linear(d, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, batch: Batch) -> Tensor:
+        ids, keep = batch["input_ids"], batch["attention_mask"].bool()
+        pair = keep[:, 1:] & keep[:, :-1]  # a bigram of two real tokens
+        hashed = (ids[:, :-1] * 7919 + ids[:, 1:]) % self.buckets + self.vocab
+        tokens = torch.cat([torch.where(keep, ids, 0), torch.where(pair, hashed, 0)], 1)
+        return self.head(torch.relu(self.hidden(self.bag(tokens))))
+
+
 # ------------------------------------------------------------------------------- data
 
 
@@ -314,6 +337,7 @@ NETWORKS = {
     "torch_encoder": Network(
         "torch_encoder", lambda s: TorchEncoder(4000, 2, s.train["input_ids"].shape[1]),
         reviews_split, 10.0, ["head"], 32),
+    "bag": Network("bag", lambda s: BagOfWords(4000, 2), reviews_split, 50.0, ["head"], 32),
     "regression": Network("regression", lambda s: FriedmanMLP(), friedman_split, 30.0,
                           ["head"], 64, "regress"),
     "autoencoder": Network("autoencoder", lambda s: DigitAE(), digits_ae_split, 8.0, [], 64,
