@@ -341,7 +341,8 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("store")
     store = RunStore(root / "comera.db")
     raw = {"name": "digits-export", "model": {"name": "tt_mlp", "preset": "tiny"},
-           "data": {"name": "digits"}, "comera": {"gamma": 1.0, "lr_gates": 0.5},
+           "data": {"name": "digits"},
+           "comera": {"gamma": 1.0, "lr_gates": 0.5, "target_compression": 4},
            "train": {"steps": 4, "batch_size": 32, "eval_every": 0, "ckpt_every": 2,
                      "eval_batches": 2, "device": "cpu", "cuda_graph": False}}
     cfg = config_from_dict(raw)
@@ -391,6 +392,14 @@ def test_export_run_checkpoints_every_format(trained_run: SimpleNamespace,
 
     older = export_run(run.run_dir, checkpoint=2, format="compressed", out=tmp_path)
     assert read_metadata(older.path)["run"]["step"] == 2
+    # the target's verdict belongs to the run's last step; an earlier checkpoint's card
+    # says where the model stood then
+    (final_line,) = [ln for ln in res.card.read_text().splitlines() if ln.startswith("**Target")]
+    (early_line,) = [ln for ln in older.card.read_text().splitlines()
+                     if ln.startswith("**Target")]
+    assert "reached" in final_line and "in this checkpoint" not in final_line
+    assert "in this checkpoint, at step 2 of the run's 4" in early_line
+    assert "reached" not in early_line and "missed" not in early_line
     assert max_diff(_trained_model(run, 2), load(older.path).network, (x,)) <= 1e-6
 
     pytest.importorskip("onnxruntime")

@@ -406,6 +406,11 @@ def test_stop_flag_checkpoints_and_reports_stopped(tmp_path) -> None:
     assert result.status == "stopped" and result.step == 7
     assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_000007.json"
     assert [r["status"] for r in records if r["type"] == "status"][-1] == "stopped"
+    # where it stands toward its target, which resuming goes on toward: not a verdict
+    (said,) = [r["text"] for r in records if r["type"] == "event" and r["kind"] == "target"]
+    assert said.startswith("target ") and " at step 7 of 100 when it stopped" in said
+    assert "missed" not in said and "reached" not in said
+    assert result.target == said
 
 
 def test_sigterm_stops_a_cli_run(tmp_path) -> None:

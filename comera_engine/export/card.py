@@ -309,8 +309,9 @@ def read_card_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _target_line(doc: dict[str, Any]) -> str | None:
     """The run's requested compression against what this file holds, in the target's
     scope, counted as ``size_report`` counts it (the trainer's ``compression/*``):
-    "target 10x · reached 10.2x (+2 %)" or "... missed by X %" (``None``: no target)."""
-    from comera_engine.metrics import target_outcome
+    "target 10x · reached 10.2x (+2 %)" or "... missed by X %" (``None``: no target). A
+    run's checkpoint from before its last step gets no verdict: where it stood then."""
+    from comera_engine.metrics import format_ratio, target_outcome
 
     comera = (doc.get("config") or {}).get("comera") or {}
     target = comera.get("target_compression")
@@ -322,6 +323,12 @@ def _target_line(doc: dict[str, Any]) -> str | None:
     reached = ((doc.get("sizes") or {}).get(scope) or {}).get("compression")
     if not isinstance(reached, (int, float)) or not math.isfinite(reached):
         return None
+    step = (doc.get("run") or {}).get("step")
+    steps = ((doc.get("config") or {}).get("train") or {}).get("steps")
+    if isinstance(step, int) and isinstance(steps, int) and 0 <= step < steps:
+        return (f"target {float(target):g}x · {format_ratio(float(reached), 'x')} in this "
+                f"checkpoint, at step {step:,} of the run's {steps:,} (the target is judged "
+                "at the run's last step)")
     return target_outcome(float(target), float(reached))
 
 

@@ -80,6 +80,7 @@ from comera_engine.metrics import (
     NullSink,
     run_compression,
     target_error,
+    target_status,
 )
 from comera_engine.models import TaskModel, run_task
 from comera_engine.rank import CoMERA, Event
@@ -440,7 +441,7 @@ class _Run:
             metrics = self._evaluate_only()
         if bar is not None:
             bar.close()
-        outcome = self._target_outcome(metrics)
+        outcome = self._target_outcome(metrics, status)
         if outcome:
             self.sink.log_event("target", outcome, self.step)
             self._say(outcome)
@@ -477,9 +478,15 @@ class _Run:
         return {"compression/target": target, "compression/error": err,
                 "compression/target_met": float(err >= -TARGET_TOLERANCE)}
 
-    def _target_outcome(self, metrics: dict[str, float]) -> str | None:
-        """The run's final word on its target (``None`` without one)."""
-        return self.comera.outcome(metrics.get(f"compression/{self.comera.cfg.target_scope}"))
+    def _target_outcome(self, metrics: dict[str, float], status: str) -> str | None:
+        """The run's word on its target as it ends (``None`` without one): a verdict when
+        it finished its steps; stopped or diverged part way, where it stands
+        (:func:`~comera_engine.metrics.target_status`: resuming goes on toward it)."""
+        reached = metrics.get(f"compression/{self.comera.cfg.target_scope}")
+        target = self.comera.target_compression
+        if status == "finished" or target is None or reached is None:
+            return self.comera.outcome(reached)
+        return target_status(target, reached, status, self.step, self.cfg.train.steps)
 
     def _reduce(self, raw: dict[str, float]) -> dict[str, float]:
         """Average the step's scalars over processes (counts are summed)."""
