@@ -781,6 +781,29 @@ def test_live_page_failed_run_shows_the_error(home: Path) -> None:
     assert at.button(key="stop").disabled
 
 
+def test_a_link_to_a_run_the_store_does_not_hold_says_so(home: Path) -> None:
+    """``?run=`` naming no run (an old or mistyped link): the page says so above the
+    newest run it shows, keeps the link's id while it refreshes (the notice stays), and
+    drops both once a run is picked."""
+    st = store_at(home)
+    older = seed_run(st, "older", upto=100)
+    newest = seed_run(st, "newest", upto=100)
+    at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+    at.switch_page(PAGES["live"])
+    at.query_params["run"] = "doesnotexist"
+    at.run()
+    no_exception(at)
+    (notice,) = [w.value for w in at.warning if "doesnotexist" in w.value]
+    assert "No run `doesnotexist` in the run store" in notice and "newest" in notice
+    assert at.selectbox(key="live-run").value == newest
+    at.run()  # a refresh: the link and its notice stay
+    assert "doesnotexist" in str(at.query_params["run"])
+    assert any("doesnotexist" in w.value for w in at.warning)
+    at.selectbox(key="live-run").set_value(older).run()
+    assert not any("doesnotexist" in w.value for w in at.warning)
+    assert older in str(at.query_params["run"])
+
+
 def test_stop_button_stops_and_enables_resume(home: Path) -> None:
     st = store_at(home)
     rid = st.create_run("waiting", config("waiting"), "queued")
@@ -1567,6 +1590,20 @@ def test_a_bad_uploaded_config_shows_every_problem_and_cannot_launch(home: Path)
     assert at.button(key="launch").disabled
     at.file_uploader(key="upload").set_value(None).run()  # out of the uploader
     assert not at.error and not at.button(key="launch").disabled
+    # an uploaded config the user no longer wants leaves the store's folder and the list
+    assert (home / "configs" / "bad.toml").is_file()
+    at.button(key="remove-upload").click().run()
+    no_exception(at)
+    assert not (home / "configs" / "bad.toml").exists()
+    assert "upload:bad" not in at.selectbox(key="preset").options
+    assert at.selectbox(key="preset").value != "upload:bad"
+    assert not any(b.key == "remove-upload" for b in at.button)  # a preset: none to remove
+    from app.lib.presets import remove_upload
+
+    (home / "comera.toml").write_text("kept")  # a key names a file in configs/ or nothing
+    for key in ("upload:../comera", "upload:", "config:digits", "upload:bad"):
+        assert not remove_upload(home, key)
+    assert (home / "comera.toml").read_text() == "kept"
 
 
 def test_edit_as_toml_launches_the_text(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -252,6 +252,22 @@ def save_upload(store_folder: Path, filename: str, content: bytes) -> str:
     return UPLOAD_PREFIX + stem
 
 
+def remove_upload(store_folder: Path, key: str) -> bool:
+    """Delete the uploaded config of preset ``key`` (``upload:STEM``) from the run store's
+    folder; ``False`` when ``key`` names no uploaded file (nothing else is touched)."""
+    if not key.startswith(UPLOAD_PREFIX):
+        return False
+    stem = key.removeprefix(UPLOAD_PREFIX)
+    if not stem or not all(ch.isascii() and (ch.isalnum() or ch in "_-") for ch in stem):
+        return False
+    path = upload_dir(store_folder) / f"{stem}.toml"
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def browser_config_problems(raw: Mapping[str, Any], start: Mapping[str, Any],
                             registry: Mapping[str, Any], store_folder: Path,
                             base: Path) -> list[tuple[str, str]]:

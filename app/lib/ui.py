@@ -9,7 +9,7 @@ from typing import Any
 
 import streamlit as st
 
-from app.lib import runs
+from app.lib import fmt, runs
 from app.lib.defaults import default_config
 from app.lib.form import auto_run_name
 from comera_engine.launch import reap as reap_dead_runs
@@ -286,21 +286,35 @@ def relabel(key: str, options: list[Any], index: int, label: Callable[[Any], str
 
 
 def pick_run(store: RunStore, label: str, key: str, runs_list: list[dict[str, Any]],
-             default_id: str | None = None) -> dict[str, Any] | None:
+             default_id: str | None = None, offered: str = "runs") -> dict[str, Any] | None:
     """A run selectbox (newest first) that remembers the choice in ``?run=``, its closed
-    label the chosen run's name as it is now (:func:`relabel`)."""
+    label the chosen run's name as it is now (:func:`relabel`). A ``?run=`` this page
+    does not offer (an old or mistyped link; ``offered`` says what the page lists) is
+    named in a notice above the newest run, and stays in the address until a run is
+    picked, so the notice stays while the page refreshes."""
     if not runs_list:
         return None
     ids = [r["id"] for r in runs_list]
     wanted = default_id or st.query_params.get("run")
     by_id = {r["id"]: r for r in runs_list}
+    picked = f"{key}-picked"  # the user chose in the selectbox since the page opened
+    missing = wanted if wanted and wanted not in ids and not st.session_state.get(
+        picked) else None
+    if missing:
+        shown = "".join(c for c in str(missing)[:40] if c.isalnum() or c in "-_.")
+        known = store.get_run(missing) if shown == missing else None
+        st.warning((f"Run `{shown}` ({fmt.literal(known['name'])}) is not among the {offered}"
+                    if known else f"No run `{shown}` in the run store (an old or mistyped "
+                                  "link)") + ": showing the newest. Pick a run below.",
+                   icon=":material/link_off:")
 
     def name(i: str) -> str:
         return f"{by_id[i]['name']} · {i}"
 
     index = relabel(key, ids, ids.index(wanted) if wanted in ids else 0, name)
-    rid = st.selectbox(label, ids, index=index, key=key, format_func=name)
-    if st.query_params.get("run") != rid:
+    rid = st.selectbox(label, ids, index=index, key=key, format_func=name,
+                       on_change=lambda: st.session_state.__setitem__(picked, True))
+    if not missing and st.query_params.get("run") != rid:
         st.query_params["run"] = rid
     return by_id[rid]
 

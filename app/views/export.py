@@ -42,7 +42,8 @@ if not with_ckpt:
     st.stop()
 
 ckpts_of = {r["id"]: c for r, c in with_ckpt}
-run = ui.pick_run(store, "Run", "exp-run", [r for r, _ in with_ckpt])
+run = ui.pick_run(store, "Run", "exp-run", [r for r, _ in with_ckpt],
+                  offered="runs with a checkpoint")
 assert run is not None
 rid = run["id"]
 ckpts = ckpts_of[rid]

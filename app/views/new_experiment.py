@@ -28,6 +28,7 @@ from app.lib.presets import (
     load_presets,
     preset_label,
     registered_configs,
+    remove_upload,
     save_upload,
     uploaded_configs,
     user_data,
@@ -149,6 +150,15 @@ def _upload() -> None:
     st.session_state["preset"] = key
 
 
+def _remove_upload() -> None:
+    """The Remove button's callback: the uploaded config at hand leaves the run store's
+    folder and Start from (runs before the page, so the picker can be reset)."""
+    key = st.session_state.get("preset")
+    if isinstance(key, str) and remove_upload(STORE_FOLDER, key):
+        st.session_state.pop("preset", None)
+        st.session_state.pop("upload_error", None)
+
+
 def _picked() -> None:
     """Start from's callback: another config chosen, a refused upload is no longer the
     config at hand."""
@@ -240,6 +250,11 @@ with left:
         refused = st.session_state.get("upload_error")
         for line in refused[1] if refused else []:
             st.error(line, icon=":material/error:")
+    if pkey.startswith(UPLOAD_PREFIX):
+        st.button("Remove this uploaded config", key="remove-upload",
+                  icon=":material/delete:", on_click=_remove_upload,
+                  help="Deletes it from the run store's folder (configs/) and from Start "
+                       "from; runs launched from it keep their own copy.")
     preset = presets[pkey]
     raw: dict[str, Any] = preset.config()
     model_name = preset.model
