@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import re
+import statistics
 import struct
 import threading
 import time
@@ -1507,6 +1508,25 @@ def test_rank_heatmap_rows_span_the_run() -> None:
     assert edges == [1, 10, 30]
     assert z == [[4.0, 3.0], [8.0, 8.0], [8.0, 8.0]]  # b forward-filled
     assert ema([1.0, None, 3.0], 0.5)[0] == 1.0 and ema([1.0, None, 3.0], 0.5)[1] is None
+
+
+def test_a_smoothed_loss_on_a_log_axis_follows_the_typical_step() -> None:
+    """A loss at 1e-6 with one step in 15 spiking to 0.05 (what a run near zero loss
+    logs): on the log axis the smoothed line is a geometric mean and stays within a
+    decade or two of the typical step; an average of the values sat near the spikes.
+    On a linear axis the average is kept."""
+    from app.lib.plots import lines_spec
+
+    x = list(range(300))
+    y = [0.05 if i % 15 == 0 else 1e-6 for i in x]
+    log_line = lines_spec([("run", x, y)], "loss", log_y=True, smooth=0.1)["data"][-1]["y"]
+    lin_line = lines_spec([("run", x, y)], "loss", smooth=0.1)["data"][-1]["y"]
+    median = sorted(y)[len(y) // 2]
+    late = log_line[100:]
+    assert max(late) < 100 * median  # within two decades of the typical step
+    assert min(lin_line[100:]) > 1000 * median  # the plain average: near the spikes
+    mean_log = sum(math.log(v) for v in y[100:]) / 200
+    assert math.log(statistics.median(late)) == pytest.approx(mean_log, abs=1.0)
 
 
 # ------------------------------------------------------------------ start from a config

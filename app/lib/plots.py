@@ -164,7 +164,8 @@ def lines_spec(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], t
                percent: bool = False, from_zero: bool = False) -> Spec:
     """Several ``(label, x, y)`` curves on one plot, with optional stage markers and a
     horizontal reference line ``(y, label)``. ``smooth``: draw each curve faintly and an
-    exponential moving average (weight ``smooth``) over it. ``dashes``: line dash per
+    exponential moving average (weight ``smooth``) over it (of the logarithms, on a
+    ``log_y`` axis: a geometric mean, which follows the typical value). ``dashes``: line dash per
     curve (e.g. ``[None, "dash"]``). ``percent``: fractions drawn on a % axis (as the
     tiles state them); ``from_zero``: the y axis starts at 0 (a flat memory curve stays
     flat instead of a few MiB filling the plot). Missing and non-finite values are gaps."""
@@ -180,7 +181,13 @@ def lines_spec(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], t
             data.append({"type": "scatter", "x": list(x), "y": ys, "name": label,
                          "mode": "lines", "line": {"width": 1, "color": color},
                          "opacity": 0.25, "showlegend": False, "hoverinfo": "skip"})
-            ys = ema(ys, smooth)
+            if log_y:  # averaged as the axis reads it: a spike to 1000x the typical
+                # loss would hold an average of the values far above every typical step
+                logs = ema([math.log(v) if v is not None and v > 0 else None for v in ys],
+                           smooth)
+                ys = [math.exp(v) if v is not None else None for v in logs]
+            else:
+                ys = ema(ys, smooth)
         line: dict[str, Any] = {"width": 2, "color": color}
         if i < len(dashes) and dashes[i] is not None:
             line["dash"] = dashes[i]
