@@ -780,6 +780,13 @@ def test_live_page_failed_run_shows_the_error(home: Path) -> None:
     no_exception(at)
     assert any("RuntimeError: boom" in e.value for e in at.error)
     assert at.button(key="stop").disabled
+    gone = st.create_run("gone", config("gone"), "running")
+    st.set_status(gone, "crashed", "crashed: its process is gone and it reported no final "
+                                   "status")
+    at.run()  # the new run among the options
+    at.selectbox(key="live-run").set_value(gone).run()
+    (said,) = [e.value for e in at.error if "process is gone" in e.value]
+    assert said.count("crashed") == 1  # the status once, not "crashed: crashed:"
 
 
 def test_a_link_to_a_run_the_store_does_not_hold_says_so(home: Path) -> None:
@@ -817,6 +824,7 @@ def test_stop_button_stops_and_enables_resume(home: Path) -> None:
     launched_folder(st, rid)  # stopped before its first checkpoint: resumes from the start
     at.run()
     assert "stopped" in texts(at)
+    assert "Resume: continue the stopped run from its start" in texts(at)  # said, not hidden
     assert at.button(key="stop").disabled and not at.button(key="resume").disabled
 
 
@@ -1101,7 +1109,11 @@ def test_compare_page(home: Path) -> None:
     assert list(row["Model + optimizer memory (estimate)"]) == ["16 MiB"]  # 2**20 x 16 B
     assert set(final["Peak GPU memory (allocated)"]) == {""}  # no run trained on a GPU
     specs = [json.loads(c.proto.spec)["layout"] for c in at.get("plotly_chart")]
-    (mem,) = [s for s in specs if "training memory" in str(s.get("title"))]
+    # the plot is titled by the quantity it plots, not by the New experiment page's
+    # "Estimated training memory" (another quantity)
+    (mem,) = [s for s in specs if "optimizer memory" in str(s.get("title"))]
+    assert "Accuracy vs model + optimizer memory (estimate)" in str(mem["title"])
+    assert "training memory" not in json.dumps(specs)
     assert mem["xaxis"]["title"]["text"].startswith("Model + optimizer memory (estimate) (MiB")
 
 
@@ -2101,6 +2113,11 @@ def test_rename_notes_tags_archive_and_restore(home: Path) -> None:
     at.text_input(key=f"about-name-{rid}").set_value("  ").run()
     at.button(key="about-save").click().run()
     assert any("name: must be a non-empty string" in e.value for e in at.error)
+    assert st.get_run(rid)["name"] == "renamed"
+    at.text_input(key=f"about-name-{rid}").set_value("second").run()  # another run's name
+    at.button(key="about-save").click().run()
+    assert any("name: another run is called 'second'; choose another, e.g. 'second #2'"
+               in e.value for e in at.error)
     assert st.get_run(rid)["name"] == "renamed"
     at.button(key="about-archive").click().run()
     assert st.get_run(rid)["archived_at"] is not None

@@ -389,12 +389,21 @@ def test_sweep_fields_are_checked_as_typed_before_the_click(home: Path) -> None:
     assert at.button(key="sw-launch").disabled
     at.text_input(key="sw-targets").set_value("5, 10").run()
     at.text_input(key="sw-seeds").set_value("2.5").run()
-    assert "--seeds: must be a whole number >= 1, got 2.5" in [e.value for e in at.error]
+    # each field named by its label, not by the CLI flag that gives it
+    assert "Seeds per target: must be a whole number >= 1, got 2.5" in [
+        e.value for e in at.error]
     assert at.button(key="sw-launch").disabled
+    at.text_input(key="sw-seeds").set_value("1000").run()
+    assert any(e.startswith("Targets × Other keys × Seeds per target: 2000 cells; a sweep "
+                            "has at most") for e in [e.value for e in at.error])
     at.text_input(key="sw-seeds").set_value("1").run()
     at.text_input(key="sw-parallel").set_value("two").run()
-    assert "--max-parallel: must be a whole number >= 1, got 'two'" in [
+    assert "Cells at once: must be a whole number >= 1, got 'two'" in [
         e.value for e in at.error]
+    at.text_area(key="sw-grid").set_value("comera.lr_cores 1e-3").run()
+    assert any(e.startswith("Other keys: expected section.key=v1,v2,...")
+               for e in [e.value for e in at.error])
+    at.text_area(key="sw-grid").set_value("").run()
     at.text_input(key="sw-parallel").set_value("2").run()
     assert not at.error and not at.button(key="sw-launch").disabled
 

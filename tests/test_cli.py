@@ -151,6 +151,28 @@ def test_bad_values_name_the_field(tmp_path, override, field) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_a_whole_number_written_as_a_float_is_refused_with_how_to_write_it(tmp_path) -> None:
+    """``1e9`` where an integer is due is in range but a float: the refusal says how to
+    write it; one beyond the range says that instead; a fraction, the range."""
+    for value, said in (("1e9", "train.steps: must be an integer, got 1000000000.0: write "
+                                "it as 1000000000, without a decimal point or exponent"),
+                        ("1e12", "train.steps: 1000000000000 is too large (allowed: "
+                                 "1..1,000,000,000)"),
+                        ("2.5", "train.steps: must be an integer, got 2.5 (allowed: "
+                                "1..1,000,000,000)")):
+        with pytest.raises(ConfigError) as info:
+            load_config(write(tmp_path), [f"train.steps={value}"])
+        assert str(info.value) == said
+    import torch
+
+    import comera_engine as ce
+
+    # a target beyond the dense size itself: the size it needs is below one parameter
+    with pytest.raises(ConfigError, match=r"needs a tensorized size of 4\.2e-06 params"):
+        ce.tensorize(torch.nn.Sequential(torch.nn.Linear(64, 64)),
+                     ce.CoMERAConfig(target_compression=1e9))
+
+
 def test_misspelt_key_suggests_the_right_one(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"did you mean train\.batch_size\?"):
         load_config(write(tmp_path), ["train.batch_sise=32"])

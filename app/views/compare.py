@@ -173,7 +173,8 @@ with c2:
 mem_labels = " / ".join(fmt.memory_label(k) for k in sorted(mem_what)) or "memory"
 st.plotly_chart(
     plots.pareto(points, "mem", "acc", f"{mem_labels} (MiB, log)", "accuracy",
-                 "Accuracy vs training memory", higher_x_better=False, y_percent=True),
+                 f"Accuracy vs {mem_labels[0].lower()}{mem_labels[1:]}",
+                 higher_x_better=False, y_percent=True),
     width="stretch", key="cmp-pareto-mem",
 )
 st.caption(" ".join(f"**{fmt.memory_label(k)}**: {fmt.memory_help(k)}" for k in sorted(mem_what))

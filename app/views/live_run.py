@@ -87,6 +87,8 @@ def controls(run: dict[str, Any]) -> None:
             st.error(str(e))
     if status in runs.RESUMABLE_STATUSES and not can_resume:
         st.caption(f":material/block: Not resumable. {why}")
+    elif status in runs.RESUMABLE_STATUSES:  # where a resume starts: its checkpoint's step
+        st.caption(f":material/restart_alt: Resume: {why[0].lower()}{why[1:]}")
 
 
 def header(run: dict[str, Any], latest: dict[str, float]) -> None:
@@ -333,7 +335,8 @@ def _view() -> None:
         if run["status"] in ("failed", "crashed", "diverged") and run.get("error"):
             err = str(run["error"])
             first = err.strip().splitlines()[-1] if err.strip() else err
-            st.error(f"**{run['status']}**: {first}", icon=":material/error:")
+            said = first.removeprefix(f"{run['status']}:").strip()  # once, not "crashed: crashed:"
+            st.error(f"**{run['status']}**: {said}", icon=":material/error:")
             with st.expander("Full error"):
                 st.code(err, language=None)
         elif run["status"] == "queued" and runs.phase_of(run) is None:
@@ -389,7 +392,12 @@ def _about(run: dict[str, Any]) -> None:
         c1, c2, _ = st.columns([1, 1, 2])
         if c1.button("Save", key="about-save", icon=":material/save:"):
             try:
-                store.update_run(RID, name=check_run_name(name))
+                name = check_run_name(name)
+                taken = {r["name"] for r in store.list_runs() if r["id"] != RID}
+                if name in taken:  # names pick a run (`comera export NAME`): one each
+                    raise ConfigError("name", f"another run is called {name!r}; choose "
+                                              f"another, e.g. {runs.unique_name(name, taken)!r}")
+                store.update_run(RID, name=name)
                 store.set_notes(RID, notes)
                 store.set_tags(RID, tags.split(","))
             except (ConfigError, ValueError) as e:

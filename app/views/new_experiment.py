@@ -643,6 +643,24 @@ n_errors = sum(1 for v in msgs.values() for level, _ in v if level == "error")
 # ---------------------------------------------------------------- launch
 
 
+#: the sweep CLI's flags as this form names the fields that give them
+SWEEP_FIELDS = {"--seeds": "Seeds per target", "--max-parallel": "Cells at once",
+                "--grid": "Other keys"}
+
+
+def sweep_words(e: ConfigError) -> str:
+    """The engine's refusal of a sweep in this form's words: a field named by its label,
+    not by the CLI flag that gives it; too many cells named as the product of the three
+    fields that make them."""
+    field = SWEEP_FIELDS.get(e.field, e.field)
+    if e.field == "--grid" and "cells; a sweep has at most" in e.problem:
+        field = "Targets × Other keys × Seeds per target"
+    problem = e.problem
+    for flag, label in SWEEP_FIELDS.items():
+        problem = problem.replace(flag, label)
+    return f"{field}: {problem}"
+
+
 @st.cache_data(max_entries=32, show_spinner=False)
 def _sweep_problem(args_json: str) -> str | None:
     """The engine's refusal of a sweep (``comera_engine.launch.sweep.check_sweep``, with
@@ -667,7 +685,7 @@ def _sweep_problem(args_json: str) -> str | None:
         check_sweep(a["raw"], a["grid"], a["seeds"], max_parallel=a["parallel"],
                     gpus=a["gpus"], check=once)
     except ConfigError as e:
-        return str(e)
+        return sweep_words(e)
     return None
 
 
@@ -700,7 +718,7 @@ def _sweep_section() -> None:
         try:
             extra = parse_grid(lines)  # the engine's reading of --grid
         except ConfigError as e:
-            extra, problem = {}, str(e)
+            extra, problem = {}, sweep_words(e)
         targets: list[float] = []
         if str(text).strip() or not extra:
             try:
@@ -744,7 +762,8 @@ def _sweep_section() -> None:
                 sid, _ = runs.guarded_sweep(store, sweep_raw, sweep_token, grid, seeds,
                                             max_parallel=parallel, gpus=gpu_ids)
             except (ConfigError, ValueError) as e:
-                st.error(str(e), icon=":material/error:")
+                st.error(sweep_words(e) if isinstance(e, ConfigError) else str(e),
+                         icon=":material/error:")
                 return
             ui.go_sweep(sid)
 

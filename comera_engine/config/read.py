@@ -204,6 +204,12 @@ def _coerce(full: str, value: Any, tp: Any) -> Any:
     ok, out = _match(value, tp)
     if not ok:
         allowed = f" (allowed: {BOUNDS[full].text()})" if full in BOUNDS else ""
+        if (isinstance(value, float) and value.is_integer() and abs(value) < 2**63
+                and _match(int(value), tp)[0]):  # 1e9 or 100.0 where an integer is due
+            beyond = BOUNDS[full].problem(int(value)) if full in BOUNDS else None
+            raise ConfigError(full, beyond or f"must be an integer, got {value!r}: write it "
+                                              f"as {int(value)}, without a decimal point or "
+                                              "exponent")
         raise ConfigError(full, f"must be {_describe(tp)}, got {value!r}{allowed}")
     return out
 

@@ -103,6 +103,12 @@ def _dense_size(spec: SizeSpec, scope: str) -> int:
     return sum(layer.dense for layer in spec.layers) + (spec.other if scope == "model" else 0)
 
 
+def _params(n: float) -> str:
+    """A parameter count as the refusal states it: ``1234 params``, or ``0.03 params``
+    below one (a ratio beyond the dense size itself, read "0 params" when rounded)."""
+    return f"{n:.0f} params" if n >= 1 else f"{n:.2g} params"
+
+
 def _reachable(dense: int, floor: int, compression: float, scope: str) -> float:
     """The target size ``dense / compression``; a ConfigError naming
     ``comera.target_compression`` when it is below ``floor`` (rank 1 everywhere)."""
@@ -111,7 +117,7 @@ def _reachable(dense: int, floor: int, compression: float, scope: str) -> float:
         raise ConfigError(
             "comera.target_compression",
             f"{compression:g}x is beyond the smallest TT model: it needs a {scope} size of "
-            f"{target:.0f} params, below the {floor} that rank 1 everywhere allows; choose "
+            f"{_params(target)}, below the {floor} that rank 1 everywhere allows; choose "
             f"at most {math.floor(dense / floor * 10) / 10:g}x")
     return target
 
