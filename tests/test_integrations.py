@@ -390,6 +390,68 @@ def test_gpt2s_layers_become_tt_and_compute_what_they_did(tmp_path) -> None:
         torch.testing.assert_close(loaded(ids).logits, small(ids).logits)
 
 
+def test_a_tied_gpt2_stopped_in_a_trainer_resumes_to_the_same_model(tmp_path) -> None:
+    """A GPT-2 language model (its head tied to the TT table) stopped at the Trainer's
+    checkpoint while the pace prunes and resumed into a freshly built GPT-2
+    (``CoMERACallback.restore``): the tie is there again, and the ranks and logits are
+    those of the run that went through."""
+    from transformers import TrainerCallback
+
+    from comera_engine.layers.tied import TiedDecoder
+
+    steps, half = 40, 12
+
+    class Text(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.ids = torch.randint(0, 300, (640, 12), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    class StopAfterSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            control.should_training_stop = True
+
+    def run(out, stop: bool, resume: str | None = None):  # noqa: ANN001, ANN202
+        torch.set_num_threads(1)
+        model = _gpt2()
+        model.accepts_loss_kwargs = False
+        config = ce.CoMERAConfig(target_compression=4, switch=5)
+        ce.tensorize(model, config)
+        comera = ce.CoMERA(model, config, total_steps=steps)
+        callback = CoMERACallback(comera)
+        if resume:
+            callback.restore(resume)
+        args = TrainingArguments(output_dir=str(out), max_steps=steps, seed=0,
+                                 per_device_train_batch_size=16, report_to="none",
+                                 save_strategy="steps" if stop else "no", save_steps=half,
+                                 logging_strategy="no", use_cpu=True, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=Text(),
+                          optimizers=(torch.optim.AdamW(comera.param_groups(), lr=3e-3),
+                                      None),
+                          callbacks=[callback, *([StopAfterSave()] if stop else [])])
+        trainer.train(resume_from_checkpoint=resume)
+        return model, comera
+
+    whole, whole_c = run(tmp_path / "whole", stop=False)
+    paced = [e.step for e in whole_c.events if e.kind == "pace"]
+    assert min(paced) < half < max(paced)  # the checkpoint falls mid-pruning
+    run(tmp_path / "parts", stop=True)
+    resumed, resumed_c = run(tmp_path / "parts", stop=False,
+                             resume=str(tmp_path / "parts" / f"checkpoint-{half}"))
+    assert isinstance(resumed.lm_head, TiedDecoder)
+    assert resumed.lm_head.embedding is resumed.transformer.wte
+    assert resumed_c.report()["ranks"] == whole_c.report()["ranks"]
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(5))
+    whole.eval(), resumed.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(ids).logits, whole(ids).logits, rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_t5_ties_its_tables_and_barts_scaled_tables_stay_dense(tmp_path) -> None:
     """T5 holds one token table three times (``shared``, the encoder's, the decoder's)
     and ties its head to it; BART's tables are subclasses that scale their output (and
