@@ -766,6 +766,27 @@ def test_attach_runs_the_step_after_the_optimizers_and_a_second_call_is_refused(
     assert comera.steps_done == 80 and comera.step(opt) is not None
 
 
+def test_an_optimizer_over_model_parameters_is_refused_before_its_rate_is_touched(
+        capsys) -> None:
+    """``torch.optim.AdamW(model.parameters(), lr)``: the gates share the model's group,
+    whose rate the controller would overwrite with the gates' (the user's rate lost on
+    every core and head, said as if a scheduler had moved it). Refused in one line at
+    ``attach`` (and at a hand-called step), the user's rate untouched; an optimizer
+    holding no gate is said once (another optimizer may step them)."""
+    model, comera, _ = _setup()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for call in (lambda: comera.attach(opt), lambda: comera.step(opt, loss=1.0)):
+        with pytest.raises(ConfigError, match=r"^optimizer: a param group holds the rank "
+                                              r"gates with other parameters .*"
+                                              r"comera\.param_groups\(\)"):
+            call()
+        assert [g["lr"] for g in opt.param_groups] == [1e-3]
+    gates = {id(g) for g in _gates(model)}
+    rest = torch.optim.AdamW([p for p in model.parameters() if id(p) not in gates], lr=1e-3)
+    comera.attach(rest)
+    assert "holds none of the rank gates" in capsys.readouterr().err
+
+
 def test_the_paper_schedule_lets_a_bond_reach_rank_zero_and_plateaus_at_chance() -> None:
     """Without the rank floor a bond whose every gate falls below the threshold reaches
     rank 0 (the layer is the zero map and counts 0 parameters, as the spec says); with it

@@ -167,6 +167,34 @@ def test_tensorize_random_and_pretrained() -> None:
     assert rep[0]["params_after"] < rep[0]["params_before"]
 
 
+def test_frozen_parametrized_or_hooked_layers_stay_as_they_are() -> None:
+    """A layer the user froze (a TT layer made of it trained again, from random values),
+    one whose weight is parametrized (spectral norm: the constraint dropped without a
+    word) or with a hook on its forward (an old-style weight norm) stays dense, its row
+    saying why; the others become TT, and the kept layers compute what they did."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), spectral_norm(nn.Linear(64, 64)),
+                          nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)).eval()
+    model[2].requires_grad_(False)  # eval: the spectral norm's power iteration holds still
+    calls = []
+    model[3].register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        kept = [model[i](x) for i in (1, 2, 3)]
+    rows = {r["name"]: r for r in tensorize_layers(model, rank=4)}
+    assert [rows[n]["replaced"] for n in "01234"] == [True, False, False, False, True]
+    assert "parametrized" in rows["1"]["reason"] and "frozen" in rows["2"]["reason"]
+    assert "hooks on its forward" in rows["3"]["reason"]
+    assert parametrize.is_parametrized(model[1]) and not model[2].weight.requires_grad
+    with torch.no_grad():
+        for i, before in zip((1, 2, 3), kept):
+            torch.testing.assert_close(model[i](x), before)
+    assert len(calls) == 2  # the hook still runs
+
+
 def test_size_report_and_truncate() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(TTLinear(64, 64, rank=8, dtype=DT), nn.ReLU(),

@@ -87,6 +87,27 @@ def conv1d_as_linear(module: nn.Module) -> nn.Linear:
     return linear
 
 
+def _kept_as_is(module: nn.Module) -> str | None:
+    """Why ``module`` must stay as it is, or ``None``: a weight the user froze (a TT layer
+    would train it, from fresh values unless made from the weight), a parametrized weight
+    (``weight_norm`` / ``spectral_norm`` through ``torch.nn.utils.parametrize``) or hooks
+    on its forward (their older hook forms, or the user's own), which a TT layer would
+    drop."""
+    from torch.nn.utils import parametrize
+
+    weight = getattr(module, "weight", None)
+    if parametrize.is_parametrized(module):
+        return ("its weight is parametrized (weight_norm, spectral_norm: torch.nn.utils."
+                "parametrize), which a TT layer would drop: it stays dense")
+    if module._forward_pre_hooks or module._forward_hooks:
+        return ("has hooks on its forward (an older weight_norm / spectral_norm, or your "
+                "own), which a TT layer would drop: it stays dense")
+    if isinstance(weight, torch.Tensor) and not weight.requires_grad:
+        return ("is frozen (its weight has requires_grad=False): a TT layer would train "
+                "it; it stays dense (unfreeze it to compress it)")
+    return None
+
+
 def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
     """``(qualified name, module)`` of every layer of ``model`` that can be made TT, in
     model order: each ``nn.Linear``, ``nn.Embedding`` and ``nn.EmbeddingBag``; each
@@ -95,7 +116,8 @@ def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
     packed input projection of each ``nn.MultiheadAttention`` as ``<attention>.in_proj``
     (an ``nn.Linear`` sharing its parameters,
     :func:`~comera_engine.layers.attention.packed_in_proj`, until the attention is split;
-    in its place why it cannot be, a string)."""
+    in its place why it cannot be, a string: a layer frozen, parametrized or with hooks on
+    its forward is kept as it is, :func:`_kept_as_is`)."""
     out: list[tuple[str, nn.Module | str]] = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.MultiheadAttention) and not isinstance(mod, SplitAttention):
@@ -114,6 +136,13 @@ def candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module | str]]:
                                  "TT table cannot: it stays dense")
         elif is_conv1d(mod):
             out.append((name, conv1d_as_linear(mod)))
+        else:
+            continue
+        if not isinstance(out[-1][1], str):  # hooks, parametrizations, frozen: kept as is
+            kept = _kept_as_is(mod) or (_kept_as_is(out[-1][1]) if out[-1][1] is not mod
+                                        else None)
+            if kept:
+                out[-1] = (out[-1][0], kept)
     return out
 
 

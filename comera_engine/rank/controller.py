@@ -139,6 +139,30 @@ class Attachment:
             self._comera._attached = None
 
 
+
+def _check_gate_groups(optimizer: torch.optim.Optimizer, gates: set[int]) -> None:
+    """Refuse an optimizer that trains the rank gates ``gates`` (their ids) in a group
+    with other parameters: built from ``model.parameters()``, the gates share the model's
+    group, whose rate the controller would have to overwrite (the model's too).
+    ``comera.param_groups()`` gives the gates a group of their own. One that holds none
+    of them is said once (another optimizer of the user's may step them)."""
+    if not gates:
+        return
+    held = False
+    for group in optimizer.param_groups:
+        n = sum(id(p) in gates for p in group["params"])
+        if n and n != len(group["params"]):
+            raise ConfigError("optimizer", "a param group holds the rank gates with other "
+                                           "parameters (built from model.parameters()?), so "
+                                           "one rate would drive both: build the optimizer "
+                                           "from comera.param_groups(), the gates in a group "
+                                           "of their own")
+        held = held or n > 0
+    if not held:
+        print("CoMERA: the optimizer holds none of the rank gates; unless another optimizer "
+              "steps them, no rank is learned (comera.param_groups() gives them a group)",
+              file=sys.stderr)
+
 class CoMERA:
     """The rank controller of one model (see the module doc for the loop it drops into).
 
@@ -333,12 +357,14 @@ class CoMERA:
         :data:`.optim.GRADIENT_SCALED`) the gates also take their own Adam steps at that
         rate (:class:`.optim.GateAdam`), said once. Nothing is hooked without the
         objective or without a rate for the gates (no step budget)."""
+        gates = [m.tt.gate for m in self._layers.values() if m.tt.gate.requires_grad]
+        ids = {id(p) for p in gates}
+        if self.objective is not None:  # before anything is hooked or remembered
+            _check_gate_groups(optimizer, ids)
         self._optimizer_seen = optimizer
         if self.objective is None:
             return
         rate = self.lr_gates()
-        gates = [m.tt.gate for m in self._layers.values() if m.tt.gate.requires_grad]
-        ids = {id(p) for p in gates}
         if rate is None or not any(id(p) in ids for group in optimizer.param_groups
                                    for p in group["params"]):
             return
