@@ -766,6 +766,34 @@ def test_attach_runs_the_step_after_the_optimizers_and_a_second_call_is_refused(
     assert comera.steps_done == 80 and comera.step(opt) is not None
 
 
+def test_a_validation_loss_through_comera_loss_changes_nothing(digits) -> None:
+    """``comera.loss`` on a validation batch under ``torch.no_grad()`` every few steps
+    (a loop that passes every loss through it): returned as it is and not counted, so
+    the run is the one without it, bit for bit (it was taken for a micro-batch of the
+    next step, moving the plateau's reference loss 40-fold); a float is refused."""
+    plain = _setup(steps=120)
+    _train(*plain, digits, 0, 120)
+    model, comera, opt = _setup(steps=120)
+    x_val, y_val = _batch(digits, 999)
+    for step in range(120):
+        x, y = _batch(digits, step)
+        loss = comera.loss(F.cross_entropy(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        comera.step(opt)
+        if step % 10 == 0:
+            with torch.no_grad():
+                val = F.cross_entropy(model(x_val), y_val)
+                assert comera.loss(val) is val
+    assert comera.events == plain[1].events
+    assert comera.state_dict()["z_f"] == plain[1].state_dict()["z_f"]
+    for a, b in zip(model.parameters(), plain[0].parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ConfigError, match="^task_loss: give the loss tensor .* got float"):
+        comera.loss(1.0)
+
+
 def test_an_optimizer_over_model_parameters_is_refused_before_its_rate_is_touched(
         capsys) -> None:
     """``torch.optim.AdamW(model.parameters(), lr)``: the gates share the model's group,

@@ -167,6 +167,29 @@ def test_tensorize_random_and_pretrained() -> None:
     assert rep[0]["params_after"] < rep[0]["params_before"]
 
 
+@pytest.mark.parametrize("path", [None, "halves", "sweep", "dense"])
+def test_an_empty_batch_gives_an_empty_output_as_torchs_layers_do(path: str | None) -> None:
+    """No rows (the last, empty batch of a loader; a 3-D input of no tokens): the output
+    torch's own layer gives, empty, and a backward; it crashed on a reshape."""
+    from comera_engine.layers import TTEmbeddingBag
+
+    for layout in ("tt", "ttm"):
+        tt = TTLinear(64, 48, rank=4, path=path if layout == "tt" else None, layout=layout)
+        for shape in ((0, 64), (2, 0, 64)):
+            x = torch.randn(*shape, requires_grad=True)
+            y = tt(x)
+            assert y.shape == nn.Linear(64, 48)(x).shape
+            y.sum().backward()
+    lookup = {None: None, "halves": "gather", "sweep": "gather", "dense": "dense"}[path]
+    ids = torch.zeros(0, 5, dtype=torch.long)
+    emb = TTEmbedding(500, 16, rank=4, path=lookup)
+    assert emb(ids).shape == nn.Embedding(500, 16)(ids).shape
+    bag = TTEmbeddingBag(500, 16, rank=4, path=lookup, mode="mean")
+    none = torch.zeros(0, dtype=torch.long)
+    assert bag(none, none).shape == nn.EmbeddingBag(500, 16)(none, none).shape
+    (emb(ids).sum() + bag(none, none).sum()).backward()
+
+
 def test_frozen_parametrized_or_hooked_layers_stay_as_they_are() -> None:
     """A layer the user froze (a TT layer made of it trained again, from random values),
     one whose weight is parametrized (spectral norm: the constraint dropped without a

@@ -93,10 +93,10 @@ def ttm_lookup(ids: Tensor, cores: Sequence[Tensor], h: int | None = None,
         a = torch.div(uniq, Vb, rounding_mode="floor")
         b = uniq - a * Vb
         out = torch.bmm(A.index_select(0, a), Bt.index_select(0, b))  # (U, E_a, E_b)
-        out = out.reshape(uniq.shape[0], -1)
+        out = out.reshape(uniq.shape[0], math.prod(cols))
     if inv is not None:
         out = out.index_select(0, inv)
-    return out.reshape(*ids.shape, -1)
+    return out.reshape(*ids.shape, math.prod(cols))  # no ids: (…, 0, E), as torch gives
 
 
 def ttm_lookup_naive(ids: Tensor, cores: Sequence[Tensor]) -> Tensor:

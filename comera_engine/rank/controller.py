@@ -425,7 +425,16 @@ class CoMERA:
         and divide the result by the number of micro-batches, as for the task loss alone:
         the rank terms then count once per optimizer step, and :meth:`step` judges the
         plateau on the mean of the task losses it saw since the last step. The late
-        stage's ``λ`` is chosen per call, from that micro-batch's loss."""
+        stage's ``λ`` is chosen per call, from that micro-batch's loss.
+
+        Called without gradients (``torch.no_grad()``, ``inference_mode``: an evaluation)
+        it returns ``task_loss`` as it is and counts nothing: a validation loss is no
+        training step's."""
+        if not isinstance(task_loss, Tensor):
+            raise ConfigError("task_loss", f"give the loss tensor your loop backpropagates, "
+                                           f"got {type(task_loss).__name__}")
+        if not torch.is_grad_enabled():
+            return task_loss
         f = task_loss if task_loss.dtype in (torch.float32, torch.float64) else task_loss.float()
         seen = f.detach()
         if self._loss_calls and self._task_loss is not None:

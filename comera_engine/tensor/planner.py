@@ -515,6 +515,8 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
                          compute_dtype(x), in_graph(x), training, x.requires_grad)
     if path not in PATHS:
         raise ValueError(f"path: unknown path {path!r}; choose one of {PATHS}")
+    if path == "sweep" and x2.shape[0] == 0:  # no rows: the sweep's shapes are ambiguous
+        path = "halves"
     flat = isinstance(gates, Tensor)
     if flat and gates.shape[0] != sum(ranks[1:-1]):
         raise ValueError(f"gates: one vector of {sum(ranks[1:-1])} entries (all bonds), got "
@@ -537,7 +539,7 @@ def tt_linear(x: Tensor, cores: Sequence[Tensor], d: int, path: str | None = Non
                                                             else path]
         y = impl(x2, cores, d, bias, () if gates is None else gates, tau,
                  () if alive is None else alive)
-    return y if x.dim() == 2 else y.reshape(*lead, -1)
+    return y if x.dim() == 2 else y.reshape(*lead, y.shape[-1])  # (…, 0, M) for no rows
 
 
 def ttm_linear(x: Tensor, cores: Sequence[Tensor], path: str, bias: Tensor | None = None,
