@@ -775,17 +775,11 @@ def test_a_validation_loss_through_comera_loss_changes_nothing(digits) -> None:
     _train(*plain, digits, 0, 120)
     model, comera, opt = _setup(steps=120)
     x_val, y_val = _batch(digits, 999)
-    for step in range(120):
-        x, y = _batch(digits, step)
-        loss = comera.loss(F.cross_entropy(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        comera.step(opt)
-        if step % 10 == 0:
-            with torch.no_grad():
-                val = F.cross_entropy(model(x_val), y_val)
-                assert comera.loss(val) is val
+    for start in range(0, 120, 10):  # a validation pass every 10 steps
+        _train(model, comera, opt, digits, start, start + 10)
+        with torch.no_grad():
+            val = F.cross_entropy(model(x_val), y_val)
+            assert comera.loss(val) is val
     assert comera.events == plain[1].events
     assert comera.state_dict()["z_f"] == plain[1].state_dict()["z_f"]
     for a, b in zip(model.parameters(), plain[0].parameters()):
