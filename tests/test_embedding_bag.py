@@ -135,6 +135,9 @@ def test_save_and_load_into_keep_the_bag(tmp_path: Path) -> None:
 
     with pytest.raises(BadExportFile, match="'tags' was saved as a TT EmbeddingBag"):
         ce.load_into(Plain(), path)
+    # ce.load reads exports, which name how to build the model; a save names no class
+    with pytest.raises(BadExportFile, match=r"load it with comera_engine\.load_into\("):
+        ce.load(path)
 
 
 @pytest.mark.parametrize(("mode", "pad", "last", "weighted"), CASES)

@@ -175,6 +175,29 @@ def test_bad_targets_are_refused() -> None:
         CoMERAObjective(m, CoMERAConfig(target_scope="all"))
 
 
+def test_settings_built_in_code_are_checked_as_a_toml_file_is() -> None:
+    """A config built in code gets the reader's checks: a typo of a method
+    (``"svd"``: it ran without the objective), ``enabled="no"`` (taken as true), a target
+    as text; and ``tensorize``'s own arguments. One line each, naming the field."""
+    import comera_engine as ce
+
+    def dense() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 10))
+
+    for settings, said in (
+            ({"method": "svd"}, r"^comera\.method: unknown value 'svd' \(did you mean tt_svd\?\)"),
+            ({"enabled": "no"}, r"^comera\.enabled: must be true or false, got 'no'"),
+            ({"target_compression": "10"}, r"^comera\.target_compression: must be a number"),
+            ({"tau": 2}, r"^comera\.tau")):
+        with pytest.raises(ConfigError, match=said):
+            ce.tensorize(dense(), CoMERAConfig(**{"target_compression": 4, **settings}))
+    for rank in (2.5, 0, True, [4, "a"]):
+        with pytest.raises(ConfigError, match=r"^rank: must be a positive integer"):
+            ce.tensorize(dense(), CoMERAConfig(), rank=rank)
+    with pytest.raises(ConfigError, match=r"^model: give the torch\.nn\.Module"):
+        ce.tensorize("model", CoMERAConfig())  # type: ignore[arg-type]
+
+
 def test_embedding_cores_learn_at_their_own_rate() -> None:
     """``lr_embedding`` puts the TT embedding's cores in their own AdamW group: AdamW's
     first step moves each entry by ``lr·sign(grad)`` (plus the decay ``lr·wd·p``), so

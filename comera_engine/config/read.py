@@ -199,6 +199,18 @@ def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
+def check_types(section: str, obj: Any) -> None:
+    """Every field of ``obj``, a config section built in code (``CoMERAConfig(...)``),
+    against its annotation and bounds, as a TOML value is read: a string where a number
+    is due, ``enabled="no"``, is refused in one line naming ``section.field``."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, full = getattr(obj, f.name), f"{section}.{f.name}"
+        _coerce(full, value, hints[f.name])
+        if full in BOUNDS:
+            check_number(full, value, BOUNDS[full])
+
+
 def _coerce(full: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
     ok, out = _match(value, tp)

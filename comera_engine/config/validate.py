@@ -214,8 +214,12 @@ def validate_methods(cfg: Config) -> None:
 
 
 def validate_comera(c: CoMERAConfig) -> None:
-    """Range and consistency checks of the ``[comera]`` section (also run by the
+    """Type, range and consistency checks of the ``[comera]`` section (also run by the
     objective, so settings built in code are checked the same way)."""
+    from .read import check_types  # the reader's own checks (it imports this module)
+
+    check_types("comera", c)
+    check_choice("comera.method", c.method, METHODS)
     _nonneg("comera.gamma", c.gamma)
     if isinstance(c.balance_every, bool) or not isinstance(c.balance_every, int) or (
             c.balance_every < 1):

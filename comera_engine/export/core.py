@@ -779,6 +779,12 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device = "cpu")
     doc = read_comera_metadata(header)
     fmt = doc.get("format")
     if fmt not in (FORMAT_IDS["compressed"], FORMAT_IDS["dense"]):
+        from comera_engine.export.weights import WEIGHTS_FORMAT
+
+        if fmt == WEIGHTS_FORMAT:  # the weights of a model of one's own: its class rebuilds it
+            raise BadExportFile(p, "a comera_engine.save file holds the weights of your "
+                                   "model, not how to build it: load it with "
+                                   "comera_engine.load_into(YourModel(), path)")
         raise BadExportFile(p, f"metadata.format: unknown export format {fmt!r}")
     version = doc.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from glob import escape
+from typing import Any
 
 from torch import nn
 
@@ -159,6 +160,18 @@ def plan_ranks(model: nn.Module, config: CoMERAConfig, *, rank: int | str = "aut
             "comera.", "config.")) from None
 
 
+def _check_rank(name: str, value: Any) -> None:
+    """``rank`` / ``embedding_rank``: ``None``, ``"auto"`` (checked where it is read), a
+    positive integer, or a sequence of them; else a one-line ConfigError."""
+    if value is None or isinstance(value, str):
+        return
+    items = list(value) if isinstance(value, Sequence) else [value]
+    if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                        for v in items):
+        raise ConfigError(name, f'must be a positive integer (or a list of them, or "auto"), '
+                                f"got {value!r}")
+
+
 def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
               rank: int | Sequence[int] | str | None = None,
               embedding_rank: int | Sequence[int] | None = None,
@@ -194,7 +207,12 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
         ConfigError: ``rank="auto"`` without a target, a bad config or rank, or an
             unreachable target; nothing is replaced then.
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", f"give the torch.nn.Module to tensorize, got "
+                                   f"{type(model).__name__}")
     config = _config(config)
+    for name, value in (("rank", rank), ("embedding_rank", embedding_rank)):
+        _check_rank(name, value)
     include, exclude = _patterns(model, "include", include), _patterns(model, "exclude", exclude)
     candidates = tensorize_layers(model, include=include, exclude=exclude,
                                   min_features=min_features, d=d, layout=layout, dry_run=True)
