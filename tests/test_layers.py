@@ -190,6 +190,19 @@ def test_an_empty_batch_gives_an_empty_output_as_torchs_layers_do(path: str | No
     (emb(ids).sum() + bag(none, none).sum()).backward()
 
 
+@pytest.mark.parametrize("path", [None, "halves", "sweep"])
+def test_float32_input_to_a_bf16_layer_is_refused_as_torch_refuses_it(path: str | None
+                                                                    ) -> None:
+    """A bf16 TT layer given float32 input: torch's own dtype message, as ``nn.Linear``
+    in bf16 gives, on every path (the CPU backend took the call and failed inside with
+    '"absorb_gates" not implemented for BFloat16')."""
+    x = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        nn.Linear(64, 48).to(torch.bfloat16)(x)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        TTLinear(64, 48, rank=4, path=path).to(torch.bfloat16)(x)
+
+
 def test_frozen_parametrized_or_hooked_layers_stay_as_they_are() -> None:
     """A layer the user froze (a TT layer made of it trained again, from random values),
     one whose weight is parametrized (spectral norm: the constraint dropped without a

@@ -30,16 +30,20 @@ def enabled() -> bool:
     return os.environ.get("COMERA_NATIVE", "1").strip().lower() not in _OFF
 
 
-def cpu_backend(x: torch.Tensor | None = None) -> CPUBackend | None:
+def cpu_backend(x: torch.Tensor | None = None, like: torch.Tensor | None = None
+                ) -> CPUBackend | None:
     """The loaded CPU backend, or None: switched off, not usable here (one line on
     stderr, once), given ``x``, not a call it runs (``x`` not a float32/float64 CPU
-    tensor, or under CPU autocast), or inside ``torch.compile``'s tracing (a graph takes
-    the PyTorch path: Dynamo cannot see into the backend's C++ nodes)."""
+    tensor, ``like`` — the weights ``x`` meets — of another dtype, which the PyTorch path
+    refuses in torch's own words, or under CPU autocast), or inside ``torch.compile``'s
+    tracing (a graph takes the PyTorch path: Dynamo cannot see into the backend's C++
+    nodes)."""
     if torch.compiler.is_compiling():
         return None
     if x is not None and (x.device.type != "cpu" or x.dtype not in (torch.float32,
                                                                      torch.float64)
-                          or torch.is_autocast_enabled("cpu")):
+                          or torch.is_autocast_enabled("cpu")
+                          or (like is not None and like.dtype != x.dtype)):
         return None
     if not enabled():
         return None

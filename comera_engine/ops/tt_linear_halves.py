@@ -84,7 +84,7 @@ class TTLinearHalves(GatedFunction, torch.autograd.Function):
                 *tensors: Tensor) -> Tensor:
         # tensors: the 2d cores, optionally followed by 2d-1 gates, 2d-1 alive vectors, tau
         pad = x.shape[0] >= _PAD_MIN_BATCH
-        ctx.backend = backend = backends.cpu_backend(x)
+        ctx.backend = backend = backends.cpu_backend(x, tensors[0])
         if backend is not None:  # gates, merges and padding in one C++ call
             raw, gates, alive, tau = TTLinearHalves._split(ctx, tensors, d)
             rd = raw[d - 1].shape[-1]  # the middle rank: the last input-half core's right

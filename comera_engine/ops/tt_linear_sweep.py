@@ -77,7 +77,7 @@ class TTLinearSweep(GatedFunction, torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, d: int, bias: Tensor | None,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
-        ctx.backend = backends.cpu_backend(x)
+        ctx.backend = backends.cpu_backend(x, tensors[0])
         if ctx.backend is not None:
             return TTLinearSweep._backend_forward(ctx, x, d, bias, tensors)
         cores = TTLinearSweep._absorb(ctx, tensors, d)
