@@ -198,6 +198,31 @@ def test_settings_built_in_code_are_checked_as_a_toml_file_is() -> None:
         ce.tensorize("model", CoMERAConfig())  # type: ignore[arg-type]
 
 
+def test_tensorize_names_the_layers_no_tt_layer_replaces(capsys) -> None:
+    """A CNN with a recurrent head: its convolutions and GRU stay dense, said once with
+    their share of the parameters (the target counts the TT layers); a network without
+    such layers is told nothing."""
+    import comera_engine as ce
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.convs = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 16, 3))
+            self.gru = nn.GRU(16, 32, batch_first=True)
+            self.head = nn.Linear(32, 64)
+
+    net = Net()
+    dense = {n: sum(p.numel() for p in m.parameters()) for n, m in
+             (("conv", net.convs), ("gru", net.gru), ("all", net))}
+    ce.tensorize(net, CoMERAConfig(), rank=4)
+    said = capsys.readouterr().err
+    share = (dense["conv"] + dense["gru"]) / dense["all"]
+    assert (f"CoMERA: Conv2d ×2, GRU ×1 stay dense ({dense['conv'] + dense['gru']:,} "
+            f"parameters, {share:.0%} of the model)") in said
+    ce.tensorize(nn.Sequential(nn.Linear(64, 64)), CoMERAConfig(), rank=4)
+    assert "stay dense" not in capsys.readouterr().err
+
+
 def test_embedding_cores_learn_at_their_own_rate() -> None:
     """``lr_embedding`` puts the TT embedding's cores in their own AdamW group: AdamW's
     first step moves each entry by ``lr·sign(grad)`` (plus the decay ``lr·wd·p``), so

@@ -15,6 +15,7 @@ rank. An unreachable target is refused before any layer is replaced::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from glob import escape
 from typing import Any
@@ -160,6 +161,32 @@ def plan_ranks(model: nn.Module, config: CoMERAConfig, *, rank: int | str = "aut
             "comera.", "config.")) from None
 
 
+#: layers that hold most of a network's weights where they are, and that no TT layer
+#: replaces (said by :func:`_say_untouched`)
+_UNTOUCHED = (nn.modules.conv._ConvNd, nn.RNNBase, nn.Bilinear)
+
+
+def _say_untouched(model: nn.Module) -> None:
+    """One line on stderr naming the convolutions, recurrent layers and bilinear layers
+    of ``model``, which stay dense (TT layers replace linears and tables), with their
+    share of its parameters: a CNN asked for 20x is 20x over its linears only."""
+    counts: dict[str, list[int]] = {}
+    for m in model.modules():
+        if isinstance(m, _UNTOUCHED):
+            kind = counts.setdefault(type(m).__name__, [0, 0])
+            kind[0] += 1
+            kind[1] += sum(p.numel() for p in m.parameters())
+    if not counts:
+        return
+    total = max(1, sum(p.numel() for p in model.parameters()))
+    held = sum(n for _, n in counts.values())
+    kinds = ", ".join(f"{k} ×{c}" for k, (c, _) in counts.items())
+    print(f"CoMERA: {kinds} stay dense ({held:,} parameters, {held / total:.0%} of the "
+          "model): TT layers replace nn.Linear, nn.Embedding and nn.EmbeddingBag; the "
+          "target counts the TT layers (target_scope \"tensorized\") or the whole model "
+          "(\"model\")", file=sys.stderr)
+
+
 def _check_rank(name: str, value: Any) -> None:
     """``rank`` / ``embedding_rank``: ``None``, ``"auto"`` (checked where it is read), a
     positive integer, or a sequence of them; else a one-line ConfigError."""
@@ -217,6 +244,7 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
     candidates = tensorize_layers(model, include=include, exclude=exclude,
                                   min_features=min_features, d=d, layout=layout, dry_run=True)
     _refuse_tied(model, candidates, exclude)
+    _say_untouched(model)
     target = config.target_compression
     if rank is None:
         rank = "auto" if target is not None else BASE_RANK
