@@ -407,7 +407,7 @@ def _use(monkeypatch, backend) -> None:  # noqa: ANN001
     """Route the ops' hook to ``backend`` (a CPUBackend) for this test."""
     from comera_engine import backends
 
-    monkeypatch.setattr(backends, "cpu_backend", lambda x=None: backend)
+    monkeypatch.setattr(backends, "cpu_backend", lambda x=None, like=None: backend)
 
 
 @pytest.mark.parametrize("ways", ["gemms", "blocked"])

@@ -6,13 +6,17 @@ Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
+import types
+import typing
 from typing import Any
 
 from ..errors import ConfigError
 from .schema import (
     ANY_NUMBER,
+    BOUNDS,
     DATA_BOUNDS,
     LINEAR_LAYOUTS,
     LR_SCHEDULES,
@@ -216,8 +220,6 @@ def validate_methods(cfg: Config) -> None:
 def validate_comera(c: CoMERAConfig) -> None:
     """Type, range and consistency checks of the ``[comera]`` section (also run by the
     objective, so settings built in code are checked the same way)."""
-    from .read import check_types  # the reader's own checks (it imports this module)
-
     check_types("comera", c)
     check_choice("comera.method", c.method, METHODS)
     _nonneg("comera.gamma", c.gamma)
@@ -393,3 +395,78 @@ def _positive_int(name: str, value: int | None) -> None:
 def _nonneg(name: str, value: float) -> None:
     if not (math.isfinite(value) and value >= 0):
         raise ConfigError(name, f"must be a finite number >= 0, got {value}")
+
+
+def check_types(section: str, obj: Any) -> None:
+    """Every field of ``obj``, a config section built in code (``CoMERAConfig(...)``),
+    against its annotation and bounds, as a TOML value is read: a string where a number
+    is due, ``enabled="no"``, is refused in one line naming ``section.field``."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, full = getattr(obj, f.name), f"{section}.{f.name}"
+        coerce_value(full, value, hints[f.name])
+        if full in BOUNDS:
+            check_number(full, value, BOUNDS[full])
+
+
+def coerce_value(full: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    ok, out = _match(value, tp)
+    if not ok:
+        allowed = f" (allowed: {BOUNDS[full].text()})" if full in BOUNDS else ""
+        if (isinstance(value, float) and value.is_integer() and abs(value) < 2**63
+                and _match(int(value), tp)[0]):  # 1e9 or 100.0 where an integer is due
+            beyond = BOUNDS[full].problem(int(value)) if full in BOUNDS else None
+            raise ConfigError(full, beyond or f"must be an integer, got {value!r}: write it "
+                                              f"as {int(value)}, without a decimal point or "
+                                              "exponent")
+        raise ConfigError(full, f"must be {_describe(tp)}, got {value!r}{allowed}")
+    return out
+
+
+def _match(value: Any, tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, out = _match(value, arg)
+            if ok:
+                return True, out
+        return False, None
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            return False, None
+        items = [_match(v, item_tp) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        return isinstance(value, dict), value
+    if tp is type(None):
+        return value is None, None
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, None
+        try:
+            return True, float(value)
+        except OverflowError:  # an integer past any float: the bounds refuse it
+            return True, math.inf if value > 0 else -math.inf
+    if tp is str:
+        return isinstance(value, str), value
+    return True, value
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(parts)
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    if origin is dict:
+        return "a table"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
