@@ -139,7 +139,6 @@ class Attachment:
             self._comera._attached = None
 
 
-
 def _check_gate_groups(optimizer: torch.optim.Optimizer, gates: set[int]) -> None:
     """Refuse an optimizer that trains the rank gates ``gates`` (their ids) in a group
     with other parameters: built from ``model.parameters()``, the gates share the model's
@@ -162,6 +161,7 @@ def _check_gate_groups(optimizer: torch.optim.Optimizer, gates: set[int]) -> Non
         print("CoMERA: the optimizer holds none of the rank gates; unless another optimizer "
               "steps them, no rank is learned (comera.param_groups() gives them a group)",
               file=sys.stderr)
+
 
 class CoMERA:
     """The rank controller of one model (see the module doc for the loop it drops into).
