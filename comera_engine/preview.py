@@ -576,17 +576,22 @@ def make_preview(cfg: Any, device: str = "cpu", plan: Any = None) -> Preview:
 def _kept_dense(cfg: Any, shape: types.SimpleNamespace) -> list[str]:
     """For a factory network: the layers ``tensorize`` keeps dense for a reason of their
     own (a subclass with its own forward, attention with other key widths, a head tied
-    to a dense table), not for the config's ``exclude`` or ``min_features``; one note
+    to a dense table, a frozen or parametrized layer), not for the config's ``exclude``
+    or ``min_features``, and its convolutions, recurrent and bilinear layers; one note
     each."""
     from comera_engine.layers import tensorize_layers
+    from comera_engine.layers.tensorize import dense_only_layers
 
     t = dict(cfg.model.tensorize or {})
-    rows = tensorize_layers(build_meta_model(cfg, shape, dense=True), rank=2,
-                            include=t.get("include"), exclude=t.get("exclude"),
-                            min_features=t.get("min_features", 8), dry_run=True)
+    model = build_meta_model(cfg, shape, dense=True)
+    rows = tensorize_layers(model, rank=2, include=t.get("include"),
+                            exclude=t.get("exclude"), min_features=t.get("min_features", 8),
+                            dry_run=True)
     return [f"Kept dense: {r['name']} ({r['reason']})." for r in rows
             if r.get("reason") and r["reason"] != "excluded"
-            and not r["reason"].startswith("smaller than")]
+            and not r["reason"].startswith("smaller than")] + [
+        f"Kept dense: {name} (a {type(m).__name__}: TT layers replace linears and tables)."
+        for name, m in dense_only_layers(model)]
 
 
 def _at_target(pv: Preview, target: Any, device: str, tokens: int, dtype: str = "float32",

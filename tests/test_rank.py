@@ -223,6 +223,48 @@ def test_tensorize_names_the_layers_no_tt_layer_replaces(capsys) -> None:
     assert "stay dense" not in capsys.readouterr().err
 
 
+CONV_MODULE = '''
+import torch
+from torch import nn
+
+COMERA_MODELS = ["pixels_conv"]
+
+
+class Net(nn.Module):
+    def __init__(self, in_features, num_classes):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 8, 5, padding=2)
+        self.body = nn.Linear(8 * in_features, 64)
+        self.head = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(self.conv(x.unsqueeze(1)).flatten(1))))
+
+
+def pixels_conv(in_features, num_classes):
+    return Net(in_features, num_classes)
+'''
+
+
+def test_the_preview_names_a_factory_networks_convolution_as_kept_dense(
+        tmp_path, monkeypatch) -> None:
+    """The studio's preview of a network of one's own with a convolution names it among
+    the layers kept dense, with why (before, it listed the TT layers alone)."""
+    from comera_engine.preview import preview
+
+    (tmp_path / "conv_mod.py").write_text(CONV_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pv = preview({"name": "conv", "task": "classify",
+                  "model": {"factory": "conv_mod:pixels_conv",
+                            "tensorize": {"exclude": ["head"]}},
+                  "data": {"name": "digits"}, "comera": {"target_compression": 3},
+                  "train": {"steps": 100, "batch_size": 32}})
+    assert not pv.errors, pv.errors
+    assert [layer.name for layer in pv.layers] == ["body"]
+    kept = [n for n in pv.notes if n.startswith("Kept dense")]
+    assert kept == ["Kept dense: conv (a Conv1d: TT layers replace linears and tables)."]
+
+
 def test_embedding_cores_learn_at_their_own_rate() -> None:
     """``lr_embedding`` puts the TT embedding's cores in their own AdamW group: AdamW's
     first step moves each entry by ``lr·sign(grad)`` (plus the decay ``lr·wd·p``), so

@@ -19,9 +19,9 @@ from .tied import tie_heads, tied_heads
 from .tt_embedding import TTEmbedding, TTEmbeddingBag
 from .tt_linear import TTLinear
 
-__all__ = ["TT_LAYERS", "candidate_layers", "conv1d_as_linear", "factorized_layers",
-           "freeze_gates", "groupable_linears", "is_conv1d", "size_report", "tensorize_layers",
-           "truncate", "tt_layers"]
+__all__ = ["DENSE_ONLY", "TT_LAYERS", "candidate_layers", "conv1d_as_linear",
+           "dense_only_layers", "factorized_layers", "freeze_gates", "groupable_linears",
+           "is_conv1d", "size_report", "tensorize_layers", "truncate", "tt_layers"]
 
 TT_LAYERS = (TTLinear, TTEmbedding)
 #: the tables a TT table replaces: ``nn.Embedding`` by :class:`TTEmbedding`,
@@ -85,6 +85,17 @@ def conv1d_as_linear(module: nn.Module) -> nn.Linear:
     if bias is not None:
         linear.bias = bias
     return linear
+
+
+#: layers that hold much of a network's weights where they are and that no TT layer
+#: replaces (TT layers replace linears and tables)
+DENSE_ONLY = (nn.modules.conv._ConvNd, nn.RNNBase, nn.Bilinear)
+
+
+def dense_only_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of the convolutions, recurrent and bilinear layers of
+    ``model`` (:data:`DENSE_ONLY`): they stay dense whatever ``tensorize`` is asked."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, DENSE_ONLY)]
 
 
 def _kept_as_is(module: nn.Module) -> str | None:

@@ -25,7 +25,7 @@ from torch import nn
 from ..config import CoMERAConfig, validate_comera
 from ..errors import ConfigError
 from ..layers import candidate_layers, factorized_layers, freeze_gates, tensorize_layers
-from ..layers.tensorize import matches
+from ..layers.tensorize import dense_only_layers, matches
 from ..layers.tree import module_aliases
 from .size import size_spec
 from .target import SizeSpec, TargetPlan, plan_fixed_ranks, plan_target
@@ -161,21 +161,15 @@ def plan_ranks(model: nn.Module, config: CoMERAConfig, *, rank: int | str = "aut
             "comera.", "config.")) from None
 
 
-#: layers that hold most of a network's weights where they are, and that no TT layer
-#: replaces (said by :func:`_say_untouched`)
-_UNTOUCHED = (nn.modules.conv._ConvNd, nn.RNNBase, nn.Bilinear)
-
-
 def _say_untouched(model: nn.Module) -> None:
     """One line on stderr naming the convolutions, recurrent layers and bilinear layers
     of ``model``, which stay dense (TT layers replace linears and tables), with their
     share of its parameters: a CNN asked for 20x is 20x over its linears only."""
     counts: dict[str, list[int]] = {}
-    for m in model.modules():
-        if isinstance(m, _UNTOUCHED):
-            kind = counts.setdefault(type(m).__name__, [0, 0])
-            kind[0] += 1
-            kind[1] += sum(p.numel() for p in m.parameters())
+    for _, m in dense_only_layers(model):
+        kind = counts.setdefault(type(m).__name__, [0, 0])
+        kind[0] += 1
+        kind[1] += sum(p.numel() for p in m.parameters())
     if not counts:
         return
     total = max(1, sum(p.numel() for p in model.parameters()))
