@@ -108,38 +108,49 @@ def test_a_trainer_with_the_callback_trains_a_bert_to_the_target(tmp_path) -> No
         torch.testing.assert_close(fresh(input_ids=test.ids).logits, out.logits)
 
 
-def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> None:
-    """Stopped right after the Trainer's checkpoint at step 40, while the pace prunes,
-    then resumed from it into a freshly built model (``CoMERACallback.restore``, then
-    ``resume_from_checkpoint``): the same ranks, controller state and outputs as the run
-    that went through."""
+def _train_maybe_stopped(out, model: torch.nn.Module, comera: ce.CoMERA,  # noqa: ANN001
+                         data: torch.utils.data.Dataset, steps: int, save_at: int,
+                         batch: int, stop: bool, resume: str | None = None,
+                         **opt: float) -> None:
+    """Train ``model`` in a Trainer with ``CoMERACallback(comera)`` for ``steps``: with
+    ``stop``, checkpoint at ``save_at`` and stop right after it; with ``resume``, restore
+    the callback from that checkpoint first and go on from it. ``opt``: AdamW's keywords
+    over ``comera.param_groups()``."""
     from transformers import TrainerCallback
-
-    from comera_engine.integrations.huggingface import STATE_FILE
-
-    steps, half = 80, 40
-    data = Tokens(2000, 0)
 
     class StopAfterSave(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
             control.should_training_stop = True
 
+    torch.set_num_threads(1)
+    callback = CoMERACallback(comera)
+    if resume:
+        callback.restore(resume)
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, seed=0,
+                             per_device_train_batch_size=batch, report_to="none",
+                             save_strategy="steps" if stop else "no", save_steps=save_at,
+                             logging_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      optimizers=(torch.optim.AdamW(comera.param_groups(), **opt), None),
+                      callbacks=[callback, *([StopAfterSave()] if stop else [])])
+    trainer.train(resume_from_checkpoint=resume)
+
+
+def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_model(tmp_path) -> None:
+    """Stopped right after the Trainer's checkpoint at step 40, while the pace prunes,
+    then resumed from it into a freshly built model (``CoMERACallback.restore``, then
+    ``resume_from_checkpoint``): the same ranks, controller state and outputs as the run
+    that went through."""
+    from comera_engine.integrations.huggingface import STATE_FILE
+
+    steps, half = 80, 40
+    data = Tokens(2000, 0)
+
     def run(out, stop: bool, resume: str | None = None):  # noqa: ANN001, ANN202
-        torch.set_num_threads(1)
         model = _bert()
         comera = ce.CoMERA(model, target_compression=TARGET, total_steps=steps, switch=20,
                            lr_cores=3e-3, lr_embedding=3e-3, lr_dense=1e-3)
-        callback = CoMERACallback(comera)
-        if resume:
-            callback.restore(resume)
-        args = TrainingArguments(output_dir=str(out), max_steps=steps, seed=0,
-                                 per_device_train_batch_size=32, report_to="none",
-                                 save_strategy="steps" if stop else "no", save_steps=half,
-                                 logging_strategy="no", use_cpu=True, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=data,
-                          optimizers=(torch.optim.AdamW(comera.param_groups()), None),
-                          callbacks=[callback, *([StopAfterSave()] if stop else [])])
-        trainer.train(resume_from_checkpoint=resume)
+        _train_maybe_stopped(out, model, comera, data, steps, half, 32, stop, resume)
         return model, comera
 
     whole, whole_c = run(tmp_path / "whole", stop=False)
@@ -395,8 +406,6 @@ def test_a_tied_gpt2_stopped_in_a_trainer_resumes_to_the_same_model(tmp_path) ->
     checkpoint while the pace prunes and resumed into a freshly built GPT-2
     (``CoMERACallback.restore``): the tie is there again, and the ranks and logits are
     those of the run that went through."""
-    from transformers import TrainerCallback
-
     from comera_engine.layers.tied import TiedDecoder
 
     steps, half = 40, 12
@@ -411,29 +420,14 @@ def test_a_tied_gpt2_stopped_in_a_trainer_resumes_to_the_same_model(tmp_path) ->
         def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
-    class StopAfterSave(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
-            control.should_training_stop = True
-
     def run(out, stop: bool, resume: str | None = None):  # noqa: ANN001, ANN202
-        torch.set_num_threads(1)
         model = _gpt2()
         model.accepts_loss_kwargs = False
         config = ce.CoMERAConfig(target_compression=4, switch=5)
         ce.tensorize(model, config)
         comera = ce.CoMERA(model, config, total_steps=steps)
-        callback = CoMERACallback(comera)
-        if resume:
-            callback.restore(resume)
-        args = TrainingArguments(output_dir=str(out), max_steps=steps, seed=0,
-                                 per_device_train_batch_size=16, report_to="none",
-                                 save_strategy="steps" if stop else "no", save_steps=half,
-                                 logging_strategy="no", use_cpu=True, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=Text(),
-                          optimizers=(torch.optim.AdamW(comera.param_groups(), lr=3e-3),
-                                      None),
-                          callbacks=[callback, *([StopAfterSave()] if stop else [])])
-        trainer.train(resume_from_checkpoint=resume)
+        _train_maybe_stopped(out, model, comera, Text(), steps, half, 16, stop, resume,
+                             lr=3e-3)
         return model, comera
 
     whole, whole_c = run(tmp_path / "whole", stop=False)
