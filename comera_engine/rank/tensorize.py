@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from glob import escape
+from numbers import Integral
 from typing import Any
 
 from torch import nn
@@ -183,12 +184,14 @@ def _say_untouched(model: nn.Module) -> None:
 
 def _check_rank(name: str, value: Any) -> None:
     """``rank`` / ``embedding_rank``: ``None``, ``"auto"`` (checked where it is read), a
-    positive integer, or a sequence of them; else a one-line ConfigError."""
+    positive integer, or a sequence of them; else a one-line ConfigError (the layers'
+    own check, :func:`~comera_engine.tensor.tt._resolve_ranks`, sees each layer's bonds
+    later, where a float failed as "not iterable")."""
     if value is None or isinstance(value, str):
         return
     items = list(value) if isinstance(value, Sequence) else [value]
-    if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                        for v in items):
+    if not items or any(isinstance(v, bool) or not isinstance(v, Integral) or v < 1
+                        for v in items):  # Integral: numpy's integers too, as the layers
         raise ConfigError(name, f'must be a positive integer (or a list of them, or "auto"), '
                                 f"got {value!r}")
 
