@@ -244,12 +244,18 @@ def save_upload(store_folder: Path, filename: str, content: bytes) -> str:
                for table in ("model", "data") if not isinstance(raw.get(table), dict)]
     if missing:
         raise ValueError("\n".join(missing))
-    stem = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_-") else "_"
-                   for ch in Path(filename).stem)[:60].strip("_") or "config"
+    stem = _upload_stem(Path(filename).stem)
     folder = upload_dir(store_folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{stem}.toml").write_bytes(content)
     return UPLOAD_PREFIX + stem
+
+
+def _upload_stem(text: str) -> str:
+    """The file name an uploaded config is kept under: ``text`` reduced to ASCII letters,
+    digits, ``_`` and ``-`` (anything else ``_``; no folders), at most 60 characters."""
+    return "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_-") else "_"
+                   for ch in text)[:60].strip("_") or "config"
 
 
 def remove_upload(store_folder: Path, key: str) -> bool:
@@ -258,7 +264,7 @@ def remove_upload(store_folder: Path, key: str) -> bool:
     if not key.startswith(UPLOAD_PREFIX):
         return False
     stem = key.removeprefix(UPLOAD_PREFIX)
-    if not stem or not all(ch.isascii() and (ch.isalnum() or ch in "_-") for ch in stem):
+    if not stem or _upload_stem(stem) != stem:  # a name save_upload could have given
         return False
     path = upload_dir(store_folder) / f"{stem}.toml"
     try:
