@@ -223,6 +223,27 @@ def test_tensorize_names_the_layers_no_tt_layer_replaces(capsys) -> None:
     assert "stay dense" not in capsys.readouterr().err
 
 
+def test_tensorize_says_a_sparse_table_gets_dense_gradients(capsys) -> None:
+    """An ``nn.Embedding(sparse=True)`` made TT: its cores' gradients are dense, which
+    torch's SparseAdam refuses; tensorize names the table once, and a table left dense
+    (excluded) or without ``sparse`` is not named."""
+    import comera_engine as ce
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Embedding(4096, 64, sparse=True),
+                             nn.Embedding(4096, 64, sparse=True), nn.Embedding(4096, 64))
+
+    model = ce.tensorize(net(), CoMERAConfig(), rank=4, exclude=["1"])
+    said = capsys.readouterr().err
+    assert "CoMERA: '0' had sparse=True" in said and "'1'" not in said and "'2'" not in said
+    model[0](torch.tensor([[1, 2]])).sum().backward()
+    assert all(not c.grad.is_sparse for c in model[0].tt.cores)  # what the line says
+    with pytest.raises(RuntimeError, match="SparseAdam does not support dense gradients"):
+        torch.optim.SparseAdam(model[0].tt.cores.parameters()).step()
+    ce.tensorize(nn.Sequential(nn.Embedding(4096, 64)), CoMERAConfig(), rank=4)
+    assert "sparse" not in capsys.readouterr().err
+
+
 CONV_MODULE = '''
 import torch
 from torch import nn

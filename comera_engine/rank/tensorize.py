@@ -182,6 +182,19 @@ def _say_untouched(model: nn.Module) -> None:
           "(\"model\")", file=sys.stderr)
 
 
+def _say_sparse(model: nn.Module, candidates: list[dict]) -> None:
+    """One line on stderr naming the tables made TT whose ``sparse=True`` asked for sparse
+    gradients: a TT table's gradients are its cores', dense (and small), which an
+    optimizer for sparse gradients (``torch.optim.SparseAdam``) refuses."""
+    modules = dict(model.named_modules())
+    names = [r["name"] for r in candidates if "module" in r
+             and getattr(modules.get(r["name"]), "sparse", False) is True]
+    if names:
+        print(f"CoMERA: {', '.join(map(repr, names))} had sparse=True; a TT table's "
+              "gradients are its cores', dense and small: step them with a dense optimizer "
+              "(e.g. AdamW), not SparseAdam", file=sys.stderr)
+
+
 def _check_rank(name: str, value: Any) -> None:
     """``rank`` / ``embedding_rank``: ``None``, ``"auto"`` (checked where it is read), a
     positive integer, or a sequence of them; else a one-line ConfigError (the layers'
@@ -242,6 +255,7 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
                                   min_features=min_features, d=d, layout=layout, dry_run=True)
     _refuse_tied(model, candidates, exclude)
     _say_untouched(model)
+    _say_sparse(model, candidates)
     target = config.target_compression
     if rank is None:
         rank = "auto" if target is not None else BASE_RANK
