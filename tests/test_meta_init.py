@@ -41,7 +41,9 @@ def test_a_network_built_on_meta_is_tensorized_then_materialised() -> None:
         model = BigClicks()
     ce.tensorize(model, ce.CoMERAConfig(target_compression=500))
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])  # nothing drawn
+    planned = ce.size_report(model)  # readable before anything is allocated
     _materialise(model)
+    assert ce.size_report(model) == planned  # the materialised network, every entry alive
     assert isinstance(model.items, TTEmbeddingBag) and isinstance(model.users, TTEmbedding)
     assert isinstance(model.mlp[0], TTLinear)
     torch.manual_seed(0)

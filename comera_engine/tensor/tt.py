@@ -315,9 +315,13 @@ class TensorTrain(nn.Module):
         return list(self.active().split(self.bond_ranks))
 
     def effective_ranks(self) -> list[int]:
-        """Effective internal ranks (length K-1): active gate entries per bond."""
+        """Effective internal ranks (length K-1): active gate entries per bond. On the
+        ``meta`` device (a network planned before it is allocated, no values) the train
+        is as built, every entry alive: the allocated ranks."""
         if not self.bond_ranks:
             return []
+        if self.gate.is_meta:
+            return list(self.bond_ranks)
         return [int(c) for c in torch.stack([m.sum() for m in self.masks()]).tolist()]
 
     def num_params(self, effective: bool = True) -> int:
