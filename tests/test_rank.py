@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import pytest
@@ -221,6 +222,45 @@ def test_tensorize_names_the_layers_no_tt_layer_replaces(capsys) -> None:
             f"parameters, {share:.0%} of the model)") in said
     ce.tensorize(nn.Sequential(nn.Linear(64, 64)), CoMERAConfig(), rank=4)
     assert "stay dense" not in capsys.readouterr().err
+
+
+def test_a_fresh_tt_layer_starts_at_the_scale_of_the_layer_it_replaces() -> None:
+    """A network initialised its own way (a Hugging Face model's ``normal(0, 0.02)``, a
+    zero bias): each TT layer's rebuilt weight starts at the dense weight's mean square
+    and keeps its bias, so a tied LM head starts near ``ln V`` as the dense one does; a
+    torch-default layer keeps its usual scale; a zero weight keeps the TT default (cores
+    of zeros could not train)."""
+    import comera_engine as ce
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.Linear(256, 64),
+                        nn.Linear(64, 128))
+    for m in (net[0], net[1]):
+        nn.init.normal_(m.weight, std=0.02)
+    nn.init.zeros_(net[1].bias)
+    nn.init.zeros_(net[3].weight)
+    dense = [m.weight.detach().pow(2).mean().sqrt().item() for m in net]
+    biases = {i: net[i].bias.detach().clone() for i in (1, 2)}
+    ce.tensorize(net, CoMERAConfig(), rank=8)
+    got = [net[0].tt.full_tensor().pow(2).mean().sqrt().item(),
+           *(net[i].dense_weight().pow(2).mean().sqrt().item() for i in (1, 2, 3))]
+    for i in range(3):
+        assert got[i] == pytest.approx(dense[i], rel=1e-4), i  # the cores scaled exactly
+    assert got[3] == pytest.approx((1 / (3 * 64)) ** 0.5, rel=0.3)  # TTLinear's own
+    assert net[0].tt.init_var == pytest.approx(dense[0] ** 2)  # what a reset draws at
+    for i, b in biases.items():
+        assert torch.equal(net[i].bias.detach(), b)
+
+    from transformers import GPT2Config, GPT2LMHeadModel  # its head tied to the table
+
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=200, n_positions=32, n_embd=64, n_layer=1,
+                                    n_head=4))
+    ids = torch.randint(0, 200, (4, 16))
+    ce.tensorize(lm, CoMERAConfig(target_compression=5))
+    with torch.no_grad():
+        loss = lm(input_ids=ids, labels=ids).loss.item()
+    assert loss == pytest.approx(math.log(200), abs=0.3)  # not the ~40 of a table at std 1
 
 
 def test_tensorize_says_a_sparse_table_gets_dense_gradients(capsys) -> None:

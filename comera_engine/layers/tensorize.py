@@ -7,6 +7,7 @@ dashboard and export all call it.
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -257,6 +258,8 @@ def tensorize_layers(
         if dry_run:
             row["module"] = new
         else:
+            if not from_pretrained:
+                _start_like(new, mod)
             set_layer(model, name, new)
         row.update(replaced=not dry_run, ranks=new.tt.ranks, params_after=new.num_params(False))
         report.append(row)
@@ -278,6 +281,25 @@ def tensorize_layers(
     if not dry_run:
         tie_heads(model, {h: t for h, t in ties.items() if t in tables})
     return report
+
+
+@torch.no_grad()
+def _start_like(new: nn.Module, old: nn.Module) -> None:
+    """A fresh TT layer starts as the dense layer it replaces was initialised: its
+    reconstructed weight's entries at the dense weight's mean square (a Hugging Face
+    model's ``initializer_range``, a network's own init; torch's default init gives the
+    TT layer's own scale), and the dense bias as it is. A weight of zeros (a residual
+    branch started at zero) or without values (``meta``) leaves the TT layer's default:
+    cores of zeros would never train."""
+    w = old.weight
+    if w.is_meta or w.numel() == 0:
+        return
+    var = float(torch.linalg.vector_norm(w.detach()).double() ** 2 / w.numel())
+    if var > 0 and math.isfinite(var):
+        new.tt.rescale_init_(var)
+    bias = getattr(old, "bias", None)
+    if isinstance(bias, torch.Tensor) and getattr(new, "bias", None) is not None:
+        new.bias.copy_(bias)
 
 
 def truncate(model: nn.Module) -> dict[str, list[tuple[int, int, int]]]:

@@ -265,6 +265,21 @@ class TensorTrain(nn.Module):
         self.gate.fill_(1.0)
         self.alive.fill_(True)
 
+    @torch.no_grad()
+    def rescale_init_(self, init_var: float) -> None:
+        """Scale the cores so the reconstructed tensor's entries have variance ``init_var``
+        where they had :attr:`init_var` (each core by ``(init_var / old)^(1/(2K))``; the
+        draws themselves unchanged), and keep the new scale as the train's (``init_var``,
+        ``init_std``, what :meth:`reset_parameters` draws at). For a fresh train only."""
+        if not (init_var > 0 and math.isfinite(init_var)):
+            raise ValueError(f"init_var: must be positive and finite, got {init_var}")
+        factor = (init_var / self.init_var) ** (1.0 / (2 * self.num_cores))
+        for core in self.cores:
+            if not core.is_meta:
+                core.mul_(factor)
+        self.init_var = float(init_var)
+        self.init_std *= factor
+
     # ----------------------------------------------------------------- structure
     @property
     def num_cores(self) -> int:
