@@ -215,6 +215,18 @@ def test_state_dict_round_trip_resumes_to_the_same_ranks_and_losses(digits):
         losses = _train(again, resumed, opt2, digits, 120, 200)
         assert losses == pytest.approx(whole_losses[120:], rel=1e-6, abs=1e-7), order
         assert resumed.report()["ranks"] == whole[1].report()["ranks"]
+    # a live run rolled back in place (the same objects, after a loss spike, say): the
+    # controller goes back to the saved stage, pace and unfixed ranks too
+    _train(model, comera, opt, digits, 120, STEPS)
+    assert comera.frozen and comera.stage == "fixed"
+    model.load_state_dict(saved["model"])
+    comera.load_state_dict(copy.deepcopy(saved["comera"]))
+    opt.load_state_dict(copy.deepcopy(saved["opt"]))
+    assert not comera.frozen and comera.stage == "late" and comera.steps_done == 120
+    assert all(layer.tt.tau == comera.cfg.tau for layer in comera._layers.values())
+    losses = _train(model, comera, opt, digits, 120, 200)
+    assert losses == pytest.approx(whole_losses[120:], rel=1e-6, abs=1e-7)
+    assert comera.report()["ranks"] == whole[1].report()["ranks"]
 
 
 @pytest.mark.parametrize("make_opt", [

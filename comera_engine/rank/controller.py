@@ -752,6 +752,15 @@ class CoMERA:
         if self.objective is not None:
             self.objective.frozen = True
 
+    def _unfreeze(self) -> None:
+        """Undo :meth:`freeze` (a state from before the ranks were fixed is loaded): the
+        gates die at ``tau`` again and the objective has its size terms."""
+        self.frozen = False
+        for layer in self._layers.values():
+            layer.tt.tau = self.cfg.tau
+        if self.objective is not None:
+            self.objective.frozen = False
+
     # ------------------------------------------------------------------ truncation
 
     def needs_truncation(self) -> bool:
@@ -845,8 +854,9 @@ class CoMERA:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where :meth:`state_dict` left off, before or after
         ``model.load_state_dict`` (either reshapes the TT layers to the saved ranks;
-        values come from the model's state dict). Older states without ``step`` /
-        ``ranks`` / ``S0`` keep the current ones."""
+        values come from the model's state dict), into fresh objects or into these ones
+        after they ran on (a rollback: the saved stage, pace and unfixed ranks come back).
+        Older states without ``step`` / ``ranks`` / ``S0`` keep the current ones."""
         for name, ranks in (state.get("ranks") or {}).items():
             layer = self._layers.get(name)
             if layer is None:
@@ -863,12 +873,19 @@ class CoMERA:
             self.objective.loss_start = start
         if self.objective is not None and state.get("S0") is not None:
             self.objective.S0 = float(state["S0"])
+        # the saved stage, pace and fixed ranks whatever this controller has run since
+        # (a live run rolled back to an earlier checkpoint goes back to them)
         if self.objective is not None and state.get("stage") == "late":
             self.objective.switch_to_late(z_f=state["z_f"])
-        if self.objective is not None and state.get("pace"):
-            self.pace = PacePlan(**state["pace"])
+        elif self.objective is not None and state.get("stage") == "early":
+            self.objective.stage, self.objective.z_f = "early", None
+        if self.objective is not None and "pace" in state:
+            self.pace = PacePlan(**state["pace"]) if state["pace"] else None
         if state.get("frozen"):
             self.freeze()
+        elif "frozen" in state and self.frozen:
+            self._unfreeze()
+        self._task_loss, self._loss_calls = None, 0  # a micro-batch from before is not this
         if "step" in state:
             self.steps_done = int(state["step"])
         if self.objective is not None:
