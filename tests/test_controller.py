@@ -281,6 +281,74 @@ def test_truncation_keeps_outputs_and_slices_optimizer_state_float64(make_opt) -
     assert math.isfinite(float(loss.detach()))
 
 
+def _dying_mid_bond(make_opt) -> tuple:  # noqa: ANN001
+    """A TT PixelNet trained 3 steps by ``make_opt``'s optimizer, then two entries of its
+    middle layer's middle bond set below the threshold: the next step truncates."""
+    torch.manual_seed(0)
+    model = PixelNet(dim=16, hidden=64).double()
+    ce.tensorize(model, rank=6, exclude=["head"])
+    comera = ce.CoMERA(model)
+    opt = make_opt(comera.param_groups())
+    x, y = torch.randint(0, 17, (32, 64)), torch.randint(0, 10, (32,))
+
+    def train_step() -> torch.Tensor:
+        loss = comera.loss(F.cross_entropy(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(3):
+        train_step()
+        comera.step(opt)
+    with torch.no_grad():
+        model.mid.tt.gates[1][[1, 4]] = 1e-3
+    return model, comera, opt, x, train_step
+
+
+def test_a_graph_kept_alive_defers_truncation_instead_of_breaking_backward(capsys) -> None:
+    """A loss computed with gradients on and kept without its backward (a validation
+    loss outside ``no_grad``) holds the cores' gradient accumulators at their old shape:
+    sliced then, the next backward failed inside torch. The dead entries stay masked
+    (outputs unchanged), said once, and are sliced at the first step after it is gone."""
+    model, comera, opt, x, train_step = _dying_mid_bond(lambda g: torch.optim.AdamW(g))
+    allocated = model.mid.tt.ranks[2]
+    val = F.cross_entropy(model(x), torch.zeros(32, dtype=torch.long))  # kept, no backward
+    with torch.no_grad():
+        before = model(x)
+    events = comera.step(opt)
+    assert [e.kind for e in events] == ["rank_change"]  # died, not sliced
+    assert model.mid.tt.ranks[2] == allocated and model.mid.effective_ranks()[1] == allocated - 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=1e-12, atol=1e-12)
+    assert capsys.readouterr().err.count("keep their dead rank entries masked") == 1
+    for _ in range(2):
+        train_step()  # the backward that failed before
+        assert comera.step(opt) == []
+    assert "masked" not in capsys.readouterr().err  # said once
+    del val
+    train_step()
+    assert [e.kind for e in comera.step(opt)] == ["truncate"]
+    assert model.mid.tt.ranks[2] == allocated - 2
+    train_step()
+
+
+def test_optimizer_state_it_cannot_slice_starts_afresh() -> None:
+    """Adafactor keeps row and column factors, not tensors shaped like the parameter:
+    those of a sliced core cannot be cut to the kept entries, so that parameter's state
+    starts afresh (its step count at 0), the others' go on; before, its next step failed
+    inside torch on the old shapes."""
+    model, comera, opt, x, train_step = _dying_mid_bond(lambda g: torch.optim.Adafactor(g))
+    left, other = model.mid.tt.cores[1], model.mid.tt.cores[0]
+    assert int(opt.state[left]["step"]) == int(opt.state[other]["step"]) == 3
+    events = comera.step(opt)
+    assert [e.kind for e in events] == ["rank_change", "truncate"]
+    assert left not in opt.state and int(opt.state[other]["step"]) == 3
+    loss = train_step()
+    assert int(opt.state[left]["step"]) == 1 and int(opt.state[other]["step"]) == 4
+    assert math.isfinite(float(loss.detach()))
+
+
 def test_events_reach_the_callback_and_bf16_autocast_trains(digits) -> None:
     seen: list[ce.rank.Event] = []
     torch.manual_seed(0)
@@ -581,9 +649,32 @@ def test_a_scheduler_of_the_users_decays_every_rate_but_the_gates(digits, capsys
     assert [u["dense"] for u in used] == pytest.approx(cosine, rel=1e-6)
     assert cosine[-1] < 0.6 * LR  # the cosine did move the rates
     err = capsys.readouterr().err
-    assert err.count("the rank gates' learning rate was moved") == 1
+    assert err.count("a learning-rate scheduler moved it); it is set to") == 1
     # and that the rates fall long before the pace fixes the ranks (step 288 of 360)
     assert err.count("the learning rates fall (to 0.") == 1 and "before step 288" in err
+
+
+def test_the_usual_no_decay_groups_with_the_gates_apart_train_them_without_decay(
+        digits, capsys) -> None:
+    """The usual ``no_decay`` pattern written by hand, the gates in a group of their own
+    as the refusal of mixed groups asks: AdamW gives that group its default weight decay
+    (0.01), which would pull every gate to 0; the first step sets it to 0 and the rate to
+    the gates' own, each said once, naming what the group had."""
+    model, comera, _ = _setup()
+    gates = [p for n, p in model.named_parameters() if n.endswith("tt.gate")]
+    rest = [(n, p) for n, p in model.named_parameters() if not n.endswith("tt.gate")]
+    opt = torch.optim.AdamW([
+        {"params": gates},
+        {"params": [p for n, p in rest if not n.endswith("bias")], "weight_decay": 0.1},
+        {"params": [p for n, p in rest if n.endswith("bias")], "weight_decay": 0.0}], lr=LR)
+    comera.attach(opt)
+    _train(model, comera, opt, digits, 0, 3, attached=True)
+    assert opt.param_groups[0]["weight_decay"] == 0.0
+    assert opt.param_groups[0]["lr"] == comera.lr_gates()
+    assert [g["weight_decay"] for g in opt.param_groups[1:]] == [0.1, 0.0]  # the user's
+    err = capsys.readouterr().err
+    assert err.count("the rank gates' group had weight_decay 0.01") == 1
+    assert err.count(f"the rank gates' learning rate was {LR:.3g} (a group of your own") == 1
 
 
 def test_ce_lr_scheduler_decays_once_the_ranks_are_fixed(digits, capsys) -> None:

@@ -73,6 +73,7 @@ from .optim import (
     RankEvent,
     RateWatch,
     gate_lr,
+    held_by_a_graph,
     param_groups,
     refresh_gates,
     refresh_gates_on_device,
@@ -238,6 +239,7 @@ class CoMERA:
         self._plan_key: tuple[int, int] | None = None
         self._attached: Attachment | None = None  # attach(): the optimizer runs step
         self._rates_said = False  # param_groups printed the rates it set
+        self._held_said = False  # said that a live graph holds the cores (truncate)
         self._budget_said = False  # a target without total_steps was said
         # under an SGD-like optimizer the gates take their own Adam steps (_hook_optimizer)
         self._gate_adam: GateAdam | None = None
@@ -775,6 +777,16 @@ class CoMERA:
         nothing shrank)."""
         self._dirty = False
         if not self.has_tt:
+            return None
+        held = held_by_a_graph(self.model)
+        if held:  # sliced now, the next backward would fail: masked until it is gone
+            self._dirty = True
+            if not self._held_said:
+                self._held_said = True
+                print(f"CoMERA: {', '.join(map(repr, held))} keep their dead rank entries "
+                      "masked, not sliced: a graph built before is still alive (a loss kept "
+                      "without its backward; compute a validation loss under torch.no_grad()"
+                      " and keep loss.item())", file=sys.stderr)
             return None
         changed = _truncate_all(self.model, optimizer,
                                 self._gate_adam.adam if self._gate_adam is not None else None)

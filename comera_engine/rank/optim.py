@@ -93,7 +93,8 @@ class RateWatch:
 
     * a group holding rank gates whose rate was moved is set back to the gates' rate (the
       rank schedule's, :func:`gate_lr`: decayed, a gate no longer reaches its threshold
-      before the target is due), said once;
+      before the target is due), said once; so is weight decay on the gates' group (a
+      group of the user's at AdamW's default), set to 0;
     * when another group's rate falls below 0.9 of its highest so far before ``hold``
       (the step at which the pace fixes the ranks), that is said once: a network shrunk
       while its rate falls recovers less (experiments/results/own_loop_cosine.json against
@@ -131,11 +132,18 @@ class RateWatch:
                 continue
             if any(id(p) in self.ids for p in group["params"]):
                 if lr != self.rate:
-                    self._say("gates", "the rank gates' learning rate was moved (by a "
-                              f"learning-rate scheduler?); it stays at {self.rate:.3g}, the "
-                              "rate at which the ranks reach the target in time "
-                              "(comera.lr_gates sets another)")
+                    self._say("gates", f"the rank gates' learning rate was {lr:.3g} (a "
+                              "group of your own, or a learning-rate scheduler moved it); "
+                              f"it is set to {self.rate:.3g}, the rate at which the ranks "
+                              "reach the target in time (comera.lr_gates sets another)")
                     group["lr"] = self.rate
+                decay = group.get("weight_decay")
+                if isinstance(decay, (int, float)) and decay > 0:
+                    self._say("decay", f"the rank gates' group had weight_decay {decay:g} "
+                              "(AdamW's default, say), which pulls every gate to 0 and "
+                              "prunes ranks the task needs; it is set to 0 "
+                              "(comera.param_groups() gives the gates none)")
+                    group["weight_decay"] = 0.0
                 continue
             top = max(self.top.get(i, lr), lr)
             self.top[i] = top
@@ -278,6 +286,35 @@ class RankTracker:
         return events
 
 
+def _held_by_a_graph(p: nn.Parameter) -> bool:
+    """Whether an autograd graph built from ``p`` and never backpropagated is still alive
+    (a validation loss computed with gradients on, losses kept in a list). It holds
+    ``p``'s gradient accumulator, so ``p`` cannot take another shape: the TT layers
+    reshape a parameter by swapping its tensor for a fresh one
+    (``torch.utils.swap_tensors``), which torch then refuses, and a later backward fails
+    against the old shape. Probed by that swap with ``p``'s own values (what is swapped
+    in is ``p`` as it was, its gradient dropped, as slicing drops it)."""
+    fresh = nn.Parameter(p.data, requires_grad=p.requires_grad)
+    fresh.__dict__.update(p.__dict__)
+    try:
+        torch.utils.swap_tensors(p, fresh)
+    except RuntimeError:
+        return True
+    return False
+
+
+def held_by_a_graph(model: nn.Module) -> list[str]:
+    """The TT layers of ``model`` with dead rank entries to slice whose parameters a live
+    autograd graph holds (:func:`_held_by_a_graph`): slicing them now would make the
+    next backward fail, so they stay masked until the graph is gone."""
+    out = []
+    for name, m in tt_layers(model):
+        if any(int(mk.sum()) < mk.numel() for mk in m.tt.masks()) and any(
+                _held_by_a_graph(p) for p in m.tt.parameters()):
+            out.append(name)
+    return out
+
+
 @torch.no_grad()
 def truncate_model_and_optimizer(model: nn.Module, *optimizers: torch.optim.Optimizer | None
                                  ) -> dict[str, list[tuple[int, int, int]]]:
@@ -285,12 +322,19 @@ def truncate_model_and_optimizer(model: nn.Module, *optimizers: torch.optim.Opti
     (AdamW ``exp_avg``, ``exp_avg_sq``, any state tensor shaped like its parameter) with
     the same indices, so training continues from the truncated state with unchanged
     outputs. The ``nn.Parameter`` objects are kept, so parameter groups stay valid.
-    ``None`` optimizers are skipped. Returns ``{layer: [(bond, old, new), …]}``."""
+    State laid out otherwise (Adafactor's row and column factors) cannot be sliced: that
+    parameter's state is dropped, and the optimizer starts it afresh at its next step, as
+    at its first. ``None`` optimizers are skipped. Returns ``{layer: [(bond, old, new),
+    …]}``."""
     states = [opt.state for opt in optimizers if opt is not None]
 
     def slice_state(p: nn.Parameter, dim: int, keep: torch.Tensor) -> None:
         for state in states:
             st = state.get(p)
+            if st and any(torch.is_tensor(v) and v.numel() > 1 and v.shape != p.shape
+                          for v in st.values()):
+                del state[p]  # not shaped like p: the optimizer's own layout
+                continue
             for key, v in list((st or {}).items()):
                 if torch.is_tensor(v) and v.shape == p.shape:
                     st[key] = v.index_select(dim, keep.to(v.device)).contiguous()
