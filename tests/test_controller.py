@@ -864,9 +864,15 @@ def test_attach_runs_the_step_after_the_optimizers_and_a_second_call_is_refused(
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="drop the comera.step call"):
         comera.step(opt)
+    # a second controller on the same model (a notebook cell run twice) attached to the
+    # same optimizer would add its rank terms and prune the same gates too: refused
+    again = ce.CoMERA(model, ce.CoMERAConfig(target_compression=TARGET), total_steps=80)
+    with pytest.raises(ConfigError, match="^optimizer: already attached to another CoMERA"):
+        again.attach(opt)
     handle.remove()
     opt.step()  # no longer steps the controller
     assert comera.steps_done == 80 and comera.step(opt) is not None
+    again.attach(opt).remove()  # once the first is detached, another may attach
 
 
 def test_a_validation_loss_through_comera_loss_changes_nothing(digits) -> None:
@@ -889,6 +895,11 @@ def test_a_validation_loss_through_comera_loss_changes_nothing(digits) -> None:
         assert torch.equal(a, b)
     with pytest.raises(ConfigError, match="^task_loss: give the loss tensor .* got float"):
         comera.loss(1.0)
+    per_sample = F.cross_entropy(model(x_val), y_val, reduction="none")  # not reduced
+    with pytest.raises(ConfigError, match=r"^task_loss: give the scalar loss .* got shape "
+                                          r"\(64,\)"):
+        comera.loss(per_sample)
+    assert comera.loss(per_sample.mean().reshape(1)).numel() == 1  # one value: a loss
 
 
 def test_an_optimizer_over_model_parameters_is_refused_before_its_rate_is_touched(

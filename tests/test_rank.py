@@ -197,6 +197,14 @@ def test_settings_built_in_code_are_checked_as_a_toml_file_is() -> None:
             ce.tensorize(dense(), CoMERAConfig(), rank=rank)
     with pytest.raises(ConfigError, match=r"^model: give the torch\.nn\.Module"):
         ce.tensorize("model", CoMERAConfig())  # type: ignore[arg-type]
+    for layer, kind in ((nn.Linear(64, 64), "TTLinear"), (nn.Embedding(500, 16), "TTEmbedding"),
+                        (nn.EmbeddingBag(500, 16), "TTEmbeddingBag")):
+        before = copy.deepcopy(layer.state_dict())
+        with pytest.raises(ConfigError, match=rf"^model: a bare {type(layer).__name__} "
+                                              rf"cannot be replaced in place: build ce\.{kind}"):
+            ce.tensorize(layer, CoMERAConfig(), rank=4)
+        assert not list(layer.children())  # nothing registered under it (a TT child "")
+        assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
 
 
 def test_tensorize_names_the_layers_no_tt_layer_replaces(capsys) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -130,12 +131,17 @@ def _settings(config: CoMERAConfig | None, settings: dict[str, Any]) -> CoMERACo
 class Attachment:
     """A controller attached to an optimizer (:meth:`CoMERA.attach`)."""
 
-    def __init__(self, comera: CoMERA, handle: Any) -> None:
-        self._comera, self._handle = comera, handle
+    def __init__(self, comera: CoMERA, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        self._comera, self._handle, self._optimizer = comera, handle, optimizer
+        # marked, so that a second controller is not attached to it too
+        optimizer._comera_attached = weakref.ref(comera)  # type: ignore[attr-defined]
 
     def remove(self) -> None:
         """Stop running the controller's step after the optimizer's."""
         self._handle.remove()
+        mark = getattr(self._optimizer, "_comera_attached", None)
+        if mark is not None and mark() is self._comera:
+            del self._optimizer._comera_attached  # type: ignore[attr-defined]
         if self._comera._attached is self:
             self._comera._attached = None
 
@@ -343,12 +349,18 @@ class CoMERA:
         if self._attached is not None:
             raise RuntimeError("CoMERA.attach: already attached to an optimizer; call "
                                "remove() on what attach returned first")
+        other = getattr(optimizer, "_comera_attached", None)
+        if other is not None and other() is not None and other() is not self:
+            raise ConfigError("optimizer", "already attached to another CoMERA (a cell run "
+                                           "twice?): two controllers would both add rank "
+                                           "terms and prune the same gates; build a fresh "
+                                           "optimizer, or remove() the other's attachment")
 
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             self._step(opt)
 
         self._hook_optimizer(optimizer)
-        self._attached = Attachment(self, optimizer.register_step_post_hook(hook))
+        self._attached = Attachment(self, optimizer.register_step_post_hook(hook), optimizer)
         return self._attached
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -435,6 +447,10 @@ class CoMERA:
         if not isinstance(task_loss, Tensor):
             raise ConfigError("task_loss", f"give the loss tensor your loop backpropagates, "
                                            f"got {type(task_loss).__name__}")
+        if task_loss.numel() != 1:
+            raise ConfigError("task_loss", f"give the scalar loss your loop backpropagates "
+                                           f"(its mean over the batch), got shape "
+                                           f"{tuple(task_loss.shape)}")
         if not torch.is_grad_enabled():
             return task_loss
         f = task_loss if task_loss.dtype in (torch.float32, torch.float64) else task_loss.float()

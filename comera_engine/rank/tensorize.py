@@ -247,6 +247,12 @@ def tensorize(model: nn.Module, config: CoMERAConfig | None = None, *,
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"give the torch.nn.Module to tensorize, got "
                                    f"{type(model).__name__}")
+    if isinstance(model, (nn.Linear, nn.Embedding, nn.EmbeddingBag)):  # itself a layer
+        kind = ("TTEmbeddingBag" if isinstance(model, nn.EmbeddingBag) else
+                "TTEmbedding" if isinstance(model, nn.Embedding) else "TTLinear")
+        raise ConfigError("model", f"a bare {type(model).__name__} cannot be replaced in "
+                                   f"place: build ce.{kind}(...) directly, or tensorize the "
+                                   "network that holds it")
     config = _config(config)
     for name, value in (("rank", rank), ("embedding_rank", embedding_rank)):
         _check_rank(name, value)
