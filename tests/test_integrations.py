@@ -57,8 +57,8 @@ def _bert(**config) -> BertForSequenceClassification:  # noqa: ANN003
 
 
 def _args(tmp_path, **kw) -> TrainingArguments:  # noqa: ANN001
-    kw = {"save_strategy": "no", **kw}
-    return TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS,
+    kw = {"save_strategy": "no", "max_steps": STEPS, **kw}
+    return TrainingArguments(output_dir=str(tmp_path),
                              per_device_train_batch_size=32, report_to="none",
                              logging_steps=STEPS, use_cpu=True, disable_tqdm=True, **kw)
 
@@ -242,6 +242,9 @@ def test_under_ddp_the_processes_agree_and_the_model_is_truncated_at_the_end(tmp
      "^load_best_model_at_end: .*=False$"),
     # BERT takes **kwargs: the Trainer hands it num_items_in_batch and leaves its loss unscaled
     (True, {"gradient_accumulation_steps": 2}, "^gradient_accumulation_steps: .*accepts_loss_"),
+    # the Trainer's steps are not the controller's: the target would be planned for others
+    (True, {"max_steps": 2 * STEPS}, rf"^total_steps: ce\.CoMERA\(total_steps={STEPS}\) but "
+                                     rf"the Trainer runs {2 * STEPS} steps"),
 ])
 def test_what_the_callback_cannot_run_is_refused_before_a_step(tmp_path, own_optimizer,
                                                                setting, error) -> None:

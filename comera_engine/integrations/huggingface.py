@@ -119,6 +119,13 @@ class CoMERACallback(TrainerCallback):
             raise ConfigError("model", "the Trainer trains another model than the one "
                                        "given to ce.CoMERA: pass that one to both")
         self._accumulating = getattr(args, "gradient_accumulation_steps", 1) > 1
+        steps = getattr(state, "max_steps", 0) or 0
+        if comera.total_steps and steps and steps != comera.total_steps:
+            raise ConfigError("total_steps", f"ce.CoMERA(total_steps={comera.total_steps:,}) "
+                                             f"but the Trainer runs {steps:,} steps: the ranks "
+                                             "are planned to reach the target within "
+                                             "total_steps; give total_steps=trainer.args."
+                                             "max_steps (or the steps its epochs make)")
         if getattr(args, "load_best_model_at_end", False):
             raise ConfigError("load_best_model_at_end", "the model shrinks as it trains, so "
                                                         "a best checkpoint from before the "
