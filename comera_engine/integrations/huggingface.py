@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +122,11 @@ class CoMERACallback(TrainerCallback):
         self._accumulating = getattr(args, "gradient_accumulation_steps", 1) > 1
         steps = getattr(state, "max_steps", 0) or 0
         if comera.total_steps and steps and steps != comera.total_steps:
-            raise ConfigError("total_steps", f"ce.CoMERA(total_steps={comera.total_steps:,}) "
-                                             f"but the Trainer runs {steps:,} steps: the ranks "
-                                             "are planned to reach the target within "
-                                             "total_steps; give total_steps=trainer.args."
-                                             "max_steps (or the steps its epochs make)")
+            short = ", so this run ends short of it" if steps < comera.total_steps else ""
+            print(f"CoMERA: ce.CoMERA(total_steps={comera.total_steps:,}) but the Trainer runs "
+                  f"{steps:,} steps: the ranks are planned to reach the target within "
+                  f"total_steps{short}; give total_steps=trainer.args.max_steps (or the steps "
+                  "its epochs make)", file=sys.stderr)
         if getattr(args, "load_best_model_at_end", False):
             raise ConfigError("load_best_model_at_end", "the model shrinks as it trains, so "
                                                         "a best checkpoint from before the "

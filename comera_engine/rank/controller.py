@@ -554,7 +554,7 @@ class CoMERA:
                 # the counts passed in predate it
                 snapshot = self._counts if counts is not None else None
                 self.objective.recount(self.current_size(snapshot) - self._extra)
-        if truncate and optimizer is not None and self._dirty:
+        if truncate and optimizer is not None and self._dirty and not self._held():
             done = self.truncate(optimizer, emit=False)
             if done is not None:
                 events.append(done)
@@ -786,6 +786,20 @@ class CoMERA:
         return any(int(mk.sum()) < mk.numel() for m in self._layers.values()
                    for mk in m.tt.masks())
 
+    def _held(self) -> bool:
+        """Whether a live autograd graph holds cores that the step would slice
+        (:func:`.optim.held_by_a_graph`): the next backward would fail against their old
+        shapes, so they stay masked until it is gone (said once). An explicit
+        :meth:`truncate` (once DDP's wrapper, which holds them too, is done) slices."""
+        held = held_by_a_graph(self.model)
+        if held and not self._held_said:
+            self._held_said = True
+            print(f"CoMERA: {', '.join(map(repr, held))} keep their dead rank entries "
+                  "masked, not sliced: a graph built before is still alive (a loss kept "
+                  "without its backward; compute a validation loss under torch.no_grad() "
+                  "and keep loss.item())", file=sys.stderr)
+        return bool(held)
+
     def truncate(self, optimizer: torch.optim.Optimizer | None, *, emit: bool = True
                  ) -> Event | None:
         """Slice every TT layer to its effective ranks, and ``optimizer``'s state with the
@@ -793,16 +807,6 @@ class CoMERA:
         nothing shrank)."""
         self._dirty = False
         if not self.has_tt:
-            return None
-        held = held_by_a_graph(self.model)
-        if held:  # sliced now, the next backward would fail: masked until it is gone
-            self._dirty = True
-            if not self._held_said:
-                self._held_said = True
-                print(f"CoMERA: {', '.join(map(repr, held))} keep their dead rank entries "
-                      "masked, not sliced: a graph built before is still alive (a loss kept "
-                      "without its backward; compute a validation loss under torch.no_grad()"
-                      " and keep loss.item())", file=sys.stderr)
             return None
         changed = _truncate_all(self.model, optimizer,
                                 self._gate_adam.adam if self._gate_adam is not None else None)
