@@ -1567,16 +1567,36 @@ def test_an_uploaded_config_starts_the_form_and_names_only_what_is_offered(
     launched = store_at(home).list_runs()[0]["config"]
     assert (launched["name"], launched["train"]["steps"]) == ("uploaded-digits · 60×", 77)
 
+    # code or files not offered: refused, and nothing of it is called, imported or read
+    # (the engine's checks called the factory and read the file's header after the refusal)
+    pwned, secret = home.parent / "pwned", home.parent / "secret.csv"
+    secret.write_text("hidden_a,hidden_b\n1,2\n")
+    evil = (f'name = "x"\n[model]\nfactory = "os:system"\nkwargs = {{ command = "touch '
+            f'{pwned}" }}\n[data]\nname = "digits"\n')
+    snoop = ('name = "y"\n[model]\nname = "tt_mlp"\n[data]\nname = "files"\n'
+             f'train = "{secret}"\nlabel = "zzz"\n')
+    for stem, text, problem in (
+            ("evil", evil, "model.factory: 'os:system' is not a model this dashboard offers"),
+            ("snoop", snoop, "data.train: names a file this dashboard does not offer")):
+        at = app("new")
+        at.file_uploader(key="upload").set_value((f"{stem}.toml", text.encode(),
+                                                 "application/toml")).run()
+        no_exception(at)
+        assert at.selectbox(key="preset").value == f"upload:{stem}"
+        assert problem in " ".join(e.value for e in at.error)
+        assert at.button(key="launch").disabled
+        at.text_input(key=f"upload:{stem}:steps").set_value("90").run()  # a rerun
+        assert not pwned.exists() and "hidden_a" not in texts(at)
+    at = app("new")  # the same through All settings · Edit as TOML, and a swept key
+    at.toggle(key="digits_tt_mlp:as_toml").set_value(True).run()
+    at.text_area(key="digits_tt_mlp:toml").set_value(evil).run()
+    assert "model.factory: 'os:system' is not a model" in " ".join(e.value for e in at.error)
     at = app("new")
-    at.file_uploader(key="upload").set_value(("evil.toml", b'name = "x"\n[model]\n'
-                                             b'factory = "os:system"\n[data]\nname = "files"\n'
-                                             b'train = "/etc/hosts"\nlabel = "y"\n',
-                                             "application/toml")).run()
+    at.text_area(key="sw-grid").set_value('model.factory="os:system"').run()
     no_exception(at)
-    assert at.selectbox(key="preset").value == "upload:evil"
-    errors = " ".join(e.value for e in at.error)
-    assert "model.factory: 'os:system' is not a model this dashboard offers" in errors
-    assert at.button(key="launch").disabled
+    assert any(e.value.startswith("Other keys: model.factory: 'os:system' is not a model")
+               for e in at.error)
+    assert at.button(key="sw-launch").disabled and not pwned.exists()
     at.file_uploader(key="upload").set_value(("bad.toml", b"name = \n", "text/plain")).run()
     assert any(e.value.startswith("config: not valid TOML") for e in at.error)
 

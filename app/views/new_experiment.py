@@ -531,9 +531,15 @@ with all_settings:
             say("toml", "error", f"config: not valid TOML ({e})")
         else:
             raw = edited
+#: what a config the browser wrote names that the server does not offer (code, files):
+#: then nothing of it is imported, called or read, so the engine's checks below are skipped
+blocked: list[tuple[str, str]] = []
 if as_toml or pkey.startswith(UPLOAD_PREFIX):  # the browser wrote it: only what is offered
-    for field, problem in browser_config_problems(raw, trusted, REGISTRY, STORE_FOLDER,
-                                                  Path.cwd()):
+    blocked = browser_config_problems(raw, trusted, REGISTRY, STORE_FOLDER, Path.cwd())
+    if not as_toml:  # the file as uploaded, whatever the form changed since
+        blocked += [b for b in browser_config_problems(preset.raw, {}, REGISTRY, STORE_FOLDER,
+                                                       Path.cwd()) if b not in blocked]
+    for field, problem in blocked:
         say("toml" if as_toml else "data", "error", f"{field}: {problem}")
 
 FIELD_SLOTS = {
@@ -557,7 +563,7 @@ if refused := st.session_state.get("upload_error"):  # the file was not loaded a
     for line in refused[1]:
         say("upload", "error", line)
 said: set[str] = set()
-if pkey.startswith(UPLOAD_PREFIX) and not as_toml:  # the file as written, every problem
+if pkey.startswith(UPLOAD_PREFIX) and not as_toml and not blocked:  # as written, each problem
     _, as_written = check_all(preset.raw, resolve_config)
     if as_written:
         say("upload", "note", f"{preset.source} as uploaded: {len(as_written)} problem"
@@ -566,7 +572,7 @@ if pkey.startswith(UPLOAD_PREFIX) and not as_toml:  # the file as written, every
     for e in as_written:
         say("upload", "error", str(e))
         said.add(str(e))
-cfg, refusals = check_all(raw, resolve_config)  # the form's config: every problem
+cfg, refusals = (None, []) if blocked else check_all(raw, resolve_config)  # every problem
 for e in refusals:
     if str(e) not in said:  # the file's own problem, said under the upload
         field = e.field.split(".")[0] if e.field.startswith("data") else e.field
@@ -580,8 +586,8 @@ if settings_box is not None:
             st.caption("Fix the highlighted fields to see every setting.")
 
 # the batch as validated (a refused one is named above; the data are still checked)
-problems, data_notes = data_problems(dict(raw.get("data") or {}),
-                                     cfg.train.batch_size if cfg is not None else 1)
+problems, data_notes = ([], []) if blocked else data_problems(
+    dict(raw.get("data") or {}), cfg.train.batch_size if cfg is not None else 1)
 for p in problems:
     say("steps" if p.startswith("train.") else "data", "error", p)
 for n in data_notes:
@@ -689,6 +695,31 @@ def _sweep_problem(args_json: str) -> str | None:
     return None
 
 
+def _grid_problem(base: dict, grid: dict[str, list[Any]]) -> str | None:
+    """The first value of Other keys that names code or a file the server does not offer
+    (:func:`browser_config_problems` on the config with that value set), in the form's
+    words; ``None`` when none does. Checked before any cell is resolved (which would
+    import the code and read the files)."""
+    def problems(raw: dict) -> list[tuple[str, str]]:
+        return browser_config_problems(raw, trusted, REGISTRY, STORE_FOLDER, Path.cwd())
+
+    known = problems(base)  # the form's own, said beside their fields
+    for key, values in grid.items():
+        *path, last = key.split(".")
+        for value in values:
+            cell = json.loads(json.dumps(base))
+            node = cell
+            for part in path:
+                node = node.setdefault(part, {}) if isinstance(node, dict) else None
+            if not isinstance(node, dict):
+                continue  # not a table: the engine refuses it by its own check
+            node[last] = value
+            found = [p for p in problems(cell) if p not in known]
+            if found:
+                return f"Other keys: {found[0][0]}: {found[0][1]}"
+    return None
+
+
 def _sweep_section() -> None:
     """Launch this form's config as a sweep: several targets × seeds, N at once. Every
     value is checked as typed, by the engine, before the click."""
@@ -737,6 +768,8 @@ def _sweep_section() -> None:
             sweep_raw["name"] = preset.title
         for key in ("rank", "embedding_rank") if targets else ():
             sweep_raw.get("model", {}).pop(key, None)
+        if problem is None:  # the grid is the browser's: it may name only what is offered
+            problem = _grid_problem(sweep_raw, extra)
         if problem is None and not n_errors:
             with st.spinner("Checking every cell…"):
                 problem = _sweep_problem(json.dumps(
