@@ -54,4 +54,10 @@ except Exception as e:  # noqa: BLE001 - a foreign/corrupt store file: say so, d
     st.error(f"The run store cannot be opened: {e}")
     store = None
 ui.sidebar(store)
+# the first runs of a fresh server import pandas and Plotly one at a time: side by side,
+# an import could meet the other's half-made pandas ("partially initialized module")
+with ui.FIRST_IMPORTS:
+    import pandas  # noqa: E402, F401
+
+    import app.lib.plots  # noqa: E402, F401
 page.run()

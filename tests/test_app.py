@@ -1508,6 +1508,26 @@ def test_streamlit_config_is_local_and_private() -> None:
     assert cfg["server"]["port"] == 8501
     assert cfg["server"]["headless"] is True
     assert cfg["browser"]["gatherUsageStats"] is False
+    # an unexpected exception's message and traceback (server paths) stay on the console
+    assert cfg["client"]["showErrorDetails"] == "type"
+
+
+def test_the_browser_is_shown_server_paths_outside_the_store_by_file_name(tmp_path) -> None:
+    """An engine message or a model card naming a server file in full (a config's data
+    file, a run folder elsewhere) is shown by the file's name; a path in the run store,
+    a URL, a ratio or a unit are left as they are."""
+    from app.lib.fmt import server_paths_hidden
+
+    store = tmp_path / "store"
+    (store / "run1").mkdir(parents=True)
+    text = (f"data.train: file not found: {tmp_path}/own/data/train.csv (give a CSV). "
+            f'"dir": "/home/ann/runs/r7/", `{tmp_path}/cfg.toml`; kept: {store}/run1/m.onnx, '
+            "http://127.0.0.1:8501/live, 10 MB/s, 1/3 of it")
+    shown = server_paths_hidden(text, store)
+    assert shown == ("data.train: file not found: train.csv (give a CSV). "
+                     '"dir": "r7", `cfg.toml`; kept: ' + f"{store}/run1/m.onnx, "
+                     "http://127.0.0.1:8501/live, 10 MB/s, 1/3 of it")
+    assert str(tmp_path / "own") not in shown
 
 
 def test_rank_heatmap_rows_span_the_run() -> None:

@@ -126,7 +126,7 @@ def test_user_model_on_the_form(csvs, monkeypatch, tmp_path) -> None:
     assert not at.exception, [e.value for e in at.exception]
     # yours first: the config beside the module, then the model with its defaults
     assert at.selectbox(key="preset").options[:2] == [
-        "own-breast-cancer · your config experiments/own/breast_cancer.toml",
+        "own-breast-cancer · your config breast_cancer.toml",
         "tabular_net · your model, its function's defaults"]
     at.selectbox(key="preset").set_value("user:tabular_net").run()
     metrics = {m.label: m.value for m in at.metric}

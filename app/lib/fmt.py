@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 
@@ -127,6 +128,29 @@ _MARKUP = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>$:~&=^\"'])")
 #: ``www.…`` or ``a@b.c`` as a link (both are read from the text after the escapes are
 #: undone).
 _JOIN = re.compile(r"([:@])|(?i:(?<=www)(\\\.))")
+
+
+#: an absolute POSIX path in running text: a ``/`` at the start or after a space, a quote,
+#: a backtick, a bracket or ``=`` (not inside a URL, a ratio, a word or escaped Markdown)
+_ABS_PATH = re.compile(r"(?<![^\s\"'`(\[=])/[^\s'\"`(),;<>|\\]+")
+
+
+def server_paths_hidden(text: str, store_root: str | os.PathLike[str]) -> str:
+    """``text`` with every absolute server path outside ``store_root`` (the run store's
+    folder) shortened to its last part, the file's name: what the browser is shown of
+    the server's files (an engine message naming a config's data file, a model card's
+    provenance). Paths inside the run store are kept."""
+    root = os.path.realpath(store_root)
+
+    def short(m: re.Match[str]) -> str:
+        path = m.group(0).rstrip(".")
+        tail = m.group(0)[len(path):]
+        real = os.path.realpath(path)
+        if real == root or real.startswith(root + os.sep):
+            return m.group(0)
+        return (os.path.basename(path.rstrip("/")) or path) + tail
+
+    return _ABS_PATH.sub(short, str(text))
 
 
 def literal(text: object) -> str:

@@ -185,7 +185,8 @@ def registered_configs(registry: Mapping[str, Any]) -> dict[str, Preset]:
     for name, c in sorted((registry.get("configs") or {}).items()):
         raw = copy.deepcopy(c["config"])
         out[CONFIG_PREFIX + name] = Preset(CONFIG_PREFIX + name, str(raw.get("name", name)),
-                                           f"for {c['factory']}", raw, c["source"])
+                                           f"for {c['factory']}", raw,
+                                           Path(c["source"]).name)  # no server folder
     return out
 
 

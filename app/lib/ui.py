@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,11 @@ from app.lib.defaults import default_config
 from app.lib.form import auto_run_name
 from comera_engine.launch import reap as reap_dead_runs
 from comera_engine.store import RunStore, StoreError
+
+#: held while a page run imports pandas and Plotly (app/Home.py): two first runs of a
+#: fresh server (the page opened and a click at once) imported them side by side, and one
+#: met the other's half-made pandas ("partially initialized module 'pandas'")
+FIRST_IMPORTS = threading.Lock()
 
 HOME_PAGE = "views/overview.py"
 NEW_PAGE = "views/new_experiment.py"

@@ -165,7 +165,8 @@ if res is not None and _inside_store(res.path) and Path(res.path).is_file():
                            icon=":material/download:", key="dl-model",
                            mime="application/octet-stream", on_click="ignore")
         if res.card and Path(res.card).is_file() and _inside_store(res.card):
-            card = Path(res.card).read_text(encoding="utf-8", errors="replace")
+            card = fmt.server_paths_hidden(  # the data's folders are the server's
+                Path(res.card).read_text(encoding="utf-8", errors="replace"), store.root)
             # the card names the file, and its code loads it, as it is downloaded
             for quote in '"`':
                 card = card.replace(f"{quote}{Path(res.path).name}{quote}",

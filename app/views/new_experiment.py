@@ -218,7 +218,9 @@ msgs: dict[str, list[tuple[str, str]]] = {}
 
 
 def say(field: str, level: str, text: str) -> None:
-    msgs.setdefault(field, []).append((level, text))
+    """A message under ``field``; a server path outside the run store is shown by its
+    file name only (an engine message names the config's data file in full)."""
+    msgs.setdefault(field, []).append((level, fmt.server_paths_hidden(text, STORE_FOLDER)))
 
 
 left, right = st.columns([5, 7], gap="large")
