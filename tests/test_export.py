@@ -203,6 +203,43 @@ def test_round_trip_every_format(family: str, tmp_path: Path) -> None:
         load(res_o.path)
 
 
+class _OwnNet(nn.Module):
+    """A network of one's own class (not an nn.Sequential, no run config)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(500, 32)
+        self.mid = nn.Linear(64, 128)
+        self.head = nn.Linear(128, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.table(ids).flatten(1))))
+
+
+def test_a_network_of_ones_own_class_exports_to_onnx_from_example_inputs(tmp_path) -> None:
+    """A model trained in one's own loop has no run config to rebuild it from: its ONNX
+    export is the traced graph (the class is not needed to run it), checked against
+    PyTorch by onnxruntime at the traced batch and another; without example inputs, or
+    to a format ``load`` must rebuild, it is refused naming what to give."""
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = tensorize(_OwnNet(), comera_engine.CoMERAConfig(target_compression=4),
+                      exclude=["head"])
+    ids = torch.randint(0, 500, (6, 2))
+    res = export_model(model, tmp_path / "own.onnx", "onnx", example_inputs=(ids,))
+    sess = ort.InferenceSession(str(res.path), providers=["CPUExecutionProvider"])
+    for batch in (ids, torch.randint(0, 500, (3, 2))):
+        got = torch.from_numpy(sess.run(None, {"input": batch.numpy()})[0])
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(batch), rtol=1e-5, atol=1e-5)
+    assert "- **Model**: `_OwnNet` (your own class, traced" in res.card.read_text()
+    with pytest.raises(ConfigError, match=r"^example_inputs: an ONNX export of a _OwnNet"):
+        export_model(model, tmp_path / "again.onnx", "onnx")
+    with pytest.raises(ConfigError, match=r"^metadata\.config: needed to rebuild a _OwnNet"):
+        export_model(model, tmp_path / "own.safetensors", "compressed")
+    assert not (tmp_path / "again.onnx").exists() and not (tmp_path / "own.safetensors").exists()
+
+
 def test_paper_size_file_matches_size_report_within_1_percent(tmp_path: Path) -> None:
     """The paper's transformer after rank pruning (~3 MB): the whole file, header
     included, is within 1% of size_report's effective bytes."""

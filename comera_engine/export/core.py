@@ -512,7 +512,16 @@ def export_model(
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"must be an nn.Module, got {type(model).__name__}")
     metadata = dict(metadata or {})
-    recipe = _spec.describe(model, metadata)
+    try:
+        recipe = _spec.describe(model, metadata)
+    except ConfigError:  # a network of the user's own class: ONNX is a graph, not a build
+        if format != "onnx" or metadata.get("config") is not None:
+            raise
+        if not example_inputs:
+            raise ConfigError("example_inputs", f"an ONNX export of a {type(model).__name__} "
+                                                "traces it: give example_inputs=(x,), a batch "
+                                                "of what it takes") from None
+        recipe = {"builder": "graph", "class": type(model).__name__}
     path = resolve_out(out_path, format)
     sizes = _sizes(model)
     was_training = model.training
