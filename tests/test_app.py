@@ -184,6 +184,20 @@ def test_learn_page_widgets_and_live_numbers(home: Path) -> None:
     assert next(m for m in at.metric if m.label == "Planner picks").value in (
         "halves", "sweep", "dense")
     assert len(at.get("plotly_chart")) >= 7
+    # every gate pushed below τ: the bond keeps its strongest direction, as the default
+    # schedules' rank floor does (it showed rank 0, 0 parameters and ∞×)
+    at.slider(key="l-g-p").set_value(1.0).run()
+    no_exception(at)
+    assert next(m for m in at.metric if m.label == "Effective rank").value.startswith("1 / ")
+    assert next(m for m in at.metric if m.label == "Compression vs dense").value != "∞×"
+    assert any("comera.rank_floor" in c.value for c in at.caption)
+
+
+def test_the_article_a_count_takes() -> None:
+    from app.lib.fmt import a_or_an
+
+    assert [a_or_an(n) for n in (3, 8, 11, 12, 18, 80, 86, 100, 800)] == [
+        "a", "an", "an", "a", "an", "an", "an", "a", "an"]
 
 
 def test_learn_cores_tab_counts_the_cores_and_bounds_of_the_chosen_factors(home: Path
@@ -213,7 +227,9 @@ def test_learn_cores_tab_counts_the_cores_and_bounds_of_the_chosen_factors(home:
         at.radio(key="l-fac").set_value(factors).run()
         no_exception(at)
         assert f"768 = {factors.split(' | ')[0]} for the inputs" in texts(at)
-        assert f"reshape $W$ into a {way}-way tensor" in texts(at) and f"({word} here)" in texts(at)
+        article = "an" if way == 8 else "a"  # "an 8-way"
+        assert f"reshape $W$ into {article} {way}-way tensor" in texts(at)
+        assert f"({word} here)" in texts(at)
         assert bounds in texts(at)
         assert "six here" not in texts(at) and "r1 ≤ 12" not in texts(at)
 
@@ -349,6 +365,10 @@ def test_new_experiment_validation_messages(home: Path) -> None:
     assert "train.steps: must be a positive integer, got -5" in " ".join(
         e.value for e in at.error)
     assert at.button(key="launch").disabled
+    at.text_input(key="digits_tt_mlp:steps").set_value("").run()  # blank: not "got None"
+    errs = " ".join(e.value for e in at.error)
+    assert "train.steps: must be an integer; the field is empty" in errs
+    assert "None" not in errs and at.button(key="launch").disabled
     at.text_input(key="digits_tt_mlp:steps").set_value("200").run()
     at.text_input(key="digits_tt_mlp:name").set_value("bad\x1bname").run()
     assert "name: control characters" in " ".join(e.value for e in at.error)

@@ -153,6 +153,13 @@ def server_paths_hidden(text: str, store_root: str | os.PathLike[str]) -> str:
     return _ABS_PATH.sub(short, str(text))
 
 
+def a_or_an(n: int) -> str:
+    """The article a count under a thousand takes read aloud: "an" for 8, 11, 18, 80-89
+    and 800-899; else "a"."""
+    digits = str(abs(int(n)))
+    return "an" if digits.startswith("8") or digits in ("11", "18") else "a"
+
+
 def literal(text: object) -> str:
     """``text`` (a name a user typed: a run's, an uploaded file's) for ``st.markdown`` to
     show as typed: every character Markdown could read as markup is escaped (a run named

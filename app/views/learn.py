@@ -182,12 +182,14 @@ with tab2:
     intro.markdown(
         "A 768×768 weight (a BERT attention projection) has **589,824** numbers. Write "
         f"768 = {'·'.join(map(str, in_f))} for the inputs and {'·'.join(map(str, out_f))} "
-        f"for the outputs, reshape $W$ into a {len(shapes)}-way tensor and store it as one "
+        f"for the outputs, reshape $W$ into {fmt.a_or_an(len(shapes))} {len(shapes)}-way "
+        "tensor and store it as one "
         "core per factor, $G_k \\in \\mathbb{R}^{r_{k-1} \\times s_k \\times r_k}$ "
         f"({in_words(len(shapes))} here). The paper uses 12·8·8 | 8·8·12 with rank 30."
     )
     tt_p = sum(a * s * b for a, s, b in shapes)
-    st.caption(f"With {fac.split(' (')[0]}: a {len(shapes)}-way tensor, **{len(shapes)} cores**.")
+    st.caption(f"With {fac.split(' (')[0]}: {fmt.a_or_an(len(shapes))} {len(shapes)}-way "
+               f"tensor, **{len(shapes)} cores**.")
     k = st.columns(3)
     k[0].metric("Dense parameters", f"{768 * 768:,}")
     k[1].metric("TT parameters", f"{tt_p:,}", help="Σ r_{k-1}·s_k·r_k over the cores.")
@@ -217,6 +219,9 @@ with tab3:
     imp = gate_importance(r3)
     g = gates_after(imp, pressure)
     alive = g > tau
+    floor = not alive.any()  # the default schedules keep a bond's strongest direction
+    if floor:
+        alive[int(g.argmax())] = True
     eff = int(alive.sum())
     fig = go.Figure()
     fig.add_bar(x=list(range(1, r3 + 1)), y=imp, name="importance (where the loss holds it)",
@@ -244,8 +249,12 @@ with tab3:
     k[0].metric("Effective rank", f"{eff} / {r3}")
     k[1].metric("Parameters (768×768, all bonds alike)", f"{p_eff:,}",
                 delta=f"from {p_full:,}", delta_color="off", delta_arrow="off")
-    k[2].metric("Compression vs dense", fmt.ratio(768 * 768 / p_eff) if p_eff else "∞×",
-                help="A bond at rank 0 makes the layer the zero map (0 parameters).")
+    k[2].metric("Compression vs dense", fmt.ratio(768 * 768 / p_eff))
+    if floor:
+        st.caption(":material/info: Every gate fell to τ: the bond keeps its strongest "
+                   "direction (held just above τ), as the default schedules do "
+                   "(`comera.rank_floor`); only the paper's schedule lets a bond die, "
+                   "which makes the whole layer the zero map.")
     st.caption("Red crosses on the τ line mark pruned directions: they act as exact zeros "
                "and get no gradient, so at the "
                "next checkpoint the cores are physically sliced and memory really shrinks. "

@@ -219,7 +219,9 @@ msgs: dict[str, list[tuple[str, str]]] = {}
 
 def say(field: str, level: str, text: str) -> None:
     """A message under ``field``; a server path outside the run store is shown by its
-    file name only (an engine message names the config's data file in full)."""
+    file name only (an engine message names the config's data file in full), a value
+    ``None`` as the blank field it is."""
+    text = text.replace(", got None", "; the field is empty")  # TOML has no null: blank
     msgs.setdefault(field, []).append((level, fmt.server_paths_hidden(text, STORE_FOLDER)))
 
 
