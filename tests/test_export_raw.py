@@ -284,6 +284,18 @@ def test_a_file_data_export_takes_raw_csv_rows(tmp_path: Path, monkeypatch) -> N
     labels = scope["labels"]
     acc = sum(p == t for p, t in zip(labels, truth)) / len(truth)
     assert acc == pytest.approx(final["eval/acc"], abs=1e-9)
+    # what it cannot read is refused naming the row and column (NaN answers before, or a
+    # row of none of its columns answered from the training means), no rows answer none
+    loaded = scope["model"]
+    first = loaded.pipeline["features"][0]
+    assert loaded.predict_rows([]) == []
+    for cell, said in (("alpha", "is not a number"), ("inf", "is not a finite number"),
+                       ("1e400", "is not a finite number")):
+        with pytest.raises(ValueError, match=rf"^row 1, column '{first}': '{cell}' {said}"):
+            loaded.predict_rows([rows[0], {**rows[1], first: cell}])
+    with pytest.raises(ValueError, match=r"^row 0: none of the model's columns"):
+        loaded.predict_rows([{"Diagnosis ": "x"}])
+    assert loaded.predict_rows([{**rows[0], first: ""}])  # an empty cell: missing, filled
     # onnxruntime, as the ONNX card says: its encode(rows) from the graph's metadata
     onnx_card = read_metadata(tmp_path / "model.onnx")  # the card's text is its .md
     assert onnx_card["input_pipeline"]["kind"] == "files"

@@ -228,20 +228,36 @@ class RawInputs(nn.Module):
         if self.kind != "files":
             raise TypeError(f"encode_rows is for models of your own files, not {self.kind}")
         rows = list(rows)
+        columns = [*self.pipeline["features"], *self.pipeline.get("categories", [])]
+        for i, r in enumerate(rows):
+            if not hasattr(r, "get") or (columns and not any(c in r for c in columns)):
+                shown = ", ".join(columns[:4]) + (", …" if len(columns) > 4 else "")
+                raise ValueError(f"row {i}: none of the model's columns ({shown}); give each "
+                                 "row as a dict keyed by the training file's column names")
         out: list[torch.Tensor] = []
         if self.pipeline["features"]:
-            out.append(torch.tensor([[_number(r.get(f)) for f in self.pipeline["features"]]
-                                     for r in rows], dtype=torch.float32))
+            out.append(torch.tensor([[_number(r.get(f), i, f) for f in self.pipeline["features"]]
+                                     for i, r in enumerate(rows)],
+                                    dtype=torch.float32).reshape(len(rows), -1))
         if self._ids:
             cols = list(self.pipeline["categories"])
             out.append(torch.tensor([[ids.get(_cell(r.get(c)), 0) for c, ids in
-                                      zip(cols, self._ids)] for r in rows], dtype=torch.long))
+                                      zip(cols, self._ids)] for r in rows],
+                                    dtype=torch.long).reshape(len(rows), -1))
         return tuple(out)
 
     @torch.no_grad()
     def predict_rows(self, rows: Any) -> list[Any]:
         """The model's answer per row (see :meth:`encode_rows`): a classifier's label
-        names (the training file's values, as text), a regression's numbers."""
+        names (the training file's values, as text), a regression's numbers; ``[]`` for
+        no rows.
+
+        Raises:
+            ValueError: a row with none of the model's columns, or a numeric cell that is
+                text or not finite (row and column named)."""
+        rows = list(rows)
+        if not rows:
+            return []
         out = self(*self.encode_rows(rows))
         names = self.pipeline.get("label_names") or []
         if self.pipeline.get("task") == "regress" or not names:
@@ -259,14 +275,23 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value).strip()
 
 
-def _number(value: Any) -> float:
-    """A numeric cell: a number, or text that reads as one; NaN when missing or empty."""
+def _number(value: Any, row: int = 0, column: str = "") -> float:
+    """A numeric cell: a number, or text that reads as one; NaN when missing or empty
+    (the model fills it). Text that is not a number, or a value that is not finite
+    (``inf``, ``1e400``), is refused naming ``row`` and ``column``: the model would
+    answer NaN for it."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return math.nan
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
-        return math.nan
+        raise ValueError(f"row {row}, column {column!r}: {value!r} is not a number (leave "
+                         "the cell empty for a missing value)") from None
+    if math.isnan(number):
+        return number  # "nan": missing, as empty
+    if not math.isfinite(number):
+        raise ValueError(f"row {row}, column {column!r}: {value!r} is not a finite number")
+    return number
 
 
 def bake_tokenizer(path: Any, seq_len: int, pad_id: int = 0) -> None:
