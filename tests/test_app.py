@@ -1562,6 +1562,21 @@ def test_rank_heatmap_rows_span_the_run() -> None:
     assert ema([1.0, None, 3.0], 0.5)[0] == 1.0 and ema([1.0, None, 3.0], 0.5)[1] is None
 
 
+def test_a_chart_grows_by_its_legend_rows_instead_of_squashing_its_plot() -> None:
+    """Compare's curves for many runs: a legend below the chart took the plot's height
+    (71 px of 300 left for 6 runs' names); the chart grows by the rows past the first, so
+    the plot keeps its height; one or two short names change nothing."""
+    from app.lib.plots import LEGEND_ROW_PX, legend_rows, lines_spec
+
+    x, y = [1, 2, 3], [1.0, 2.0, 3.0]
+    names = [f"digits-tt-mlp · {t}× · seed {s}" for t in (5, 10, 30) for s in (0, 1)]
+    assert legend_rows(names) >= 3
+    many = lines_spec([(n, x, y) for n in names], "loss")["layout"]["height"]
+    assert many == 300 + LEGEND_ROW_PX * (legend_rows(names) - 1)
+    assert lines_spec([("a", x, y), ("b", x, y)], "loss")["layout"]["height"] == 300
+    assert lines_spec([(names[0], x, y)], "loss")["layout"]["height"] == 300
+
+
 def test_a_smoothed_loss_on_a_log_axis_follows_the_typical_step() -> None:
     """A loss at 1e-6 with one step in 15 spiking to 0.05 (what a run near zero loss
     logs): on the log axis the smoothed line is a geometric mean and stays within a

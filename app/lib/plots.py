@@ -156,6 +156,24 @@ def ema(values: Sequence[float | None], alpha: float) -> list[float | None]:
     return out
 
 
+#: one legend row's height, and the width a chart of a page's column leaves it (pixels)
+LEGEND_ROW_PX, LEGEND_WIDTH_PX = 22, 520
+
+
+def legend_rows(names: Sequence[str], width: int = LEGEND_WIDTH_PX) -> int:
+    """About how many rows a horizontal legend of ``names`` takes in ``width`` pixels
+    (an entry: its symbol and about 7 px a character): a chart grows by them, so a long
+    legend below it does not squash the plot (6 runs' names left 71 px of a 300 px
+    chart)."""
+    rows, used = 0, width
+    for name in names:
+        w = 45 + 7 * len(name)
+        if used + w > width:
+            rows, used = rows + 1, 0
+        used += w
+    return rows
+
+
 def lines_spec(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], title: str,
                y_title: str | None = None, x_title: str = "step", height: int = 300,
                stages: Sequence[tuple[int, str]] = (), hline: tuple[float, str] | None = None,
@@ -195,7 +213,9 @@ def lines_spec(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], t
                      "mode": "lines+markers" if markers or few else "lines", "line": line})
     if not data:
         return empty_spec(empty, height, title)
-    layout = look(title, height, x_title, y_title)
+    names = [d["name"] for d in data if d.get("showlegend", True)]
+    extra = max(0, legend_rows(names) - 1) if len(names) > 1 else 0  # beyond the first
+    layout = look(title, height + LEGEND_ROW_PX * extra, x_title, y_title)
     shapes, notes = [], []
     if hline is not None:  # as add_hline(annotation_position="bottom right") makes it
         shapes.append({"type": "line", "x0": 0, "x1": 1, "xref": "x domain", "y0": hline[0],
