@@ -342,6 +342,21 @@ def test_new_experiment_launches_a_sweep_once(home: Path,
     assert len(st.list_sweeps()) == 1
 
 
+def test_a_large_sweep_launches_only_once_its_count_is_ticked(home: Path) -> None:
+    """26 cells (a typo away from a few): Launch sweep stays disabled until "Launch all
+    26 runs" is ticked; a sweep of a few needs no tick."""
+    at = app("views/new_experiment.py")
+    at.text_input(key="sw-targets").set_value(", ".join(str(t) for t in range(2, 28))).run()
+    at.text_input(key="sw-seeds").set_value("1").run()
+    no_exception(at)
+    assert "26 runs:" in texts(at) and at.button(key="sw-launch").disabled
+    at.checkbox(key="sw-confirm").check().run()
+    assert not at.button(key="sw-launch").disabled
+    at.text_input(key="sw-targets").set_value("5, 10").run()
+    assert not any(c.key == "sw-confirm" for c in at.checkbox)
+    assert not at.button(key="sw-launch").disabled
+
+
 def test_new_experiment_refuses_bad_sweep_targets(home: Path) -> None:
     at = app("views/new_experiment.py")
     at.text_input(key="sw-targets").set_value("5, ten").run()

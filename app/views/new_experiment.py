@@ -653,6 +653,9 @@ n_errors = sum(1 for v in msgs.values() for level, _ in v if level == "error")
 # ---------------------------------------------------------------- launch
 
 
+#: a sweep of more cells than this launches only once its count is ticked
+CONFIRM_CELLS = 24
+
 #: the sweep CLI's flags as this form names the fields that give them
 SWEEP_FIELDS = {"--seeds": "Seeds per target", "--max-parallel": "Cells at once",
                 "--grid": "Other keys"}
@@ -779,6 +782,7 @@ def _sweep_section() -> None:
                 problem = _sweep_problem(json.dumps(
                     {"raw": sweep_raw, "grid": grid, "seeds": seeds, "parallel": parallel,
                      "gpus": gpu_ids}, sort_keys=True))
+        unconfirmed = False
         if problem:
             st.error(problem, icon=":material/error:")
         elif not n_errors:
@@ -787,6 +791,9 @@ def _sweep_section() -> None:
             what = " × ".join([w for w in [what, *(f"{k} {', '.join(map(str, v))}"
                                                    for k, v in extra.items())] if w])
             st.caption(f"{points * seeds} runs: {what} × {seeds} seed(s).")
+            if points * seeds > CONFIRM_CELLS:  # a typo ("2…59") is not 174 runs at a click
+                unconfirmed = not st.checkbox(f"Launch all {points * seeds} runs",
+                                              key="sw-confirm")
         ui.save_form(SAVED, {"sw-targets", "sw-grid", "sw-seeds", "sw-parallel"})
         if targets:
             st.caption("The initial ranks of each run are chosen from its target.")
@@ -794,7 +801,7 @@ def _sweep_section() -> None:
                                                            "seeds": seeds,
                                                            "parallel": parallel})
         if st.button("Launch sweep", key="sw-launch", icon=":material/rocket_launch:",
-                     disabled=bool(problem or n_errors), width="stretch"):
+                     disabled=bool(problem or n_errors or unconfirmed), width="stretch"):
             try:
                 sid, _ = runs.guarded_sweep(store, sweep_raw, sweep_token, grid, seeds,
                                             max_parallel=parallel, gpus=gpu_ids)
