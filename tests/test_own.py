@@ -172,6 +172,9 @@ def bad_task(): return 3
     ("no_column", "data.features", "(its columns: mean_radius, mean_texture"),
     ("one_class", "data.label", "has one class"),
     ("numbers_as_text", "data.text", "holds numbers, not text"),
+    # a continuous column as a classifier's label: each value a class, eval's unseen
+    ("continuous_label", "data.label", 'continuous numbers, a regression\'s target: set task '
+                                       '= "regress"'),
     ("task_factory", "task.factory", "returned int"),
 ])
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, csvs, monkeypatch, capsys,
@@ -203,6 +206,16 @@ def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, csvs, monkey
         evals = None
     elif case == "numbers_as_text":
         kw["data"] = 'text = "mean_radius"'
+    elif case == "continuous_label":
+        def measured(src: Path, name: str, shift: float) -> Path:  # the label a measurement
+            lines = src.read_text().splitlines()
+            col = lines[0].split(",").index(LABEL)
+            rows = [ln.split(",") for ln in lines[1:]]
+            for i, row in enumerate(rows):
+                row[col] = f"{shift + 0.013 * i:.3f}"
+            (tmp_path / name).write_text("\n".join([lines[0], *map(",".join, rows)]) + "\n")
+            return tmp_path / name
+        train, evals = measured(train, "m_train.csv", 0.5), measured(evals, "m_eval.csv", 900.0)
     elif case == "task_factory":
         kw["task"] = '{ factory = "own_bad_mod:bad_task" }'
     cfg = toml(tmp_path / "bad.toml", train, evals, **kw)

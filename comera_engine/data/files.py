@@ -194,13 +194,24 @@ class _Table:
                 raise ConfigError("data.label", f"column {self.label!r} has one class "
                                                 f"({classes[0]!r}) in the training data; a "
                                                 "classifier needs at least two")
+            # continuous numbers (fractions, or a class for nearly every row): a
+            # regression's target, which a classifier would take for as many classes
+            numbers = all(_is_number(v) for v in train)
+            fractional = numbers and any(math.isfinite(v) and v != int(v) for v in train)
+            continuous = fractional or (numbers and len(classes) > len(train) / 2)
+            hint = ('; its values are continuous numbers, a regression\'s target: set task '
+                    '= "regress"' if continuous else "")
             self.classes = classes
             if self.eval is not None:
                 unseen = sorted({v for v in self.eval[self.label]} - set(classes), key=str)
                 if unseen:
                     raise ConfigError("data.label", f"{self.eval_path.name} has label "
                                       f"{unseen[0]!r}, which the training file does not; "
-                                      "give both files the same classes")
+                                      "give both files the same classes" + hint)
+            if fractional and self.task == "classify" and len(classes) > 100:
+                raise ConfigError("data.label", f"column {self.label!r} holds "
+                                                f"{len(classes):,} distinct numbers as classes"
+                                                + hint)
 
     def splits(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """(train columns, eval columns): the eval file, else a seeded split."""
