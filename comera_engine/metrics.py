@@ -193,14 +193,17 @@ def deleted_text(path: str | os.PathLike[str]) -> str:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Read a JSONL sink file back, skipping a torn last line from a crash."""
+    """Read a JSONL sink file back, skipping a line that does not read back (a torn last
+    line from a crash, a damaged line): the intact lines after it are kept."""
     out: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
-                break
+                continue
+            if isinstance(record, dict):
+                out.append(record)
     return out
 
 

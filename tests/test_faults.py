@@ -781,6 +781,73 @@ def test_resume_checks_the_folder_and_mends_its_metrics(
                                                  st.metrics_since(rid, -1, ["loss/task"])]
 
 
+def _damage_step_line(folder: Path, step: int) -> list[str]:
+    """Garble the ``metrics.jsonl`` line of ``step``'s metrics; returns the file's lines
+    before."""
+    path = folder / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    (i,) = [i for i, line in enumerate(lines)
+            if json.loads(line).get("type") == "metrics" and json.loads(line)["step"] == step]
+    path.write_bytes("".join(lines[:i]).encode() + b"\x00\x00garbage{{{\n"
+                     + "".join(lines[i + 1:]).encode())
+    return lines
+
+
+def _metric_lines(lines: list[str]) -> dict[int, dict]:
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r["values"] for r in records if r.get("type") == "metrics"}
+
+
+def test_a_damaged_metrics_line_loses_no_intact_step_in_repair_or_resume(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """One garbled line in the middle of ``metrics.jsonl``: a resume keeps every intact
+    line after it (and takes the lost step back from the store); ``comera repair``
+    rebuilds the run from every intact line (its final status and last step, not a
+    crash at the damaged line); a resume after that keeps every intact step, and the
+    partial note says the store lacks the lost one too."""
+    from comera_engine.store.repair import repair
+
+    home = tmp_path / "home"
+    st, rid = _trained_run(tmp_path, home, steps=12)
+    folder = st.run_dir(rid)
+    config = str(folder / "config.toml")
+
+    def resume_to(steps: int) -> None:
+        st.set_status(rid, "stopped", only_from=("finished",))
+        assert main(["train", config, "--store", str(home), "--run-id", rid, "--resume",
+                     "--set", f"train.steps={steps}", "--no-progress"]) == 0
+
+    before = _metric_lines(_damage_step_line(folder, 5))
+    resume_to(14)  # the store holds step 5: the file gets it back
+    after = _metric_lines((folder / "metrics.jsonl").read_text().splitlines())
+    assert sorted(after) == list(range(1, 15))
+    assert all(after[s] == pytest.approx(before[s]) for s in range(1, 13))
+    capsys.readouterr()
+
+    before = _metric_lines(_damage_step_line(folder, 5))
+    st.close()
+    for p in home.glob("comera.db*"):
+        p.unlink()
+    report = repair(home)
+    assert report.runs == [rid]
+    st = RunStore(home, create=False)
+    run = st.get_run(rid)
+    assert (run["status"], run["last_step"]) == ("finished", 14)
+    kept = [s for s in range(1, 15) if s != 5]
+    assert [r["step"] for r in st.metrics_since(rid, -1, ["loss/task"])] == kept
+    assert "skipped unreadable line" in st.events(rid)[-1]["text"]
+    capsys.readouterr()
+    resume_to(16)
+    after = _metric_lines(
+        [line for line in (folder / "metrics.jsonl").read_text().splitlines()])
+    assert sorted(after) == kept + [15, 16]
+    assert all(after[s] == pytest.approx(before[s]) for s in kept)
+    err = capsys.readouterr().err
+    assert "lacks 1 of steps 1..14 (first 5); the run store lacks them too" in err
+    assert "full record" not in err
+    assert [r["step"] for r in st.metrics_since(rid, -1, ["loss/task"])] == kept + [15, 16]
+
+
 def test_deleting_a_live_runs_folder_stops_it(store: RunStore) -> None:
     """Item 7: a launched run whose folder is deleted while it trains stops within
     moments, ``failed`` with an error that says its folder was deleted."""

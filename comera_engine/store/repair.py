@@ -104,28 +104,46 @@ def _run_folders(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.toml").is_file())
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (a torn last line is dropped)."""
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records of a ``metrics.jsonl`` and the numbers (from 1) of its lines that do
+    not read back (a torn last line from a crash, a damaged line): those are skipped, and
+    every intact line after them is kept."""
     out: list[dict[str, Any]] = []
+    damaged: list[int] = []
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
                     record = json.loads(line)
                 except ValueError:
-                    break
+                    record = None
                 if isinstance(record, dict):
                     out.append(record)
+                else:
+                    damaged.append(number)
     except FileNotFoundError:
         pass
-    return out
+    return out, damaged
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (lines that do not read back are skipped)."""
+    return _read_jsonl(path)[0]
+
+
+def _lines_text(numbers: list[int]) -> str:
+    shown = ", ".join(str(n) for n in numbers[:5])
+    return f"line {shown}" if len(numbers) == 1 else \
+        f"{len(numbers)} lines ({shown}{', ...' if len(numbers) > 5 else ''})"
 
 
 def rebuild_run(st: RunStore, folder: Path) -> int:
     """Insert the run kept in ``folder`` into ``st`` (id: the folder's name); returns
     its metric rows."""
     raw = tomllib.loads((folder / "config.toml").read_text(encoding="utf-8"))
-    records = _records(folder / "metrics.jsonl")
+    records, damaged = _read_jsonl(folder / "metrics.jsonl")
     metrics, ranks, events, artifacts = [], [], [], []
     status, error, started, ended = None, None, None, None
     for r in records:
@@ -158,8 +176,10 @@ def rebuild_run(st: RunStore, folder: Path) -> int:
     st.update_run(rid, error=error, started_at=started, ended_at=ended,
                   last_step=max((m[0] for m in metrics), default=None))
     st.write(lambda c: c.execute("UPDATE runs SET created_at = ? WHERE id = ?", (created, rid)))
+    skipped = (f"; skipped unreadable {_lines_text(damaged)} of metrics.jsonl"
+               if damaged else "")
     st.log_event(rid, "repair", f"rebuilt from {folder} by comera repair "
-                 f"({len(metrics)} metric rows, {len(events)} events)")
+                 f"({len(metrics)} metric rows, {len(events)} events{skipped})")
     return len(metrics)
 
 
@@ -231,36 +251,61 @@ def records_from_store(st: RunStore, run_id: str, upto: int) -> list[dict[str, A
 
 def mend_jsonl(path: Path, step: int, store: RunStore | None, run_id: str | None) -> None:
     """Before a resume from ``step``: a ``metrics.jsonl`` that lacks some of steps
-    1..``step`` (deleted, or cut by a full disk) is rewritten from the run store, which
-    holds them; without a store it says in itself that it is partial (an event)."""
-    have = {r["step"] for r in _records(path) if r.get("type") == "metrics"}
+    1..``step`` (deleted, cut by a full disk, a damaged line) gets them from the run
+    store: rewritten from it when it holds all of them, else the steps it holds are
+    added to the file's own records. Steps neither holds are named in an event that
+    says the file is partial."""
+    kept = _records(path)
+    have = {r.get("step") for r in kept if r.get("type") == "metrics"}
     missing = sorted(set(range(1, step + 1)) - have)
     if not missing:
         return
     records: list[dict[str, Any]] = []
     if store is not None and run_id is not None:
         records = records_from_store(store, run_id, step)
-        stored = {r["step"] for r in records if r["type"] == "metrics"}
-        if stored >= set(range(1, step + 1)):
-            note = f"metrics.jsonl lacked {len(missing)} of steps 1..{step}: rewritten from " \
-                   "the run store"
-            records.append({"type": "event", "kind": "info", "text": note, "step": step})
-            write_atomic(path, "".join(json.dumps({"t": r.get("t", 0), **r}) + "\n"
-                                       for r in records))
-            print(f"comera: {note}", file=sys.stderr)
-            return
-    note = (f"metrics.jsonl is partial: it lacks {len(missing)} of steps 1..{step} "
-            f"(first {missing[0]}); the run store has the run's full record")
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"type": "event", "kind": "partial", "text": note,
-                            "step": step}) + "\n")
+    stored = {r["step"] for r in records if r["type"] == "metrics"}
+    if stored >= set(range(1, step + 1)):
+        note = f"metrics.jsonl lacked {len(missing)} of steps 1..{step}: rewritten from " \
+               "the run store"
+        records.append({"type": "event", "kind": "info", "text": note, "step": step})
+        _write_records(path, records)
+        print(f"comera: {note}", file=sys.stderr)
+        return
+    added = [r for r in records if r["type"] == "metrics" and r["step"] in set(missing)]
+    lacking = [s for s in missing if s not in stored]
+    source = "the run store lacks them too" if store is not None else "no run store holds them"
+    note = (f"metrics.jsonl is partial: it lacks {len(lacking)} of steps 1..{step} "
+            f"(first {lacking[0]}); {source}")
+    if added:
+        note += f" ({len(added)} other missing step(s) were restored from the run store)"
+    merged = kept if not added else sorted(
+        kept + added, key=lambda r: (float(r.get("t") or 0), r.get("step") or 0))
+    merged.append({"type": "event", "kind": "partial", "text": note, "step": step})
+    _write_records(path, merged)
     print(f"comera: {note}", file=sys.stderr)
+
+
+def _write_records(path: Path, records: list[dict[str, Any]]) -> None:
+    write_atomic(path, "".join(json.dumps({"t": r.get("t", 0), **r}) + "\n" for r in records))
 
 
 def rewind_jsonl(path: Path, step: int) -> None:
     """Drop records of steps after ``step`` (left by an attempt that is being resumed;
-    ``-1``: every record of a step, for a run that starts again from step 0)."""
+    ``-1``: every record of a step, for a run that starts again from step 0). Every
+    intact line of a step up to ``step`` is kept, also after a line that does not read
+    back (which is dropped, and named on stderr)."""
     if not path.exists():
         return
-    kept = [r for r in _records(path) if r.get("step") is None or r["step"] <= step]
+    records, damaged = _read_jsonl(path)
+    kept = [r for r in records if r.get("step") is None or _step_of(r) <= step]
     write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+    if damaged:
+        print(f"comera: metrics.jsonl: dropped unreadable {_lines_text(damaged)}; every "
+              "other line was kept", file=sys.stderr)
+
+
+def _step_of(record: dict[str, Any]) -> float:
+    try:
+        return float(record["step"])
+    except (TypeError, ValueError):
+        return float("inf")  # a step that is no number: not kept by a rewind
