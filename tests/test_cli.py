@@ -306,6 +306,40 @@ def test_a_store_run_with_checkpoints_is_not_started_from_scratch(
     assert after == before and st.get_run(run["id"])["status"] == "finished"
 
 
+def test_run_id_of_another_folder_or_an_ended_run_is_refused(
+        tmp_path, monkeypatch, capsys) -> None:
+    """``comera train OTHER.toml --run-id RID`` (no ``--resume``) of a finished run
+    trained a new run into OTHER's folder and replaced RID's metrics in the store with
+    its own: refused in one line naming ``--run-id`` (also with ``--resume`` from another
+    folder, and from RID's own folder once RID has ended); the store keeps RID's rows
+    and no run file lands beside OTHER.toml."""
+    from comera_engine.store import RunStore
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COMERA_HOME", str(tmp_path / "home"))
+    assert main(["train", str(write(tmp_path)), "--no-progress",
+                 "--set", "train.ckpt_every=0"]) == 0
+    st = RunStore(tmp_path / "home" / "comera.db")
+    (run,) = st.list_runs()
+    rid, folder = run["id"], st.run_dir(run["id"])
+    for p in (folder / "checkpoints").glob("*"):  # the from-scratch check does not apply
+        p.unlink()
+    rows = st.metrics_since(rid, -1, ["loss/task"])
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = write(other, DIGITS.replace("steps = 2", "steps = 1"), "exp.toml")
+    capsys.readouterr()
+    for argv in ([str(cfg), "--run-id", rid], [str(cfg), "--run-id", rid, "--resume"],
+                 [str(folder / "config.toml"), "--run-id", rid]):
+        assert main(["train", *argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("comera: error: --run-id:"), err
+        assert f"comera resume {rid}" in err[0]
+    assert sorted(p.name for p in other.iterdir()) == ["exp.toml"]
+    assert st.metrics_since(rid, -1, ["loss/task"]) == rows
+    assert st.get_run(rid)["status"] == "finished" and len(st.list_runs()) == 1
+
+
 def test_cli_resume_continues_from_the_newest_checkpoint(tmp_path, monkeypatch) -> None:
     from comera_engine.metrics import read_jsonl
 

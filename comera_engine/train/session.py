@@ -55,6 +55,8 @@ def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: 
     early = _EarlyPhase(record)
     early("preparing data")
     run_dir = _run_dir(args, cfg.name, record)
+    if record is not None and record.wanted is not None:
+        _check_run_id(record, run_dir, args.resume)
     if not args.resume and is_main:
         _refuse_a_used_folder(run_dir, "--run-dir" if args.run_dir else
                               "--run-id" if args.run_id else None)
@@ -299,6 +301,26 @@ def _refuse_a_used_folder(folder: Path, flag: str | None) -> None:
     if flag == "--run-id" and has_ckpt:
         raise ConfigError("--run-id", f"this run has checkpoints in {ckpts}: add --resume "
                           "to continue it (a start from scratch would write over them)")
+
+
+def _check_run_id(record: _Record, run_dir: Path, resume: bool) -> None:
+    """``--run-id RID`` trains that run in its own folder only (the launcher's
+    ``RUN/config.toml``), and starts it without ``--resume`` only while the launcher
+    starts it (not once it has ended): anything else would write another run's metrics
+    over RID's record in the store, and its files into a folder that is not RID's."""
+    from comera_engine.store import FINAL_STATUSES
+
+    st = record.open()
+    rid = str(record.run_id)
+    own = Path(st.run_dir(rid))
+    if own.resolve() != run_dir.resolve():
+        raise ConfigError("--run-id", f"run {rid} lives in {own}, not in {run_dir}; a new "
+                          "run needs no --run-id, and comera resume " + rid + " continues it")
+    status = (st.get_run(rid) or {}).get("status")
+    if not resume and status in FINAL_STATUSES:
+        raise ConfigError("--run-id", f"run {rid} is {status} (folder {own}); a new run "
+                          f"needs no --run-id, and comera resume {rid} (or --resume) "
+                          "continues it")
 
 
 def _run_dir(args: argparse.Namespace, name: str, record: _Record | None = None) -> Path:
