@@ -308,15 +308,21 @@ def _check_run_id(record: _Record, run_dir: Path, resume: bool) -> None:
     ``RUN/config.toml``), and starts it without ``--resume`` only while the launcher
     starts it (not once it has ended): anything else would write another run's metrics
     over RID's record in the store, and its files into a folder that is not RID's."""
+    from comera_engine.launch.liveness import pid_alive, this_host
     from comera_engine.store import FINAL_STATUSES
 
     st = record.open()
     rid = str(record.run_id)
     own = Path(st.run_dir(rid))
+    run = st.get_run(rid) or {}
+    status = run.get("status")
     if own.resolve() != run_dir.resolve():
+        if status not in FINAL_STATUSES and run.get("pid") and run.get("host") == this_host() and \
+                pid_alive(run["pid"], run.get("pid_started")):
+            raise ConfigError("--run-id", f"{rid} is {status} and owned by pid {run['pid']} "
+                              f"on {run['host']}; stop it first (comera stop RUN)")
         raise ConfigError("--run-id", f"run {rid} lives in {own}, not in {run_dir}; a new "
                           "run needs no --run-id, and comera resume " + rid + " continues it")
-    status = (st.get_run(rid) or {}).get("status")
     if not resume and status in FINAL_STATUSES:
         raise ConfigError("--run-id", f"run {rid} is {status} (folder {own}); a new run "
                           f"needs no --run-id, and comera resume {rid} (or --resume) "
