@@ -999,6 +999,106 @@ def test_repair_finds_broken_pages_and_leaves_a_sound_store_alone(tmp_path: Path
     assert other.exists()
 
 
+def _recorded_runs(home: Path, steps: tuple[int, ...]) -> list[str]:
+    """Finished runs of ``steps`` steps each, recorded in the store at ``home`` and in
+    their folders (``config.toml``, ``metrics.jsonl``); the store is closed after."""
+    from comera_engine.metrics import JSONLSink
+
+    st = RunStore(home)
+    ids = []
+    for i, n in enumerate(steps):
+        rid = st.create_run(f"r{i}", {}, "running", run_id=f"20260101-00000{i}-abcd")
+        (home / rid).mkdir()
+        (home / rid / "config.toml").write_text(CONFIG.read_text())
+        sink = JSONLSink(home / rid / "metrics.jsonl")
+        for s in range(1, n + 1):
+            sink.log_metrics(s, {"loss/task": 1.0 / s})
+            st.log_metrics(rid, s, {"loss/task": 1.0 / s})
+        sink.set_status("finished")
+        sink.close()
+        st.set_status(rid, "finished")
+        ids.append(rid)
+    st.close()
+    return ids
+
+
+def _listed(home: Path) -> dict[str, tuple[str, list[int]]]:
+    with RunStore(home, create=False) as st:
+        return {r["id"]: (r["status"], [m["step"] for m in
+                                        st.metrics_since(r["id"], -1, ["loss/task"])])
+                for r in st.list_runs()}
+
+
+def test_an_emptied_store_is_damaged_and_repair_adds_unrecorded_folders(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``comera.db`` truncated to 0 bytes beside run folders: ``comera runs`` used to
+    write a fresh schema into it and say "no runs", and ``comera repair`` then called it
+    sound. Now the listing is one line naming ``comera repair`` and leaves the file
+    empty; repair rebuilds every run. A sound store without rows for some run folders
+    (the store deleted, then a new one made) gets them from ``comera repair``, and
+    ``comera runs`` says so first."""
+    home = tmp_path / "home"
+    ids = _recorded_runs(home, (5, 3))
+    db = home / "comera.db"
+    db.write_bytes(b"")
+    assert main(["runs", "--store", str(home)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is empty" in err[0] and "comera repair" in err[0], err
+    assert db.stat().st_size == 0
+    assert main(["repair", "--store", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert "rebuilt 2 run(s)" in out and out.count("damaged file is kept") == 1, out
+    assert _listed(home) == {ids[0]: ("finished", [1, 2, 3, 4, 5]),
+                             ids[1]: ("finished", [1, 2, 3])}
+    for p in home.glob("comera.db*"):
+        p.unlink()
+    assert main(["runs", "--store", str(home)]) == 0
+    assert "holds 2 run folder(s): `comera repair`" in capsys.readouterr().out
+    RunStore(home).close()  # a new, empty store beside the folders
+    assert main(["runs", "--store", str(home)]) == 0
+    assert "holds 2 run folder(s): `comera repair`" in capsys.readouterr().out
+    assert main(["repair", "--store", str(home)]) == 0
+    assert "2 run folder(s) had no row in the store" in capsys.readouterr().out
+    assert _listed(home) == {ids[0]: ("finished", [1, 2, 3, 4, 5]),
+                             ids[1]: ("finished", [1, 2, 3])}
+    assert main(["repair", "--store", str(home)]) == 0
+    assert "sound" in capsys.readouterr().out
+    assert main(["repair", "--store", str(tmp_path / "typo" / "x")]) == 2
+    assert "--store" in capsys.readouterr().err and not (tmp_path / "typo").exists()
+
+
+def test_a_repair_killed_mid_rebuild_leaves_the_damaged_store_to_the_next(
+        tmp_path: Path) -> None:
+    """The rebuild is made in a file beside the store and moved into place at the end: a
+    repair killed (``os._exit``, as ``kill -9``) while it rebuilds leaves the damaged
+    store where it was (not a partial store the next repair would call sound); the next
+    repair clears the dead one's file and rebuilds every run."""
+    home = tmp_path / "home"
+    ids = _recorded_runs(home, (4, 4, 4))
+    db = home / "comera.db"
+    garbage = os.urandom(8192)
+    db.write_bytes(garbage)
+    code = ("import os, sys\n"
+            "from comera_engine.store import repair as r\n"
+            "real, done = r.rebuild_run, []\n"
+            "def once(st, folder):\n"
+            "    if done: os._exit(9)\n"
+            "    done.append(folder); return real(st, folder)\n"
+            "r.rebuild_run = once\n"
+            "r.repair(sys.argv[1])\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(home)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 9, proc.stderr
+    assert db.read_bytes() == garbage and not list(home.glob("*.damaged-*"))
+    assert len(list(home.glob("comera.db.rebuild-*"))) >= 1  # the killed one's
+    from comera_engine.store.repair import repair
+
+    report = repair(home)
+    assert sorted(report.runs) == ids and report.moved_to.read_bytes() == garbage
+    assert not list(home.glob("comera.db.rebuild-*"))
+    assert _listed(home) == {rid: ("finished", [1, 2, 3, 4]) for rid in ids}
+
+
 # ------------------------------------------------------------------ issue 48
 # No duplicate rows after an early crash, a closed terminal is a stop, every number
 # bounded before a run exists, and quiet pipes (docs/RELIABILITY.md).

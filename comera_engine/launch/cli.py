@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from comera_engine.launch.liveness import reap
@@ -139,8 +141,20 @@ def _no_store_yet(args: argparse.Namespace, what: str) -> bool:
     path = resolve_store_path(args.store)
     if path.exists():
         return False
-    print("[]" if args.json else f"no {what} (no run store at {path})")
+    print("[]" if args.json else f"no {what} (no run store at {path}{_repair_hint(path)})")
     return True
+
+
+def _repair_hint(path: Path, recorded: int = 0) -> str:
+    """``; N run folder(s) in DIR: `comera repair` ...`` when the store's folder holds run
+    folders that the store (with ``recorded`` runs) does not list; else ``""``."""
+    from comera_engine.store.layout import run_folders
+
+    n = len(run_folders(path.parent))
+    if n <= recorded:
+        return ""
+    return (f"; {path.parent} holds {n} run folder(s): `comera repair` rebuilds the store "
+            "from them")
 
 
 def _said_without_a_table(items: list[Any], as_json: bool, none: str) -> bool:
@@ -307,6 +321,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
             r["stalled_s"] = st.stalled_for(r)
     except ValueError as e:
         return _fail(e)
+    if not runs and not args.json and not (args.status or args.name):
+        hint = _repair_hint(st.path, len(st.list_runs()))
+        print("no runs" + (f" ({hint[2:]})" if hint else ""))
+        return 0
     if _said_without_a_table(runs, args.json, "no runs"):
         return 0
     header = ("ID", "NAME", "STATUS", "STEP", "COMPRESSION", "PARAMS · BYTES", "TARGET",
@@ -509,9 +527,13 @@ def cmd_repair(args: argparse.Namespace) -> int:
         print(f"{report.path}: sound (quick_check ok); nothing to repair")
         return 0
     moved = f"; the damaged file is kept as {report.moved_to}" if report.moved_to else ""
-    print(f"{report.path}: {one_line(report.problem)}{moved}")
-    print(f"rebuilt {len(report.runs)} run(s) with {report.metric_rows} metric rows from "
-          f"their folders in {report.path.parent}")
+    # the store's own advice (run `comera repair`, the file is kept) is what happens here
+    problem = re.split(r"; it was left untouched|; refusing to open|; `comera repair`",
+                       one_line(report.problem))[0]
+    print(f"{report.path}: {problem}{moved}")
+    if report.moved_to is not None or report.runs or report.problem == "no store file":
+        print(f"rebuilt {len(report.runs)} run(s) with {report.metric_rows} metric rows "
+              f"from their folders in {report.path.parent}")
     for skipped in report.skipped:
         print(f"skipped {one_line(skipped)}", file=sys.stderr)
     return 0

@@ -157,6 +157,15 @@ def run_folder(root: Path, run_id: str) -> Path:
     return root / run_id
 
 
+def run_folders(root: Path) -> list[Path]:
+    """The run folders in ``root``: its folders that hold a ``config.toml`` (each run's
+    complete record, with its ``metrics.jsonl``)."""
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.toml").is_file())
+    except OSError:  # no such folder, or one that cannot be listed
+        return []
+
+
 def read_log_tail(path: str | os.PathLike[str], lines: int = 40, max_bytes: int = 65536) -> str:
     """The last ``lines`` lines of a log file (``""`` when it is missing)."""
     try:

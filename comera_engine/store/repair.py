@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from comera_engine.store.errors import StoreError
-from comera_engine.store.layout import resolve_store_path, write_atomic
+from comera_engine.store.layout import resolve_store_path, run_folders, write_atomic
 from comera_engine.store.run_store import RunStore
 from comera_engine.store.runs import FINAL_STATUSES, STATUSES
 
@@ -42,8 +42,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["RepairReport", "mend_jsonl", "rebuild_run", "records_from_store", "repair",
-           "rewind_jsonl", "store_problem"]
+__all__ = ["RepairReport", "mend_jsonl", "rebuild_run", "records_from_store",
+           "repair", "rewind_jsonl", "store_problem"]
 
 #: What the store says about a database that belongs to something else: never moved.
 _FOREIGN = ("not a CoMERA run store", "another application", "newer than this")
@@ -84,7 +84,7 @@ def store_problem(path: Path) -> str | None:
 def _live_folders(root: Path) -> list[str]:
     """Run folders whose ``.lock`` a live trainer holds (the OS drops it on its exit)."""
     live = []
-    for folder in _run_folders(root):
+    for folder in run_folders(root):
         try:
             fd = os.open(folder / ".lock", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -96,12 +96,6 @@ def _live_folders(root: Path) -> list[str]:
         finally:
             os.close(fd)
     return live
-
-
-def _run_folders(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.toml").is_file())
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
@@ -183,38 +177,89 @@ def rebuild_run(st: RunStore, folder: Path) -> int:
     return len(metrics)
 
 
-def repair(store: str | os.PathLike[str] | None = None) -> RepairReport:
-    """Check the store; when it is damaged, move it aside and rebuild it from the run
-    folders. Raises StoreError (one line) while a run folder is locked by a live trainer,
-    or for another application's database."""
-    path = resolve_store_path(store)
-    root = path.parent
-    problem = store_problem(path) if path.exists() else "no store file"
-    report = RepairReport(path, problem)
-    if problem is None:
-        return report
-    live = _live_folders(root)
+def _unrecorded(st: RunStore, root: Path) -> list[Path]:
+    """Run folders in ``root`` that no run of the store names (by id or folder)."""
+    rows = st.read(lambda c: c.execute("SELECT id, folder FROM runs").fetchall())
+    ids = {rid for rid, _ in rows}
+    folders = {str(Path(f).resolve()) for _, f in rows if f}
+    return [p for p in run_folders(root)
+            if p.name not in ids and str(p.resolve()) not in folders]
+
+
+def _refuse_live(root: Path, names: list[str] | None = None) -> None:
+    live = [n for n in _live_folders(root) if names is None or n in names]
     if live:
         raise StoreError(f"repair: {len(live)} run(s) still train ({', '.join(live[:3])}); "
                          "stop them first (comera stop RUN works without the store)")
-    if path.exists():
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        report.moved_to = path.with_name(f"{path.name}.damaged-{stamp}")
-        for suffix in ("", "-wal", "-shm"):
-            src = path.with_name(path.name + suffix)
-            if src.exists():
-                os.replace(src, report.moved_to.with_name(report.moved_to.name + suffix))
-    st = RunStore(path)
+
+
+def _rebuild_into(st: RunStore, folders: list[Path], report: RepairReport) -> None:
+    for folder in folders:
+        try:
+            report.metric_rows += rebuild_run(st, folder)
+            report.runs.append(folder.name)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            report.skipped.append(f"{folder.name} ({type(e).__name__}: {e})")
+
+
+def repair(store: str | os.PathLike[str] | None = None) -> RepairReport:
+    """Check the store; when it is damaged, rebuild it from the run folders into a new
+    file beside it, then move the damaged one aside and the new one into its place (a
+    repair killed on the way leaves the damaged store where it was, and the next repair
+    starts again). A sound store gets the run folders it has no row for. Raises
+    StoreError (one line) while a run folder is locked by a live trainer, for another
+    application's database, or for a store folder that does not exist."""
+    path = resolve_store_path(store)
+    root = path.parent
+    if not root.is_dir():
+        raise StoreError(f"--store: {root} is no folder; name the folder that holds "
+                         "comera.db and the run folders")
+    problem = store_problem(path) if path.exists() else "no store file"
+    report = RepairReport(path, problem)
+    if problem is None:
+        with RunStore(path, create=False) as st:
+            missing = _unrecorded(st, root)
+            if missing:
+                _refuse_live(root, [p.name for p in missing])
+            _rebuild_into(st, missing, report)
+        told = [f"{len(missing)} run folder(s) had no row in the store"] if missing else []
+        report.problem = "; ".join(told) + " (added)" if told else None
+        return report
+    _refuse_live(root)
+    for old in root.glob(f"{path.name}.rebuild-*"):  # left by a repair that was killed
+        if not _pid_alive(old.name.rsplit("-", 1)[-1]):
+            old.unlink(missing_ok=True)
+    fresh = path.with_name(f"{path.name}.rebuild-{os.getpid()}")
     try:
-        for folder in _run_folders(root):
-            try:
-                report.metric_rows += rebuild_run(st, folder)
-                report.runs.append(folder.name)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                report.skipped.append(f"{folder.name} ({type(e).__name__}: {e})")
+        st = RunStore(fresh)
+        try:
+            _rebuild_into(st, run_folders(root), report)
+            st.read(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+            st.read(lambda c: c.execute("PRAGMA journal_mode = DELETE").fetchall())
+        finally:
+            st.close()
+        if path.exists():
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            report.moved_to = path.with_name(f"{path.name}.damaged-{stamp}")
+            for suffix in ("", "-wal", "-shm"):
+                src = path.with_name(path.name + suffix)
+                if src.exists():
+                    os.replace(src, report.moved_to.with_name(report.moved_to.name + suffix))
+        os.replace(fresh, path)
     finally:
-        st.close()
+        for suffix in ("", "-wal", "-shm"):
+            fresh.with_name(fresh.name + suffix).unlink(missing_ok=True)
     return report
+
+
+def _pid_alive(text: str) -> bool:
+    try:
+        os.kill(int(text), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def records_from_store(st: RunStore, run_id: str, upto: int) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from comera_engine.store.errors import StoreError
+from comera_engine.store.layout import run_folders
 
 SCHEMA_VERSION = 3
 APPLICATION_ID = 0x434D5241  # "CMRA" in the SQLite header (offset 68)
@@ -168,7 +169,8 @@ MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
 
 def check_header(path: Path) -> None:
     """Refuse (StoreError) a file that is not a SQLite database or belongs to another
-    application, from its first 100 bytes. A missing or empty file passes.
+    application, from its first 100 bytes. A missing file passes, and so does an empty
+    one, unless run folders lie beside it (then it was emptied: a damaged store).
 
     Reads the file with Python: call it only while this process has no SQLite connection
     to ``path`` (closing any descriptor of a file drops all of the process's locks on it;
@@ -178,6 +180,11 @@ def check_header(path: Path) -> None:
     except FileNotFoundError:
         return
     if size == 0:
+        if run_folders(path.parent):  # runs were recorded here: the file was emptied
+            raise StoreError(
+                f"store: {path} is empty (0 bytes) while {path.parent} holds run folders: "
+                "it is corrupt; `comera repair` rebuilds it from the run folders (the "
+                "damaged file is kept)")
         return
     with open(path, "rb") as f:
         head = f.read(100)
