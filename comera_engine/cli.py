@@ -169,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
             raise
         where = getattr(args, "folder", None) or Path.cwd()  # the run folder, once known
         release_reserve(where)
-        sys.stderr.write(f"comera: error: {disk_full_text(where)}\n")
+        sys.stderr.write(f"comera: error: {disk_full_text(where, exc=exc)}\n")
         return EXIT_ERROR
 
 

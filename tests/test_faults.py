@@ -1099,6 +1099,59 @@ def test_a_repair_killed_mid_rebuild_leaves_the_damaged_store_to_the_next(
     assert _listed(home) == {rid: ("finished", [1, 2, 3, 4]) for rid in ids}
 
 
+def test_a_file_size_limit_is_one_line_and_resume_and_repair_fill_the_store(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A write past the file size limit (``ulimit -f``: EFBIG) is handled like a full
+    disk: the run is ``failed`` with one line saying so, one ``comera: error`` line on
+    stderr and no traceback (it was a 70-line traceback and a ``crashed`` run). Steps
+    that ``metrics.jsonl`` holds and the store lacks (its writes failed while the run
+    went on) are added back by a resume, and by ``comera repair`` on a sound store."""
+    import errno
+    import resource
+
+    from comera_engine.store.layout import is_disk_full
+    from comera_engine.store.repair import repair
+    from tests.test_cli import DIGITS
+
+    assert is_disk_full(OSError(errno.EFBIG, "File too large"))
+    cfg = tmp_path / "digits.toml"
+    cfg.write_text(DIGITS.replace("steps = 2", "steps = 3000\nckpt_every = 50"))
+    home = tmp_path / "limited"
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (400 * 1024, resource.RLIM_INFINITY))
+
+    proc = subprocess.run([sys.executable, "-m", "comera_engine.cli", "train", str(cfg),
+                           "--store", str(home), "--no-progress"], cwd=ROOT, text=True,
+                          capture_output=True, preexec_fn=limit, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("comera: error")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and "file too large" in errors[0] and "ulimit -f" in errors[0]
+    with RunStore(home, create=False) as st:
+        (run,) = st.list_runs()
+        assert run["status"] == "failed" and run["error"].startswith("file too large")
+
+    home = tmp_path / "home"
+    st, rid = _trained_run(tmp_path, home, steps=6)
+    folder = st.run_dir(rid)
+    gap = lambda c: c.execute("DELETE FROM metrics WHERE run_id = ? AND step BETWEEN 2 "  # noqa: E731
+                              "AND 4", (rid,))
+    st.write(gap)  # as when the store's writes failed while the run went on
+    st.set_status(rid, "stopped", only_from=("finished",))
+    capsys.readouterr()
+    assert main(["train", str(folder / "config.toml"), "--store", str(home), "--run-id", rid,
+                 "--resume", "--set", "train.steps=8", "--no-progress"]) == 0
+    assert "the run store lacked 3 of steps 1..6: added from metrics.jsonl" in \
+        capsys.readouterr().err
+    assert sorted({r[0] for r in _store_rows(st, rid)}) == list(range(1, 9))
+    assert _store_rows(st, rid) == sorted(_folder_rows(folder))
+    st.write(gap)
+    report = repair(home)
+    assert report.moved_to is None and "lacked 3 step(s)" in report.problem
+    assert _store_rows(st, rid) == sorted(_folder_rows(folder))
+    assert repair(home).problem is None
+
+
 # ------------------------------------------------------------------ issue 48
 # No duplicate rows after an early crash, a closed terminal is a stop, every number
 # bounded before a run exists, and quiet pipes (docs/RELIABILITY.md).

@@ -191,7 +191,7 @@ def queue_run(
     except BaseException as e:
         shutil.rmtree(run_dir, ignore_errors=True)
         if isinstance(e, OSError):  # a full disk, a read-only home: one line
-            raise LaunchError(disk_full_text(st.root) if is_disk_full(e) else
+            raise LaunchError(disk_full_text(st.root, exc=e, home=True) if is_disk_full(e) else
                               f"launch: cannot write the run folder {run_dir} "
                               f"({e.strerror or e}); check COMERA_HOME") from None
         raise
@@ -509,7 +509,7 @@ def _check_resumable_folder(run_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         if is_disk_full(e):
-            raise LaunchError(f"run: {disk_full_text(run_dir)}") from None
+            raise LaunchError(f"run: {disk_full_text(run_dir, exc=e)}") from None
         raise LaunchError(f"run: cannot write in {run_dir} ({e.strerror or e}); make it "
                           "writable to resume") from None
     check_free_space(run_dir, checkpoint_bytes(run_dir / "checkpoints"), "run")

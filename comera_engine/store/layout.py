@@ -65,25 +65,42 @@ def free_bytes(folder: str | os.PathLike[str]) -> int | None:
     return usage.free if usage.total else None
 
 
-def disk_full_text(folder: str | os.PathLike[str], need: int | None = None) -> str:
-    """``disk full: free N MB in FOLDER`` (and what is needed), one line with the fix."""
+def disk_full_text(folder: str | os.PathLike[str], need: int | None = None,
+                   exc: BaseException | None = None, home: bool = False) -> str:
+    """``disk full: free N MB in FOLDER`` (and what is needed), one line with the fix
+    (``home``: the folder is ``COMERA_HOME``, which another folder can replace). When
+    ``exc`` is a file size limit (``EFBIG``: ``ulimit -f``), it says that instead."""
+    if exc is not None and _too_large(exc):
+        return (f"file too large: a write in {folder} passed this process's file size "
+                "limit (ulimit -f); raise it (ulimit -f unlimited), then resume the run")
     free = free_bytes(folder)
     shown = "?" if free is None else f"{free / 2**20:.1f}"
     wants = "" if need is None else f", about {need / 2**20:.0f} MB needed"
-    return (f"disk full: free {shown} MB in {folder}{wants}; free space there (or set "
-            "COMERA_HOME to a folder with room)")
+    fix = " (or set COMERA_HOME to a folder with room)" if home else ""
+    return f"disk full: free {shown} MB in {folder}{wants}; free space there{fix}"
+
+
+def _errors(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and what it was raised from, in order."""
+    out: list[BaseException] = []
+    while exc is not None and len(out) < 20:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _too_large(exc: BaseException) -> bool:
+    return any((isinstance(e, OSError) and e.errno == errno.EFBIG)
+               or "File too large" in str(e) for e in _errors(exc))
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it was raised from) is a full disk or quota, from the OS
-    (``ENOSPC``/``EDQUOT``) or from SQLite (``database or disk is full``)."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-            return True
-        if "disk is full" in str(exc) or "No space left" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return False
+    """Whether ``exc`` (or what it was raised from) is a full disk, a quota or a file size
+    limit, from the OS (``ENOSPC``/``EDQUOT``/``EFBIG``) or from SQLite (``database or
+    disk is full``)."""
+    return _too_large(exc) or any(
+        (isinstance(e, OSError) and e.errno in _DISK_FULL)
+        or "disk is full" in str(e) or "No space left" in str(e) for e in _errors(exc))
 
 
 def check_free_space(folder: str | os.PathLike[str], need: int, field: str) -> None:
@@ -91,7 +108,8 @@ def check_free_space(folder: str | os.PathLike[str], need: int, field: str) -> N
     plus :data:`DISK_MARGIN_BYTES` free."""
     free = free_bytes(folder)
     if free is not None and free < need + DISK_MARGIN_BYTES:
-        raise ConfigError(field, disk_full_text(folder, need + DISK_MARGIN_BYTES))
+        raise ConfigError(field, disk_full_text(folder, need + DISK_MARGIN_BYTES,
+                                                home=field == "COMERA_HOME"))
 
 
 def checkpoint_bytes(ckpt_dir: str | os.PathLike[str]) -> int:

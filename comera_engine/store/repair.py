@@ -42,7 +42,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["RepairReport", "mend_jsonl", "rebuild_run", "records_from_store",
+__all__ = ["RepairReport", "backfill_store", "mend_jsonl", "rebuild_run", "records_from_store",
            "repair", "rewind_jsonl", "store_problem"]
 
 #: What the store says about a database that belongs to something else: never moved.
@@ -202,6 +202,24 @@ def _rebuild_into(st: RunStore, folders: list[Path], report: RepairReport) -> No
             report.skipped.append(f"{folder.name} ({type(e).__name__}: {e})")
 
 
+def _backfill_runs(st: RunStore, root: Path) -> dict[str, int]:
+    """The steps each recorded run's ``metrics.jsonl`` holds and the store lacks, added
+    to the store (runs that train now are left alone); ``{run id: steps added}``."""
+    live = set(_live_folders(root))
+    found = {}
+    for run in st.list_runs():
+        folder = Path(st.run_dir(run["id"]))
+        if folder.name in live or not (folder / "metrics.jsonl").is_file():
+            continue
+        try:
+            n = backfill_store(folder / "metrics.jsonl", float("inf"), st, run["id"])
+        except (OSError, ValueError, TypeError):
+            continue
+        if n:
+            found[run["id"]] = n
+    return found
+
+
 def repair(store: str | os.PathLike[str] | None = None) -> RepairReport:
     """Check the store; when it is damaged, rebuild it from the run folders into a new
     file beside it, then move the damaged one aside and the new one into its place (a
@@ -221,8 +239,12 @@ def repair(store: str | os.PathLike[str] | None = None) -> RepairReport:
             missing = _unrecorded(st, root)
             if missing:
                 _refuse_live(root, [p.name for p in missing])
+            found = _backfill_runs(st, root)
             _rebuild_into(st, missing, report)
         told = [f"{len(missing)} run folder(s) had no row in the store"] if missing else []
+        if found:
+            told.append(f"the store lacked {sum(found.values())} step(s) of "
+                        f"{', '.join(found)} that metrics.jsonl holds")
         report.problem = "; ".join(told) + " (added)" if told else None
         return report
     _refuse_live(root)
@@ -328,6 +350,34 @@ def mend_jsonl(path: Path, step: int, store: RunStore | None, run_id: str | None
     merged.append({"type": "event", "kind": "partial", "text": note, "step": step})
     _write_records(path, merged)
     print(f"comera: {note}", file=sys.stderr)
+
+
+def backfill_store(path: Path, step: float, store: RunStore, run_id: str,
+                   owner: Any = None) -> int:
+    """The mirror of :func:`mend_jsonl`: the metric rows and rank snapshots of steps
+    1..``step`` that ``metrics.jsonl`` holds and the run store lacks (its writes failed
+    while the run went on in its folder: a file size limit, a damaged store since
+    rebuilt) are written to the store. Returns how many steps it added."""
+    stored = set(store.read(lambda c: [r[0] for r in c.execute(
+        "SELECT DISTINCT step FROM metrics WHERE run_id = ? AND step <= ?",
+        (run_id, step)).fetchall()]))
+    metrics: list[tuple[Any, ...]] = []
+    ranks: list[tuple[Any, ...]] = []
+    steps: set[int] = set()
+    for r in _records(path):
+        s = r.get("step")
+        if not isinstance(s, int) or s > step or s in stored:
+            continue
+        t = float(r.get("t") or 0.0)
+        if r.get("type") == "metrics":
+            steps.add(s)
+            metrics += [(s, str(k), None if v is None else float(v), t)
+                        for k, v in dict(r.get("values") or {}).items()]
+        elif r.get("type") == "ranks":
+            ranks += [(s, str(k), json.dumps(v), t) for k, v in dict(r.get("ranks") or {}).items()]
+    if metrics:
+        store.write_batch(run_id, metrics=metrics, ranks=ranks, owner=owner)
+    return len(steps)
 
 
 def _write_records(path: Path, records: list[dict[str, Any]]) -> None:

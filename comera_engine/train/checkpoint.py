@@ -134,7 +134,7 @@ def failure_text(exc: BaseException, run_dir: str | Path) -> str:
     safetensors file a ``SafetensorError``); else ``Type: message``."""
     if is_disk_full(exc):
         release_reserve(run_dir)
-        return disk_full_text(run_dir)
+        return disk_full_text(run_dir, exc=exc)
     if not Path(run_dir).exists():
         return f"{type(exc).__name__}: {deleted_text(run_dir)}"
     return f"{type(exc).__name__}: {exc}"

@@ -482,6 +482,19 @@ def _rewind(jsonl: Path, run_dir: Path, resume: bool, writer: _Writer) -> None:
         return
     rewind_jsonl(jsonl, step)
     mend_jsonl(jsonl, step, writer.store, writer.run_id)
+    if writer.store is not None and writer.run_id is not None:
+        from comera_engine.store.repair import backfill_store
+
+        try:
+            added = backfill_store(jsonl, step, writer.store, str(writer.run_id),
+                                   writer.owner)
+        except ValueError as e:  # a store that fails: the sink says so, the run goes on
+            print(f"comera: the run store was not given the steps it lacks: {e}",
+                  file=sys.stderr)
+        else:
+            if added:
+                print(f"comera: the run store lacked {added} of steps 1..{step}: added from "
+                      "metrics.jsonl", file=sys.stderr)
 
 
 def _thread_budget(store: Any, sink: Any) -> list[Any]:
