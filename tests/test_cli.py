@@ -340,6 +340,43 @@ def test_run_id_of_another_folder_or_an_ended_run_is_refused(
     assert st.get_run(rid)["status"] == "finished" and len(st.list_runs()) == 1
 
 
+def test_a_folder_that_is_no_run_folder_is_refused_and_left_as_it_is(
+        tmp_path, monkeypatch, capsys) -> None:
+    """``train proj/config.toml --resume`` (no ``--run-dir``) made the user's folder a
+    run folder and replaced their config.toml with the resolved config; ``--run-dir
+    DIR`` did the same to a user's config.toml in DIR; ``--run-dir`` naming a file, or a
+    folder that cannot be made, ended in a traceback. Each is one line naming its flag,
+    exit 2, with no file changed and no store made."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COMERA_HOME", str(tmp_path / "home"))
+    proj = tmp_path / "proj"
+    mine = DIGITS + "# my precious comment\n"
+    notes = tmp_path / "notes"
+    proj.mkdir()
+    notes.mkdir()
+    write(proj, mine, "config.toml")
+    write(notes, "# my notes\nname = \"mine\"\n", "config.toml")
+    afile = write(tmp_path, "x", "afile")
+    cases = [(["train", str(proj / "config.toml"), "--resume"], "--resume",
+              "is not a run folder"),
+             (["train", str(proj / "config.toml"), "--run-dir", str(notes)], "--run-dir",
+              "holds a config.toml that no run wrote"),
+             (["train", str(proj / "config.toml"), "--run-dir", str(afile)], "--run-dir",
+              "is a file, not a folder"),
+             (["train", str(proj / "config.toml"), "--run-dir", str(afile / "sub")],
+              "--run-dir", "cannot make the run folder")]
+    for argv, flag, words in cases:
+        assert main([*argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"comera: error: {flag}: "), err
+        assert words in err[0], err
+    assert [p.name for p in proj.iterdir()] == ["config.toml"]
+    assert (proj / "config.toml").read_text() == mine
+    assert [p.name for p in notes.iterdir()] == ["config.toml"]
+    assert (notes / "config.toml").read_text() == "# my notes\nname = \"mine\"\n"
+    assert afile.read_text() == "x" and not (tmp_path / "home").exists()
+
+
 def test_cli_resume_continues_from_the_newest_checkpoint(tmp_path, monkeypatch) -> None:
     from comera_engine.metrics import read_jsonl
 

@@ -57,6 +57,8 @@ def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: 
     run_dir = _run_dir(args, cfg.name, record)
     if record is not None and record.wanted is not None:
         _check_run_id(record, run_dir, args.resume)
+    if is_main:
+        _check_folder(run_dir, args)
     if not args.resume and is_main:
         _refuse_a_used_folder(run_dir, "--run-dir" if args.run_dir else
                               "--run-id" if args.run_id else None)
@@ -80,7 +82,12 @@ def _train(args: argparse.Namespace, cfg: Any, record: _Record | None, is_main: 
         plan = plan_run(cfg, bundle)
     if not is_main:
         return _run(plan, run_dir, bundle, args, None)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("--run-dir" if args.run_dir else "--store",
+                          f"cannot make the run folder {run_dir} ({e.strerror or e}); "
+                          "choose a folder you can write") from None
     with _Writer(run_dir, record, cfg) as writer:  # or RunBusyError: exit 2
         _write_config(run_dir, args.config, to_toml(cfg))
         _write_data_record(run_dir, bundle, plan)
@@ -301,6 +308,31 @@ def _refuse_a_used_folder(folder: Path, flag: str | None) -> None:
     if flag == "--run-id" and has_ckpt:
         raise ConfigError("--run-id", f"this run has checkpoints in {ckpts}: add --resume "
                           "to continue it (a start from scratch would write over them)")
+
+
+def _holds_run(folder: Path) -> bool:
+    """Whether a trainer has written to ``folder`` (it takes ``.lock`` before it writes
+    anything, then ``config.toml``, ``metrics.jsonl``, ``checkpoints/``)."""
+    return any((folder / name).exists() for name in (".lock", "metrics.jsonl", "checkpoints"))
+
+
+def _check_folder(run_dir: Path, args: argparse.Namespace) -> None:
+    """The run folder is a folder (or can be one), and a run never takes over a folder
+    of the user's: a ``--resume`` without ``--run-dir`` continues the run in the config's
+    folder only when that folder holds one, and a ``config.toml`` no run wrote (the
+    user's own) is never replaced by the run's resolved config."""
+    flag = "--run-dir" if args.run_dir else "--resume" if args.resume else "--store"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(flag, f"{run_dir} is a file, not a folder; name a folder for the "
+                          "run")
+    if args.run_id:  # the launcher's folder: it wrote config.toml there
+        return
+    if args.resume and not args.run_dir and not _holds_run(run_dir):
+        raise ConfigError("--resume", f"{run_dir} is not a run folder (no metrics.jsonl or "
+                          "checkpoints); give --run-dir RUN, or use comera resume RUN")
+    if (run_dir / "config.toml").exists() and not _holds_run(run_dir):
+        raise ConfigError(flag, f"{run_dir} holds a config.toml that no run wrote; a run "
+                          "writes its resolved config there, so name another folder")
 
 
 def _check_run_id(record: _Record, run_dir: Path, resume: bool) -> None:
