@@ -484,6 +484,48 @@ def test_export_by_run_id_logs_artifacts_and_cli(trained_run: SimpleNamespace,
 # ------------------------------------------------------------------ hostile files
 
 
+def test_an_out_that_cannot_be_written_is_one_line_exit_2(
+        trained_run: SimpleNamespace, tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out`` under a file, in a folder that cannot be written (/proc), or on a disk
+    that fills during the write gave a 38-line traceback or a raw errno (exit 1), and a
+    full disk named the current folder and COMERA_HOME: now one line naming ``--out``,
+    the folder and the fix, exit 2, no file left."""
+    import safetensors.torch
+
+    parser = argparse.ArgumentParser(prog="comera")
+    add_subparsers(parser.add_subparsers(dest="command"))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+
+    def export(out: Path | str, *extra: str) -> str:
+        args = parser.parse_args(["export", str(trained_run.run_dir), "--out", str(out),
+                                  *extra])
+        assert args.func(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("comera: error: --out: "), err
+        return err
+
+    assert f"{afile} is a file, not a folder" in export(afile / "a.safetensors")
+    assert f"{afile} is a file" in export(afile / "x" / "model", "--format", "dense")
+    if Path("/proc/self").exists():
+        assert "cannot write /proc/a.onnx" in export("/proc/a.onnx", "--format", "onnx")
+
+    def full(tensors: dict, filename: str, metadata: dict | None = None) -> None:
+        from safetensors import SafetensorError
+
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "full" / "a.safetensors"
+    out.parent.mkdir()
+    err = export(out)
+    assert "disk full: free" in err and f"MB in {out.parent};" in err
+    assert "choose another --out" in err and "COMERA_HOME" not in err
+    assert list(out.parent.iterdir()) == [] and afile.read_text() == "x"
+
+
 def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)

@@ -265,8 +265,11 @@ def export_run(
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Run ``comera export``; bad input prints one line on stderr and returns 2."""
+    """Run ``comera export``; bad input prints one line on stderr and returns 2, as does
+    an ``--out`` that cannot be written (checked before the export, and named if the
+    write fails all the same: a full disk)."""
     try:
+        _check_out(str(args.out))
         with torch.no_grad():
             res = export_run(args.run, args.checkpoint, args.format, args.out, args.store,
                              verify=not getattr(args, "no_verify", False),
@@ -275,9 +278,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         sys.stderr.write(f"comera: error: {msg}\n")
         return 2
-    except OSError as exc:  # cannot write the output (permissions, disk full)
-        sys.stderr.write(f"comera: error: {exc}\n")
-        return 1
+    except Exception as exc:  # cannot write the output: a full disk, a lost folder
+        if not isinstance(exc, OSError) and "I/O error" not in str(exc):
+            raise  # safetensors says its write failed in its own exception type
+        sys.stderr.write(f"comera: error: --out: {_write_failure(exc, Path(args.out))}\n")
+        return 2
     if getattr(args, "json", False):
         print(json.dumps(res.to_dict()))
         return 0
@@ -293,3 +298,48 @@ def cmd_export(args: argparse.Namespace) -> int:
     if res.onnx_max_abs_diff is not None:
         print(f"onnxruntime max abs diff vs PyTorch: {res.onnx_max_abs_diff:.3g}")
     return 0
+
+
+def _out_folder(out: Path) -> Path:
+    """The nearest folder of ``out`` that exists (what the export writes into, or makes
+    its folder in)."""
+    folder = out if out.is_dir() else out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def _check_out(out: str) -> None:
+    """Refuse (ConfigError ``--out``) an output whose folder is a file or cannot be
+    written, before any work: a probe file is made there and removed (``access`` says
+    yes to root on a read-only mount)."""
+    import tempfile
+
+    if not out:
+        return  # export_run names an empty --out
+    folder = _out_folder(Path(out))
+    if not folder.is_dir():
+        raise ConfigError("--out", f"cannot write {out}: {folder} is a file, not a folder; "
+                          "choose a writable folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".comera-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError("--out", f"cannot write {out} ({e.strerror or e}); choose a "
+                          "writable folder") from None
+
+
+def _write_failure(exc: BaseException, out: Path) -> str:
+    """One line for an export whose write failed, naming where and the fix."""
+    from comera_engine.store.layout import free_bytes, is_disk_full
+
+    folder = _out_folder(out)
+    if is_disk_full(exc):
+        free = free_bytes(folder)
+        shown = "?" if free is None else f"{free / 2**20:.1f}"
+        return (f"disk full: free {shown} MB in {folder}; free space there or choose "
+                "another --out")
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+        " ".join(str(exc).split())
+    return f"cannot write {out} ({reason}); choose a writable folder"
