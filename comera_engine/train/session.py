@@ -330,7 +330,9 @@ def _check_folder(run_dir: Path, args: argparse.Namespace) -> None:
     if args.resume and not args.run_dir and not _holds_run(run_dir):
         raise ConfigError("--resume", f"{run_dir} is not a run folder (no metrics.jsonl or "
                           "checkpoints); give --run-dir RUN, or use comera resume RUN")
-    if (run_dir / "config.toml").exists() and not _holds_run(run_dir):
+    target = run_dir / "config.toml"
+    if target.exists() and not _holds_run(run_dir) and \
+            target.resolve() != Path(args.config).resolve():  # (a Ray cell's own folder)
         raise ConfigError(flag, f"{run_dir} holds a config.toml that no run wrote; a run "
                           "writes its resolved config there, so name another folder")
 
