@@ -246,8 +246,8 @@ def data_problems(data: dict[str, Any], batch_size: int, base_dir: str | Path | 
         full = Path(p) if Path(p).is_absolute() else base / p
         if not full.is_file():
             errors.append(
-                f"data.{key}: {p} is not on this server; start the dashboard from the "
-                "repository root, or pick another dataset"
+                f"data.{key}: {p} is not on this server (no such file; a relative path "
+                f"is read from {base}); give the file's path, or pick another dataset"
             )
     if data.get("hub"):
         notes.append("Downloaded from the Hugging Face hub when the run starts (needs network).")

@@ -466,6 +466,37 @@ def test_bad_runs_flags_are_refused(argv, field, tmp_path) -> None:
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
+def test_an_empty_run_reference_and_a_run_without_a_log_are_named(tmp_path, capsys) -> None:
+    """An empty run reference matched every run as a prefix (``logs ''`` picked the one
+    run of a store): refused in one line. ``logs`` of a foreground run, which has no
+    ``train.log``, printed nothing: it says why. Message wording: "a list of integers",
+    "an onnx export", and the model that fits a dataset's task."""
+    from types import SimpleNamespace
+
+    from comera_engine.models import build_model
+    from comera_engine.store import RunStore
+
+    st = RunStore(tmp_path / "home")
+    rid = st.create_run("only", {}, "finished")
+    st.close()
+    store = ["--store", str(tmp_path / "home")]
+    for argv in (["logs", ""], ["stop", " "], ["resume", ""]):
+        assert main([*argv, *store]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "run reference is empty" in err[0], err
+    assert main(["logs", rid, *store]) == 0
+    assert "has no log file" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"must be a list of integers, got"):
+        load_config(write(tmp_path), ['model.hidden=["a"]'])
+    with pytest.raises(ConfigError, match=r"^--out: an onnx export is a \.onnx file"):
+        from comera_engine.export.core import resolve_out
+
+        resolve_out(tmp_path / "m.bin", "onnx")
+    cfg = load_config(write(tmp_path, DIGITS.replace('name = "tt_mlp"\n', "")))
+    with pytest.raises(ConfigError, match='set model.name to "tt_mlp"'):
+        build_model(cfg.model, SimpleNamespace(task="classification", name="digits"))
+
+
 @pytest.mark.parametrize("name, problem", [
     ("x" * 5000, "at most"), ("two\nlines", "control characters"),
     ("\x1b[31mred\x1b[0m", "control characters"),

@@ -888,6 +888,11 @@ def test_a_write_that_meets_a_deleted_run_folder_says_the_folder_was_deleted(
     assert failure_text(missing, run_dir).startswith("FileNotFoundError: [Errno 2]")
     assert failure_text(serializing, run_dir).startswith("SafetensorError: Error while")
     assert failure_text(ValueError("bad"), run_dir) == "ValueError: bad"
+    import errno  # a folder remounted read-only mid-run: worded as resume words it
+
+    assert failure_text(OSError(errno.EROFS, "Read-only file system", str(run_dir / "x")),
+                        run_dir) == (f"run: {run_dir} is read-only; make it writable (chmod "
+                                     f"u+w {run_dir}, or remount it), then resume the run")
     run_dir.rename(tmp_path / "moved")
     text = failure_text(missing, run_dir)
     assert text == (f"FileNotFoundError: {run_dir} was deleted while the run trained (its "

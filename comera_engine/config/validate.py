@@ -463,8 +463,9 @@ def _describe(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(parts)
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    if origin is list:  # "a list of integers", not "a list of an integers"
+        item = _describe(typing.get_args(tp)[0]).removeprefix("an ").removeprefix("a ")
+        return f"a list of {item}s"
     if origin is dict:
         return "a table"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(

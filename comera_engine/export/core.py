@@ -318,7 +318,9 @@ def resolve_out(out: str | os.PathLike[str], fmt: str) -> Path:
         p.mkdir(parents=True, exist_ok=True)
         return p / DEFAULT_NAME[fmt]
     if p.suffix != SUFFIX[fmt]:
-        raise ConfigError("--out", f"a {fmt} export is a {SUFFIX[fmt]} file, got {p.name!r} "
+        article = "an" if fmt[0] in "aeiou" else "a"
+        raise ConfigError("--out", f"{article} {fmt} export is a {SUFFIX[fmt]} file, got "
+                          f"{p.name!r} "
                           f"(or give a folder)")
     if not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)

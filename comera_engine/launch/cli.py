@@ -412,6 +412,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
         rid = st.resolve(args.run)
         if not args.follow:
             text = logs(rid, tail=args.tail, store=st)
+            if not st.log_path(rid).exists():  # a foreground run logs to its terminal
+                print(f"comera: {rid} has no log file ({st.log_path(rid)}): a run trained "
+                      "with comera train wrote its output to its terminal", file=sys.stderr)
             sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
             return 0
         return _follow(st, rid, args.tail)

@@ -46,6 +46,12 @@ MODEL_TASKS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _fitting(task: Any) -> str:
+    """The built-in models that train on ``task``, for a message (``"tt_mlp"``)."""
+    names = [f'"{n}"' for n, tasks in MODEL_TASKS.items() if task in tasks]
+    return " or ".join(names) if names else "a model for it (model.factory)"
+
+
 def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Module:
     """Build the network of ``cfg`` for a dataset.
 
@@ -68,7 +74,8 @@ def build_model(cfg: ModelConfig, data: Any, dense: bool | None = None) -> nn.Mo
         raise ConfigError(
             "model.name",
             f"{cfg.name} trains on {'/'.join(MODEL_TASKS[cfg.name])} data, but the dataset "
-            f"'{getattr(data, 'name', '?')}' is a {task} task",
+            f"'{getattr(data, 'name', '?')}' is a {task} task; set model.name to "
+            f"{_fitting(task)} (transformer_cls is the default when model.name is not set)",
         )
     dense = cfg.dense if dense is None else dense
     kinds = cfg.tt_layers if cfg.tt_layers is not None else DEFAULT_TT_LAYERS[cfg.name]

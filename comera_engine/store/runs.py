@@ -506,6 +506,9 @@ class RunRows(Database):
 
     def resolve(self, ref: str) -> str:
         """A run id from an id, a unique id prefix or a unique run name."""
+        if not ref.strip():  # an empty prefix would match every run
+            raise RunNotFoundError("run: the run reference is empty; give a run id, the "
+                                   "start of one, or a run name (comera runs lists them)")
         if self.get_run(ref) is not None:
             return ref
         like = _escape_like(ref) + "%"

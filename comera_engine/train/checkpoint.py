@@ -21,6 +21,7 @@ core shapes, so they come back at the truncated ranks.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -137,6 +138,9 @@ def failure_text(exc: BaseException, run_dir: str | Path) -> str:
         return disk_full_text(run_dir, exc=exc)
     if not Path(run_dir).exists():
         return f"{type(exc).__name__}: {deleted_text(run_dir)}"
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return (f"run: {run_dir} is read-only; make it writable (chmod u+w {run_dir}, or "
+                "remount it), then resume the run")
     return f"{type(exc).__name__}: {exc}"
 
 
