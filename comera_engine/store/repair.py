@@ -3,17 +3,20 @@
 Each run folder is a complete record of its run: ``config.toml`` (the resolved config)
 and ``metrics.jsonl`` (every metric, rank snapshot, event, artifact and status the
 trainer logged, in order). :func:`repair` runs ``PRAGMA quick_check`` on the store; a
-store that fails it (or cannot be opened at all: a zeroed header, broken pages) is
-moved aside as ``comera.db.damaged-<time>`` (with its ``-wal`` and ``-shm``), never
-deleted, and a new store is built from the folders ``<store dir>/<run id>/``: the run
-rows, metrics, rank snapshots, events and artifacts. A run whose trainer left no final
-status is rebuilt ``crashed`` (so it resumes); sweeps and the owner columns are not
-kept. Runs trained in a folder outside the store's (``comera train --run-dir``) are not
-found there.
+store that fails it (or cannot be opened at all: a zeroed header, broken pages, a file
+emptied beside run folders) is rebuilt from the folders ``<store dir>/<run id>/`` (the
+run rows, metrics, rank snapshots, events and artifacts) into a new file beside it,
+then moved aside as ``comera.db.damaged-<time>`` (with its ``-wal`` and ``-shm``),
+never deleted, and the new file renamed into its place. A sound store gets the run
+folders it has no row for, and the metric steps a folder holds that it lacks. A line of
+``metrics.jsonl`` that does not parse is skipped; the intact lines after it are read.
+A run whose trainer left no final status is rebuilt ``crashed`` (so it resumes); sweeps
+and the owner columns are not kept. Runs trained in a folder outside the store's
+(``comera train --run-dir``) are not found there.
 
 Repair refuses while a trainer holds a run folder's lock (``comera stop RUN`` works
-without a readable store), and never touches a healthy store or another application's
-database.
+without a readable store), never moves a healthy store (it only adds to it), nor another
+application's database.
 
 The other way round, before a resume: :func:`rewind_jsonl` drops what the attempt being
 resumed logged after its checkpoint, and :func:`mend_jsonl` rewrites a ``metrics.jsonl``
