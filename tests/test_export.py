@@ -526,6 +526,47 @@ def test_an_out_that_cannot_be_written_is_one_line_exit_2(
     assert list(out.parent.iterdir()) == [] and afile.read_text() == "x"
 
 
+def test_export_skips_a_damaged_newest_checkpoint_and_names_the_run_not_a_flag(
+        trained_run: SimpleNamespace, tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default export takes the newest checkpoint that reads back whole (it refused
+    a truncated newest one, as a resume does not) and says which it skipped. A folder
+    that is no run, an empty reference, a run without checkpoints and a file that is no
+    checkpoint are each named as what they are, not as a flag the user did not give."""
+    import shutil
+
+    parser = argparse.ArgumentParser(prog="comera")
+    add_subparsers(parser.add_subparsers(dest="command"))
+    run = tmp_path / "run"
+    shutil.copytree(trained_run.run_dir, run)
+    newest = run / "checkpoints" / "step_000004.safetensors"
+    newest.write_bytes(newest.read_bytes()[:200])
+    args = parser.parse_args(["export", str(run), "--out", str(tmp_path / "a.safetensors"),
+                              "--json"])
+    assert args.func(args) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["path"] == str(tmp_path / "a.safetensors")
+    assert "export: skipped damaged step_000004" in out.err and "exporting step_000002" in out.err
+    assert read_metadata(tmp_path / "a.safetensors")["run"]["step"] == 2
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COMERA_HOME", str(tmp_path / "no-home"))
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    cases = [(".", "run: . is not a run folder"), ("", "run: the run reference is empty"),
+             ("nope", "run: no run 'nope' (no run folder there, and no run store at"),
+             ("empty", "run: empty has no checkpoint yet"),
+             (str(run), "--checkpoint: ")]
+    for ref, message in cases:
+        extra = ["--checkpoint", str(tmp_path / "a.safetensors.md")] if ref == str(run) else []
+        args = parser.parse_args(["export", ref, "--out", str(tmp_path / "b.safetensors"),
+                                  *extra])
+        assert args.func(args) == 2, ref
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert "is not a checkpoint" in err
+    assert not (tmp_path / "b.safetensors").exists() and not (tmp_path / "no-home").exists()
+
+
 def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)

@@ -46,6 +46,11 @@ def _open_store(store: Any) -> Any:
 def _resolve_run(run: str | os.PathLike[str], store: Any) -> tuple[Path, str | None, Any]:
     """``(run dir, run id or None, store or None)``."""
     p = Path(run)
+    if not str(run).strip():
+        raise ConfigError("run", "the run reference is empty; give a run folder or a run id")
+    if p.is_dir() and not ((p / "config.toml").is_file() or (p / "checkpoints").is_dir()):
+        raise ConfigError("run", f"{run} is not a run folder (no config.toml or checkpoints); "
+                          "give a run folder or a run id")
     if p.is_dir():
         run_id, st = None, None
         if store is not None:
@@ -55,6 +60,13 @@ def _resolve_run(run: str | os.PathLike[str], store: Any) -> tuple[Path, str | N
         return p, run_id, st
     if store is None and (os.sep in str(run) or str(run).startswith(".")):
         raise ConfigError("run", f"run folder not found: {run}")
+    if store is None:
+        from comera_engine.store import resolve_store_path
+
+        if not resolve_store_path(None).exists():
+            raise ConfigError("run", f"no run {str(run)!r} (no run folder there, and no run "
+                              f"store at {resolve_store_path(None)}); give a run folder or a "
+                              "run id")
     st = _open_store(store)
     from comera_engine.store import StoreError
 
@@ -76,10 +88,22 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | int | os.PathLike[str] |
 
     ckpt_dir = run_dir / "checkpoints"
     found = list_checkpoints(ckpt_dir)
-    if checkpoint is None:
+    if checkpoint is None:  # the newest that reads back whole, as a resume takes it
+        from comera_engine.store.layout import resume_point
+
         if not found:
-            raise ConfigError("--checkpoint", f"no checkpoint in {ckpt_dir}")
-        return found[-1][1]
+            raise ConfigError("run", f"{run_dir.name} has no checkpoint yet (none in "
+                              f"{ckpt_dir}); resume the run to make one, or set "
+                              "train.ckpt_every")
+        try:
+            meta, note = resume_point(ckpt_dir)
+        except ConfigError as e:
+            raise ConfigError("--checkpoint", e.problem) from None
+        if note:
+            print("comera: " + note.replace("resume: ", "export: ", 1)
+                  .replace("; resuming from ", "; exporting "), file=sys.stderr)
+        assert meta is not None
+        return meta
     text = str(checkpoint)
     if isinstance(checkpoint, int) or text.isdigit():
         step = int(text)
@@ -94,6 +118,9 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | int | os.PathLike[str] |
             c = c.with_suffix(".json")
         if c.suffix == ".json" and c.is_file():
             return c
+    if cand.exists():
+        raise ConfigError("--checkpoint", f"{text} is not a checkpoint; give a step number "
+                          "or a run's checkpoints/step_N.json (or .safetensors)")
     raise ConfigError("--checkpoint", f"checkpoint not found: {text}")
 
 
