@@ -71,6 +71,10 @@ def test_parse_grid_reads_toml_values_and_keeps_brackets_whole():
 @pytest.mark.parametrize("item, problem", [
     ("target_compression=5", "section.key"), ("comera.target_compression", "section.key"),
     ("comera.target_compression=", "empty"), ("comera.target_compression=5,,10", "empty"),
+    # two alike cells were reported as two samples (95.3% ± 0.0)
+    ("comera.target_compression=5,5", "5 is given twice"),
+    ("comera.target_compression=5,10,5.0", "5.0 is given twice"),
+    ("model.hidden=[64,64],[64, 64]", "is given twice"),
 ])
 def test_parse_grid_refuses_bad_items_in_one_line(item, problem):
     with pytest.raises(ConfigError, match=f"^--grid: .*{problem}"):

@@ -87,6 +87,10 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
         if not text.strip() or any(v == "" for v in values):
             raise ConfigError("--grid", f"{key}: an empty value in {text!r}")
         grid[key] = [parse_value(v) for v in values]
+        twice = [v for i, v in enumerate(values) if grid[key][i] in grid[key][:i]]
+        if twice:  # two cells alike would be counted as two samples
+            raise ConfigError("--grid", f"{key}: {twice[0]} is given twice in {text!r}; "
+                              "list each value once (--seeds repeats a cell)")
     return grid
 
 
