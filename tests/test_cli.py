@@ -466,6 +466,13 @@ def test_bad_runs_flags_are_refused(argv, field, tmp_path) -> None:
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
+def test_a_set_table_merges_into_the_files_table(tmp_path) -> None:
+    """``--set 'train={steps=5}'`` replaced the file's whole [train] table (its
+    batch_size fell back to the default without a word): it sets the keys it names."""
+    cfg = load_config(write(tmp_path, DIGITS + "ckpt_every = 300\n"), ["train={steps=5}"])
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.train.ckpt_every) == (5, 16, 300)
+
+
 def test_an_empty_run_reference_and_a_run_without_a_log_are_named(tmp_path, capsys) -> None:
     """An empty run reference matched every run as a prefix (``logs ''`` picked the one
     run of a store): refused in one line. ``logs`` of a foreground run, which has no

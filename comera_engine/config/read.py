@@ -108,7 +108,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError("--set", f"expected section.key=value, got {item!r}")
     value = parse_value(text.strip())
     if len(parts) == 1:
-        raw[parts[0]] = value
+        if isinstance(value, dict) and isinstance(raw.get(parts[0]), dict):
+            raw[parts[0]].update(value)  # the table's other keys keep the file's values
+        else:
+            raw[parts[0]] = value
         return
     section = raw.setdefault(parts[0], {})
     if not isinstance(section, dict):
