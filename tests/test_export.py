@@ -334,7 +334,7 @@ def test_bad_export_arguments_are_one_line_errors(tmp_path: Path) -> None:
     meta = family_metadata("tt_mlp")
     with pytest.raises(ConfigError, match="^format: unknown format 'zip'"):
         export_model(model, tmp_path / "m.safetensors", "zip", meta)
-    with pytest.raises(ConfigError, match=r"^--out: a onnx export is a \.onnx file"):
+    with pytest.raises(ConfigError, match=r"^--out: an onnx export is a \.onnx file"):
         export_model(model, tmp_path / "m.safetensors", "onnx", meta)
     with pytest.raises(ConfigError, match="^metadata.config: needed to rebuild a TTMLP"):
         export_model(model, tmp_path / "m.safetensors", "compressed", {})
