@@ -307,13 +307,16 @@ def _dying_mid_bond(make_opt) -> tuple:  # noqa: ANN001
 
 
 def test_a_graph_kept_alive_defers_truncation_instead_of_breaking_backward(capsys) -> None:
-    """A loss computed with gradients on and kept without its backward (a validation
-    loss outside ``no_grad``) holds the cores' gradient accumulators at their old shape:
-    sliced then, the next backward failed inside torch. The dead entries stay masked
-    (outputs unchanged), said once, and are sliced at the first step after it is gone."""
+    """A graph built before and kept without its backward (a validation loss outside
+    ``no_grad``) that saved a core for its backward holds it, so the core cannot be
+    swapped for its sliced self: sliced through ``.data`` instead, the next backward
+    failed inside torch against the old shape. The dead entries stay masked (outputs
+    unchanged), said once, and are sliced at the first step after the graph is gone.
+    A kept validation loss whatever its graph saved: training goes on."""
     model, comera, opt, x, train_step = _dying_mid_bond(lambda g: torch.optim.AdamW(g))
     allocated = model.mid.tt.ranks[2]
-    val = F.cross_entropy(model(x), torch.zeros(32, dtype=torch.long))  # kept, no backward
+    # saves the cores themselves (a product's backward needs both factors)
+    kept = sum((c * c).sum() for c in model.mid.tt.cores)
     with torch.no_grad():
         before = model(x)
     events = comera.step(opt)
@@ -326,11 +329,22 @@ def test_a_graph_kept_alive_defers_truncation_instead_of_breaking_backward(capsy
         train_step()  # the backward that failed before
         assert comera.step(opt) == []
     assert "masked" not in capsys.readouterr().err  # said once
-    del val
+    del kept
     train_step()
     assert [e.kind for e in comera.step(opt)] == ["truncate"]
     assert model.mid.tt.ranks[2] == allocated - 2
+    assert math.isfinite(float(train_step().detach()))
+
+    model, comera, opt, x, train_step = _dying_mid_bond(lambda g: torch.optim.AdamW(g))
+    val = F.cross_entropy(model(x), torch.zeros(32, dtype=torch.long))  # kept, no backward
+    comera.step(opt)
+    for _ in range(2):
+        assert math.isfinite(float(train_step().detach()))
+        comera.step(opt)
+    del val
     train_step()
+    comera.step(opt)
+    assert model.mid.tt.ranks[2] == allocated - 2  # sliced by now, either way
 
 
 def test_optimizer_state_it_cannot_slice_starts_afresh() -> None:

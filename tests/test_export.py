@@ -796,11 +796,15 @@ def test_hostile_run_checkpoint_is_refused(good_file: Path, tmp_path: Path) -> N
     (ckpt_dir / "step_000001.json").write_text(json.dumps(
         {"config": {"name": "x", "model": {"name": "tt_mlp"}, "data": {"name": "digits"}},
          "data_spec": SPECS["tt_mlp"]}))
+    # named: the loader's own checks refuse it (by default it is no usable checkpoint,
+    # as a resume finds, and nothing is read either)
     with pytest.raises(BadExportFile, match="pickle"):
+        export_run(tmp_path / "run", checkpoint=1, out=tmp_path / "o.safetensors")
+    with pytest.raises(ConfigError, match="no usable checkpoint"):
         export_run(tmp_path / "run", out=tmp_path / "o.safetensors")
     (ckpt_dir / "step_000001.json").write_text("[1, 2]")
     with pytest.raises(BadExportFile, match="JSON object with a 'config'"):
-        export_run(tmp_path / "run", out=tmp_path / "o.safetensors")
+        export_run(tmp_path / "run", checkpoint=1, out=tmp_path / "o.safetensors")
     assert not marker.exists() and not (tmp_path / "o.safetensors").exists()
     with pytest.raises(ConfigError, match="^run: run folder not found"):
         export_run(str(tmp_path / "nope") + "/", out=tmp_path / "o.safetensors")

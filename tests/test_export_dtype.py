@@ -223,6 +223,14 @@ def test_int8_of_unquantizable_weights_is_refused(digits_run: Path, tmp_path: Pa
     key = next(k for k in tensors if k.endswith("out.weight"))
     tensors[key][0, 0] = math.inf
     save_file(tensors, str(ckpt))
+    # a run that wrote these weights itself: its sidecar holds their checksum (else the
+    # export takes the newest checkpoint that reads back whole, an older one)
+    from comera_engine.store.layout import file_sha256
+
+    sidecar = ckpt.with_suffix(".json")
+    meta = json.loads(sidecar.read_text())
+    meta["sha256"] = file_sha256(ckpt)
+    sidecar.write_text(json.dumps(meta))
     out = tmp_path / "o" / "m.safetensors"
     assert _cli(str(bad), "--out", str(out), "--dtype", "int8") == 2
     err = capsys.readouterr().err.strip().splitlines()

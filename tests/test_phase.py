@@ -243,7 +243,8 @@ def _runs_of(calls: list[tuple[str, float | None]], phase: str) -> list[list[flo
 
 
 def test_a_launched_text_run_reports_preparing_data_and_its_tokenizer(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """`comera train --run-id` (what the supervisor starts): the row exists, so the
     phases before the trainer takes the run (preparing data, training tokenizer) are
     recorded too, in order, and the run ends ``done``."""
@@ -259,8 +260,14 @@ def test_a_launched_text_run_reports_preparing_data_and_its_tokenizer(
         return real(self, run_id, **kw)
 
     monkeypatch.setattr(RunStore, "write_batch", spy)
+    # another folder is refused, naming the run's own (this process is its owner: not "in
+    # use by" itself)
+    assert main(["train", str(CODE_MLM), "--no-progress", "--store", str(st.path),
+                 "--run-id", rid, "--run-dir", str(tmp_path / "elsewhere")]) == 2
+    said = capsys.readouterr().err
+    assert f"--run-id: run {rid} lives in" in said and "owned by pid" not in said
     rc = main(["train", str(CODE_MLM), "--no-progress", "--store", str(st.path),
-               "--run-id", rid, "--run-dir", str(tmp_path / "run"),
+               "--run-id", rid, "--run-dir", str(st.run_dir(rid)),  # the run's own folder
                "--set", "train.steps=2", "--set", "train.eval_batches=2",
                "--set", "data.max_files=8", "--set", "model.tt_layers=[\"attention\"]"])
     assert rc == 0

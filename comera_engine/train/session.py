@@ -352,7 +352,7 @@ def _check_run_id(record: _Record, run_dir: Path, resume: bool) -> None:
     status = run.get("status")
     if own.resolve() != run_dir.resolve():
         if status not in FINAL_STATUSES and run.get("pid") and run.get("host") == this_host() and \
-                pid_alive(run["pid"], run.get("pid_started")):
+                run["pid"] != os.getpid() and pid_alive(run["pid"], run.get("pid_started")):
             raise ConfigError("--run-id", f"{rid} is {status} and owned by pid {run['pid']} "
                               f"on {run['host']}; stop it first (comera stop RUN)")
         raise ConfigError("--run-id", f"run {rid} lives in {own}, not in {run_dir}; a new "
