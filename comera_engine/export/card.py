@@ -376,15 +376,14 @@ def model_card(result: Any, sha256: str) -> str:
     title = doc.get("name") or recipe.get("family") or "model"
     lines = [f"# Model card: {_text(title)}", ""]
     what = recipe.get("family") or "module tree (nn.Sequential)"
-    if recipe.get("builder") == "graph":  # a network of the user's own class, as traced
-        what = f"{recipe.get('class', 'model')}"
     preset = f" (preset `{cfg['preset']}`)" if cfg.get("preset") else ""
     if what == "custom":  # a user model: rebuilt by its factory (COMERA_MODELS lists it)
         kwargs = json.dumps(cfg.get("kwargs") or {}, sort_keys=True)
         preset = (f" (factory `{cfg.get('factory')}`, kwargs `{kwargs}`, tensorize "
                   f"`{json.dumps(cfg.get('tensorize') or {}, sort_keys=True)}`; "
                   "`comera_engine.load` imports that module: keep it on the path)")
-    if recipe.get("builder") == "graph":
+    elif recipe.get("builder") == "graph":  # a network of the user's own class, as traced
+        what = recipe.get("class", "model")
         preset = " (your own class, traced: the ONNX graph is the whole model)"
     lines += [
         f"- **Model**: `{what}`{preset}",

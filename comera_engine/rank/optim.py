@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ..layers import TLTorchEmbedding, TTEmbedding, peer_layers, tt_layers
 from ..tensor.size import gate_entries, refresh_entries
+from ..tensor.tt import swap_param
 
 __all__ = ["GATE_MIN_STEPS", "GATE_TRAVEL", "GRADIENT_SCALED", "GateAdam", "RankEvent",
            "RankTracker", "RateWatch", "gate_lr", "param_groups", "refresh_gates",
@@ -286,33 +287,17 @@ class RankTracker:
         return events
 
 
-def _held_by_a_graph(p: nn.Parameter) -> bool:
-    """Whether an autograd graph built from ``p`` and never backpropagated is still alive
-    (a validation loss computed with gradients on, losses kept in a list). It holds
-    ``p``'s gradient accumulator, so ``p`` cannot take another shape: the TT layers
-    reshape a parameter by swapping its tensor for a fresh one
-    (``torch.utils.swap_tensors``), which torch then refuses, and a later backward fails
-    against the old shape. Probed by that swap with ``p``'s own values (what is swapped
-    in is ``p`` as it was, its gradient dropped, as slicing drops it)."""
-    fresh = nn.Parameter(p.data, requires_grad=p.requires_grad)
-    fresh.__dict__.update(p.__dict__)
-    try:
-        torch.utils.swap_tensors(p, fresh)
-    except RuntimeError:
-        return True
-    return False
-
-
 def held_by_a_graph(model: nn.Module) -> list[str]:
-    """The TT layers of ``model`` with dead rank entries to slice whose parameters a live
-    autograd graph holds (:func:`_held_by_a_graph`): slicing them now would make the
-    next backward fail, so they stay masked until the graph is gone."""
-    out = []
-    for name, m in tt_layers(model):
-        if any(int(mk.sum()) < mk.numel() for mk in m.tt.masks()) and any(
-                _held_by_a_graph(p) for p in m.tt.parameters()):
-            out.append(name)
-    return out
+    """The TT layers of ``model`` with dead rank entries to slice whose parameters an
+    autograd graph never backpropagated still holds (a validation loss computed with
+    gradients on, losses kept in a list): slicing swaps each parameter's tensor for a
+    fresh one (:func:`~comera_engine.tensor.tt.swap_param`), which torch refuses then,
+    and a ``.data`` slice would make the next backward fail against the old shapes, so
+    they stay masked until the graph is gone. Probed by that swap with each parameter's
+    own values (its gradient dropped, as slicing drops it)."""
+    return [name for name, m in tt_layers(model)
+            if m.tt.effective_ranks() != list(m.tt.bond_ranks)
+            and any(not swap_param(p, p.data) for p in m.tt.parameters())]
 
 
 @torch.no_grad()

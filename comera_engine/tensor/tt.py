@@ -37,6 +37,7 @@ __all__ = [
     "TTMCores",
     "contract_chain",
     "max_tt_ranks",
+    "swap_param",
     "ttm_matrix",
     "tt_svd",
 ]
@@ -151,20 +152,30 @@ def tt_svd(
         return [np.asarray(f) for f in tt]
 
 
-def _reshape_param(p: nn.Parameter, data: Tensor) -> None:
-    """Give ``p`` ``data`` of another shape, keeping the Python object (so optimizer groups
-    and state keyed by it stay valid) and dropping its gradient.
-
-    Where the autograd engine allows, the tensor underneath is swapped for a fresh one
-    (``torch.utils.swap_tensors``): a graph the caller still holds from the last step
-    (``loss`` of a training loop, alive until the next assignment) keeps the parameter's
-    gradient accumulator, which remembers the old shape, so the next backward would
-    fail against it. Otherwise ``p.data`` is replaced."""
+def swap_param(p: nn.Parameter, data: Tensor) -> bool:
+    """Swap the tensor under ``p`` for a fresh one holding ``data`` (``torch.utils.
+    swap_tensors``), keeping the Python object (so optimizer groups and state keyed by it
+    stay valid) and dropping its gradient; ``False`` (``p`` untouched) where the autograd
+    engine refuses: a graph never backpropagated that saved ``p`` still holds it."""
     new = nn.Parameter(data, requires_grad=p.requires_grad)
     new.__dict__.update(p.__dict__)  # swapped into p with the tensor
     try:
         torch.utils.swap_tensors(p, new)
     except RuntimeError:
+        return False
+    return True
+
+
+def _reshape_param(p: nn.Parameter, data: Tensor) -> None:
+    """Give ``p`` ``data`` of another shape, keeping the Python object and dropping its
+    gradient.
+
+    Where the autograd engine allows, the tensor underneath is swapped for a fresh one
+    (:func:`swap_param`): a graph the caller still holds from the last step (``loss`` of a
+    training loop, alive until the next assignment) keeps the parameter's gradient
+    accumulator, which remembers the old shape, so the next backward would fail against
+    it. Otherwise ``p.data`` is replaced."""
+    if not swap_param(p, data):
         p.data = data
     p.grad = None
 
