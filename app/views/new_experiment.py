@@ -34,7 +34,14 @@ from app.lib.presets import (
     user_data,
     user_presets,
 )
-from comera_engine.config import LR_SCHEDULES, SCHEDULE_NAMES, parse_value, to_toml, toml_value
+from comera_engine.config import (
+    LR_SCHEDULES,
+    SCHEDULE_NAMES,
+    apply_override,
+    parse_value,
+    to_toml,
+    toml_value,
+)
 from comera_engine.errors import ConfigError
 from comera_engine.launch import resolve_config
 from comera_engine.metrics import SCOPE_LABELS
@@ -712,15 +719,12 @@ def _grid_problem(base: dict, grid: dict[str, list[Any]]) -> str | None:
 
     known = problems(base)  # the form's own, said beside their fields
     for key, values in grid.items():
-        *path, last = key.split(".")
         for value in values:
             cell = json.loads(json.dumps(base))
-            node = cell
-            for part in path:
-                node = node.setdefault(part, {}) if isinstance(node, dict) else None
-            if not isinstance(node, dict):
-                continue  # not a table: the engine refuses it by its own check
-            node[last] = value
+            try:  # set as a sweep's cell sets it (comera_engine.launch.sweep.cell_overrides)
+                apply_override(cell, f"{key}={toml_value(value)}")
+            except ConfigError:
+                continue  # the engine refuses it by its own check
             found = [p for p in problems(cell) if p not in known]
             if found:
                 return f"Other keys: {found[0][0]}: {found[0][1]}"
