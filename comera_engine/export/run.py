@@ -359,14 +359,11 @@ def _check_out(out: str) -> None:
 
 def _write_failure(exc: BaseException, out: Path) -> str:
     """One line for an export whose write failed, naming where and the fix."""
-    from comera_engine.store.layout import free_bytes, is_disk_full
+    from comera_engine.store.layout import disk_full_text, is_disk_full
 
     folder = _out_folder(out)
     if is_disk_full(exc):
-        free = free_bytes(folder)
-        shown = "?" if free is None else f"{free / 2**20:.1f}"
-        return (f"disk full: free {shown} MB in {folder}; free space there or choose "
-                "another --out")
+        return disk_full_text(folder) + " or choose another --out"
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
         " ".join(str(exc).split())
     return f"cannot write {out} ({reason}); choose a writable folder"
